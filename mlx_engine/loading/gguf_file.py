@@ -1,0 +1,188 @@
+"""A validating GGUF header reader.
+
+MLX's GGUF loader (ggml's `gguf_init`) segfaults on some corrupt headers, so every GGUF file is read
+and bounds-checked here first: metadata, tensor infos, types and data extents. Only a file that passes
+is handed to `mx.load`. Also used alone for vocabulary-only GGUF files (`roofline tokens`).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from mlx_engine.api import ModelLoadError
+
+# GGUF value types -> (struct format, numpy dtype)
+_SCALARS: dict[int, tuple[str, str]] = {
+    0: ("<B", "<u1"),
+    1: ("<b", "<i1"),
+    2: ("<H", "<u2"),
+    3: ("<h", "<i2"),
+    4: ("<I", "<u4"),
+    5: ("<i", "<i4"),
+    6: ("<f", "<f4"),
+    7: ("<?", "?"),
+    10: ("<Q", "<u8"),
+    11: ("<q", "<i8"),
+    12: ("<d", "<f8"),
+}
+_STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order (outermost first), as MLX returns it
+    ggml_type: str  # "F32", "Q4_1", "Q4_K", ...
+    offset: int  # absolute offset in the file
+    nbytes: int
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: list[TensorInfo] = field(default_factory=list)
+
+    @property
+    def architecture(self) -> str | None:
+        return self.metadata.get("general.architecture")
+
+    def tensor_types(self) -> set[str]:
+        return {t.ggml_type for t in self.tensors}
+
+
+class _Reader:
+    def __init__(self, path: Path, data: bytes | memoryview):
+        self.path, self.data, self.pos = path, data, 0
+
+    def fail(self, what: str) -> ModelLoadError:
+        return ModelLoadError(
+            f"{self.path}: corrupt or truncated GGUF file: {what} (at byte {self.pos} of {len(self.data)})"
+        )
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self.pos + n > len(self.data):
+            raise self.fail(f"{what} extends past the end of the file")
+        out = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def scalar(self, fmt: str, what: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.scalar("<Q", what)
+        raw = self.take(n, what)
+        try:
+            return bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            return bytes(raw).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, key: str) -> Any:
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype][0], f"value of {key}")
+        if vtype == _STRING:
+            return self.string(f"value of {key}")
+        if vtype == _ARRAY:
+            etype = self.scalar("<I", f"array type of {key}")
+            n = self.scalar("<Q", f"array length of {key}")
+            if etype in _SCALARS:
+                dt = np.dtype(_SCALARS[etype][1])
+                raw = self.take(n * dt.itemsize, f"array {key}")
+                return np.frombuffer(raw, dtype=dt).copy()
+            if etype == _STRING:
+                if n > len(self.data) // 8:
+                    raise self.fail(f"array {key} claims {n} strings")
+                return [self.string(f"array {key}") for _ in range(n)]
+            raise self.fail(f"array {key} has unsupported element type {etype}")
+        raise self.fail(f"metadata {key!r} has unknown value type {vtype}")
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Reads and validates a GGUF file's header; raises ModelLoadError naming the file and the problem."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            import mmap
+
+            size = path.stat().st_size
+            if size < 24:
+                raise ModelLoadError(f"{path}: not a GGUF file ({size} bytes, too short for a GGUF header)")
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read GGUF file: {e.strerror or e}") from None
+    try:
+        return _parse(path, memoryview(mm))
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # a view is still alive; the GC closes it
+            pass
+
+
+def _parse(path: Path, data: memoryview) -> GGUFFile:
+    r = _Reader(path, data)
+    magic = bytes(r.take(4, "magic"))
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    version = r.scalar("<I", "version")
+    if version not in (2, 3):
+        raise ModelLoadError(f"{path}: unsupported GGUF version {version} (supported: 2, 3)")
+    n_tensors = r.scalar("<Q", "tensor count")
+    n_kv = r.scalar("<Q", "metadata count")
+    if n_tensors > len(data) // 16 or n_kv > len(data) // 12:
+        raise r.fail(f"implausible counts ({n_tensors} tensors, {n_kv} metadata entries)")
+
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = r.string("metadata key")
+        vtype = r.scalar("<I", f"type of {key}")
+        metadata[key] = r.value(vtype, key)
+
+    raw_infos = []
+    for _ in range(n_tensors):
+        name = r.string("tensor name")
+        n_dims = r.scalar("<I", f"dims of {name}")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise r.fail(f"tensor {name!r} has {n_dims} dimensions (expected 1..{_MAX_DIMS})")
+        dims = [r.scalar("<Q", f"shape of {name}") for _ in range(n_dims)]
+        tcode = r.scalar("<I", f"type of {name}")
+        offset = r.scalar("<Q", f"offset of {name}")
+        raw_infos.append((name, dims, tcode, offset))
+
+    alignment = int(metadata.get("general.alignment", 32))
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise r.fail(f"general.alignment={alignment} is not a power of two")
+    data_start = (r.pos + alignment - 1) // alignment * alignment
+
+    tensors = []
+    for name, dims, tcode, offset in raw_infos:
+        try:
+            qtype = GGMLQuantizationType(tcode)
+        except ValueError:
+            raise ModelLoadError(f"{path}: tensor {name!r} has unknown ggml type code {tcode}") from None
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        n = 1
+        for d in dims:
+            n *= d
+        if dims[0] % block:
+            raise r.fail(f"tensor {name!r}: row length {dims[0]} is not a multiple of {qtype.name}'s block {block}")
+        nbytes = n // block * type_size
+        start = data_start + offset
+        if offset % alignment or start + nbytes > len(data):
+            raise ModelLoadError(
+                f"{path}: corrupt or truncated GGUF file: tensor {name!r} ({qtype.name}, {nbytes} bytes at "
+                f"offset {start}) extends past the end of the file ({len(data)} bytes)"
+                if start + nbytes > len(data)
+                else f"{path}: corrupt GGUF file: tensor {name!r} offset {offset} is not aligned to {alignment}"
+            )
+        tensors.append(TensorInfo(name, tuple(reversed(dims)), qtype.name, start, nbytes))
+    return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors)

@@ -1,0 +1,124 @@
+"""Model families, one file per HF `model_type`, and the builder that turns (config, weights) into a model."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_engine.api import ModelLoadError
+
+NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class BuiltModel:
+    model: nn.Module
+    native: bool  # False: an mlx-lm model class (returns logits from __call__)
+    model_type: str
+    context_length: int
+
+
+def _fallback_classes(model_type: str) -> tuple[type, type] | None:
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    name = MODEL_REMAPPING.get(model_type, model_type)
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{name}")
+    except ImportError:
+        return None
+    return module.Model, module.ModelArgs
+
+
+def build_model(
+    config: dict[str, Any],
+    weights: dict[str, mx.array],
+    dtype: mx.Dtype,
+    quantization: dict[str, Any] | None,
+    source: str,
+) -> BuiltModel:
+    """Instantiates the model for `config["model_type"]`, quantizes the layers that arrive quantized,
+    loads `weights` strictly and casts float parameters to `dtype`.
+
+    `quantization`: {"group_size", "bits", "mode", <layer path>: {...} | False}; None when unquantized.
+    """
+    model_type = config.get("model_type")
+    if not model_type:
+        raise ModelLoadError(f"{source}: config.json has no 'model_type'")
+    if model_type in NATIVE_MODEL_TYPES:
+        family = importlib.import_module(f"mlx_engine.models.{model_type}")
+        args = family.args_from_config(config)
+        model = family.Model(args)
+        native, context = True, args.max_position_embeddings
+    else:
+        classes = _fallback_classes(model_type)
+        if classes is None:
+            raise ModelLoadError(
+                f"{source}: unsupported architecture {model_type!r}. Supported natively: "
+                f"{', '.join(NATIVE_MODEL_TYPES)}; other types load when mlx-lm has a model class for them."
+            )
+        model_class, args_class = classes
+        try:
+            model = model_class(args_class.from_dict(config))
+        except Exception as e:  # noqa: BLE001 - mlx-lm raises anything on a config it cannot read
+            raise ModelLoadError(f"{source}: mlx-lm's {model_type!r} model rejected config.json: {e}") from None
+        native = False
+        context = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    if quantization is not None:
+        _quantize(model, weights, quantization)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ModelLoadError(f"{source}: weights do not match the {model_type!r} architecture: {e}") from None
+    _cast_floats(model, dtype)
+    model.eval()
+    return BuiltModel(model=model, native=native, model_type=model_type, context_length=context)
+
+
+def _quantize(model: nn.Module, weights: dict[str, mx.array], quantization: dict[str, Any]) -> None:
+    default_gs = quantization.get("group_size", 64)
+    default_bits = quantization.get("bits", 4)
+    mode = quantization.get("mode", "affine")
+
+    def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
+        if f"{path}.scales" not in weights:
+            return False
+        override = quantization.get(path)
+        if override is False:
+            return False
+        if isinstance(override, dict):
+            return {"group_size": override.get("group_size", default_gs), "bits": override.get("bits", default_bits),
+                    "mode": override.get("mode", mode)}
+        return {"group_size": default_gs, "bits": default_bits, "mode": mode}
+
+    nn.quantize(model, group_size=default_gs, bits=default_bits, mode=mode, class_predicate=predicate)
+
+
+def _cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Float parameters (norms, biases, unquantized weights, quantization scales/biases) to `dtype`."""
+    params = nn.utils.tree_flatten(model.parameters())
+    cast = [(k, v.astype(dtype)) for k, v in params if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype]
+    if cast:
+        model.load_weights(cast, strict=False)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Logical parameter count: packed quantized weights counted as their unpacked size."""
+    bits = {path: m.bits for path, m in model.named_modules() if hasattr(m, "bits") and hasattr(m, "scales")}
+    total = 0
+    for key, value in nn.utils.tree_flatten(model.parameters()):
+        path, _, leaf = key.rpartition(".")
+        if path in bits:
+            if leaf == "weight":
+                total += value.size * 32 // bits[path]
+            elif leaf == "bias":
+                total += value.size
+            continue  # scales, biases: quantization metadata
+        total += value.size
+    return total

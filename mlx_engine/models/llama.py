@@ -1,0 +1,174 @@
+"""The Llama family: llama (incl. llama3 rope scaling), and the shared block used by mistral, qwen2, qwen3.
+
+Pure math: state (the KV cache) is passed in. `Model.__call__` returns final hidden states; the engine
+applies `Model.logits` only to the positions it samples from (prefill needs just the last one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.rope_utils import initialize_rope
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rope_traditional: bool = False
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q, k, v and o (llama's attention_bias)
+    qkv_bias: bool = False  # bias on q, k, v only (qwen2)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rope (qwen3)
+    sliding_window: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim, hd = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, hd
+        self.scale = hd**-0.5
+        qkv_bias = args.attention_bias or args.qkv_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=args.attention_bias)
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
+        self.rope = initialize_rope(
+            hd, args.rope_theta, args.rope_traditional, args.rope_scaling, args.max_position_embeddings
+        )
+
+    def __call__(self, x: mx.array, mask: mx.array | str | None, cache: Any) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1)  # (B, L, nh, hd)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)  # (B, L, nkv, hd)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, nh, L, hd)
+        offset = cache.offset if cache is not None else 0
+        q = self.rope(q, offset=offset)
+        k = self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)  # (B, nkv, S, hd)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask: mx.array | str | None, cache: Any) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = LlamaModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+    def _mask(self, L: int, offset: int) -> mx.array | str | None:
+        window = self.args.sliding_window
+        if window is not None and offset + L > window:
+            return create_causal_mask(L, offset, window_size=window)
+        return "causal" if L > 1 else None
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        """inputs (B, L) token ids -> final hidden states (B, L, hidden)."""
+        h = self.model.embed_tokens(inputs)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        offset = cache[0].offset if cache[0] is not None else 0
+        mask = self._mask(inputs.shape[1], offset)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, c)
+        return self.model.norm(h)
+
+    def logits(self, h: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return weights
+
+
+def make_args(config: dict[str, Any], **overrides: Any) -> ModelArgs:
+    """Builds ModelArgs from a HF config.json dict, in either rope convention."""
+    from mlx_engine.models.config import rope_settings
+
+    theta, scaling = rope_settings(config)
+    fields = set(ModelArgs.__dataclass_fields__)
+    kwargs = {k: v for k, v in config.items() if k in fields and k not in ("rope_theta", "rope_scaling", "extra")}
+    kwargs.update(rope_theta=theta, rope_scaling=scaling)
+    kwargs.setdefault("max_position_embeddings", 4096)
+    if kwargs.get("max_position_embeddings") is None:
+        kwargs["max_position_embeddings"] = 4096
+    kwargs.update(overrides)
+    return ModelArgs(**kwargs)
+
+
+def args_from_config(config: dict[str, Any]) -> ModelArgs:
+    return make_args(config, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
