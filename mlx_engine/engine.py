@@ -140,7 +140,7 @@ class Engine:
 
     def forward_logits(self, token_ids: list[int]) -> np.ndarray:
         """float32 logits (T, vocab) of one forward pass over `token_ids` from an empty cache."""
-        ids = self._runner.check_ids(list(token_ids))
+        ids = self._runner.check_context(self._runner.check_ids(list(token_ids)))
         return self._thread.call(lambda: self._runner.forward_logits(ids))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

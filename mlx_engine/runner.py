@@ -68,6 +68,10 @@ class Runner:
             from mlx_engine.loading.gguf_model import apply_freq_factors
 
             apply_freq_factors(built.model, ckpt.config)
+        if not mx.metal.is_available():
+            from mlx_engine.models.layers import use_dequant_prefill
+
+            use_dequant_prefill(built.model)
         mx.eval(built.model.parameters())
         del ckpt.weights
         tokenizer = ckpt.tokenizer or NoTokenizer(ckpt.path, ckpt.config)
@@ -112,6 +116,11 @@ class Runner:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return ids
+
+    def check_context(self, ids: list[int]) -> list[int]:
+        if len(ids) > self.context_length:
+            raise RequestError(f"the input is {len(ids)} tokens but the model's context is {self.context_length} tokens")
         return ids
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:

@@ -9,8 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import mlx.core as mx
-
 from mlx_engine.api import ModelLoadError
 
 SourceFormat = Literal["safetensors", "mlx-quantized", "gguf", "hf-cache"]
@@ -23,7 +21,7 @@ class Checkpoint:
     path: Path
     source_format: SourceFormat
     config: dict[str, Any]
-    weights: dict[str, mx.array]
+    weights: dict[str, Any]  # name -> mx.array
     quantization: dict[str, Any] | None
     quant_label: str
     tokenizer: Any  # mlx_engine.tokenizer.Tokenizer
@@ -117,8 +115,8 @@ def _load_gguf(path: Path, name: str) -> Checkpoint:
     g = read_gguf(path)
     if not g.tensors:
         raise ModelLoadError(f"{path}: a vocabulary-only GGUF file (no tensors): it has a tokenizer but no model")
-    config = gguf_config(g)
     check_tensor_types(g)
+    config = gguf_config(g)
     tokenizer = Tokenizer.from_gguf(g.metadata)
     weights, quantization = gguf_weights(g, config)
     return Checkpoint(name, path, "gguf", config, weights, quantization, describe_quantization(g), tokenizer,
@@ -164,8 +162,26 @@ def _has_tokenizer(path: Path) -> bool:
     return (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()
 
 
-def _dominant_dtype(weights: dict[str, mx.array]) -> str:
+def _dominant_dtype(weights: dict[str, Any]) -> str:
+    import mlx.core as mx
+
     for v in weights.values():
         if mx.issubdtype(v.dtype, mx.floating):
             return str(v.dtype).removeprefix("mlx.core.")
     return "float32"
+
+
+def load_tokenizer(ref: str | None) -> Any:
+    """Just the tokenizer (no weights, no MLX): a model folder, a tokenizer.json, or any GGUF file,
+    vocabulary-only ones included. Returns mlx_engine.tokenizer.Tokenizer."""
+    from mlx_engine.loading.gguf_file import read_gguf
+    from mlx_engine.tokenizer import Tokenizer
+
+    if ref is not None and Path(ref).expanduser().name == "tokenizer.json" and Path(ref).expanduser().is_file():
+        return Tokenizer.from_folder(Path(ref).expanduser().parent)
+    path, kind = resolve(ref)
+    if kind == "gguf":
+        return Tokenizer.from_gguf(read_gguf(path).metadata)
+    if not _has_tokenizer(path):
+        raise ModelLoadError(f"{path}: no tokenizer.json or tokenizer_config.json in this folder")
+    return Tokenizer.from_folder(path)

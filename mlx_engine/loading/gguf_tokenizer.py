@@ -34,7 +34,9 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _QWEN35_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -54,8 +56,10 @@ _DEEPSEEK_CODER_SPLITS = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-�
 _DEEPSEEK3_SPLITS = (
     r"\p{N}{1,3}",
     "[一-龥぀-ゟ゠-ヿ]+",
-    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
-    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    (
+        r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+        r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
 )
 
 # `tokenizer.ggml.pre` -> regexes applied in turn (then byte-level mapping without a regex of its own).
@@ -98,7 +102,7 @@ class GGUFTokenizerInfo:
 @lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the byte-level alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -116,7 +120,8 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> tuple[Tokenizer, GGUFTokeni
         raise ModelLoadError("GGUF metadata has no tokenizer (no 'tokenizer.ggml.model' key)")
     if model not in SUPPORTED_MODELS:
         raise ModelLoadError(
-            f"unsupported GGUF tokenizer model {model!r} (tokenizer.ggml.model); supported: {', '.join(SUPPORTED_MODELS)}"
+            f"unsupported GGUF tokenizer model {model!r} (tokenizer.ggml.model); "
+            f"supported: {', '.join(SUPPORTED_MODELS)}"
         )
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
@@ -130,7 +135,8 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> tuple[Tokenizer, GGUFTokeni
     else:
         if isinstance(architecture, str) and architecture.startswith("gemma"):
             raise ModelLoadError(
-                f"GGUF tokenizer of architecture {architecture!r} (a Gemma SentencePiece vocabulary) is not supported yet"
+                f"GGUF tokenizer of architecture {architecture!r} (a Gemma SentencePiece vocabulary) "
+                "is not supported yet"
             )
         tok = _sentencepiece(tokens, metadata, info, phi3=architecture == "phi3")
 
@@ -243,7 +249,9 @@ def _sentencepiece(tokens: list[str], metadata: dict[str, Any], info: GGUFTokeni
             raise ModelLoadError("GGUF metadata: a 'llama' tokenizer needs 'tokenizer.ggml.scores' or merges")
         scores = [float(s) for s in scores]
         if len(scores) != len(tokens):
-            raise ModelLoadError(f"GGUF metadata: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+            raise ModelLoadError(
+                f"GGUF metadata: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens"
+            )
         pairs = merges_from_scores(vocab, dict(zip(tokens, scores)))
     unk = info.token(tokens, info.unk_token_id)
     tok = Tokenizer(BPE(vocab=vocab, merges=pairs, dropout=None, fuse_unk=True, byte_fallback=True, unk_token=unk))
@@ -266,7 +274,9 @@ def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[
     (transformers' `generate_merges` with scores)."""
     merges = []
     for piece, score in scores.items():
-        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+        local = [
+            (piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab
+        ]
         local.sort(key=lambda x: (vocab[x[0]], vocab[x[1]]))
         merges.extend(local)
     merges.sort(key=lambda x: (x[2], len(x[0]), len(x[1])), reverse=True)
@@ -281,7 +291,8 @@ def _add_special_tokens(tok: Tokenizer, tokens: list[str], token_types: list[int
     # A control token outside the byte alphabet in a byte-level vocabulary is a llama.cpp mislabel (transformers
     # skips it too: adding it would grow the vocabulary past the model's).
     special = [t for t, ty in zip(tokens, types) if ty == TOKEN_CONTROL and (alphabet is None or set(t) <= alphabet)]
-    named = [info.token(tokens, i) for i in (info.bos_token_id, info.eos_token_id, info.unk_token_id, info.pad_token_id)]
+    named_ids = (info.bos_token_id, info.eos_token_id, info.unk_token_id, info.pad_token_id)
+    named = [info.token(tokens, i) for i in named_ids]
     seen = set(special)
     special += [t for t in named if t is not None and t not in seen and (seen.add(t) or True)]
     if special:

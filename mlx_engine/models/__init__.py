@@ -71,7 +71,7 @@ def build_model(
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     if quantization is not None:
-        _quantize(model, weights, quantization)
+        _quantize(model, weights, quantization, source)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
@@ -81,7 +81,7 @@ def build_model(
     return BuiltModel(model=model, native=native, model_type=model_type, context_length=context)
 
 
-def _quantize(model: nn.Module, weights: dict[str, mx.array], quantization: dict[str, Any]) -> None:
+def _quantize(model: nn.Module, weights: dict[str, mx.array], quantization: dict[str, Any], source: str) -> None:
     default_gs = quantization.get("group_size", 64)
     default_bits = quantization.get("bits", 4)
     mode = quantization.get("mode", "affine")
@@ -89,6 +89,8 @@ def _quantize(model: nn.Module, weights: dict[str, mx.array], quantization: dict
     def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
         if f"{path}.scales" not in weights:
             return False
+        if not hasattr(module, "to_quantized"):
+            raise ModelLoadError(f"{source}: {path} arrives quantized but a {type(module).__name__} cannot be")
         override = quantization.get(path)
         if override is False:
             return False

@@ -1,0 +1,170 @@
+"""`roofline`: the command line, a thin front end over mlx_engine's public API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mlx_engine.api import GenerationRequest, RooflineError, SamplingParams
+
+EXIT_USAGE = 2
+
+
+def _fail(message: str) -> int:
+    print(f"roofline: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="roofline",
+        description="On-device LLM inference with MLX, every token measured against the memory-bandwidth roofline.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="stream a reply to one prompt and print the stats")
+    g.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
+    g.add_argument("--prompt", "-p", required=True, help="the user message")
+    g.add_argument("--system", "-s", help="a system message")
+    g.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
+    g.add_argument("--max-tokens", "-n", type=int, default=256)
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (0: greedy, the default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object (reply, usage, stats) at the end")
+
+    lg = sub.add_parser("logits", help="write the float32 logits (T, vocab) of one forward pass to .npy")
+    lg.add_argument("--model", "-m")
+    lg.add_argument("--token-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    lg.add_argument("--output", "-o", required=True, help="output .npy file")
+
+    t = sub.add_parser("tokens", help="show token pieces and ids of a text")
+    t.add_argument("--tokenizer", "-t", help="model folder, tokenizer.json or GGUF file (default: embedded model)")
+    t.add_argument("--json", action="store_true", help='print {"ids": [...]} (no BOS added)')
+    t.add_argument("text")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return {"generate": cmd_generate, "logits": cmd_logits, "tokens": cmd_tokens}[args.command](args)
+    except RooflineError as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+def _load_engine(model: str | None) -> Any:
+    from mlx_engine import Engine
+
+    return Engine.load(model)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    sampling = SamplingParams(
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+    )
+    if args.raw:
+        request = GenerationRequest(prompt=args.prompt, sampling=sampling)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        request = GenerationRequest(messages=messages, sampling=sampling)
+    engine = _load_engine(args.model)
+    parts: list[str] = []
+    final = None
+    for event in engine.generate(request):
+        parts.append(event.text)
+        if not args.json and event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        if event.done:
+            final = event
+    assert final is not None
+    if final.finish_reason == "error":
+        return _fail(f"generation failed: {final.error}")
+    usage, stats = final.usage, final.stats
+    if args.json:
+        out = {
+            "model": engine.info.name,
+            "text": "".join(parts),
+            "finish_reason": final.finish_reason,
+            "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                      "cached_prompt_tokens": usage.cached_prompt_tokens},
+            "stats": {"ttft_s": stats.ttft_s, "prefill_tps": stats.prefill_tps, "decode_tps": stats.decode_tps,
+                      "peak_memory_bytes": stats.peak_memory_bytes},
+        }
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        print()
+        print(
+            f"[{final.finish_reason}] prompt {usage.prompt_tokens} tok, reply {usage.completion_tokens} tok | "
+            f"ttft {stats.ttft_s * 1000:.0f} ms | prefill {stats.prefill_tps:.1f} tok/s | "
+            f"decode {stats.decode_tps:.1f} tok/s | peak {stats.peak_memory_bytes / 2**20:.0f} MiB",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise RooflineError(f"--token-ids {text!r}: expected comma-separated integers, e.g. 1,2,3") from None
+    if not ids:
+        raise RooflineError("--token-ids is empty: expected comma-separated integers, e.g. 1,2,3")
+    return ids
+
+
+def cmd_logits(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    ids = _parse_ids(args.token_ids)
+    out = Path(args.output)
+    if not out.parent.exists():
+        raise RooflineError(f"--output {out}: folder {out.parent} does not exist")
+    engine = _load_engine(args.model)
+    logits = engine.forward_logits(ids)
+    np.save(out, logits.astype(np.float32))
+    print(f"wrote {out} float32 {tuple(logits.shape)}", file=sys.stderr)
+    return 0
+
+
+def cmd_tokens(args: argparse.Namespace) -> int:
+    from mlx_engine.loading import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    ids = tok.encode(args.text, add_special_tokens=False)
+    if args.json:
+        print(json.dumps({"ids": ids}))
+        return 0
+    for i in ids:
+        print(f"{i:>8}  {tok.id_to_piece(i)!r}")
+    print(f"{len(ids)} tokens", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

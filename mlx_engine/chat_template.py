@@ -1,0 +1,144 @@
+"""Chat templates: Jinja rendering compatible with transformers' `apply_chat_template`.
+
+Templates come from model files and are untrusted code: they run in jinja2's immutable sandbox with the globals
+and filters transformers gives them (`raise_exception`, `strftime_now`, a JSON `tojson`, `namespace`, `dict`).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from mlx_engine.api import RequestError
+
+# Used when a model has no chat template: plain `role: content` lines, then "assistant:" for the reply.
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    # Namespaces reject underscore names so a template cannot reach CPython internals through them.
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+
+def _check_name(name: Any) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
+
+
+class _TemplateDict:
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # transformers' version: no HTML escaping (jinja's own filter escapes <, >, &, ')
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+@lru_cache(maxsize=32)
+def compile_template(source: str) -> jinja2.Template:
+    """The compiled template (cached by source text). Raises RequestError on a syntax error."""
+    try:
+        return _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise RequestError(f"the model's chat template has a syntax error (line {e.lineno}): {e.message}") from None
+
+
+def _plain(value: Any) -> Any:
+    """Only JSON-like data reaches the template (anything else is an inert placeholder)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    item = getattr(value, "item", None)  # numpy scalars
+    if callable(item):
+        try:
+            return _plain(item())
+        except (TypeError, ValueError):
+            pass
+    return f"<{type(value).__name__}>"
+
+
+def render_chat_template(
+    source: str,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
+    special_tokens: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> str:
+    """Render `messages` as transformers does: keys whose value is None are dropped from each message, and
+    `special_tokens` (bos_token, eos_token, ...) are variables that `kwargs` may override.
+    Raises RequestError with the template's message when it fails or calls `raise_exception`."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise RequestError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    template = compile_template(source)
+    chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    variables = {**(special_tokens or {}), **kwargs}
+    try:
+        return template.render(
+            messages=_plain(chat),
+            tools=_plain(tools),
+            documents=_plain(documents),
+            add_generation_prompt=add_generation_prompt,
+            **_plain(variables),
+        )
+    except jinja2.exceptions.TemplateError as e:  # raise_exception, undefined calls, sandbox violations
+        raise RequestError(f"chat template error: {e.message or e}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
+        raise RequestError(f"chat template error: {type(e).__name__}: {e}") from None

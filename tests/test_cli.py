@@ -1,0 +1,76 @@
+"""The CLI as a user runs it: real subprocesses, exit codes, one clear line on stderr for a mistake."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tests.tiny_models import GOLDEN
+
+
+def roofline(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None:
+    assert r.returncode == 2, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("roofline: error: "), r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_no_arguments_prints_help() -> None:
+    r = roofline()
+    assert r.returncode == 0 and "generate" in r.stdout and "tokens" in r.stdout
+
+
+def test_generate_json_on_embedded_model_answers_paris() -> None:
+    r = roofline("generate", "-p", "What is the capital of France?", "--max-tokens", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert "Paris" in out["text"]
+    assert out["usage"]["completion_tokens"] <= 8 and out["stats"]["decode_tps"] > 0
+
+
+def test_logits_writes_golden_logits(tmp_path: Path) -> None:
+    golden = np.load(GOLDEN / "llama" / "golden.npz")
+    ids = golden["input_ids"].ravel().tolist()
+    out = tmp_path / "out.npy"
+    r = roofline("logits", "--model", str(GOLDEN / "llama"), "--token-ids", ",".join(map(str, ids)), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    got = np.load(out)
+    assert got.dtype == np.float32 and got.shape == (len(ids), 128)
+    assert float(np.abs(got - golden["logits"].reshape(got.shape)).max()) <= 1e-4
+
+
+def test_tokens_json_on_gguf_vocabulary() -> None:
+    r = roofline("tokens", "--json", "Hello world")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"ids": [19556, 905]}
+
+
+def test_missing_model_is_one_clear_line(tmp_path: Path) -> None:
+    r = roofline("generate", "--model", str(tmp_path / "missing.gguf"), "-p", "hi")
+    assert_one_line_error(r, "model not found", "missing.gguf")
+
+
+def test_bad_sampling_value_is_one_clear_line() -> None:
+    r = roofline("generate", "-p", "hi", "--temp", "-1")
+    assert_one_line_error(r, "temperature=-1.0", "expected a number >= 0")
+
+
+def test_bad_token_ids_is_one_clear_line(tmp_path: Path) -> None:
+    r = roofline("logits", "--model", str(GOLDEN / "llama"), "--token-ids", "1,x", "-o", str(tmp_path / "a.npy"))
+    assert_one_line_error(r, "--token-ids", "comma-separated integers")
+
+
+def test_prompt_too_long_is_one_clear_line(tmp_path: Path) -> None:
+    ids = ",".join(["5"] * 300)
+    r = roofline("logits", "--model", str(GOLDEN / "llama"), "--token-ids", ids, "-o", str(tmp_path / "a.npy"))
+    assert_one_line_error(r, "300 tokens", "context is 256 tokens")

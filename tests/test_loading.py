@@ -1,0 +1,241 @@
+"""Loading: GGUF (quantized, Q/K un-permuted), MLX-quantized folders, fp16, and every bad input named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from mlx_engine import Engine, GenerationRequest, ModelLoadError, RequestError, SamplingParams
+from tests.tiny_models import GOLDEN, folder_with_weights, gguf_to_hf_names, write_gguf_from_folder
+
+IDS = [3, 17, 42, 99, 7, 64, 120, 5, 33, 81, 12, 2]
+
+
+def greedy(engine: Engine, ids: list[int], n: int = 12) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [t for e in engine.generate(GenerationRequest(prompt_token_ids=ids, sampling=params)) for t in e.token_ids]
+
+
+@pytest.mark.parametrize(
+    "qtypes",
+    [
+        {},  # every matrix Q8_0
+        {"attn": "Q4_0", "ffn": "Q4_1"},
+        {"ffn_down": "F16", "attn_q": "Q4_1"},
+    ],
+    ids=["q8_0", "q4_0+q4_1", "f16+q4_1"],
+)
+def test_gguf_matches_dequantized_folder(tmp_path: Path, qtypes: dict[str, str]) -> None:
+    """A GGUF written the way llama.cpp writes llama (Q/K rows permuted, quantized blocks) gives the same
+    logits as the HF folder holding its dequantized weights: proves the tensor mapping, the un-permutation
+    and MLX's Q4_0/Q4_1/Q8_0 mapping."""
+    src = GOLDEN / "llama"
+    gguf_path = tmp_path / "tiny.gguf"
+    deq = write_gguf_from_folder(src, gguf_path, qtypes)
+    ref_folder = folder_with_weights(src, tmp_path / "ref", gguf_to_hf_names(deq))
+    with Engine.load(str(gguf_path)) as got, Engine.load(str(ref_folder)) as ref:
+        assert got.info.source_format == "gguf" and ref.info.source_format == "safetensors"
+        a, b = got.forward_logits(IDS), ref.forward_logits(IDS)
+        maxdiff = float(np.abs(a - b).max())
+        assert maxdiff <= 1e-4, f"maxdiff {maxdiff}"
+        assert greedy(got, IDS) == greedy(ref, IDS)
+
+
+def test_gguf_kquant_refused_with_type_named(tmp_path: Path) -> None:
+    path = tmp_path / "k.gguf"
+    import gguf
+    from gguf.constants import GGMLQuantizationType as Q
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    data = np.zeros((4, 144), dtype=np.uint8)  # 4 rows of one 256-wide Q4_K super-block (144 bytes)
+    w.add_tensor("token_embd.weight", data, raw_dtype=Q.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match=r"Q4_K.*not loadable"):
+        Engine.load(str(path))
+
+
+def _quantized_folder(tmp_path: Path, bits: int, group_size: int, override: dict | None = None) -> tuple[Path, Path]:
+    """An mlx-community style folder (quantization in config.json, per-layer override) and the matching
+    folder of dequantized float32 weights."""
+    src = GOLDEN / "llama"
+    config = json.loads((src / "config.json").read_text())
+    weights = load_file(str(src / "model.safetensors"))
+    qdir, ddir = tmp_path / "q", tmp_path / "deq"
+    qdir.mkdir()
+    quantized, deq = {}, {}
+    override = override or {}
+    for name, value in weights.items():
+        path = name.removesuffix(".weight")
+        if value.ndim == 2 and name.endswith(".weight") and override.get(path) is not False:
+            b = override.get(path, {}).get("bits", bits)
+            g = override.get(path, {}).get("group_size", group_size)
+            wq, s, bias = mx.quantize(mx.array(value), group_size=g, bits=b)
+            quantized[name], quantized[f"{path}.scales"], quantized[f"{path}.biases"] = (np.array(wq), np.array(s),
+                                                                                        np.array(bias))
+            deq[name] = np.array(mx.dequantize(wq, s, bias, group_size=g, bits=b))
+        else:
+            quantized[name] = deq[name] = value
+    config["quantization"] = {"group_size": group_size, "bits": bits, **override}
+    (qdir / "config.json").write_text(json.dumps(config))
+    save_file(quantized, str(qdir / "model.safetensors"))
+    return qdir, folder_with_weights(src, ddir, deq)
+
+
+def test_mlx_quantized_folder_with_per_layer_override(tmp_path: Path) -> None:
+    override = {"model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 32}, "lm_head": False}
+    qdir, ddir = _quantized_folder(tmp_path, bits=4, group_size=32, override=override)
+    with Engine.load(str(qdir)) as got, Engine.load(str(ddir)) as ref:
+        assert got.info.source_format == "mlx-quantized" and got.info.quantization == "4-bit g32"
+        layer = got._runner.model.model.layers[0]
+        assert layer.mlp.down_proj.bits == 8 and layer.mlp.up_proj.bits == 4
+        a, b = got.forward_logits(IDS), ref.forward_logits(IDS)
+        assert float(np.abs(a - b).max()) <= 1e-4
+        assert greedy(got, IDS) == greedy(ref, IDS)
+
+
+def test_fp16_checkpoint_runs_in_float32_on_cpu(tmp_path: Path) -> None:
+    src = GOLDEN / "llama"
+    dst = tmp_path / "fp16"
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    w16 = {k: v.astype(np.float16) for k, v in load_file(str(src / "model.safetensors")).items()}
+    save_file(w16, str(dst / "model.safetensors"))
+    ref = folder_with_weights(src, tmp_path / "ref", {k: v.astype(np.float32) for k, v in w16.items()})
+    with Engine.load(str(dst)) as got, Engine.load(str(ref)) as want:
+        assert got.info.dtype == "float32"
+        assert float(np.abs(got.forward_logits(IDS) - want.forward_logits(IDS)).max()) <= 1e-5
+
+
+def test_embedded_model_info() -> None:
+    with Engine.load(None) as e:
+        info = e.info
+        assert info.source_format == "gguf" and info.model_type == "llama" and info.quantization == "Q4_1"
+        assert info.context_length == 8192 and info.vocab_size == 49152
+        assert 134_000_000 <= info.num_parameters <= 136_000_000
+        assert 2 in info.eos_token_ids
+
+
+# --- bad input -----------------------------------------------------------------------------------------
+
+
+def test_missing_path_says_what_was_looked_for(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"model not found.*looked for"):
+        Engine.load(str(tmp_path / "nope" / "model.gguf"))
+
+
+def test_folder_without_config(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        Engine.load(str(tmp_path))
+
+
+def test_truncated_safetensors_named(tmp_path: Path) -> None:
+    dst = tmp_path / "m"
+    shutil.copytree(GOLDEN / "llama", dst)
+    data = (dst / "model.safetensors").read_bytes()
+    (dst / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match=r"model.safetensors: corrupt or truncated safetensors file: tensor"):
+        Engine.load(str(dst))
+
+
+def test_garbage_safetensors_header_named(tmp_path: Path) -> None:
+    dst = tmp_path / "m"
+    shutil.copytree(GOLDEN / "llama", dst)
+    data = bytearray((dst / "model.safetensors").read_bytes())
+    data[8:40] = b"\xff" * 32
+    (dst / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="header is not valid JSON"):
+        Engine.load(str(dst))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header_noise", "not_gguf"])
+def test_corrupt_gguf_named_never_crashes(tmp_path: Path, damage: str) -> None:
+    """MLX's own GGUF reader segfaults on some of these; ours names the file and the problem. Run in a
+    subprocess so a crash would fail this test instead of killing the suite."""
+    path = tmp_path / "bad.gguf"
+    write_gguf_from_folder(GOLDEN / "llama", path, {})
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) - 5000]
+    elif damage == "header_noise":
+        data[8:4008] = np.random.default_rng(1).integers(0, 256, 4000, dtype=np.uint8).tobytes()
+    else:
+        data = b"PK\x03\x04" + data[4:]
+    path.write_bytes(bytes(data))
+    code = (
+        "import sys\nfrom mlx_engine import Engine, ModelLoadError\n"
+        f"try:\n    Engine.load({str(path)!r})\nexcept ModelLoadError as e:\n    print(e); sys.exit(3)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, (r.returncode, r.stdout, r.stderr)
+    assert str(path) in r.stdout
+    expected = {"truncate": "extends past the end of the file", "header_noise": "corrupt or truncated GGUF",
+                "not_gguf": "not a GGUF file"}[damage]
+    assert expected in r.stdout
+
+
+def test_unsupported_architecture_names_supported(tmp_path: Path) -> None:
+    dst = tmp_path / "m"
+    shutil.copytree(GOLDEN / "llama", dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["model_type"] = "florp"
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'florp'.*llama, mistral, qwen2, qwen3"):
+        Engine.load(str(dst))
+
+
+def test_fallback_runs_mlx_lm_class(tmp_path: Path) -> None:
+    """A model_type we don't implement but mlx-lm does runs on mlx-lm's class: smollm3 with rope in every
+    layer is llama, so the llama golden logits must come out."""
+    dst = tmp_path / "m"
+    shutil.copytree(GOLDEN / "llama", dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(model_type="smollm3", no_rope_layers=[1, 1], rope_theta=10000.0)
+    (dst / "config.json").write_text(json.dumps(config))
+    golden = np.load(GOLDEN / "llama" / "golden.npz")
+    with Engine.load(str(dst)) as e:
+        assert not e.info.native and "mlx-lm's model class" in e.info.notes[0]
+        ids = golden["input_ids"].ravel().tolist()
+        assert float(np.abs(e.forward_logits(ids) - golden["logits"].reshape(len(ids), -1)).max()) <= 1e-4
+        assert greedy(e, ids, 8) == golden["greedy_tokens"].ravel()[:8].tolist()
+
+
+def test_prompt_longer_than_context_gives_both_numbers() -> None:
+    with Engine.load(str(GOLDEN / "llama")) as e:
+        with pytest.raises(RequestError, match=r"prompt is 300 tokens but the model's context is 256 tokens"):
+            e.generate(GenerationRequest(prompt_token_ids=[5] * 300))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+     ({"max_tokens": 0}, "max_tokens"), ({"top_k": -3}, "top_k"), ({"temperature": float("nan")}, "temperature")],
+)
+def test_invalid_sampling_values(kwargs: dict, field: str) -> None:
+    with pytest.raises(RequestError, match=rf"invalid sampling parameter {field}="):
+        SamplingParams(**kwargs)
+
+
+def test_token_id_outside_vocab() -> None:
+    with Engine.load(str(GOLDEN / "llama")) as e:
+        with pytest.raises(RequestError, match=r"token id 500 is outside the vocabulary \(0..127\)"):
+            e.generate(GenerationRequest(prompt_token_ids=[1, 500]))
+
+
+def test_unknown_load_option() -> None:
+    from mlx_engine import RooflineError
+
+    with pytest.raises(RooflineError, match="unknown Engine.load option"):
+        Engine.load(str(GOLDEN / "llama"), kv_bitz=4)

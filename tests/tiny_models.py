@@ -1,0 +1,144 @@
+"""Tiny checkpoints written by the tests themselves: a GGUF file from a HF folder, MLX-quantized folders."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+
+_HF_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def byte_level_vocab(n: int) -> list[str]:
+    """The first n byte-level BPE tokens (GPT-2's bytes_to_unicode of bytes 0..n-1)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, extra = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    table = dict(zip(bs, map(chr, cs)))
+    return [table[b] for b in range(n)]
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows (HF half-split rope -> interleaved)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf_from_folder(folder: Path, out: Path, qtypes: dict[str, str], default_type: str = "Q8_0") -> dict:
+    """Writes `folder`'s llama checkpoint as a GGUF file (Q/K permuted as llama.cpp does). `qtypes` maps a
+    substring of the GGUF tensor name to a ggml type name; 2-D tensors default to `default_type`, 1-D to F32.
+    Returns {gguf tensor name: dequantized float32 array in HF row order} for building the expected model."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType as Q
+
+    config = json.loads((folder / "config.json").read_text())
+    weights = load_file(str(folder / "model.safetensors"))
+    arch = config["model_type"]
+    w = gguf.GGUFWriter(str(out), arch)
+    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = config.get("rope_parameters") or {}
+    w.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    vocab = config["vocab_size"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(byte_level_vocab(vocab - 1) + ['!"'])
+    w.add_token_types([1] * vocab)
+    w.add_token_merges(['! "'])
+    w.add_bos_token_id(config.get("bos_token_id") or 1)
+    w.add_eos_token_id(config.get("eos_token_id") or 2)
+    w.add_add_bos_token(False)
+
+    dequantized: dict[str, np.ndarray] = {}
+    for name, value in weights.items():
+        value = value.astype(np.float32)
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, leaf = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{_HF_TO_GGUF[module]}.{leaf}"
+        stored = value
+        if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
+            stored = llama_permute(value, n_heads if ".attn_q." in gname else n_kv)
+        tname = "F32"
+        if value.ndim == 2:
+            tname = next((t for key, t in qtypes.items() if key in gname), default_type)
+        qtype = Q[tname]
+        if qtype == Q.F32:
+            w.add_tensor(gname, stored)
+            dequantized[gname] = value
+        else:
+            packed = gguf.quants.quantize(stored, qtype)
+            w.add_tensor(gname, packed, raw_shape=packed.shape, raw_dtype=qtype)
+            back = gguf.quants.dequantize(packed, qtype).reshape(value.shape)
+            if stored is not value:  # undo the permutation for the HF-order reference
+                n = n_heads if ".attn_q." in gname else n_kv
+                back = back.reshape(n, back.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(value.shape)
+            dequantized[gname] = back
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dequantized
+
+
+def folder_with_weights(src: Path, dst: Path, replace: dict[str, np.ndarray]) -> Path:
+    """A copy of HF folder `src` whose safetensors tensors are replaced by `replace` (HF names)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in ("config.json", "generation_config.json"):
+        if (src / f).exists():
+            shutil.copy(src / f, dst / f)
+    weights = load_file(str(src / "model.safetensors"))
+    weights.update({k: v.astype(np.float32) for k, v in replace.items()})
+    save_file(weights, str(dst / "model.safetensors"))
+    return dst
+
+
+def gguf_to_hf_names(dequantized: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    inverse = {v: k for k, v in _HF_TO_GGUF.items()}
+    out = {}
+    for gname, value in dequantized.items():
+        if gname == "token_embd.weight":
+            out["model.embed_tokens.weight"] = value
+        elif gname == "output_norm.weight":
+            out["model.norm.weight"] = value
+        elif gname == "output.weight":
+            out["lm_head.weight"] = value
+        else:
+            _, layer, module, leaf = gname.split(".")
+            out[f"model.layers.{layer}.{inverse[module]}.{leaf}"] = value
+    return out
