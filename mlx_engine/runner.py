@@ -69,9 +69,9 @@ class Runner:
 
             apply_freq_factors(built.model, ckpt.config)
         if not mx.metal.is_available():
-            from mlx_engine.models.layers import use_dequant_prefill
+            from mlx_engine.models.layers import use_host_gemm_for_prefill
 
-            use_dequant_prefill(built.model)
+            use_host_gemm_for_prefill(built.model)
         mx.eval(built.model.parameters())
         del ckpt.weights
         tokenizer = ckpt.tokenizer or NoTokenizer(ckpt.path, ckpt.config)

@@ -4,32 +4,49 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-# Rows (batch x tokens) from which dequantize-then-matmul beats MLX's CPU quantized matmul, whose cost
-# grows linearly with rows (measured on the 2-core x86-64 box: 1536x576 4-bit, 36 rows: 110 ms vs 28 ms).
-DEQUANT_MIN_ROWS = 8
+# Rows (batch x tokens) from which a host GEMM beats MLX's CPU kernels: MLX's Linux CPU wheel links the
+# reference (netlib) BLAS, whose sgemm ran at 1.8-2.5 GFLOP/s on the 2-core x86-64 box against 18 GFLOP/s
+# for numpy's OpenBLAS, and its quantized matmul cost grows linearly with rows (1536x576 4-bit, 36 rows:
+# 110 ms vs 9 ms dequantize + numpy). The host sync this needs costs nothing on the CPU backend; decode
+# (few rows) keeps MLX's matvec, which for quantized layers reads 4-8x fewer bytes.
+HOST_GEMM_MIN_ROWS = 8
 
 
-class DequantPrefillLinear(nn.QuantizedLinear):
-    """A QuantizedLinear that, for many rows (prefill), dequantizes its weight once and runs a dense matmul."""
+def _host_gemm(x: mx.array, w: mx.array) -> mx.array:
+    """x (..., in) float32 @ w (out, in).T in numpy -> (..., out)."""
+    rows = x.size // x.shape[-1]
+    x2 = np.asarray(x.reshape(rows, x.shape[-1]))  # evaluates x
+    return mx.array(x2 @ np.asarray(w).T).reshape(*x.shape[:-1], -1)
 
+
+class HostGemmLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
-        rows = x.size // x.shape[-1]
-        if rows < DEQUANT_MIN_ROWS:
+        if x.size // x.shape[-1] < HOST_GEMM_MIN_ROWS or x.dtype != mx.float32 or self.weight.dtype != mx.float32:
+            return super().__call__(x)
+        y = _host_gemm(x, self.weight)
+        return y + self.bias if "bias" in self else y
+
+
+class HostGemmQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.size // x.shape[-1] < HOST_GEMM_MIN_ROWS or x.dtype != mx.float32:
             return super().__call__(x)
         w = mx.dequantize(self.weight, self.scales, self.get("biases"), self.group_size, self.bits,
-                          mode=self.mode).astype(x.dtype)  # (out, in)
-        y = x @ w.T
-        if "bias" in self:
-            y = y + self.bias
-        return y
+                          mode=self.mode).astype(mx.float32)  # (out, in)
+        y = _host_gemm(x, w)
+        return y + self.bias if "bias" in self else y
 
 
-def use_dequant_prefill(model: nn.Module) -> int:
-    """Switches every affine QuantizedLinear to DequantPrefillLinear (for MLX's CPU backend); returns the count."""
+def use_host_gemm_for_prefill(model: nn.Module) -> int:
+    """For MLX's CPU backend: prefill-sized matmuls go to numpy's BLAS. Returns how many layers switched."""
     n = 0
     for _, module in model.named_modules():
         if type(module) is nn.QuantizedLinear and getattr(module, "mode", "affine") == "affine":
-            module.__class__ = DequantPrefillLinear
+            module.__class__ = HostGemmQuantizedLinear
+            n += 1
+        elif type(module) is nn.Linear:
+            module.__class__ = HostGemmLinear
             n += 1
     return n
