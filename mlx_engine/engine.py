@@ -143,6 +143,11 @@ class Engine:
         ids = self._runner.check_context(self._runner.check_ids(list(token_ids)))
         return self._thread.call(lambda: self._runner.forward_logits(ids))
 
+    def decode_bytes_per_token(self, context_tokens: int) -> int:
+        """Bytes one decode step reads at this context length: weights (the embedding table only when
+        tied to the head) plus K and V of every layer. Times tokens/s over bandwidth is % of roofline."""
+        return self._runner.decode_bytes_per_token(context_tokens)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 

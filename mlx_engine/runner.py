@@ -101,7 +101,16 @@ class Runner:
             eos_token_ids=eos,
             notes=notes,
         )
-        return cls(built, tokenizer, info, prefill_chunk_size)
+        runner = cls(built, tokenizer, info, prefill_chunk_size)
+        runner._shape = _decode_shape(ckpt.config, params, act_dtype)
+        return runner
+
+    def decode_bytes_per_token(self, context: int) -> int:
+        from mlx_engine.roofline import decode_bytes_per_token
+
+        s = self._shape
+        return decode_bytes_per_token(self.info.weight_bytes, s["embed_bytes"], s["tied"], s["layers"],
+                                      s["kv_heads"], s["head_dim"], context, s["kv_itemsize"]).total
 
     def release(self) -> None:
         self._cache, self._cache_tokens = None, []
@@ -337,6 +346,19 @@ class NoTokenizer:
                 return ""
 
         return _Silent()
+
+
+def _decode_shape(config: dict[str, Any], params: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, Any]:
+    heads = int(config.get("num_attention_heads") or 1)
+    embed = [v for k, v in params.items() if "embed_tokens" in k]
+    return {
+        "embed_bytes": sum(v.nbytes for v in embed),
+        "tied": not any("lm_head" in k for k in params),
+        "layers": int(config.get("num_hidden_layers") or 0),
+        "kv_heads": int(config.get("num_key_value_heads") or heads),
+        "head_dim": int(config.get("head_dim") or int(config.get("hidden_size") or 0) // heads),
+        "kv_itemsize": dtype.size,
+    }
 
 
 def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, mx.array]]:

@@ -1,0 +1,113 @@
+"""What models are on this machine, described from their headers alone (no weights read, no MLX)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlx_engine.api import ModelLoadError
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    ref: str  # what Engine.load takes: None-equivalent "" for the embedded model, a path, or a repo id
+    name: str
+    source: str  # "embedded", "gguf", "folder", "hf-cache"
+    size_bytes: int  # on disk
+    num_parameters: int
+    quantization: str
+    context_length: int
+    model_type: str
+    error: str | None = None  # set when the files could not be read
+
+
+def _gguf_summary(path: Path, ref: str, name: str, source: str) -> ModelSummary:
+    from mlx_engine.loading.gguf_file import read_gguf
+    from mlx_engine.loading.gguf_model import describe_quantization
+
+    g = read_gguf(path)
+    arch = g.architecture or "?"
+    n = 0
+    for t in g.tensors:
+        count = 1
+        for d in t.shape:
+            count *= d
+        n += count
+    ctx = g.metadata.get(f"{arch}.context_length", 0)
+    return ModelSummary(ref, name, source, path.stat().st_size, n, describe_quantization(g), int(ctx), arch)
+
+
+def _safetensors_params(folder: Path, quant: dict | None) -> int:
+    n = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        for key, info in header.items():
+            if key == "__metadata__" or key.endswith((".scales", ".biases")):
+                continue
+            count = 1
+            for d in info["shape"]:
+                count *= d
+            if quant and info["dtype"] == "U32":
+                count = count * 32 // int(quant.get("bits", 4))
+            n += count
+    return n
+
+
+def _folder_summary(folder: Path, ref: str, name: str, source: str) -> ModelSummary:
+    config = json.loads((folder / "config.json").read_text())
+    quant = config.get("quantization")
+    if quant:
+        label = f"{quant.get('bits')}-bit g{quant.get('group_size', 64)}"
+    else:
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+        label = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(dtype, dtype)
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    return ModelSummary(ref, name, source, size, _safetensors_params(folder, quant), label,
+                        int(config.get("max_position_embeddings") or 0), str(config.get("model_type", "?")))
+
+
+def describe_model(ref: str | None) -> ModelSummary:
+    """A summary of one model reference (as Engine.load takes it); raises ModelLoadError when unreadable."""
+    from mlx_engine.loading import EMBEDDED_MODEL_NAME, resolve
+
+    path, kind = resolve(ref)
+    try:
+        if ref is None:
+            return _gguf_summary(path, "", EMBEDDED_MODEL_NAME, "embedded")
+        if kind == "gguf":
+            return _gguf_summary(path, str(path), path.name, "gguf")
+        return _folder_summary(path, ref if kind == "hf-cache" else str(path), ref if kind == "hf-cache" else path.name,
+                               kind)
+    except (OSError, ValueError, KeyError, struct.error) as e:
+        raise ModelLoadError(f"{path}: cannot describe model: {e}") from None
+
+
+def list_local_models() -> list[ModelSummary]:
+    """The embedded model, then text models in the local Hugging Face cache (those with config.json and
+    safetensors, or GGUF files). Unreadable entries are listed with `error` set, never raised."""
+    out = [describe_model(None)]
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        cache = scan_cache_dir()
+    except Exception:  # noqa: BLE001 - no cache, or an unreadable one: nothing to list
+        return out
+    for repo in sorted(cache.repos, key=lambda r: r.repo_id):
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        rev = max(repo.revisions, key=lambda r: r.last_modified)
+        folder = Path(rev.snapshot_path)
+        try:
+            if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
+                out.append(_folder_summary(folder, repo.repo_id, repo.repo_id, "hf-cache"))
+            else:
+                for g in sorted(folder.glob("*.gguf")):
+                    out.append(_gguf_summary(g, str(g), f"{repo.repo_id}/{g.name}", "hf-cache"))
+        except (OSError, ValueError, KeyError, struct.error, ModelLoadError) as e:
+            out.append(ModelSummary(repo.repo_id, repo.repo_id, "hf-cache", repo.size_on_disk, 0, "?", 0, "?",
+                                    error=str(e)))
+    return out
