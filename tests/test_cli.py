@@ -74,3 +74,32 @@ def test_prompt_too_long_is_one_clear_line(tmp_path: Path) -> None:
     ids = ",".join(["5"] * 300)
     r = roofline("logits", "--model", str(GOLDEN / "llama"), "--token-ids", ids, "-o", str(tmp_path / "a.npy"))
     assert_one_line_error(r, "300 tokens", "context is 256 tokens")
+
+
+def test_tokens_on_vocabulary_only_gguf(tmp_path: Path) -> None:
+    import gguf
+
+    from tests.tiny_models import byte_level_vocab
+
+    path = tmp_path / "vocab.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(byte_level_vocab(256) + ["he", "ll", "hell", "hello"])
+    w.add_token_types([1] * 260)
+    w.add_token_merges(["h e", "l l", "he ll", "hell o"])
+    w.add_eos_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = roofline("tokens", "-t", str(path), "--json", "hello hell")
+    assert r.returncode == 0, r.stderr
+    # "hello" merges to one token; " hell" is a space (byte 0x20 -> 'Ġ' at id 32) then "hell"
+    assert json.loads(r.stdout) == {"ids": [259, 32, 258]}
+    r = roofline("tokens", "-t", str(path), "hello")
+    assert "'hello'" in r.stdout and r.returncode == 0
+
+
+def test_tokens_on_missing_tokenizer_is_one_clear_line(tmp_path: Path) -> None:
+    assert_one_line_error(roofline("tokens", "-t", str(tmp_path / "nope.gguf"), "hi"), "model not found")

@@ -239,3 +239,35 @@ def test_unknown_load_option() -> None:
 
     with pytest.raises(RooflineError, match="unknown Engine.load option"):
         Engine.load(str(GOLDEN / "llama"), kv_bitz=4)
+
+
+def _fake_hf_cache(root: Path, repo_id: str, src: Path) -> None:
+    """The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<rev>/files}."""
+    repo = root / "hub" / f"models--{repo_id.replace('/', '--')}"
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    snap = repo / "snapshots" / rev
+    shutil.copytree(src, snap)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(rev)
+
+
+def _load_in_subprocess(ref: str, hf_home: Path) -> subprocess.CompletedProcess:
+    code = (
+        "import sys\nfrom mlx_engine import Engine, ModelLoadError\n"
+        f"try:\n    e = Engine.load({ref!r})\nexcept ModelLoadError as err:\n    print('ERR', err); sys.exit(3)\n"
+        "print('OK', e.info.source_format, e.info.model_type)\n"
+    )
+    env = {**__import__("os").environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_repo_id_resolved_from_local_hf_cache_offline(tmp_path: Path) -> None:
+    _fake_hf_cache(tmp_path, "tiny-org/tiny-qwen3", GOLDEN / "qwen3")
+    r = _load_in_subprocess("tiny-org/tiny-qwen3", tmp_path)
+    assert r.stdout.strip() == "OK hf-cache qwen3", r.stderr
+
+
+def test_repo_id_not_cached_and_offline_is_clear(tmp_path: Path) -> None:
+    r = _load_in_subprocess("tiny-org/not-here", tmp_path)
+    assert r.returncode == 3
+    assert "'tiny-org/not-here' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set" in r.stdout
