@@ -1,0 +1,191 @@
+// Paged decode attention, one new query token per sequence (FlashDecoding, pass 1).
+//
+// The wrapper prepends two defines:
+//   KV_BITS  0: k_pool/v_pool hold floats (num_blocks, block_size, Hkv, D)
+//            4 or 8: uint32 words packed by mx.quantize along D (num_blocks, block_size, Hkv,
+//            D * KV_BITS / 32), with k_scales/k_biases/v_scales/v_biases (.., Hkv, D / group_size)
+//   DIRECT   1: one partition covers the sequence; write the normalized output `out` (B, Hq, D).
+//            0: write this partition's normalized output o_part (B, Hq, P, D) and its running
+//            max / sum ml_part (B, Hq, P, 2); paged_attention_reduce.metal combines them.
+// Template: T (q and out dtype), D (head dim, a multiple of 8, at most 128), NSG (simdgroups per
+// threadgroup, at least 4 so that NSG * 32 >= D).
+// params (int32): Hq, Hkv, block_size, max_blocks_per_seq, partition_size, num_partitions,
+// group_size. qscale (float32): softmax scale * log2(e), so the softmax runs in base 2.
+//
+// One threadgroup per (partition, q head, sequence). A key is read by L lanes of C = 8 contiguous
+// elements each (L = D / 8 rounded up to a power of two, so that the dot product reduces with an
+// xor butterfly inside an aligned group of lanes); a simdgroup therefore reads KPS = 32 / L keys
+// per step and keeps one online-softmax state (m, l, acc) per key slot. Key slots are merged with
+// shuffles, simdgroups through threadgroup memory. GQA: q head h reads kv head h / (Hq / Hkv), and
+// the Hq / Hkv heads sharing it run in neighbouring threadgroups, so their KV reads hit the cache.
+// Every simd_shuffle runs on all 32 lanes: the token loop bound depends only on the simdgroup.
+
+constexpr int C = 8;
+constexpr int L = D <= 64 ? 8 : 16;
+constexpr int KPS = 32 / L;
+// Scores start at the lowest finite float, not -inf: exp2(lowest - x) is 0 and merging two empty
+// states gives exp2(0) * 0, so no special cases (and no reliance on infinities under fast math).
+constexpr float M_EMPTY = -metal::numeric_limits<float>::max();
+
+const int Hq = params[0];
+const int Hkv = params[1];
+const int block_size = params[2];
+const int max_blocks = params[3];
+const int partition_size = params[4];
+const int num_partitions = params[5];
+const int group_size = params[6];
+
+const int part = int(threadgroup_position_in_grid.x);
+const int hq = int(threadgroup_position_in_grid.y);
+const int b = int(threadgroup_position_in_grid.z);
+const int sg = int(simdgroup_index_in_threadgroup);
+const int lane = int(thread_index_in_simdgroup);
+const int tid = int(thread_position_in_threadgroup.x);
+
+const int ks = lane / L;  // key slot within a step
+const int d0 = (lane % L) * C;  // first of this lane's C elements of D
+const bool active = d0 < D;
+const int hkv = hq / (Hq / Hkv);
+
+const int seq_len = seq_lens[b];
+const int t_begin = part * partition_size;
+const int t_end = min(seq_len, t_begin + partition_size);
+const device int* table = block_tables + size_t(b) * max_blocks;
+
+// q, pre-scaled; qsum lets a quantized dot product fold in the bias: q.(s k + z) = s q.k + z sum(q)
+float qv[C];
+float qsum = 0.0f;
+for (int i = 0; i < C; ++i) {
+  qv[i] = active ? float(q[(size_t(b) * Hq + hq) * D + d0 + i]) * qscale[0] : 0.0f;
+  qsum += qv[i];
+}
+
+float m = M_EMPTY;  // running max of scores (base 2)
+float l = 0.0f;  // running sum of exp2(score - m)
+float acc[C];  // running sum of exp2(score - m) * v
+for (int i = 0; i < C; ++i) {
+  acc[i] = 0.0f;
+}
+
+#if KV_BITS == 0
+constexpr int row_elems = D;
+#else
+constexpr int row_elems = D * KV_BITS / 32;  // uint32 words per (token, kv head)
+const int groups = D / group_size;
+const int g = d0 / group_size;  // a lane's C elements lie in one group: group_size % 8 == 0
+#endif
+
+for (int t0 = t_begin + sg * KPS; t0 < t_end; t0 += NSG * KPS) {
+  const int t = t0 + ks;
+  const bool valid = t < t_end;
+  size_t row = 0;  // (physical token, kv head) index into the pools
+  float s = 0.0f;
+  if (valid) {
+    const int block = table[t / block_size];
+    row = (size_t(block) * block_size + t % block_size) * Hkv + hkv;
+  }
+  if (valid && active) {
+#if KV_BITS == 0
+    auto kr = k_pool + row * row_elems + d0;
+    for (int i = 0; i < C; ++i) {
+      s += qv[i] * float(kr[i]);
+    }
+#else
+    float qk = 0.0f;
+    const device uint32_t* kr = k_pool + row * row_elems + d0 * KV_BITS / 32;
+    for (int w = 0; w < C * KV_BITS / 32; ++w) {
+      const uint32_t word = kr[w];
+      for (int j = 0; j < 32 / KV_BITS; ++j) {
+        qk += qv[w * (32 / KV_BITS) + j] * float((word >> (j * KV_BITS)) & ((1u << KV_BITS) - 1u));
+      }
+    }
+    s = float(k_scales[row * groups + g]) * qk + float(k_biases[row * groups + g]) * qsum;
+#endif
+  }
+  // dot product: sum over the L lanes of this key
+  for (int o = L / 2; o > 0; o >>= 1) {
+    s += simd_shuffle(s, ushort(lane ^ o));
+  }
+  if (valid) {
+    const float m_new = max(m, s);
+    const float corr = exp2(m - m_new);  // 0 on the first key
+    const float e = exp2(s - m_new);
+    m = m_new;
+    l = l * corr + e;
+    if (active) {
+#if KV_BITS == 0
+      auto vr = v_pool + row * row_elems + d0;
+      for (int i = 0; i < C; ++i) {
+        acc[i] = acc[i] * corr + e * float(vr[i]);
+      }
+#else
+      const device uint32_t* vr = v_pool + row * row_elems + d0 * KV_BITS / 32;
+      const float vs = float(v_scales[row * groups + g]);
+      const float vb = float(v_biases[row * groups + g]);
+      for (int w = 0; w < C * KV_BITS / 32; ++w) {
+        const uint32_t word = vr[w];
+        for (int j = 0; j < 32 / KV_BITS; ++j) {
+          const float vq = float((word >> (j * KV_BITS)) & ((1u << KV_BITS) - 1u));
+          acc[w * (32 / KV_BITS) + j] = acc[w * (32 / KV_BITS) + j] * corr + e * (vs * vq + vb);
+        }
+      }
+#endif
+    }
+  }
+}
+
+// merge the KPS key slots of this simdgroup: lanes lane and lane ^ o hold the same d0
+for (int o = L; o < 32; o <<= 1) {
+  const float m_o = simd_shuffle(m, ushort(lane ^ o));
+  const float l_o = simd_shuffle(l, ushort(lane ^ o));
+  const float m_new = max(m, m_o);
+  const float f = exp2(m - m_new);
+  const float f_o = exp2(m_o - m_new);
+  for (int i = 0; i < C; ++i) {
+    const float acc_o = simd_shuffle(acc[i], ushort(lane ^ o));
+    acc[i] = acc[i] * f + acc_o * f_o;
+  }
+  l = l * f + l_o * f_o;
+  m = m_new;
+}
+
+// merge the simdgroups
+threadgroup float tg_m[NSG];
+threadgroup float tg_l[NSG];
+constexpr int tg_acc_size = NSG * D;  // a named size: the interpreter's translator reads
+threadgroup float tg_acc[tg_acc_size];  // a `*` in a threadgroup declaration as a pointer
+if (lane == 0) {
+  tg_m[sg] = m;
+  tg_l[sg] = l;
+}
+if (ks == 0 && active) {
+  for (int i = 0; i < C; ++i) {
+    tg_acc[sg * D + d0 + i] = acc[i];
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+if (tid < D) {
+  float m_all = M_EMPTY;
+  for (int s = 0; s < NSG; ++s) {
+    m_all = max(m_all, tg_m[s]);
+  }
+  float l_all = 0.0f;
+  float o = 0.0f;
+  for (int s = 0; s < NSG; ++s) {
+    const float f = exp2(tg_m[s] - m_all);
+    l_all += tg_l[s] * f;
+    o += tg_acc[s * D + tid] * f;
+  }
+  o = l_all > 0.0f ? o / l_all : 0.0f;  // an empty partition (or sequence) gives 0
+#if DIRECT
+  out[(size_t(b) * Hq + hq) * D + tid] = static_cast<T>(o);
+#else
+  const size_t slot = (size_t(b) * Hq + hq) * num_partitions + part;
+  o_part[slot * D + tid] = o;
+  if (tid == 0) {
+    ml_part[slot * 2 + 0] = m_all;
+    ml_part[slot * 2 + 1] = l_all;
+  }
+#endif
+}

@@ -1,0 +1,254 @@
+"""Paged decode attention: one query token per sequence against a block-table KV pool.
+
+Metal: `paged_attention.metal` (per-partition online softmax, FlashDecoding split-K) and, when
+more than one partition is needed, `paged_attention_reduce.metal`. Reference:
+`reference.paged_decode_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kernels_metal import _backend, reference
+
+HEAD_DIMS = (64, 80, 96, 128)
+KV_BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+PARTITION_SIZE = 512  # tokens per split-K partition (FlashDecoding); vLLM's v2 uses 512 too
+NUM_SIMDGROUPS = 8  # 256 threads per (partition, q head, sequence)
+
+_SOURCE = _backend.load_source("paged_attention.metal")
+_REDUCE_SOURCE = _backend.load_source("paged_attention_reduce.metal")
+
+
+def _build(factory: Callable[..., Any]) -> dict[Any, Any]:
+    """Kernels keyed by (kv_bits, direct), plus "reduce". kv_bits 0 means float KV."""
+    kernels: dict[Any, Any] = {}
+    for bits in (0, *KV_BITS):
+        inputs = ["q", "k_pool", "v_pool", "block_tables", "seq_lens", "params", "qscale"]
+        if bits:
+            inputs += ["k_scales", "k_biases", "v_scales", "v_biases"]
+        for direct in (True, False):
+            kernels[bits, direct] = factory(
+                name=f"paged_decode_attention_kv{bits}{'' if direct else '_partial'}",
+                input_names=inputs,
+                output_names=["out"] if direct else ["o_part", "ml_part"],
+                source=f"\n#define KV_BITS {bits}\n#define DIRECT {int(direct)}\n{_SOURCE}",
+            )
+    kernels["reduce"] = factory(
+        name="paged_decode_attention_reduce",
+        input_names=["o_part", "ml_part", "params"],
+        output_names=["out"],
+        source=_REDUCE_SOURCE,
+    )
+    return kernels
+
+
+_METAL_KERNELS = _backend.build_metal(_build)
+
+
+@functools.cache
+def _interpret_kernels() -> dict[Any, Any]:
+    return _build(_backend.interpret_factory())
+
+
+def _kernels(backend: str) -> dict[Any, Any]:
+    if backend == "interpret":
+        return _interpret_kernels()
+    if isinstance(_METAL_KERNELS, Exception):
+        raise RuntimeError(f"mx.fast.metal_kernel could not build the kernels: {_METAL_KERNELS}")
+    return _METAL_KERNELS
+
+
+def _check_array(name: str, a: Any, ndim: int, dtypes: tuple[mx.Dtype, ...]) -> None:
+    if not isinstance(a, mx.array):
+        raise TypeError(f"{name}: expected an mx.array, got {type(a).__name__}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(a.shape)}")
+    if a.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {a.dtype}")
+
+
+def _validate(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    seq_lens: mx.array,
+    scale: float,
+    scales: dict[str, mx.array | None],
+    bits: int | None,
+    group_size: int,
+    check_data: bool,
+) -> int:
+    """Shape and dtype checks, then (with check_data) the host-side checks of the tables and
+    lengths; returns the longest sequence length, or the tables' capacity without check_data."""
+    _check_array("q", q, 3, FLOAT_DTYPES)
+    B, Hq, D = q.shape
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q: head dim expected one of {HEAD_DIMS}, got {D}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+    if bits is None:
+        if any(s is not None for s in scales.values()):
+            given = [n for n, s in scales.items() if s is not None]
+            raise ValueError(f"{given[0]}: expected None when bits is None (float KV), got an array")
+        _check_array("k_pool", k_pool, 4, FLOAT_DTYPES)
+        _check_array("v_pool", v_pool, 4, FLOAT_DTYPES)
+        packed = D
+    else:
+        if bits not in KV_BITS:
+            raise ValueError(f"bits: expected None or one of {KV_BITS}, got {bits!r}")
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size: expected one of {GROUP_SIZES}, got {group_size!r}")
+        if D % group_size:
+            raise ValueError(f"group_size: expected a divisor of the head dim {D}, got {group_size}")
+        _check_array("k_pool", k_pool, 4, (mx.uint32,))
+        _check_array("v_pool", v_pool, 4, (mx.uint32,))
+        packed = D * bits // 32
+    num_blocks, block_size, Hkv, last = k_pool.shape
+    if last != packed:
+        what = "the head dim" if bits is None else f"head dim * bits / 32 = {D} * {bits} / 32"
+        raise ValueError(f"k_pool: expected last dim {packed} ({what}), got shape {tuple(k_pool.shape)}")
+    if v_pool.shape != k_pool.shape:
+        raise ValueError(
+            f"v_pool: expected the shape of k_pool {tuple(k_pool.shape)}, got {tuple(v_pool.shape)}"
+        )
+    if v_pool.dtype != k_pool.dtype:
+        raise TypeError(f"v_pool: expected the dtype of k_pool {k_pool.dtype}, got {v_pool.dtype}")
+    if min(num_blocks, block_size, Hkv) < 1:
+        raise ValueError(
+            f"k_pool: expected non-empty (num_blocks, block_size, Hkv), got {tuple(k_pool.shape)}"
+        )
+    if Hq % Hkv:
+        raise ValueError(f"q: expected a number of heads that is a multiple of Hkv = {Hkv}, got Hq = {Hq}")
+    if bits is not None:
+        want = (num_blocks, block_size, Hkv, D // group_size)
+        for name, s in scales.items():
+            if s is None:
+                raise ValueError(f"{name}: expected an array of shape {want} for {bits}-bit KV, got None")
+            _check_array(name, s, 4, FLOAT_DTYPES)
+            if tuple(s.shape) != want:
+                raise ValueError(f"{name}: expected shape {want}, got {tuple(s.shape)}")
+    _check_array("block_tables", block_tables, 2, (mx.int32,))
+    _check_array("seq_lens", seq_lens, 1, (mx.int32,))
+    if block_tables.shape[0] != B:
+        raise ValueError(
+            f"block_tables: expected {B} rows (the batch of q), got shape {tuple(block_tables.shape)}"
+        )
+    if seq_lens.shape[0] != B:
+        raise ValueError(f"seq_lens: expected shape ({B},), got {tuple(seq_lens.shape)}")
+
+    max_blocks = block_tables.shape[1]
+    capacity = max_blocks * block_size
+    if not check_data:
+        return capacity
+    # Data checks on the host, before anything reads the pool through the tables.
+    lens = np.array(seq_lens)
+    tables = np.array(block_tables)
+    if B and lens.min() < 0:
+        b = int(np.argmin(lens))
+        raise ValueError(f"seq_lens[{b}]: expected >= 0, got {int(lens[b])}")
+    if B and lens.max() > capacity:
+        b = int(np.argmax(lens))
+        raise ValueError(
+            f"seq_lens[{b}]: expected <= max_blocks_per_seq * block_size = "
+            f"{max_blocks} * {block_size} = {capacity}, got {int(lens[b])}"
+        )
+    used = np.arange(max_blocks)[None, :] < -(-lens[:, None] // block_size)  # (B, max_blocks)
+    bad = np.argwhere(used & ((tables < 0) | (tables >= num_blocks)))
+    if bad.size:
+        b, j = (int(i) for i in bad[0])
+        raise ValueError(
+            f"block_tables[{b}, {j}]: expected a block id in [0, {num_blocks}) (num_blocks of "
+            f"the pool), got {int(tables[b, j])}"
+        )
+    return int(lens.max()) if B else 0
+
+
+def paged_decode_attention(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    seq_lens: mx.array,
+    scale: float,
+    k_scales: mx.array | None = None,
+    k_biases: mx.array | None = None,
+    v_scales: mx.array | None = None,
+    v_biases: mx.array | None = None,
+    bits: int | None = None,
+    group_size: int = 64,
+    *,
+    partition_size: int = PARTITION_SIZE,
+    check_data: bool = True,
+    backend: _backend.Backend = "auto",
+) -> mx.array:
+    """Attention of one new query token per sequence over a paged KV pool.
+
+    q (B, Hq, D); k_pool, v_pool (num_blocks, block_size, Hkv, D) in float16/bfloat16/float32,
+    or, with `bits` 4 or 8, uint32 (.., D * bits / 32) packed by `mx.quantize` along D with
+    scales and biases (num_blocks, block_size, Hkv, D // group_size); block_tables int32
+    (B, max_blocks_per_seq) of block ids; seq_lens int32 (B,). Returns (B, Hq, D) in q's dtype;
+    a sequence of length 0 gives zeros. Hq must be a multiple of Hkv (GQA); D in (64, 80, 96, 128).
+
+    `partition_size` is the number of tokens one threadgroup reduces before the split-K merge;
+    `backend` picks the implementation ("auto": Metal if available, the interpreter if
+    ROOFLINE_METAL_INTERPRET=1, else the MLX-ops reference). Shapes and dtypes are always
+    checked; `check_data` also checks on the host that every used table entry is inside the pool
+    and every length fits its table, which reads `block_tables` and `seq_lens` back (a sync per
+    call). A caller that keeps the tables itself (the engine's block manager) can pass
+    check_data=False to skip the sync; partitions then cover the tables' capacity.
+    """
+    quant = {"k_scales": k_scales, "k_biases": k_biases, "v_scales": v_scales, "v_biases": v_biases}
+    max_len = _validate(q, k_pool, v_pool, block_tables, seq_lens, scale, quant, bits, group_size, check_data)
+    if not isinstance(partition_size, int) or partition_size < 1:
+        raise ValueError(f"partition_size: expected a positive int, got {partition_size!r}")
+    which = _backend.resolve(backend)
+    if which == "reference":
+        return reference.paged_decode_attention(
+            q, k_pool, v_pool, block_tables, seq_lens, scale, *quant.values(), bits, group_size,
+            max_seq_len=max_len if check_data else None,
+        )  # fmt: skip
+
+    kernels = _kernels(which)
+    B, Hq, D = q.shape
+    if B == 0:
+        return mx.zeros((0, Hq, D), dtype=q.dtype)
+    _, block_size, Hkv, _ = k_pool.shape
+    P = max(1, math.ceil(max_len / partition_size))
+    params = mx.array(
+        [Hq, Hkv, block_size, block_tables.shape[1], partition_size, P, group_size], dtype=mx.int32
+    )
+    qscale = mx.array([scale * math.log2(math.e)], dtype=mx.float32)  # softmax in base 2
+    inputs = [q, k_pool, v_pool, block_tables, seq_lens, params, qscale]
+    if bits is not None:
+        inputs += [k_scales, k_biases, v_scales, v_biases]
+    threads = NUM_SIMDGROUPS * 32
+    template = [("T", q.dtype), ("D", D), ("NSG", NUM_SIMDGROUPS)]
+    launch = dict(inputs=inputs, template=template, grid=(P * threads, Hq, B), threadgroup=(threads, 1, 1))
+    kv_bits = bits or 0
+    if P == 1:
+        (out,) = kernels[kv_bits, True](**launch, output_shapes=[(B, Hq, D)], output_dtypes=[q.dtype])
+        return out
+    o_part, ml_part = kernels[kv_bits, False](
+        **launch,
+        output_shapes=[(B, Hq, P, D), (B, Hq, P, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    (out,) = kernels["reduce"](
+        inputs=[o_part, ml_part, mx.array([P, Hq], dtype=mx.int32)],
+        template=[("T", q.dtype), ("D", D)],
+        grid=(D, Hq, B),
+        threadgroup=(D, 1, 1),
+        output_shapes=[(B, Hq, D)],
+        output_dtypes=[q.dtype],
+    )
+    return out

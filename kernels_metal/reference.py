@@ -1,0 +1,182 @@
+"""MLX-ops references for the Metal kernels: the slow, obviously correct twins.
+
+`paged_decode_attention` is also the engine's CPU path for paged decode, so it is vectorized over
+the batch (one gather, one masked softmax attention), never a Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+QK_K = 256  # weights per k-quant super-block
+
+# ggml type name -> bytes per super-block of 256 weights (ggml's sizeof(block_qN_K))
+KQUANT_BLOCK_BYTES: dict[str, int] = {
+    "Q2_K": 84,  # scales[16], qs[64], d, dmin
+    "Q3_K": 110,  # hmask[32], qs[64], scales[12], d
+    "Q4_K": 144,  # d, dmin, scales[12], qs[128]
+    "Q5_K": 176,  # d, dmin, scales[12], qh[32], qs[128]
+    "Q6_K": 210,  # ql[128], qh[64], scales[16], d
+}
+
+
+def paged_decode_attention(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    seq_lens: mx.array,
+    scale: float,
+    k_scales: mx.array | None = None,
+    k_biases: mx.array | None = None,
+    v_scales: mx.array | None = None,
+    v_biases: mx.array | None = None,
+    bits: int | None = None,
+    group_size: int = 64,
+    max_seq_len: int | None = None,
+) -> mx.array:
+    """Decode attention over a paged KV pool: gather through the block tables, then masked attention.
+
+    Arguments as `kernels_metal.paged_decode_attention` (not validated here). `max_seq_len`, when
+    known, bounds the gather to the blocks in use instead of the tables' full capacity. Computes in
+    float32; a sequence of length 0 yields zeros.
+    """
+    B, Hq, D = q.shape
+    _, block_size, Hkv, _ = k_pool.shape
+    num_used = block_tables.shape[1]
+    if max_seq_len is not None:
+        num_used = max(1, min(num_used, -(-max_seq_len // block_size)))
+    # Entries past a sequence's length may hold anything; clamp them to a valid id (masked below).
+    tables = mx.clip(block_tables[:, :num_used], 0, k_pool.shape[0] - 1)  # (B, nb)
+    T = num_used * block_size
+
+    def gather(pool: mx.array, scales: mx.array | None, biases: mx.array | None) -> mx.array:
+        x = pool[tables]  # (B, nb, block_size, Hkv, D or packed)
+        if bits is not None:
+            x = mx.dequantize(x, scales[tables], biases[tables], group_size=group_size, bits=bits)
+        x = x.astype(mx.float32).reshape(B, T, Hkv, D)
+        return x.transpose(0, 2, 1, 3)  # (B, Hkv, T, D)
+
+    k = gather(k_pool, k_scales, k_biases)
+    v = gather(v_pool, v_scales, v_biases)
+    valid = mx.arange(T)[None, :] < seq_lens[:, None]  # (B, T)
+    # GQA by grouping the q heads of each kv head, so K and V are never repeated; on the CPU this
+    # is 2-3x faster than mx.fast.scaled_dot_product_attention on the strided gather.
+    qg = q.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, D)  # (B, Hkv, G, D)
+    scores = (qg @ k.swapaxes(-1, -2)) * scale  # (B, Hkv, G, T)
+    scores = mx.where(valid[:, None, None, :], scores, -mx.inf)
+    out = (mx.softmax(scores, axis=-1) @ v).reshape(B, Hq, D)
+    # A sequence of length 0 has every score masked (a NaN row); it attends to nothing.
+    out = mx.where((seq_lens > 0)[:, None, None], out, 0.0)
+    return out.astype(q.dtype)
+
+
+def _fp16_at(b: mx.array, i: int) -> mx.array:
+    """(n, bpb) uint8 -> (n, 1) float32 from the little-endian fp16 at byte i."""
+    u = b[:, i].astype(mx.uint16) | (b[:, i + 1].astype(mx.uint16) << 8)
+    return mx.view(u, mx.float16).astype(mx.float32)[:, None]
+
+
+def _bits(x: mx.array, shifts: list[int], mask: int) -> mx.array:
+    """(..., n) uint8 -> (..., len(shifts), n): (x >> shift) & mask for each shift."""
+    s = mx.array(shifts, dtype=mx.uint8)[:, None]
+    return (x[..., None, :] >> s) & mask
+
+
+def _q4k_scale_min(scales: mx.array) -> tuple[mx.array, mx.array]:
+    """(n, 12) uint8, six-bit packed -> (n, 8) scales and (n, 8) mins as float32 (ggml's
+    get_scale_min_k4: sub-blocks 0-3 in the low six bits of bytes 0-3 / 4-7, sub-blocks 4-7 from
+    the nibbles of bytes 8-11 with the top two bits of bytes 0-3 / 4-7)."""
+    d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = mx.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=1)
+    mn = mx.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=1)
+    return sc.astype(mx.float32), mn.astype(mx.float32)
+
+
+def _dequant_q2_k(b: mx.array) -> mx.array:
+    n = b.shape[0]
+    scales, qs = b[:, 0:16], b[:, 16:80]
+    d, dmin = _fp16_at(b, 80), _fp16_at(b, 82)
+    dl = (d * (scales & 0xF).astype(mx.float32)).reshape(n, 16, 1)
+    ml = (dmin * (scales >> 4).astype(mx.float32)).reshape(n, 16, 1)
+    # qs in two halves of 32 bytes; each byte holds four 2-bit weights, 32 weights apart
+    q = _bits(qs.reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 16, 16).astype(mx.float32)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _dequant_q3_k(b: mx.array) -> mx.array:
+    n = b.shape[0]
+    hmask, qs, scales = b[:, 0:32], b[:, 32:96], b[:, 96:108]
+    d = _fp16_at(b, 108)
+    lsc = _bits(scales[:, 0:8], [0, 4], 0x0F).reshape(n, 16)
+    hsc = _bits(scales[:, 8:12], [0, 2, 4, 6], 0x03).reshape(n, 16)
+    sc = (lsc | (hsc << 4)).astype(mx.int8) - 32
+    dl = (d * sc.astype(mx.float32)).reshape(n, 16, 1)
+    ql = _bits(qs.reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 16, 16)
+    qh = _bits(hmask.reshape(n, 1, 32), list(range(8)), 1).reshape(n, 16, 16)
+    # a set hmask bit means no -4 offset
+    q = ql.astype(mx.int8) - ((qh ^ 1) << 2).astype(mx.int8)
+    return (dl * q.astype(mx.float32)).reshape(n, QK_K)
+
+
+def _dequant_q4_k(b: mx.array) -> mx.array:
+    n = b.shape[0]
+    d, dmin = _fp16_at(b, 0), _fp16_at(b, 2)
+    sc, mn = _q4k_scale_min(b[:, 4:16])
+    dl = (d * sc).reshape(n, 8, 1)
+    ml = (dmin * mn).reshape(n, 8, 1)
+    # four chunks of 32 bytes: low nibbles are sub-block 2j, high nibbles sub-block 2j+1
+    q = _bits(b[:, 16:144].reshape(n, 4, 32), [0, 4], 0x0F).reshape(n, 8, 32).astype(mx.float32)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _dequant_q5_k(b: mx.array) -> mx.array:
+    n = b.shape[0]
+    d, dmin = _fp16_at(b, 0), _fp16_at(b, 2)
+    sc, mn = _q4k_scale_min(b[:, 4:16])
+    dl = (d * sc).reshape(n, 8, 1)
+    ml = (dmin * mn).reshape(n, 8, 1)
+    ql = _bits(b[:, 48:176].reshape(n, 4, 32), [0, 4], 0x0F).reshape(n, 8, 32)
+    qh = _bits(b[:, 16:48].reshape(n, 1, 32), list(range(8)), 1).reshape(n, 8, 32)  # bit s: sub-block s
+    q = (ql | (qh << 4)).astype(mx.float32)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _dequant_q6_k(b: mx.array) -> mx.array:
+    n = b.shape[0]
+    ql, qh = b[:, 0:128], b[:, 128:192]
+    sc = mx.view(b[:, 192:208], mx.int8).astype(mx.float32)  # (n, 16), one per 16 weights
+    d = _fp16_at(b, 208)
+    dl = (d * sc).reshape(n, 16, 1)
+    # two halves of 128 weights; ql: 64 bytes, low then high nibbles; qh: 32 bytes, 4 x 2 bits
+    lo = _bits(ql.reshape(n, 2, 64), [0, 4], 0x0F).reshape(n, 8, 32)
+    hi = _bits(qh.reshape(n, 2, 32), [0, 2, 4, 6], 0x03).reshape(n, 8, 32)
+    q = (lo | (hi << 4)).astype(mx.int8) - 32
+    return (dl * q.reshape(n, 16, 16).astype(mx.float32)).reshape(n, QK_K)
+
+
+_DEQUANT = {
+    "Q2_K": _dequant_q2_k,
+    "Q3_K": _dequant_q3_k,
+    "Q4_K": _dequant_q4_k,
+    "Q5_K": _dequant_q5_k,
+    "Q6_K": _dequant_q6_k,
+}
+
+
+def dequantize_kquant(w_blocks: mx.array, ggml_type: str, out_features: int, in_features: int) -> mx.array:
+    """GGUF k-quant bytes (out_features, in_features // 256 * bytes per block), uint8, to float32
+    weights (out_features, in_features); bit for bit what `gguf.quants.dequantize` gives."""
+    bpb = KQUANT_BLOCK_BYTES[ggml_type]
+    blocks = w_blocks.reshape(-1, bpb)  # (out_features * in_features // 256, bpb)
+    return _DEQUANT[ggml_type](blocks).reshape(out_features, in_features)
+
+
+def dequant_matmul_kquant(
+    x: mx.array, w_blocks: mx.array, ggml_type: str, out_features: int, in_features: int
+) -> mx.array:
+    """y = x @ W.T with W dequantized from k-quant bytes; float32 math, y in x's dtype when x is
+    half precision, else float32."""
+    w = dequantize_kquant(w_blocks, ggml_type, out_features, in_features)
+    y = x.astype(mx.float32) @ w.T  # (M, out_features)
+    return y.astype(x.dtype) if x.dtype in (mx.float16, mx.bfloat16) else y

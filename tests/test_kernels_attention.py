@@ -1,0 +1,394 @@
+"""Paged decode attention: naive numpy (per token) vs the MLX-ops reference vs the Metal source run
+by the interpreter, plus the argument checks.
+
+Tolerances (max abs error, outputs are O(1) since V is standard normal):
+  float32 1e-5 (both sides compute in float32; only summation order and exp vs exp2 differ);
+  float16 2e-3 and bfloat16 1.6e-2: the output is rounded to q's dtype (half an ulp at 1-2 is
+  1e-3 / 7.8e-3), and the reference and the kernel may round on either side of a tie.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernels_metal import _backend, paged_decode_attention
+from kernels_metal.paged_attention import HEAD_DIMS
+
+ATOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+needs_interpreter = pytest.mark.skipif(
+    not _backend.interpret_available(),
+    reason="kernels_metal.interpret (the Metal interpreter) is not importable yet",
+)
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def unpack_affine(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> np.ndarray:
+    """Naive inverse of mx.quantize's affine format: element j of a row is bits-wide field
+    j % (32 / bits) of word j // (32 / bits), lowest bits first; w = scale * q + bias per group."""
+    per_word = 32 // bits
+    shifts = (np.arange(per_word, dtype=np.uint32) * bits)[None, :]
+    q = (packed.astype(np.uint32)[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    q = q.reshape(*packed.shape[:-1], -1).astype(np.float64)  # (..., D)
+    group = q.shape[-1] // scales.shape[-1]
+    s = np.repeat(scales.astype(np.float64), group, axis=-1)
+    z = np.repeat(biases.astype(np.float64), group, axis=-1)
+    return s * q + z
+
+
+def make_case(
+    rng: np.random.Generator,
+    seq_lens: list[int],
+    Hkv: int,
+    ratio: int,
+    D: int,
+    block_size: int,
+    dtype: mx.Dtype,
+    bits: int | None = None,
+    group_size: int = 64,
+    spare_blocks: int = 3,
+) -> dict:
+    """A pool with the sequences' blocks scattered over a random permutation of block ids, table
+    entries past each sequence's length set to ids past the pool (which must never be read)."""
+    B = len(seq_lens)
+    blocks_per_seq = [max(1, -(-n // block_size)) for n in seq_lens]
+    max_blocks = max(blocks_per_seq) + 1
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    ids = rng.permutation(num_blocks)
+    tables = np.full((B, max_blocks), num_blocks + 7, dtype=np.int32)
+    start = 0
+    for b, nb in enumerate(blocks_per_seq):
+        tables[b, :nb] = ids[start : start + nb]
+        start += nb
+    shape = (num_blocks, block_size, Hkv, D)
+    q = mx.array(rng.standard_normal((B, Hkv * ratio, D)).astype(np.float32)).astype(dtype)
+    case = dict(
+        q=q,
+        block_tables=mx.array(tables),
+        seq_lens=mx.array(np.array(seq_lens, dtype=np.int32)),
+        scale=1.0 / math.sqrt(D),
+    )
+    k = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    v = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    if bits is None:
+        case.update(k_pool=k, v_pool=v)
+    else:
+        kq, ks, kb = mx.quantize(k, group_size=group_size, bits=bits)
+        vq, vs, vb = mx.quantize(v, group_size=group_size, bits=bits)
+        case.update(
+            k_pool=kq,
+            v_pool=vq,
+            k_scales=ks,
+            k_biases=kb,
+            v_scales=vs,
+            v_biases=vb,
+            bits=bits,
+            group_size=group_size,
+        )
+    return case
+
+
+def naive_attention(case: dict) -> np.ndarray:
+    """Per sequence, per head, per token, in float64: the obviously correct computation."""
+    q = np.array(case["q"].astype(mx.float32), dtype=np.float64)
+    if case.get("bits") is None:
+        k_pool = np.array(case["k_pool"].astype(mx.float32), dtype=np.float64)
+        v_pool = np.array(case["v_pool"].astype(mx.float32), dtype=np.float64)
+    else:
+        f = lambda a: np.array(a.astype(mx.float32))
+        k_pool = unpack_affine(
+            np.array(case["k_pool"]), f(case["k_scales"]), f(case["k_biases"]), case["bits"]
+        )
+        v_pool = unpack_affine(
+            np.array(case["v_pool"]), f(case["v_scales"]), f(case["v_biases"]), case["bits"]
+        )
+    tables = np.array(case["block_tables"])
+    lens = np.array(case["seq_lens"])
+    B, Hq, D = q.shape
+    block_size, Hkv = k_pool.shape[1], k_pool.shape[2]
+    out = np.zeros((B, Hq, D))
+    for b in range(B):
+        for h in range(Hq):
+            hk = h // (Hq // Hkv)
+            keys, values = [], []
+            for t in range(lens[b]):
+                block = tables[b, t // block_size]
+                keys.append(k_pool[block, t % block_size, hk])
+                values.append(v_pool[block, t % block_size, hk])
+            if not keys:
+                continue
+            s = np.array([q[b, h] @ k for k in keys]) * case["scale"]
+            p = np.exp(s - s.max())
+            out[b, h] = (p / p.sum()) @ np.array(values)
+    return out
+
+
+def run(case: dict, backend: str, **kw) -> np.ndarray:
+    out = paged_decode_attention(**case, backend=backend, **kw)
+    assert out.dtype == case["q"].dtype and out.shape == case["q"].shape
+    return np.array(out.astype(mx.float32))
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, dtype: mx.Dtype) -> None:
+    err = float(np.max(np.abs(got - want))) if got.size else 0.0
+    assert err <= ATOL[dtype], f"maxdiff {err:.3g} > {ATOL[dtype]:.3g} ({dtype})"
+
+
+# ---------------------------------------------------------------- strategies
+
+
+@st.composite
+def attention_cases(draw, max_len: int = 150, max_batch: int = 3):
+    block_size = draw(st.sampled_from([16, 32]))
+    D = draw(st.sampled_from(HEAD_DIMS))
+    ratio = draw(st.sampled_from([1, 4, 8]))
+    Hkv = draw(st.sampled_from([1, 2])) if ratio < 8 else 1
+    # quantized KV needs D % group_size == 0: 80 has no supported group size, 96 only 32
+    bits = draw(st.sampled_from([None, 4, 8])) if D != 80 else None
+    group_size = draw(st.sampled_from([g for g in (32, 64) if D % g == 0])) if bits else 64
+    dtype = DTYPES[draw(st.sampled_from(list(DTYPES)))]
+    edge = st.sampled_from([1, block_size - 1, block_size, block_size + 1])
+    lens = draw(st.lists(st.one_of(edge, st.integers(1, max_len)), min_size=1, max_size=max_batch))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    return make_case(rng, lens, Hkv, ratio, D, block_size, dtype, bits, group_size)
+
+
+# ---------------------------------------------------------------- reference vs naive
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=attention_cases())
+def test_reference_matches_naive(case):
+    assert_close(run(case, "reference"), naive_attention(case), case["q"].dtype)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_reference_long_sequence(bits):
+    rng = np.random.default_rng(1)
+    case = make_case(rng, [3001, 17], Hkv=2, ratio=4, D=128, block_size=32, dtype=mx.float32, bits=bits)
+    assert_close(run(case, "reference"), naive_attention(case), mx.float32)
+
+
+def test_reference_empty_sequence_gives_zeros():
+    rng = np.random.default_rng(2)
+    case = make_case(rng, [0, 5], Hkv=1, ratio=1, D=64, block_size=16, dtype=mx.float32)
+    out = run(case, "reference")
+    assert np.all(out[0] == 0)
+    assert_close(out, naive_attention(case), mx.float32)
+
+
+def test_auto_backend_runs_on_this_machine():
+    rng = np.random.default_rng(3)
+    case = make_case(rng, [20], Hkv=1, ratio=4, D=64, block_size=16, dtype=mx.float16)
+    out = paged_decode_attention(**case)
+    assert_close(np.array(out.astype(mx.float32)), naive_attention(case), mx.float16)
+
+
+# ---------------------------------------------------------------- interpreter vs reference
+
+
+@needs_interpreter
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=attention_cases(max_len=80, max_batch=2), partition_size=st.sampled_from([32, 64, 512]))
+def test_interpreter_matches_reference(case, partition_size):
+    got = run(case, "interpret", partition_size=partition_size)
+    assert_close(got, run(case, "reference"), case["q"].dtype)
+
+
+# Every head dim, GQA ratio and KV format at least once, single pass and split-K.
+@needs_interpreter
+@pytest.mark.parametrize(
+    "D, ratio, bits, group_size, dtype, block_size, lens, partition_size",
+    [
+        (64, 1, None, 64, mx.float32, 16, [1, 15, 16], 512),
+        (80, 4, None, 64, mx.float16, 32, [31, 32], 16),
+        (96, 8, 8, 32, mx.float32, 16, [33], 32),
+        (128, 4, 4, 64, mx.bfloat16, 32, [1, 70], 32),
+        (64, 8, 4, 32, mx.float32, 32, [40], 512),
+        (128, 1, 8, 64, mx.float16, 16, [17], 512),
+    ],
+)
+def test_interpreter_covers_formats(D, ratio, bits, group_size, dtype, block_size, lens, partition_size):
+    rng = np.random.default_rng(D + ratio)
+    case = make_case(rng, lens, 1, ratio, D, block_size, dtype, bits, group_size)
+    got = run(case, "interpret", partition_size=partition_size)
+    assert_close(got, run(case, "reference"), dtype)
+    assert_close(got, naive_attention(case), dtype)
+
+
+@needs_interpreter
+def test_interpreter_long_sequence_split_k():
+    rng = np.random.default_rng(4)
+    case = make_case(rng, [2500], Hkv=1, ratio=1, D=64, block_size=32, dtype=mx.float32)
+    got = run(case, "interpret")  # 5 partitions of 512, then the reduce kernel
+    assert_close(got, run(case, "reference"), mx.float32)
+
+
+@needs_interpreter
+def test_interpreter_long_sequences_quantized_gqa():
+    rng = np.random.default_rng(8)
+    case = make_case(
+        rng, [4100, 700], Hkv=2, ratio=4, D=128, block_size=16, dtype=mx.float16, bits=8, group_size=32
+    )
+    got = run(case, "interpret")
+    assert_close(got, run(case, "reference"), mx.float16)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("interpret", marks=needs_interpreter)])
+def test_without_data_checks_same_result(backend):
+    # no host sync: the partitions then cover the tables' capacity, most of them empty
+    rng = np.random.default_rng(10)
+    case = make_case(rng, [70, 3], Hkv=1, ratio=4, D=64, block_size=16, dtype=mx.float32)
+    got = run(case, backend, partition_size=32, check_data=False)
+    assert_close(got, run(case, backend, partition_size=32), mx.float32)
+    assert_close(got, naive_attention(case), mx.float32)
+
+
+@needs_interpreter
+def test_env_selects_the_interpreter(monkeypatch):
+    rng = np.random.default_rng(9)
+    case = make_case(rng, [9], Hkv=1, ratio=1, D=64, block_size=16, dtype=mx.float32)
+    monkeypatch.setenv(_backend.INTERPRET_ENV, "1")
+    assert _backend.resolve("auto") == "interpret"
+    assert_close(run(case, "auto"), naive_attention(case), mx.float32)
+    monkeypatch.setenv(_backend.INTERPRET_ENV, "0")
+    assert _backend.resolve("auto") == ("metal" if mx.metal.is_available() else "reference")
+
+
+@needs_interpreter
+def test_interpreter_empty_sequence_gives_zeros():
+    rng = np.random.default_rng(5)
+    case = make_case(rng, [0, 3], Hkv=1, ratio=1, D=64, block_size=16, dtype=mx.float32)
+    for partition_size in (512, 16):
+        got = run(case, "interpret", partition_size=partition_size)
+        assert np.all(got[0] == 0)
+        assert_close(got, run(case, "reference"), mx.float32)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def small_case(**overrides) -> dict:
+    rng = np.random.default_rng(6)
+    case = make_case(rng, [20, 5], Hkv=2, ratio=2, D=64, block_size=16, dtype=mx.float32)
+    case.update(overrides)
+    return case
+
+
+def quant_case(**overrides) -> dict:
+    rng = np.random.default_rng(7)
+    case = make_case(rng, [20], Hkv=1, ratio=1, D=64, block_size=16, dtype=mx.float16, bits=4, group_size=32)
+    case.update(overrides)
+    return case
+
+
+@pytest.mark.parametrize(
+    "make, error, words",
+    [
+        (lambda: small_case(q=mx.zeros((2, 4, 72))), ValueError, ["q", "head dim", "72"]),
+        (lambda: small_case(q=mx.zeros((2, 4, 64), dtype=mx.int32)), TypeError, ["q", "dtype", "int32"]),
+        (lambda: small_case(q=mx.zeros((2, 64))), ValueError, ["q", "3 dimensions", "(2, 64)"]),
+        (lambda: small_case(q=np.zeros((2, 4, 64))), TypeError, ["q", "mx.array", "ndarray"]),
+        (lambda: small_case(q=mx.zeros((2, 3, 64))), ValueError, ["Hkv = 2", "Hq = 3"]),
+        (
+            lambda: small_case(k_pool=mx.zeros((5, 16, 2, 64), dtype=mx.uint32)),
+            TypeError,
+            ["k_pool", "uint32"],
+        ),
+        (lambda: small_case(v_pool=mx.zeros((5, 16, 2, 64))), ValueError, ["v_pool", "shape"]),
+        (lambda: small_case(k_pool=mx.zeros((5, 16, 2, 32))), ValueError, ["k_pool", "last dim 64", "32"]),
+        (
+            lambda: small_case(block_tables=mx.zeros((2, 3), dtype=mx.int64)),
+            TypeError,
+            ["block_tables", "int64"],
+        ),
+        (
+            lambda: small_case(block_tables=mx.zeros((3, 3), dtype=mx.int32)),
+            ValueError,
+            ["block_tables", "2 rows"],
+        ),
+        (
+            lambda: small_case(seq_lens=mx.array([20, 5, 1], dtype=mx.int32)),
+            ValueError,
+            ["seq_lens", "(2,)", "(3,)"],
+        ),
+        (lambda: small_case(seq_lens=mx.array([20.0, 5.0])), TypeError, ["seq_lens", "float32"]),
+        (
+            lambda: small_case(seq_lens=mx.array([20, -1], dtype=mx.int32)),
+            ValueError,
+            ["seq_lens[1]", ">= 0", "-1"],
+        ),
+        (
+            lambda: small_case(seq_lens=mx.array([20, 49], dtype=mx.int32)),
+            ValueError,
+            ["seq_lens[1]", "3 * 16 = 48", "49"],
+        ),
+        (lambda: small_case(scale="0.1"), TypeError, ["scale", "str"]),
+        (lambda: small_case(bits=3), ValueError, ["bits", "3"]),
+        (lambda: small_case(k_scales=mx.zeros((1,))), ValueError, ["k_scales", "None"]),
+        (lambda: quant_case(bits=8), ValueError, ["k_pool", "last dim 16", "8"]),
+        (lambda: quant_case(group_size=48), ValueError, ["group_size", "48"]),
+        (lambda: quant_case(v_biases=None), ValueError, ["v_biases", "None"]),
+        (lambda: quant_case(k_scales=mx.zeros((4, 16, 1, 4))), ValueError, ["k_scales", "shape"]),
+        (lambda: quant_case(k_pool=mx.zeros((4, 16, 1, 8))), TypeError, ["k_pool", "uint32", "float32"]),
+        (lambda: small_case(partition_size=0), ValueError, ["partition_size", "0"]),
+        (lambda: small_case(backend="cuda"), ValueError, ["backend", "cuda"]),
+    ],
+)
+def test_bad_input_raises(make, error, words):
+    with pytest.raises(error) as info:
+        paged_decode_attention(**{"backend": "reference", **make()})
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in {str(info.value)!r}"
+
+
+def test_block_table_past_the_pool_raises():
+    case = small_case()
+    num_blocks = case["k_pool"].shape[0]
+    tables = np.array(case["block_tables"])
+    tables[1, 0] = num_blocks  # seq_lens[1] = 5 uses entry 0
+    with pytest.raises(ValueError) as info:
+        paged_decode_attention(**{**case, "block_tables": mx.array(tables)}, backend="reference")
+    msg = str(info.value)
+    assert "block_tables[1, 0]" in msg and f"[0, {num_blocks})" in msg and f"got {num_blocks}" in msg
+    tables[1, 0] = -2
+    with pytest.raises(ValueError, match=r"block_tables\[1, 0\].*got -2"):
+        paged_decode_attention(**{**case, "block_tables": mx.array(tables)}, backend="reference")
+
+
+def test_unused_table_entries_are_not_checked():
+    case = small_case()  # make_case fills entries past each length with ids past the pool
+    assert int(np.array(case["block_tables"]).max()) >= case["k_pool"].shape[0]
+    paged_decode_attention(**case, backend="reference")
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="checks the message on a machine without Metal")
+def test_metal_backend_without_metal_raises():
+    with pytest.raises(RuntimeError, match="Metal"):
+        paged_decode_attention(**small_case(), backend="metal")
+
+
+def test_metal_kernels_are_built_at_import():
+    # construction needs no device, so a Linux import builds them too; calling needs Metal
+    from kernels_metal import paged_attention
+
+    assert not isinstance(paged_attention._METAL_KERNELS, Exception)
+    assert set(paged_attention._METAL_KERNELS) == {
+        (0, True),
+        (0, False),
+        (4, True),
+        (4, False),
+        (8, True),
+        (8, False),
+        "reduce",
+    }
