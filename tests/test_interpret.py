@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from kernels_metal.interpret import MetalCompileError, MetalInterpretError, metal_kernel
 from kernels_metal.interpret.signature import verbose_text
+from kernels_metal.interpret.translate import msl_to_cpp
 
 # ---- generated source == MLX's ----------------------------------------------------------------
 
@@ -194,6 +195,104 @@ def test_threadgroup_reduction_with_edge_groups(tg_reduce, n, tg):
     out = np.array(_run1(tg_reduce, [mx.array(x)], (n, 1, 1), (tg, 1, 1), (groups,)))
     want = np.array([x[g * tg : (g + 1) * tg].sum() for g in range(groups)])
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
+EXPR_SIZE_REDUCE = """
+    threadgroup float buf[NSG * 32];           // array sizes are constant expressions
+    threadgroup float sg_max[2 * NSG / 2][1];
+    uint tid = thread_index_in_threadgroup;
+    uint gid = thread_position_in_grid.x;
+    float v = inp[gid];
+    buf[tid] = v;
+    float m = simd_max(v > 2.0f ? v : -INFINITY);  // a SIMD-group may have no such value
+    if (thread_index_in_simdgroup == 0) sg_max[simdgroup_index_in_threadgroup][0] = m;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid == 0) {
+        float s = 0.0f, mx = -INFINITY;
+        for (uint i = 0; i < threads_per_threadgroup.x; ++i) s += buf[i];
+        for (uint k = 0; k < simdgroups_per_threadgroup; ++k) mx = max(mx, sg_max[k][0]);
+        uint g = threadgroup_position_in_grid.x;
+        out[2 * g] = s;
+        out[2 * g + 1] = mx == -INFINITY ? INFINITY : mx * M_PI_F;
+    }
+"""
+
+
+@pytest.mark.parametrize("nsg, n", [(2, 200), (4, 300)])
+def test_threadgroup_arrays_sized_by_expressions(nsg, n):
+    # `threadgroup float buf[NSG * 32];` once became a per-thread array (the `*` read as a pointer)
+    kernel = metal_kernel(name="expr_reduce", input_names=["inp"], output_names=["out"],
+                          source=EXPR_SIZE_REDUCE)  # fmt: skip
+    x = np.random.default_rng(n).normal(size=n).astype(np.float32)
+    tg = nsg * 32
+    groups = -(-n // tg)
+    out = np.array(_run1(kernel, [mx.array(x)], (n, 1, 1), (tg, 1, 1), (2 * groups,),
+                         template=[("NSG", nsg)])).reshape(groups, 2)  # fmt: skip
+    for g in range(groups):
+        part = x[g * tg : (g + 1) * tg]
+        np.testing.assert_allclose(out[g, 0], part.sum(), rtol=1e-4, atol=1e-4)
+        big = part[part > 2.0]
+        assert out[g, 1] == (big.max() * np.float32(np.pi) if big.size else np.inf)
+    assert np.isinf(out[:, 1]).any() and np.isfinite(out[:, 1]).any()  # both cases seen
+
+
+@pytest.mark.parametrize(
+    "decl, names",
+    [
+        ("threadgroup float a[NSG * D];", ["a"]),
+        ("threadgroup float a[2 * 32][4], b[(N + 1) * sizeof(float)];", ["a", "b"]),
+        ("threadgroup atomic<uint> n;", ["n"]),
+        ("threadgroup vec<float, 4> v[N * 2];", ["v"]),
+        ("alignas(sizeof(float4)) threadgroup float q[4 * 4];", ["q"]),
+        ("threadgroup float m[2] = {-INFINITY,\n 0.0f}, k[3];", ["m", "k"]),
+        ("threadgroup float* p = buf + 2 * 3;", None),
+        ("threadgroup float& r = buf[0];", None),
+        ("threadgroup float* ptrs[4];", None),
+        ("threadgroup float (*pp)[4] = &a;", None),
+        ("auto p = (threadgroup float*)(q);", None),
+        ("void f(threadgroup float* x, uint i) { x[0] = 1; }", None),
+        ("void f(threadgroup float x[4], uint i) { x[0] = 1; }", None),
+        ("#define TG threadgroup\nTG float z[4];", None),
+    ],
+)
+def test_threadgroup_storage_or_qualifier(decl, names):
+    cpp = msl_to_cpp(decl)
+    assert "threadgroup" not in cpp and cpp.count("\n") == decl.count("\n")  # lines kept
+    if names is None:  # an address-space qualifier: the keyword disappears
+        assert "static" not in cpp and "tg_register" not in cpp
+    else:  # storage shared by the threadgroup; initializers are dropped (memory starts poisoned)
+        assert "static" in cpp and "INFINITY" not in cpp
+        assert [part.split(",")[1].strip() for part in cpp.split("tg_register(")[1:]] == [
+            f"sizeof({n})" for n in names
+        ]
+
+
+MSL_CONSTANTS = {
+    "INFINITY": np.inf, "-INFINITY": -np.inf, "HUGE_VALF": np.inf, "HUGE_VALH": np.inf,
+    "MAXFLOAT": np.finfo(np.float32).max, "FLT_MAX": np.finfo(np.float32).max,
+    "FLT_MIN": np.finfo(np.float32).tiny, "FLT_EPSILON": np.finfo(np.float32).eps,
+    "HALF_MAX": 65504.0, "MAXHALF": 65504.0, "HALF_MIN": 2.0**-14, "HALF_EPSILON": 2.0**-10,
+    "BFLOAT_MAX": float.fromhex("0x1.fep127"), "MAXBFLOAT": float.fromhex("0x1.fep127"),
+    "BFLOAT_EPSILON": 2.0**-7,
+    "M_PI_F": np.float32(np.pi), "M_E_F": np.float32(np.e), "M_LN2_F": np.float32(np.log(2)),
+    "M_LOG2E_F": np.float32(np.log2(np.e)), "M_SQRT2_F": np.float32(np.sqrt(2)),
+    "M_SQRT1_2_F": np.float32(np.sqrt(0.5)), "M_PI_H": np.float16(np.pi),
+    "M_PI_BF": 3.140625,  # pi rounded to bfloat's 8 significant bits
+    "FLT_MAX_EXP": 128, "FLT_MIN_EXP": -125, "FLT_RADIX": 2, "HALF_MANT_DIG": 11,
+    "BFLOAT_MANT_DIG": 8,
+    "sizeof(INFINITY) + sizeof(M_PI_F) + sizeof(FLT_MAX)": 12,  # float
+    "sizeof(HALF_MAX) + sizeof(M_PI_H) + sizeof(M_PI_BF)": 6,  # half, half, bfloat
+}  # fmt: skip
+
+
+def test_msl_constants():
+    src = "constexpr float lo = -INFINITY;\nout[0] = isnan(NAN) && lo < 0;\n"
+    src += "".join(f"out[{k + 1}] = {expr};\n" for k, expr in enumerate(MSL_CONSTANTS))
+    kernel = metal_kernel(name="constants", input_names=["inp"], output_names=["out"], source=src)
+    out = np.array(_run1(kernel, [mx.zeros(1)], (1, 1, 1), (1, 1, 1), (len(MSL_CONSTANTS) + 1,)))
+    assert out[0] == 1
+    for expr, got in zip(MSL_CONSTANTS, out[1:]):
+        assert got == np.float32(MSL_CONSTANTS[expr]), expr
 
 
 def test_missing_barrier_is_caught():

@@ -2,9 +2,10 @@
 
 The kernel text is kept as it is, line for line (compiler messages point at lines of the source
 `verbose=True` prints); only what C++ cannot say is rewritten:
-- `threadgroup T name[N];` declarations become function statics, registered with the runtime,
-  which poisons them before every threadgroup (all fibers of a group share them, as on a GPU);
-  `threadgroup` as a pointer qualifier becomes nothing;
+- `threadgroup T name[N * M][K];` declarations (any constant size expressions) become function
+  statics, registered with the runtime, which poisons them before every threadgroup (all fibers of
+  a group share them, as on a GPU; initializers are dropped); `threadgroup` as a pointer,
+  reference or parameter qualifier becomes nothing;
 - Metal attributes (`[[kernel]]`, `[[buffer(0)]]`, `[[thread_position_in_grid]]`...) are dropped;
 - half literals (`1.0h`) become `((half)(1.0))`;
 - the explicit instantiation line is dropped: the launch stub below instantiates the kernel.
@@ -38,37 +39,73 @@ _TOKENS = re.compile(
     re.S,
 )
 _IDENT = re.compile(r"[A-Za-z_]\w*")
+_ALIGNAS = re.compile(r"alignas\s*\((?:[^()]|\([^()]*\))*\)")
 
 
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch in "[<(":
+def _storage_declaration(decl: str) -> tuple[list[str], str] | None:
+    """`decl` is what follows `threadgroup` up to the `;`. When it declares storage (`float
+    a[N * D][4], b;`, `atomic<uint> n;`, `float m[2] = {...}`), its names and `decl` without the
+    initializers (newlines kept); None when `threadgroup` qualifies a pointer, a reference, a cast
+    or a parameter.
+
+    Array sizes are arbitrary constant expressions; only the type and declarator names (outside
+    brackets and initializers) must be free of `*&(){}`."""
+    check = _ALIGNAS.sub(lambda m: " " * len(m.group()), decl)
+    names: list[str] = []
+    drops: list[tuple[int, int]] = []
+    depth = angle = 0  # ([{ nesting; template <> nesting in a type
+    seg, named, init = 0, False, -1  # current declarator's start, its name seen, initializer start
+
+    def name_here(i: int) -> None:
+        nonlocal named
+        if not named:
+            idents = _IDENT.findall(check[seg:i])
+            if idents:
+                names.append(idents[-1])
+            named = True
+
+    for i, ch in enumerate(check):
+        if depth == 0 and init < 0:  # type and declarator
+            if ch == "<":
+                angle += 1
+            elif ch == ">":
+                angle -= 1
+            elif ch in "*&(){}#":
+                return None
+            elif ch == "[":
+                name_here(i)
+                depth += 1
+            elif ch == "=":
+                name_here(i)
+                init = i
+            elif ch == "," and angle == 0:
+                name_here(i)
+                seg, named = i + 1, False
+        elif ch in "[({":
             depth += 1
-        elif ch in "]>)":
+        elif ch in "])}":
             depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return parts
+            if depth < 0:  # closes a parameter list: `threadgroup float x[4], uint i) {`
+                return None
+        elif ch == "," and depth == 0:  # end of an initializer
+            drops.append((init, i))
+            seg, named, init = i + 1, False, -1
+    if depth or angle:
+        return None
+    if init >= 0:
+        drops.append((init, len(check)))
+    else:
+        name_here(len(check))
+    if not names:
+        return None
+    for a, b in reversed(drops):
+        decl = decl[:a] + "\n" * decl.count("\n", a, b) + decl[b:]
+    return names, decl
 
 
-def _declared_names(decl: str) -> list[str]:
-    """Names in `float a[4], b[N]` (type first, then declarators)."""
-    names = []
-    for k, part in enumerate(_split_top_level(decl)):
-        head = part.split("[", 1)[0]
-        idents = _IDENT.findall(head)
-        if idents:
-            names.append(idents[-1] if k == 0 else idents[0])
-    return names
-
-
-def _registrations(decl: str) -> str:
+def _registrations(names: list[str]) -> str:
     return "".join(
-        f' ::rl::tg_register((void*)&{n}, sizeof({n}), "{n}", __LINE__);'
-        for n in _declared_names(decl)
+        f' ::rl::tg_register((void*)&{n}, sizeof({n}), "{n}", __LINE__);' for n in names
     )
 
 
@@ -86,11 +123,14 @@ def msl_to_cpp(text: str) -> str:
             out.append(f"((half)({m.group()[:-1]}))")
         elif kind == "tg":
             semi = text.find(";", m.end())
-            decl = text[m.end() : semi] if semi >= 0 else ""
-            check = re.sub(r"alignas\s*\([^)]*\)", "", decl)
-            if semi >= 0 and not any(c in check for c in "*&=(){}#"):
+            line = text[text.rfind("\n", 0, m.start()) + 1 : m.start()]
+            storage = None
+            if semi >= 0 and not line.lstrip().startswith("#"):
+                storage = _storage_declaration(text[m.end() : semi])
+            if storage:
                 # storage: shared by the threadgroup's fibers, poisoned before each group
-                out.append("static" + decl + ";" + _registrations(check))
+                names, decl = storage
+                out.append("static" + decl + ";" + _registrations(names))
                 pos = semi + 1
             else:  # an address-space qualifier
                 out.append(" " * len("threadgroup"))

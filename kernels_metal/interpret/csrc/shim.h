@@ -40,12 +40,35 @@ typedef unsigned long ulong;  // MSL long/ulong are 64-bit, as on LP64
 #define FLT_EPSILON 0x1p-23f
 #define FLT_DIG 6
 #define FLT_MANT_DIG 24
+#define FLT_MAX_10_EXP 38
+#define FLT_MAX_EXP 128
+#define FLT_MIN_10_EXP (-37)
+#define FLT_MIN_EXP (-125)
+#define FLT_RADIX 2
 #define HALF_MAX ((half)65504.0f)
 #define MAXHALF ((half)65504.0f)
 #define HALF_MIN ((half)0x1p-14f)
 #define HALF_EPSILON ((half)0x1p-10f)
 #define HUGE_VALH ((half)__builtin_inff())
+#define HALF_DIG 3
+#define HALF_MANT_DIG 11
+#define HALF_MAX_10_EXP 4
+#define HALF_MAX_EXP 16
+#define HALF_MIN_10_EXP (-4)
+#define HALF_MIN_EXP (-13)
+#define HALF_RADIX 2
 #define BFLOAT_MAX ((bfloat)0x1.fep+127f)
+#define MAXBFLOAT ((bfloat)0x1.fep+127f)
+#define BFLOAT_MIN ((bfloat)0x1p-126f)
+#define BFLOAT_EPSILON ((bfloat)0x1p-7f)
+#define HUGE_VALBF ((bfloat)__builtin_inff())
+#define BFLOAT_DIG 2
+#define BFLOAT_MANT_DIG 8
+#define BFLOAT_MAX_10_EXP 38
+#define BFLOAT_MAX_EXP 128
+#define BFLOAT_MIN_10_EXP (-37)
+#define BFLOAT_MIN_EXP (-125)
+#define BFLOAT_RADIX 2
 #define CHAR_BIT 8
 #define SCHAR_MAX 127
 #define SCHAR_MIN (-128)
@@ -87,6 +110,19 @@ typedef unsigned long ulong;  // MSL long/ulong are 64-bit, as on LP64
 #define M_2_SQRTPI_H ((half)M_2_SQRTPI_F)
 #define M_SQRT2_H ((half)M_SQRT2_F)
 #define M_SQRT1_2_H ((half)M_SQRT1_2_F)
+#define M_E_BF ((bfloat)M_E_F)
+#define M_LOG2E_BF ((bfloat)M_LOG2E_F)
+#define M_LOG10E_BF ((bfloat)M_LOG10E_F)
+#define M_LN2_BF ((bfloat)M_LN2_F)
+#define M_LN10_BF ((bfloat)M_LN10_F)
+#define M_PI_BF ((bfloat)M_PI_F)
+#define M_PI_2_BF ((bfloat)M_PI_2_F)
+#define M_PI_4_BF ((bfloat)M_PI_4_F)
+#define M_1_PI_BF ((bfloat)M_1_PI_F)
+#define M_2_PI_BF ((bfloat)M_2_PI_F)
+#define M_2_SQRTPI_BF ((bfloat)M_2_SQRTPI_F)
+#define M_SQRT2_BF ((bfloat)M_SQRT2_F)
+#define M_SQRT1_2_BF ((bfloat)M_SQRT1_2_F)
 
 // ---- vector types (clang ext vectors: swizzles, elementwise ops, scalar splat) -------------
 #define RL_VECS(T, name)                                     \
