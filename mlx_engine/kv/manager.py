@@ -1,0 +1,213 @@
+"""The KV cache manager: block tables per sequence, prefix hits, copy-on-write, rollback.
+
+After vLLM v1's `kv_cache_manager.py`, single attention type, no lookahead slots. Pure Python; the
+storage (`paged.py`) follows the tables this file keeps, and performs the copies it asks for.
+
+Per sequence the manager keeps the block table, the number of tokens the table holds, and the hash
+chain of its full blocks. Invariant after every call: len(table) == ceil(num_tokens / block_size).
+
+Copy-on-write contract with the storage: `allocate_slots` may replace a sequence's last block (a
+partial block shared by a fork, or a cached block that a trim made partial again) by a fresh one and
+append (src_block_id, dst_block_id) to `pending_copies`. Before any KV write of the step, the storage
+copies every pending pair in list order (whole blocks), then clears the list.
+
+When blocks get hashed: at `allocate_slots`, as soon as the tokens it covers fill a block, that is,
+before the forward pass writes their KV (as vLLM). Run the step's forward before another sequence's
+`get_computed_blocks` can serve those blocks, or in the same batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mlx_engine.kv.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Block tables over one BlockPool, with prefix caching when the pool has it enabled."""
+
+    def __init__(self, pool: BlockPool, block_size: int, extra_key: bytes = b"") -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size}: must be at least 1")
+        self.pool = pool
+        self.block_size = block_size
+        self.extra_key = extra_key
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_num_tokens: dict[str, int] = {}
+        # Hash chain of each sequence's full blocks, table order; len == num_tokens // block_size when
+        # caching is on. Kept apart from block.block_hash: a first-wins loser holds no hash itself.
+        self.req_to_block_hashes: dict[str, list[bytes]] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    # ---- prefix cache ------------------------------------------------------------------------------
+
+    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks that matches token_ids' prefix, and the tokens it holds.
+
+        At most len(token_ids) - 1 tokens are reported computed: the last token must go through the model
+        to give logits. Pass the blocks to `allocate_slots` right away (no allocation in between), which
+        takes a reference to them; until then they may be evicted.
+        """
+        self.num_queried_tokens += len(token_ids)
+        if not self.pool.enable_caching or not token_ids:
+            return [], 0
+        bs = self.block_size
+        computed: list[KVCacheBlock] = []
+        parent: bytes | None = None
+        for i in range((len(token_ids) - 1) // bs):
+            block_tokens = token_ids[i * bs:(i + 1) * bs]
+            parent = hash_block_tokens(parent, block_tokens, self.extra_key)
+            block = self.pool.get_cached_block(parent, block_tokens)
+            if block is None:
+                break
+            computed.append(block)
+        num_computed_tokens = len(computed) * bs
+        self.num_hit_tokens += num_computed_tokens
+        return computed, num_computed_tokens
+
+    # ---- allocation --------------------------------------------------------------------------------
+
+    def allocate_slots(self, req_id: str, token_ids: Sequence[int], num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
+        """Make room for num_new_tokens more tokens of req_id, after its table and new_computed_blocks.
+
+        token_ids: the sequence's tokens, at least through the new ones (a whole prompt is fine under
+        chunked prefill; only full blocks within the new total are hashed). Returns the newly allocated
+        blocks (a copy-on-write destination first), or None, with nothing changed, when the pool cannot
+        supply them.
+        """
+        bs = self.block_size
+        table = self.req_to_blocks.get(req_id, [])
+        num_tokens = self.req_to_num_tokens.get(req_id, 0)
+        if new_computed_blocks and num_tokens % bs:
+            raise ValueError(f"{req_id}: computed blocks must start at a block boundary ({num_tokens} tokens)")
+        num_computed = num_tokens + len(new_computed_blocks) * bs
+        total = num_computed + num_new_tokens
+        if num_new_tokens < 0 or len(token_ids) < total:
+            raise ValueError(f"{req_id}: {num_new_tokens} new tokens after {num_computed}, "
+                             f"but token_ids holds {len(token_ids)}")
+        for i, block in enumerate(new_computed_blocks):
+            j = len(table) + i
+            if block.block_hash is None or block.token_ids != tuple(token_ids[j * bs:(j + 1) * bs]):
+                raise ValueError(f"{req_id}: computed block {block.block_id} was evicted or changed "
+                                 "since get_computed_blocks")
+
+        num_new_blocks = cdiv(total, bs) - len(table) - len(new_computed_blocks)
+        tail = table[-1] if table else None
+        # The new tokens write into the existing last block iff it is partial; copy it first when
+        # another sequence holds it (fork) or the prefix cache does (a trim made it partial again).
+        needs_cow = (num_new_tokens > 0 and num_computed % bs != 0 and tail is not None
+                     and (tail.ref_cnt > 1 or tail.block_hash is not None))
+        # A computed block with ref_cnt 0 is taken out of the free queue by touch(): count it.
+        num_evictable_computed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + needs_cow > self.pool.get_num_free_blocks() - num_evictable_computed:
+            return None
+
+        self.pool.touch(new_computed_blocks)
+        hashes = self.req_to_block_hashes.setdefault(req_id, [])
+        if self.pool.enable_caching:
+            hashes.extend(b.block_hash for b in new_computed_blocks)  # type: ignore[misc]
+        table = self.req_to_blocks.setdefault(req_id, table)
+        table.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks + needs_cow)
+        if needs_cow:
+            assert tail is not None
+            dst = new_blocks[0]
+            table[-1] = dst
+            self.pending_copies.append((tail.block_id, dst.block_id))
+            self.pool.free_blocks([tail])
+            table.extend(new_blocks[1:])
+        else:
+            table.extend(new_blocks)
+        self.req_to_num_tokens[req_id] = total
+        self._cache_full_blocks(req_id, token_ids, total)
+        return new_blocks
+
+    def _cache_full_blocks(self, req_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+        if not self.pool.enable_caching:
+            return
+        bs, table, hashes = self.block_size, self.req_to_blocks[req_id], self.req_to_block_hashes[req_id]
+        for i in range(len(hashes), num_tokens // bs):
+            block_tokens = token_ids[i * bs:(i + 1) * bs]
+            h = hash_block_tokens(hashes[-1] if hashes else None, block_tokens, self.extra_key)
+            hashes.append(h)
+            self.pool.cache_full_block(table[i], h, block_tokens)
+
+    # ---- sequences ---------------------------------------------------------------------------------
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """child_id shares every block of parent_id; the first write by either into the shared partial
+        last block copies it (see `pending_copies`)."""
+        if child_id in self.req_to_blocks:
+            raise ValueError(f"fork: {child_id!r} already has a block table")
+        blocks = self.req_to_blocks[parent_id]
+        self.pool.touch(blocks)
+        self.req_to_blocks[child_id] = list(blocks)
+        self.req_to_num_tokens[child_id] = self.req_to_num_tokens[parent_id]
+        self.req_to_block_hashes[child_id] = list(self.req_to_block_hashes.get(parent_id, []))
+
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        """Roll req_id back to its first num_tokens tokens (rejected draft tokens). Blocks past
+        ceil(num_tokens / block_size) are freed, tail first; a cached block left partial stays cached
+        for others and is copied on the next write."""
+        current = self.req_to_num_tokens[req_id]
+        if not 0 <= num_tokens <= current:
+            raise ValueError(f"trim {req_id} to {num_tokens} tokens: it holds {current}")
+        table = self.req_to_blocks[req_id]
+        keep = cdiv(num_tokens, self.block_size)
+        self.pool.free_blocks(reversed(table[keep:]))
+        del table[keep:]
+        del self.req_to_block_hashes[req_id][num_tokens // self.block_size:]
+        self.req_to_num_tokens[req_id] = num_tokens
+
+    def free(self, req_id: str) -> None:
+        """Release req_id's blocks in reverse order: its tail blocks become the first evicted. Unknown
+        ids are ignored."""
+        table = self.req_to_blocks.pop(req_id, None)
+        self.req_to_num_tokens.pop(req_id, None)
+        self.req_to_block_hashes.pop(req_id, None)
+        if table:
+            self.pool.free_blocks(reversed(table))
+
+    # ---- views for the storage ---------------------------------------------------------------------
+
+    def slot_mapping(self, req_id: str, start: int, end: int) -> list[int]:
+        """Flat KV slots (block_id * block_size + offset) of positions start..end-1."""
+        if not 0 <= start <= end <= self.req_to_num_tokens.get(req_id, 0):
+            raise ValueError(f"slot_mapping({req_id}, {start}, {end}): it holds "
+                             f"{self.req_to_num_tokens.get(req_id, 0)} tokens")
+        bs, table = self.block_size, self.req_to_blocks.get(req_id, [])
+        return [table[p // bs].block_id * bs + p % bs for p in range(start, end)]
+
+    def block_table(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(req_id, [])]
+
+    def num_tokens(self, req_id: str) -> int:
+        return self.req_to_num_tokens.get(req_id, 0)
+
+    def stats(self) -> dict:
+        """Counts for Engine.kv_stats(): blocks total/used/cached/free, hit rate, fragmentation."""
+        pool, bs = self.pool, self.block_size
+        num_used = sum(1 for b in pool.blocks if b.ref_cnt > 0)
+        num_slots = sum(len(t) for t in self.req_to_blocks.values()) * bs
+        num_held = sum(self.req_to_num_tokens.values())
+        return {
+            "num_blocks": pool.num_blocks,
+            "block_size": bs,
+            "used": num_used,
+            "cached": pool.num_cached_blocks(),
+            "free": pool.get_num_free_blocks(),
+            "usage": pool.get_usage(),
+            "num_sequences": len(self.req_to_blocks),
+            "num_queried_tokens": self.num_queried_tokens,
+            "num_hit_tokens": self.num_hit_tokens,
+            "hit_rate": self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0,
+            # Slots the live tables hold but no token fills (partial tail blocks), over all they hold.
+            "fragmentation": 1.0 - num_held / num_slots if num_slots else 0.0,
+        }
