@@ -26,6 +26,13 @@ LOAD_OPTIONS = {
     "the checkpoint's on Metal)",
     "prefill_chunk_size": "tokens per prefill step (default 512)",
     "max_context": "cap the context length below the model's own",
+    "block_size": "tokens per KV block: 16 (default) or 32",
+    "kv_bits": "quantize the KV cache: 8 or 4 bits (default: None, the activation dtype)",
+    "kv_group_size": "group size of quantized KV: 64 (default) or 32",
+    "kv_budget_bytes": "bytes for the KV block pool (default: one full context plus 25%, within half the "
+    "free memory)",
+    "prefix_caching": "reuse KV blocks across requests that share a prefix (default True)",
+    "paged_kv": "force the paged KV cache on or off (default: on where the model supports it)",
 }
 
 
@@ -147,6 +154,10 @@ class Engine:
         """Bytes one decode step reads at this context length: weights (the embedding table only when
         tied to the head) plus K and V of every layer. Times tokens/s over bandwidth is % of roofline."""
         return self._runner.decode_bytes_per_token(context_tokens)
+
+    def kv_stats(self) -> dict[str, Any]:
+        """KV cache occupancy: blocks total/used/cached/free, bytes, prefix hit rate, fragmentation."""
+        return self._thread.call(self._runner.kv_stats)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

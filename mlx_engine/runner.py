@@ -48,8 +48,8 @@ class Runner:
         self.context_length = info.context_length
         self.vocab_size = info.vocab_size
         self.eos_ids = frozenset(info.eos_token_ids)
-        self._cache: list[Any] | None = None
-        self._cache_tokens: list[int] = []  # the tokens whose K/V are in self._cache, in order
+        self.cache: Any = None  # PagedCache or ContiguousCache, set by load()
+        self._request_counter = 0
 
     @classmethod
     def load(
@@ -58,7 +58,16 @@ class Runner:
         dtype: str | None = None,
         prefill_chunk_size: int = 512,
         max_context: int | None = None,
+        block_size: int = 16,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        kv_budget_bytes: int | None = None,
+        prefix_caching: bool = True,
+        paged_kv: bool | None = None,
     ) -> Runner:
+        from mlx_engine.kv.cache import KVConfig
+
+        kv_config = KVConfig(block_size, kv_bits, kv_group_size, kv_budget_bytes, prefix_caching)
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise RooflineError(f"prefill_chunk_size={prefill_chunk_size!r}: expected an integer >= 1")
         ckpt = load_checkpoint(model)
@@ -103,7 +112,28 @@ class Runner:
         )
         runner = cls(built, tokenizer, info, prefill_chunk_size)
         runner._shape = _decode_shape(ckpt.config, params, act_dtype)
+        runner.fingerprint = model_fingerprint(ckpt, act_dtype)
+        runner.cache = runner._make_cache(kv_config, paged_kv, act_dtype)
         return runner
+
+    def _make_cache(self, config: Any, paged: bool | None, dtype: mx.Dtype) -> Any:
+        from mlx_engine.kv.cache import ContiguousCache, PagedCache
+
+        why_not = None
+        if not self.native:
+            why_not = "the model runs on an mlx-lm class"
+        elif self.model.args.sliding_window is not None:
+            why_not = "the model uses sliding-window attention"
+        if paged is False or (paged is None and why_not):
+            if config.kv_bits is not None:
+                raise RooflineError(f"kv_bits needs the paged KV cache, which is off here ({why_not or 'paged_kv=False'})")
+            return ContiguousCache(self.model, self.native)
+        if why_not:
+            raise RooflineError(f"paged_kv=True is not available: {why_not}")
+        a = self.model.args
+        return PagedCache.create(num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads,
+                                 head_dim=a.head_dim, dtype=dtype, context_length=self.context_length,
+                                 weight_bytes=self.info.weight_bytes, config=config, model_id=self.fingerprint)
 
     def decode_bytes_per_token(self, context: int) -> int:
         from mlx_engine.roofline import decode_bytes_per_token
@@ -113,7 +143,7 @@ class Runner:
                                       s["kv_heads"], s["head_dim"], context, s["kv_itemsize"]).total
 
     def release(self) -> None:
-        self._cache, self._cache_tokens = None, []
+        self.cache = None
         self.model = None
         mx.clear_cache()
 
@@ -145,107 +175,84 @@ class Runner:
                 f"the prompt is {len(ids)} tokens but the model's context is {self.context_length} tokens "
                 f"(at least 1 more is needed to generate)"
             )
+        self.cache.check_fits(len(ids) + min(request.sampling.max_tokens, self.context_length - len(ids)))
         return ids
 
     # --- MLX work (engine thread) ---
 
-    def _new_cache(self) -> list[Any]:
-        if self.native:
-            from mlx_lm.models.cache import KVCache
+    def _fresh_contiguous(self) -> list[Any]:
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-            return [KVCache() for _ in self.model.layers]
-        from mlx_lm.models.cache import make_prompt_cache
+        return [KVCache() for _ in self.model.layers] if self.native else make_prompt_cache(self.model)
 
-        return make_prompt_cache(self.model)
+    def _forward(self, inputs: mx.array, layers: list[Any]) -> mx.array:
+        """inputs (1, L) -> hidden states (native) or logits (mlx-lm classes), lazily."""
+        return self.model(inputs, layers) if self.native else self.model(inputs, cache=layers)
 
-    def _logits_last(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+    def _logits_last(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         """inputs (1, L) -> logits of the last position (1, V), float32."""
+        out = self._forward(inputs, layers)
         if self.native:
-            h = self.model(inputs, cache)  # (1, L, H)
-            return self.model.logits(h[:, -1, :]).astype(mx.float32)
-        return self.model(inputs, cache=cache)[:, -1, :].astype(mx.float32)
+            return self.model.logits(out[:, -1, :]).astype(mx.float32)
+        return out[:, -1, :].astype(mx.float32)
 
     def forward_logits(self, ids: list[int]) -> np.ndarray:
-        inputs = mx.array([ids], dtype=mx.int32)
-        cache = self._new_cache()
-        if self.native:
-            logits = self.model.logits(self.model(inputs, cache))
-        else:
-            logits = self.model(inputs, cache=cache)
+        out = self._forward(mx.array([ids], dtype=mx.int32), self._fresh_contiguous())
+        logits = self.model.logits(out) if self.native else out
         return np.array(logits[0].astype(mx.float32))
 
-    def _reuse_prefix(self, ids: list[int]) -> int:
-        """Keeps the cached K/V of the longest common prefix of `ids` and the cached tokens (leaving at
-        least the last prompt token to compute); returns how many prompt tokens are reused."""
-        if self._cache is None:
-            self._cache = self._new_cache()
-            self._cache_tokens = []
-        n = 0
-        limit = min(len(ids) - 1, len(self._cache_tokens))
-        while n < limit and ids[n] == self._cache_tokens[n]:
-            n += 1
-        extra = len(self._cache_tokens) - n
-        if extra:
-            if self._trim(extra):
-                del self._cache_tokens[n:]
-            else:
-                self._cache, self._cache_tokens, n = self._new_cache(), [], 0
-        return n
-
-    def _trim(self, n: int) -> bool:
-        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
-
-        if not can_trim_prompt_cache(self._cache):
-            return False
-        return trim_prompt_cache(self._cache, n) == n
+    def kv_stats(self) -> dict[str, Any]:
+        return self.cache.stats()
 
     def generate(self, ids: list[int], params: SamplingParams, stream: Any) -> None:
+        self._request_counter += 1
+        req_id = f"req-{self._request_counter}"
+        fed: list[int] = []
         try:
-            self._generate(ids, params, stream)
+            self._generate(req_id, ids, params, stream, fed)
         except Exception as e:  # noqa: BLE001 - reported as the stream's final event
-            # the cache may hold a half-written step: drop it rather than trust it
-            self._cache, self._cache_tokens = None, []
+            # a half-written step may be in the cache: forget it rather than trust it
+            self.cache.drop()
             msg = str(e) if isinstance(e, RooflineError) else f"{type(e).__name__}: {e}"
-            stream.events.put(GenerationEvent(finish_reason="error", error=msg,
-                                              usage=Usage(len(ids), 0, 0)))
+            stream.events.put(GenerationEvent(finish_reason="error", error=msg, usage=Usage(len(ids), 0, 0)))
+        else:
+            self.cache.finish(req_id, fed)
 
-    def _generate(self, ids: list[int], params: SamplingParams, stream: Any) -> None:
+    def _generate(self, req_id: str, ids: list[int], params: SamplingParams, stream: Any, fed: list[int]) -> None:
+        """`fed` collects the tokens whose K/V this request writes (the prompt, then each fed token)."""
         from mlx_engine.sampling import Sampler
 
         mx.reset_peak_memory()
         t_start = time.perf_counter()
-        n_cached = self._reuse_prefix(ids)
-        cache = self._cache
+        max_new = min(params.max_tokens, self.context_length - len(ids))
+        cache = self.cache
+        n_cached = cache.start(req_id, ids)
+        fed.extend(ids[:n_cached])
         sampler = Sampler(params, self.vocab_size, prompt_token_ids=ids)
         want_logprobs = params.logprobs is not None
 
         # prefill all but the last prompt token in chunks, evaluating the cache between chunks
-        todo = ids[n_cached:]
-        for start in range(0, len(todo) - 1, self.prefill_chunk_size):
+        for start in range(n_cached, len(ids) - 1, self.prefill_chunk_size):
             if stream.cancelled.is_set():
-                return self._finish(stream, "cancelled", ids, n_cached, 0, t_start, None, None)
-            chunk = todo[start : min(start + self.prefill_chunk_size, len(todo) - 1)]
-            if self.native:
-                self.model(mx.array([chunk], dtype=mx.int32), cache)
-            else:
-                self.model(mx.array([chunk], dtype=mx.int32), cache=cache)
-            mx.eval([c.state for c in cache])
-            self._cache_tokens.extend(chunk)
+                return self._finish(stream, "cancelled", ids, n_cached, 0, t_start, None, "")
+            end = min(start + self.prefill_chunk_size, len(ids) - 1)
+            layers = cache.layers(req_id, start, end, ids)
+            self._forward(mx.array([ids[start:end]], dtype=mx.int32), layers)
+            mx.eval(cache_state(layers))
+            fed.extend(ids[start:end])
 
-        def step(token: mx.array) -> tuple[mx.array, mx.array | None]:
-            logits = self._logits_last(token.reshape(1, -1), cache)  # (1, V)
+        def step(token: mx.array, pos: int) -> tuple[mx.array, mx.array | None]:
+            logits = self._logits_last(token.reshape(1, -1), cache.layers(req_id, pos, pos + 1, fed))  # (1, V)
             nxt = sampler.sample(logits)  # (1,)
             sampler.accept(nxt)
-            lp = sampler.logprobs(logits) if want_logprobs else None
-            return nxt, lp
+            return nxt, (sampler.logprobs(logits) if want_logprobs else None)
 
-        y, lp = step(mx.array(todo[-1:], dtype=mx.int32))
-        self._cache_tokens.append(todo[-1])
+        y, lp = step(mx.array(ids[-1:], dtype=mx.int32), len(ids) - 1)
+        fed.append(ids[-1])
         mx.async_eval(y) if lp is None else mx.async_eval(y, lp)
 
         detok = self.tokenizer.detokenizer()
         stops = StopStringMatcher(params.stop)
-        max_new = min(params.max_tokens, self.context_length - len(ids))
         n_out = 0
         t_first = t_last = 0.0
         finish = "length"
@@ -253,14 +260,15 @@ class Runner:
             # queue the next step before reading this token, so the host never waits on an idle device
             more = n_out + 1 < max_new
             if more:
-                next_y, next_lp = step(y)
+                next_y, next_lp = step(y, len(fed))
                 mx.async_eval(next_y) if next_lp is None else mx.async_eval(next_y, next_lp)
             token = int(y.item())
             t_last = time.perf_counter()
             if n_out == 0:
                 t_first = t_last
             if more:
-                self._cache_tokens.append(token)
+                fed.append(token)
+                cache.record(req_id, fed)
             if token in self.eos_ids and not params.ignore_eos:
                 finish = "stop"
                 break
@@ -277,7 +285,9 @@ class Runner:
                 finish = "cancelled"
                 break
             y, lp = next_y, next_lp
-        tail = stops.flush(detok.finalize()) if finish != "stop" or not stops.hit else ""
+        if more:  # the queued step wrote K/V for `token`: let it finish before the cache is reused
+            mx.eval(next_y)
+        tail = "" if stops.hit else stops.flush(detok.finalize())
         self._finish(stream, finish, ids, n_cached, n_out, t_start, (t_first, t_last), tail)
 
     def _token_logprob(self, token: int, lp: mx.array, top: int) -> TokenLogprob:
@@ -299,12 +309,8 @@ class Runner:
         n_out: int,
         t_start: float,
         times: tuple[float, float] | None,
-        tail: str | None,
+        tail: str,
     ) -> None:
-        # the cache may have run one step ahead of the emitted tokens; keep it consistent with _cache_tokens
-        over = self._cache[0].offset - len(self._cache_tokens) if self._cache and hasattr(self._cache[0], "offset") else 0
-        if over > 0 and not self._trim(over):
-            self._cache, self._cache_tokens = None, []
         t_first, t_last = times if times else (time.perf_counter(), time.perf_counter())
         prefill_s = max(t_first - t_start, 1e-9)
         stats = Stats(
@@ -346,6 +352,29 @@ class NoTokenizer:
                 return ""
 
         return _Silent()
+
+
+def model_fingerprint(ckpt: Any, dtype: mx.Dtype) -> bytes:
+    """Identity of the weights and activation dtype: the prefix-cache hash key and the guard on saved KV."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    h.update(json.dumps(ckpt.config, sort_keys=True, default=str).encode())
+    path = ckpt.path
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf"))
+    for f in files:
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    h.update(str(dtype).encode())
+    return h.digest()
+
+
+def cache_state(layers: list[Any]) -> list[mx.array]:
+    """What to evaluate after a prefill chunk: the pool (paged) or the layer buffers (contiguous)."""
+    first = layers[0]
+    if hasattr(first, "storage"):
+        return first.storage.arrays()
+    return [c.state for c in layers]
 
 
 def _decode_shape(config: dict[str, Any], params: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, Any]:

@@ -9,13 +9,19 @@ from mlx_engine import Engine, GenerationRequest, SamplingParams
 from mlx_engine.stop import StopStringMatcher
 from tests.tiny_models import GOLDEN
 
-PROMPT = [3, 17, 42, 99, 7, 64, 120, 5]
+PROMPT = [3, 17, 42, 99, 7, 64, 120, 5] * 5  # 40 tokens: two full blocks of 16
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    with Engine.load(str(GOLDEN / "llama")) as e:
+@pytest.fixture(scope="module", params=["paged", "contiguous"])
+def engine(request) -> Engine:
+    with Engine.load(str(GOLDEN / "llama"), paged_kv=request.param == "paged") as e:
         yield e
+
+
+def reusable(engine: Engine, n: int) -> int:
+    """Prompt tokens a cache can reuse out of n held: whole blocks (paged) or all of them (contiguous)."""
+    stats = engine.kv_stats()
+    return n - n % stats["block_size"] if stats["kind"] == "paged" else n
 
 
 def run(engine: Engine, ids: list[int], **sampling) -> tuple[list[int], object]:
@@ -36,15 +42,15 @@ def test_next_turn_prefills_only_the_new_suffix(engine: Engine) -> None:
     turn2 = PROMPT + first + [11, 12, 13]
     second, final2 = run(engine, turn2, max_tokens=6)
     # everything the cache holds is reused: the prompt and the reply tokens that were fed back
-    assert final2.usage.cached_prompt_tokens == len(PROMPT) + len(first) - 1
+    assert final2.usage.cached_prompt_tokens == reusable(engine, len(PROMPT) + len(first) - 1)
     assert second == fresh(turn2, max_tokens=6)
 
 
 def test_diverging_prompt_trims_to_common_prefix(engine: Engine) -> None:
     run(engine, PROMPT, max_tokens=4)
-    other = PROMPT[:5] + [1, 2, 3]
+    other = PROMPT[:35] + [1, 2, 3]
     tokens, final = run(engine, other, max_tokens=5)
-    assert final.usage.cached_prompt_tokens == 5
+    assert final.usage.cached_prompt_tokens == reusable(engine, 35)
     assert tokens == fresh(other, max_tokens=5)
 
 
@@ -102,7 +108,7 @@ def test_forward_logits_leaves_chat_cache_alone(engine: Engine) -> None:
     run(engine, PROMPT, max_tokens=2)
     engine.forward_logits([1, 2, 3])
     _, final = run(engine, PROMPT + [4], max_tokens=1)
-    assert final.usage.cached_prompt_tokens == len(PROMPT)
+    assert final.usage.cached_prompt_tokens == reusable(engine, len(PROMPT))
 
 
 def test_stats_are_filled(engine: Engine) -> None:

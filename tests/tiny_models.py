@@ -142,3 +142,38 @@ def gguf_to_hf_names(dequantized: dict[str, np.ndarray]) -> dict[str, np.ndarray
             _, layer, module, leaf = gname.split(".")
             out[f"model.layers.{layer}.{inverse[module]}.{leaf}"] = value
     return out
+
+
+def random_llama_folder(dst: Path, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                        hidden: int = 64, layers: int = 2, vocab: int = 128, seed: int = 0,
+                        context: int = 512) -> Path:
+    """A random tiny llama checkpoint (fp32 safetensors, no tokenizer) with the given attention shape."""
+    rng = np.random.default_rng(seed)
+    config = {
+        "model_type": "llama", "hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": 96,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
+        "vocab_size": vocab, "rms_norm_eps": 1e-5, "max_position_embeddings": context,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False,
+        "eos_token_id": 2,
+    }
+
+    def w(*shape: int, std: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    weights = {"model.embed_tokens.weight": w(vocab, hidden, std=1.0), "model.norm.weight": 1 + w(hidden),
+               "lm_head.weight": w(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "input_layernorm.weight": 1 + w(hidden), p + "post_attention_layernorm.weight": 1 + w(hidden),
+            p + "self_attn.q_proj.weight": w(num_heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": w(num_kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": w(num_kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, num_heads * head_dim),
+            p + "mlp.gate_proj.weight": w(96, hidden), p + "mlp.up_proj.weight": w(96, hidden),
+            p + "mlp.down_proj.weight": w(hidden, 96),
+        })
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(config))
+    save_file(weights, str(dst / "model.safetensors"))
+    return dst

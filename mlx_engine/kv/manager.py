@@ -77,8 +77,9 @@ class KVCacheManager:
                        new_computed_blocks: Sequence[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
         """Make room for num_new_tokens more tokens of req_id, after its table and new_computed_blocks.
 
-        token_ids: the sequence's tokens, at least through the new ones (a whole prompt is fine under
-        chunked prefill; only full blocks within the new total are hashed). Returns the newly allocated
+        token_ids: the sequence's tokens, through the new ones where known (a whole prompt is fine under
+        chunked prefill; only full blocks within the new total are hashed). Tokens not yet known on the
+        host (a queued decode step) may be missing: their blocks are hashed by `cache_full_blocks` later. Returns the newly allocated
         blocks (a copy-on-write destination first), or None, with nothing changed, when the pool cannot
         supply them.
         """
@@ -89,7 +90,7 @@ class KVCacheManager:
             raise ValueError(f"{req_id}: computed blocks must start at a block boundary ({num_tokens} tokens)")
         num_computed = num_tokens + len(new_computed_blocks) * bs
         total = num_computed + num_new_tokens
-        if num_new_tokens < 0 or len(token_ids) < total:
+        if num_new_tokens < 0 or len(token_ids) < num_computed:
             raise ValueError(f"{req_id}: {num_new_tokens} new tokens after {num_computed}, "
                              f"but token_ids holds {len(token_ids)}")
         for i, block in enumerate(new_computed_blocks):
@@ -126,8 +127,14 @@ class KVCacheManager:
         else:
             table.extend(new_blocks)
         self.req_to_num_tokens[req_id] = total
-        self._cache_full_blocks(req_id, token_ids, total)
+        self._cache_full_blocks(req_id, token_ids, min(total, len(token_ids)))
         return new_blocks
+
+    def cache_full_blocks(self, req_id: str, token_ids: Sequence[int]) -> None:
+        """Registers the blocks that `token_ids` (the sequence's known tokens, up to what its table holds)
+        fill. For pipelined decode, where a step is queued before its input token is known on the host:
+        allocate_slots with the tokens known so far, then call this once the token is read."""
+        self._cache_full_blocks(req_id, token_ids, min(len(token_ids), self.req_to_num_tokens.get(req_id, 0)))
 
     def _cache_full_blocks(self, req_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
         if not self.pool.enable_caching:

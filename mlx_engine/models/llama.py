@@ -75,9 +75,12 @@ class Attention(nn.Module):
         offset = cache.offset if cache is not None else 0
         q = self.rope(q, offset=offset)
         k = self.rope(k, offset=offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)  # (B, nkv, S, hd)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if hasattr(cache, "attention"):  # paged KV: the cache writes k/v to its blocks and attends
+            out = cache.attention(q, k, v, self.scale)
+        else:
+            if cache is not None:
+                k, v = cache.update_and_fetch(k, v)  # (B, nkv, S, hd)
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

@@ -1,0 +1,206 @@
+"""The engine's KV cache for one running sequence at a time, in two forms with one interface.
+
+`PagedCache`: the block pool (prefix caching across requests, quantized KV, a fixed memory budget).
+`ContiguousCache`: mlx-lm's per-layer buffers, for models the paged path does not cover (mlx-lm
+fallback classes, sliding-window attention); it reuses the previous request's prefix by trimming.
+
+Both: `start(req_id, prompt_ids) -> cached tokens`, `layers(start, end, known_ids)` before each forward
+over positions [start, end), `record(known_ids)` once tokens are known, `finish(req_id, fed_ids)`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_engine.api import RequestError, RooflineError
+from mlx_engine.kv.block_pool import BlockPool
+from mlx_engine.kv.manager import KVCacheManager, cdiv
+from mlx_engine.kv.paged import SUPPORTED_KV_BITS, PagedKVStorage, PagedLayerView, bytes_per_block
+
+SUPPORTED_BLOCK_SIZES = (16, 32)  # what kernels_metal.paged_decode_attention is built and tested for
+DEFAULT_MEMORY_FRACTION = 0.5
+
+
+class KVBudgetError(RequestError):
+    """A request whose KV cannot fit the pool."""
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    block_size: int = 16
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    kv_budget_bytes: int | None = None  # None: sized from the context length, capped by free memory
+    prefix_caching: bool = True
+
+    def validate(self, head_dim: int) -> None:
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise RooflineError(f"block_size={self.block_size!r}: expected one of {SUPPORTED_BLOCK_SIZES} "
+                                "(the paged attention kernel's block sizes)")
+        if self.kv_bits is not None and self.kv_bits not in SUPPORTED_KV_BITS:
+            raise RooflineError(f"kv_bits={self.kv_bits!r}: expected 4, 8 or None (unquantized KV)")
+        if self.kv_bits is not None and (self.kv_group_size not in (32, 64) or head_dim % self.kv_group_size):
+            raise RooflineError(f"kv_group_size={self.kv_group_size!r}: expected 32 or 64, dividing the head "
+                                f"dim {head_dim}")
+        if self.kv_budget_bytes is not None and (not isinstance(self.kv_budget_bytes, int)
+                                                 or self.kv_budget_bytes <= 0):
+            raise RooflineError(f"kv_budget_bytes={self.kv_budget_bytes!r}: expected a positive integer")
+
+
+def available_memory_bytes(weight_bytes: int) -> int:
+    """Memory the KV pool may take: on a Mac the recommended working set minus the weights, elsewhere
+    the RAM not in use."""
+    if mx.metal.is_available():
+        return int(mx.metal.device_info()["max_recommended_working_set_size"]) - weight_bytes
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 4 * 2**30
+
+
+class PagedCache:
+    def __init__(self, storage: PagedKVStorage, manager: KVCacheManager, num_layers: int):
+        self.storage, self.manager, self.num_layers = storage, manager, num_layers
+        self.block_size = manager.block_size
+
+    @classmethod
+    def create(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype, context_length: int,
+               weight_bytes: int, config: KVConfig, model_id: bytes) -> PagedCache:
+        config.validate(head_dim)
+        per_block = bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim, dtype.size,
+                                    config.kv_bits, config.kv_group_size)
+        budget = config.kv_budget_bytes
+        if budget is None:
+            # one full context plus a quarter for cached prefixes, within half the free memory
+            wanted = cdiv(context_length, config.block_size) * per_block * 5 // 4
+            budget = min(wanted, int(available_memory_bytes(weight_bytes) * DEFAULT_MEMORY_FRACTION))
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise RooflineError(f"kv_budget_bytes={budget}: smaller than one KV block ({per_block} bytes for "
+                                f"{config.block_size} tokens across {num_layers} layers)")
+        storage = PagedKVStorage(num_layers, num_blocks, config.block_size, num_kv_heads, head_dim, dtype,
+                                 config.kv_bits, config.kv_group_size)
+        manager = KVCacheManager(BlockPool(num_blocks, enable_caching=config.prefix_caching), config.block_size,
+                                 extra_key=model_id)
+        cache = cls(storage, manager, num_layers)
+        cache.bytes_per_block = per_block
+        return cache
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.storage.num_blocks * self.block_size
+
+    def check_fits(self, num_tokens: int) -> None:
+        need = cdiv(num_tokens, self.block_size)
+        if need > self.storage.num_blocks:
+            raise KVBudgetError(
+                f"this request needs KV for {num_tokens} tokens ({need * self.bytes_per_block:,} bytes) but the KV "
+                f"budget holds {self.capacity_tokens} tokens ({self.storage.num_blocks * self.bytes_per_block:,} "
+                "bytes); raise kv_budget_bytes, use kv_bits=8, or shorten the prompt"
+            )
+
+    def start(self, req_id: str, prompt_ids: list[int]) -> int:
+        computed, num_cached = self.manager.get_computed_blocks(prompt_ids)
+        if self.manager.allocate_slots(req_id, prompt_ids, len(prompt_ids) - num_cached, computed) is None:
+            raise KVBudgetError(f"no free KV blocks for a {len(prompt_ids)}-token prompt")
+        self._copy_pending()
+        return num_cached
+
+    def _copy_pending(self) -> None:
+        if self.manager.pending_copies:
+            self.storage.copy_blocks(self.manager.pending_copies)
+            self.manager.pending_copies.clear()
+
+    def layers(self, req_id: str, start: int, end: int, known_ids: list[int]) -> list[PagedLayerView]:
+        have = self.manager.num_tokens(req_id)
+        if end > have:
+            if self.manager.allocate_slots(req_id, known_ids, end - have) is None:
+                raise KVBudgetError(f"the KV pool is full ({self.storage.num_blocks} blocks of {self.block_size})")
+            self._copy_pending()
+        new_slots = mx.array(self.manager.slot_mapping(req_id, start, end), dtype=mx.int32)
+        all_slots = mx.array(self.manager.slot_mapping(req_id, 0, end), dtype=mx.int32) if end - start > 1 else None
+        table = mx.array([self.manager.block_table(req_id)], dtype=mx.int32)
+        return [PagedLayerView(self.storage, i, start, new_slots, all_slots, table, end)
+                for i in range(self.num_layers)]
+
+    def record(self, req_id: str, known_ids: list[int]) -> None:
+        self.manager.cache_full_blocks(req_id, known_ids)
+
+    def finish(self, req_id: str, fed_ids: list[int]) -> None:
+        self.manager.free(req_id)
+
+    def drop(self) -> None:
+        for req in list(self.manager.req_to_blocks):
+            self.manager.free(req)
+
+    def stats(self) -> dict[str, Any]:
+        s = self.manager.stats()
+        s.update(kind="paged", bytes_per_block=self.bytes_per_block, bytes_total=self.storage.nbytes,
+                 bytes_used=s["used"] * self.bytes_per_block, kv_bits=self.storage.bits)
+        return s
+
+
+class ContiguousCache:
+    def __init__(self, model: Any, native: bool):
+        self.model, self.native = model, native
+        self._layers: list[Any] | None = None
+        self._tokens: list[int] = []  # the tokens whose K/V the buffers hold, in order
+        self.num_queried = self.num_hit = 0
+
+    def _new(self) -> list[Any]:
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        return [KVCache() for _ in self.model.layers] if self.native else make_prompt_cache(self.model)
+
+    def _trim(self, n: int) -> bool:
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        return can_trim_prompt_cache(self._layers) and trim_prompt_cache(self._layers, n) == n
+
+    def check_fits(self, num_tokens: int) -> None:
+        pass
+
+    def start(self, req_id: str, prompt_ids: list[int]) -> int:
+        """Keeps the longest common prefix with what the buffers hold (at least the last prompt token
+        is recomputed); returns its length."""
+        if self._layers is None:
+            self._layers, self._tokens = self._new(), []
+        n, limit = 0, min(len(prompt_ids) - 1, len(self._tokens))
+        while n < limit and prompt_ids[n] == self._tokens[n]:
+            n += 1
+        extra = len(self._tokens) - n
+        if extra:
+            if self._trim(extra):
+                del self._tokens[n:]
+            else:
+                self._layers, self._tokens, n = self._new(), [], 0
+        self.num_queried += len(prompt_ids)
+        self.num_hit += n
+        return n
+
+    def layers(self, req_id: str, start: int, end: int, known_ids: list[int]) -> list[Any]:
+        return self._layers
+
+    def record(self, req_id: str, known_ids: list[int]) -> None:
+        pass
+
+    def finish(self, req_id: str, fed_ids: list[int]) -> None:
+        """The buffers may hold one step more than was fed (a pipelined step): trim to `fed_ids`."""
+        offset = getattr(self._layers[0], "offset", len(fed_ids)) if self._layers else 0
+        over = offset - len(fed_ids)
+        if over > 0 and not self._trim(over):
+            self._layers, self._tokens = None, []
+            return
+        self._tokens = list(fed_ids)
+
+    def drop(self) -> None:
+        self._layers, self._tokens = None, []
+
+    def stats(self) -> dict[str, Any]:
+        return {"kind": "contiguous", "num_tokens": len(self._tokens), "num_queried_tokens": self.num_queried,
+                "num_hit_tokens": self.num_hit,
+                "hit_rate": self.num_hit / self.num_queried if self.num_queried else 0.0}

@@ -1,0 +1,162 @@
+"""Paged KV storage in MLX: every layer's K and V in one pool of fixed-size blocks, optionally quantized.
+
+Slots are flat: slot = block_id * block_size + offset. A pool is stored as (num_slots, Hkv, D) (or packed
+uint32 (num_slots, Hkv, D * bits / 32) with per-group scales and biases) and viewed as
+(num_blocks, block_size, Hkv, ...) for the decode kernel. Writes are scatters into the pool array, which
+MLX performs in place when the pool holds the only reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from kernels_metal import paged_decode_attention
+from kernels_metal import reference as kernel_reference
+from kernels_metal.paged_attention import HEAD_DIMS as KERNEL_HEAD_DIMS
+
+SUPPORTED_KV_BITS = (4, 8)
+SUPPORTED_GROUP_SIZES = (32, 64)
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int,
+                    bits: int | None = None, group_size: int = 64) -> int:
+    """K and V of one block across all layers."""
+    per_vector = head_dim * itemsize if bits is None else head_dim * bits // 8 + 2 * (head_dim // group_size) * itemsize
+    return 2 * num_layers * block_size * num_kv_heads * per_vector
+
+
+class PagedKVStorage:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype,
+        bits: int | None = None,
+        group_size: int = 64,
+    ):
+        if bits is not None and bits not in SUPPORTED_KV_BITS:
+            raise ValueError(f"kv_bits={bits!r}: expected one of {SUPPORTED_KV_BITS} or None")
+        if bits is not None and (group_size not in SUPPORTED_GROUP_SIZES or head_dim % group_size):
+            raise ValueError(f"kv_group_size={group_size!r}: expected 32 or 64, dividing head_dim {head_dim}")
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.bits, self.group_size = bits, group_size
+        slots = num_blocks * block_size
+        if bits is None:
+            self.k = [mx.zeros((slots, num_kv_heads, head_dim), dtype) for _ in range(num_layers)]
+            self.v = [mx.zeros((slots, num_kv_heads, head_dim), dtype) for _ in range(num_layers)]
+            self.k_scales = self.k_biases = self.v_scales = self.v_biases = None
+        else:
+            packed, groups = head_dim * bits // 32, head_dim // group_size
+            self.k = [mx.zeros((slots, num_kv_heads, packed), mx.uint32) for _ in range(num_layers)]
+            self.v = [mx.zeros((slots, num_kv_heads, packed), mx.uint32) for _ in range(num_layers)]
+            self.k_scales = [mx.zeros((slots, num_kv_heads, groups), dtype) for _ in range(num_layers)]
+            self.k_biases = [mx.zeros((slots, num_kv_heads, groups), dtype) for _ in range(num_layers)]
+            self.v_scales = [mx.zeros((slots, num_kv_heads, groups), dtype) for _ in range(num_layers)]
+            self.v_biases = [mx.zeros((slots, num_kv_heads, groups), dtype) for _ in range(num_layers)]
+        mx.eval(self.arrays())
+
+    def arrays(self) -> list[mx.array]:
+        out = self.k + self.v
+        if self.bits is not None:
+            out += self.k_scales + self.k_biases + self.v_scales + self.v_biases
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    # --- writes ---
+
+    def _quantize(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        n = x.shape[0]
+        q, s, b = mx.quantize(x.reshape(n * self.num_kv_heads, self.head_dim), group_size=self.group_size,
+                              bits=self.bits)
+        shape = (n, self.num_kv_heads, -1)
+        return q.reshape(shape), s.reshape(shape).astype(self.dtype), b.reshape(shape).astype(self.dtype)
+
+    def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+        """slots (N,) int32; k, v (N, Hkv, D)."""
+        if self.bits is None:
+            self.k[layer][slots] = k.astype(self.dtype)
+            self.v[layer][slots] = v.astype(self.dtype)
+            return
+        kq, ks, kb = self._quantize(k)
+        vq, vs, vb = self._quantize(v)
+        self.k[layer][slots], self.k_scales[layer][slots], self.k_biases[layer][slots] = kq, ks, kb
+        self.v[layer][slots], self.v_scales[layer][slots], self.v_biases[layer][slots] = vq, vs, vb
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src's slots -> block dst's slots, in every layer."""
+        if not pairs:
+            return
+        bs = self.block_size
+        src = mx.array([s * bs + i for s, _ in pairs for i in range(bs)], dtype=mx.int32)
+        dst = mx.array([d * bs + i for _, d in pairs for i in range(bs)], dtype=mx.int32)
+        for arrays in (self.k, self.v, self.k_scales, self.k_biases, self.v_scales, self.v_biases):
+            if arrays is None:
+                continue
+            for layer in range(self.num_layers):
+                arrays[layer][dst] = arrays[layer][src]
+
+    # --- reads ---
+
+    def gather(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """K, V at `slots` (S,) -> (S, Hkv, D) each, dequantized to the storage dtype."""
+        if self.bits is None:
+            return self.k[layer][slots], self.v[layer][slots]
+
+        def deq(q: mx.array, s: mx.array, b: mx.array) -> mx.array:
+            return mx.dequantize(q[slots], s[slots], b[slots], group_size=self.group_size, bits=self.bits)
+
+        return (deq(self.k[layer], self.k_scales[layer], self.k_biases[layer]).astype(self.dtype),
+                deq(self.v[layer], self.v_scales[layer], self.v_biases[layer]).astype(self.dtype))
+
+    def _blocked(self, a: mx.array | None) -> mx.array | None:
+        return None if a is None else a.reshape(self.num_blocks, self.block_size, *a.shape[1:])
+
+    def decode_attention(self, layer: int, q: mx.array, block_tables: mx.array, seq_lens: mx.array,
+                         scale: float, max_seq_len: int | None = None) -> mx.array:
+        """q (B, Hq, D), one new token per sequence, whose K/V are already written -> (B, Hq, D)."""
+        pick = (lambda xs: None if xs is None else self._blocked(xs[layer]))  # noqa: E731
+        kwargs: dict[str, Any] = {}
+        if self.bits is not None:
+            kwargs = dict(k_scales=pick(self.k_scales), k_biases=pick(self.k_biases), v_scales=pick(self.v_scales),
+                          v_biases=pick(self.v_biases), bits=self.bits, group_size=self.group_size)
+        k, v = self._blocked(self.k[layer]), self._blocked(self.v[layer])
+        if self.head_dim not in KERNEL_HEAD_DIMS:  # tiny test models: the kernels' reference math, unvalidated
+            return kernel_reference.paged_decode_attention(q, k, v, block_tables, seq_lens, scale,
+                                                           max_seq_len=max_seq_len, **kwargs)
+        # the block manager built the tables: skip the kernel's host-side data checks (a sync per layer)
+        return paged_decode_attention(q, k, v, block_tables, seq_lens, scale, check_data=False, **kwargs)
+
+
+class PagedLayerView:
+    """What a model layer sees of the paged cache during one forward of one sequence."""
+
+    def __init__(self, storage: PagedKVStorage, layer: int, offset: int, new_slots: mx.array, all_slots: mx.array,
+                 block_table: mx.array, seq_len: int):
+        self.storage, self.layer, self.offset = storage, layer, offset
+        self.new_slots, self.all_slots = new_slots, all_slots  # (L,), (offset + L,)
+        self.block_table, self.seq_len = block_table, seq_len  # (1, nb), offset + L
+
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        """q (1, Hq, L, D), k/v (1, Hkv, L, D) after rope -> (1, Hq, L, D); writes k/v to the pool."""
+        _, Hq, L, D = q.shape
+        self.storage.write(self.layer, self.new_slots, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2))
+        if L == 1:
+            out = self.storage.decode_attention(self.layer, q.reshape(1, Hq, D), self.block_table,
+                                                mx.array([self.seq_len], dtype=mx.int32), scale,
+                                                max_seq_len=self.seq_len)
+            return out.reshape(1, Hq, 1, D)
+        keys, values = self.storage.gather(self.layer, self.all_slots)  # (S, Hkv, D)
+        keys = keys.transpose(1, 0, 2)[None]  # (1, Hkv, S, D)
+        values = values.transpose(1, 0, 2)[None]
+        # "causal" aligns the L queries with the last L of the S keys
+        return mx.fast.scaled_dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), scale=scale,
+                                                    mask="causal")

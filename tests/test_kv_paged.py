@@ -1,0 +1,99 @@
+"""The paged KV cache in the engine: same numbers as the contiguous cache, prefix hits, budgets, quantized KV."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_engine import Engine, GenerationRequest, RequestError, RooflineError, SamplingParams
+from tests.tiny_models import random_llama_folder
+
+PROMPT = [(7 * i + 3) % 120 + 5 for i in range(45)]  # 45 tokens: crosses block boundaries of 16 and 32
+
+
+def steps(engine: Engine, ids: list[int], n: int = 10) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and, per step, the top-20 (token id, logprob) pairs as an array (n, 20, 2)."""
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=20)
+    events = list(engine.generate(GenerationRequest(prompt_token_ids=ids, sampling=params)))
+    lps = [lp for e in events for lp in e.logprobs]
+    return [lp.token_id for lp in lps], np.array([[list(t) for t in lp.top] for lp in lps])
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1)], ids=["mha", "gqa2", "gqa8"])
+def test_paged_equals_contiguous_across_chunked_prefill_and_decode(tmp_path: Path, block_size: int,
+                                                                     heads: tuple[int, int]) -> None:
+    folder = random_llama_folder(tmp_path / "m", num_heads=heads[0], num_kv_heads=heads[1])
+    with Engine.load(str(folder), paged_kv=False) as ref:
+        want_tokens, want = steps(ref, PROMPT)
+    with Engine.load(str(folder), block_size=block_size, prefill_chunk_size=7) as got:
+        assert got.kv_stats()["kind"] == "paged"
+        tokens, lps = steps(got, PROMPT)
+    assert tokens == want_tokens
+    assert np.array_equal(lps[..., 0], want[..., 0])  # same top-20 token ids in the same order
+    maxdiff = float(np.abs(lps[..., 1] - want[..., 1]).max())
+    assert maxdiff <= 1e-5, f"maxdiff {maxdiff}"
+
+
+def test_prefix_hit_reuses_blocks_and_counts_them(tmp_path: Path) -> None:
+    folder = random_llama_folder(tmp_path / "m")
+    with Engine.load(str(folder), block_size=16) as e:
+        first, _ = steps(e, PROMPT, 4)
+        s1 = e.kv_stats()
+        assert s1["used"] == 0 and s1["cached"] == 3  # 45 prompt + 3 fed reply tokens = 48: three full blocks
+        events = list(e.generate(GenerationRequest(prompt_token_ids=PROMPT + first + [9, 9], sampling=SamplingParams(
+            temperature=0.0, max_tokens=2, ignore_eos=True))))
+        assert events[-1].usage.cached_prompt_tokens == 48
+        s2 = e.kv_stats()
+        assert s2["num_hit_tokens"] == 48 and 0 < s2["hit_rate"] < 1
+
+
+def test_quantized_kv_error_shrinks_with_bits(tmp_path: Path) -> None:
+    """The kernels' own tests prove the quantized attention exact against its reference; here the engine
+    wiring: 8-bit KV moves the first step's log-probabilities less than 4-bit, both a little."""
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
+    with Engine.load(str(folder), paged_kv=False) as ref:
+        want_tokens, want = steps(ref, PROMPT, 1)
+    ref_lp = dict(zip(want[0, :, 0].astype(int), want[0, :, 1]))
+    err = {}
+    for bits in (8, 4):
+        with Engine.load(str(folder), kv_bits=bits, kv_group_size=32) as e:
+            assert e.kv_stats()["kv_bits"] == bits
+            tokens, lps = steps(e, PROMPT, 1)
+            got = dict(zip(lps[0, :, 0].astype(int), lps[0, :, 1]))
+            common = [t for t in want[0, :5, 0].astype(int) if t in got]
+            err[bits] = max(abs(got[t] - ref_lp[t]) for t in common)
+            if bits == 8:
+                assert tokens == want_tokens
+    assert 0 < err[8] < err[4], err
+    assert err[8] < 0.15 and err[4] < 1.0, err
+
+
+def test_budget_smaller_than_one_block_is_refused(tmp_path: Path) -> None:
+    folder = random_llama_folder(tmp_path / "m")
+    with pytest.raises(RooflineError, match=r"kv_budget_bytes=1000: smaller than one KV block \(8192 bytes"):
+        Engine.load(str(folder), kv_budget_bytes=1000)
+
+
+@pytest.mark.parametrize("opts, message", [
+    ({"kv_bits": 3}, r"kv_bits=3: expected 4, 8 or None"),
+    ({"block_size": 24}, r"block_size=24: expected one of \(16, 32\)"),
+    ({"kv_bits": 4, "kv_group_size": 48}, r"kv_group_size=48: expected 32 or 64"),
+])
+def test_bad_kv_options(tmp_path: Path, opts: dict, message: str) -> None:
+    with pytest.raises(RooflineError, match=message):
+        Engine.load(str(random_llama_folder(tmp_path / "m")), **opts)
+
+
+def test_request_that_cannot_fit_the_budget_states_bytes(tmp_path: Path) -> None:
+    folder = random_llama_folder(tmp_path / "m")
+    with Engine.load(str(folder), kv_budget_bytes=4 * 8192) as e:  # 4 blocks = 64 tokens
+        with pytest.raises(RequestError, match=r"needs KV for 75 tokens \(40,960 bytes\) but the KV budget holds "
+                                                r"64 tokens \(32,768 bytes\)"):
+            list(e.generate(GenerationRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=30))))
+        # a request that fits still runs on the same engine
+        events = list(e.generate(GenerationRequest(prompt_token_ids=PROMPT[:20], sampling=SamplingParams(
+            temperature=0.0, max_tokens=4, ignore_eos=True))))
+        assert events[-1].finish_reason == "length"
