@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object (reply, usage, stats) at the end")
 
+    c = sub.add_parser("chat", help="open the chat app (the default when run with no arguments in a terminal)")
+    c.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
+
     lg = sub.add_parser("logits", help="write the float32 logits (T, vocab) of one forward pass to .npy")
     lg.add_argument("--model", "-m")
     lg.add_argument("--token-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
@@ -57,10 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
+        if sys.stdin.isatty() and sys.stdout.isatty():
+            return cmd_chat(argparse.Namespace(model=None))
         parser.print_help()
         return 0
     try:
-        return {"generate": cmd_generate, "logits": cmd_logits, "tokens": cmd_tokens}[args.command](args)
+        return {"chat": cmd_chat, "generate": cmd_generate, "logits": cmd_logits, "tokens": cmd_tokens}[args.command](args)
     except RooflineError as e:
         return _fail(str(e))
     except KeyboardInterrupt:
@@ -72,6 +77,12 @@ def _load_engine(model: str | None) -> Any:
     from mlx_engine import Engine
 
     return Engine.load(model)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from app.tui import run
+
+    return run(args.model)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -1,0 +1,268 @@
+"""RooflineApp: owns the engine, the chat store, the key bindings and routing between screens."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from textual import work
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.screen import Screen
+
+from mlx_engine.api import RooflineError
+
+from app.tui.backend import EngineBackend
+from app.tui.chat_screen import ChatScreen
+from app.tui.chips import Bandwidth
+from app.tui.screens.help import HelpScreen
+from app.tui.screens.inspector import TokenInspector
+from app.tui.screens.picker import ModelPicker
+from app.tui.store import ChatSettings, ChatStore, data_dir
+from app.tui.widgets.messages import MessageView
+from app.tui.widgets.prompt import NEWLINE_KEYS, PromptInput
+from app.tui.widgets.sidebar import ChatList
+
+THEMES = ("textual-dark", "textual-light")
+CHAT_ACTIONS = {"new_chat", "pick_model", "settings", "inspect", "toggle_sidebar", "delete_chat", "rename_chat",
+                "regenerate", "stop", "copy_last"}
+
+
+class RooflineApp(App):
+    """`backend` loads models, lists them and measures bandwidth (EngineBackend, or a FakeBackend in tests)."""
+
+    CSS_PATH = Path(__file__).parent / "roofline.tcss"
+    TITLE = "Roofline"
+    BINDINGS = [
+        Binding("f1", "help", "Help", tooltip="Every key binding"),
+        Binding("ctrl+n", "new_chat", "New", tooltip="Start a new chat"),
+        Binding("ctrl+l", "pick_model", "Model", tooltip="Pick or load a model"),
+        Binding("ctrl+s", "settings", "Settings", tooltip="This chat's system prompt and sampling"),
+        Binding("ctrl+t", "inspect", "Tokens", tooltip="Token inspector for the input (or a focused message)"),
+        Binding("ctrl+b", "toggle_sidebar", "Chats", show=False, tooltip="Show or hide the chat list"),
+        Binding("f4", "toggle_theme", "Dark/light", show=False, tooltip="Switch between dark and light themes"),
+    ]
+
+    def __init__(self, backend: Any = None, model: str | None = None, home: Path | str | None = None,
+                 default_settings: ChatSettings | None = None, frame_s: float = 1 / 30,
+                 coalesce_tokens: bool = True) -> None:
+        super().__init__()
+        self.backend = backend if backend is not None else EngineBackend()
+        self.home = Path(home) if home is not None else data_dir()
+        self.requested_model = model
+        self.model_ref: str | None = None  # ref of the loaded engine ("" = embedded)
+        self.engine: Any = None
+        self.loading_ref: str | None = None
+        self.bandwidth: Bandwidth | None = None
+        self.frame_s = frame_s
+        self.coalesce_tokens = coalesce_tokens
+        self.store = ChatStore(self.home / "chats.db")
+        self.default_settings = default_settings or ChatSettings()
+        self._tokenizers: list[tuple[str, Any]] | None = None
+        self.chat_screen = ChatScreen()
+        theme = self.store.get_pref("theme")
+        if theme in THEMES:
+            self.theme = theme
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+
+    def get_default_screen(self) -> Screen:
+        return self.chat_screen
+
+    def chat_screen_ready(self) -> None:
+        """Called once the chat screen is composed: report a moved-aside database, start loading."""
+        if self.store.notice:
+            self.notify(self.store.notice, title="Chat database", severity="warning", timeout=15)
+        self.load_model(self.requested_model)
+        self.measure_bandwidth()
+
+    def on_unmount(self) -> None:
+        gen = self.chat_screen.gen
+        if gen is not None:  # keep what was shown: the partial reply, marked stopped
+            gen.cancel()
+            self.store.update_message(gen.message_id, gen.view.content, "stopped")
+        self.store.close()
+
+    @work(thread=True, exclusive=True, group="bandwidth")
+    def measure_bandwidth(self) -> None:
+        try:
+            bw = self.backend.bandwidth(self.home)
+        except Exception as e:  # noqa: BLE001 - the roofline figure is optional
+            self.call_from_thread(self.notify, f"Could not measure memory bandwidth: {e}", severity="warning")
+            return
+        self.call_from_thread(self._set_bandwidth, bw)
+
+    def _set_bandwidth(self, bw: Bandwidth) -> None:
+        self.bandwidth = bw
+        self.chat_screen.show_stats()
+
+    # ---- models --------------------------------------------------------------------------------------
+
+    def load_model(self, ref: str | None) -> None:
+        """Loads `ref` (None or "": the embedded model) in a worker; the current engine stays until it is ready."""
+        ref = ref or ""
+        self.loading_ref = ref
+        label = ref or "the embedded model"
+        self.chat_screen.set_loading(f"Loading {label}…")
+        self._load_worker(ref)
+
+    @work(thread=True, exclusive=True, group="load")
+    def _load_worker(self, ref: str) -> None:
+        try:
+            engine = self.backend.load(ref or None)
+        except RooflineError as e:
+            self.call_from_thread(self._load_failed, ref, str(e))
+            return
+        except Exception as e:  # noqa: BLE001 - any loader bug is a notice, not a crash
+            self.call_from_thread(self._load_failed, ref, f"{type(e).__name__}: {e}")
+            return
+        self.call_from_thread(self._loaded, ref, engine)
+
+    def _loaded(self, ref: str, engine: Any) -> None:
+        old = self.engine
+        gen = self.chat_screen.gen
+        if gen is not None:
+            gen.cancel()
+        self.engine, self.model_ref, self.loading_ref = engine, ref, None
+        self.sub_title = engine.info.name
+        self.chat_screen.set_loading(None)
+        if old is not None:  # a switch: say so (the first load shows in the title bar)
+            self.notify(f"Loaded {engine.info.name}", timeout=3)
+            self._close_engine(old)
+
+    @work(thread=True, group="close")
+    def _close_engine(self, engine: Any) -> None:
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
+
+    def _load_failed(self, ref: str, message: str) -> None:
+        self.loading_ref = None
+        keep = f" Keeping {self.engine.info.name}." if self.engine is not None else ""
+        self.notify(f"{message}{keep}", title=f"Could not load {ref or 'the embedded model'}", severity="error",
+                    timeout=15)
+        self.chat_screen.set_loading(None)
+
+    def remember_model_path(self, ref: str) -> None:
+        paths = self.extra_model_paths()
+        if ref not in paths:
+            self.store.set_pref("model_paths", json.dumps([*paths, ref]))
+
+    def extra_model_paths(self) -> list[str]:
+        try:
+            value = json.loads(self.store.get_pref("model_paths", "[]") or "[]")
+        except ValueError:
+            return []
+        return [p for p in value if isinstance(p, str)] if isinstance(value, list) else []
+
+    def local_tokenizers(self) -> list[tuple[str, Any]]:
+        """(name, tokenizer) for the embedded model and every readable local model (call from a worker)."""
+        if self._tokenizers is None:
+            out: list[tuple[str, Any]] = []
+            try:
+                models = self.backend.list_models()
+            except Exception:  # noqa: BLE001
+                models = []
+            for m in models:
+                if m.error:
+                    continue
+                try:
+                    out.append((m.name, self.backend.load_tokenizer(m.ref or None)))
+                except Exception:  # noqa: BLE001 - a model without a usable tokenizer is skipped
+                    continue
+            self._tokenizers = out
+        return self._tokenizers
+
+    # ---- actions -------------------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in CHAT_ACTIONS and self.screen is not self.chat_screen:
+            return False
+        return True
+
+    async def action_new_chat(self) -> None:
+        await self.chat_screen.new_chat()
+
+    def action_pick_model(self) -> None:
+        def chosen(ref: str | None) -> None:
+            if ref is not None:
+                self.load_model(ref)
+
+        self.push_screen(ModelPicker(self.backend, self.model_ref or "", self.extra_model_paths()), chosen)
+
+    def action_settings(self) -> None:
+        self.chat_screen.open_settings()
+
+    def action_inspect(self, text: str | None = None) -> None:
+        if text is None:
+            focused = self.focused
+            text = focused.content if isinstance(focused, MessageView) else self.chat_screen.query_one(PromptInput).text
+        tokenizer, name = (self.engine.tokenizer, self.engine.info.name) if self.engine is not None else (None, "")
+        if tokenizer is None:
+            try:
+                tokenizer, name = self.backend.load_tokenizer(None), "embedded model"
+            except Exception as e:  # noqa: BLE001
+                self.notify(f"No tokenizer available: {e}", severity="error")
+                return
+        self.push_screen(TokenInspector(text, tokenizer, name))
+
+    def action_toggle_sidebar(self) -> None:
+        sidebar = self.chat_screen.query_one("#sidebar")
+        sidebar.display = not sidebar.display
+        self.chat_screen.sidebar_choice = sidebar.display
+        if sidebar.display:
+            self.chat_screen.query_one(ChatList).focus()
+        else:
+            self.chat_screen.query_one(PromptInput).focus()
+
+    def action_delete_chat(self) -> None:
+        self.chat_screen.delete_chat()
+
+    def action_rename_chat(self) -> None:
+        self.chat_screen.rename_chat()
+
+    def action_toggle_theme(self) -> None:
+        self.theme = THEMES[1] if self.theme == THEMES[0] else THEMES[0]
+        self.store.set_pref("theme", self.theme)
+
+    def action_help(self) -> None:
+        if isinstance(self.screen, HelpScreen):
+            return
+        self.push_screen(HelpScreen(self.key_sections()))
+
+    def key_sections(self) -> list[tuple[str, list[tuple[str, str]]]]:
+        def rows(bindings: Iterable[Any]) -> list[tuple[str, str]]:
+            return [(b.key, b.tooltip or b.description) for b in bindings if isinstance(b, Binding) and b.description]
+
+        return [
+            ("Anywhere", rows(self.BINDINGS) + [("ctrl+p", "Command palette: every action"), ("ctrl+q", "Quit")]),
+            ("Chat", rows(ChatScreen.BINDINGS)),
+            ("Input", [("enter", "Send the message (an empty one is not sent)"),
+                       (",".join(NEWLINE_KEYS), "Insert a newline"), ("tab", "Move focus to the next widget")]),
+            ("Focused message", rows(MessageView.BINDINGS)),
+            ("Chat list", [("enter", "Open the highlighted chat")] + rows(ChatList.BINDINGS)),
+            ("Token inspector", rows(TokenInspector.BINDINGS)),
+        ]
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        if screen is not self.chat_screen:
+            return
+        cs = self.chat_screen
+        yield SystemCommand("New chat", "Start a new chat (ctrl+n)", self.action_new_chat)
+        yield SystemCommand("Pick model", "Load another model (ctrl+l)", self.action_pick_model)
+        yield SystemCommand("Chat settings", "System prompt and sampling for this chat (ctrl+s)", self.action_settings)
+        yield SystemCommand("Token inspector", "Tokens of the input under every local tokenizer (ctrl+t)",
+                            self.action_inspect)
+        yield SystemCommand("Regenerate reply", "Replace the last reply with a new one (ctrl+r)", cs.action_regenerate)
+        yield SystemCommand("Stop reply", "Stop the streaming reply, keeping its text (Esc)", cs.action_stop)
+        yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard (F3)", cs.action_copy_last)
+        yield SystemCommand("Rename chat", "Rename this chat (F2)", self.action_rename_chat)
+        yield SystemCommand("Delete chat", "Delete this chat after confirming", self.action_delete_chat)
+        yield SystemCommand("Toggle sidebar", "Show or hide the chat list (ctrl+b)", self.action_toggle_sidebar)
+        yield SystemCommand("Toggle dark/light", "Switch between the dark and light theme (F4)",
+                            self.action_toggle_theme)
+        yield SystemCommand("Help", "Every key binding (F1)", self.action_help)

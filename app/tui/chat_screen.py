@@ -1,0 +1,515 @@
+"""The chat screen: sidebar of saved chats, the transcript, the input and the stats bar; runs replies."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message as TMessage
+from textual.screen import Screen
+from textual.widgets import Footer, Header, ProgressBar, Static
+
+from mlx_engine.api import GenerationRequest, RooflineError
+
+from app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
+from app.tui.screens.settings import SettingsScreen, sampling_params
+from app.tui.store import Chat, ChatSettings
+from app.tui.streaming import TokenBuffer
+from app.tui.widgets.messages import MessageView
+from app.tui.widgets.prompt import PromptInput
+from app.tui.widgets.sidebar import ChatList, Sidebar
+from app.tui.widgets.stats import LiveStats, StatsBar
+
+if TYPE_CHECKING:
+    from app.tui.app import RooflineApp
+
+SAVE_PARTIAL_EVERY_S = 1.0
+FINISH_STATUS = {"stop": "done", "length": "length", "cancelled": "stopped", "error": "error"}
+WELCOME = "Ask anything. Enter sends, ctrl+j adds a line, Esc stops a reply, F1 lists every key."
+
+
+@dataclass
+class Generation:
+    """One reply in flight."""
+
+    chat_id: int
+    message_id: int
+    view: MessageView
+    engine: Any
+    buffer: TokenBuffer = field(default_factory=TokenBuffer)
+    stream: Any = None
+    cancel_requested: bool = False
+    prompt_tokens: int = 0
+    started_at: float = field(default_factory=time.perf_counter)
+    last_saved: float = field(default_factory=time.perf_counter)
+    last_drain: float = 0.0
+    drain_timer: Any = None
+    finished: bool = False
+
+    def cancel(self) -> None:
+        self.cancel_requested = True
+        if self.stream is not None:
+            self.stream.cancel()
+
+
+class ChatScreen(Screen):
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", tooltip="Stop the reply (keeps the partial text) or cancel an edit"),
+        Binding("ctrl+r", "regenerate", "Regen", tooltip="Regenerate the last reply"),
+        Binding("f3", "copy_last", "Copy", show=False, tooltip="Copy the last reply to the clipboard (OSC 52)"),
+        Binding("f2", "rename_chat", "Rename", show=False, tooltip="Rename this chat"),
+    ]
+
+    class Wake(TMessage):
+        """The generation worker pushed tokens into an empty buffer."""
+
+        def __init__(self, gen: Generation) -> None:
+            super().__init__()
+            self.gen = gen
+
+    class Failed(TMessage):
+        """The request was refused before streaming (RequestError) or the engine raised."""
+
+        def __init__(self, gen: Generation, error: str) -> None:
+            super().__init__()
+            self.gen = gen
+            self.error = error
+
+    NARROW = 90  # below this width the sidebar starts hidden (ctrl+b shows it)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sidebar_choice: bool | None = None  # set once the user toggles the sidebar
+        self.chat: Chat | None = None
+        self.gen: Generation | None = None
+        self.editing: MessageView | None = None
+        self.stats = LiveStats()
+
+    @property
+    def rapp(self) -> RooflineApp:
+        return self.app  # type: ignore[return-value]
+
+    # ---- layout ---------------------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="body"):
+            yield Sidebar(id="sidebar")
+            with Vertical(id="main"):
+                with VerticalScroll(id="transcript"):
+                    yield Static(WELCOME, id="welcome")
+                with Horizontal(id="loading"):
+                    yield Static("Loading model…", id="loading-label", markup=False)
+                    yield ProgressBar(total=None, show_eta=False, show_percentage=False, id="loading-bar")
+                yield PromptInput(id="prompt", placeholder="Loading model…", disabled=True)
+                yield StatsBar(id="stats")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        chats = self.rapp.store.list_chats()
+        await self.refresh_sidebar(chats)
+        if chats:
+            await self.open_chat(chats[0])
+        self.query_one("#transcript").anchor()
+        self.show_stats()
+        self.rapp.chat_screen_ready()
+
+    def on_resize(self) -> None:
+        sidebar = self.query_one("#sidebar")
+        sidebar.display = self.sidebar_choice if self.sidebar_choice is not None else self.size.width >= self.NARROW
+
+    # ---- model state (called by the app) -------------------------------------------------------------
+
+    def set_loading(self, label: str | None) -> None:
+        """label: "Loading X…" while a model loads; None when done (the input state follows the engine)."""
+        box = self.query_one("#loading")
+        box.display = label is not None
+        if label is not None:
+            self.query_one("#loading-label", Static).update(label)
+        prompt = self.query_one(PromptInput)
+        ready = self.rapp.engine is not None and label is None
+        prompt.disabled = not ready
+        if ready:
+            prompt.placeholder = "Message (Enter sends, ctrl+j newline)"
+        elif label is not None:
+            prompt.placeholder = label
+        else:
+            prompt.placeholder = "No model loaded: ctrl+l picks one"
+        if ready and self.app.screen is self:
+            prompt.focus()
+        self.show_stats()
+
+    def show_stats(self) -> None:
+        engine = self.rapp.engine
+        bw = self.rapp.bandwidth
+        s = self.stats
+        if engine is not None:
+            s.context_length = engine.info.context_length
+            s.weight_bytes = engine.info.weight_bytes
+        if bw is not None:
+            s.bandwidth_bytes_per_s = bw.bytes_per_s
+            s.bandwidth_label = bw.describe()
+        self.query_one(StatsBar).show(s)
+
+    # ---- chats -------------------------------------------------------------------------------------------
+
+    async def refresh_sidebar(self, chats: list[Chat] | None = None) -> None:
+        chats = self.rapp.store.list_chats() if chats is None else chats
+        await self.query_one(ChatList).set_chats(chats, self.chat.id if self.chat else None)
+
+    async def open_chat(self, chat: Chat | None) -> None:
+        """Shows `chat` (None: a fresh, unsaved chat that is created on the first message)."""
+        if self.gen is not None:
+            self.gen.cancel()
+        self.cancel_edit()
+        self.chat = chat
+        transcript = self.query_one("#transcript", VerticalScroll)
+        await transcript.remove_children()
+        self.sub_title_for_chat()
+        if chat is None:
+            await transcript.mount(Static(WELCOME, id="welcome"))
+        else:
+            views = [MessageView(m.role, m.content, m.id, m.status, m.stats.get("error")) for m in
+                     self.rapp.store.messages(chat.id)]
+            if views:
+                await transcript.mount_all(views)
+            else:
+                await transcript.mount(Static(WELCOME, id="welcome"))
+        transcript.scroll_end(animate=False)
+        self.stats = LiveStats()
+        self.show_stats()
+
+    def sub_title_for_chat(self) -> None:
+        self.title = self.chat.title if self.chat else "New chat"
+
+    @on(ChatList.Selected)
+    async def chat_selected(self, event: ChatList.Selected) -> None:
+        item = event.item
+        chat = getattr(item, "chat", None)
+        if chat is not None and (self.chat is None or chat.id != self.chat.id):
+            await self.open_chat(self.rapp.store.get_chat(chat.id))
+
+    @on(ChatList.Requested)
+    async def chat_list_request(self, event: ChatList.Requested) -> None:
+        if event.action == "new":
+            await self.new_chat()
+        elif event.action == "rename" and event.chat is not None:
+            self.rename_chat(event.chat)
+        elif event.action == "delete" and event.chat is not None:
+            self.delete_chat(event.chat)
+
+    async def new_chat(self) -> None:
+        await self.open_chat(None)
+        await self.refresh_sidebar()
+        self.query_one(PromptInput).focus()
+
+    def rename_chat(self, chat: Chat | None = None) -> None:
+        chat = chat or self.chat
+        if chat is None:
+            self.notify("This chat is not saved yet: send a message first.", severity="warning")
+            return
+
+        async def done(title: str | None) -> None:
+            if title and title.strip():
+                self.rapp.store.rename_chat(chat.id, title.strip())
+                if self.chat and self.chat.id == chat.id:
+                    self.chat.title = title.strip()
+                    self.sub_title_for_chat()
+                await self.refresh_sidebar()
+
+        self.app.push_screen(TextPromptScreen("Rename chat", chat.title), done)
+
+    def delete_chat(self, chat: Chat | None = None) -> None:
+        chat = chat or self.chat
+        if chat is None:
+            return
+
+        async def done(yes: bool | None) -> None:
+            if not yes:
+                return
+            if self.gen is not None and self.gen.chat_id == chat.id:
+                self.gen.cancel()
+            self.rapp.store.delete_chat(chat.id)
+            if self.chat and self.chat.id == chat.id:
+                await self.open_chat(None)
+            await self.refresh_sidebar()
+            self.notify(f"Deleted “{chat.title}”", timeout=3)
+
+        self.app.push_screen(ConfirmScreen(f"Delete the chat “{chat.title}” and all its messages?"), done)
+
+    def current_settings(self) -> ChatSettings:
+        return self.chat.settings if self.chat else self.rapp.default_settings
+
+    def open_settings(self) -> None:
+        def done(settings: ChatSettings | None) -> None:
+            if settings is None:
+                return
+            if self.chat is not None:
+                self.chat.settings = settings
+                self.rapp.store.save_settings(self.chat.id, settings)
+            else:
+                self.rapp.default_settings = settings
+            self.notify("Settings saved", timeout=2)
+
+        self.app.push_screen(SettingsScreen(self.current_settings(), self.chat.title if self.chat else ""), done)
+
+    # ---- sending ------------------------------------------------------------------------------------------
+
+    @on(PromptInput.Submitted)
+    async def submitted(self, event: PromptInput.Submitted) -> None:
+        text = event.text
+        if not text.strip():
+            self.notify("Nothing to send: the message is empty.", severity="warning", timeout=2)
+            return
+        if self.gen is not None:
+            self.notify("A reply is still streaming: Esc stops it.", severity="warning", timeout=3)
+            return
+        if self.rapp.engine is None:
+            self.notify("No model is loaded: ctrl+l picks one.", severity="error")
+            return
+        if self.editing is not None:
+            await self.truncate_from(self.editing)
+            self.cancel_edit()
+        event.prompt.clear()
+        await self.send(text)
+
+    async def send(self, text: str) -> None:
+        if self.chat is None:
+            title = " ".join(text.split())[:48] or "New chat"
+            self.chat = self.rapp.store.create_chat(title, self.rapp.model_ref or "",
+                                                    settings=ChatSettings(**vars(self.rapp.default_settings)))
+            self.sub_title_for_chat()
+        for w in self.query("#welcome"):
+            await w.remove()
+        msg = self.rapp.store.add_message(self.chat.id, "user", text)
+        await self.query_one("#transcript").mount(MessageView("user", text, msg.id))
+        await self.refresh_sidebar()
+        await self.start_reply()
+
+    def history(self) -> list[dict[str, str]]:
+        """The chat as the model sees it: the system prompt, then every message but failed replies."""
+        assert self.chat is not None
+        msgs: list[dict[str, str]] = []
+        if self.chat.settings.system_prompt.strip():
+            msgs.append({"role": "system", "content": self.chat.settings.system_prompt})
+        for v in self.query(MessageView):
+            if v.role == "assistant" and (v.status == "error" or not v.content):
+                continue
+            msgs.append({"role": v.role, "content": v.content})
+        return msgs
+
+    async def start_reply(self) -> None:
+        assert self.chat is not None
+        engine = self.rapp.engine
+        if engine is None:
+            self.notify("No model is loaded: ctrl+l picks one.", severity="error")
+            return
+        try:
+            sampling = sampling_params(self.chat.settings)
+        except RooflineError as e:
+            self.notify(f"Chat settings: {e}", severity="error")
+            return
+        messages = self.history()
+        row = self.rapp.store.add_message(self.chat.id, "assistant", "", status="streaming")
+        view = MessageView("assistant", "", row.id, status="streaming")
+        await self.query_one("#transcript").mount(view)
+        self.query_one("#transcript", VerticalScroll).anchor()
+        self.gen = Generation(self.chat.id, row.id, view, engine)
+        self.refresh_bindings()
+        self.stats = LiveStats(streaming=True)
+        self.show_stats()
+        self.run_generation(self.gen, GenerationRequest(messages=messages, sampling=sampling))
+
+    @work(thread=True, exclusive=True, group="generate")
+    def run_generation(self, gen: Generation, request: GenerationRequest) -> None:
+        try:
+            gen.prompt_tokens = len(gen.engine.tokenizer.encode_chat(request.messages))
+            gen.stream = gen.engine.generate(request)
+        except RooflineError as e:
+            self.post_message(self.Failed(gen, str(e)))
+            return
+        except Exception as e:  # noqa: BLE001 - an engine bug is shown in the message, never crashes the app
+            self.post_message(self.Failed(gen, f"{type(e).__name__}: {e}"))
+            return
+        if gen.cancel_requested:
+            gen.stream.cancel()
+        coalesce = self.rapp.coalesce_tokens
+        try:
+            for event in gen.stream:
+                if gen.buffer.push(event) or not coalesce:
+                    self.post_message(self.Wake(gen))
+        except Exception as e:  # noqa: BLE001
+            self.post_message(self.Failed(gen, f"{type(e).__name__}: {e}"))
+
+    @on(Wake)
+    async def on_wake(self, message: Wake) -> None:
+        gen = message.gen
+        if gen.drain_timer is not None or gen.finished:
+            return
+        wait = gen.last_drain + self.rapp.frame_s - time.perf_counter()
+        if wait > 0:  # at most one Markdown append per frame
+            gen.drain_timer = self.set_timer(wait, lambda: self.drain(gen))
+            return
+        await self.drain(gen)
+
+    async def drain(self, gen: Generation) -> None:
+        gen.drain_timer = None
+        if gen.finished:
+            return
+        gen.last_drain = time.perf_counter()
+        d = gen.buffer.drain()
+        if d.text and gen.view.is_attached:
+            await gen.view.write(d.text)
+        elif d.text:
+            gen.view.content += d.text
+        if d.final is not None:
+            await self.finish(gen, d.final.finish_reason, d.final.error, d.final)
+            return
+        self.update_live_stats(gen)
+        now = time.perf_counter()
+        if now - gen.last_saved >= SAVE_PARTIAL_EVERY_S:
+            gen.last_saved = now
+            self.rapp.store.update_message(gen.message_id, gen.view.content, "streaming")
+
+    def update_live_stats(self, gen: Generation) -> None:
+        n = gen.buffer.total_tokens
+        first = gen.buffer.first_token_at
+        s = self.stats
+        s.streaming = True
+        s.prompt_tokens = gen.prompt_tokens
+        s.reply_tokens = n
+        if first is not None:
+            s.ttft_s = first - gen.started_at
+            elapsed = time.perf_counter() - first
+            if n > 1 and elapsed > 0:
+                s.decode_tps = (n - 1) / elapsed
+        self.fill_bytes(gen.engine, s)
+        self.show_stats()
+
+    def fill_bytes(self, engine: Any, s: LiveStats) -> None:
+        ctx = s.prompt_tokens + s.reply_tokens
+        try:
+            s.bytes_per_token = engine.decode_bytes_per_token(ctx)
+            s.kv_bytes = s.bytes_per_token - engine.decode_bytes_per_token(0)
+        except Exception:  # noqa: BLE001 - a closed engine: keep the last figures
+            pass
+
+    @on(Failed)
+    async def on_failed(self, message: Failed) -> None:
+        await self.finish(message.gen, "error", message.error, None)
+
+    async def finish(self, gen: Generation, reason: str | None, error: str | None, final: Any) -> None:
+        if gen.finished:
+            return
+        gen.finished = True
+        if gen.drain_timer is not None:
+            gen.drain_timer.stop()
+        rest = gen.buffer.drain()
+        if rest.text and gen.view.is_attached:
+            await gen.view.write(rest.text)
+        elif rest.text:
+            gen.view.content += rest.text
+        status = FINISH_STATUS.get(reason or "error", "error")
+        stats: dict[str, Any] = {}
+        if error:
+            stats["error"] = error
+        if final is not None and final.usage is not None and final.stats is not None:
+            u, st = final.usage, final.stats
+            stats.update(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                         ttft_s=st.ttft_s, decode_tps=st.decode_tps)
+            s = self.stats
+            s.prompt_tokens, s.reply_tokens = u.prompt_tokens, u.completion_tokens
+            s.ttft_s, s.decode_tps = st.ttft_s, st.decode_tps
+            self.fill_bytes(gen.engine, s)
+        self.stats.streaming = False
+        self.rapp.store.update_message(gen.message_id, gen.view.content, status, stats)
+        self.rapp.store.touch(gen.chat_id)
+        if gen.view.is_attached:
+            await gen.view.finish(status, error)
+        if self.gen is gen:
+            self.gen = None
+            self.refresh_bindings()
+        self.show_stats()
+        if error:
+            self.notify(error, title="Reply failed", severity="error", timeout=6)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "stop":
+            return self.gen is not None or self.editing is not None
+        if action == "regenerate":
+            return True if self.gen is None and self.chat is not None else None
+        return True
+
+    # ---- stop, regenerate, edit, copy ----------------------------------------------------------------------
+
+    def action_stop(self) -> None:
+        if self.gen is not None:
+            self.gen.cancel()
+        elif self.editing is not None:
+            self.cancel_edit()
+            self.query_one(PromptInput).clear()
+
+    def cancel_edit(self) -> None:
+        if self.editing is not None:
+            self.editing = None
+            prompt = self.query_one(PromptInput)
+            prompt.remove_class("-editing")
+            prompt.border_title = None
+            self.refresh_bindings()
+
+    async def truncate_from(self, view: MessageView) -> None:
+        """Deletes `view`'s message and every later one (store and transcript)."""
+        assert self.chat is not None and view.message_id is not None
+        self.rapp.store.delete_messages_from(self.chat.id, view.message_id)
+        views = list(self.query(MessageView))
+        for v in views[views.index(view):]:
+            await v.remove()
+
+    async def action_regenerate(self) -> None:
+        if self.gen is not None or self.chat is None or self.rapp.engine is None:
+            return
+        views = list(self.query(MessageView))
+        if not views:
+            return
+        if views[-1].role == "assistant":
+            await self.truncate_from(views[-1])
+        await self.start_reply()
+
+    def action_copy_last(self) -> None:
+        replies = [v for v in self.query(MessageView) if v.role == "assistant"]
+        if not replies:
+            self.notify("No reply to copy yet.", timeout=2)
+            return
+        replies[-1].action_copy()
+
+    def action_rename_chat(self) -> None:
+        self.rename_chat()
+
+    @on(MessageView.Requested)
+    async def message_request(self, event: MessageView.Requested) -> None:
+        view = event.view
+        if event.action == "edit":
+            if self.gen is not None:
+                self.notify("Stop the reply first (Esc).", severity="warning")
+                return
+            self.editing = view
+            prompt = self.query_one(PromptInput)
+            prompt.text = view.content
+            prompt.add_class("-editing")
+            prompt.border_title = "Editing: Enter resends (later turns are replaced), Esc cancels"
+            prompt.focus()
+            prompt.move_cursor(prompt.document.end)
+            self.refresh_bindings()
+        elif event.action == "regenerate":
+            views = list(self.query(MessageView))
+            if view is views[-1] and view.role == "assistant":
+                await self.action_regenerate()
+            else:
+                self.notify("Only the last reply can be regenerated; edit a message to branch earlier.", timeout=3)
+        elif event.action == "inspect":
+            self.rapp.action_inspect(view.content)

@@ -1,0 +1,258 @@
+"""A scripted engine with the real Engine's surface, for tests, snapshots and the responsiveness bench.
+
+`FakeBackend(script=[...])` hands out `FakeEngine`s whose replies come from the script in order (the last
+one repeats); a `FakeReply` can stop at a token and wait (`hold_after`, released by `release()`), or end
+in an engine error (`error_after`).
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlx_engine.api import (
+    GenerationEvent,
+    GenerationRequest,
+    ModelInfo,
+    ModelLoadError,
+    RequestError,
+    Stats,
+    Usage,
+)
+from mlx_engine.catalog import ModelSummary
+
+from app.tui.chips import Bandwidth
+
+_PIECE = re.compile(r" ?[A-Za-z0-9]+| ?[^\sA-Za-z0-9]|\s+")
+
+
+class FakeTokenizer:
+    """Words (with their leading space) and single other characters as tokens; ids handed out on first sight.
+    `non_ascii_split` > 1 splits non-ASCII characters into their UTF-8 bytes, as a byte-level BPE does
+    for a script it has few merges for."""
+
+    def __init__(self, name: str = "fake", non_ascii_split: int = 1):
+        self.name = name
+        self.non_ascii_split = non_ascii_split
+        self._ids: dict[str, int] = {"<s>": 0, "</s>": 1}
+        self._pieces: list[str] = ["<s>", "</s>"]
+        self._lock = threading.Lock()
+
+    def _id(self, piece: str) -> int:
+        with self._lock:
+            if piece not in self._ids:
+                self._ids[piece] = len(self._pieces)
+                self._pieces.append(piece)
+            return self._ids[piece]
+
+    def pieces(self, text: str) -> list[str]:
+        out: list[str] = []
+        for p in _PIECE.findall(text):
+            if self.non_ascii_split > 1 and not p.isascii():
+                for ch in p:  # like a byte-level BPE without merges for this script: one piece per UTF-8 byte
+                    out.extend([ch] if ch.isascii() else [f"<0x{b:02X}>" for b in ch.encode()])
+            else:
+                out.append(p)
+        return out
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [self._id(p) for p in self.pieces(text)]
+        return ([0] if add_special_tokens else []) + ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return "".join(self._pieces[i] for i in ids if not (skip_special_tokens and i < 2))
+
+    def id_to_piece(self, token_id: int) -> str:
+        if not 0 <= token_id < len(self._pieces):
+            raise RequestError(f"token id {token_id} is out of range (vocabulary size {len(self._pieces)})")
+        return self._pieces[token_id]
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "<|assistant|>\n"
+        return [0] + self.encode(text, add_special_tokens=False)
+
+
+@dataclass
+class FakeReply:
+    text: str
+    hold_after: int | None = None  # emit this many tokens, then wait for FakeEngine.release()
+    error_after: int | None = None  # emit this many tokens, then end with finish_reason "error"
+    error: str = "engine failure: the fake engine was told to fail"
+
+
+class FakeStream:
+    def __init__(self) -> None:
+        self.events: queue.SimpleQueue[GenerationEvent] = queue.SimpleQueue()
+        self.cancelled = threading.Event()
+        self._done = False
+
+    def __iter__(self) -> FakeStream:
+        return self
+
+    def __next__(self) -> GenerationEvent:
+        if self._done:
+            raise StopIteration
+        event = self.events.get()
+        if event.finish_reason is not None:
+            self._done = True
+        return event
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    close = cancel
+
+
+def fake_info(name: str = "FakeLM-1M (test)", context_length: int = 2048) -> ModelInfo:
+    return ModelInfo(name=name, path="/fake/" + name, model_type="llama", source_format="gguf",
+                     num_parameters=1_000_000, quantization="Q4_1", context_length=context_length,
+                     weight_bytes=50 * 2**20, vocab_size=49152, native=True, dtype="float32",
+                     eos_token_ids=(1,))
+
+
+class FakeEngine:
+    """Streams scripted replies at `tokens_per_s` (None: as fast as possible) on its own thread."""
+
+    def __init__(self, script: list[str | FakeReply] | None = None, tokens_per_s: float | None = 200.0,
+                 info: ModelInfo | None = None, ttft_s: float = 0.0, tokenizer: FakeTokenizer | None = None):
+        self.script = [r if isinstance(r, FakeReply) else FakeReply(r) for r in (script or ["Hello! How can I help?"])]
+        self.tokens_per_s = tokens_per_s
+        self.ttft_s = ttft_s
+        self.info = info or fake_info()
+        self.tokenizer = tokenizer or FakeTokenizer()
+        self.requests: list[GenerationRequest] = []
+        self._next = 0
+        self._hold = threading.Event()
+        self.closed = False
+
+    def release(self) -> None:
+        """Lets a reply held at `hold_after` continue."""
+        self._hold.set()
+
+    def generate(self, request: GenerationRequest) -> FakeStream:
+        prompt_ids = self.tokenizer.encode_chat(request.messages or [{"role": "user", "content": request.prompt or ""}])
+        if len(prompt_ids) >= self.info.context_length:
+            raise RequestError(f"prompt is {len(prompt_ids)} tokens, longer than the context ({self.info.context_length})")
+        self.requests.append(request)
+        reply = self.script[min(self._next, len(self.script) - 1)]
+        self._next += 1
+        self._hold.clear()
+        stream = FakeStream()
+        threading.Thread(target=self._run, args=(reply, request, len(prompt_ids), stream), daemon=True).start()
+        return stream
+
+    def _run(self, reply: FakeReply, request: GenerationRequest, num_prompt: int, stream: FakeStream) -> None:
+        pieces = self.tokenizer.pieces(reply.text)
+        max_tokens = request.sampling.max_tokens
+        start = time.perf_counter()
+        if self.ttft_s:
+            time.sleep(self.ttft_s)
+        first = None
+        n = 0
+        finish = "stop"
+        error = None
+        for i, piece in enumerate(pieces):
+            if stream.cancelled.is_set():
+                finish = "cancelled"
+                break
+            if reply.hold_after is not None and i == reply.hold_after:
+                while not self._hold.wait(0.01):
+                    if stream.cancelled.is_set():
+                        break
+                if stream.cancelled.is_set():
+                    finish = "cancelled"
+                    break
+            if reply.error_after is not None and i == reply.error_after:
+                finish, error = "error", reply.error
+                break
+            if n >= max_tokens:
+                finish = "length"
+                break
+            if self.tokens_per_s:
+                delay = start + self.ttft_s + (i + 1) / self.tokens_per_s - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+            stream.events.put(GenerationEvent(text=piece, token_ids=(self.tokenizer._id(piece),), from_draft=(False,)))
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        ttft = (first or end) - start
+        decode_s = end - (first or end)
+        stats = Stats(ttft_s=ttft, prefill_tps=num_prompt / ttft if ttft > 0 else 0.0,
+                      decode_tps=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+                      peak_memory_bytes=self.info.weight_bytes + 2**20)
+        stream.events.put(GenerationEvent(finish_reason=finish, usage=Usage(num_prompt, n), stats=stats, error=error))
+
+    def decode_bytes_per_token(self, context_tokens: int) -> int:
+        # 30 layers x 3 KV heads x 64 dims x K and V x fp32
+        return self.info.weight_bytes + 2 * 30 * 3 * 64 * 4 * context_tokens
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeBackend:
+    """What the app asks of the outside world (load models, list them, tokenizers, bandwidth), scripted."""
+
+    def __init__(self, script: list[str | FakeReply] | None = None, tokens_per_s: float | None = 200.0,
+                 load_delay_s: float = 0.0, models: list[ModelSummary] | None = None, fail: dict[str, str] | None = None,
+                 bandwidth: Bandwidth | None = None, ttft_s: float = 0.0):
+        self.script = script
+        self.tokens_per_s = tokens_per_s
+        self.load_delay_s = load_delay_s
+        self.ttft_s = ttft_s
+        self.models = models if models is not None else [
+            ModelSummary("", "FakeLM-1M (test)", "embedded", 52 * 2**20, 1_000_000, "Q4_1", 2048, "llama"),
+            ModelSummary("org/fake-big", "org/fake-big", "hf-cache", 1_200 * 2**20, 600_000_000, "bf16", 32768, "qwen2"),
+        ]
+        self.fail = fail or {}  # ref -> error message
+        self._bandwidth = bandwidth or Bandwidth("Test chip", 100e9, measured=False)
+        self.engines: list[FakeEngine] = []
+        self._tokenizers: dict[str, FakeTokenizer] = {}
+
+    @property
+    def engine(self) -> FakeEngine:
+        return self.engines[-1]
+
+    def load(self, ref: str | None) -> FakeEngine:
+        if self.load_delay_s:
+            time.sleep(self.load_delay_s)
+        key = ref or ""
+        if key in self.fail:
+            raise ModelLoadError(self.fail[key])
+        name = next((m.name for m in self.models if m.ref == key), None)
+        if name is None:
+            if not Path(key).exists():
+                raise ModelLoadError(f"{key}: no such file or folder, and not a model in the Hugging Face cache")
+            name = Path(key).name
+        engine = FakeEngine(self.script, self.tokens_per_s, fake_info(name), ttft_s=self.ttft_s,
+                            tokenizer=self.load_tokenizer(ref))
+        self.engines.append(engine)
+        return engine
+
+    def list_models(self) -> list[ModelSummary]:
+        return list(self.models)
+
+    def describe(self, ref: str) -> ModelSummary:
+        path = Path(ref).expanduser()
+        if not path.exists():
+            raise ModelLoadError(f"{ref}: no such file or folder")
+        return ModelSummary(str(path), path.name, "gguf" if path.suffix == ".gguf" else "folder",
+                            path.stat().st_size, 0, "?", 0, "?")
+
+    def load_tokenizer(self, ref: str | None) -> FakeTokenizer:
+        key = ref or ""
+        if key not in self._tokenizers:
+            self._tokenizers[key] = FakeTokenizer(key or "embedded", non_ascii_split=1 if key else 3)
+        return self._tokenizers[key]
+
+    def bandwidth(self, home: Path) -> Bandwidth:
+        return self._bandwidth

@@ -1,0 +1,58 @@
+"""Hand-off of streamed tokens from the generation worker to the UI, batched per frame.
+
+The worker pushes every event into a `TokenBuffer` and posts a wake-up message only when the buffer was
+empty, so at most one wake-up is in flight; the UI drains whatever has accumulated at most once per frame.
+At 1,000 tokens/s that is ~30 tokens per Markdown append instead of 1,000 appends a second.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from mlx_engine.api import GenerationEvent
+
+
+@dataclass
+class Drained:
+    text: str = ""
+    num_tokens: int = 0
+    final: GenerationEvent | None = None
+
+
+@dataclass
+class TokenBuffer:
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _parts: list[str] = field(default_factory=list)
+    _num_tokens: int = 0
+    _final: GenerationEvent | None = None
+    _scheduled: bool = False
+    first_token_at: float | None = None
+    total_tokens: int = 0  # tokens pushed so far (worker side)
+
+    def push(self, event: GenerationEvent) -> bool:
+        """Adds an event; True when the UI must be woken (nothing was pending)."""
+        with self._lock:
+            if event.text:
+                self._parts.append(event.text)
+            if event.token_ids:
+                if self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
+                self._num_tokens += len(event.token_ids)
+                self.total_tokens += len(event.token_ids)
+            if event.finish_reason is not None:
+                self._final = event
+            wake = not self._scheduled
+            self._scheduled = True
+            return wake
+
+    def drain(self) -> Drained:
+        """Everything pushed since the last drain; the next push wakes the UI again."""
+        with self._lock:
+            out = Drained("".join(self._parts), self._num_tokens, self._final)
+            self._parts.clear()
+            self._num_tokens = 0
+            self._final = None
+            self._scheduled = False
+            return out

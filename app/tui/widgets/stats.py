@@ -1,0 +1,68 @@
+"""The stats bar: live decode speed, latency, tokens, context, memory and % of the memory-bandwidth roofline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.widgets import Static
+
+
+def mib(n: float) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.0f} MiB" if n >= 100 * 2**20 else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass
+class LiveStats:
+    """What the bar shows; filled while a reply streams, then from the final event's usage and stats."""
+
+    decode_tps: float = 0.0
+    ttft_s: float | None = None
+    prompt_tokens: int = 0
+    reply_tokens: int = 0
+    context_length: int = 0
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+    bytes_per_token: int = 0  # read by one decode step at the current context
+    bandwidth_bytes_per_s: float = 0.0
+    bandwidth_label: str = ""
+    streaming: bool = False
+
+    @property
+    def roofline_fraction(self) -> float | None:
+        """bytes per decode step x tokens/s / bandwidth: how close decode runs to the memory roofline."""
+        if not self.bandwidth_bytes_per_s or not self.decode_tps or not self.bytes_per_token:
+            return None
+        return self.bytes_per_token * self.decode_tps / self.bandwidth_bytes_per_s
+
+    def render_line(self) -> str:
+        used = self.prompt_tokens + self.reply_tokens
+        speed = " │ ".join([
+            f"{'▶ ' if self.streaming else ''}{self.decode_tps:.1f} tok/s",
+            f"TTFT {self.ttft_s:.2f} s" if self.ttft_s is not None else "TTFT –",
+            f"prompt {self.prompt_tokens} · reply {self.reply_tokens}",
+            f"ctx {used:,}/{self.context_length:,}",
+        ])
+        frac = self.roofline_fraction
+        roof = f"{frac * 100:.1f}% of roofline" if frac is not None else "–% of roofline"
+        memory = " │ ".join([
+            f"model {mib(self.weight_bytes)} · KV {mib(self.kv_bytes)}",
+            roof + (f" · {self.bandwidth_label}" if self.bandwidth_label else " · measuring bandwidth…"),
+        ])
+        return speed + "\n" + memory
+
+
+class StatsBar(Static):
+    """Two fixed lines under the input (cut with an ellipsis when narrow): an update never changes the layout,
+    so refreshing it every frame while streaming costs a repaint of two lines, not a reflow of the screen."""
+
+    DEFAULT_CSS = """
+    StatsBar { height: 2; padding: 0 1; background: $panel; color: $text-muted;
+               text-wrap: nowrap; text-overflow: ellipsis; }
+    StatsBar.-streaming { color: $text; }
+    """
+
+    def show(self, stats: LiveStats) -> None:
+        self.set_class(stats.streaming, "-streaming")
+        self.update(stats.render_line(), layout=False)

@@ -1,0 +1,29 @@
+"""The app on the real embedded model (SmolLM2-135M on MLX): one short greedy question, end to end."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.tui.app import RooflineApp
+from app.tui.store import ChatSettings
+from tests.tui_helpers import idle, ready, screen_text, send, transcript, wait_for
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_embedded_model_answers_paris(tmp_path) -> None:
+    app = RooflineApp(home=tmp_path, default_settings=ChatSettings(temperature=0.0, max_tokens=8))
+    app.backend.bandwidth = lambda home: None  # the roofline denominator is not under test here
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None, timeout=120, what="embedded model loaded")
+        await ready(pilot)
+        assert "SmolLM2" in app.sub_title
+        await send(pilot, "What is the capital of France?")
+        await wait_for(pilot, lambda: app.chat_screen.gen is None, timeout=120, what="reply")
+        await idle(pilot)
+        (user, reply) = transcript(app)
+        assert reply[1] in ("done", "length") and "Paris" in reply[2], reply
+        assert "Paris" in screen_text(app)
+        stats = app.chat_screen.stats
+        assert stats.reply_tokens <= 8 and stats.prompt_tokens > 0 and stats.decode_tps > 0
+        assert stats.weight_bytes > 0 and stats.bytes_per_token > stats.weight_bytes // 2

@@ -1,0 +1,139 @@
+"""SVG snapshots of the app's screens (pytest-textual-snapshot) at a fixed size, cursor blink off, with the fake
+engine and fixed figures in the stats bar. Update with `uv run pytest tests/test_tui_snapshots.py --snapshot-update`."""
+
+from __future__ import annotations
+
+import pytest
+from textual.widgets import Input, TextArea
+
+from app.tui.fake_engine import FakeReply
+from app.tui.widgets.stats import LiveStats
+from tests.tui_helpers import make_app, ready, send, wait_for
+
+SIZE = (100, 30)
+REPLY = """Here is a **bandwidth** check in Python:
+
+```python
+import numpy as np
+
+def bandwidth(n=1 << 28):
+    src = np.ones(n // 8)
+    return 2 * src.nbytes
+```
+
+- Decode reads every weight once per token.
+- So tokens/s is capped by GB/s over model bytes, and that is the roofline we compare against
+"""
+FIXED_STATS = LiveStats(decode_tps=41.3, ttft_s=0.18, prompt_tokens=31, reply_tokens=64, context_length=8192,
+                        weight_bytes=94 * 2**20, kv_bytes=3 * 2**20, bytes_per_token=97 * 2**20,
+                        bandwidth_bytes_per_s=100e9, bandwidth_label="100 GB/s Test chip", streaming=True)
+
+
+async def settle(pilot, streaming: bool = False) -> None:
+    """Freezes what changes between runs: stats figures, toasts, cursor blink."""
+    app = pilot.app
+    for screen in app.screen_stack:
+        for w in screen.query(TextArea):
+            w.cursor_blink = False
+        for w in screen.query(Input):
+            w.cursor_blink = False
+    app.chat_screen.stats = LiveStats(**{**vars(FIXED_STATS), "streaming": streaming})
+    app.chat_screen.show_stats()
+    app.clear_notifications()
+    await pilot.wait_for_scheduled_animations()
+    await pilot.pause(0.3)
+
+
+def chat_app(tmp_path, **kw):
+    app, backend = make_app(tmp_path, script=[FakeReply(REPLY, hold_after=60)], tokens_per_s=None, **kw)
+    return app, backend
+
+
+def test_chat_mid_reply(snap_compare, tmp_path) -> None:
+    app, backend = chat_app(tmp_path)
+
+    async def run_before(pilot) -> None:
+        await ready(pilot)
+        await send(pilot, "How do I measure memory bandwidth?")
+        await wait_for(pilot, lambda: app.chat_screen.gen is not None and app.chat_screen.gen.buffer.total_tokens == 60)
+        await pilot.pause(0.2)
+        await settle(pilot, streaming=True)
+
+    try:
+        assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    finally:
+        if backend.engines:
+            backend.engine.release()
+
+
+def test_chat_at_80x24_after_reply(snap_compare, tmp_path) -> None:
+    app, backend = make_app(tmp_path, script=["The capital of France is **Paris**."])
+
+    async def run_before(pilot) -> None:
+        await ready(pilot)
+        await send(pilot, "What is the capital of France?")
+        await wait_for(pilot, lambda: app.chat_screen.gen is None and len(app.chat_screen.query("MessageView")) == 2)
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_model_picker(snap_compare, tmp_path) -> None:
+    app, _ = make_app(tmp_path)
+
+    async def run_before(pilot) -> None:
+        await ready(pilot)
+        await pilot.press("ctrl+l")
+        await wait_for(pilot, lambda: getattr(app.screen, "rows", None))
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_settings(snap_compare, tmp_path) -> None:
+    app, _ = make_app(tmp_path)
+
+    async def run_before(pilot) -> None:
+        await ready(pilot)
+        await pilot.press("ctrl+s")
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_token_inspector(snap_compare, tmp_path) -> None:
+    app, _ = make_app(tmp_path)
+
+    async def run_before(pilot) -> None:
+        await ready(pilot)
+        app.chat_screen.query_one("#prompt").text = "Bandwidth bounds decode: 敏捷的狐狸"
+        await pilot.press("ctrl+t")
+        await wait_for(pilot, lambda: getattr(app.screen, "others", None))
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_help(snap_compare, tmp_path) -> None:
+    app, _ = make_app(tmp_path)
+
+    async def run_before(pilot) -> None:
+        await ready(pilot)
+        await pilot.press("f1")
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+@pytest.mark.parametrize("theme", ["textual-light"])
+def test_light_theme(snap_compare, tmp_path, theme) -> None:
+    app, _ = make_app(tmp_path, script=["Light **theme** reply."])
+
+    async def run_before(pilot) -> None:
+        await ready(pilot)
+        app.theme = theme
+        await send(pilot, "hello")
+        await wait_for(pilot, lambda: app.chat_screen.gen is None and len(app.chat_screen.query("MessageView")) == 2)
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

@@ -1,0 +1,161 @@
+"""The app's pieces without a terminal: chat store, chip table and bandwidth cache, token batching, stats math,
+and that importing the app pulls in no MLX."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from app.tui import chips
+from app.tui.chips import Bandwidth, load_chips, lookup, machine_bandwidth
+from app.tui.store import ChatSettings, ChatStore
+from app.tui.streaming import TokenBuffer
+from app.tui.widgets.stats import LiveStats
+from mlx_engine.api import GenerationEvent, Usage
+
+
+def test_store_round_trip_newest_first_and_wal(tmp_path) -> None:
+    store = ChatStore(tmp_path / "chats.db")
+    a = store.create_chat("a", settings=ChatSettings(temperature=0.2, seed=3))
+    b = store.create_chat("b")
+    m1 = store.add_message(a.id, "user", "hi")
+    store.add_message(a.id, "assistant", "hello", stats={"decode_tps": 5.0})
+    assert [c.title for c in store.list_chats()] == ["a", "b"]  # a got a message: most recently updated
+    assert store.get_chat(a.id).settings == ChatSettings(temperature=0.2, seed=3)
+    assert [(m.role, m.content, m.stats) for m in store.messages(a.id)] == [
+        ("user", "hi", {}), ("assistant", "hello", {"decode_tps": 5.0})]
+    store.delete_messages_from(a.id, m1.id)
+    assert store.messages(a.id) == []
+    store.delete_chat(b.id)
+    assert [c.title for c in store.list_chats()] == ["a"]
+    store.set_pref("theme", "textual-light")
+    assert store.get_pref("theme") == "textual-light" and store.get_pref("nope", "d") == "d"
+    assert store.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    store.close()
+
+
+def test_settings_from_json_ignores_unknown_and_bad_fields() -> None:
+    assert ChatSettings.from_json('{"temperature": 0.1, "future_field": 1}') == ChatSettings(temperature=0.1)
+    assert ChatSettings.from_json("not json") == ChatSettings()
+
+
+@pytest.mark.parametrize("garbage", [b"junk" * 1000, b"SQLite format 3\x00" + b"\xff" * 5000])
+def test_corrupt_database_is_moved_aside_never_deleted(tmp_path, garbage) -> None:
+    path = tmp_path / "chats.db"
+    path.write_bytes(garbage)
+    store = ChatStore(path)
+    assert store.notice and "moved it to chats.db.corrupt-" in store.notice
+    (aside,) = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert aside.read_bytes() == garbage
+    assert store.list_chats() == []
+    store.close()
+
+
+def test_unwritable_data_dir_falls_back_to_memory(tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    store = ChatStore(blocker / "sub" / "chats.db")  # parent is a file: cannot be created
+    assert store.notice and "in memory" in store.notice
+    store.create_chat("t")
+    assert len(store.list_chats()) == 1
+
+
+def test_killed_reply_reads_back_as_interrupted(tmp_path) -> None:
+    store = ChatStore(tmp_path / "chats.db")
+    c = store.create_chat("c")
+    store.add_message(c.id, "assistant", "part", status="streaming")
+    store.close()
+    assert [m.status for m in ChatStore(tmp_path / "chats.db").messages(c.id)] == ["interrupted"]
+
+
+def test_chip_table_covers_m1_to_m5_and_datacenter_gpus() -> None:
+    table = {c.name: c for c in load_chips()}
+    for family in ("M1", "M2", "M3", "M4"):
+        for tier in ("", " Pro", " Max", " Ultra") if family != "M4" else ("", " Pro", " Max"):
+            assert f"Apple {family}{tier}" in table
+    assert table["Apple M5"].gbs == 153
+    assert {"NVIDIA H100 SXM", "NVIDIA H200", "NVIDIA B200"} <= set(table)
+    assert all(c.source for c in table.values())
+
+
+def test_lookup_picks_the_bandwidth_bin_by_performance_cores() -> None:
+    assert lookup("Apple M1", None).bytes_per_s == 68.25e9
+    assert lookup("Apple M3 Max", 10).bytes_per_s == 300e9
+    assert lookup("Apple M3 Max", 12).bytes_per_s == 400e9
+    assert lookup("Apple M4 Max", 10).bytes_per_s == 410e9
+    assert lookup("Apple  M4 Pro", 10).bytes_per_s == 273e9  # whitespace-tolerant
+    assert lookup("Apple M5 Max", 12) is None  # unknown: never guessed from "Apple M5"
+    assert lookup("NVIDIA H100 SXM", None) is None  # comparison rows are not a host
+
+
+def test_unknown_machine_measures_once_and_caches(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(chips, "detect_chip", lambda: None)
+    calls = []
+
+    def measure() -> float:
+        calls.append(1)
+        return 12.5e9
+
+    bw = machine_bandwidth(tmp_path, measure)
+    assert bw.measured and bw.bytes_per_s == 12.5e9 and bw.describe().endswith(", measured")
+    assert machine_bandwidth(tmp_path, measure) == bw and len(calls) == 1
+    assert json.loads((tmp_path / "bandwidth.json").read_text())["bytes_per_s"] == 12.5e9
+
+
+def test_known_mac_uses_the_table(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(chips, "detect_chip", lambda: ("Apple M4 Max", 12))
+    bw = machine_bandwidth(tmp_path, lambda: pytest.fail("must not measure"))
+    assert bw == Bandwidth("Apple M4 Max", 546e9, measured=False) and bw.describe() == "546 GB/s Apple M4 Max"
+
+
+def test_token_buffer_wakes_once_per_drain() -> None:
+    buf = TokenBuffer()
+    wakes = [buf.push(GenerationEvent(text=f"t{i} ", token_ids=(i,))) for i in range(100)]
+    assert wakes == [True] + [False] * 99
+    d = buf.drain()
+    assert d.num_tokens == 100 and d.text.startswith("t0 t1 ") and d.final is None
+    assert buf.push(GenerationEvent(finish_reason="stop", usage=Usage(3, 100))) is True
+    assert buf.drain().final.finish_reason == "stop" and buf.total_tokens == 100
+
+
+def test_token_buffer_is_thread_safe() -> None:
+    buf = TokenBuffer()
+
+    def producer() -> None:
+        for i in range(5000):
+            buf.push(GenerationEvent(text="x", token_ids=(i,)))
+
+    t = threading.Thread(target=producer)
+    t.start()
+    seen = 0
+    while t.is_alive():
+        seen += len(buf.drain().text)
+    t.join()
+    seen += len(buf.drain().text)
+    assert seen == 5000 and buf.total_tokens == 5000
+
+
+def test_roofline_fraction_is_bytes_times_rate_over_bandwidth() -> None:
+    s = LiveStats(decode_tps=50.0, bytes_per_token=100 * 2**20, bandwidth_bytes_per_s=100e9)
+    assert s.roofline_fraction == pytest.approx(100 * 2**20 * 50 / 100e9)
+    assert LiveStats(decode_tps=50.0).roofline_fraction is None
+    line = LiveStats(decode_tps=5.0, ttft_s=1.25, prompt_tokens=31, reply_tokens=8, context_length=8192,
+                     weight_bytes=94 * 2**20, kv_bytes=2**20, bytes_per_token=95 * 2**20,
+                     bandwidth_bytes_per_s=68.25e9, bandwidth_label="68 GB/s Apple M1").render_line()
+    assert line.splitlines() == [
+        "5.0 tok/s │ TTFT 1.25 s │ prompt 31 · reply 8 │ ctx 39/8,192",
+        "model 94.0 MiB · KV 1.0 MiB │ 0.7% of roofline · 68 GB/s Apple M1"]
+
+
+def test_importing_the_app_loads_no_mlx() -> None:
+    probe = ("import app.tui, app.tui.app, app.tui.fake_engine, app.cli, sys; "
+             "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    mods = set(r.stdout.split())
+    assert "textual" in mods and not {"mlx", "mlx_lm", "torch", "kernels_metal"} & mods
