@@ -159,6 +159,18 @@ class Engine:
         """KV cache occupancy: blocks total/used/cached/free, bytes, prefix hit rate, fragmentation."""
         return self._thread.call(self._runner.kv_stats)
 
+    def save_kv(self, path: str, request: GenerationRequest | list[int]) -> int:
+        """Saves the cached KV of a conversation (a request's prompt, or token ids): every full block of
+        its prefix still in the prefix cache, with the tokens and the model fingerprint. Returns tokens saved."""
+        ids = self._runner.prompt_ids(request) if isinstance(request, GenerationRequest) else list(request)
+        return self._thread.call(lambda: self._runner.save_kv(path, ids))
+
+    def restore_kv(self, path: str) -> int:
+        """Loads KV saved by `save_kv` into the prefix cache, so a reopened chat needs no re-prefill. A file
+        from another model or a corrupt one raises RooflineError (the chat then simply prefills). Returns
+        the number of tokens restored."""
+        return len(self._thread.call(lambda: self._runner.restore_kv(path)))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 

@@ -204,6 +204,23 @@ class Runner:
     def kv_stats(self) -> dict[str, Any]:
         return self.cache.stats()
 
+    def _paged(self, what: str) -> Any:
+        from mlx_engine.kv.cache import PagedCache
+
+        if not isinstance(self.cache, PagedCache):
+            raise RooflineError(f"{what} needs the paged KV cache, which this model does not use")
+        return self.cache
+
+    def save_kv(self, path: str, token_ids: list[int]) -> int:
+        from mlx_engine.kv.cache import save_blocks
+
+        return save_blocks(self._paged("saving KV"), path, token_ids, self.fingerprint)
+
+    def restore_kv(self, path: str) -> list[int]:
+        from mlx_engine.kv.cache import restore_blocks
+
+        return restore_blocks(self._paged("restoring KV"), path, self.fingerprint)
+
     def generate(self, ids: list[int], params: SamplingParams, stream: Any) -> None:
         self._request_counter += 1
         req_id = f"req-{self._request_counter}"
@@ -363,8 +380,13 @@ def model_fingerprint(ckpt: Any, dtype: mx.Dtype) -> bytes:
     h.update(json.dumps(ckpt.config, sort_keys=True, default=str).encode())
     path = ckpt.path
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf"))
-    for f in files:
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    for f in files:  # name, size and three 64 KiB samples: two fine-tunes of one base differ, cheaply
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            for at in (0, size // 2, max(0, size - 65536)):
+                fh.seek(at)
+                h.update(fh.read(65536))
     h.update(str(dtype).encode())
     return h.digest()
 

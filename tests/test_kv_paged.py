@@ -97,3 +97,59 @@ def test_request_that_cannot_fit_the_budget_states_bytes(tmp_path: Path) -> None
         events = list(e.generate(GenerationRequest(prompt_token_ids=PROMPT[:20], sampling=SamplingParams(
             temperature=0.0, max_tokens=4, ignore_eos=True))))
         assert events[-1].finish_reason == "length"
+
+
+def test_save_restore_round_trips_bit_exactly(tmp_path: Path) -> None:
+    folder = random_llama_folder(tmp_path / "m")
+    path = str(tmp_path / "chat.kv.safetensors")
+    with Engine.load(str(folder)) as a:
+        reply, want = steps(a, PROMPT, 6)
+        history = PROMPT + reply
+        assert a.save_kv(path, history) == 48
+        storage = a._runner.cache.storage
+        saved_slots = None
+    with Engine.load(str(folder)) as b:
+        assert b.restore_kv(path) == 48
+        events = list(b.generate(GenerationRequest(prompt_token_ids=history + [5], sampling=SamplingParams(
+            temperature=0.0, max_tokens=3, ignore_eos=True))))
+        assert events[-1].usage.cached_prompt_tokens == 48
+        # the restored K/V are the saved ones, bit for bit
+        import mlx.core as mx
+
+        got = mx.load(path)
+        mgr = b._runner.cache.manager
+        from mlx_engine.kv.block_pool import hash_block_tokens
+
+        parent, ids = None, []
+        for i in range(3):
+            parent = hash_block_tokens(parent, history[i * 16:(i + 1) * 16], mgr.extra_key)
+            ids.append(mgr.pool.get_cached_block(parent, history[i * 16:(i + 1) * 16]).block_id)
+        slots = mx.array([i * 16 + j for i in ids for j in range(16)])
+        for layer in range(2):
+            assert mx.array_equal(b._runner.cache.storage.k[layer][slots], got[f"k.{layer}"]).item()
+            assert mx.array_equal(b._runner.cache.storage.v[layer][slots], got[f"v.{layer}"]).item()
+    del storage, saved_slots
+    with Engine.load(str(folder), paged_kv=False) as ref:
+        want_tokens, _ = steps(ref, history + [5], 3)
+    assert [t for e in events for t in e.token_ids] == want_tokens
+
+
+def test_restore_refuses_other_model_and_corrupt_files(tmp_path: Path) -> None:
+    path = tmp_path / "chat.kv.safetensors"
+    with Engine.load(str(random_llama_folder(tmp_path / "a", seed=1))) as a:
+        steps(a, PROMPT, 4)
+        a.save_kv(str(path), PROMPT)
+    with Engine.load(str(random_llama_folder(tmp_path / "b", seed=2))) as b:  # same config, other weights
+        with pytest.raises(RooflineError, match="made by another model"):
+            b.restore_kv(str(path))
+    with Engine.load(str(tmp_path / "a")) as a2:
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+        with pytest.raises(RooflineError, match=r"saved KV refused: .*truncated"):
+            a2.restore_kv(str(path))
+        path.write_bytes(b"not a kv file at all")
+        with pytest.raises(RooflineError, match="saved KV refused"):
+            a2.restore_kv(str(path))
+        # the engine still serves
+        tokens, _ = steps(a2, PROMPT, 2)
+        assert len(tokens) == 2

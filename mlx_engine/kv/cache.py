@@ -204,3 +204,96 @@ class ContiguousCache:
         return {"kind": "contiguous", "num_tokens": len(self._tokens), "num_queried_tokens": self.num_queried,
                 "num_hit_tokens": self.num_hit,
                 "hit_rate": self.num_hit / self.num_queried if self.num_queried else 0.0}
+
+
+KV_FILE_FORMAT = "roofline-kv-1"
+
+
+class KVRestoreError(RooflineError):
+    """A saved KV file that cannot be used here (another model, another layout, corrupt)."""
+
+
+def save_blocks(cache: PagedCache, path: str, token_ids: list[int], fingerprint: bytes) -> int:
+    """Writes the cached full blocks that cover the longest prefix of `token_ids` (K/V of every layer, the
+    tokens and the model fingerprint) to a safetensors file. Returns the number of tokens saved."""
+    import json
+
+    from mlx_engine.kv.block_pool import hash_block_tokens
+
+    mgr, bs = cache.manager, cache.block_size
+    blocks, parent = [], None
+    for i in range(len(token_ids) // bs):
+        chunk = token_ids[i * bs:(i + 1) * bs]
+        parent = hash_block_tokens(parent, chunk, mgr.extra_key)
+        block = mgr.pool.get_cached_block(parent, chunk)
+        if block is None:
+            break
+        blocks.append(block)
+    n = len(blocks) * bs
+    if n == 0:
+        raise RooflineError("nothing to save: no full KV block of these tokens is in the cache")
+    slots = mx.array([b.block_id * bs + i for b in blocks for i in range(bs)], dtype=mx.int32)
+    st = cache.storage
+    arrays: dict[str, mx.array] = {}
+    for name in ("k", "v", "k_scales", "k_biases", "v_scales", "v_biases"):
+        per_layer = getattr(st, name)
+        if per_layer is not None:
+            for layer, a in enumerate(per_layer):
+                arrays[f"{name}.{layer}"] = a[slots]
+    meta = {"format": KV_FILE_FORMAT, "fingerprint": fingerprint.hex(), "block_size": str(bs),
+            "kv_bits": str(st.bits or 0), "kv_group_size": str(st.group_size), "dtype": str(st.dtype),
+            "num_tokens": str(n), "tokens": json.dumps(token_ids[:n])}
+    mx.save_safetensors(path, arrays, metadata=meta)
+    return n
+
+
+def restore_blocks(cache: PagedCache, path: str, fingerprint: bytes) -> list[int]:
+    """Loads a file written by `save_blocks` into free blocks and registers them in the prefix cache, so
+    the next request starting with those tokens prefills only the rest. Returns the restored tokens."""
+    import json
+    from pathlib import Path
+
+    from mlx_engine.api import ModelLoadError
+    from mlx_engine.loading.safetensors_file import validate_safetensors
+
+    try:
+        validate_safetensors(Path(path))
+        arrays, meta = mx.load(path, return_metadata=True)
+    except ModelLoadError as e:
+        raise KVRestoreError(f"saved KV refused: {e}") from None
+    except (RuntimeError, ValueError, OSError) as e:
+        raise KVRestoreError(f"saved KV refused: {path}: cannot read ({e})") from None
+    if meta.get("format") != KV_FILE_FORMAT:
+        raise KVRestoreError(f"saved KV refused: {path} is not a Roofline KV file (format {meta.get('format')!r})")
+    if meta.get("fingerprint") != fingerprint.hex():
+        raise KVRestoreError(f"saved KV refused: {path} was made by another model or dtype (fingerprint differs)")
+    st = cache.storage
+    want = {"block_size": str(cache.block_size), "kv_bits": str(st.bits or 0), "kv_group_size": str(st.group_size)}
+    for key, value in want.items():
+        if meta.get(key) != value:
+            raise KVRestoreError(f"saved KV refused: {path} has {key}={meta.get(key)}, this engine uses {value}")
+    try:
+        tokens = [int(t) for t in json.loads(meta["tokens"])]
+        n = int(meta["num_tokens"])
+    except (KeyError, ValueError, TypeError) as e:
+        raise KVRestoreError(f"saved KV refused: {path}: corrupt token list ({e})") from None
+    names = [name for name in ("k", "v", "k_scales", "k_biases", "v_scales", "v_biases") if getattr(st, name)]
+    for name in names:
+        for layer, pool in enumerate(getattr(st, name)):
+            a = arrays.get(f"{name}.{layer}")
+            if a is None or a.shape != (n, *pool.shape[1:]) or a.dtype != pool.dtype or len(tokens) != n:
+                raise KVRestoreError(f"saved KV refused: {path}: tensor {name}.{layer} is missing or has the wrong "
+                                     f"shape (expected {(n, *pool.shape[1:])} {pool.dtype})")
+    cache.check_fits(n)
+    req = f"restore-{id(arrays)}"
+    mgr = cache.manager
+    if mgr.allocate_slots(req, tokens, n) is None:
+        raise KVRestoreError(f"saved KV refused: no free KV blocks for {n} tokens")
+    cache._copy_pending()
+    slots = mx.array(mgr.slot_mapping(req, 0, n), dtype=mx.int32)
+    for name in names:
+        for layer, pool in enumerate(getattr(st, name)):
+            pool[slots] = arrays[f"{name}.{layer}"]
+    mx.eval(st.arrays())
+    mgr.free(req)
+    return tokens
