@@ -49,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     lg.add_argument("--token-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
     lg.add_argument("--output", "-o", required=True, help="output .npy file")
 
+    k = sub.add_parser("kv", help="the KV cache bytes a configuration needs (read from config.json or GGUF metadata)")
+    k.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
+    k.add_argument("--context", "-c", type=int, required=True, help="tokens per sequence")
+    k.add_argument("--batch", "-b", type=int, default=1, help="concurrent sequences")
+    k.add_argument("--kv-bits", type=int, choices=(4, 8), help="quantized KV (group size 64)")
+    k.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
+                   help="KV dtype when not quantized (default float16, as on a Mac)")
+
     t = sub.add_parser("tokens", help="show token pieces and ids of a text")
     t.add_argument("--tokenizer", "-t", help="model folder, tokenizer.json or GGUF file (default: embedded model)")
     t.add_argument("--json", action="store_true", help='print {"ids": [...]} (no BOS added)')
@@ -65,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return {"chat": cmd_chat, "generate": cmd_generate, "logits": cmd_logits, "tokens": cmd_tokens}[args.command](args)
+        return {"chat": cmd_chat, "generate": cmd_generate, "logits": cmd_logits, "tokens": cmd_tokens,
+                "kv": cmd_kv}[args.command](args)
     except RooflineError as e:
         return _fail(str(e))
     except KeyboardInterrupt:
@@ -160,6 +169,24 @@ def cmd_logits(args: argparse.Namespace) -> int:
     logits = engine.forward_logits(ids)
     np.save(out, logits.astype(np.float32))
     print(f"wrote {out} float32 {tuple(logits.shape)}", file=sys.stderr)
+    return 0
+
+
+def cmd_kv(args: argparse.Namespace) -> int:
+    from mlx_engine.catalog import kv_bytes, kv_shape
+
+    if args.context < 1 or args.batch < 1:
+        raise RooflineError("--context and --batch must be positive integers")
+    shape = kv_shape(args.model)
+    itemsize = 4 if args.dtype == "float32" else 2
+    total = kv_bytes(shape, args.context, args.batch, args.kv_bits, itemsize)
+    per_token = kv_bytes(shape, 1, 1, args.kv_bits, itemsize)
+    kind = f"{args.kv_bits}-bit (g64)" if args.kv_bits else args.dtype
+    print(f"{total / 1e9:.1f} GB ({total:,} bytes) of KV for {args.batch} x {args.context:,} tokens in {kind}: "
+          f"{shape.num_layers} layers x {shape.num_kv_heads} KV heads x head dim {shape.head_dim}, "
+          f"{per_token:,} bytes per token")
+    if shape.context_length and args.context > shape.context_length:
+        print(f"note: the model's own context is {shape.context_length:,} tokens", file=sys.stderr)
     return 0
 
 

@@ -111,3 +111,50 @@ def list_local_models() -> list[ModelSummary]:
             out.append(ModelSummary(repo.repo_id, repo.repo_id, "hf-cache", repo.size_on_disk, 0, "?", 0, "?",
                                     error=str(e)))
     return out
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    context_length: int
+
+
+def kv_shape(ref: str | None) -> KVShape:
+    """The attention shape that sizes the KV cache, from config.json or GGUF metadata (no weights read)."""
+    from mlx_engine.loading import resolve
+    from mlx_engine.loading.gguf_file import read_gguf
+
+    path, kind = resolve(ref)
+    if kind == "gguf":
+        m = read_gguf(path).metadata
+        arch = m.get("general.architecture", "")
+        heads = int(m.get(f"{arch}.attention.head_count", 0))
+        if not heads:
+            raise ModelLoadError(f"{path}: GGUF metadata has no {arch}.attention.head_count")
+        hidden = int(m.get(f"{arch}.embedding_length", 0))
+        return KVShape(int(m.get(f"{arch}.block_count", 0)), int(m.get(f"{arch}.attention.head_count_kv", heads)),
+                       int(m.get(f"{arch}.attention.key_length", hidden // heads)),
+                       int(m.get(f"{arch}.context_length", 0)))
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path / 'config.json'}: cannot read ({e})") from None
+    config = config.get("text_config", config) if "num_hidden_layers" not in config else config
+    try:
+        heads = int(config["num_attention_heads"])
+        return KVShape(int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or heads),
+                       int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+                       int(config.get("max_position_embeddings") or 0))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{path / 'config.json'}: missing or bad field {e} for sizing the KV cache") from None
+
+
+def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None = None, itemsize: int = 2,
+             group_size: int = 64) -> int:
+    """K and V of every layer for `batch` sequences of `context` tokens (quantized: packed values plus a
+    scale and a bias per group, in the activation dtype)."""
+    per_vector = shape.head_dim * itemsize if kv_bits is None else (
+        shape.head_dim * kv_bits // 8 + 2 * -(-shape.head_dim // group_size) * itemsize)
+    return 2 * shape.num_layers * shape.num_kv_heads * per_vector * context * batch

@@ -103,3 +103,27 @@ def test_tokens_on_vocabulary_only_gguf(tmp_path: Path) -> None:
 
 def test_tokens_on_missing_tokenizer_is_one_clear_line(tmp_path: Path) -> None:
     assert_one_line_error(roofline("tokens", "-t", str(tmp_path / "nope.gguf"), "hi"), "model not found")
+
+
+def test_kv_sizes_llama3_70b_from_config_alone(tmp_path: Path) -> None:
+    """No weights needed: Llama-3-70B's config gives 32.8 GB for 100K tokens in fp16."""
+    config = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+              "num_key_value_heads": 8, "max_position_embeddings": 8192, "vocab_size": 128256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = roofline("kv", "--model", str(tmp_path), "--context", "100000")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("32.8 GB (32,768,000,000 bytes) of KV for 1 x 100,000 tokens in float16")
+    assert "327,680 bytes per token" in r.stdout
+
+
+def test_kv_on_embedded_gguf_with_quantized_kv() -> None:
+    r = roofline("kv", "--context", "8192", "--batch", "4", "--kv-bits", "8")
+    # 30 layers x 3 KV heads x (64 bytes + 2 x 2 bytes of scale and bias per group of 64) x 2 (K, V)
+    assert r.returncode == 0 and "(401,080,320 bytes) of KV for 4 x 8,192 tokens in 8-bit" in r.stdout
+    assert "12,240 bytes per token" in r.stdout
+
+
+def test_kv_bad_model_is_one_clear_line(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    assert_one_line_error(roofline("kv", "--model", str(tmp_path), "--context", "10"), "config.json",
+                          "num_attention_heads")

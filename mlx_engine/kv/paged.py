@@ -23,8 +23,9 @@ SUPPORTED_GROUP_SIZES = (32, 64)
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int,
                     bits: int | None = None, group_size: int = 64) -> int:
     """K and V of one block across all layers."""
-    per_vector = head_dim * itemsize if bits is None else head_dim * bits // 8 + 2 * (head_dim // group_size) * itemsize
-    return 2 * num_layers * block_size * num_kv_heads * per_vector
+    from mlx_engine.catalog import KVShape, kv_bytes
+
+    return kv_bytes(KVShape(num_layers, num_kv_heads, head_dim, 0), block_size, 1, bits, itemsize, group_size)
 
 
 class PagedKVStorage:
