@@ -155,6 +155,12 @@ class Engine:
         tied to the head) plus K and V of every layer. Times tokens/s over bandwidth is % of roofline."""
         return self._runner.decode_bytes_per_token(context_tokens)
 
+    def score(self, token_ids: list[int]) -> np.ndarray:
+        """Log-probability of each token given those before it, float32 (T - 1,), through the engine's own
+        KV cache and prefill chunks: perplexity = exp(-mean)."""
+        ids = self._runner.check_context(self._runner.check_ids(list(token_ids)))
+        return self._thread.call(lambda: self._runner.score(ids))
+
     def kv_stats(self) -> dict[str, Any]:
         """KV cache occupancy: blocks total/used/cached/free, bytes, prefix hit rate, fragmentation."""
         return self._thread.call(self._runner.kv_stats)

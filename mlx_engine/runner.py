@@ -201,6 +201,36 @@ class Runner:
         logits = self.model.logits(out) if self.native else out
         return np.array(logits[0].astype(mx.float32))
 
+    def score(self, ids: list[int]) -> np.ndarray:
+        """log p(ids[t+1] | ids[..t]) for every t, computed in prefill chunks through the engine's KV cache
+        (so quantized KV counts, as it would in decoding) -> float32 (T - 1,)."""
+        from mlx_engine.kv.cache import KVBudgetError, PagedCache
+
+        self._request_counter += 1
+        req = f"score-{self._request_counter}"
+        paged = isinstance(self.cache, PagedCache)
+        if paged:
+            self.cache.check_fits(len(ids))
+            if self.cache.manager.allocate_slots(req, ids, len(ids)) is None:
+                raise KVBudgetError(f"no free KV blocks for {len(ids)} tokens")
+            self.cache._copy_pending()
+        else:
+            contiguous = self._fresh_contiguous()
+        out = []
+        try:
+            for start in range(0, len(ids) - 1, self.prefill_chunk_size):
+                end = min(start + self.prefill_chunk_size, len(ids) - 1)
+                layers = self.cache.layers(req, start, end, ids) if paged else contiguous
+                h = self._forward(mx.array([ids[start:end]], dtype=mx.int32), layers)
+                logits = (self.model.logits(h) if self.native else h)[0].astype(mx.float32)  # (L, V)
+                logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                target = mx.array(ids[start + 1:end + 1], dtype=mx.int32)
+                out.append(np.array(mx.take_along_axis(logp, target[:, None], axis=-1)[:, 0]))
+        finally:
+            if paged:
+                self.cache.manager.free(req)
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
+
     def kv_stats(self) -> dict[str, Any]:
         return self.cache.stats()
 

@@ -153,3 +153,17 @@ def test_restore_refuses_other_model_and_corrupt_files(tmp_path: Path) -> None:
         # the engine still serves
         tokens, _ = steps(a2, PROMPT, 2)
         assert len(tokens) == 2
+
+
+def test_score_matches_forward_logits_paged_and_contiguous(tmp_path: Path) -> None:
+    folder = random_llama_folder(tmp_path / "m")
+    ids = PROMPT + PROMPT[:10]
+    with Engine.load(str(folder), paged_kv=False) as ref:
+        logits = ref.forward_logits(ids).astype(np.float64)
+        want = (logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+                - logits.max(-1, keepdims=True))[np.arange(len(ids) - 1), ids[1:]]
+        assert np.abs(ref.score(ids) - want).max() <= 1e-4
+    with Engine.load(str(folder), prefill_chunk_size=13) as paged:
+        got = paged.score(ids)
+        assert got.shape == (len(ids) - 1,) and np.abs(got - want).max() <= 1e-4
+        assert paged.kv_stats()["used"] == 0  # the scoring sequence freed its blocks
