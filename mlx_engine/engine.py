@@ -37,26 +37,41 @@ LOAD_OPTIONS = {
 
 
 class _EngineThread:
-    """Runs submitted callables one at a time on a single thread (MLX streams are per thread).
+    """One thread owns all MLX work (MLX streams are per thread). Between scheduler steps it runs the
+    submitted jobs (new requests, forward passes, KV saves), so requests join at the next step.
 
     One per process, a daemon that never exits: MLX 0.32 on Linux aborts the process ("terminate called
     without an active exception") at exit when a thread that ran MLX work has ended before it.
     """
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._schedulers: list[Any] = []
         self._thread = threading.Thread(target=self._loop, name="roofline-engine", daemon=True)
         self._thread.start()
 
+    def _run(self, job: tuple[Callable[[], Any], Future]) -> None:
+        fn, future = job
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - delivered to the caller
+            future.set_exception(e)
+
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, future = job
-            if not future.set_running_or_notify_cancel():
+        while True:
+            busy = [s for s in self._schedulers if s.has_work()]
+            if not busy:
+                self._run(self._jobs.get())
                 continue
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - delivered to the caller
-                future.set_exception(e)
+            while True:  # every job waiting now runs before the next step
+                try:
+                    self._run(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
+            for scheduler in busy:
+                scheduler.step()
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         future: Future[T] = Future()
@@ -65,6 +80,12 @@ class _EngineThread:
 
     def call(self, fn: Callable[[], T]) -> T:
         return self.submit(fn).result()
+
+    def register(self, scheduler: Any) -> None:
+        self.call(lambda: self._schedulers.append(scheduler))
+
+    def unregister(self, scheduler: Any) -> None:
+        self.call(lambda: self._schedulers.remove(scheduler) if scheduler in self._schedulers else None)
 
 
 _shared_thread: _EngineThread | None = None
@@ -133,16 +154,22 @@ class Engine:
             raise RooflineError(f"unknown Engine.load option(s) {', '.join(unknown)}. Known options: {known}")
         from mlx_engine.runner import Runner
 
+        from mlx_engine.scheduler import Scheduler
+
         thread = engine_thread()
         runner = thread.call(lambda: Runner.load(model, **options))
-        return cls(thread, runner, runner.info)
+        engine = cls(thread, runner, runner.info)
+        engine._scheduler = Scheduler(runner)
+        thread.register(engine._scheduler)
+        return engine
 
     def generate(self, request: GenerationRequest) -> GenerationStream:
         """Starts a generation and returns its event stream. Errors in the request (a prompt longer than
         the context, token ids outside the vocabulary, a template error) raise RequestError here."""
         prompt_ids = self._runner.prompt_ids(request)
         stream = GenerationStream()
-        self._thread.submit(lambda: self._runner.generate(prompt_ids, request.sampling, stream))
+        scheduler = self._scheduler
+        self._thread.submit(lambda: scheduler.add(prompt_ids, request.sampling, stream))
         return stream
 
     def forward_logits(self, token_ids: list[int]) -> np.ndarray:
@@ -183,6 +210,12 @@ class Engine:
     def close(self) -> None:
         """Frees the model and its cache (on the engine thread, after any running generation)."""
         runner, self._runner = self._runner, _Closed()
+        if isinstance(runner, _Closed):
+            return
+        self._thread.unregister(self._scheduler)
+        for seq in list(self._scheduler.waiting) + list(self._scheduler.running):
+            seq.stream.cancel()
+        self._thread.call(lambda: self._scheduler.close())
         self._thread.call(runner.release)
 
     def __enter__(self) -> Engine:

@@ -49,7 +49,6 @@ class Runner:
         self.vocab_size = info.vocab_size
         self.eos_ids = frozenset(info.eos_token_ids)
         self.cache: Any = None  # PagedCache or ContiguousCache, set by load()
-        self._request_counter = 0
 
     @classmethod
     def load(
@@ -185,19 +184,23 @@ class Runner:
 
         return [KVCache() for _ in self.model.layers] if self.native else make_prompt_cache(self.model)
 
-    def _forward(self, inputs: mx.array, layers: list[Any]) -> mx.array:
-        """inputs (1, L) -> hidden states (native) or logits (mlx-lm classes), lazily."""
+    def forward(self, inputs: mx.array, layers: list[Any]) -> mx.array:
+        """inputs (B, L) -> hidden states (native) or logits (mlx-lm classes), lazily."""
         return self.model(inputs, layers) if self.native else self.model(inputs, cache=layers)
 
-    def _logits_last(self, inputs: mx.array, layers: list[Any]) -> mx.array:
-        """inputs (1, L) -> logits of the last position (1, V), float32."""
-        out = self._forward(inputs, layers)
+    @staticmethod
+    def cache_state(layers: list[Any]) -> list[mx.array]:
+        return cache_state(layers)
+
+    def last_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
+        """inputs (B, L) -> logits of each row's last position (B, V), float32."""
+        out = self.forward(inputs, layers)
         if self.native:
             return self.model.logits(out[:, -1, :]).astype(mx.float32)
         return out[:, -1, :].astype(mx.float32)
 
     def forward_logits(self, ids: list[int]) -> np.ndarray:
-        out = self._forward(mx.array([ids], dtype=mx.int32), self._fresh_contiguous())
+        out = self.forward(mx.array([ids], dtype=mx.int32), self._fresh_contiguous())
         logits = self.model.logits(out) if self.native else out
         return np.array(logits[0].astype(mx.float32))
 
@@ -206,8 +209,7 @@ class Runner:
         (so quantized KV counts, as it would in decoding) -> float32 (T - 1,)."""
         from mlx_engine.kv.cache import KVBudgetError, PagedCache
 
-        self._request_counter += 1
-        req = f"score-{self._request_counter}"
+        req = f"score-{id(ids)}"
         paged = isinstance(self.cache, PagedCache)
         if paged:
             self.cache.check_fits(len(ids))
@@ -220,8 +222,8 @@ class Runner:
         try:
             for start in range(0, len(ids) - 1, self.prefill_chunk_size):
                 end = min(start + self.prefill_chunk_size, len(ids) - 1)
-                layers = self.cache.layers(req, start, end, ids) if paged else contiguous
-                h = self._forward(mx.array([ids[start:end]], dtype=mx.int32), layers)
+                layers = self.cache.prefill_layers(req, start, end) if paged else contiguous
+                h = self.forward(mx.array([ids[start:end]], dtype=mx.int32), layers)
                 logits = (self.model.logits(h) if self.native else h)[0].astype(mx.float32)  # (L, V)
                 logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 target = mx.array(ids[start + 1:end + 1], dtype=mx.int32)
@@ -250,128 +252,6 @@ class Runner:
         from mlx_engine.kv.cache import restore_blocks
 
         return restore_blocks(self._paged("restoring KV"), path, self.fingerprint)
-
-    def generate(self, ids: list[int], params: SamplingParams, stream: Any) -> None:
-        self._request_counter += 1
-        req_id = f"req-{self._request_counter}"
-        fed: list[int] = []
-        try:
-            self._generate(req_id, ids, params, stream, fed)
-        except Exception as e:  # noqa: BLE001 - reported as the stream's final event
-            # a half-written step may be in the cache: forget it rather than trust it
-            self.cache.drop()
-            msg = str(e) if isinstance(e, RooflineError) else f"{type(e).__name__}: {e}"
-            stream.events.put(GenerationEvent(finish_reason="error", error=msg, usage=Usage(len(ids), 0, 0)))
-        else:
-            self.cache.finish(req_id, fed)
-
-    def _generate(self, req_id: str, ids: list[int], params: SamplingParams, stream: Any, fed: list[int]) -> None:
-        """`fed` collects the tokens whose K/V this request writes (the prompt, then each fed token)."""
-        from mlx_engine.sampling import Sampler
-
-        mx.reset_peak_memory()
-        t_start = time.perf_counter()
-        max_new = min(params.max_tokens, self.context_length - len(ids))
-        cache = self.cache
-        n_cached = cache.start(req_id, ids)
-        fed.extend(ids[:n_cached])
-        sampler = Sampler(params, self.vocab_size, prompt_token_ids=ids)
-        want_logprobs = params.logprobs is not None
-
-        # prefill all but the last prompt token in chunks, evaluating the cache between chunks
-        for start in range(n_cached, len(ids) - 1, self.prefill_chunk_size):
-            if stream.cancelled.is_set():
-                return self._finish(stream, "cancelled", ids, n_cached, 0, t_start, None, "")
-            end = min(start + self.prefill_chunk_size, len(ids) - 1)
-            layers = cache.layers(req_id, start, end, ids)
-            self._forward(mx.array([ids[start:end]], dtype=mx.int32), layers)
-            mx.eval(cache_state(layers))
-            fed.extend(ids[start:end])
-
-        def step(token: mx.array, pos: int) -> tuple[mx.array, mx.array | None]:
-            logits = self._logits_last(token.reshape(1, -1), cache.layers(req_id, pos, pos + 1, fed))  # (1, V)
-            nxt = sampler.sample(logits)  # (1,)
-            sampler.accept(nxt)
-            return nxt, (sampler.logprobs(logits) if want_logprobs else None)
-
-        y, lp = step(mx.array(ids[-1:], dtype=mx.int32), len(ids) - 1)
-        fed.append(ids[-1])
-        mx.async_eval(y) if lp is None else mx.async_eval(y, lp)
-
-        detok = self.tokenizer.detokenizer()
-        stops = StopStringMatcher(params.stop)
-        n_out = 0
-        t_first = t_last = 0.0
-        finish = "length"
-        while True:
-            # queue the next step before reading this token, so the host never waits on an idle device
-            more = n_out + 1 < max_new
-            if more:
-                next_y, next_lp = step(y, len(fed))
-                mx.async_eval(next_y) if next_lp is None else mx.async_eval(next_y, next_lp)
-            token = int(y.item())
-            t_last = time.perf_counter()
-            if n_out == 0:
-                t_first = t_last
-            if more:
-                fed.append(token)
-                cache.record(req_id, fed)
-            if token in self.eos_ids and not params.ignore_eos:
-                finish = "stop"
-                break
-            n_out += 1
-            logprobs = (self._token_logprob(token, lp, params.logprobs),) if lp is not None else ()
-            text, hit = stops.feed(detok.add_token(token))
-            stream.events.put(GenerationEvent(text=text, token_ids=(token,), from_draft=(False,), logprobs=logprobs))
-            if hit:
-                finish = "stop"
-                break
-            if not more:
-                break
-            if stream.cancelled.is_set():
-                finish = "cancelled"
-                break
-            y, lp = next_y, next_lp
-        if more:  # the queued step wrote K/V for `token`: let it finish before the cache is reused
-            mx.eval(next_y)
-        tail = "" if stops.hit else stops.flush(detok.finalize())
-        self._finish(stream, finish, ids, n_cached, n_out, t_start, (t_first, t_last), tail)
-
-    def _token_logprob(self, token: int, lp: mx.array, top: int) -> TokenLogprob:
-        row = lp[0]
-        alts: tuple[tuple[int, float], ...] = ()
-        if top:
-            idx = mx.argpartition(-row, kth=top - 1)[:top]
-            vals = row[idx]
-            order = mx.argsort(-vals)
-            alts = tuple(zip(idx[order].tolist(), vals[order].tolist()))
-        return TokenLogprob(token_id=token, logprob=float(row[token].item()), top=alts)
-
-    def _finish(
-        self,
-        stream: Any,
-        reason: str,
-        ids: list[int],
-        n_cached: int,
-        n_out: int,
-        t_start: float,
-        times: tuple[float, float] | None,
-        tail: str,
-    ) -> None:
-        t_first, t_last = times if times else (time.perf_counter(), time.perf_counter())
-        prefill_s = max(t_first - t_start, 1e-9)
-        stats = Stats(
-            ttft_s=t_first - stream.submitted_at,
-            prefill_tps=(len(ids) - n_cached) / prefill_s,
-            decode_tps=(n_out - 1) / (t_last - t_first) if n_out > 1 and t_last > t_first else 0.0,
-            peak_memory_bytes=int(mx.get_peak_memory()),
-        )
-        stream.events.put(GenerationEvent(
-            text=tail or "",
-            finish_reason=reason,  # type: ignore[arg-type]
-            usage=Usage(prompt_tokens=len(ids), completion_tokens=n_out, cached_prompt_tokens=n_cached),
-            stats=stats,
-        ))
 
 
 class NoTokenizer:

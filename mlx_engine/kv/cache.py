@@ -4,8 +4,9 @@
 `ContiguousCache`: mlx-lm's per-layer buffers, for models the paged path does not cover (mlx-lm
 fallback classes, sliding-window attention); it reuses the previous request's prefix by trimming.
 
-Both: `start(req_id, prompt_ids) -> cached tokens`, `layers(start, end, known_ids)` before each forward
-over positions [start, end), `record(known_ids)` once tokens are known, `finish(req_id, fed_ids)`.
+Both: `start(req_id, prompt_ids) -> cached tokens`, `prefill_layers(req_id, start, end)` before a
+prefill forward over [start, end), `decode_layers(req_ids, known_ids)` before a decode step (the paged
+cache batches several sequences), `record(req_id, known_ids)` once tokens are known, `finish(req_id, fed_ids)`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import mlx.core as mx
 from mlx_engine.api import RequestError, RooflineError
 from mlx_engine.kv.block_pool import BlockPool
 from mlx_engine.kv.manager import KVCacheManager, cdiv
-from mlx_engine.kv.paged import SUPPORTED_KV_BITS, PagedKVStorage, PagedLayerView, bytes_per_block
+from mlx_engine.kv.paged import SUPPORTED_KV_BITS, PagedDecodeView, PagedKVStorage, PagedPrefillView, bytes_per_block
 
 SUPPORTED_BLOCK_SIZES = (16, 32)  # what kernels_metal.paged_decode_attention is built and tested for
 DEFAULT_MEMORY_FRACTION = 0.5
@@ -115,16 +116,30 @@ class PagedCache:
             self.storage.copy_blocks(self.manager.pending_copies)
             self.manager.pending_copies.clear()
 
-    def layers(self, req_id: str, start: int, end: int, known_ids: list[int]) -> list[PagedLayerView]:
-        have = self.manager.num_tokens(req_id)
-        if end > have:
-            if self.manager.allocate_slots(req_id, known_ids, end - have) is None:
-                raise KVBudgetError(f"the KV pool is full ({self.storage.num_blocks} blocks of {self.block_size})")
-            self._copy_pending()
+    def prefill_layers(self, req_id: str, start: int, end: int) -> list[PagedPrefillView]:
+        """Views for a forward over positions [start, end) of a sequence whose slots `start` allocated."""
         new_slots = mx.array(self.manager.slot_mapping(req_id, start, end), dtype=mx.int32)
-        all_slots = mx.array(self.manager.slot_mapping(req_id, 0, end), dtype=mx.int32) if end - start > 1 else None
-        table = mx.array([self.manager.block_table(req_id)], dtype=mx.int32)
-        return [PagedLayerView(self.storage, i, start, new_slots, all_slots, table, end)
+        all_slots = mx.array(self.manager.slot_mapping(req_id, 0, end), dtype=mx.int32)
+        return [PagedPrefillView(self.storage, i, start, new_slots, all_slots) for i in range(self.num_layers)]
+
+    def decode_layers(self, req_ids: list[str], known_ids: list[list[int]]) -> list[PagedDecodeView]:
+        """Views for one decode step: sequence b's next token goes at position num_tokens(b) (allocated
+        here; its value may still be unknown to the host, so `known_ids[b]` can stop short of it)."""
+        mgr = self.manager
+        positions = []
+        for req, known in zip(req_ids, known_ids):
+            pos = mgr.num_tokens(req)
+            if mgr.allocate_slots(req, known, 1) is None:
+                raise KVBudgetError(f"the KV pool is full ({self.storage.num_blocks} blocks of {self.block_size})")
+            positions.append(pos)
+        self._copy_pending()
+        tables = [mgr.block_table(r) for r in req_ids]
+        width = max(len(t) for t in tables)
+        block_tables = mx.array([t + [0] * (width - len(t)) for t in tables], dtype=mx.int32)  # (B, nb)
+        new_slots = mx.array([mgr.slot_mapping(r, p, p + 1)[0] for r, p in zip(req_ids, positions)], dtype=mx.int32)
+        seq_lens = mx.array([p + 1 for p in positions], dtype=mx.int32)
+        offset = mx.array(positions, dtype=mx.int32) if len(positions) > 1 else positions[0]
+        return [PagedDecodeView(self.storage, i, offset, new_slots, block_tables, seq_lens, max(positions) + 1)
                 for i in range(self.num_layers)]
 
     def record(self, req_id: str, known_ids: list[int]) -> None:
@@ -136,6 +151,14 @@ class PagedCache:
     def drop(self) -> None:
         for req in list(self.manager.req_to_blocks):
             self.manager.free(req)
+
+    def drop_request(self, req_id: str) -> None:
+        """After a failed step: free the request's blocks and forget the prefix hashes they carried."""
+        blocks = list(self.manager.req_to_blocks.get(req_id, []))
+        self.manager.free(req_id)
+        for block in blocks:
+            if block.ref_cnt == 0 and block.block_hash is not None:
+                self.manager.pool._maybe_evict_cached_block(block)
 
     def stats(self) -> dict[str, Any]:
         s = self.manager.stats()
@@ -182,7 +205,12 @@ class ContiguousCache:
         self.num_hit += n
         return n
 
-    def layers(self, req_id: str, start: int, end: int, known_ids: list[int]) -> list[Any]:
+    def prefill_layers(self, req_id: str, start: int, end: int) -> list[Any]:
+        return self._layers
+
+    def decode_layers(self, req_ids: list[str], known_ids: list[list[int]]) -> list[Any]:
+        if len(req_ids) != 1:
+            raise RooflineError("the contiguous KV cache runs one sequence at a time")
         return self._layers
 
     def record(self, req_id: str, known_ids: list[int]) -> None:
@@ -199,6 +227,9 @@ class ContiguousCache:
 
     def drop(self) -> None:
         self._layers, self._tokens = None, []
+
+    def drop_request(self, req_id: str) -> None:
+        self.drop()
 
     def stats(self) -> dict[str, Any]:
         return {"kind": "contiguous", "num_tokens": len(self._tokens), "num_queried_tokens": self.num_queried,

@@ -137,27 +137,36 @@ class PagedKVStorage:
         return paged_decode_attention(q, k, v, block_tables, seq_lens, scale, check_data=False, **kwargs)
 
 
-class PagedLayerView:
-    """What a model layer sees of the paged cache during one forward of one sequence."""
+class PagedPrefillView:
+    """What a model layer sees of the paged cache during a prefill chunk of one sequence."""
 
-    def __init__(self, storage: PagedKVStorage, layer: int, offset: int, new_slots: mx.array, all_slots: mx.array,
-                 block_table: mx.array, seq_len: int):
+    def __init__(self, storage: PagedKVStorage, layer: int, offset: int, new_slots: mx.array, all_slots: mx.array):
         self.storage, self.layer, self.offset = storage, layer, offset
         self.new_slots, self.all_slots = new_slots, all_slots  # (L,), (offset + L,)
-        self.block_table, self.seq_len = block_table, seq_len  # (1, nb), offset + L
 
     def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         """q (1, Hq, L, D), k/v (1, Hkv, L, D) after rope -> (1, Hq, L, D); writes k/v to the pool."""
-        _, Hq, L, D = q.shape
         self.storage.write(self.layer, self.new_slots, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2))
-        if L == 1:
-            out = self.storage.decode_attention(self.layer, q.reshape(1, Hq, D), self.block_table,
-                                                mx.array([self.seq_len], dtype=mx.int32), scale,
-                                                max_seq_len=self.seq_len)
-            return out.reshape(1, Hq, 1, D)
         keys, values = self.storage.gather(self.layer, self.all_slots)  # (S, Hkv, D)
-        keys = keys.transpose(1, 0, 2)[None]  # (1, Hkv, S, D)
-        values = values.transpose(1, 0, 2)[None]
+        keys = keys.transpose(1, 0, 2)[None].astype(q.dtype)  # (1, Hkv, S, D)
+        values = values.transpose(1, 0, 2)[None].astype(q.dtype)
         # "causal" aligns the L queries with the last L of the S keys
-        return mx.fast.scaled_dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), scale=scale,
-                                                    mask="causal")
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask="causal")
+
+
+class PagedDecodeView:
+    """What a model layer sees of the paged cache during one decode step of B sequences (one token each)."""
+
+    def __init__(self, storage: PagedKVStorage, layer: int, offset: mx.array | int, new_slots: mx.array,
+                 block_tables: mx.array, seq_lens: mx.array, max_seq_len: int):
+        self.storage, self.layer, self.offset = storage, layer, offset  # offset: (B,) positions of the new tokens
+        self.new_slots, self.block_tables, self.seq_lens = new_slots, block_tables, seq_lens  # (B,), (B, nb), (B,)
+        self.max_seq_len = max_seq_len
+
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        """q (B, Hq, 1, D), k/v (B, Hkv, 1, D) after rope -> (B, Hq, 1, D); writes k/v to the pool."""
+        B, Hq, _, D = q.shape
+        self.storage.write(self.layer, self.new_slots, k[:, :, 0, :], v[:, :, 0, :])
+        out = self.storage.decode_attention(self.layer, q[:, :, 0, :], self.block_tables, self.seq_lens, scale,
+                                            max_seq_len=self.max_seq_len)
+        return out.reshape(B, Hq, 1, D)

@@ -129,11 +129,13 @@ class Model(nn.Module):
     def layers(self) -> list[TransformerBlock]:
         return self.model.layers
 
-    def _mask(self, L: int, offset: int) -> mx.array | str | None:
+    def _mask(self, L: int, offset: int | mx.array) -> mx.array | str | None:
+        if L == 1:
+            return None
         window = self.args.sliding_window
         if window is not None and offset + L > window:
             return create_causal_mask(L, offset, window_size=window)
-        return "causal" if L > 1 else None
+        return "causal"
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
         """inputs (B, L) token ids -> final hidden states (B, L, hidden)."""

@@ -1,0 +1,255 @@
+"""Continuous batching: every step advances every running request; requests join and leave between steps.
+
+A step is one batched decode forward over all sequences that have a pending token, plus prefill chunks
+for admitted sequences within a token budget, so a long prompt never stalls the others' decode. KV
+blocks are reserved at admission for the whole request (prompt + max new tokens), so a running request
+never runs out of blocks and nothing is ever preempted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_engine.api import (
+    GenerationEvent,
+    RooflineError,
+    SamplingParams,
+    Stats,
+    TokenLogprob,
+    Usage,
+)
+from mlx_engine.stop import StopStringMatcher
+
+DEFAULT_TOKEN_BUDGET = 512  # tokens per step (decode rows + prefill chunk tokens)
+DEFAULT_MAX_SEQS = 16
+
+
+@dataclass(eq=False)
+class Sequence:
+    req_id: str
+    prompt: list[int]
+    params: SamplingParams
+    stream: Any  # engine.GenerationStream
+    sampler: Any = None
+    detok: Any = None
+    stops: StopStringMatcher | None = None
+    fed: list[int] = field(default_factory=list)  # tokens whose K/V the cache holds or this step writes
+    num_cached: int = 0
+    max_new: int = 0
+    reserved_blocks: int = 0
+    pending: int | None = None  # sampled, not yet fed
+    pending_lp: Any = None
+    n_out: int = 0
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_last: float = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pending is None
+
+
+class Scheduler:
+    def __init__(self, runner: Any, token_budget: int = DEFAULT_TOKEN_BUDGET, max_seqs: int = DEFAULT_MAX_SEQS):
+        self.runner = runner
+        self.token_budget = token_budget
+        batches = hasattr(runner.cache, "manager")
+        self.max_seqs = max_seqs if batches else 1  # the contiguous cache holds one sequence
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._counter = 0
+        self.num_steps = 0
+        self.trace: list[tuple[int, int]] | None = None  # set to [] to record (decode rows, prefill tokens) per step
+
+    def add(self, prompt: list[int], params: SamplingParams, stream: Any) -> None:
+        self._counter += 1
+        self.waiting.append(Sequence(f"req-{self._counter}", prompt, params, stream))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def close(self) -> None:
+        """Ends every request with "cancelled" (the engine is closing)."""
+        for seq in list(self.running):
+            self._retire(seq, "cancelled")
+        while self.waiting:
+            self._finish(self.waiting.popleft(), "cancelled")
+
+    # --- admission --------------------------------------------------------------------------------
+
+    def _blocks_for(self, seq: Sequence) -> int:
+        cache = self.runner.cache
+        bs = getattr(cache, "block_size", 0)
+        return -(-(len(seq.prompt) + seq.max_new) // bs) if bs else 0
+
+    def _admit(self) -> None:
+        cache = self.runner.cache
+        while self.waiting and len(self.running) < self.max_seqs:
+            seq = self.waiting[0]
+            if seq.stream.cancelled.is_set():
+                self.waiting.popleft()
+                self._finish(seq, "cancelled")
+                continue
+            seq.max_new = min(seq.params.max_tokens, self.runner.context_length - len(seq.prompt))
+            if hasattr(cache, "manager"):
+                # blocks still owed to running sequences must stay available to them
+                owed = sum(s.reserved_blocks - len(cache.manager.block_table(s.req_id)) for s in self.running)
+                need = self._blocks_for(seq)
+                if need > cache.manager.pool.get_num_free_blocks() - owed:
+                    if not self.running:  # nothing will free blocks: unreachable after check_fits
+                        self.waiting.popleft()
+                        self._fail(seq, RooflineError("no free KV blocks for this request"))
+                        continue
+                    return  # wait for running requests to finish
+                seq.reserved_blocks = need
+            self.waiting.popleft()
+            self._start(seq)
+
+    def _start(self, seq: Sequence) -> None:
+        from mlx_engine.sampling import Sampler
+
+        if not self.running:
+            mx.reset_peak_memory()
+        seq.t_start = time.perf_counter()
+        seq.num_cached = self.runner.cache.start(seq.req_id, seq.prompt)
+        seq.fed = seq.prompt[: seq.num_cached]
+        seq.sampler = Sampler(seq.params, self.runner.vocab_size, prompt_token_ids=seq.prompt)
+        seq.detok = self.runner.tokenizer.detokenizer()
+        seq.stops = StopStringMatcher(seq.params.stop)
+        self.running.append(seq)
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Invariant: at entry and exit every running sequence's cache holds exactly `seq.fed`; a running
+        sequence either is prefilling (`pending` is None, `fed` a prefix of its prompt) or has one sampled
+        token `pending` to feed this step; the tokens scheduled in a step never exceed `token_budget`,
+        and every decoding sequence advances by one token each step."""
+        self.num_steps += 1
+        for seq in [s for s in self.running if s.stream.cancelled.is_set()]:
+            self._retire(seq, "cancelled")
+        self._admit()
+        if not self.running:
+            return
+        try:
+            self._run_step()
+        except Exception as e:  # noqa: BLE001 - fails the requests in this step, not the engine
+            for seq in list(self.running):
+                self._retire(seq, "error", error=e)
+            self.runner.cache.drop()
+
+    def _run_step(self) -> None:
+        runner, cache = self.runner, self.runner.cache
+        decoding = [s for s in self.running if not s.prefilling]
+        budget = self.token_budget - len(decoding)
+        sampled: list[tuple[Sequence, mx.array, mx.array | None]] = []
+
+        if decoding:
+            for s in decoding:
+                s.fed.append(s.pending)
+            layers = cache.decode_layers([s.req_id for s in decoding], [s.fed for s in decoding])
+            inputs = mx.array([[s.pending] for s in decoding], dtype=mx.int32)  # (B, 1)
+            logits = runner.last_logits(inputs, layers)  # (B, V)
+            for i, s in enumerate(decoding):
+                sampled.append((s, *self._sample(s, logits[i : i + 1])))
+
+        for s in [s for s in self.running if s.prefilling]:
+            if budget <= 0:
+                break
+            start = len(s.fed)
+            end = min(len(s.prompt), start + min(budget, runner.prefill_chunk_size))
+            budget -= end - start
+            layers = cache.prefill_layers(s.req_id, start, end)
+            inputs = mx.array([s.prompt[start:end]], dtype=mx.int32)
+            s.fed.extend(s.prompt[start:end])
+            if end == len(s.prompt):  # the last chunk: its last position gives the first token
+                sampled.append((s, *self._sample(s, runner.last_logits(inputs, layers))))
+            else:
+                runner.forward(inputs, layers)
+                mx.eval(runner.cache_state(layers))
+
+        if self.trace is not None:
+            self.trace.append((len(decoding), self.token_budget - len(decoding) - budget))
+        if not sampled:
+            return
+        mx.eval([t for _, t, _ in sampled] + [lp for _, _, lp in sampled if lp is not None])
+        now = time.perf_counter()
+        for s, token, lp in sampled:
+            try:
+                cache.record(s.req_id, s.fed)
+                self._emit(s, int(token.item()), lp, now)
+            except Exception as e:  # noqa: BLE001 - one request's failure (detokenizer, stop strings) is its own
+                self._retire(s, "error", error=e)
+
+    def _sample(self, seq: Sequence, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+        token = seq.sampler.sample(logits)  # (1,)
+        seq.sampler.accept(token)
+        return token[0], (seq.sampler.logprobs(logits) if seq.params.logprobs is not None else None)
+
+    def _emit(self, seq: Sequence, token: int, lp: mx.array | None, now: float) -> None:
+        if seq.n_out == 0 and seq.t_first == 0.0:
+            seq.t_first = now
+        seq.t_last = now
+        if token in self.runner.eos_ids and not seq.params.ignore_eos:
+            return self._retire(seq, "stop")
+        seq.n_out += 1
+        logprobs = (_token_logprob(token, lp, seq.params.logprobs),) if lp is not None else ()
+        text, hit = seq.stops.feed(seq.detok.add_token(token))
+        seq.stream.events.put(GenerationEvent(text=text, token_ids=(token,), from_draft=(False,), logprobs=logprobs))
+        if hit:
+            return self._retire(seq, "stop")
+        if seq.n_out >= seq.max_new:
+            return self._retire(seq, "length")
+        seq.pending = token
+
+    # --- leaving ----------------------------------------------------------------------------------
+
+    def _retire(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            if error is None:
+                self.runner.cache.finish(seq.req_id, seq.fed)
+            else:
+                self.runner.cache.drop_request(seq.req_id)
+        if error is not None:
+            return self._fail(seq, error)
+        self._finish(seq, reason)
+
+    def _fail(self, seq: Sequence, error: BaseException) -> None:
+        msg = str(error) if isinstance(error, RooflineError) else f"{type(error).__name__}: {error}"
+        seq.stream.events.put(GenerationEvent(finish_reason="error", error=msg,
+                                              usage=Usage(len(seq.prompt), seq.n_out, seq.num_cached)))
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        tail = ""
+        if seq.stops is not None and not seq.stops.hit:
+            tail = seq.stops.flush(seq.detok.finalize())
+        t_first = seq.t_first or time.perf_counter()
+        stats = Stats(
+            ttft_s=t_first - seq.stream.submitted_at,
+            prefill_tps=(len(seq.prompt) - seq.num_cached) / max(t_first - seq.t_start, 1e-9) if seq.t_start else 0.0,
+            decode_tps=(seq.n_out - 1) / (seq.t_last - t_first) if seq.n_out > 1 and seq.t_last > t_first else 0.0,
+            peak_memory_bytes=int(mx.get_peak_memory()),
+        )
+        seq.stream.events.put(GenerationEvent(
+            text=tail,
+            finish_reason=reason,  # type: ignore[arg-type]
+            usage=Usage(prompt_tokens=len(seq.prompt), completion_tokens=seq.n_out, cached_prompt_tokens=seq.num_cached),
+            stats=stats,
+        ))
+
+
+def _token_logprob(token: int, lp: mx.array, top: int) -> TokenLogprob:
+    row = lp[0]
+    alts: tuple[tuple[int, float], ...] = ()
+    if top:
+        idx = mx.argpartition(-row, kth=top - 1)[:top]
+        vals = row[idx]
+        order = mx.argsort(-vals)
+        alts = tuple(zip(idx[order].tolist(), vals[order].tolist()))
+    return TokenLogprob(token_id=token, logprob=float(row[token].item()), top=alts)
