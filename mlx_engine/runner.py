@@ -215,6 +215,7 @@ class Runner:
             self.cache.check_fits(len(ids))
             if self.cache.manager.allocate_slots(req, ids, len(ids)) is None:
                 raise KVBudgetError(f"no free KV blocks for {len(ids)} tokens")
+            self.cache._grow(req)
             self.cache._copy_pending()
         else:
             contiguous = self._fresh_contiguous()

@@ -1,6 +1,6 @@
 """Continuous batching: every step advances every running request; requests join and leave between steps.
 
-A step is one batched decode forward over all sequences that have a pending token, plus prefill chunks
+A step is one batched decode forward over all sequences that have a sampled token to feed, plus prefill chunks
 for admitted sequences within a token budget, so a long prompt never stalls the others' decode. KV
 blocks are reserved at admission for the whole request (prompt + max new tokens), so a running request
 never runs out of blocks and nothing is ever preempted.
@@ -38,12 +38,16 @@ class Sequence:
     sampler: Any = None
     detok: Any = None
     stops: StopStringMatcher | None = None
-    fed: list[int] = field(default_factory=list)  # tokens whose K/V the cache holds or this step writes
+    fed: list[int] = field(default_factory=list)  # known tokens whose K/V the cache holds (prompt, then read tokens)
     num_cached: int = 0
     max_new: int = 0
     reserved_blocks: int = 0
-    pending: int | None = None  # sampled, not yet fed
-    pending_lp: Any = None
+    num_prefilled: int = 0  # prompt tokens in the cache
+    last: mx.array | None = None  # the newest sampled token (lazy): the next decode step's input
+    unread: list[tuple[mx.array, mx.array | None]] = field(default_factory=list)  # sampled, not yet emitted
+    num_sampled: int = 0
+    num_fed_out: int = 0  # generated tokens fed back as inputs
+    generated: list[int] = field(default_factory=list)  # generated tokens read so far
     n_out: int = 0
     t_start: float = 0.0
     t_first: float = 0.0
@@ -51,7 +55,11 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        return self.pending is None
+        return self.num_prefilled < len(self.prompt)
+
+    def cached_tokens(self) -> list[int]:
+        """The tokens whose K/V the cache holds (all known: a fed token was read before it is recorded)."""
+        return self.prompt[: self.num_prefilled] + self.generated[: self.num_fed_out]
 
 
 class Scheduler:
@@ -117,7 +125,7 @@ class Scheduler:
             mx.reset_peak_memory()
         seq.t_start = time.perf_counter()
         seq.num_cached = self.runner.cache.start(seq.req_id, seq.prompt)
-        seq.fed = seq.prompt[: seq.num_cached]
+        seq.num_prefilled = seq.num_cached
         seq.sampler = Sampler(seq.params, self.runner.vocab_size, prompt_token_ids=seq.prompt)
         seq.detok = self.runner.tokenizer.detokenizer()
         seq.stops = StopStringMatcher(seq.params.stop)
@@ -126,10 +134,12 @@ class Scheduler:
     # --- the step ---------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """Invariant: at entry and exit every running sequence's cache holds exactly `seq.fed`; a running
-        sequence either is prefilling (`pending` is None, `fed` a prefix of its prompt) or has one sampled
-        token `pending` to feed this step; the tokens scheduled in a step never exceed `token_budget`,
-        and every decoding sequence advances by one token each step."""
+        """Invariant: at entry and exit every running sequence's cache holds its prompt prefix
+        `num_prefilled` and its first `num_fed_out` generated tokens; a decoding sequence's newest sampled
+        token `last` is not yet fed and is its next input; tokens are emitted one step after they are
+        sampled (the next step is queued on the lazy tokens first, so the host never waits on an idle
+        device); the tokens scheduled in a step never exceed `token_budget`, and every decoding sequence
+        advances by one token each step."""
         self.num_steps += 1
         for seq in [s for s in self.running if s.stream.cancelled.is_set()]:
             self._retire(seq, "cancelled")
@@ -137,54 +147,65 @@ class Scheduler:
         if not self.running:
             return
         try:
-            self._run_step()
-        except Exception as e:  # noqa: BLE001 - fails the requests in this step, not the engine
+            new = self._queue_step()
+        except Exception as e:  # noqa: BLE001 - a failed forward fails the requests in this step, not the engine
             for seq in list(self.running):
                 self._retire(seq, "error", error=e)
             self.runner.cache.drop()
+            return
+        self._read(new)
 
-    def _run_step(self) -> None:
+    def _queue_step(self) -> set[Sequence]:
+        """Builds and starts this step's forwards; returns the sequences that sampled a token in it."""
         runner, cache = self.runner, self.runner.cache
-        decoding = [s for s in self.running if not s.prefilling]
+        decoding = [s for s in self.running if s.last is not None and s.num_sampled < s.max_new]
         budget = self.token_budget - len(decoding)
-        sampled: list[tuple[Sequence, mx.array, mx.array | None]] = []
+        new: list[tuple[Sequence, mx.array, mx.array | None]] = []
 
         if decoding:
-            for s in decoding:
-                s.fed.append(s.pending)
-            layers = cache.decode_layers([s.req_id for s in decoding], [s.fed for s in decoding])
-            inputs = mx.array([[s.pending] for s in decoding], dtype=mx.int32)  # (B, 1)
+            layers = cache.decode_layers([s.req_id for s in decoding], [s.cached_tokens() for s in decoding])
+            inputs = mx.stack([s.last for s in decoding]).reshape(len(decoding), 1)  # (B, 1), lazy
             logits = runner.last_logits(inputs, layers)  # (B, V)
             for i, s in enumerate(decoding):
-                sampled.append((s, *self._sample(s, logits[i : i + 1])))
+                s.num_fed_out += 1
+                new.append((s, *self._sample(s, logits[i : i + 1])))
 
         for s in [s for s in self.running if s.prefilling]:
             if budget <= 0:
                 break
-            start = len(s.fed)
+            start = s.num_prefilled
             end = min(len(s.prompt), start + min(budget, runner.prefill_chunk_size))
             budget -= end - start
             layers = cache.prefill_layers(s.req_id, start, end)
             inputs = mx.array([s.prompt[start:end]], dtype=mx.int32)
-            s.fed.extend(s.prompt[start:end])
+            s.num_prefilled = end
             if end == len(s.prompt):  # the last chunk: its last position gives the first token
-                sampled.append((s, *self._sample(s, runner.last_logits(inputs, layers))))
+                new.append((s, *self._sample(s, runner.last_logits(inputs, layers))))
             else:
                 runner.forward(inputs, layers)
                 mx.eval(runner.cache_state(layers))
 
         if self.trace is not None:
             self.trace.append((len(decoding), self.token_budget - len(decoding) - budget))
-        if not sampled:
-            return
-        mx.eval([t for _, t, _ in sampled] + [lp for _, _, lp in sampled if lp is not None])
-        now = time.perf_counter()
-        for s, token, lp in sampled:
-            try:
-                cache.record(s.req_id, s.fed)
-                self._emit(s, int(token.item()), lp, now)
-            except Exception as e:  # noqa: BLE001 - one request's failure (detokenizer, stop strings) is its own
-                self._retire(s, "error", error=e)
+        for s, token, lp in new:
+            s.last = token
+            s.num_sampled += 1
+            s.unread.append((token, lp))
+        if new:
+            mx.async_eval([t for _, t, _ in new] + [lp for _, _, lp in new if lp is not None])
+        return {s for s, _, _ in new}
+
+    def _read(self, sampled_now: set[Sequence]) -> None:
+        """Emits what earlier steps sampled: all unread tokens but the one each sequence sampled in this
+        step (whose value this step's forward is still computing), or all when it will sample no more."""
+        for s in list(self.running):
+            keep = 1 if s in sampled_now and s.num_sampled < s.max_new else 0
+            while len(s.unread) > keep and s in self.running:
+                token, lp = s.unread.pop(0)
+                try:
+                    self._emit(s, int(token.item()), lp, time.perf_counter())
+                except Exception as e:  # noqa: BLE001 - one request's failure (detokenizer, stops) is its own
+                    self._retire(s, "error", error=e)
 
     def _sample(self, seq: Sequence, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         token = seq.sampler.sample(logits)  # (1,)
@@ -195,6 +216,8 @@ class Scheduler:
         if seq.n_out == 0 and seq.t_first == 0.0:
             seq.t_first = now
         seq.t_last = now
+        seq.generated.append(token)
+        self.runner.cache.record(seq.req_id, seq.cached_tokens())
         if token in self.runner.eos_ids and not seq.params.ignore_eos:
             return self._retire(seq, "stop")
         seq.n_out += 1
@@ -205,7 +228,6 @@ class Scheduler:
             return self._retire(seq, "stop")
         if seq.n_out >= seq.max_new:
             return self._retire(seq, "length")
-        seq.pending = token
 
     # --- leaving ----------------------------------------------------------------------------------
 
@@ -213,7 +235,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             if error is None:
-                self.runner.cache.finish(seq.req_id, seq.fed)
+                self.runner.cache.finish(seq.req_id, seq.cached_tokens())
             else:
                 self.runner.cache.drop_request(seq.req_id)
         if error is not None:

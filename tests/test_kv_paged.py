@@ -167,3 +167,20 @@ def test_score_matches_forward_logits_paged_and_contiguous(tmp_path: Path) -> No
         got = paged.score(ids)
         assert got.shape == (len(ids) - 1,) and np.abs(got - want).max() <= 1e-4
         assert paged.kv_stats()["used"] == 0  # the scoring sequence freed its blocks
+
+
+def test_pool_memory_grows_with_use_and_numbers_stay_exact(tmp_path: Path, monkeypatch) -> None:
+    """The pool commits memory as blocks are first used (doubling), not the whole budget at load."""
+    import mlx_engine.kv.paged as paged
+
+    monkeypatch.setattr(paged, "INITIAL_BLOCKS", 1)
+    folder = random_llama_folder(tmp_path / "m")
+    with Engine.load(str(folder), paged_kv=False) as ref:
+        want_tokens, want = steps(ref, PROMPT, 30)
+    with Engine.load(str(folder)) as e:
+        s0 = e.kv_stats()
+        assert s0["bytes_total"] == s0["bytes_per_block"] < s0["bytes_budget"]
+        tokens, lps = steps(e, PROMPT, 30)  # 75 tokens in 5 blocks: capacity 1, then 3 (prompt), then 6
+        s1 = e.kv_stats()
+        assert s1["bytes_total"] == 6 * s1["bytes_per_block"]
+    assert tokens == want_tokens and float(np.abs(lps[..., 1] - want[..., 1]).max()) <= 1e-5

@@ -108,11 +108,18 @@ class PagedCache:
         computed, num_cached = self.manager.get_computed_blocks(prompt_ids)
         if self.manager.allocate_slots(req_id, prompt_ids, len(prompt_ids) - num_cached, computed) is None:
             raise KVBudgetError(f"no free KV blocks for a {len(prompt_ids)}-token prompt")
+        self._grow(req_id)
         self._copy_pending()
         return num_cached
 
+    def _grow(self, req_id: str) -> None:
+        table = self.manager.block_table(req_id)
+        if table:
+            self.storage.ensure_capacity(max(table) + 1)
+
     def _copy_pending(self) -> None:
         if self.manager.pending_copies:
+            self.storage.ensure_capacity(max(max(p) for p in self.manager.pending_copies) + 1)
             self.storage.copy_blocks(self.manager.pending_copies)
             self.manager.pending_copies.clear()
 
@@ -132,6 +139,7 @@ class PagedCache:
             if mgr.allocate_slots(req, known, 1) is None:
                 raise KVBudgetError(f"the KV pool is full ({self.storage.num_blocks} blocks of {self.block_size})")
             positions.append(pos)
+            self._grow(req)
         self._copy_pending()
         tables = [mgr.block_table(r) for r in req_ids]
         width = max(len(t) for t in tables)
@@ -163,6 +171,7 @@ class PagedCache:
     def stats(self) -> dict[str, Any]:
         s = self.manager.stats()
         s.update(kind="paged", bytes_per_block=self.bytes_per_block, bytes_total=self.storage.nbytes,
+                 bytes_budget=self.storage.num_blocks * self.bytes_per_block,
                  bytes_used=s["used"] * self.bytes_per_block, kv_bits=self.storage.bits)
         return s
 
@@ -320,6 +329,7 @@ def restore_blocks(cache: PagedCache, path: str, fingerprint: bytes) -> list[int
     mgr = cache.manager
     if mgr.allocate_slots(req, tokens, n) is None:
         raise KVRestoreError(f"saved KV refused: no free KV blocks for {n} tokens")
+    cache._grow(req)
     cache._copy_pending()
     slots = mx.array(mgr.slot_mapping(req, 0, n), dtype=mx.int32)
     for name in names:

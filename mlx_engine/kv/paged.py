@@ -18,6 +18,7 @@ from kernels_metal.paged_attention import HEAD_DIMS as KERNEL_HEAD_DIMS
 
 SUPPORTED_KV_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64)
+INITIAL_BLOCKS = 32
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int,
@@ -47,19 +48,39 @@ class PagedKVStorage:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.bits, self.group_size = bits, group_size
-        slots = num_blocks * block_size
-        if bits is None:
-            self.k = [mx.zeros((slots, num_kv_heads, head_dim), dtype) for _ in range(num_layers)]
-            self.v = [mx.zeros((slots, num_kv_heads, head_dim), dtype) for _ in range(num_layers)]
-            self.k_scales = self.k_biases = self.v_scales = self.v_biases = None
-        else:
-            packed, groups = head_dim * bits // 32, head_dim // group_size
-            self.k = [mx.zeros((slots, num_kv_heads, packed), mx.uint32) for _ in range(num_layers)]
-            self.v = [mx.zeros((slots, num_kv_heads, packed), mx.uint32) for _ in range(num_layers)]
-            self.k_scales = [mx.zeros((slots, num_kv_heads, groups), dtype) for _ in range(num_layers)]
-            self.k_biases = [mx.zeros((slots, num_kv_heads, groups), dtype) for _ in range(num_layers)]
-            self.v_scales = [mx.zeros((slots, num_kv_heads, groups), dtype) for _ in range(num_layers)]
-            self.v_biases = [mx.zeros((slots, num_kv_heads, groups), dtype) for _ in range(num_layers)]
+        # The pool is num_blocks blocks, but memory is committed as blocks are first used: the arrays hold
+        # `capacity` blocks and double (up to num_blocks) when a block id past them is handed out. The
+        # block manager hands out never-used blocks before evicting cached ones, so a short chat stays small.
+        self.capacity = 0
+        self.k, self.v = [], []
+        self.k_scales = self.k_biases = self.v_scales = self.v_biases = None
+        if bits is not None:
+            self.k_scales, self.k_biases, self.v_scales, self.v_biases = [], [], [], []
+        self.ensure_capacity(min(num_blocks, INITIAL_BLOCKS))
+
+    def _fields(self) -> list[tuple[list[mx.array], int, mx.Dtype]]:
+        """(per-layer arrays, last dim, dtype) of every pool."""
+        if self.bits is None:
+            return [(self.k, self.head_dim, self.dtype), (self.v, self.head_dim, self.dtype)]
+        packed, groups = self.head_dim * self.bits // 32, self.head_dim // self.group_size
+        return [(self.k, packed, mx.uint32), (self.v, packed, mx.uint32), (self.k_scales, groups, self.dtype),
+                (self.k_biases, groups, self.dtype), (self.v_scales, groups, self.dtype),
+                (self.v_biases, groups, self.dtype)]
+
+    def ensure_capacity(self, num_blocks: int) -> None:
+        """Makes block ids < num_blocks addressable, growing the arrays by doubling."""
+        if num_blocks <= self.capacity:
+            return
+        new = min(self.num_blocks, max(num_blocks, 2 * self.capacity))
+        extra = (new - self.capacity) * self.block_size
+        for arrays, last, dtype in self._fields():
+            for layer in range(self.num_layers):
+                pad = mx.zeros((extra, self.num_kv_heads, last), dtype)
+                if len(arrays) <= layer:
+                    arrays.append(pad)
+                else:
+                    arrays[layer] = mx.concatenate([arrays[layer], pad])
+        self.capacity = new
         mx.eval(self.arrays())
 
     def arrays(self) -> list[mx.array]:
@@ -119,7 +140,7 @@ class PagedKVStorage:
                 deq(self.v[layer], self.v_scales[layer], self.v_biases[layer]).astype(self.dtype))
 
     def _blocked(self, a: mx.array | None) -> mx.array | None:
-        return None if a is None else a.reshape(self.num_blocks, self.block_size, *a.shape[1:])
+        return None if a is None else a.reshape(self.capacity, self.block_size, *a.shape[1:])
 
     def decode_attention(self, layer: int, q: mx.array, block_tables: mx.array, seq_lens: mx.array,
                          scale: float, max_seq_len: int | None = None) -> mx.array:
