@@ -258,17 +258,8 @@ def save_blocks(cache: PagedCache, path: str, token_ids: list[int], fingerprint:
     tokens and the model fingerprint) to a safetensors file. Returns the number of tokens saved."""
     import json
 
-    from mlx_engine.kv.block_pool import hash_block_tokens
-
     mgr, bs = cache.manager, cache.block_size
-    blocks, parent = [], None
-    for i in range(len(token_ids) // bs):
-        chunk = token_ids[i * bs:(i + 1) * bs]
-        parent = hash_block_tokens(parent, chunk, mgr.extra_key)
-        block = mgr.pool.get_cached_block(parent, chunk)
-        if block is None:
-            break
-        blocks.append(block)
+    blocks = mgr.cached_prefix(token_ids, len(token_ids) // bs)
     n = len(blocks) * bs
     if n == 0:
         raise RooflineError("nothing to save: no full KV block of these tokens is in the cache")

@@ -57,19 +57,24 @@ class KVCacheManager:
         self.num_queried_tokens += len(token_ids)
         if not self.pool.enable_caching or not token_ids:
             return [], 0
+        computed = self.cached_prefix(token_ids, (len(token_ids) - 1) // self.block_size)
+        num_computed_tokens = len(computed) * self.block_size
+        self.num_hit_tokens += num_computed_tokens
+        return computed, num_computed_tokens
+
+    def cached_prefix(self, token_ids: Sequence[int], max_blocks: int) -> list[KVCacheBlock]:
+        """The cached full blocks matching token_ids' prefix, at most max_blocks (no hit counting)."""
         bs = self.block_size
-        computed: list[KVCacheBlock] = []
+        blocks: list[KVCacheBlock] = []
         parent: bytes | None = None
-        for i in range((len(token_ids) - 1) // bs):
+        for i in range(min(max_blocks, len(token_ids) // bs)):
             block_tokens = token_ids[i * bs:(i + 1) * bs]
             parent = hash_block_tokens(parent, block_tokens, self.extra_key)
             block = self.pool.get_cached_block(parent, block_tokens)
             if block is None:
                 break
-            computed.append(block)
-        num_computed_tokens = len(computed) * bs
-        self.num_hit_tokens += num_computed_tokens
-        return computed, num_computed_tokens
+            blocks.append(block)
+        return blocks
 
     # ---- allocation --------------------------------------------------------------------------------
 
