@@ -15,6 +15,7 @@ from textual.screen import Screen
 from mlx_engine.api import RooflineError
 
 from app.tui.backend import EngineBackend
+from app.tui.chat_kv import ChatKV
 from app.tui.chat_screen import ChatScreen
 from app.tui.chips import Bandwidth
 from app.tui.screens.help import HelpScreen
@@ -59,6 +60,7 @@ class RooflineApp(App):
         self.frame_s = frame_s
         self.coalesce_tokens = coalesce_tokens
         self.store = ChatStore(self.home / "chats.db")
+        self.chat_kv = ChatKV(self, self.backend, self.home / "kv")
         self.default_settings = default_settings or ChatSettings()
         self._tokenizers: list[tuple[str, Any]] | None = None
         self.chat_screen = ChatScreen()
@@ -83,6 +85,7 @@ class RooflineApp(App):
         if gen is not None:  # keep what was shown: the partial reply, marked stopped
             gen.cancel()
             self.store.update_message(gen.message_id, gen.view.content, "stopped")
+        self.chat_kv.flush(timeout=5.0)  # a reply's KV still being written
         self.store.close()
 
     @work(thread=True, exclusive=True, group="bandwidth")
@@ -128,6 +131,8 @@ class RooflineApp(App):
         self.engine, self.model_ref, self.loading_ref = engine, ref, None
         self.sub_title = engine.info.name
         self.chat_screen.set_loading(None)
+        if self.chat_screen.chat is not None:
+            self.chat_kv.restore(engine, self.chat_screen.chat.id)
         if old is not None:  # a switch: say so (the first load shows in the title bar)
             self.notify(f"Loaded {engine.info.name}", timeout=3)
             self._close_engine(old)

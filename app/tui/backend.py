@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mlx_engine.api import GenerationRequest, RooflineError, SamplingParams
+
 from app.tui.chips import Bandwidth, machine_bandwidth
 
 
@@ -32,3 +34,24 @@ class EngineBackend:
 
     def bandwidth(self, home: Path) -> Bandwidth:
         return machine_bandwidth(home)
+
+    # ---- a chat's KV on disk (called from workers) ----------------------------------------------------
+
+    def kv_persistence(self, engine: Any) -> bool:
+        """Whether `engine` can save and restore a chat's KV (it keeps the paged, prefix-cached KV)."""
+        try:
+            return engine.kv_stats().get("kind") == "paged"
+        except RooflineError:
+            return False
+
+    def save_kv(self, engine: Any, path: Path, messages: list[dict[str, str]]) -> int:
+        """Saves the cached KV of the conversation `messages` (ending with a reply, so no generation prompt);
+        tokens saved. RooflineError when nothing is cached yet (a chat shorter than one block)."""
+        request = GenerationRequest(messages=messages, sampling=SamplingParams(max_tokens=1),
+                                    add_generation_prompt=False)
+        return engine.save_kv(str(path), request)
+
+    def restore_kv(self, engine: Any, path: Path) -> int:
+        """Loads a file written by `save_kv` into the engine's prefix cache; tokens restored. RooflineError
+        when the file is refused (another model or KV layout, corrupt)."""
+        return engine.restore_kv(str(path))

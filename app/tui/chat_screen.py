@@ -1,84 +1,34 @@
-"""The chat screen: sidebar of saved chats, the transcript, the input and the stats bar; runs replies."""
+"""The chat screen: sidebar of saved chats, the transcript, the input and the stats bar; sending, editing,
+regenerating. Running a reply is `ReplyRunner`'s job (reply.py)."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-from textual import on, work
+from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.message import Message as TMessage
 from textual.screen import Screen
 from textual.widgets import Footer, Header, ProgressBar, Static
 
-from mlx_engine.api import GenerationRequest, RooflineError
-
 from app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
-from app.tui.screens.settings import SettingsScreen, sampling_params
+from app.tui.reply import ReplyRunner, model_messages
+from app.tui.screens.settings import SettingsScreen
 from app.tui.store import Chat, ChatSettings
-from app.tui.streaming import TokenBuffer
 from app.tui.widgets.messages import MessageView
 from app.tui.widgets.prompt import PromptInput
 from app.tui.widgets.sidebar import ChatList, Sidebar
 from app.tui.widgets.stats import LiveStats, StatsBar
 
-if TYPE_CHECKING:
-    from app.tui.app import RooflineApp
-
-SAVE_PARTIAL_EVERY_S = 1.0
-FINISH_STATUS = {"stop": "done", "length": "length", "cancelled": "stopped", "error": "error"}
 WELCOME = "Ask anything. Enter sends, ctrl+j adds a line, Esc stops a reply, F1 lists every key."
 
 
-@dataclass
-class Generation:
-    """One reply in flight."""
-
-    chat_id: int
-    message_id: int
-    view: MessageView
-    engine: Any
-    buffer: TokenBuffer = field(default_factory=TokenBuffer)
-    stream: Any = None
-    cancel_requested: bool = False
-    prompt_tokens: int = 0
-    started_at: float = field(default_factory=time.perf_counter)
-    last_saved: float = field(default_factory=time.perf_counter)
-    last_drain: float = 0.0
-    drain_timer: Any = None
-    finished: bool = False
-
-    def cancel(self) -> None:
-        self.cancel_requested = True
-        if self.stream is not None:
-            self.stream.cancel()
-
-
-class ChatScreen(Screen):
+class ChatScreen(ReplyRunner, Screen):
     BINDINGS = [
         Binding("escape", "stop", "Stop", tooltip="Stop the reply (keeps the partial text) or cancel an edit"),
         Binding("ctrl+r", "regenerate", "Regen", tooltip="Regenerate the last reply"),
         Binding("f3", "copy_last", "Copy", show=False, tooltip="Copy the last reply to the clipboard (OSC 52)"),
         Binding("f2", "rename_chat", "Rename", show=False, tooltip="Rename this chat"),
     ]
-
-    class Wake(TMessage):
-        """The generation worker pushed tokens into an empty buffer."""
-
-        def __init__(self, gen: Generation) -> None:
-            super().__init__()
-            self.gen = gen
-
-    class Failed(TMessage):
-        """The request was refused before streaming (RequestError) or the engine raised."""
-
-        def __init__(self, gen: Generation, error: str) -> None:
-            super().__init__()
-            self.gen = gen
-            self.error = error
 
     NARROW = 90  # below this width the sidebar starts hidden (ctrl+b shows it)
 
@@ -89,10 +39,6 @@ class ChatScreen(Screen):
         self.gen: Generation | None = None
         self.editing: MessageView | None = None
         self.stats = LiveStats()
-
-    @property
-    def rapp(self) -> RooflineApp:
-        return self.app  # type: ignore[return-value]
 
     # ---- layout ---------------------------------------------------------------------------------------
 
@@ -183,6 +129,8 @@ class ChatScreen(Screen):
         transcript.scroll_end(animate=False)
         self.stats = LiveStats()
         self.show_stats()
+        if chat is not None and self.rapp.engine is not None:
+            self.rapp.chat_kv.restore(self.rapp.engine, chat.id)
 
     def sub_title_for_chat(self) -> None:
         self.title = self.chat.title if self.chat else "New chat"
@@ -235,6 +183,7 @@ class ChatScreen(Screen):
             if self.gen is not None and self.gen.chat_id == chat.id:
                 self.gen.cancel()
             self.rapp.store.delete_chat(chat.id)
+            self.rapp.chat_kv.forget(chat.id)
             if self.chat and self.chat.id == chat.id:
                 await self.open_chat(None)
             await self.refresh_sidebar()
@@ -294,149 +243,8 @@ class ChatScreen(Screen):
     def history(self) -> list[dict[str, str]]:
         """The chat as the model sees it: the system prompt, then every message but failed replies."""
         assert self.chat is not None
-        msgs: list[dict[str, str]] = []
-        if self.chat.settings.system_prompt.strip():
-            msgs.append({"role": "system", "content": self.chat.settings.system_prompt})
-        for v in self.query(MessageView):
-            if v.role == "assistant" and (v.status == "error" or not v.content):
-                continue
-            msgs.append({"role": v.role, "content": v.content})
-        return msgs
-
-    async def start_reply(self) -> None:
-        assert self.chat is not None
-        engine = self.rapp.engine
-        if engine is None:
-            self.notify("No model is loaded: ctrl+l picks one.", severity="error")
-            return
-        try:
-            sampling = sampling_params(self.chat.settings)
-        except RooflineError as e:
-            self.notify(f"Chat settings: {e}", severity="error")
-            return
-        messages = self.history()
-        row = self.rapp.store.add_message(self.chat.id, "assistant", "", status="streaming")
-        view = MessageView("assistant", "", row.id, status="streaming")
-        await self.query_one("#transcript").mount(view)
-        self.query_one("#transcript", VerticalScroll).anchor()
-        self.gen = Generation(self.chat.id, row.id, view, engine)
-        self.refresh_bindings()
-        self.stats = LiveStats(streaming=True)
-        self.show_stats()
-        self.run_generation(self.gen, GenerationRequest(messages=messages, sampling=sampling))
-
-    @work(thread=True, exclusive=True, group="generate")
-    def run_generation(self, gen: Generation, request: GenerationRequest) -> None:
-        try:
-            gen.prompt_tokens = len(gen.engine.tokenizer.encode_chat(request.messages))
-            gen.stream = gen.engine.generate(request)
-        except RooflineError as e:
-            self.post_message(self.Failed(gen, str(e)))
-            return
-        except Exception as e:  # noqa: BLE001 - an engine bug is shown in the message, never crashes the app
-            self.post_message(self.Failed(gen, f"{type(e).__name__}: {e}"))
-            return
-        if gen.cancel_requested:
-            gen.stream.cancel()
-        coalesce = self.rapp.coalesce_tokens
-        try:
-            for event in gen.stream:
-                if gen.buffer.push(event) or not coalesce:
-                    self.post_message(self.Wake(gen))
-        except Exception as e:  # noqa: BLE001
-            self.post_message(self.Failed(gen, f"{type(e).__name__}: {e}"))
-
-    @on(Wake)
-    async def on_wake(self, message: Wake) -> None:
-        gen = message.gen
-        if gen.drain_timer is not None or gen.finished:
-            return
-        wait = gen.last_drain + self.rapp.frame_s - time.perf_counter()
-        if wait > 0:  # at most one Markdown append per frame
-            gen.drain_timer = self.set_timer(wait, lambda: self.drain(gen))
-            return
-        await self.drain(gen)
-
-    async def drain(self, gen: Generation) -> None:
-        gen.drain_timer = None
-        if gen.finished:
-            return
-        gen.last_drain = time.perf_counter()
-        d = gen.buffer.drain()
-        if d.text and gen.view.is_attached:
-            await gen.view.write(d.text)
-        elif d.text:
-            gen.view.content += d.text
-        if d.final is not None:
-            await self.finish(gen, d.final.finish_reason, d.final.error, d.final)
-            return
-        self.update_live_stats(gen)
-        now = time.perf_counter()
-        if now - gen.last_saved >= SAVE_PARTIAL_EVERY_S:
-            gen.last_saved = now
-            self.rapp.store.update_message(gen.message_id, gen.view.content, "streaming")
-
-    def update_live_stats(self, gen: Generation) -> None:
-        n = gen.buffer.total_tokens
-        first = gen.buffer.first_token_at
-        s = self.stats
-        s.streaming = True
-        s.prompt_tokens = gen.prompt_tokens
-        s.reply_tokens = n
-        if first is not None:
-            s.ttft_s = first - gen.started_at
-            elapsed = time.perf_counter() - first
-            if n > 1 and elapsed > 0:
-                s.decode_tps = (n - 1) / elapsed
-        self.fill_bytes(gen.engine, s)
-        self.show_stats()
-
-    def fill_bytes(self, engine: Any, s: LiveStats) -> None:
-        ctx = s.prompt_tokens + s.reply_tokens
-        try:
-            s.bytes_per_token = engine.decode_bytes_per_token(ctx)
-            s.kv_bytes = s.bytes_per_token - engine.decode_bytes_per_token(0)
-        except Exception:  # noqa: BLE001 - a closed engine: keep the last figures
-            pass
-
-    @on(Failed)
-    async def on_failed(self, message: Failed) -> None:
-        await self.finish(message.gen, "error", message.error, None)
-
-    async def finish(self, gen: Generation, reason: str | None, error: str | None, final: Any) -> None:
-        if gen.finished:
-            return
-        gen.finished = True
-        if gen.drain_timer is not None:
-            gen.drain_timer.stop()
-        rest = gen.buffer.drain()
-        if rest.text and gen.view.is_attached:
-            await gen.view.write(rest.text)
-        elif rest.text:
-            gen.view.content += rest.text
-        status = FINISH_STATUS.get(reason or "error", "error")
-        stats: dict[str, Any] = {}
-        if error:
-            stats["error"] = error
-        if final is not None and final.usage is not None and final.stats is not None:
-            u, st = final.usage, final.stats
-            stats.update(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                         ttft_s=st.ttft_s, decode_tps=st.decode_tps)
-            s = self.stats
-            s.prompt_tokens, s.reply_tokens = u.prompt_tokens, u.completion_tokens
-            s.ttft_s, s.decode_tps = st.ttft_s, st.decode_tps
-            self.fill_bytes(gen.engine, s)
-        self.stats.streaming = False
-        self.rapp.store.update_message(gen.message_id, gen.view.content, status, stats)
-        self.rapp.store.touch(gen.chat_id)
-        if gen.view.is_attached:
-            await gen.view.finish(status, error)
-        if self.gen is gen:
-            self.gen = None
-            self.refresh_bindings()
-        self.show_stats()
-        if error:
-            self.notify(error, title="Reply failed", severity="error", timeout=6)
+        return model_messages(self.chat.settings.system_prompt, [(v.role, v.content, v.status)
+                                                                 for v in self.query(MessageView)])
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":
@@ -466,6 +274,7 @@ class ChatScreen(Screen):
         """Deletes `view`'s message and every later one (store and transcript)."""
         assert self.chat is not None and view.message_id is not None
         self.rapp.store.delete_messages_from(self.chat.id, view.message_id)
+        self.rapp.chat_kv.forget(self.chat.id)  # its prefix blocks stay valid; the next reply saves the new history
         views = list(self.query(MessageView))
         for v in views[views.index(view):]:
             await v.remove()

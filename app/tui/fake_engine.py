@@ -2,11 +2,14 @@
 
 `FakeBackend(script=[...])` hands out `FakeEngine`s whose replies come from the script in order (the last
 one repeats); a `FakeReply` can stop at a token and wait (`hold_after`, released by `release()`), or end
-in an engine error (`error_after`).
+in an engine error (`error_after`). A FakeEngine keeps a pretend prefix cache of 16-token blocks (the
+conversations it has generated or restored), reports hits in `usage.cached_prompt_tokens`, and saves and
+restores it as JSON files (`kv_calls` records each call).
 """
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import threading
@@ -21,13 +24,16 @@ from mlx_engine.api import (
     ModelInfo,
     ModelLoadError,
     RequestError,
+    RooflineError,
     Stats,
     Usage,
 )
 from mlx_engine.catalog import ModelSummary
 
+from app.tui.backend import EngineBackend
 from app.tui.chips import Bandwidth
 
+FAKE_KV_FORMAT = "fake-kv-1"
 _PIECE = re.compile(r" ?[A-Za-z0-9]+| ?[^\sA-Za-z0-9]|\s+")
 
 
@@ -121,7 +127,8 @@ class FakeEngine:
     """Streams scripted replies at `tokens_per_s` (None: as fast as possible) on its own thread."""
 
     def __init__(self, script: list[str | FakeReply] | None = None, tokens_per_s: float | None = 200.0,
-                 info: ModelInfo | None = None, ttft_s: float = 0.0, tokenizer: FakeTokenizer | None = None):
+                 info: ModelInfo | None = None, ttft_s: float = 0.0, tokenizer: FakeTokenizer | None = None,
+                 paged: bool = True, block_size: int = 16):
         self.script = [r if isinstance(r, FakeReply) else FakeReply(r) for r in (script or ["Hello! How can I help?"])]
         self.tokens_per_s = tokens_per_s
         self.ttft_s = ttft_s
@@ -131,6 +138,10 @@ class FakeEngine:
         self._next = 0
         self._hold = threading.Event()
         self.closed = False
+        self.paged = paged
+        self.block_size = block_size
+        self.cached: list[list[int]] = []  # token sequences whose full blocks the pretend prefix cache holds
+        self.kv_calls: list[tuple[str, str, int]] = []  # ("save" | "restore", path, tokens)
 
     def release(self) -> None:
         """Lets a reply held at `hold_after` continue."""
@@ -145,10 +156,14 @@ class FakeEngine:
         self._next += 1
         self._hold.clear()
         stream = FakeStream()
-        threading.Thread(target=self._run, args=(reply, request, len(prompt_ids), stream), daemon=True).start()
+        num_cached = min(self.cached_prefix(prompt_ids), (len(prompt_ids) - 1) // self.block_size * self.block_size)
+        threading.Thread(target=self._run, args=(reply, request, prompt_ids, num_cached, stream), daemon=True).start()
         return stream
 
-    def _run(self, reply: FakeReply, request: GenerationRequest, num_prompt: int, stream: FakeStream) -> None:
+    def _run(self, reply: FakeReply, request: GenerationRequest, prompt_ids: list[int], num_cached: int,
+             stream: FakeStream) -> None:
+        num_prompt = len(prompt_ids)
+        fed = list(prompt_ids)
         pieces = self.tokenizer.pieces(reply.text)
         max_tokens = request.sampling.max_tokens
         start = time.perf_counter()
@@ -179,7 +194,9 @@ class FakeEngine:
                 delay = start + self.ttft_s + (i + 1) / self.tokens_per_s - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
-            stream.events.put(GenerationEvent(text=piece, token_ids=(self.tokenizer._id(piece),), from_draft=(False,)))
+            token = self.tokenizer._id(piece)
+            fed.append(token)
+            stream.events.put(GenerationEvent(text=piece, token_ids=(token,), from_draft=(False,)))
             n += 1
             if first is None:
                 first = time.perf_counter()
@@ -189,7 +206,59 @@ class FakeEngine:
         stats = Stats(ttft_s=ttft, prefill_tps=num_prompt / ttft if ttft > 0 else 0.0,
                       decode_tps=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
                       peak_memory_bytes=self.info.weight_bytes + 2**20)
-        stream.events.put(GenerationEvent(finish_reason=finish, usage=Usage(num_prompt, n), stats=stats, error=error))
+        if self.paged and finish != "error":
+            self.cached.append(fed)
+        stream.events.put(GenerationEvent(finish_reason=finish, usage=Usage(num_prompt, n, num_cached), stats=stats,
+                                          error=error))
+
+    # ---- the pretend prefix cache and its files ----------------------------------------------------------
+
+    def cached_prefix(self, ids: list[int]) -> int:
+        """Tokens of `ids` covered by full cached blocks (longest common prefix with a cached sequence)."""
+        best = 0
+        for seq in self.cached:
+            n = 0
+            for a, b in zip(ids, seq):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return best // self.block_size * self.block_size
+
+    def kv_stats(self) -> dict:
+        return {"kind": "paged" if self.paged else "contiguous", "num_cached_sequences": len(self.cached)}
+
+    def save_kv(self, path: str, request: GenerationRequest | list[int]) -> int:
+        if not self.paged:
+            raise RooflineError("saving KV needs the paged KV cache, which this model does not use")
+        if isinstance(request, GenerationRequest):
+            ids = self.tokenizer.encode_chat(request.messages or [], add_generation_prompt=request.add_generation_prompt)
+        else:
+            ids = list(request)
+        n = self.cached_prefix(ids)
+        if n == 0:
+            raise RooflineError("nothing to save: no full KV block of these tokens is in the cache")
+        pieces = [self.tokenizer.id_to_piece(i) for i in ids[:n]]  # ids differ between runs; pieces do not
+        Path(path).write_text(json.dumps({"format": FAKE_KV_FORMAT, "model": self.info.name, "pieces": pieces}))
+        self.kv_calls.append(("save", str(path), n))
+        return n
+
+    def restore_kv(self, path: str) -> int:
+        if not self.paged:
+            raise RooflineError("restoring KV needs the paged KV cache, which this model does not use")
+        try:
+            raw = json.loads(Path(path).read_text())
+            pieces = raw["pieces"]
+            if not isinstance(pieces, list) or not all(isinstance(p, str) for p in pieces):
+                raise TypeError("pieces must be a list of strings")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise RooflineError(f"saved KV refused: {path}: cannot read ({e})") from None
+        if raw.get("format") != FAKE_KV_FORMAT or raw.get("model") != self.info.name:
+            raise RooflineError(f"saved KV refused: {path} was made by another model")
+        ids = [self.tokenizer._id(p) for p in pieces]
+        self.cached.append(ids)
+        self.kv_calls.append(("restore", str(path), len(ids)))
+        return len(ids)
 
     def decode_bytes_per_token(self, context_tokens: int) -> int:
         # 30 layers x 3 KV heads x 64 dims x K and V x fp32
@@ -199,16 +268,19 @@ class FakeEngine:
         self.closed = True
 
 
-class FakeBackend:
-    """What the app asks of the outside world (load models, list them, tokenizers, bandwidth), scripted."""
+class FakeBackend(EngineBackend):
+    """What the app asks of the outside world (load models, list them, tokenizers, bandwidth), scripted; the
+    KV file methods are EngineBackend's own, on FakeEngines."""
 
     def __init__(self, script: list[str | FakeReply] | None = None, tokens_per_s: float | None = 200.0,
                  load_delay_s: float = 0.0, models: list[ModelSummary] | None = None, fail: dict[str, str] | None = None,
-                 bandwidth: Bandwidth | None = None, ttft_s: float = 0.0):
+                 bandwidth: Bandwidth | None = None, ttft_s: float = 0.0, paged: bool = True, block_size: int = 16):
         self.script = script
         self.tokens_per_s = tokens_per_s
         self.load_delay_s = load_delay_s
         self.ttft_s = ttft_s
+        self.paged = paged
+        self.block_size = block_size
         self.models = models if models is not None else [
             ModelSummary("", "FakeLM-1M (test)", "embedded", 52 * 2**20, 1_000_000, "Q4_1", 2048, "llama"),
             ModelSummary("org/fake-big", "org/fake-big", "hf-cache", 1_200 * 2**20, 600_000_000, "bf16", 32768, "qwen2"),
@@ -234,7 +306,8 @@ class FakeBackend:
                 raise ModelLoadError(f"{key}: no such file or folder, and not a model in the Hugging Face cache")
             name = Path(key).name
         engine = FakeEngine(self.script, self.tokens_per_s, fake_info(name), ttft_s=self.ttft_s,
-                            tokenizer=self.load_tokenizer(ref))
+                            tokenizer=self.load_tokenizer(ref), paged=self.paged,
+                            block_size=self.block_size)
         self.engines.append(engine)
         return engine
 

@@ -21,6 +21,7 @@ class LiveStats:
     ttft_s: float | None = None
     prompt_tokens: int = 0
     reply_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (or a restored chat)
     context_length: int = 0
     weight_bytes: int = 0
     kv_bytes: int = 0
@@ -41,7 +42,8 @@ class LiveStats:
         speed = " │ ".join([
             f"{'▶ ' if self.streaming else ''}{self.decode_tps:.1f} tok/s",
             f"TTFT {self.ttft_s:.2f} s" if self.ttft_s is not None else "TTFT –",
-            f"prompt {self.prompt_tokens} · reply {self.reply_tokens}",
+            f"prompt {self.prompt_tokens}" + (f" ({self.cached_tokens:,} cached)" if self.cached_tokens else "")
+            + f" · reply {self.reply_tokens}",
             f"ctx {used:,}/{self.context_length:,}",
         ])
         frac = self.roofline_fraction
