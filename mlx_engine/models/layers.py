@@ -18,7 +18,24 @@ def _host_gemm(x: mx.array, w: mx.array) -> mx.array:
     """x (..., in) float32 @ w (out, in).T in numpy -> (..., out)."""
     rows = x.size // x.shape[-1]
     x2 = np.asarray(x.reshape(rows, x.shape[-1]))  # evaluates x
-    return mx.array(x2 @ np.asarray(w).T).reshape(*x.shape[:-1], -1)
+    with _one_blas_thread():
+        y = x2 @ np.asarray(w).T
+    return mx.array(y).reshape(*x.shape[:-1], -1)
+
+
+_blas_limiter = None
+
+
+def _one_blas_thread():
+    """OpenBLAS's worker threads spin against MLX's CPU threads (and anything else on a small machine): a
+    40-token SmolLM2 prefill took 6-10 s with numpy's default 2 threads on the loaded 2-core box and
+    1.1-1.2 s with one."""
+    global _blas_limiter
+    if _blas_limiter is None:
+        from threadpoolctl import ThreadpoolController
+
+        _blas_limiter = ThreadpoolController()
+    return _blas_limiter.limit(limits=1, user_api="blas")
 
 
 class HostGemmLinear(nn.Linear):
