@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,6 +58,24 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                    help="KV dtype when not quantized (default float16, as on a Mac)")
 
+    sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    sv.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
+    sv.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1, this machine only)")
+    sv.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
+    sv.add_argument("--api-key", default=os.environ.get("ROOFLINE_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on every route but /health "
+                    "(default: $ROOFLINE_API_KEY)")
+    sv.add_argument("--max-concurrency", type=int, default=16,
+                    help="requests generating at once (default 16); more wait in a queue of --max-queue, "
+                    "beyond it they get 429")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot (default 64)")
+    sv.add_argument("--default-max-tokens", type=int, default=2048,
+                    help="tokens a request without max_tokens may generate, within the context (default 2048; "
+                    "the engine reserves KV for prompt + max_tokens, so larger defaults admit fewer requests)")
+    sv.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="on SIGINT/SIGTERM, seconds to let running requests finish (default 30)")
+    sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
     t = sub.add_parser("tokens", help="show token pieces and ids of a text")
     t.add_argument("--tokenizer", "-t", help="model folder, tokenizer.json or GGUF file (default: embedded model)")
     t.add_argument("--json", action="store_true", help='print {"ids": [...]} (no BOS added)')
@@ -74,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return {"chat": cmd_chat, "generate": cmd_generate, "logits": cmd_logits, "tokens": cmd_tokens,
-                "kv": cmd_kv}[args.command](args)
+                "kv": cmd_kv, "serve": cmd_serve}[args.command](args)
     except RooflineError as e:
         return _fail(str(e))
     except KeyboardInterrupt:
@@ -92,6 +111,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from app.tui import run
 
     return run(args.model)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from app.server import serve
+
+    if not 0 <= args.port <= 65535:
+        raise RooflineError(f"--port {args.port}: expected 0..65535")
+    if args.max_concurrency < 1 or args.max_queue < 0:
+        raise RooflineError("--max-concurrency must be >= 1 and --max-queue >= 0")
+    if args.default_max_tokens < 1:
+        raise RooflineError("--default-max-tokens must be >= 1")
+    if args.drain_timeout < 0:
+        raise RooflineError("--drain-timeout must be >= 0")
+    return serve(lambda: _load_engine(args.model), host=args.host, port=args.port, api_key=args.api_key or None,
+                 max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+                 drain_timeout_s=args.drain_timeout, default_max_tokens=args.default_max_tokens,
+                 log_level=args.log_level)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

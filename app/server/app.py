@@ -1,0 +1,386 @@
+"""The OpenAI-compatible HTTP app: routes, auth, body limits, admission, and the SSE response.
+
+A request's life: read the body (<= 4 MiB) -> validate it into a Job -> wait for an admission slot (or 429)
+-> tokenize and submit on a worker thread (engine RequestError -> 400) -> stream or collect events while a
+watcher cancels the generation if the client goes away. The slot is released when the engine has
+finished with the request, not when the response ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from mlx_engine.api import GenerationEvent, GenerationRequest, RequestError, RooflineError, SamplingParams
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from app.server.bridge import AdmissionGate, DisconnectWatch, Generation
+from app.server.errors import (
+    APIError,
+    api_error_handler,
+    from_request_error,
+    http_error_handler,
+    invalid,
+    server_error_handler,
+)
+from app.server.metrics import KVStatsReader, Metrics
+from app.server.protocol import Endpoint, Job, model_slug, parse_body, parse_job
+from app.server.responses import DONE, Formatter, error_chunk, sse, token_bytes_fn
+
+MAX_BODY_BYTES = 4 * 2**20
+_PARAM_NAMES = {"logprobs": "top_logprobs"}  # SamplingParams field -> request field, where they differ
+
+
+@dataclass
+class ServerConfig:
+    api_key: str | None = None
+    max_concurrency: int | None = 16  # requests running at once; None: no limit
+    max_queue: int = 64  # requests waiting for a slot before new ones get 429
+    max_body_bytes: int = MAX_BODY_BYTES
+    metrics_wait_s: float = 0.25  # how long /metrics waits for fresh KV figures from a busy engine
+    # A request without max_tokens may generate up to the rest of the context (OpenAI's rule), but no more
+    # than this: the engine reserves KV for prompt + max_tokens at admission, so whole-context defaults
+    # would let only one such request run at a time. None: the rest of the context.
+    default_max_tokens: int | None = 2048
+
+
+class Server:
+    """State shared by the routes: the engine, the served model's names, admission, metrics."""
+
+    def __init__(self, engine: Any, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        info = engine.info
+        self.info = info
+        self.model_id = model_slug(info.name)
+        self.model_names = {self.model_id, "default", info.name}
+        digest = hashlib.sha256(f"{info.name}|{info.path}|{info.quantization}|{info.dtype}".encode()).hexdigest()
+        self.fingerprint = "fp_" + digest[:10]
+        self.created = int(time.time())
+        self.gate = AdmissionGate(config.max_concurrency, config.max_queue)
+        self.metrics = Metrics()
+        self.kv = KVStatsReader(engine.kv_stats)
+        self.token_bytes = token_bytes_fn(engine.tokenizer)
+        self.generations: set[Generation] = set()
+
+    # ---- routes ----------------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    def _model_card(self) -> dict[str, Any]:
+        i = self.info
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "roofline",
+                "name": i.name, "context_length": i.context_length, "quantization": i.quantization,
+                "model_type": i.model_type, "num_parameters": i.num_parameters}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in self.model_names:
+            raise APIError(404, f"The model '{name}' does not exist: this server serves '{self.model_id}'",
+                           "model", "model_not_found")
+        return JSONResponse(self._model_card())
+
+    async def metrics_text(self, request: Request) -> Response:
+        kv, age = await run_in_threadpool(self.kv.read, self.config.metrics_wait_s)
+        engine_waiting = sum(1 for g in self.generations if not g.started)
+        text = self.metrics.render(self.gate.waiting, engine_waiting, kv, age)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, "completion")
+
+    # ---- completions -------------------------------------------------------------------------------------
+
+    async def _complete(self, request: Request, endpoint: Endpoint) -> Response:
+        t0 = time.perf_counter()
+        body = parse_body(await read_body(request, self.config.max_body_bytes))
+        job = parse_job(body, endpoint, self.model_names, self.model_id, self.info.context_length,
+                        self.info.vocab_size)
+        fmt = Formatter(job, self.model_id, self.fingerprint, self.token_bytes)
+        async with DisconnectWatch(request.receive) as watch:
+            acquire = asyncio.ensure_future(self.gate.acquire())
+            watch.on_gone(acquire.cancel)
+            try:
+                await acquire
+            except asyncio.CancelledError:
+                if watch.gone:
+                    return Response(status_code=499)  # nobody is there to read it
+                acquire.cancel()
+                raise
+            try:
+                stream, num_prompt = await run_in_threadpool(self._submit, job)
+            except BaseException:
+                self.gate.release()
+                raise
+            gen = Generation(stream, num_prompt, self._on_done)
+            self.generations.add(gen)
+            self.metrics.running += 1
+            watch.on_gone(gen.cancel)
+            if not job.stream:
+                return await self._collect(gen, fmt, t0, watch)
+        return EventStreamResponse(gen, self._chunks(gen, fmt, t0))
+
+    def _submit(self, job: Job) -> tuple[Any, int]:
+        """On a worker thread: tokenize, check the context, start the generation."""
+        tok = self.engine.tokenizer
+        ctx = self.info.context_length
+        try:
+            if job.messages is not None:
+                ids = tok.encode_chat(job.messages, add_generation_prompt=True)
+                what = "messages"
+            elif job.prompt is not None:
+                ids = tok.encode(job.prompt)
+                what = "prompt"
+            else:
+                ids, what = list(job.prompt_token_ids or ()), "prompt"
+            n = len(ids)
+            if n >= ctx:
+                verb = "are" if what == "messages" else "is"
+                raise invalid(f"This model's maximum context length is {ctx} tokens, but the {what} {verb} {n} "
+                              "tokens (at least 1 token must be left to generate)", what, "context_length_exceeded")
+            if job.max_tokens is not None and n + job.max_tokens > ctx:
+                raise invalid(f"This model's maximum context length is {ctx} tokens, but {n + job.max_tokens} were "
+                              f"requested ({n} in the {what}, {job.max_tokens} in '{job.max_tokens_param}'); "
+                              f"at most {ctx - n} can be generated for this prompt", job.max_tokens_param,
+                              "context_length_exceeded")
+            max_tokens = job.max_tokens
+            if max_tokens is None:
+                max_tokens = min(ctx - n, self.config.default_max_tokens or ctx)
+            sampling = SamplingParams(max_tokens=max_tokens, **job.sampling)
+            return self.engine.generate(GenerationRequest(prompt_token_ids=ids, sampling=sampling)), n
+        except RequestError as e:
+            raise from_request_error(str(e), _PARAM_NAMES) from None
+        except RooflineError as e:
+            raise APIError(503, f"the engine cannot take requests: {e}", None, "engine_unavailable") from None
+
+    def _on_done(self, gen: Generation, final: GenerationEvent) -> None:
+        self.gate.release()
+        self.generations.discard(gen)
+        m = self.metrics
+        m.running -= 1
+        m.finished[final.finish_reason or "error"] += 1
+        if final.usage is not None:
+            m.prompt_tokens += final.usage.prompt_tokens
+            m.cached_prompt_tokens += final.usage.cached_prompt_tokens
+            m.completion_tokens += final.usage.completion_tokens
+        m.draft_accepted_tokens += gen.num_draft_accepted
+        rate = getattr(final.stats, "acceptance_rate", None)
+        if rate is not None:
+            m.acceptance_sum += rate
+            m.acceptance_count += 1
+
+    async def _collect(self, gen: Generation, fmt: Formatter, t0: float, watch: DisconnectWatch) -> Response:
+        texts, lps, first = [], [], True
+        final: GenerationEvent | None = None
+        async for event in gen.events():
+            if first and event.token_ids:
+                self.metrics.ttft.observe(time.perf_counter() - t0)
+                first = False
+            texts.append(event.text)
+            lps.extend(event.logprobs)
+            final = event
+        assert final is not None and final.finish_reason is not None
+        if final.finish_reason == "error":
+            raise APIError(500, f"the generation failed: {final.error}", None, "generation_failed")
+        if final.finish_reason == "cancelled":
+            if watch.gone:
+                return Response(status_code=499)
+            raise APIError(503, "the generation was cancelled (the server is shutting down)", None, "cancelled")
+        assert final.usage is not None
+        return JSONResponse(fmt.response("".join(texts), tuple(lps), final.finish_reason, final.usage))
+
+    async def _chunks(self, gen: Generation, fmt: Formatter, t0: float) -> AsyncIterator[bytes]:
+        head = fmt.first_chunk()
+        if head is not None:
+            yield sse(head)
+        first = True
+        async for event in gen.events():
+            if first and event.token_ids:
+                self.metrics.ttft.observe(time.perf_counter() - t0)
+                first = False
+            if event.text or event.logprobs:
+                yield sse(fmt.delta_chunk(event.text, event.logprobs))
+            reason = event.finish_reason
+            if reason is None:
+                continue
+            if reason in ("error", "cancelled"):
+                message = (f"the generation failed: {event.error}" if reason == "error"
+                           else "the generation was cancelled (the server is shutting down)")
+                yield sse(error_chunk(message, "generation_failed" if reason == "error" else "cancelled"))
+            else:
+                yield sse(fmt.finish_chunk(reason))
+                if fmt.job.include_usage and event.usage is not None:
+                    yield sse(fmt.usage_chunk(event.usage))
+            yield DONE
+
+    def cancel_all(self) -> None:
+        for gen in list(self.generations):
+            gen.cancel()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or 413 past `limit` bytes. An oversized body is read on (and dropped) up to 4x the limit so
+    the client gets the 413 instead of a broken pipe."""
+    declared = request.headers.get("content-length")
+    too_big = None
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise invalid(f"Content-Length {declared!r} is not a number", code="invalid_header") from None
+        if size > limit:
+            too_big = size
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            too_big = max(too_big or 0, size)
+            if size > 4 * limit:
+                break
+            continue
+        chunks.append(chunk)
+    if too_big is not None:
+        raise APIError(413, f"the request body is {too_big:,} bytes; the limit is {limit:,} bytes", None,
+                       "request_too_large")
+    return b"".join(chunks)
+
+
+class EventStreamResponse:
+    """`text/event-stream` over one generation. A client disconnect (seen on the ASGI channel) or a failed
+    send cancels the generation; so does leaving early for any reason (server shutdown, an error)."""
+
+    headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+    def __init__(self, gen: Generation, chunks: AsyncIterator[bytes]):
+        self.gen = gen
+        self.chunks = chunks
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    self.gen.cancel()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+                async for chunk in self.chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                tg.cancel_scope.cancel()
+        except OSError:  # the client went away mid-send
+            pass
+        finally:
+            self.gen.cancel()
+
+
+LOCAL_ORIGIN = re.compile(rb"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?$")
+
+
+class AuthMiddleware:
+    """With an API key, every route but /health needs `Authorization: Bearer KEY` (else 401, OpenAI's shape).
+
+    Always: a request from a web page of another site (an `Origin` header that is not this machine) gets 403.
+    Programs (the openai client, curl) send no Origin; a browser always does on a cross-site POST, even one it
+    will not let the page read, so a page cannot make a local server generate on a visitor's machine."""
+
+    def __init__(self, app: Any, api_key: str | None, open_paths: tuple[str, ...] = ("/health",)):
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        origin = headers.get(b"origin")
+        if origin is not None and not LOCAL_ORIGIN.match(origin):  # "null" too: sandboxed frames send it
+            message = f"requests from web pages of other sites are refused (Origin: {origin.decode('latin-1')})"
+            return await APIError(403, message, None, "origin_not_allowed").response()(scope, receive, send)
+        if self.key is None or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        header = headers.get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        message = ("Incorrect API key provided." if header else
+                   "You didn't provide an API key: send it as 'Authorization: Bearer KEY'.")
+        resp = APIError(401, message, None, "invalid_api_key").response()
+        resp.headers["WWW-Authenticate"] = "Bearer"
+        await resp(scope, receive, send)
+
+
+class CountRequests:
+    """Counts answered requests by route and status for /metrics (outermost, so 401s and 413s count)."""
+
+    def __init__(self, app: Any, metrics: Metrics, routes: set[str]):
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in self.routes else ("/v1/models/{model}" if path.startswith("/v1/models/")
+                                                     else "other")
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests[(endpoint, message["status"])] += 1
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def create_app(engine: Any, config: ServerConfig | None = None) -> Starlette:
+    """The ASGI app serving `engine` (a loaded Engine or anything with its surface)."""
+    server = Server(engine, config or ServerConfig())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        server.cancel_all()  # whatever outlived the graceful-shutdown wait
+
+    routes = [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_text, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", server.model, methods=["GET"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
+                            Exception: server_error_handler},
+        lifespan=lifespan,
+    )
+    app.add_middleware(AuthMiddleware, api_key=server.config.api_key)
+    app.add_middleware(CountRequests, metrics=server.metrics, routes={r.path for r in routes})
+    app.state.server = server
+    return app

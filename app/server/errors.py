@@ -1,0 +1,72 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with the HTTP status."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+          429: "requests", 500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """A request the server answers with an error: `status`, a complete `message`, the offending `param`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+_SAMPLING_FIELD = re.compile(r"invalid sampling parameter (\w+)")
+
+
+def from_request_error(message: str, param_names: dict[str, str] | None = None) -> APIError:
+    """An engine RequestError as a 400; the param is read from SamplingParams' message when it names one."""
+    m = _SAMPLING_FIELD.match(message)
+    param = None
+    if m:
+        param = (param_names or {}).get(m.group(1), m.group(1))
+    elif "context" in message and "prompt" in message:
+        return APIError(400, message, None, "context_length_exceeded")
+    return APIError(400, message, param)
+
+
+async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"Unknown request URL: {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"Method {request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
+    return APIError(exc.status_code, message, None, code).response()
+
+
+async def server_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", None, "internal_error").response()

@@ -1,0 +1,387 @@
+"""OpenAI request bodies -> a validated `Job`: every field type- and range-checked, errors naming the field.
+
+OpenAI's semantics where they exist (defaults, ranges, `n`, `stop`, `logit_bias` with string keys); vLLM's
+names for the extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`). Unknown fields are
+ignored, as vLLM does; fields that would change the answer and are not supported (tools, JSON mode,
+`echo`, `suffix`, n > 1) are refused rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field, fields
+
+from mlx_engine.api import SamplingParams
+from typing import Any, Literal
+
+from app.server.errors import APIError, invalid
+
+MAX_STOP = 4
+MAX_LOGPROBS = 20
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+Endpoint = Literal["chat", "completion"]
+
+
+def model_slug(name: str) -> str:
+    """A stable model id from the model's display name: 'SmolLM2-135M (Q4_1 GGUF)' -> 'smollm2-135m-q4_1-gguf'."""
+    slug = re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-.")
+    return slug or "model"
+
+
+@dataclass
+class Job:
+    """One validated completion request, ready to tokenize and submit."""
+
+    endpoint: Endpoint
+    model: str
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs, without max_tokens
+    max_tokens: int | None = None  # None: the rest of the context
+    max_tokens_param: str = "max_tokens"
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+# ---- the body ------------------------------------------------------------------------------------------
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """Request bytes -> a JSON object; 400 on invalid UTF-8, malformed JSON, NaN/Infinity, a non-object."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid(f"the request body is not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})",
+                      code="invalid_utf8") from None
+    if not text.strip():
+        raise invalid("the request body is empty: expected a JSON object", code="invalid_json")
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        detail = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise invalid(f"the request body is not valid JSON: {detail}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, got {_kind(body)}", code="invalid_json")
+    return body
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def _text(v: str, param: str) -> str:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(f"{param} contains an unpaired UTF-16 surrogate (\\ud800-\\udfff): not valid Unicode text",
+                      param) from None
+    return v
+
+
+class _Fields:
+    """Typed getters over one body: null counts as absent, bool is never a number."""
+
+    def __init__(self, body: dict[str, Any]):
+        self.body = body
+
+    def get(self, name: str) -> Any:
+        return self.body.get(name)
+
+    def wrong(self, name: str, expected: str) -> APIError:
+        return invalid(f"'{name}' must be {expected}, got {_kind(self.body[name])}: {_short(self.body[name])}", name)
+
+    def number(self, name: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+        v = self.body.get(name)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self.wrong(name, "a number")
+        if v < lo or v > hi or (lo_open and v == lo):
+            interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            raise invalid(f"'{name}' must be in {interval}, got {v}", name)
+        return float(v)
+
+    def integer(self, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+        v = self.body.get(name)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.wrong(name, "an integer")
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise invalid(f"'{name}' must be an integer {bounds}, got {v}", name)
+        return v
+
+    def boolean(self, name: str) -> bool | None:
+        v = self.body.get(name)
+        if v is None:
+            return None
+        if not isinstance(v, bool):
+            raise self.wrong(name, "a boolean")
+        return v
+
+    def string(self, name: str) -> str | None:
+        v = self.body.get(name)
+        if v is None:
+            return None
+        if not isinstance(v, str):
+            raise self.wrong(name, "a string")
+        return _text(v, name)
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v, ensure_ascii=False, default=str)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+# ---- the fields ----------------------------------------------------------------------------------------
+
+
+def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], served_id: str,
+              context_length: int, vocab_size: int) -> Job:
+    """Validates an OpenAI body for `endpoint` ("chat" or "completion"). Raises APIError (4xx)."""
+    f = _Fields(body)
+    if "model" not in body or body["model"] is None:
+        raise invalid("you must provide a model parameter ('model': the id /v1/models lists, or 'default')",
+                      "model", "missing_required_parameter")
+    model = f.string("model")
+    assert model is not None
+    if model not in model_names:
+        raise APIError(404, f"The model '{model}' does not exist: this server serves '{served_id}' "
+                       "(also reachable as 'default')", "model", "model_not_found")
+    job = Job(endpoint=endpoint, model=model)
+
+    if endpoint == "chat":
+        job.messages = _messages(body)
+    else:
+        job.prompt, job.prompt_token_ids = _prompt(body, vocab_size)
+
+    n = f.integer("n", 1)
+    if n is not None and n != 1:
+        raise invalid(f"n={n} is not supported: this server returns one choice per request (n must be 1)", "n",
+                      "unsupported_value")
+    if endpoint == "completion":
+        best_of = f.integer("best_of", 1)
+        if best_of is not None and best_of != 1:
+            raise invalid(f"best_of={best_of} is not supported (best_of must be 1)", "best_of", "unsupported_value")
+        if f.boolean("echo"):
+            raise invalid("echo=true is not supported", "echo", "unsupported_value")
+        if f.string("suffix"):
+            raise invalid("suffix is not supported (no fill-in-the-middle)", "suffix", "unsupported_value")
+
+    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins when both are sent
+        if f.get(name) is not None:
+            job.max_tokens = f.integer(name, 1)
+            job.max_tokens_param = name
+            break
+    if job.max_tokens is not None and job.max_tokens >= context_length:
+        raise invalid(f"'{job.max_tokens_param}' is {job.max_tokens} but the model's context is {context_length} "
+                      "tokens, prompt included", job.max_tokens_param, "context_length_exceeded")
+
+    s: dict[str, Any] = {}
+    s["temperature"] = _or(f.number("temperature", 0, 2), 1.0)
+    s["top_p"] = _or(f.number("top_p", 0, 1, lo_open=True), 1.0)
+    s["presence_penalty"] = _or(f.number("presence_penalty", -2, 2), 0.0)
+    s["frequency_penalty"] = _or(f.number("frequency_penalty", -2, 2), 0.0)
+    s["top_k"] = _or(f.integer("top_k", -1), 0)
+    if s["top_k"] == -1:  # vLLM's "off"
+        s["top_k"] = 0
+    s["min_p"] = _or(f.number("min_p", 0, 1), 0.0)
+    if s["min_p"] >= 1:
+        raise invalid("'min_p' must be in [0, 1), got 1", "min_p")
+    s["repetition_penalty"] = _or(f.number("repetition_penalty", 0, 2**31, lo_open=True), 1.0)
+    seed = f.integer("seed")
+    if seed is not None:
+        s["seed"] = seed
+    s["ignore_eos"] = bool(f.boolean("ignore_eos"))
+    engine_fields = {x.name for x in fields(SamplingParams)}
+    for name, value in (("speculative", f.string("speculative")), ("num_draft_tokens", f.integer("num_draft_tokens"))):
+        if value is None:
+            continue
+        if name not in engine_fields:
+            raise invalid(f"'{name}' is not supported: this engine has no speculative decoding", name,
+                          "unsupported_value")
+        s[name] = value  # ranges are checked by SamplingParams, whose message names the field
+    s["stop"] = _stop(f)
+    s["logit_bias"] = _logit_bias(f, vocab_size)
+
+    if endpoint == "chat":
+        job.logprobs = bool(f.boolean("logprobs"))
+        top = f.integer("top_logprobs", 0, MAX_LOGPROBS)
+        if top is not None and top > 0 and not job.logprobs:
+            raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        job.top_logprobs = top or 0
+    else:
+        top = f.integer("logprobs", 0, MAX_LOGPROBS)
+        job.logprobs = top is not None
+        job.top_logprobs = top or 0
+    if job.logprobs:
+        s["logprobs"] = job.top_logprobs
+
+    _response_format(f)
+    _no_tools(f)
+
+    job.stream = bool(f.boolean("stream"))
+    opts = f.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise f.wrong("stream_options", "an object")
+        if not job.stream:
+            raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        usage = opts.get("include_usage")
+        if usage is not None and not isinstance(usage, bool):
+            raise invalid(f"'stream_options.include_usage' must be a boolean, got {_kind(usage)}",
+                          "stream_options.include_usage")
+        job.include_usage = bool(usage)
+    f.string("user")  # accepted and ignored, but it must be a string
+    job.sampling = s
+    return job
+
+
+def _or(v: Any, default: Any) -> Any:
+    return default if v is None else v
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    if "messages" not in body or body["messages"] is None:
+        raise invalid("'messages' is required: a non-empty array of {'role', 'content'}", "messages",
+                      "missing_required_parameter")
+    msgs = body["messages"]
+    if not isinstance(msgs, list):
+        raise invalid(f"'messages' must be an array, got {_kind(msgs)}", "messages")
+    if not msgs:
+        raise invalid("'messages' must be a non-empty array: at least one message is needed", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid(f"'{p}' must be an object with 'role' and 'content', got {_kind(m)}", p)
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise invalid(f"'{p}.role' is required: one of {', '.join(ROLES)}", f"{p}.role")
+        if role not in ROLES:
+            raise invalid(f"'{p}.role' must be one of {', '.join(ROLES)}, got {_short(role)}", f"{p}.role")
+        content = m.get("content")
+        if content is None:
+            if role != "assistant":
+                raise invalid(f"'{p}.content' is required for role '{role}'", f"{p}.content")
+            content = ""
+        elif isinstance(content, list):
+            content = _content_parts(content, f"{p}.content")
+        elif not isinstance(content, str):
+            raise invalid(f"'{p}.content' must be a string or an array of text parts, got {_kind(content)}",
+                          f"{p}.content")
+        out.append({"role": "system" if role == "developer" else role, "content": _text(content, f"{p}.content")})
+    return out
+
+
+def _content_parts(parts: list[Any], param: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        q = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise invalid(f"'{q}' must be an object like {{'type': 'text', 'text': ...}}, got {_kind(part)}", q)
+        if part.get("type") != "text":
+            raise invalid(f"'{q}.type' {_short(part.get('type'))} is not supported: this model reads text parts "
+                          "only", f"{q}.type", "unsupported_content")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"'{q}.text' must be a string, got {_kind(text)}", f"{q}.text")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _prompt(body: dict[str, Any], vocab_size: int) -> tuple[str | None, list[int] | None]:
+    """A string, a one-element array of strings, an array of token ids, or a one-element array of those."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise invalid("'prompt' is required: a string (or an array of token ids)", "prompt",
+                      "missing_required_parameter")
+    p = body["prompt"]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        raise invalid(f"'prompt' holds {len(p)} prompts: this server takes one prompt per request "
+                      "(send them as separate requests)", "prompt", "unsupported_value")
+    if isinstance(p, str):
+        return _text(p, "prompt"), None
+    if isinstance(p, list):
+        if not p:
+            raise invalid("'prompt' is an empty array: expected a string or token ids", "prompt")
+        for t in p:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise invalid(f"'prompt' must be a string or an array of integer token ids, found {_kind(t)}",
+                              "prompt")
+            if not 0 <= t < vocab_size:
+                raise invalid(f"'prompt' token id {t} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
+        return None, list(p)
+    raise invalid(f"'prompt' must be a string or an array of token ids, got {_kind(p)}", "prompt")
+
+
+def _stop(f: _Fields) -> tuple[str, ...]:
+    v = f.get("stop")
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise invalid(f"'stop' must be a string or an array of up to {MAX_STOP} strings, got {_short(v)}", "stop")
+    if len(items) > MAX_STOP:
+        raise invalid(f"'stop' has {len(items)} strings: at most {MAX_STOP} are allowed", "stop")
+    if any(not s for s in items):
+        raise invalid("'stop' strings must be non-empty", "stop")
+    return tuple(_text(s, "stop") for s in items)
+
+
+def _logit_bias(f: _Fields, vocab_size: int) -> dict[int, float]:
+    v = f.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise f.wrong("logit_bias", "an object mapping token ids to numbers in [-100, 100]")
+    out = {}
+    for k, b in v.items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise invalid(f"'logit_bias' key {k!r} is not a token id (an integer as a string)", "logit_bias") from None
+        if not 0 <= tid < vocab_size:
+            raise invalid(f"'logit_bias' token id {tid} is outside the vocabulary (0..{vocab_size - 1})",
+                          "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
+            raise invalid(f"'logit_bias' value for {k} must be a number in [-100, 100], got {_short(b)}",
+                          "logit_bias")
+        out[tid] = float(b)
+    return out
+
+
+def _response_format(f: _Fields) -> None:
+    v = f.get("response_format")
+    if v is None:
+        return
+    if not isinstance(v, dict) or not isinstance(v.get("type"), str):
+        raise invalid("'response_format' must be an object like {'type': 'text'}", "response_format")
+    if v["type"] != "text":
+        raise invalid(f"response_format type {v['type']!r} is not supported: this server has no constrained "
+                      "decoding; only {'type': 'text'} is accepted", "response_format.type", "unsupported_value")
+
+
+def _no_tools(f: _Fields) -> None:
+    for name in ("tools", "functions"):
+        if f.get(name):
+            raise invalid(f"'{name}' is not supported: this server has no tool calling", name, "unsupported_value")
+    for name in ("tool_choice", "function_call"):
+        v = f.get(name)
+        if v is not None and v != "none" and v != "auto":
+            raise invalid(f"'{name}' is not supported: this server has no tool calling", name, "unsupported_value")

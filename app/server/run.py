@@ -1,0 +1,75 @@
+"""`roofline serve`: bind, load the model, serve with uvicorn until SIGINT/SIGTERM, then drain and exit."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import sys
+from typing import Any
+
+from mlx_engine.api import RooflineError
+
+from app.server.app import ServerConfig, create_app
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready socket, so a busy port is a clear error before the model loads."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise RooflineError(f"--host {host!r}: cannot resolve ({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise RooflineError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    engine_factory: Any,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    api_key: str | None = None,
+    max_concurrency: int | None = 16,
+    max_queue: int = 64,
+    drain_timeout_s: float = 30.0,
+    default_max_tokens: int | None = 2048,
+    log_level: str = "info",
+) -> int:
+    """Binds host:port, loads the engine (`engine_factory()`), serves until a signal. Returns an exit code."""
+    import uvicorn
+
+    if not is_loopback(host) and not api_key:
+        print(f"roofline: warning: serving on {host}, which is not a loopback address, without --api-key: anyone "
+              "who can reach this machine can use the model. Pass --api-key KEY (or set ROOFLINE_API_KEY).",
+              file=sys.stderr)
+    sock = bind(host, port)
+    engine = engine_factory()
+    config = ServerConfig(api_key=api_key, max_concurrency=max_concurrency, max_queue=max_queue,
+                          default_max_tokens=default_max_tokens)
+    app = create_app(engine, config)
+    server_state = app.state.server
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    print(f"roofline: serving {server_state.model_id} (also 'default') on http://{shown}:{bound_port}/v1 "
+          f"- max {max_concurrency or 'unlimited'} running, {max_queue} waiting, then 429"
+          f"{'; API key required' if api_key else ''}", file=sys.stderr, flush=True)
+    uv_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s,
+                               lifespan="on", access_log=log_level == "debug")
+    server = uvicorn.Server(uv_config)
+    server.run(sockets=[sock])
+    return 0

@@ -1,0 +1,304 @@
+"""Load test: N concurrent streaming clients against `roofline serve` and `mlx_lm.server`, same weights, one run.
+
+    uv run python bench/server.py [--model M] [--clients 1,4,8,16] [--requests-per-client 2] [--max-tokens 16]
+                                  [--cost-curve 1,2,4,8,16] [--only roofline|mlx-lm] [--quick]
+
+Both servers run as subprocesses on loopback, one after the other, on the weights Roofline loads (the embedded
+SmolLM2 Q4_1 GGUF by default): mlx-lm cannot read GGUF, so the bench writes our loaded, renamed tensors
+(4-bit affine, group 32, as MLX quantized them; per-layer bits inferred by mlx-lm) with config.json and the
+tokenizer into a temporary mlx-lm folder. Every client sends `requests-per-client` streaming chat requests one
+after the other (greedy, max_tokens, a prompt of its own); a level's aggregate tokens/s is all completion tokens
+over the level's wall time; TTFT is request sent -> first content chunk, as the client sees it.
+
+`--cost-curve` also times one batched decode forward of mlx-lm's llama class on these weights at widths B
+(context 64 per row): T(B)/T(1) bounds what batching can give on this backend (aggregate speedup <= B / (T(B)/T(1))).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TOPICS = ["a dragon", "the sea", "a lighthouse keeper", "a robot", "the moon", "a small village", "a lost key",
+          "a storm", "an old library", "a mountain pass", "a clockmaker", "a desert", "a garden", "a train",
+          "a violin", "a fox"]
+
+
+# ---- the mlx-lm folder ------------------------------------------------------------------------------------
+
+
+def export_mlx_lm_folder(model: str | None, out: Path) -> dict:
+    """Writes config.json, model.safetensors, tokenizer.json and tokenizer_config.json for mlx_lm.server from the
+    weights our engine loaded. Returns facts for the report."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_engine import Engine
+
+    engine = Engine.load(model)
+    runner = engine._runner
+    tok = engine.tokenizer
+    a = runner.model.args
+
+    def write() -> dict:
+        params = dict(tree_flatten(runner.model.parameters()))
+        mx.save_safetensors(str(out / "model.safetensors"), params, metadata={"format": "mlx"})
+        bits = sorted({m.bits for _, m in runner.model.named_modules() if hasattr(m, "bits")})
+        return {"bits": bits, "dtype": str(next(iter(params.values())).dtype)}
+
+    facts = engine._thread.call(write)
+    config = {
+        "model_type": "llama", "hidden_size": a.hidden_size, "num_hidden_layers": a.num_hidden_layers,
+        "intermediate_size": a.intermediate_size, "num_attention_heads": a.num_attention_heads,
+        "rms_norm_eps": a.rms_norm_eps, "vocab_size": a.vocab_size, "head_dim": a.head_dim,
+        "max_position_embeddings": a.max_position_embeddings, "num_key_value_heads": a.num_key_value_heads,
+        "rope_theta": a.rope_theta, "rope_scaling": a.rope_scaling, "tie_word_embeddings": a.tie_word_embeddings,
+        "quantization": {"group_size": 32, "bits": 4},  # the default; mlx-lm infers each layer's own from its tensors
+        "eos_token_id": list(tok.eos_token_ids), "bos_token_id": tok.bos_token_id,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    tok.backend.save(str(out / "tokenizer.json"))
+    piece = tok.backend.id_to_token
+    bos = piece(tok.bos_token_id) if tok.bos_token_id is not None else None
+    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": tok.chat_template,
+            "eos_token": piece(tok.eos_token_ids[0]), "bos_token": bos,
+            "model_max_length": engine.info.context_length, "clean_up_tokenization_spaces": False}
+    (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=1))
+    facts.update(name=engine.info.name, quantization=engine.info.quantization, act_dtype=engine.info.dtype)
+    engine.close()
+    return facts
+
+
+def cost_curve(folder: Path, widths: list[int], context: int = 64, repeats: int = 10) -> dict[int, float]:
+    """Seconds per batched decode forward (B, 1) over a context of `context` tokens, mlx-lm's llama class."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load
+
+    model, _ = load(str(folder))
+    out = {}
+    for b in widths:
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.zeros((b, context), dtype=mx.int32), cache=cache))
+        x = mx.ones((b, 1), dtype=mx.int32)
+        times = []
+        for _ in range(repeats + 2):
+            t = time.perf_counter()
+            mx.eval(model(x, cache=cache))
+            times.append(time.perf_counter() - t)
+            for c in cache:  # stay at the same context length
+                c.trim(1)
+        out[b] = statistics.median(times[2:])
+    return out
+
+
+# ---- servers --------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Target:
+    name: str
+    cmd: list[str]
+    model: str
+    ready_path: str
+
+
+def start(target: Target, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(target.cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{target.name} exited with {proc.returncode}: {' '.join(target.cmd)}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}{target.ready_path}", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise SystemExit(f"{target.name} did not come up in 180 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# ---- clients --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    ttft_s: float
+    tokens: int
+    seconds: float
+
+
+async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Result:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, tokens, chunks = None, None, 0
+    async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                raise RuntimeError(obj["error"])
+            if obj.get("usage"):
+                tokens = obj["usage"]["completion_tokens"]
+            for c in obj.get("choices") or []:
+                if (c.get("delta") or {}).get("content"):
+                    chunks += 1
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+    return Result(ttft if ttft is not None else float("nan"), tokens if tokens is not None else chunks,
+                  time.perf_counter() - t0)
+
+
+async def level(url: str, model: str, clients: int, per_client: int, max_tokens: int) -> tuple[list[Result], float]:
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+
+        async def client(c: int) -> list[Result]:
+            out = []
+            for i in range(per_client):
+                prompt = f"Write a long story about {TOPICS[c % len(TOPICS)]} (part {i + 1}, client {c})."
+                out.append(await one_request(http, url, model, prompt, max_tokens))
+            return out
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(client(c) for c in range(clients)))
+        wall = time.perf_counter() - t0
+    return [r for rs in results for r in rs], wall
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def run_target(target: Target, port: int, widths: list[int], per_client: int, max_tokens: int) -> dict[int, dict]:
+    proc = start(target, port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(level(url, target.model, 2, 1, 4))  # warm-up: first forward passes, both batch paths
+        rows = {}
+        for n in widths:
+            results, wall = asyncio.run(level(url, target.model, n, per_client, max_tokens))
+            tokens = sum(r.tokens for r in results)
+            ttfts = [r.ttft_s for r in results]
+            rows[n] = {"requests": len(results), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+                       "ttft_p50": pct(ttfts, 0.5), "ttft_p99": pct(ttfts, 0.99)}
+            print(f"  {target.name:9s} {n:2d} clients: {tokens} tok in {wall:.1f} s = {tokens / wall:.1f} tok/s, "
+                  f"TTFT p50 {rows[n]['ttft_p50']:.2f} s p99 {rows[n]['ttft_p99']:.2f} s", file=sys.stderr, flush=True)
+        return rows
+    finally:
+        stop(proc)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="model for both servers (default: the embedded SmolLM2)")
+    p.add_argument("--clients", default="1,4,8,16")
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--cost-curve", default="1,2,4,8,16", help="batch widths to time ('' to skip)")
+    p.add_argument("--only", choices=("roofline", "mlx-lm"))
+    p.add_argument("--quick", action="store_true", help="1 and 4 clients, 1 request each, 8 tokens")
+    args = p.parse_args()
+    if args.quick:
+        args.clients, args.requests_per_client, args.max_tokens, args.cost_curve = "1,4", 1, 8, "1,4"
+    widths = [int(x) for x in args.clients.split(",")]
+    curve_widths = [int(x) for x in args.cost_curve.split(",") if x]
+
+    with tempfile.TemporaryDirectory(prefix="roofline-mlx-lm-") as tmp:
+        folder = Path(tmp)
+        facts = export_mlx_lm_folder(args.model, folder)
+        curve = cost_curve(folder, curve_widths) if curve_widths else {}
+        port = free_port()
+        targets = [
+            Target("roofline", [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level",
+                                "warning", "--max-concurrency", str(max(widths))]
+                   + (["--model", args.model] if args.model else []), "default", "/health"),
+            Target("mlx-lm", [sys.executable, "-m", "mlx_lm.server", "--model", str(folder), "--port", str(port),
+                              "--log-level", "WARNING"], "default_model", "/v1/models"),
+        ]
+        results = {}
+        for t in targets:
+            if args.only and t.name != args.only:
+                continue
+            results[t.name] = run_target(t, port, widths, args.requests_per_client, args.max_tokens)
+
+    import mlx.core as mx
+    import mlx_lm
+
+    cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | sed 's/.*: *//'"], capture_output=True,
+                         text=True).stdout.strip() or platform.processor()
+    dev = "Metal" if mx.metal.is_available() else "CPU"
+    cmd = "uv run python bench/server.py " + " ".join(sys.argv[1:])
+    print(f"## Server under load: roofline serve vs mlx_lm.server ({datetime.date.today()})\n")
+    print(f"- command: `{cmd.strip()}`")
+    print(f"- machine: {platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores, MLX {mx.__version__} "
+          f"on {dev}; mlx-lm {mlx_lm.__version__}")
+    print(f"- model: {facts['name']} ({facts['quantization']}); mlx-lm gets the same tensors as an MLX-quantized "
+          f"folder (affine, group 32, bits {facts['bits']}), activations {facts['act_dtype']} on both")
+    print(f"- workload: each client sends {args.requests_per_client} streaming chat requests in turn (its own prompt, "
+          f"greedy, max_tokens {args.max_tokens}); loopback; servers run one after the other\n")
+    names = list(results)
+    head = "| clients | " + " | ".join(f"{n} tok/s | {n} TTFT p50 / p99 (s)" for n in names)
+    if len(names) == 2:
+        head += " | roofline / mlx-lm tok/s"
+    print(head + " |")
+    print("|---:|" + "---:|---:|" * len(names) + ("---:|" if len(names) == 2 else ""))
+    for n in widths:
+        cells = [f"{results[t][n]['tok_s']:.1f} | {results[t][n]['ttft_p50']:.2f} / {results[t][n]['ttft_p99']:.2f}"
+                 for t in names]
+        ratio = (f" | {results['roofline'][n]['tok_s'] / results['mlx-lm'][n]['tok_s']:.2f}x"
+                 if len(names) == 2 else "")
+        print(f"| {n} | " + " | ".join(cells) + ratio + " |")
+    if curve:
+        t1 = curve[curve_widths[0]]
+        print("\nBatched decode forward cost on this backend (mlx-lm llama class, these weights, context 64):\n")
+        print("| B | T(B) ms | T(B)/T(1) | bound on aggregate speedup B/(T(B)/T(1)) |")
+        print("|---:|---:|---:|---:|")
+        for b, t in curve.items():
+            print(f"| {b} | {t * 1000:.1f} | {t / t1:.2f} | {b * t1 / t:.2f}x |")
+    print("\n<!-- " + json.dumps({"results": results, "cost_curve": curve}) + " -->")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""A scripted engine with the real Engine's surface (info, tokenizer, generate, kv_stats), and a live uvicorn
+server in a background thread, for the server's tests.
+
+The fake tokenizer is one token per character (id = code point), so counts are exact by eye. The prompt
+steers the reply: "[raise]" makes iteration raise after two tokens, "[error]" ends in an engine error
+event, "[slow]" sleeps 20 ms per token, "[long]" replies 40 tokens.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+from mlx_engine.api import GenerationEvent, GenerationRequest, ModelInfo, RequestError, TokenLogprob, Usage
+
+VOCAB = 1000
+CONTEXT = 64
+REPLY = "Hello world"
+
+
+class FakeTokenizer:
+    eos_token_ids = (1,)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([2] if add_special_tokens else []) + [min(ord(c), VOCAB - 1) for c in text]
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        if any(m["content"] == "[template-error]" for m in messages):
+            raise RequestError("chat template error: the template refused this conversation")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt
+                                                                           else "")
+        return self.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def id_to_piece(self, token_id: int) -> str:
+        return {2: "<s>", 1: "</s>", 300: "<0xE4>"}.get(token_id, chr(token_id))
+
+
+class FakeStream:
+    def __init__(self, engine: FakeEngine, ids: list[int], request: GenerationRequest):
+        self.engine = engine
+        p = request.sampling
+        text = engine.tokenizer.decode(ids)
+        reply = REPLY * 4 if "[long]" in text else REPLY
+        self.tokens = [ord(c) for c in reply][:p.max_tokens]
+        self.raise_at = 2 if "[raise]" in text else None
+        self.error = "[error]" in text
+        self.delay = 0.02 if "[slow]" in text else 0.0
+        self.params = p
+        self.num_prompt = len(ids)
+        self.i = 0
+        self.out = ""
+        self.cancelled = threading.Event()
+        self.done = False
+        with engine.lock:
+            engine.active += 1
+
+    def __iter__(self) -> FakeStream:
+        return self
+
+    def _end(self, reason: str, error: str | None = None, text: str = "") -> GenerationEvent:
+        self.done = True
+        with self.engine.lock:
+            self.engine.active -= 1
+        return GenerationEvent(text=text, finish_reason=reason, error=error,  # type: ignore[arg-type]
+                               usage=Usage(self.num_prompt, self.i, self.engine.cached(self.num_prompt)))
+
+    def __next__(self) -> GenerationEvent:
+        if self.done:
+            raise StopIteration
+        if self.delay:
+            time.sleep(self.delay)
+        if self.cancelled.is_set():
+            return self._end("cancelled")
+        if self.raise_at is not None and self.i == self.raise_at:
+            self._end("error")
+            raise RuntimeError("the fake engine broke down")
+        if self.i == len(self.tokens):
+            if self.error:
+                return self._end("error", "the fake engine failed this request")
+            return self._end("length" if self.i == self.params.max_tokens else "stop")
+        tok = self.tokens[self.i]
+        self.i += 1
+        self.out += chr(tok)
+        lps: tuple[TokenLogprob, ...] = ()
+        if self.params.logprobs is not None:
+            top = ((tok, -0.25), (300, -1.5), (ord("x"), -2.0))[:self.params.logprobs]
+            lps = (TokenLogprob(tok, -0.25, top),)
+        for s in self.params.stop:
+            if s in self.out:
+                return self._end("stop")
+        return GenerationEvent(text=chr(tok), token_ids=(tok,), from_draft=(False,), logprobs=lps)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def close(self) -> None:
+        self.cancel()
+
+
+class FakeEngine:
+    def __init__(self, name: str = "Fake-1B (Q4 test)"):
+        self.info = ModelInfo(name=name, path="/fake", model_type="llama", source_format="gguf", num_parameters=1,
+                              quantization="Q4_1", context_length=CONTEXT, weight_bytes=0, vocab_size=VOCAB,
+                              native=True, dtype="float32", eos_token_ids=(1,))
+        self.tokenizer = FakeTokenizer()
+        self.lock = threading.Lock()
+        self.active = 0
+        self.requests: list[GenerationRequest] = []
+        self.seen: list[list[int]] = []
+
+    def cached(self, n: int) -> int:
+        return 0
+
+    def generate(self, request: GenerationRequest) -> FakeStream:
+        ids = list(request.prompt_token_ids or [])
+        if len(ids) >= CONTEXT:
+            raise RequestError(f"the prompt is {len(ids)} tokens but the model's context is {CONTEXT} tokens")
+        self.requests.append(request)
+        return FakeStream(self, ids, request)
+
+    def kv_stats(self) -> dict[str, Any]:
+        return {"kind": "paged", "num_blocks": 100, "used": self.active, "cached": 0, "hit_rate": 0.0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn serving `app` on a free loopback port in a daemon thread."""
+
+    def __init__(self, app: Any, drain_s: float = 2.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                timeout_graceful_shutdown=drain_s, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def wait_until(cond: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()

@@ -1,0 +1,155 @@
+"""`roofline serve` as programs use it: the official `openai` client against a live server on the embedded model.
+
+One server for the module (uvicorn in a thread, free loopback port); replies are kept to <= 8 tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+from mlx_engine import Engine, GenerationRequest, SamplingParams
+
+from app.server import create_app
+from tests.server_fakes import LiveServer, wait_until
+
+HI = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with LiveServer(create_app(engine), drain_s=5) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_id(client) -> str:
+    return client.models.list().data[0].id
+
+
+def greedy(engine, messages, n: int) -> str:
+    events = list(engine.generate(GenerationRequest(messages=messages, sampling=SamplingParams(temperature=0,
+                                                                                                 max_tokens=n))))
+    return "".join(e.text for e in events)
+
+
+def test_models_lists_the_served_model(client, model_id) -> None:
+    assert model_id == "smollm2-135m-instruct-q4_1-gguf-embedded"
+    assert client.models.retrieve("default").id == model_id
+
+
+def test_chat_matches_the_engine_and_streams_the_same_text(client, engine, model_id) -> None:
+    r = client.chat.completions.create(model=model_id, messages=HI, max_tokens=6, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == model_id
+    assert r.system_fingerprint.startswith("fp_")
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert choice.message.content == greedy(engine, HI, 6)
+    n_prompt = len(engine.tokenizer.encode_chat(HI))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 6, n_prompt + 6)
+
+    stream = client.chat.completions.create(model="default", messages=HI, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    # the same prompt again: its full KV blocks come from the prefix cache
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % engine.kv_stats()["block_size"] == 0
+
+
+def test_completion_streaming_and_not_with_a_stop_string(client, model_id) -> None:
+    r = client.completions.create(model=model_id, prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    text = r.choices[0].text
+    assert text.startswith(" Paris") and r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model_id, prompt="The capital of France is", max_tokens=4, temperature=0, stream=True))
+    assert streamed == text
+    r = client.completions.create(model=model_id, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                  stop=["."])
+    assert r.choices[0].text == text.split(".")[0] and r.choices[0].finish_reason == "stop"
+
+
+def test_seed_makes_sampling_reproducible_even_concurrently(client, model_id) -> None:
+    texts: list[str] = []
+
+    def one() -> None:
+        r = client.chat.completions.create(model=model_id, messages=HI,
+                                           max_tokens=6, temperature=1.0, seed=1234)
+        texts.append(r.choices[0].message.content)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(texts) == 2 and texts[0] == texts[1] and texts[0]
+
+
+def test_logprobs(client, model_id) -> None:
+    r = client.chat.completions.create(model=model_id, messages=HI, max_tokens=3, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 3 and "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:  # greedy: the chosen token is the most likely one
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob and t.logprob <= 0
+        assert bytes(t.bytes).decode() == t.token
+    r = client.completions.create(model=model_id, prompt="The capital of France is", max_tokens=2, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.top_logprobs[0]) == 2 and lp.text_offset[0] == 0
+
+
+def test_errors_are_typed_exceptions(client, model_id) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=HI, max_tokens=2)
+    assert e.value.code == "model_not_found" and "gpt-4o" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_id, messages=HI, max_tokens=9000)
+    assert e.value.param == "max_tokens" and "8192" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_id, prompt="hello " * 9000, max_tokens=2)
+    assert e.value.code == "context_length_exceeded" and "8192" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_id, messages=HI, max_tokens=2, n=2)
+    assert e.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_id, messages=[], max_tokens=2)
+    assert e.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_id, messages=HI, max_tokens=2, temperature=3)
+    assert e.value.param == "temperature"
+    bad_key = openai.OpenAI(base_url=str(client.base_url), api_key="x", max_retries=0)
+    assert bad_key.models.list().data  # no --api-key here: any key is fine
+
+
+def test_dropped_streams_leave_no_generation_running(server, engine, client, model_id) -> None:
+    body = {"model": "default", "messages": HI, "max_tokens": 8, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        for i in range(20):
+            with http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+                lines = (line for line in r.iter_lines() if line.startswith("data: "))
+                next(lines)  # the role chunk: sent before the engine has started
+                if i % 4 == 3:
+                    next(lines)  # a generated token: the engine is running this one
+    assert wait_until(lambda: engine.kv_stats()["used"] == 0, timeout=30)
+    assert wait_until(lambda: "roofline_requests_in_flight 0" in httpx.get(server.url + "/metrics").text)
+    assert 'roofline_generations_total{finish_reason="cancelled"} 20' in httpx.get(server.url + "/metrics").text
+    r = client.chat.completions.create(model=model_id, messages=HI, max_tokens=2, temperature=0)
+    assert r.choices[0].finish_reason == "length"

@@ -1,0 +1,74 @@
+"""`roofline serve` as a process: startup line, API key, and SIGTERM draining a stream in flight, then exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key-123"
+
+
+@pytest.fixture(scope="module")
+def served():
+    env = {**os.environ, "ROOFLINE_API_KEY": KEY}
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", "0", "--drain-timeout", "60"],
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        m = re.search(r"serving (\S+) \(also 'default'\) on (http://127\.0\.0\.1:\d+)/v1", line)
+        assert m, line
+        url = m.group(2)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the server did not come up"
+            time.sleep(0.1)
+        yield proc, url, m.group(1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_api_key_from_the_environment(served) -> None:
+    _, url, model_id = served
+    assert httpx.get(url + "/v1/models").status_code == 401
+    r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == model_id
+
+
+def test_sigterm_drains_the_stream_in_flight_then_exits(served) -> None:
+    proc, url, _ = served
+    body = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    events = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 2:  # the role chunk and one token: the generation is running
+                proc.send_signal(signal.SIGTERM)
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert usage["completion_tokens"] == 8
+    # uvicorn re-raises the signal once drained, so the exit status says "terminated by SIGTERM", as supervisors expect
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/health", timeout=2)

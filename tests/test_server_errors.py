@@ -1,0 +1,281 @@
+"""Bad input, auth, admission and engine faults against a live server over a scripted engine (no model)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from app.server import ServerConfig, create_app
+from tests.server_fakes import CONTEXT, REPLY, FakeEngine, LiveServer, wait_until
+
+GOOD = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+KEY = "sekret-key"
+
+
+@pytest.fixture(scope="module")
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture(scope="module")
+def url(engine: FakeEngine):
+    with LiveServer(create_app(engine, ServerConfig(max_concurrency=64, max_queue=64))) as s:
+        yield s.url
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    """A second server: an API key, one request at a time, one waiting."""
+    engine = FakeEngine()
+    with LiveServer(create_app(engine, ServerConfig(api_key=KEY, max_concurrency=1, max_queue=1))) as s:
+        yield s.url, engine
+
+
+def post(url: str, path: str, body: dict | bytes, **kw) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json", **kw.pop("headers", {})}
+    return httpx.post(url + path, content=content, headers=headers, timeout=10, **kw)
+
+
+def assert_still_serving(url: str) -> None:
+    r = post(url, "/v1/chat/completions", GOOD)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == REPLY[:5]
+
+
+def sse_events(r: httpx.Response) -> list:
+    out = []
+    for line in r.iter_lines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+BAD = [
+    ("/v1/chat/completions", b'{"model": "default", "messages": [', 400, None, "not valid JSON"),
+    ("/v1/chat/completions", b'{"model": "default", "messages": "\xff\xfe"}', 400, None, "not valid UTF-8"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400, "model", "provide a model"),
+    ("/v1/chat/completions", {**GOOD, "messages": 3}, 400, "messages", "must be an array"),
+    ("/v1/chat/completions", {**GOOD, "model": "gpt-4"}, 404, "model", "'gpt-4' does not exist"),
+    ("/v1/chat/completions", {**GOOD, "messages": []}, 400, "messages", "non-empty"),
+    ("/v1/chat/completions", {**GOOD, "n": 3}, 400, "n", "n must be 1"),
+    ("/v1/chat/completions", {**GOOD, "temperature": 9}, 400, "temperature", "[0, 2]"),
+    ("/v1/chat/completions", {**GOOD, "max_tokens": 1000}, 400, "max_tokens", "context is 64"),
+    # 17 tokens of template + 40 of text + 20 to generate > 64
+    ("/v1/chat/completions", {**GOOD, "messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 20}, 400,
+     "max_tokens", "57 in the messages, 20 in 'max_tokens'); at most 7 can be generated"),
+    ("/v1/chat/completions", {**GOOD, "messages": [{"role": "user", "content": "x" * 70}]}, 400, "messages",
+     "context length is 64 tokens, but the messages are 87 tokens"),
+    ("/v1/completions", {"model": "default", "prompt": "y" * CONTEXT}, 400, "prompt", "maximum context length"),
+    ("/v1/chat/completions", {**GOOD, "messages": [{"role": "user", "content": "[template-error]"}]}, 400, None,
+     "chat template error"),
+    ("/v1/chat/completions", {**GOOD, "response_format": {"type": "json_object"}}, 400, "response_format.type",
+     "not supported"),
+    ("/v1/completions", {"model": "default", "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,words", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_request_is_a_clear_4xx_and_the_server_goes_on(url: str, path, body, status, param, words) -> None:
+    r = post(url, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and words in err["message"], err
+    assert_still_serving(url)
+
+
+def test_oversized_body_is_413(url: str) -> None:
+    big = json.dumps({**GOOD, "messages": [{"role": "user", "content": "x" * (5 * 2**20)}]}).encode()
+    r = post(url, "/v1/chat/completions", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert "limit is 4,194,304 bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit holds on the bytes read
+        for _ in range(5):
+            yield b" " * 2**20
+    r = httpx.post(url + "/v1/chat/completions", content=chunks(), timeout=10)
+    assert r.status_code == 413
+    assert_still_serving(url)
+
+
+def test_unknown_route_and_method_in_openai_shape(url: str) -> None:
+    r = httpx.get(url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Unknown request URL: GET /v1/nothing"
+    r = httpx.get(url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(url + "/v1/models/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(url + "/v1/models/default").json()["id"] == "fake-1b-q4-test"
+
+
+def test_nothing_leaks_between_requests(url: str, engine: FakeEngine) -> None:
+    r = post(url, "/v1/chat/completions", {**GOOD, "stop": ["wor"], "seed": 3, "logit_bias": {"5": 1},
+                                            "temperature": 0.2, "logprobs": True, "top_logprobs": 2})
+    assert r.json()["choices"][0]["logprobs"] is not None
+    first = engine.requests[-1].sampling
+    assert (first.stop, first.seed, first.logit_bias, first.logprobs) == (("wor",), 3, {5: 1.0}, 2)
+    r = post(url, "/v1/chat/completions", GOOD)
+    assert r.json()["choices"][0]["logprobs"] is None
+    s = engine.requests[-1].sampling
+    assert (s.stop, s.seed, s.logit_bias, s.logprobs, s.temperature, s.max_tokens) == ((), None, {}, None, 1.0, 5)
+
+
+def test_without_max_tokens_the_rest_of_the_context_is_allowed(url: str, engine: FakeEngine) -> None:
+    r = post(url, "/v1/completions", {"model": "default", "prompt": "abc"})
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    assert engine.requests[-1].sampling.max_tokens == CONTEXT - 4  # BOS + 3
+
+
+def test_concurrent_requests_each_get_their_own_reply(url: str) -> None:
+    results: dict[int, httpx.Response] = {}
+
+    def one(i: int) -> None:
+        results[i] = post(url, "/v1/completions", {"model": "default", "prompt": f"[slow] {i}", "max_tokens": 3 + i})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, r in results.items():
+        assert r.json()["choices"][0]["text"] == REPLY[:3 + i]
+    assert len({r.json()["id"] for r in results.values()}) == 6
+
+
+def test_engine_raising_mid_stream_fails_only_that_request(url: str, engine: FakeEngine) -> None:
+    ok = {}
+    t = threading.Thread(target=lambda: ok.update(r=post(url, "/v1/completions", {
+        "model": "default", "prompt": "[slow]", "max_tokens": 11})))
+    t.start()
+    with httpx.stream("POST", url + "/v1/chat/completions", json={
+            **GOOD, "messages": [{"role": "user", "content": "[raise]"}], "stream": True}, timeout=10) as r:
+        events = sse_events(r)
+    assert r.status_code == 200
+    assert [e["choices"][0]["delta"].get("content") for e in events[1:3]] == ["H", "e"]
+    assert events[-2]["error"]["message"] == "the generation failed: RuntimeError: the fake engine broke down"
+    assert events[-1] == "[DONE]"
+    r = post(url, "/v1/chat/completions", {**GOOD, "messages": [{"role": "user", "content": "[error]"}]})
+    assert r.status_code == 500
+    assert r.json()["error"] == {"message": "the generation failed: the fake engine failed this request",
+                                 "type": "server_error", "param": None, "code": "generation_failed"}
+    t.join()
+    assert ok["r"].status_code == 200 and ok["r"].json()["choices"][0]["text"] == REPLY
+    assert wait_until(lambda: engine.active == 0)
+    assert_still_serving(url)
+
+
+def test_streams_dropped_after_the_first_chunk_leave_nothing_running(url: str, engine: FakeEngine) -> None:
+    body = {"model": "default", "prompt": "[slow][long]", "stream": True}
+    with httpx.Client(timeout=10) as client:
+        for _ in range(100):
+            with client.stream("POST", url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())
+            # leaving the block closes the connection mid-stream
+    assert wait_until(lambda: engine.active == 0), engine.active
+    metrics = httpx.get(url + "/metrics").text
+    assert "roofline_requests_in_flight 0" in metrics
+    assert 'roofline_generations_total{finish_reason="cancelled"}' in metrics
+    assert_still_serving(url)
+
+
+def test_non_streaming_client_that_gives_up_cancels_its_generation(url: str, engine: FakeEngine) -> None:
+    for _ in range(3):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={"model": "default", "prompt": "[slow][long]"}, timeout=0.15)
+    assert wait_until(lambda: engine.active == 0)
+    assert_still_serving(url)
+
+
+def test_chat_stream_shape_with_usage(url: str) -> None:
+    with httpx.stream("POST", url + "/v1/chat/completions", json={
+            **GOOD, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-2] if e["choices"]) == REPLY[:5]
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 5
+    assert all(e["usage"] is None for e in events[:-2]) and events[-1] == "[DONE]"
+    assert len({e["id"] for e in events[:-1]}) == 1 and events[0]["id"].startswith("chatcmpl-")
+
+
+def test_metrics_count_requests_by_route_and_status(url: str) -> None:
+    post(url, "/v1/chat/completions", {**GOOD, "n": 2})
+    text = httpx.get(url + "/metrics").text
+    assert 'roofline_requests_total{endpoint="/v1/chat/completions",status="400"}' in text
+    assert 'roofline_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+    assert "roofline_kv_blocks_used 0" in text and "roofline_kv_blocks_total 100" in text
+    assert "roofline_time_to_first_token_seconds_count" in text
+    assert "roofline_spec_decode_acceptance_rate 0" in text
+
+
+# ---- API key and admission ----------------------------------------------------------------------------
+
+
+def test_api_key_guards_every_route_but_health(guarded) -> None:
+    url, _ = guarded
+    assert httpx.get(url + "/health").status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/chat/completions")):
+            r = httpx.request(method, url + path, headers=headers, json=GOOD)
+            assert r.status_code == 401, (path, headers)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    r = post(url, "/v1/chat/completions", GOOD, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert 'roofline_requests_total{endpoint="/v1/models",status="401"} 3' in text
+
+
+def test_beyond_concurrency_and_queue_a_request_gets_429(guarded) -> None:
+    url, engine = guarded
+    auth = {"Authorization": f"Bearer {KEY}"}
+    slow = {"model": "default", "prompt": "[slow][long]", "max_tokens": 30}
+    results = []
+
+    def one() -> None:
+        results.append(post(url, "/v1/completions", slow, headers=auth))
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: engine.active == 1)  # one running; the other waits for its slot
+    m = httpx.get(url + "/metrics", headers=auth).text
+    assert wait_until(lambda: 'roofline_queue_depth{stage="admission"} 1' in httpx.get(url + "/metrics",
+                                                                                        headers=auth).text), m
+    r = post(url, "/v1/completions", slow, headers=auth)
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    for t in threads:
+        t.join()
+    assert [x.status_code for x in results] == [200, 200]
+    assert post(url, "/v1/completions", {**slow, "prompt": "x"}, headers=auth).status_code == 200
+
+
+def test_a_waiting_client_that_leaves_frees_its_place(guarded) -> None:
+    url, engine = guarded
+    auth = {"Authorization": f"Bearer {KEY}"}
+    busy = threading.Thread(target=lambda: post(url, "/v1/completions", {
+        "model": "default", "prompt": "[slow][long]", "max_tokens": 30}, headers=auth))
+    busy.start()
+    assert wait_until(lambda: engine.active == 1)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"model": "default", "prompt": "q"}, headers=auth, timeout=0.2)
+    assert wait_until(lambda: 'roofline_queue_depth{stage="admission"} 0' in httpx.get(url + "/metrics",
+                                                                                       headers=auth).text)
+    busy.join()
+    assert wait_until(lambda: engine.active == 0)
+    assert len([r for r in engine.requests if r.prompt_token_ids and r.prompt_token_ids[-1] == ord("q")]) == 0
+
+
+def test_requests_from_other_sites_web_pages_are_refused(url: str) -> None:
+    r = post(url, "/v1/chat/completions", GOOD, headers={"Origin": "https://evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+    assert post(url, "/v1/chat/completions", GOOD, headers={"Origin": "null"}).status_code == 403
+    r = post(url, "/v1/chat/completions", GOOD, headers={"Origin": "http://localhost:3000"})
+    assert r.status_code == 200

@@ -1,0 +1,274 @@
+"""The server's pieces without a model or a socket: request -> SamplingParams, chunk shapes, admission."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+from mlx_engine.api import SamplingParams, TokenLogprob, Usage
+
+from app.server.bridge import AdmissionGate
+from app.server.errors import APIError, from_request_error
+from app.server.protocol import Job, model_slug, parse_body, parse_job
+from app.server.responses import Formatter, sse, token_bytes_fn, token_str
+from tests.server_fakes import FakeTokenizer
+
+NAMES = {"fake", "default"}
+
+
+def job(body: dict, endpoint: str = "chat") -> Job:
+    base = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat" else \
+        {"model": "fake", "prompt": "hi"}
+    return parse_job({**base, **body}, endpoint, NAMES, "fake", context_length=64,  # type: ignore[arg-type]
+                     vocab_size=1000)
+
+
+def error(body: dict, endpoint: str = "chat") -> APIError:
+    with pytest.raises(APIError) as e:
+        job(body, endpoint)
+    return e.value
+
+
+def test_openai_fields_map_to_sampling_params() -> None:
+    j = job({"temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": ["\n", "END"], "presence_penalty": 0.5,
+             "frequency_penalty": -1, "logit_bias": {"42": -100, "7": 5.5}, "max_tokens": 8, "logprobs": True,
+             "top_logprobs": 3, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "user": "u1",
+             "response_format": {"type": "text"}, "n": 1, "stream": True,
+             "stream_options": {"include_usage": True}})
+    assert SamplingParams(max_tokens=j.max_tokens, **j.sampling) == SamplingParams(
+        temperature=0.5, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
+        frequency_penalty=-1.0, logit_bias={42: -100.0, 7: 5.5}, seed=7, max_tokens=8, stop=("\n", "END"),
+        logprobs=3)
+    assert (j.stream, j.include_usage, j.logprobs, j.top_logprobs) == (True, True, True, 3)
+    assert j.messages == [{"role": "user", "content": "hi"}]
+
+
+def test_openai_defaults() -> None:
+    j = job({})
+    assert j.max_tokens is None and not j.stream and not j.logprobs
+    assert SamplingParams(max_tokens=5, **j.sampling) == SamplingParams(temperature=1.0, max_tokens=5)
+
+
+def test_max_completion_tokens_wins_and_names_itself() -> None:
+    j = job({"max_tokens": 5, "max_completion_tokens": 3})
+    assert (j.max_tokens, j.max_tokens_param) == (3, "max_completion_tokens")
+
+
+def test_completion_prompt_forms_and_logprobs() -> None:
+    assert job({"prompt": ["one"]}, "completion").prompt == "one"
+    assert job({"prompt": [5, 6, 7]}, "completion").prompt_token_ids == [5, 6, 7]
+    assert job({"prompt": [[5, 6]]}, "completion").prompt_token_ids == [5, 6]
+    j = job({"logprobs": 2}, "completion")
+    assert (j.logprobs, j.top_logprobs, j.sampling["logprobs"]) == (True, 2, 2)
+    j = job({"logprobs": 0}, "completion")
+    assert (j.logprobs, j.sampling["logprobs"]) == (True, 0)
+
+
+def test_message_content_parts_and_developer_role() -> None:
+    j = job({"messages": [{"role": "developer", "content": "be brief"},
+                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                          {"role": "assistant", "content": None, "name": "x"}]})
+    assert j.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
+                          {"role": "assistant", "content": ""}]
+
+
+@pytest.mark.parametrize("body,endpoint,status,param,words", [
+    ({"model": None}, "chat", 400, "model", "must provide a model"),
+    ({"model": 3}, "chat", 400, "model", "must be a string"),
+    ({"model": "gpt-4o"}, "chat", 404, "model", "does not exist"),
+    ({"messages": None}, "chat", 400, "messages", "required"),
+    ({"messages": "hi"}, "chat", 400, "messages", "must be an array"),
+    ({"messages": []}, "chat", 400, "messages", "non-empty"),
+    ({"messages": [{"content": "x"}]}, "chat", 400, "messages[0].role", "required"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "chat", 400, "messages[0].role", "one of"),
+    ({"messages": [{"role": "user", "content": 5}]}, "chat", 400, "messages[0].content", "string"),
+    ({"messages": [{"role": "user"}]}, "chat", 400, "messages[0].content", "required"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "chat", 400,
+     "messages[0].content[0].type", "not supported"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "chat", 400, "messages[0].content", "surrogate"),
+    ({"temperature": 2.5}, "chat", 400, "temperature", "[0, 2]"),
+    ({"temperature": "hot"}, "chat", 400, "temperature", "must be a number"),
+    ({"temperature": True}, "chat", 400, "temperature", "must be a number"),
+    ({"top_p": 0}, "chat", 400, "top_p", "(0, 1]"),
+    ({"max_tokens": 0}, "chat", 400, "max_tokens", ">= 1"),
+    ({"max_tokens": 2.5}, "chat", 400, "max_tokens", "an integer"),
+    ({"max_tokens": 64}, "chat", 400, "max_tokens", "context is 64"),
+    ({"max_completion_tokens": 100}, "chat", 400, "max_completion_tokens", "context"),
+    ({"n": 2}, "chat", 400, "n", "n must be 1"),
+    ({"n": 0}, "chat", 400, "n", ">= 1"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "chat", 400, "stop", "at most 4"),
+    ({"stop": [""]}, "chat", 400, "stop", "non-empty"),
+    ({"stop": 5}, "chat", 400, "stop", "string"),
+    ({"seed": "1"}, "chat", 400, "seed", "integer"),
+    ({"logit_bias": {"abc": 1}}, "chat", 400, "logit_bias", "not a token id"),
+    ({"logit_bias": {"5000": 1}}, "chat", 400, "logit_bias", "outside the vocabulary"),
+    ({"logit_bias": {"5": 101}}, "chat", 400, "logit_bias", "[-100, 100]"),
+    ({"presence_penalty": 3}, "chat", 400, "presence_penalty", "[-2, 2]"),
+    ({"top_logprobs": 2}, "chat", 400, "top_logprobs", "needs 'logprobs'"),
+    ({"logprobs": True, "top_logprobs": 21}, "chat", 400, "top_logprobs", "[0, 20]"),
+    ({"response_format": {"type": "json_object"}}, "chat", 400, "response_format.type", "not supported"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "chat", 400, "response_format.type", "text"),
+    ({"tools": [{"type": "function"}]}, "chat", 400, "tools", "no tool calling"),
+    ({"stream_options": {"include_usage": True}}, "chat", 400, "stream_options", "only allowed when 'stream'"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "chat", 400, "stream_options.include_usage",
+     "boolean"),
+    ({"stream": "yes"}, "chat", 400, "stream", "boolean"),
+    ({"prompt": None}, "completion", 400, "prompt", "required"),
+    ({"prompt": ["a", "b"]}, "completion", 400, "prompt", "one prompt per request"),
+    ({"prompt": [1, "a"]}, "completion", 400, "prompt", "token ids"),
+    ({"prompt": [1, 5000]}, "completion", 400, "prompt", "outside the vocabulary"),
+    ({"prompt": []}, "completion", 400, "prompt", "empty array"),
+    ({"prompt": {"a": 1}}, "completion", 400, "prompt", "string"),
+    ({"echo": True}, "completion", 400, "echo", "not supported"),
+    ({"best_of": 3}, "completion", 400, "best_of", "best_of must be 1"),
+    ({"logprobs": 21}, "completion", 400, "logprobs", "[0, 20]"),
+    ({"suffix": "x"}, "completion", 400, "suffix", "not supported"),
+])
+def test_each_bad_field_is_a_clear_error_naming_it(body, endpoint, status, param, words) -> None:
+    e = error(body, endpoint)
+    assert (e.status, e.param) == (status, param)
+    assert words in e.message
+    assert e.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("raw,words", [
+    (b"\xff\xfe{}", "not valid UTF-8"),
+    (b'{"model": "fake", ', "not valid JSON"),
+    (b"", "empty"),
+    (b'{"temperature": NaN}', "NaN is not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b"[" * 100000 + b"]" * 100000, "not valid JSON"),
+])
+def test_bodies_that_are_not_json_objects(raw: bytes, words: str) -> None:
+    with pytest.raises(APIError) as e:
+        parse_body(raw)
+    assert e.value.status == 400 and words in e.value.message
+
+
+def test_engine_request_errors_keep_the_field_name() -> None:
+    e = from_request_error("invalid sampling parameter logprobs=30: expected an integer in [0, 20] or None",
+                           {"logprobs": "top_logprobs"})
+    assert (e.status, e.param) == (400, "top_logprobs")
+    e = from_request_error("the prompt is 9000 tokens but the model's context is 8192 tokens")
+    assert (e.status, e.code) == (400, "context_length_exceeded")
+
+
+def test_model_slug() -> None:
+    assert model_slug("SmolLM2-135M-Instruct (Q4_1 GGUF, embedded)") == "smollm2-135m-instruct-q4_1-gguf-embedded"
+    assert model_slug("Qwen/Qwen3-0.6B") == "qwen-qwen3-0.6b"
+    assert model_slug("(((") == "model"
+
+
+def test_token_bytes_from_pieces() -> None:
+    tb = token_bytes_fn(FakeTokenizer())
+    assert tb(300) == b"\xe4" and token_str(tb(300)) == "\\xe4"
+    assert tb(ord("é")) == "é".encode()
+
+
+def fmt(body: dict, endpoint: str = "chat") -> Formatter:
+    f = Formatter(job(body, endpoint), "fake", "fp_0", token_bytes_fn(FakeTokenizer()))
+    f.id, f.created = "chatcmpl-X" if endpoint == "chat" else "cmpl-X", 1
+    return f
+
+
+def test_chat_chunks_in_openai_shape() -> None:
+    f = fmt({"stream": True, "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 1})
+    head = {"id": "chatcmpl-X", "object": "chat.completion.chunk", "created": 1, "model": "fake",
+            "system_fingerprint": "fp_0"}
+    assert f.first_chunk() == {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}], "usage": None}
+    lp = TokenLogprob(72, -0.5, ((72, -0.5), (73, -1.0)))
+    assert f.delta_chunk("H", (lp,)) == {**head, "usage": None, "choices": [{
+        "index": 0, "delta": {"content": "H"}, "finish_reason": None,
+        "logprobs": {"content": [{"token": "H", "logprob": -0.5, "bytes": [72],
+                                  "top_logprobs": [{"token": "H", "logprob": -0.5, "bytes": [72]}]}],
+                     "refusal": None}}]}
+    assert f.finish_chunk("stop")["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]
+    assert f.usage_chunk(Usage(5, 2, 4)) == {**head, "choices": [], "usage": {
+        "prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 4}}}
+    assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+
+
+def test_chunks_without_include_usage_have_no_usage_key() -> None:
+    f = fmt({"stream": True})
+    assert "usage" not in f.delta_chunk("x", ()) and "usage" not in f.finish_chunk("length")
+
+
+def test_completion_response_with_logprobs() -> None:
+    f = fmt({"logprobs": 2}, "completion")
+    lps = (TokenLogprob(72, -0.5, ((72, -0.5), (300, -1.0))), TokenLogprob(105, -0.1, ((105, -0.1), (72, -3.0))))
+    body = f.response("Hi", lps, "length", Usage(3, 2, 0))
+    assert body["object"] == "text_completion" and body["id"] == "cmpl-X"
+    assert body["choices"] == [{"index": 0, "text": "Hi", "finish_reason": "length", "logprobs": {
+        "tokens": ["H", "i"], "token_logprobs": [-0.5, -0.1], "top_logprobs": [{"H": -0.5, "\\xe4": -1.0},
+                                                                                {"i": -0.1, "H": -3.0}],
+        "text_offset": [0, 1]}}]
+    assert body["usage"]["total_tokens"] == 5
+
+
+def test_admission_gate_is_fifo_and_bounded() -> None:
+    async def scenario() -> None:
+        gate = AdmissionGate(max_running=1, max_waiting=2)
+        await gate.acquire()
+        order: list[str] = []
+
+        async def wait(name: str) -> None:
+            await gate.acquire()
+            order.append(name)
+
+        a = asyncio.create_task(wait("a"))
+        b = asyncio.create_task(wait("b"))
+        c = asyncio.create_task(wait("c"))
+        await asyncio.sleep(0)
+        assert gate.waiting == 2
+        with pytest.raises(APIError) as e:
+            await c
+        assert (e.value.status, e.value.code) == (429, "rate_limit_exceeded")
+        a.cancel()  # a waiter that gives up leaves no hole
+        await asyncio.sleep(0)
+        gate.release()
+        await b
+        assert order == ["b"] and gate.running == 1 and gate.waiting == 0
+        gate.release()
+        assert gate.running == 0
+
+    asyncio.run(scenario())
+
+
+def test_server_imports_no_mlx() -> None:
+    code = "import app.server, app.server.app\nimport sys\nprint(' '.join(sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert not {"mlx", "mlx_lm", "kernels_metal", "torch", "textual"} & {m.split(".")[0] for m in r.stdout.split()}
+
+
+def test_serving_off_loopback_without_a_key_warns(monkeypatch, capsys) -> None:
+    import app.server.run as run
+    from app.cli import main
+    from mlx_engine.api import RooflineError
+
+    def refuse(host: str, port: int):
+        raise RooflineError(f"cannot listen on {host}:{port}: test")
+
+    monkeypatch.setattr(run, "bind", refuse)
+    monkeypatch.delenv("ROOFLINE_API_KEY", raising=False)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "warning: serving on 0.0.0.0" in err and "--api-key" in err
+    assert main(["serve", "--host", "0.0.0.0", "--port", "9", "--api-key", "k"]) == 2
+    assert "warning" not in capsys.readouterr().err
+    assert run.is_loopback("127.0.0.1") and run.is_loopback("::1") and run.is_loopback("localhost")
+    assert not run.is_loopback("0.0.0.0") and not run.is_loopback("192.168.1.2")
+
+
+def test_speculative_extensions_pass_through_when_the_engine_has_them() -> None:
+    from dataclasses import fields
+
+    if "speculative" not in {f.name for f in fields(SamplingParams)}:
+        assert error({"speculative": "draft"}).param == "speculative"
+        return
+    j = job({"speculative": "prompt-lookup", "num_draft_tokens": 3})
+    assert (j.sampling["speculative"], j.sampling["num_draft_tokens"]) == ("prompt-lookup", 3)
+    assert "speculative" not in job({}).sampling  # absent: the engine's default
