@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+SPECULATIVE_MODES = ("draft", "prompt-lookup", "self", "auto")
+MAX_DRAFT_TOKENS = 16
 
 
 class RooflineError(Exception):
@@ -43,6 +45,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to return per token; None: none
+    # speculative decoding: "draft" (the engine's draft model), "prompt-lookup", "self" (the target's early
+    # layers), "auto" (speculate only where the backend's cost curve and the acceptance say it pays), None: off
+    speculative: str | None = None
+    num_draft_tokens: int = 4  # most draft tokens per verification (adapted per step within 1..this)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +86,11 @@ class SamplingParams:
             raise bad("stop", "non-empty strings")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "an integer in [0, 20] or None")
+        if self.speculative is not None and self.speculative not in SPECULATIVE_MODES:
+            raise bad("speculative", f"one of {', '.join(map(repr, SPECULATIVE_MODES))} or None")
+        if (not isinstance(self.num_draft_tokens, int) or isinstance(self.num_draft_tokens, bool)
+                or not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS):
+            raise bad("num_draft_tokens", f"an integer in [1, {MAX_DRAFT_TOKENS}]")
         for k, v in self.logit_bias.items():
             if not isinstance(k, int) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise RequestError(f"invalid sampling parameter logit_bias: expected {{token_id: number}}, got {k!r}: {v!r}")
@@ -128,6 +139,10 @@ class Stats:
     prefill_tps: float  # prompt tokens actually computed / prefill seconds
     decode_tps: float  # generated tokens after the first / decode seconds
     peak_memory_bytes: int
+    # speculative decoding; None where no draft token was verified (plain decoding, or "auto" stepped aside)
+    acceptance_rate: float | None = None  # accepted draft tokens / drafted tokens verified
+    mean_accepted_tokens: float | None = None  # accepted draft tokens per verification
+    target_forwards: int = 0  # target forward passes that sampled tokens (last prefill chunk, decode, verify)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,9 @@ LOAD_OPTIONS = {
     "free memory)",
     "prefix_caching": "reuse KV blocks across requests that share a prefix (default True)",
     "paged_kv": "force the paged KV cache on or off (default: on where the model supports it)",
+    "draft_model": "a draft model for speculative='draft' (same tokenizer as the model; GGUF file, HF or MLX "
+    "folder, HF repo id)",
+    "self_draft_layers": "layers of the model that speculative='self' drafts with (default: half)",
 }
 
 
@@ -167,6 +170,7 @@ class Engine:
         """Starts a generation and returns its event stream. Errors in the request (a prompt longer than
         the context, token ids outside the vocabulary, a template error) raise RequestError here."""
         prompt_ids = self._runner.prompt_ids(request)
+        self._runner.check_speculation(request.sampling)
         stream = GenerationStream()
         scheduler = self._scheduler
         self._thread.submit(lambda: scheduler.add(prompt_ids, request.sampling, stream))

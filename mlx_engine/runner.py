@@ -63,6 +63,8 @@ class Runner:
         kv_budget_bytes: int | None = None,
         prefix_caching: bool = True,
         paged_kv: bool | None = None,
+        draft_model: str | None = None,
+        self_draft_layers: int | None = None,
     ) -> Runner:
         from mlx_engine.kv.cache import KVConfig
 
@@ -113,7 +115,69 @@ class Runner:
         runner._shape = _decode_shape(ckpt.config, params, act_dtype)
         runner.fingerprint = model_fingerprint(ckpt, act_dtype)
         runner.cache = runner._make_cache(kv_config, paged_kv, act_dtype)
+        runner.self_draft_layers = runner._check_self_draft_layers(self_draft_layers)
+        if draft_model is not None:
+            draft = cls.load(draft_model, dtype=dtype, prefill_chunk_size=prefill_chunk_size, paged_kv=False)
+            runner.draft = check_same_vocabulary(runner, draft)
         return runner
+
+    # --- speculative decoding ---
+
+    draft: Runner | None = None  # the draft model (Engine.load(..., draft_model=...))
+    self_draft_layers: int = 0
+
+    def _check_self_draft_layers(self, n: int | None) -> int:
+        num = len(self.model.layers) if self.native else 0
+        if n is None:
+            return max(1, num // 2)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n < max(num, 2):
+            raise RooflineError(f"self_draft_layers={n!r}: expected an integer in [1, {max(num - 1, 1)}] "
+                                f"(the model has {num} layers)")
+        return n
+
+    def rollback_problem(self) -> str | None:
+        """Why this model's KV cannot be rolled back past rejected draft tokens (None: it can)."""
+        from mlx_lm.models.cache import KVCache
+
+        if hasattr(self.cache, "manager") or self.native:
+            return None
+        kinds = {type(c).__name__ for c in self._fresh_contiguous() if type(c) is not KVCache}
+        if kinds:
+            return f"its mlx-lm cache ({', '.join(sorted(kinds))}) cannot be trimmed at every length"
+        return None
+
+    def check_speculation(self, params: SamplingParams) -> None:
+        """Refuses a speculative mode this engine cannot serve (RequestError). "auto" is never refused: it
+        falls back to plain decoding."""
+        mode = params.speculative
+        if mode is None or mode == "auto":
+            return
+        why = self.rollback_problem()
+        if why:
+            raise RequestError(f"speculative={mode!r} is not available for {self.info.name}: {why}, so rejected "
+                               "draft tokens cannot be rolled back")
+        if mode == "draft" and self.draft is None:
+            raise RequestError("speculative='draft' needs a draft model: load the engine with "
+                               "Engine.load(model, draft_model=PATH), or use 'prompt-lookup' or 'self'")
+        if mode == "self" and not self.native:
+            raise RequestError(f"speculative='self' needs a natively implemented model; {self.info.name} runs "
+                               "on an mlx-lm class")
+
+    def all_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
+        """inputs (1, L) -> logits of every position (L, V), float32, lazily (a verification)."""
+        out = self.forward(inputs, layers)
+        logits = self.model.logits(out) if self.native else out
+        return logits[0].astype(mx.float32)
+
+    def draft_logits(self, inputs: mx.array, layers: list[Any], num_layers: int) -> mx.array:
+        """The self draft: inputs (1, L) through the first `num_layers` layers, the final norm and the head
+        -> logits of the last position (1, V), float32. `layers`: the caches of those layers."""
+        m = self.model
+        h = m.model.embed_tokens(inputs)
+        mask = m._mask(inputs.shape[1], layers[0].offset)
+        for layer, c in zip(m.layers[:num_layers], layers):
+            h = layer(h, mask, c)
+        return m.logits(m.model.norm(h[:, -1, :])).astype(mx.float32)
 
     def _make_cache(self, config: Any, paged: bool | None, dtype: mx.Dtype) -> Any:
         from mlx_engine.kv.cache import ContiguousCache, PagedCache
@@ -142,6 +206,9 @@ class Runner:
                                       s["kv_heads"], s["head_dim"], context, s["kv_itemsize"]).total
 
     def release(self) -> None:
+        if self.draft is not None:
+            self.draft.release()
+            self.draft = None
         self.cache = None
         self.model = None
         mx.clear_cache()
@@ -253,6 +320,32 @@ class Runner:
         from mlx_engine.kv.cache import restore_blocks
 
         return restore_blocks(self._paged("restoring KV"), path, self.fingerprint)
+
+
+def check_same_vocabulary(target: Runner, draft: Runner) -> Runner:
+    """The draft must propose token ids the target reads the same way: same vocabulary size (model and
+    tokenizer), same EOS, and the same pieces at a spread sample of ids. Returns the draft."""
+    why = draft.rollback_problem()
+    if why:
+        raise RooflineError(f"draft model {draft.info.name}: {why}")
+    t, d = target.tokenizer, draft.tokenizer
+    problem = None
+    if target.vocab_size != draft.vocab_size:
+        problem = f"vocabulary sizes differ ({target.vocab_size} vs {draft.vocab_size})"
+    elif t.vocab_size != d.vocab_size:
+        problem = f"tokenizer vocabulary sizes differ ({t.vocab_size} vs {d.vocab_size})"
+    elif set(t.eos_token_ids) != set(d.eos_token_ids):
+        problem = f"end-of-sequence ids differ ({sorted(t.eos_token_ids)} vs {sorted(d.eos_token_ids)})"
+    elif t.vocab_size:
+        for i in sorted({*range(0, t.vocab_size, max(1, t.vocab_size // 257)), t.vocab_size - 1}):
+            a, b = t.backend.id_to_token(i), d.backend.id_to_token(i)
+            if a != b:
+                problem = f"token {i} is {a!r} in one and {b!r} in the other"
+                break
+    if problem:
+        raise RooflineError(f"draft model {draft.info.name} ({draft.info.path}) does not share the tokenizer of "
+                            f"{target.info.name} ({target.info.path}): {problem}")
+    return draft
 
 
 class NoTokenizer:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import mlx.core as mx
 
@@ -177,6 +178,47 @@ class Sampler:
         if self.greedy:
             return (mx.arange(x.shape[-1])[None, :] == mx.argmax(x, axis=-1, keepdims=True)).astype(mx.float32)
         return mx.softmax(self._filtered(x), axis=-1)
+
+    # ---- along a drafted continuation (speculative verification) ------------------------------
+
+    def _counts_along(self, tokens: Sequence[int] | mx.array, last_only: bool) -> mx.array | None:
+        """Penalty counts after accepting `tokens` (n,) on top of this sampler's: (n + 1, V), row i
+        counting tokens[:i], or (1, V) counting them all."""
+        if self._counts is None or len(tokens) == 0:
+            return self._counts
+        if self._counts.shape[0] != 1:
+            raise ValueError("speculative verification needs a single-row sampler")
+        t = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens.astype(mx.int32)
+        onehot = (t[:, None] == mx.arange(self.vocab_size)[None, :]).astype(mx.int32)  # (n, V)
+        if last_only:
+            return self._counts + onehot.sum(axis=0, keepdims=True)
+        inc = mx.concatenate([mx.zeros((1, self.vocab_size), dtype=mx.int32), mx.cumsum(onehot, axis=0)])
+        return self._counts + inc  # (n + 1, V)
+
+    @contextmanager
+    def _with_counts(self, counts: mx.array | None) -> Iterator[None]:
+        saved, self._counts = self._counts, counts
+        try:
+            yield
+        finally:
+            self._counts = saved
+
+    def probs_along(self, logits: mx.array, tokens: Sequence[int] | mx.array) -> mx.array:
+        """(n + 1, V) logits of the positions after each prefix of `tokens` (n,) -> (n + 1, V): row i is
+        exactly what plain decoding would sample from after accepting tokens[:i] (penalties count them)."""
+        with self._with_counts(self._counts_along(tokens, last_only=False)):
+            return self.probs(logits)
+
+    def logprobs_along(self, logits: mx.array, tokens: Sequence[int] | mx.array) -> mx.array:
+        """As `probs_along`, for `logprobs`."""
+        with self._with_counts(self._counts_along(tokens, last_only=False)):
+            return self.logprobs(logits)
+
+    def probs_after(self, logits: mx.array, tokens: Sequence[int] | mx.array) -> mx.array:
+        """(1, V) logits of the position after all of `tokens` -> (1, V), penalties counting them (a draft
+        model's proposal distribution q)."""
+        with self._with_counts(self._counts_along(tokens, last_only=True)):
+            return self.probs(logits)
 
     def sample(self, logits: mx.array) -> mx.array:
         """(B, V) raw logits -> (B,) int32 next tokens. Does not record them: call `accept`."""

@@ -4,10 +4,17 @@ A step is one batched decode forward over all sequences that have a sampled toke
 for admitted sequences within a token budget, so a long prompt never stalls the others' decode. KV
 blocks are reserved at admission for the whole request (prompt + max new tokens), so a running request
 never runs out of blocks and nothing is ever preempted.
+
+A speculative request (`SamplingParams.speculative`) leaves the batched decode: each step it reads its
+newest token, proposes k more and verifies them in its own forward over k + 1 positions
+(`speculative.speculative_step`), so its tokens are read synchronously. "auto" requests join the batched,
+pipelined decode on every step where the backend's cost curve and their acceptance say speculation does
+not pay.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -52,6 +59,8 @@ class Sequence:
     t_start: float = 0.0
     t_first: float = 0.0
     t_last: float = 0.0
+    num_forwards: int = 0  # target forwards that sampled a token for it
+    spec: Any = None  # speculative.SpecState when the request speculates
 
     @property
     def prefilling(self) -> bool:
@@ -73,6 +82,8 @@ class Scheduler:
         self._counter = 0
         self.num_steps = 0
         self.trace: list[tuple[int, int]] | None = None  # set to [] to record (decode rows, prefill tokens) per step
+        self.cost_curve: Any = None  # speculative.CostCurve, measured at the first "auto" request
+        self.acceptance: dict[str, list[int]] = {}  # proposer -> [accepted, drafted] over finished requests
 
     def add(self, prompt: list[int], params: SamplingParams, stream: Any) -> None:
         self._counter += 1
@@ -129,7 +140,57 @@ class Scheduler:
         seq.sampler = Sampler(seq.params, self.runner.vocab_size, prompt_token_ids=seq.prompt)
         seq.detok = self.runner.tokenizer.detokenizer()
         seq.stops = StopStringMatcher(seq.params.stop)
+        seq.spec = self._spec_state(seq.params)
         self.running.append(seq)
+
+    def _spec_state(self, params: SamplingParams) -> Any:
+        from mlx_engine import speculative as sp
+
+        mode, runner = params.speculative, self.runner
+        if mode is None or (mode == "auto" and runner.rollback_problem()):
+            return None
+        kind = mode if mode != "auto" else ("draft" if runner.draft is not None else "prompt-lookup")
+        curve = self._cost_curve() if mode == "auto" else None
+        if kind == "draft":
+            proposer: Any = sp.DraftModel(runner.draft, self._draft_cost() if curve else 0.0)
+        elif kind == "self":
+            proposer = sp.SelfDraft(runner, runner.self_draft_layers)
+        else:
+            proposer = sp.PromptLookup()
+        if curve is not None and curve.best_k(1.0, params.num_draft_tokens, proposer.draft_cost) == 0:
+            return None  # "auto": not even perfect drafts would pay on this backend
+        acc, drafted = self.acceptance.get(kind, [0, 0])
+        prior = (acc + sp.PRIOR_WEIGHT * sp.AUTO_PRIOR_ACCEPTANCE) / (drafted + sp.PRIOR_WEIGHT)
+        return sp.SpecState(mode, proposer, params.num_draft_tokens, prior=prior)
+
+    def _cost_curve(self) -> Any:
+        if self.cost_curve is None:
+            from mlx_engine.speculative import measure_cost_curve
+
+            self.cost_curve = measure_cost_curve(self.runner)
+        return self.cost_curve
+
+    def _draft_cost(self) -> float:
+        """T_draft(1) / T(1): a draft model's step in target decode steps."""
+        curve = self._cost_curve()
+        if "draft" not in curve.draft_costs:
+            from mlx_engine.speculative import time_forward
+
+            t = time_forward(self.runner.draft, 1, logits_at="last")
+            curve.draft_costs["draft"] = t / curve.t1_s if curve.t1_s else 0.0
+        return curve.draft_costs["draft"]
+
+    def _spec_k(self, seq: Sequence) -> int | None:
+        """Draft tokens for a speculative sequence this step (0: verify none, a plain step of its own), or
+        None: it decodes in the batch."""
+        st = seq.spec
+        if st is None:
+            return None
+        room = seq.max_new - seq.num_sampled - 1  # the verification samples one token more than it drafts
+        if st.mode != "auto":
+            return max(0, min(st.k, room))
+        k = self._cost_curve().best_k(st.alpha, min(st.k_max, room), st.proposer.draft_cost)
+        return k or None
 
     # --- the step ---------------------------------------------------------------------------------
 
@@ -147,18 +208,28 @@ class Scheduler:
         if not self.running:
             return
         try:
-            new = self._queue_step()
+            new, speculating = self._queue_step()
         except Exception as e:  # noqa: BLE001 - a failed forward fails the requests in this step, not the engine
             for seq in list(self.running):
                 self._retire(seq, "error", error=e)
             self.runner.cache.drop()
             return
+        for seq, k in speculating:
+            self._speculate(seq, k)
         self._read(new)
 
-    def _queue_step(self) -> set[Sequence]:
-        """Builds and starts this step's forwards; returns the sequences that sampled a token in it."""
+    def _queue_step(self) -> tuple[set[Sequence], list[tuple[Sequence, int]]]:
+        """Builds and starts this step's batched forwards; returns the sequences that sampled a token in
+        them, and the speculative sequences (with their k) that step on their own."""
         runner, cache = self.runner, self.runner.cache
-        decoding = [s for s in self.running if s.last is not None and s.num_sampled < s.max_new]
+        decoding, speculating = [], []
+        for s in self.running:
+            if s.last is not None and s.num_sampled < s.max_new:
+                k = self._spec_k(s)
+                if k is None:
+                    decoding.append(s)
+                else:
+                    speculating.append((s, k))
         budget = self.token_budget - len(decoding)
         new: list[tuple[Sequence, mx.array, mx.array | None]] = []
 
@@ -181,6 +252,8 @@ class Scheduler:
             s.num_prefilled = end
             if end == len(s.prompt):  # the last chunk: its last position gives the first token
                 new.append((s, *self._sample(s, runner.last_logits(inputs, layers))))
+                if s.spec is not None and hasattr(s.spec.proposer, "prefill"):
+                    s.spec.proposer.prefill(s.prompt)
             else:
                 runner.forward(inputs, layers)
                 mx.eval(runner.cache_state(layers))
@@ -190,10 +263,43 @@ class Scheduler:
         for s, token, lp in new:
             s.last = token
             s.num_sampled += 1
+            s.num_forwards += 1
             s.unread.append((token, lp))
         if new:
             mx.async_eval([t for _, t, _ in new] + [lp for _, _, lp in new if lp is not None])
-        return {s for s, _, _ in new}
+        return {s for s, _, _ in new}, speculating
+
+    def _speculate(self, s: Sequence, k: int) -> None:
+        """A speculative sequence's step: read its newest token, propose k more, verify, emit."""
+        from mlx_engine.speculative import speculative_step
+
+        self._read_all(s)
+        if s not in self.running:
+            return
+        try:
+            new, num_drafted, lps = speculative_step(self.runner, s, k)
+        except Exception as e:  # noqa: BLE001 - one request's failure is its own
+            return self._retire(s, "error", error=e)
+        s.num_fed_out += 1 + num_drafted
+        s.num_sampled += len(new)
+        s.num_forwards += 1
+        s.last = mx.array(new[-1], dtype=mx.int32)
+        now = time.perf_counter()
+        for i, token in enumerate(new):
+            if s not in self.running:
+                break
+            try:
+                self._emit(s, token, lps[i:i + 1] if lps is not None else None, now, from_draft=i < num_drafted)
+            except Exception as e:  # noqa: BLE001
+                self._retire(s, "error", error=e)
+
+    def _read_all(self, s: Sequence) -> None:
+        while s.unread and s in self.running:
+            token, lp = s.unread.pop(0)
+            try:
+                self._emit(s, int(token.item()), lp, time.perf_counter())
+            except Exception as e:  # noqa: BLE001
+                self._retire(s, "error", error=e)
 
     def _read(self, sampled_now: set[Sequence]) -> None:
         """Emits what earlier steps sampled: all unread tokens but the one each sequence sampled in this
@@ -209,10 +315,11 @@ class Scheduler:
 
     def _sample(self, seq: Sequence, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         token = seq.sampler.sample(logits)  # (1,)
+        lp = seq.sampler.logprobs(logits) if seq.params.logprobs is not None else None  # penalties before token
         seq.sampler.accept(token)
-        return token[0], (seq.sampler.logprobs(logits) if seq.params.logprobs is not None else None)
+        return token[0], lp
 
-    def _emit(self, seq: Sequence, token: int, lp: mx.array | None, now: float) -> None:
+    def _emit(self, seq: Sequence, token: int, lp: mx.array | None, now: float, from_draft: bool = False) -> None:
         if seq.n_out == 0 and seq.t_first == 0.0:
             seq.t_first = now
         seq.t_last = now
@@ -223,7 +330,8 @@ class Scheduler:
         seq.n_out += 1
         logprobs = (_token_logprob(token, lp, seq.params.logprobs),) if lp is not None else ()
         text, hit = seq.stops.feed(seq.detok.add_token(token))
-        seq.stream.events.put(GenerationEvent(text=text, token_ids=(token,), from_draft=(False,), logprobs=logprobs))
+        seq.stream.events.put(GenerationEvent(text=text, token_ids=(token,), from_draft=(from_draft,),
+                                              logprobs=logprobs))
         if hit:
             return self._retire(seq, "stop")
         if seq.n_out >= seq.max_new:
@@ -234,6 +342,11 @@ class Scheduler:
     def _retire(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
         if seq in self.running:
             self.running.remove(seq)
+            if seq.spec is not None:
+                seq.spec.proposer.close()
+                tally = self.acceptance.setdefault(seq.spec.proposer.name, [0, 0])
+                tally[0] += seq.spec.num_accepted
+                tally[1] += seq.spec.num_drafted
             if error is None:
                 self.runner.cache.finish(seq.req_id, seq.cached_tokens())
             else:
@@ -257,7 +370,12 @@ class Scheduler:
             prefill_tps=(len(seq.prompt) - seq.num_cached) / max(t_first - seq.t_start, 1e-9) if seq.t_start else 0.0,
             decode_tps=(seq.n_out - 1) / (seq.t_last - t_first) if seq.n_out > 1 and seq.t_last > t_first else 0.0,
             peak_memory_bytes=int(mx.get_peak_memory()),
+            target_forwards=seq.num_forwards,
         )
+        st = seq.spec
+        if st is not None and st.num_drafted:
+            stats = dataclasses.replace(stats, acceptance_rate=st.num_accepted / st.num_drafted,
+                                        mean_accepted_tokens=st.num_accepted / st.num_verifies)
         seq.stream.events.put(GenerationEvent(
             text=tail,
             finish_reason=reason,  # type: ignore[arg-type]

@@ -10,8 +10,10 @@ import numpy as np
 # reference (netlib) BLAS, whose sgemm ran at 1.8-2.5 GFLOP/s on the 2-core x86-64 box against 18 GFLOP/s
 # for numpy's OpenBLAS, and its quantized matmul cost grows linearly with rows (1536x576 4-bit, 36 rows:
 # 110 ms vs 9 ms dequantize + numpy). The host sync this needs costs nothing on the CPU backend; decode
-# (few rows) keeps MLX's matvec, which for quantized layers reads 4-8x fewer bytes.
-HOST_GEMM_MIN_ROWS = 8
+# (few rows) keeps MLX's matvec, which for quantized layers reads 4-8x fewer bytes. Dequantizing every
+# weight costs about 9 one-token forwards of SmolLM2 while MLX's quantized matmul grows ~0.6x per row, so
+# the host path pays from ~16 rows (a speculative verify of 8-9 rows measured 9.6x one token with it).
+HOST_GEMM_MIN_ROWS = 16
 
 
 def _host_gemm(x: mx.array, w: mx.array) -> mx.array:

@@ -1,0 +1,161 @@
+"""Speculative decoding on this backend: the verify-cost curve, then plain decoding against each proposer.
+
+    uv run python bench/speculative.py [--model M] [--tokens 48] [--temperatures 0 0.7] [--modes ...]
+
+1. The cost curve T(k+1)/T(1): a target forward over k+1 new tokens (logits at every position, as a
+   verification computes) against a plain decode step (one token, logits at one position), k = 1..8,
+   after 64 cached tokens, min of 3 timed runs after a warm-up.
+2. For one prompt per kind, (a) an edit that quotes its input, (b) open chat, (c) code, at each
+   temperature: plain decoding and each proposer. Per run: tokens per target forward (decode phase),
+   acceptance rate, mean accepted tokens per verification, decode tokens/s, and the speedup over plain
+   predicted from the forwards actually made (their widths, through the cost curve, plus the drafting
+   cost) beside the measured one.
+
+The "draft" proposer uses the same model at another precision: the target's weights (the embedded Q4_1
+GGUF: 4-bit, groups of 32) re-quantized to MLX affine 4-bit with groups of 64. It costs as much as the
+target, so it can only show the mechanics and the acceptance of a near-identical draft, never a speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
+from mlx_engine.speculative import CostCurve, time_forward  # noqa: E402
+
+EDIT_TEXT = ("Our team met on Tuesday to review the quarterly plan. We agreed to move the launch to May, hire "
+             "two more engineers for the data platform, and cut the travel budget by ten percent. Maria will "
+             "send the updated timeline to everyone by Friday, and the next review is set for the first week "
+             "of June.")
+CODE = '''def total_price(items, tax_rate):
+    total = 0
+    for item in items:
+        if item["quantity"] > 0:
+            total = total + item["price"] * item["quantity"]
+    return total * (1 + tax_rate)
+'''
+PROMPTS = {
+    "edit": f"Fix the grammar of this text and return it otherwise unchanged:\n\n{EDIT_TEXT}",
+    "chat": "What are three good habits for staying healthy? Answer in a few sentences.",
+    "code": f"Add type hints and a docstring to this Python function, keeping the code the same:\n\n{CODE}",
+}
+MODES = ["plain", "prompt-lookup", "self", "draft", "auto"]
+
+
+def requantize(model, bits: int = 4, group_size: int = 64) -> None:
+    """Re-quantizes every quantized layer of `model` in place (dequantize, then MLX affine quantize)."""
+    for _, m in model.named_modules():
+        if hasattr(m, "scales") and hasattr(m, "bits"):
+            w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode)
+            q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+            m.weight, m.scales, m.biases = q, scales.astype(w.dtype), biases.astype(w.dtype)
+            m.group_size, m.bits = group_size, bits
+    mx.eval(model.parameters())
+
+
+def cost_curve(engine: Engine, k_max: int = 8) -> tuple[CostCurve, float, float]:
+    runner = engine._runner
+    t1 = time_forward(runner, 1, context=64, repeats=3, logits_at="last")
+    ratios = {1: 1.0}
+    for w in range(2, k_max + 2):
+        ratios[w] = time_forward(runner, w, context=64, repeats=3) / t1
+    self_cost = time_forward(runner, 1, context=64, repeats=3, first_layers=runner.self_draft_layers) / t1
+    draft_cost = time_forward(runner.draft, 1, context=64, repeats=3, logits_at="last") / t1
+    return CostCurve(ratios, t1), self_cost, draft_cost
+
+
+def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int) -> dict:
+    sched = engine._scheduler
+    finished = []
+    retire = sched._retire
+
+    def spy(seq, reason, error=None):
+        finished.append(seq)
+        return retire(seq, reason, error)
+
+    sched._retire = spy
+    try:
+        params = SamplingParams(temperature=temperature, seed=0, max_tokens=tokens, ignore_eos=True,
+                                speculative=None if mode == "plain" else mode, num_draft_tokens=8)
+        t = time.perf_counter()
+        events = list(engine.generate(GenerationRequest(messages=[{"role": "user", "content": prompt}],
+                                                        sampling=params)))
+        wall = time.perf_counter() - t
+    finally:
+        sched._retire = retire
+    final = events[-1]
+    seq = finished[0]
+    history = seq.spec.history if seq.spec is not None else []
+    decode_forwards = final.stats.target_forwards - 1
+    widths = [d + 1 for d, _ in history] + [1] * (decode_forwards - len(history))
+    return {"stats": final.stats, "n": final.usage.completion_tokens, "widths": widths, "history": history,
+            "from_draft": sum(d for e in events for d in e.from_draft), "wall": wall}
+
+
+def predicted(r: dict, curve: CostCurve, draft_cost: float) -> float:
+    """Decode tokens over the predicted cost of the forwards made, in plain decode steps."""
+    cost = sum(curve.cost(w) + (w - 1) * draft_cost for w in r["widths"])
+    return (r["n"] - 1) / cost if cost else 1.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    ap.add_argument("--modes", nargs="+", default=MODES)
+    ap.add_argument("--kinds", nargs="+", default=list(PROMPTS))
+    args = ap.parse_args()
+
+    from mlx_engine.loading import resolve
+
+    engine = Engine.load(args.model, draft_model=str(resolve(args.model)[0]))
+    engine._thread.call(lambda: requantize(engine._runner.draft.model))
+    print(f"# {engine.info.name}, {platform.platform()}, nproc {subprocess.getoutput('nproc')}, "
+          f"mlx {mx.__version__}, Metal {mx.metal.is_available()}, {datetime.date.today()}")
+    curve, self_cost, draft_cost = engine._thread.call(lambda: cost_curve(engine))
+    engine._scheduler.cost_curve = curve
+    print(f"\nT(1) = {curve.t1_s * 1000:.1f} ms (one decode step, 64 tokens cached)\n")
+    print("| k | k+1 | T(k+1)/T(1) | best case k+1 tokens / cost |")
+    print("|---|---|---|---|")
+    for k in range(1, 9):
+        c = curve.cost(k + 1)
+        print(f"| {k} | {k + 1} | {c:.2f} | {(k + 1) / c:.2f} |")
+    print(f"\nDrafting cost per token, in T(1): self ({engine._runner.self_draft_layers} of "
+          f"{len(engine._runner.model.layers)} layers + head) {self_cost:.2f}, draft (4-bit g64 copy) "
+          f"{draft_cost:.2f}, prompt lookup 0\n")
+    costs = {"plain": 0.0, "prompt-lookup": 0.0, "self": self_cost, "draft": draft_cost, "auto": 0.0}
+
+    print("| prompt | temp | mode | tokens/forward | acceptance | mean accepted | decode tok/s | "
+          "speedup measured | speedup predicted |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for kind in args.kinds:
+        for temp in args.temperatures:
+            base = None
+            for mode in args.modes:
+                r = run(engine, PROMPTS[kind], mode, temp, args.tokens)
+                s = r["stats"]
+                tpf = (r["n"] - 1) / max(s.target_forwards - 1, 1)
+                if mode == "plain":
+                    base = s.decode_tps
+                measured = s.decode_tps / base if base else float("nan")
+                pred = predicted(r, curve, costs[mode])
+                acc = f"{s.acceptance_rate:.2f}" if s.acceptance_rate is not None else "-"
+                mean = f"{s.mean_accepted_tokens:.2f}" if s.mean_accepted_tokens is not None else "-"
+                print(f"| {kind} | {temp:g} | {mode} | {tpf:.2f} | {acc} | {mean} | {s.decode_tps:.2f} | "
+                      f"{measured:.2f}x | {pred:.2f}x |", flush=True)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

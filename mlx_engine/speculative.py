@@ -1,0 +1,380 @@
+"""Speculative decoding: propose k tokens cheaply, verify them in one target forward, keep a prefix.
+
+    draft   x_1..x_k ~ q_1..q_k            (prompt lookup: q_i is a point mass on x_i)
+    target  p_1..p_{k+1}                   one forward over [last, x_1..x_k], each p_i exactly what plain
+                                           decoding samples from there (penalties count x_<i)
+    accept  x_i with prob min(1, p_i(x_i) / q_i(x_i)), in order
+    reject  at the first rejected i: emit y ~ normalize(max(0, p_i - q_i)) and stop
+    bonus   all k accepted: emit y ~ p_{k+1}
+
+The emitted tokens are distributed exactly as plain sampling from p (Leviathan et al. 2023, Chen et al.
+2023; gpt-fast's `speculative_decode`); with temperature 0, p and q are one-hot and this is exact greedy.
+mlx-lm instead accepts x_i iff the target's own sample equals it: also lossless, but it accepts with
+probability sum(p * q) instead of sum(min(p, q)), which collapses as temperature rises.
+
+Rollback: the verify forward writes K/V for all k+1 positions; rejected ones are dropped by trimming the
+block table (paged) or the buffers (contiguous). Proposers: `PromptLookup` (n-gram match in the text so
+far), `DraftModel` (a small model with its own KV, kept in step), `SelfDraft` (the target's first layers
++ final norm + head, reading and writing the target's own KV of those layers, which the verify forward
+then overwrites: no extra weights and no extra KV).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_engine.api import MAX_DRAFT_TOKENS, RequestError
+
+MAX_NGRAM = 3
+AUTO_MARGIN = 0.1  # "auto" speculates only where it predicts at least this gain over plain decoding
+AUTO_PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before any is measured
+PRIOR_WEIGHT = 4.0  # drafted tokens the prior counts as
+
+
+# --- acceptance -------------------------------------------------------------------------------------
+
+
+def rejection_sample(p: mx.array, q: mx.array, draft: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
+    """One verification for N independent sequences.
+
+    p (N, k+1, V): target distributions at each drafted position and the bonus position; q (N, k, V): the
+    draft distributions the tokens `draft` (N, k) were drawn from. Returns (num_accepted (N,), next (N,)):
+    the first num_accepted drafted tokens are kept, then `next` (the correction, or the bonus token)."""
+    N, k = draft.shape
+    V = p.shape[-1]
+    u_key, r_key = mx.random.split(key)
+    idx = draft.astype(mx.int32)[..., None]  # (N, k, 1)
+    px = mx.take_along_axis(p[:, :k], idx, axis=-1)[..., 0]  # (N, k) target prob of each drafted token
+    qx = mx.take_along_axis(q, idx, axis=-1)[..., 0]  # (N, k) draft prob, > 0 since x ~ q
+    u = mx.random.uniform(shape=(N, k), key=u_key)
+    accepted = (u * qx < px).astype(mx.int32)  # u < p/q, without dividing by q
+    num = mx.cumprod(accepted, axis=1).sum(axis=1) if k else mx.zeros((N,), mx.int32)  # leading accepts
+    q_pad = mx.concatenate([q, mx.zeros((N, 1, V), dtype=q.dtype)], axis=1)  # (N, k+1, V): no draft at bonus
+    rows = num.astype(mx.int32)[:, None, None]
+    p_n = mx.take_along_axis(p, rows, axis=1)[:, 0]  # (N, V)
+    q_n = mx.take_along_axis(q_pad, rows, axis=1)[:, 0]
+    residual = mx.maximum(p_n - q_n, 0.0)  # bonus row: p itself
+    mass = residual.sum(axis=-1, keepdims=True)
+    residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p_n)  # p == q at a rejection: fp noise
+    nxt = mx.random.categorical(mx.log(residual), axis=-1, key=r_key).astype(mx.int32)
+    return num.astype(mx.int32), nxt
+
+
+def point_mass(draft: mx.array, vocab_size: int) -> mx.array:
+    """(..., k) tokens -> (..., k, V) one-hot float32: the proposal distribution of a deterministic draft."""
+    return (draft[..., None] == mx.arange(vocab_size)).astype(mx.float32)
+
+
+# --- proposers ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class DraftInput:
+    tokens: list[int]  # prompt + generated; the last one is not yet in the target's cache
+    k: int
+    sampler: Any  # the request's Sampler
+    target_layers: Callable[[int, int], list[Any]]  # the target cache over positions [a, b), allocated
+
+
+def prompt_lookup(tokens: list[int] | np.ndarray, k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+    """The k tokens that followed the most recent earlier occurrence of the longest suffix n-gram
+    (n = max_ngram .. 1) of `tokens`; [] when no suffix recurs."""
+    t = np.asarray(tokens, dtype=np.int64)
+    L = len(t)
+    for n in range(min(max_ngram, L - 1), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(t[: L - 1], n)  # starts 0 .. L-1-n
+        hits = np.flatnonzero((windows == t[L - n:]).all(axis=1))
+        hits = hits[hits + n < L]  # a continuation exists
+        if hits.size:
+            start = int(hits[-1]) + n
+            out = t[start:start + k].tolist()
+            while len(out) < k:  # the match overlaps the suffix (a repeating run): copy on, as LZ77 does
+                out.append(out[len(out) - (L - start)])
+            return out
+    return []
+
+
+class PromptLookup:
+    name = "prompt-lookup"
+    draft_cost = 0.0  # of a target forward, per drafted token
+
+    def propose(self, inp: DraftInput) -> tuple[list[int] | mx.array, mx.array | None]:
+        return prompt_lookup(inp.tokens, inp.k), None  # q: a point mass
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _draw(sampler: Any, q: mx.array) -> mx.array:
+    """(1, V) proposal -> (1,) token drawn from it with the request's key (argmax when greedy)."""
+    if sampler.greedy:
+        return mx.argmax(q, axis=-1).astype(mx.int32)
+    return mx.random.categorical(mx.log(q), axis=-1, key=sampler.next_key()).astype(mx.int32)
+
+
+class DraftModel:
+    """A separate small model with the target's vocabulary; its KV (mlx-lm buffers, one set per sequence)
+    holds `tokens`, kept a prefix of the sequence's accepted tokens."""
+
+    name = "draft"
+
+    def __init__(self, runner: Any, draft_cost: float = 0.0):
+        self.runner = runner
+        self.draft_cost = draft_cost
+        self.layers: list[Any] | None = None
+        self.tokens: list[int] = []
+
+    def _feed(self, ids: list[int]) -> None:
+        r = self.runner
+        if self.layers is None:
+            self.layers = r._fresh_contiguous()
+        for start in range(0, len(ids), r.prefill_chunk_size):
+            r.forward(mx.array([ids[start:start + r.prefill_chunk_size]], dtype=mx.int32), self.layers)
+            mx.eval([c.state for c in self.layers])
+        self.tokens += ids
+
+    def prefill(self, prompt: list[int]) -> None:
+        """The draft's own prefill, beside the target's (so the first proposal only catches up a token)."""
+        self._feed(prompt[len(self.tokens):])
+
+    def propose(self, inp: DraftInput) -> tuple[list[int] | mx.array, mx.array | None]:
+        r = self.runner
+        feed = inp.tokens[len(self.tokens):]  # catch up: the tokens accepted since the last proposal
+        self._feed(feed[:-1])
+        logits = r.last_logits(mx.array([feed[-1:]], dtype=mx.int32), self.layers)  # (1, V)
+        self.tokens = list(inp.tokens)
+        drafts, qs = [], []
+        for i in range(inp.k):
+            q = inp.sampler.probs_after(logits, mx.concatenate(drafts) if drafts else [])  # (1, V)
+            x = _draw(inp.sampler, q)  # (1,)
+            drafts.append(x)
+            qs.append(q)
+            if i < inp.k - 1:
+                logits = r.last_logits(x.reshape(1, 1), self.layers)
+        draft = mx.concatenate(drafts)  # (k,), lazy
+        mx.eval(draft, qs)
+        self.tokens += draft.tolist()[:-1]  # x_k is not fed
+        return draft, mx.concatenate(qs)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` tokens (at most all it holds)."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        drop = len(self.tokens) - num_tokens
+        if drop > 0:
+            trim_prompt_cache(self.layers, drop)
+            del self.tokens[num_tokens:]
+
+    def close(self) -> None:
+        self.layers, self.tokens = None, []
+
+
+class SelfDraft:
+    """The target's first `num_layers` layers + final norm + head. It reads the target's own cache of those
+    layers and writes its drafted positions there; the verify forward rewrites them."""
+
+    name = "self"
+
+    def __init__(self, runner: Any, num_layers: int, draft_cost: float = 0.0):
+        self.runner, self.num_layers, self.draft_cost = runner, num_layers, draft_cost
+
+    def propose(self, inp: DraftInput) -> tuple[list[int] | mx.array, mx.array | None]:
+        n0, N = len(inp.tokens) - 1, self.num_layers
+        token = mx.array([[inp.tokens[-1]]], dtype=mx.int32)
+        drafts, qs = [], []
+        layers: list[Any] = []
+        for i in range(inp.k):
+            layers = inp.target_layers(n0 + i, n0 + i + 1)[:N]
+            logits = self.runner.draft_logits(token, layers, N)  # (1, V)
+            q = inp.sampler.probs_after(logits, mx.concatenate(drafts) if drafts else [])
+            x = _draw(inp.sampler, q)
+            drafts.append(x)
+            qs.append(q)
+            token = x.reshape(1, 1)
+        if layers and not hasattr(layers[0], "attention"):  # contiguous buffers: back to n0 for the verify
+            for c in layers:
+                c.trim(inp.k)
+        draft = mx.concatenate(drafts)
+        return draft, mx.concatenate(qs)
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# --- the cost of a wider forward, and when speculation pays ------------------------------------------
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens per verification with k drafts each accepted with probability alpha (i.i.d.), bonus included."""
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class CostCurve:
+    """T(w) / T(1) of a target forward over w new tokens (w = k + 1), measured at some widths."""
+
+    ratios: dict[int, float]
+    t1_s: float = 0.0
+    draft_costs: dict[str, float] = field(default_factory=dict)  # proposer -> T_draft(1) / T(1)
+
+    def cost(self, width: int) -> float:
+        ws = sorted(self.ratios)
+        if width in self.ratios:
+            return self.ratios[width]
+        lo = max((w for w in ws if w < width), default=ws[0])
+        hi = min((w for w in ws if w > width), default=None)
+        if hi is None:  # extrapolate with the last slope
+            a, b = ws[-2], ws[-1]
+            return self.ratios[b] + (self.ratios[b] - self.ratios[a]) / (b - a) * (width - b)
+        f = (width - lo) / (hi - lo)
+        return self.ratios[lo] + f * (self.ratios[hi] - self.ratios[lo])
+
+    def best_k(self, alpha: float, k_max: int, draft_cost: float = 0.0, margin: float = AUTO_MARGIN) -> int:
+        """The k with the best predicted speedup E[tokens] / cost, or 0 when none beats plain by `margin`."""
+        best, best_gain = 0, 1.0 + margin
+        for k in range(1, k_max + 1):
+            gain = expected_tokens(alpha, k) / (self.cost(k + 1) + k * draft_cost)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
+
+def time_forward(runner: Any, width: int, context: int = 32, repeats: int = 2, first_layers: int | None = None,
+                 logits_at: str = "all") -> float:
+    """Seconds of one forward over `width` tokens after `context` cached ones (min over repeats), through
+    fresh contiguous buffers. `first_layers`: only that many layers + head (the self draft)."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    layers = runner._fresh_contiguous()
+    runner.forward(mx.array([[(7 * i) % 97 + 3 for i in range(context)]], dtype=mx.int32), layers)
+    mx.eval([c.state for c in layers])
+    x = mx.array([[(5 * i) % 89 + 4 for i in range(width)]], dtype=mx.int32)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first is a warm-up
+        t = time.perf_counter()
+        if first_layers is not None:
+            out = runner.draft_logits(x, layers[:first_layers], first_layers)
+            mx.eval(out)
+            for c in layers[:first_layers]:
+                c.trim(width)
+        else:
+            out = runner.all_logits(x, layers) if logits_at == "all" else runner.last_logits(x, layers)
+            mx.eval(out)
+            trim_prompt_cache(layers, width)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_cost_curve(runner: Any, widths: tuple[int, ...] = (2, 3, 5, 9), repeats: int = 2) -> CostCurve:
+    """The verify cost curve on this backend: T(w)/T(1), T(1) a plain decode step (logits of one position).
+    Stops early once even perfect drafts could not pay (a compute-bound backend: ~4 s on a 2-core CPU)."""
+    t1 = time_forward(runner, 1, repeats=repeats, logits_at="last")
+    curve = CostCurve({1: 1.0}, t1)
+    for w in widths:
+        curve.ratios[w] = time_forward(runner, w, repeats=repeats) / t1
+        if curve.best_k(1.0, MAX_DRAFT_TOKENS) == 0:  # extrapolating the measured slope
+            break
+    return curve
+
+
+# --- per request --------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class SpecState:
+    """A request's speculation: its proposer, adaptive k and counts."""
+
+    mode: str  # the requested mode: "draft", "prompt-lookup", "self" or "auto"
+    proposer: Any
+    k_max: int
+    k: int = 0
+    prior: float = AUTO_PRIOR_ACCEPTANCE
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verifies: int = 0  # verifications with at least one drafted token
+    num_forwards: int = 0  # target forwards that sampled tokens
+    history: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per verification
+
+    def __post_init__(self) -> None:
+        self.k = self.k or self.k_max
+
+    @property
+    def alpha(self) -> float:
+        """Running per-token acceptance, starting from the prior."""
+        return (self.num_accepted + PRIOR_WEIGHT * self.prior) / (self.num_drafted + PRIOR_WEIGHT)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_forwards += 1
+        if not drafted:
+            return
+        self.num_drafted += drafted
+        self.num_accepted += accepted
+        self.num_verifies += 1
+        self.history.append((drafted, accepted))
+        # adaptive k: one more after a fully accepted draft of the current length; after a rejection, one
+        # more than were accepted (a draft that fails early stops costing wide verifications at once)
+        if accepted == drafted and drafted >= self.k:
+            self.k = min(self.k + 1, self.k_max)
+        elif accepted < drafted:
+            self.k = max(1, min(self.k, accepted + 1))
+
+
+def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.array | None]:
+    """One proposal and verification for `seq` (a scheduler Sequence whose newest token, generated[-1],
+    is known and not yet in the cache). Returns the new tokens (the accepted drafts, then one sampled
+    token), how many of them are drafts, and their log-probability rows (n + 1, V) when asked for.
+    Afterwards the cache (and the draft's) holds every token but the last new one."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    cache, sampler, state = runner.cache, seq.sampler, seq.spec
+    tokens = seq.prompt + seq.generated
+    n0, req = len(tokens) - 1, seq.req_id  # n0: tokens in the cache
+    paged = hasattr(cache, "manager")
+    if paged:  # slots for [last, x_1..x_k]; allocate with the known tokens only, so no draft gets hashed
+        if cache.manager.allocate_slots(req, tokens, k + 1) is None:
+            raise RequestError("the KV pool is full")
+        cache._grow(req)
+        cache._copy_pending()
+
+    draft: list[int] | mx.array = []
+    q = None
+    if k:
+        draft, q = state.proposer.propose(DraftInput(tokens, k, sampler,
+                                                     lambda a, b: cache.prefill_layers(req, a, b)))
+    m = len(draft)
+    if paged and m < k:
+        cache.manager.trim(req, n0 + m + 1)
+    d = mx.array(draft, dtype=mx.int32) if not isinstance(draft, mx.array) else draft  # (m,)
+    layers = cache.prefill_layers(req, n0, n0 + m + 1)
+    inputs = mx.concatenate([mx.array([tokens[-1]], dtype=mx.int32), d])[None]  # (1, m+1)
+    logits = runner.all_logits(inputs, layers)  # (m+1, V)
+    p = sampler.probs_along(logits, d)  # (m+1, V)
+    if q is None:
+        q = point_mass(d, p.shape[-1])
+    num, nxt = rejection_sample(p[None], q[None], d[None], sampler.next_key())
+    lps = sampler.logprobs_along(logits, d) if seq.params.logprobs is not None else None
+    mx.eval(num, nxt, d)
+    n = int(num.item())
+    new = d.tolist()[:n] + [int(nxt.item())]
+
+    keep = n0 + 1 + n  # the cache keeps last and the accepted drafts
+    if paged:
+        cache.manager.trim(req, keep)
+    elif m - n:
+        trim_prompt_cache(layers, m - n)
+    if m:
+        state.proposer.rollback(keep)
+    sampler.accept(mx.array([new], dtype=mx.int32))
+    state.record(m, n)
+    return new, n, (lps[: n + 1] if lps is not None else None)

@@ -1,0 +1,410 @@
+"""Speculative decoding: greedy-exact for every proposer, lossless sampling (chi-square against the exact
+distribution, and a wrong rule that fails it), KV rollback, batching beside plain requests, stats, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_engine import Engine, GenerationRequest, RequestError, RooflineError, SamplingParams
+from mlx_engine.speculative import CostCurve, prompt_lookup, rejection_sample
+from tests.tiny_models import GOLDEN, random_llama_folder
+
+PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 11, 12, 5, 6, 30, 31, 32, 33, 5, 6, 7, 8] * 2  # 42 tokens, repeats
+MODES = ["prompt-lookup", "self", "draft"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("spec")
+    target = random_llama_folder(root / "target", vocab=64, layers=4)
+    draft = random_llama_folder(root / "draft", vocab=64, layers=1, seed=1)  # disagrees often: rejections
+    return target, draft
+
+
+def run(engine: Engine, prompt: list[int] = PROMPT, **kw) -> tuple[list[int], list[bool], object]:
+    kw.setdefault("temperature", 0.0)
+    kw.setdefault("ignore_eos", True)
+    kw.setdefault("max_tokens", 24)
+    events = list(engine.generate(GenerationRequest(prompt_token_ids=prompt, sampling=SamplingParams(**kw))))
+    return [t for e in events for t in e.token_ids], [d for e in events for d in e.from_draft], events[-1]
+
+
+# --- greedy: identical, token for token -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_greedy_identical_for_every_proposer(models, paged: bool) -> None:
+    """Each proposer, k = 1 and 4, and with penalties that must count the accepted drafts per position (the
+    bias makes a run of 5s that prompt lookup drafts, the frequency penalty decides where the run ends).
+    The unrelated draft model is rejected often; the model as its own draft is accepted throughout."""
+    target, draft = models
+    penalties = dict(logit_bias={5: 6.0}, frequency_penalty=0.5)
+    for draft_model, modes in ((draft, MODES), (target, ["draft"])):
+        with Engine.load(str(target), paged_kv=paged, draft_model=str(draft_model), block_size=16) as e:
+            plain, _, _ = run(e)
+            plain_pen, _, _ = run(e, **penalties)
+            for mode in modes:
+                for k in (1, 4):
+                    tokens, from_draft, final = run(e, speculative=mode, num_draft_tokens=k)
+                    assert tokens == plain, (mode, k)
+                    assert len(from_draft) == len(tokens)
+                tokens, from_draft, final = run(e, speculative=mode, num_draft_tokens=5, **penalties)
+                assert tokens == plain_pen, mode
+                assert sum(from_draft) > 0, mode  # drafts were accepted under the penalties
+                assert final.stats.target_forwards == len(tokens) - sum(from_draft)
+            if paged:
+                assert e.kv_stats()["used"] == 0
+
+
+def test_greedy_identical_with_same_model_draft_accepts_everything(models) -> None:
+    target, _ = models
+    with Engine.load(str(target), draft_model=str(target)) as e:
+        plain, _, _ = run(e, max_tokens=30)
+        tokens, from_draft, final = run(e, speculative="draft", num_draft_tokens=4, max_tokens=30)
+    assert tokens == plain
+    s = final.stats
+    assert s.acceptance_rate == 1.0
+    assert s.mean_accepted_tokens >= 3.0  # k grows from 4, capped by the tokens left
+    assert s.target_forwards <= 8  # 1 (prefill) + ceil(29 / 5) verifications
+    assert sum(from_draft) == 30 - s.target_forwards  # every forward adds one sampled token, the rest drafts
+
+
+# --- lossless sampling (at the algorithm level, vectorised) ----------------------------------------------
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(chi2_df > x): the regularised upper incomplete gamma Q(df/2, x/2) (Numerical Recipes gammq)."""
+    a, z = df / 2.0, x / 2.0
+    if z < a + 1:  # series for P, then 1 - P
+        term = total = 1.0 / a
+        n = a
+        for _ in range(10000):
+            n += 1
+            term *= z / n
+            total += term
+            if abs(term) < abs(total) * 1e-15:
+                break
+        return max(0.0, 1.0 - total * math.exp(-z + a * math.log(z) - math.lgamma(a)))
+    b, c, d = z + 1 - a, 1e300, 1 / (z + 1 - a)  # continued fraction for Q
+    h = d
+    for i in range(1, 10000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1e-300 if abs(d) < 1e-300 else d
+        c = b + an / c
+        c = 1e-300 if abs(c) < 1e-300 else c
+        d = 1 / d
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return math.exp(-z + a * math.log(z) - math.lgamma(a)) * h
+
+
+def chi2_pvalue(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    n = counts.sum()
+    exp = expected_probs.ravel() * n
+    obs = counts.ravel().astype(np.float64)
+    big = exp >= 5  # merge the cells expected under 5 into one
+    e = np.append(exp[big], exp[~big].sum())
+    o = np.append(obs[big], obs[~big].sum())
+    if e[-1] == 0:
+        e, o = e[:-1], o[:-1]
+    stat = float(((o - e) ** 2 / e).sum())
+    return chi2_sf(stat, len(e) - 1)
+
+
+def rule_without_ratio(p, q, draft, key):
+    """Wrong on purpose: accepts x with probability p(x), ignoring q (then the right residual)."""
+    N, k = draft.shape
+    u_key, r_key = mx.random.split(key)
+    px = mx.take_along_axis(p[:, :k], draft[..., None], axis=-1)[..., 0]
+    accepted = (mx.random.uniform(shape=(N, k), key=u_key) < px).astype(mx.int32)
+    num = mx.cumprod(accepted, axis=1).sum(axis=1)
+    q_pad = mx.concatenate([q, mx.zeros((N, 1, p.shape[-1]))], axis=1)
+    rows = num[:, None, None]
+    r = mx.maximum(mx.take_along_axis(p, rows, axis=1)[:, 0] - mx.take_along_axis(q_pad, rows, axis=1)[:, 0], 0)
+    nxt = mx.random.categorical(mx.log(r / r.sum(-1, keepdims=True)), key=r_key)
+    return num, nxt
+
+
+def rule_equality(p, q, draft, key):
+    """mlx-lm's rule: the target samples y_i ~ p_i itself; x_i is kept iff y_i == x_i; at the first
+    mismatch y_i is emitted. Lossless too (y is always a sample of p), but it accepts sum(p q), not
+    sum(min(p, q))."""
+    N, k = draft.shape
+    y = mx.random.categorical(mx.log(p), axis=-1, key=key)  # (N, k+1)
+    num = mx.cumprod((y[:, :k] == draft).astype(mx.int32), axis=1).sum(axis=1)
+    return num, mx.take_along_axis(y, num[:, None], axis=1)[:, 0]
+
+
+def first_two_tokens(rule, P0, P1, Q0, Q1, n: int, seed: int) -> tuple[np.ndarray, float]:
+    """n independent generations of two tokens with k = 2 drafts: a first verification, and for those that
+    produced one token only, a second verification with k = 1. Returns the (V, V) counts of (t1, t2) and
+    the acceptance rate of the first verification."""
+    V = P0.shape[0]
+    keys = mx.random.split(mx.random.key(seed), 6)
+    x1 = mx.random.categorical(mx.log(mx.broadcast_to(Q0, (n, V))), key=keys[0])  # (n,)
+    x2 = mx.random.categorical(mx.log(Q1[x1]), key=keys[1])
+    bonus = mx.full((n, V), 1.0 / V)  # the third position: irrelevant to the first two tokens
+    p = mx.stack([mx.broadcast_to(P0, (n, V)), P1[x1], bonus], axis=1)  # (n, 3, V)
+    q = mx.stack([mx.broadcast_to(Q0, (n, V)), Q1[x1]], axis=1)  # (n, 2, V)
+    num, nxt = rule(p, q, mx.stack([x1, x2], axis=1), keys[2])
+    t1 = mx.where(num >= 1, x1, nxt)
+    # one token so far (num == 0): verify a single draft from context t1
+    y1 = mx.random.categorical(mx.log(Q1[t1]), key=keys[3])
+    num2, nxt2 = rule(mx.stack([P1[t1], bonus], axis=1), Q1[t1][:, None], y1[:, None], keys[4])
+    second = mx.where(num2 >= 1, y1, nxt2)
+    t2 = mx.where(num >= 2, x2, mx.where(num == 1, nxt, second))
+    counts = np.zeros((V, V), np.int64)
+    np.add.at(counts, (np.array(t1), np.array(t2)), 1)
+    return counts, float(np.array(num).sum()) / (2 * n)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_distributions(tmp_path_factory):
+    """Exact next-token distributions at temperature 1 of a vocab-24 target and an unrelated draft: after
+    the prompt (P0, Q0) and after the prompt + each token a (P1[a], Q1[a])."""
+    from mlx_engine.sampling import Sampler
+
+    root = tmp_path_factory.mktemp("small")
+    V, prompt = 24, [3, 9, 4, 17, 8]
+    out = []
+    for seed in (0, 7):
+        folder = random_llama_folder(root / f"m{seed}", vocab=V, seed=seed)
+        with Engine.load(str(folder)) as e:
+            rows = [e.forward_logits(prompt)[-1]] + [e.forward_logits(prompt + [a])[-1] for a in range(V)]
+        probs = np.array(Sampler(SamplingParams(temperature=1.0), V).probs(mx.array(np.stack(rows))))
+        out += [mx.array(probs[0]), mx.array(probs[1:])]
+    return out  # P0, P1, Q0, Q1
+
+
+def test_rejection_sampling_is_lossless_and_a_wrong_rule_is_not(small_vocab_distributions) -> None:
+    P0, P1, Q0, Q1 = small_vocab_distributions
+    exact = np.array(P0)[:, None] * np.array(P1)  # P(t1, t2)
+    n = 40_000
+    counts, acceptance = first_two_tokens(rejection_sample, P0, P1, Q0, Q1, n, seed=1)
+    assert counts.sum() == n
+    p_ours = chi2_pvalue(counts, exact)
+    assert p_ours > 0.01, p_ours
+    wrong, _ = first_two_tokens(rule_without_ratio, P0, P1, Q0, Q1, n, seed=1)
+    p_wrong = chi2_pvalue(wrong, exact)
+    assert p_wrong < 1e-6, p_wrong
+    # mlx-lm's equality rule is lossless too, but accepts only sum(p q) of the draft, not sum(min(p, q))
+    eq, eq_acceptance = first_two_tokens(rule_equality, P0, P1, Q0, Q1, n, seed=1)
+    assert chi2_pvalue(eq, exact) > 0.01
+    assert eq_acceptance < acceptance
+    want = float(mx.minimum(P0, Q0).sum())  # acceptance of the first draft token, in closed form
+    first_accepted = first_two_tokens(rejection_sample, P0, P1, Q0, Q1, n, seed=2)[1]
+    assert first_accepted > 0.5 * want
+
+
+def test_greedy_rejection_sampling_is_argmax() -> None:
+    V = 8
+    p = mx.array([[[0, 0, 1, 0, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0]]], mx.float32)
+    for draft, want in (([2, 3], (2, 0)), ([2, 5], (1, 3)), ([4, 3], (0, 2))):
+        d = mx.array([draft])
+        num, nxt = rejection_sample(p, (d[..., None] == mx.arange(V)).astype(mx.float32), d, mx.random.key(0))
+        assert (num.item(), nxt.item()) == want
+
+
+def test_prompt_lookup_longest_recent_match() -> None:
+    assert prompt_lookup([1, 2, 3, 4, 9, 1, 2, 3], 4) == [4, 9, 1, 2]
+    assert prompt_lookup([1, 2, 3, 7, 8, 2, 3, 5, 6, 3], 2) == [5, 6]  # n=1: the most recent "3"
+    assert prompt_lookup([4, 4, 4], 3) == [4, 4, 4]  # overlapping run: copies on
+    assert prompt_lookup([1, 2, 3], 3) == []
+
+
+# --- KV rollback -----------------------------------------------------------------------------------------
+
+
+def _drive_until_rejected(runner, mode: str, min_steps: int = 3):
+    from mlx_engine.engine import GenerationStream
+    from mlx_engine.scheduler import Scheduler
+
+    sched = Scheduler(runner)
+    sched.add(list(PROMPT), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, speculative=mode,
+                                           num_draft_tokens=4, logit_bias={5: 6.0}, frequency_penalty=0.5),
+              GenerationStream())
+    for _ in range(60):
+        sched.step()
+        seq = sched.running[0]
+        hist = seq.spec.history if seq.spec else []
+        if len(hist) >= min_steps and any(0 < a < d for d, a in hist):  # some drafts kept, some rolled back
+            return sched, seq
+    raise AssertionError("no partial rejection happened")
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("mode", MODES)
+def test_rollback_leaves_the_kv_of_a_fresh_run(models, paged: bool, mode: str) -> None:
+    """After rejections the target's KV (gathered through the block table, or the buffers) equals that of
+    one fresh forward over the accepted tokens; the draft model's KV likewise."""
+    from mlx_engine.runner import Runner
+
+    target, draft = models
+    runner = Runner.load(str(target), paged_kv=paged, draft_model=str(draft), prefix_caching=False)
+    sched, seq = _drive_until_rejected(runner, mode)
+    tokens = seq.cached_tokens()
+    assert len(tokens) == len(PROMPT) + len(seq.generated) - 1  # every read token but the newest
+    fresh = runner._fresh_contiguous()
+    runner.forward(mx.array([tokens], dtype=mx.int32), fresh)
+    cache = runner.cache
+    if paged:
+        assert cache.manager.num_tokens(seq.req_id) == len(tokens)
+        assert len(cache.manager.block_table(seq.req_id)) == -(-len(tokens) // 16)
+        slots = mx.array(cache.manager.slot_mapping(seq.req_id, 0, len(tokens)), dtype=mx.int32)
+    for layer, c in enumerate(fresh):
+        want_k, want_v = c.keys[0, :, : len(tokens)], c.values[0, :, : len(tokens)]  # (Hkv, S, D)
+        if paged:
+            k, v = (a.transpose(1, 0, 2) for a in cache.storage.gather(layer, slots))
+        else:
+            held = cache._layers[layer]
+            assert held.offset == len(tokens)
+            k, v = held.keys[0, :, : len(tokens)], held.values[0, :, : len(tokens)]
+        assert float(mx.abs(k - want_k).max()) <= 1e-5 and float(mx.abs(v - want_v).max()) <= 1e-5
+    if mode == "draft":
+        d = seq.spec.proposer
+        assert d.tokens == tokens[: len(d.tokens)] and d.layers[0].offset == len(d.tokens) >= len(PROMPT)
+        fresh_d = runner.draft._fresh_contiguous()
+        runner.draft.forward(mx.array([d.tokens], dtype=mx.int32), fresh_d)
+        diff = mx.abs(fresh_d[0].keys[..., : len(d.tokens), :] - d.layers[0].keys[..., : len(d.tokens), :]).max()
+        assert float(diff) <= 1e-5
+    sched.close()
+    if paged:
+        assert cache.manager.stats()["used"] == 0
+
+
+# --- batching, seeds, stats, auto ------------------------------------------------------------------------
+
+
+def test_speculative_and_plain_requests_together_equal_alone(models) -> None:
+    target, draft = models
+    prompts = [PROMPT, PROMPT[:17], PROMPT[3:30], PROMPT[::-1]]
+    kws = [dict(speculative="prompt-lookup"), dict(), dict(temperature=1.0, seed=5),
+           dict(speculative="draft", temperature=1.0, seed=9, top_k=20)]
+    with Engine.load(str(target), draft_model=str(draft)) as e:
+        alone = [run(e, p, **kw)[0] for p, kw in zip(prompts, kws)]
+        streams = [e.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
+            **{"temperature": 0.0, "ignore_eos": True, "max_tokens": 24, **kw}))) for p, kw in zip(prompts, kws)]
+        together = [[t for ev in s for t in ev.token_ids] for s in streams]
+        assert e.kv_stats()["used"] == 0
+    assert together == alone
+    assert alone[0] == run_plain(target, prompts[0])
+
+
+def run_plain(folder: Path, prompt: list[int]) -> list[int]:
+    with Engine.load(str(folder)) as e:
+        return run(e, prompt)[0]
+
+
+def test_seeded_speculative_sampling_reproduces(models) -> None:
+    target, draft = models
+    with Engine.load(str(target), draft_model=str(draft)) as e:
+        for mode in MODES:
+            a = run(e, speculative=mode, temperature=1.0, seed=3, logprobs=3)
+            b = run(e, speculative=mode, temperature=1.0, seed=3)
+            c = run(e, speculative=mode, temperature=1.0, seed=4)
+            assert a[0] == b[0] and a[0] != c[0], mode
+            assert a[2].finish_reason == "length" and len(a[0]) == 24
+
+
+def test_stats_and_from_draft_are_filled(models) -> None:
+    target, draft = models
+    with Engine.load(str(target), draft_model=str(draft)) as e:
+        tokens, from_draft, final = run(e, speculative="self", num_draft_tokens=3)
+        plain_tokens, plain_draft, plain_final = run(e)
+    s = final.stats
+    assert s.target_forwards == len(tokens) - sum(from_draft)
+    assert 0.0 <= s.acceptance_rate <= 1.0 and s.mean_accepted_tokens >= 0.0
+    verifies = round(sum(from_draft) / s.mean_accepted_tokens) if sum(from_draft) else None
+    assert verifies is None or verifies <= s.target_forwards
+    assert plain_final.stats.acceptance_rate is None and plain_final.stats.mean_accepted_tokens is None
+    assert plain_final.stats.target_forwards == len(plain_tokens) and not any(plain_draft)
+
+
+def test_auto_steps_aside_on_a_steep_cost_curve_and_speculates_on_a_flat_one(models) -> None:
+    """With a draft model loaded, "auto" drafts with it (here the target itself, timed as free)."""
+    target, _ = models
+    with Engine.load(str(target), draft_model=str(target)) as e:
+        plain, _, _ = run(e)
+        sched = e._scheduler
+        sched.cost_curve = CostCurve({1: 1.0, 2: 1.9, 3: 2.7, 5: 4.3, 9: 7.5}, t1_s=1e9)  # this CPU backend's
+        tokens, from_draft, final = run(e, speculative="auto")
+        assert tokens == plain and not any(from_draft)
+        assert final.stats.acceptance_rate is None and final.stats.target_forwards == len(tokens)
+        sched.cost_curve = CostCurve({1: 1.0, 2: 1.02, 9: 1.1}, t1_s=1e9)  # bandwidth-bound: nearly flat
+        tokens, from_draft, final = run(e, speculative="auto")
+        assert tokens == plain and final.stats.acceptance_rate == 1.0
+        assert final.stats.target_forwards < len(tokens) / 3
+
+
+def test_cost_curve_interpolates_and_picks_k() -> None:
+    curve = CostCurve({1: 1.0, 2: 1.9, 3: 2.7, 5: 4.3, 9: 7.5})
+    assert curve.cost(4) == pytest.approx(3.5) and curve.cost(11) == pytest.approx(9.1)
+    assert curve.best_k(0.8, 8) == 0 and curve.best_k(1.0, 8, margin=0.1) == 8
+    flat = CostCurve({1: 1.0, 2: 1.05, 9: 1.3})
+    assert flat.best_k(0.8, 8) >= 4 and flat.best_k(0.1, 8) == 0
+
+
+# --- bad input -------------------------------------------------------------------------------------------
+
+
+def test_draft_with_another_vocabulary_is_refused(models, tmp_path: Path) -> None:
+    target, _ = models
+    other = random_llama_folder(tmp_path / "other", vocab=96)
+    with pytest.raises(RooflineError, match=r"draft model other .*does not share the tokenizer of target.*96"):
+        Engine.load(str(target), draft_model=str(other))
+
+
+@pytest.mark.parametrize("value", [0, 17, -1, 2.5, True])
+def test_num_draft_tokens_out_of_range(value) -> None:
+    with pytest.raises(RequestError, match=r"num_draft_tokens=.*\[1, 16\]"):
+        SamplingParams(speculative="prompt-lookup", num_draft_tokens=value)
+    with pytest.raises(RequestError, match=r"speculative='medusa'"):
+        SamplingParams(speculative="medusa")
+
+
+def test_draft_mode_without_a_draft_model(models) -> None:
+    with Engine.load(str(models[0])) as e:
+        with pytest.raises(RequestError, match=r"needs a draft model: .*draft_model="):
+            e.generate(GenerationRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(speculative="draft")))
+
+
+def test_model_whose_cache_cannot_roll_back(tmp_path: Path) -> None:
+    """An mlx-lm fallback model with sliding-window layers (RotatingKVCache) cannot trim at every length:
+    a named proposer is refused, "auto" decodes plainly."""
+    dst = tmp_path / "m"
+    shutil.copytree(GOLDEN / "llama", dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(model_type="xverse", layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    (dst / "config.json").write_text(json.dumps(config))
+    ids = [3, 17, 42, 99, 7, 64, 120, 5] * 2
+    with Engine.load(str(dst)) as e:
+        assert not e.info.native
+        for mode in MODES:
+            with pytest.raises(RequestError, match=r"RotatingKVCache.*cannot be rolled back"):
+                e.generate(GenerationRequest(prompt_token_ids=ids, sampling=SamplingParams(speculative=mode)))
+        tokens, _, final = run(e, ids, speculative="auto", max_tokens=4)
+        assert tokens == run(e, ids, max_tokens=4)[0] and final.stats.acceptance_rate is None
+
+
+# --- SmolLM2 ---------------------------------------------------------------------------------------------
+
+
+def test_smollm2_prompt_lookup_greedy_identical() -> None:
+    text = ("Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.")
+    with Engine.load() as e:
+        req = dict(messages=[{"role": "user", "content": text}])
+        p = dict(temperature=0.0, max_tokens=12)
+        plain = [t for ev in e.generate(GenerationRequest(**req, sampling=SamplingParams(**p))) for t in ev.token_ids]
+        events = list(e.generate(GenerationRequest(**req, sampling=SamplingParams(**p, speculative="prompt-lookup"))))
+    assert [t for ev in events for t in ev.token_ids] == plain
+    assert events[-1].stats.target_forwards < len(plain)  # the quote is drafted from the prompt
