@@ -176,6 +176,11 @@ class Engine:
         self._thread.submit(lambda: scheduler.add(prompt_ids, request.sampling, stream))
         return stream
 
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The token ids `generate` would run for this request (chat template applied), validated against
+        the context and the KV budget."""
+        return self._runner.prompt_ids(request)
+
     def forward_logits(self, token_ids: list[int]) -> np.ndarray:
         """float32 logits (T, vocab) of one forward pass over `token_ids` from an empty cache."""
         ids = self._runner.check_context(self._runner.check_ids(list(token_ids)))

@@ -108,12 +108,11 @@ class Scheduler:
 
     def _admit(self) -> None:
         cache = self.runner.cache
+        for seq in [s for s in self.waiting if s.stream.cancelled.is_set()]:  # anywhere in the queue
+            self.waiting.remove(seq)
+            self._finish(seq, "cancelled")
         while self.waiting and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
-            if seq.stream.cancelled.is_set():
-                self.waiting.popleft()
-                self._finish(seq, "cancelled")
-                continue
             seq.max_new = min(seq.params.max_tokens, self.runner.context_length - len(seq.prompt))
             if hasattr(cache, "manager"):
                 # blocks still owed to running sequences must stay available to them

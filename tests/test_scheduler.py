@@ -164,3 +164,24 @@ def test_a_request_that_raises_fails_alone(folder: Path) -> None:
         assert [r[2].finish_reason for r in results] == ["length", "error", "length"]
         assert "detokenizer broke" in results[1][2].error
         assert e.kv_stats()["used"] == 0
+
+
+def test_cancelled_waiting_requests_leave_the_queue(folder: Path) -> None:
+    """Requests cancelled while queued behind one that waits for KV blocks end at once as "cancelled"."""
+    per_block = 2 * 2 * 16 * 2 * 16 * 4
+    with Engine.load(str(folder), kv_budget_bytes=4 * per_block, prefix_caching=False) as e:
+        first = e.generate(GenerationRequest(prompt_token_ids=PROMPTS[1], sampling=params(max_tokens=20)))
+        queued = [e.generate(GenerationRequest(prompt_token_ids=PROMPTS[1], sampling=params(max_tokens=20)))
+                  for _ in range(3)]
+        next(first)
+        for q in queued[1:]:
+            q.cancel()
+        assert [list(q)[-1].finish_reason for q in queued[1:]] == ["cancelled", "cancelled"]
+        assert collect(first)[2].finish_reason == "length"
+        assert collect(queued[0])[2].finish_reason == "length"
+        assert e.kv_stats()["used"] == 0
+
+
+def test_prompt_ids_is_what_generate_runs(folder: Path) -> None:
+    with Engine.load(str(folder)) as e:
+        assert e.prompt_ids(GenerationRequest(prompt_token_ids=[5, 6, 7])) == [5, 6, 7]
