@@ -6,9 +6,16 @@ Reports, for per-frame batching (the app's default) and for one Markdown append 
   - the app's CPU time per streamed token: process CPU while streaming, minus the fake engine's own CPU
     (measured by draining the same stream without the app), over N
   - Markdown appends and wall time to show the whole reply
+  - the app's CPU per append against the reply's length, paced (a fixed chunk of text per 1/30 s frame, so a
+    slow app cannot batch more tokens per append): median over the first and the last tenth of the reply
+
+A long reply streams into several Markdown widgets (segments of about --segment-chars characters, cut at block
+boundaries; see app/tui/segments.py) so that an append lays out only the last one; --segment-chars 0 streams
+into a single Markdown widget, as the app did before.
 
     uv run python bench/tui.py                       # 3,000 tokens at 1,000 tokens/s
     uv run python bench/tui.py --tokens 5000 --rate 2000 --json
+    uv run python bench/tui.py --segment-chars 0     # one Markdown widget per reply
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from textual import events  # noqa: E402
-from textual.widgets import TextArea  # noqa: E402
+from textual.widgets import Markdown, TextArea  # noqa: E402
 
 from app.tui.app import RooflineApp  # noqa: E402
 from app.tui.fake_engine import FakeBackend, FakeEngine  # noqa: E402
@@ -132,10 +139,40 @@ async def run_case(text: str, num_tokens: int, rate: float, coalesce: bool) -> d
         posted = await keys
         await pilot.pause(0.3)
         stream_ms = latencies(posted, app.changed_at[1:])  # [0] is the input being cleared on send
-        shown = app.chat_screen.query(MessageView).last().content
-        assert shown == text, "the reply on screen differs from the script"
+        reply = app.chat_screen.query(MessageView).last()
+        assert reply.content == text, "the reply on screen differs from the script"
         return {"coalesce": coalesce, "wall_s": wall, "cpu_s": cpu, "appends": app.appends,
+                "markdown_widgets": len(reply.query_children(Markdown)),
                 "keys_idle": summary(idle_ms), "keys_streaming": summary(stream_ms)}
+
+
+async def paced_appends(text: str, chunk_chars: int = 150, frame_s: float = 1 / 30) -> list[float]:
+    """CPU seconds per append when `text` is written `chunk_chars` at a time, one append per frame, into a
+    reply in the real chat screen (layout and rendering included)."""
+    app = BenchApp(backend=FakeBackend(script=["x"]), home=tempfile.mkdtemp(prefix="roofline-bench-"))
+    cpu: list[float] = []
+    async with app.run_test(size=(100, 30)) as pilot:
+        while app.engine is None:
+            await pilot.pause(0.01)
+        transcript = app.chat_screen.query_one("#transcript")
+        await transcript.remove_children()
+        view = MessageView("assistant", "", None, status="streaming")
+        await transcript.mount(view)
+        transcript.anchor()
+        await pilot.pause(0.1)
+        for i in range(0, len(text), chunk_chars):
+            c0 = time.process_time()
+            await view.write(text[i:i + chunk_chars])
+            await asyncio.sleep(frame_s)  # not pilot.pause(): it messages every widget on the screen
+            cpu.append(time.process_time() - c0)
+        await view.finish("done")
+    return cpu
+
+
+def tenths(cpu: list[float]) -> dict[str, float]:
+    k = max(1, len(cpu) // 10)
+    return {"appends": len(cpu), "first_tenth_ms": statistics.median(cpu[:k]) * 1000,
+            "last_tenth_ms": statistics.median(cpu[-k:]) * 1000}
 
 
 def engine_cpu(text: str, rate: float) -> tuple[float, int]:
@@ -165,8 +202,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=3000)
     p.add_argument("--rate", type=float, default=1000.0, help="fake engine tokens/s")
+    p.add_argument("--segment-chars", type=int, default=MessageView.segment_chars,
+                   help="characters per Markdown widget of a streamed reply (0: one widget per reply)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    MessageView.segment_chars = args.segment_chars or 10**12
     text = reply_text(args.tokens)
     base_cpu, n = engine_cpu(text, args.rate)
     results = [asyncio.run(run_case(text, n, args.rate, coalesce)) for coalesce in (True, False)]
@@ -174,9 +214,11 @@ def main() -> int:
         r["tokens"] = n
         r["app_cpu_per_token_us"] = (r["cpu_s"] - base_cpu) / n * 1e6
         r["tokens_per_append"] = n / max(r["appends"], 1)
+    paced = tenths(asyncio.run(paced_appends(text)))
     out = {"command": "uv run python bench/tui.py " + " ".join(sys.argv[1:]), "machine": machine(),
            "date": time.strftime("%Y-%m-%d"), "rate_tokens_per_s": args.rate, "tokens": n,
-           "engine_cpu_s": base_cpu, "results": results}
+           "segment_chars": args.segment_chars, "engine_cpu_s": base_cpu, "results": results,
+           "paced_append_cpu": paced}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -191,6 +233,9 @@ def main() -> int:
               f"{r['app_cpu_per_token_us']:>12.0f} µs"
               f"{ki['median_ms']:>10.1f}/{ki['max_ms']:.1f} ms"
               f"{ks['median_ms']:>11.1f}/{ks['p95_ms']:.1f}/{ks['max_ms']:.1f} ms")
+    print(f"\npaced, 150 characters per 1/30 s frame ({paced['appends']} appends): app CPU per append "
+          f"{paced['first_tenth_ms']:.1f} ms over the first tenth of the reply, "
+          f"{paced['last_tenth_ms']:.1f} ms over the last (segments of {args.segment_chars or 'unlimited'} characters)")
     return 0
 
 

@@ -403,3 +403,77 @@ async def test_theme_toggle_persists_and_80x24_is_usable(tmp_path) -> None:
     app2, _ = make_app(tmp_path)
     assert app2.theme == "textual-light"
     app2.store.close()
+
+
+async def test_a_long_reply_streams_into_segments_that_render_like_one_document(tmp_path, monkeypatch) -> None:
+    from app.tui.widgets.messages import MarkdownSegment
+    from tests.test_tui_units import SEGMENTED_REPLY
+
+    monkeypatch.setattr(MessageView, "segment_chars", 1)  # a segment per block wherever a cut is allowed
+    app, _ = make_app(tmp_path, script=[SEGMENTED_REPLY], tokens_per_s=2000)
+    async with app.run_test(size=(100, 70)) as pilot:
+        await ready(pilot)
+        await send(pilot, "Show me some Markdown")
+        await idle(pilot)
+        reply = app.chat_screen.query(MessageView).last()
+        assert len(reply.query_children(MarkdownSegment)) > 3  # streamed into several Markdown widgets
+
+        def shown() -> tuple[int, list[str]]:
+            view = app.chat_screen.query(MessageView).last()
+            region = view.region
+            lines = screen_text(app).splitlines()[region.y:region.bottom]
+            return region.height, [line[region.x:region.right].rstrip() for line in lines]
+
+        await pilot.pause(0.1)
+        streamed = shown()
+        assert reply.content == SEGMENTED_REPLY
+        (chat,) = app.store.list_chats()
+        assert app.store.messages(chat.id)[-1].content == SEGMENTED_REPLY  # stored whole
+        await pilot.press("f3")
+        assert app.clipboard == SEGMENTED_REPLY  # copied whole
+
+        await app.chat_screen.open_chat(app.store.get_chat(chat.id))  # re-rendered from the store, one widget
+        await pilot.pause(0.1)
+        assert len(app.chat_screen.query(MessageView).last().query_children(MarkdownSegment)) == 1
+        assert shown() == streamed
+        assert "Final words." in "\n".join(streamed[1]) and "```" not in "\n".join(streamed[1])
+
+
+async def test_parts_of_a_long_reply_far_off_screen_give_way_to_placeholders(tmp_path, monkeypatch) -> None:
+    from app.tui.widgets.messages import SegmentPlaceholder
+
+    monkeypatch.setattr(MessageView, "segment_chars", 100)
+    reply = "\n\n".join(f"Paragraph {i} says something." if i % 2 else f"- item {i}\n- more {i}" for i in range(120))
+    app, _ = make_app(tmp_path, script=[reply], tokens_per_s=1500)
+    app.default_settings.max_tokens = 2000
+    async with app.run_test(size=(100, 24)) as pilot:
+        await ready(pilot)
+        await send(pilot, "Long, please")
+        await idle(pilot)
+        await pilot.pause(0.2)
+        view = app.chat_screen.query(MessageView).last()
+        await view.hide_far_segments()  # what a streaming reply does every HIDE_EVERY_S (timing-dependent here)
+        await pilot.pause(0.2)
+        assert view.has_hidden_segments and view.query_children(SegmentPlaceholder)
+        transcript = app.chat_screen.query_one("#transcript")
+
+        def visible() -> list[str]:
+            r = transcript.region
+            return [line[r.x:r.right].rstrip() for line in screen_text(app).splitlines()[r.y:r.bottom]]
+
+        async def scroll(home: bool) -> list[str]:
+            transcript.scroll_home(animate=False) if home else transcript.scroll_end(animate=False)
+            await pilot.pause(0.2)
+            return visible()
+
+        bottom = visible()
+        top = await scroll(home=True)  # scrolling brings the hidden parts back
+        assert "Long, please" in "\n".join(top) and "item 0" in "\n".join(top)
+        assert await scroll(home=False) == bottom
+        assert view.content == reply
+
+        (chat,) = app.store.list_chats()
+        await app.chat_screen.open_chat(app.store.get_chat(chat.id))  # one widget, nothing hidden
+        await pilot.pause(0.2)
+        assert await scroll(home=False) == bottom
+        assert await scroll(home=True) == top

@@ -159,3 +159,81 @@ def test_importing_the_app_loads_no_mlx() -> None:
     assert r.returncode == 0, r.stderr
     mods = set(r.stdout.split())
     assert "textual" in mods and not {"mlx", "mlx_lm", "torch", "kernels_metal"} & mods
+
+
+SEGMENTED_REPLY = """Intro paragraph with **bold** text and `code`, long enough to fill a segment.
+
+## A heading
+
+First paragraph under the heading, long enough to pass the threshold.
+
+- one
+- two
+
+```python
+a = 1
+
+b = 2
+```
+
+1. first
+
+2. second, in a loose list
+
+### After a list
+
+Closing paragraph after the list.
+
+> a quote
+
+| a | b |
+|---|---|
+| 1 | 2 |
+
+Final words."""
+
+
+def _segments(text: str, min_chars: int, chunk: int) -> tuple[list[str], list[int]]:
+    from app.tui.segments import MarkdownSegmenter
+
+    seg = MarkdownSegmenter(min_chars)
+    out: list[str] = []
+    for i in range(0, len(text), chunk):
+        for new, piece in seg.feed(text[i:i + chunk]):
+            if new or not out:
+                out.append("")
+            out[-1] += piece
+    return out, seg.cuts
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 17, 10_000])
+def test_segmenter_cuts_only_where_separate_documents_render_alike(chunk) -> None:
+    from app.tui.segments import cuts_render_alike
+
+    segments, cuts = _segments(SEGMENTED_REPLY, 1, chunk)
+    assert "".join(segments) == SEGMENTED_REPLY
+    assert cuts == [len("".join(segments[:i])) for i in range(1, len(segments))]
+    starts = [s.split("\n", 1)[0] for s in segments[1:]]
+    # before paragraphs, lists and tables only; never before a heading, a fence, a quote, or inside a list/fence
+    assert starts == ["First paragraph under the heading, long enough to pass the threshold.", "- one", "1. first",
+                      "Closing paragraph after the list.", "| a | b |", "Final words."]
+    assert cuts_render_alike(SEGMENTED_REPLY, cuts)
+    assert _segments(SEGMENTED_REPLY, 10_000, chunk)[1] == []  # below the threshold: one segment
+
+
+def test_segmenter_never_cuts_inside_a_fence() -> None:
+    text = "Intro.\n\n```\ncode\n\nnot a paragraph\n\n- nor a list\n```\n\nAfter."
+    segments, _ = _segments(text, 1, 1)
+    # not before the fence (it has a top margin), not inside it: after it
+    assert segments == ["Intro.\n\n```\ncode\n\nnot a paragraph\n\n- nor a list\n```\n\n", "After."]
+
+
+def test_cuts_the_streaming_rule_cannot_see_are_caught_at_the_end() -> None:
+    from app.tui.segments import cuts_render_alike
+
+    setext = "Para.\n\nTitle\n=====\n"
+    assert _segments(setext, 1, 1)[1] == [7]  # cut before "Title": it turns out to be a heading (top margin)
+    assert not cuts_render_alike(setext, [7])
+    refs = "See [the docs][d].\n\nMore.\n\n[d]: https://example.com\n"
+    assert not cuts_render_alike(refs, _segments(refs, 1, 1)[1])  # link definitions apply to the whole reply
+    assert cuts_render_alike("One.\n\nTwo.\n", [6])

@@ -61,7 +61,9 @@ class ChatScreen(ReplyRunner, Screen):
         await self.refresh_sidebar(chats)
         if chats:
             await self.open_chat(chats[0])
-        self.query_one("#transcript").anchor()
+        transcript = self.query_one("#transcript", VerticalScroll)
+        transcript.anchor()
+        self.watch(transcript, "scroll_y", self.transcript_scrolled, init=False)
         self.show_stats()
         self.rapp.chat_screen_ready()
 
@@ -101,6 +103,12 @@ class ChatScreen(ReplyRunner, Screen):
             s.bandwidth_bytes_per_s = bw.bytes_per_s
             s.bandwidth_label = bw.describe()
         self.query_one(StatsBar).show(s)
+
+    async def transcript_scrolled(self) -> None:
+        """Brings back the parts of long replies that scrolling brought near (see MessageView.hide_far_segments)."""
+        for view in self.query(MessageView):
+            if view.has_hidden_segments:
+                await view.hide_far_segments()
 
     # ---- chats -------------------------------------------------------------------------------------------
 

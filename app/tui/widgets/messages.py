@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import time
+
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.geometry import Size
 from textual.message import Message
 from textual.reactive import reactive
+from textual.widget import Widget
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
+
+from app.tui.segments import DEFAULT_SEGMENT_CHARS, PARSER, MarkdownSegmenter, cuts_render_alike
 
 STATUS_LABELS = {
     "done": "",
@@ -18,6 +25,45 @@ STATUS_LABELS = {
     "error": "error",
     "interrupted": "interrupted",
 }
+
+
+class MarkdownSegment(Markdown):
+    """A reply's Markdown (or one segment of a long streamed reply) whose height is cached by width.
+
+    Textual computes an auto-height container's height by re-arranging its children against the size of its
+    parent, so while a reply streams and its MessageView grows, every segment would be re-laid out, block by
+    block, on every append. Blocks are all auto-height, so a segment's height depends only on the width and
+    on its own content: cache it on those (`_layout_updates` counts layout changes below this widget).
+    It also shares one Markdown parser (Textual builds a new one, ~1 ms, for every append)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("parser_factory", lambda: PARSER)
+        super().__init__(*args, **kwargs)
+        self._height_cache: tuple[object, int] = (None, 0)
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        key = (width, self._nodes._updates, self._layout_updates, self.styles._cache_key)
+        if self._height_cache[0] != key:
+            self._height_cache = (key, super().get_content_height(container, viewport, width))
+        return self._height_cache[1]
+
+
+class SegmentPlaceholder(Widget):
+    """Stands in, at the same height, for a finished segment scrolled far out of view: Textual walks every
+    displayed widget on each layout, so hiding the blocks that nobody can see keeps the cost of an append from
+    growing with the reply (see MessageView.hide_far_segments)."""
+
+    DEFAULT_CSS = "SegmentPlaceholder { width: 1fr; }"
+
+    def __init__(self, segment: MarkdownSegment, content_y: int) -> None:
+        super().__init__()
+        self.segment = segment
+        self.content_y = content_y  # its top row in the scrolling container's content
+        self.height = segment.outer_size.height
+        self.styles.height = self.height
+
+    def render(self) -> str:
+        return ""
 
 
 class MessageView(Vertical, can_focus=True):
@@ -53,6 +99,11 @@ class MessageView(Vertical, can_focus=True):
 
     status: reactive[str] = reactive("done")
 
+    HIDE_EVERY_S = 0.25  # how often a streaming reply looks for segments it can hide
+    segment_chars = DEFAULT_SEGMENT_CHARS
+    """A streamed reply goes on in a new Markdown widget once the last one holds this many characters (at a
+    block boundary where that renders the same), so each append lays out only the last segment."""
+
     def __init__(self, role: str, content: str, message_id: int | None = None, status: str = "done",
                  error: str | None = None) -> None:
         super().__init__(classes=f"-{role}")
@@ -61,12 +112,17 @@ class MessageView(Vertical, can_focus=True):
         self.message_id = message_id
         self.error = error
         self._stream: MarkdownStream | None = None
+        self._segmenter: MarkdownSegmenter | None = None
+        self._segments: list[Markdown] = []  # the streamed reply's Markdown widgets, in order
+        self._placeholders: list[SegmentPlaceholder] = []
+        self._last_hide = 0.0
+        self._width = 0
         self.set_reactive(MessageView.status, status)
 
     def compose(self) -> ComposeResult:
         yield Static(self._role_line(), classes="role", markup=False)
         if self.role == "assistant":
-            yield Markdown(self.content, classes="body")
+            yield MarkdownSegment(self.content, classes="body")
         else:
             yield Static(self.content, classes="body", markup=False)
         yield Static(self.error or "", classes="error-text", markup=False)
@@ -95,18 +151,88 @@ class MessageView(Vertical, can_focus=True):
     # ---- streaming ---------------------------------------------------------------------------------------
 
     async def write(self, fragment: str) -> None:
-        """Appends streamed text (through Textual's MarkdownStream, which coalesces bursts)."""
+        """Appends streamed text (through Textual's MarkdownStream, which coalesces bursts) to the last
+        segment, starting a new one where the segmenter cuts."""
         if not fragment:
             return
         self.content += fragment
-        if self._stream is None:
-            self._stream = Markdown.get_stream(self.query_one(Markdown))
-        await self._stream.write(fragment)
+        if self._segmenter is None:
+            self._segmenter = MarkdownSegmenter(self.segment_chars)
+            self._segments = [self.query_one(Markdown)]
+            self._segmenter.feed(self.content[: -len(fragment)])  # text the widget was created with
+        for new_segment, piece in self._segmenter.feed(fragment):
+            if new_segment:
+                await self._stop_stream()
+                segment = MarkdownSegment(classes="body")
+                await self.mount(segment, after=self._segments[-1])
+                self._segments.append(segment)
+            if self._stream is None:
+                self._stream = Markdown.get_stream(self._segments[-1])
+            await self._stream.write(piece)
+        now = time.monotonic()
+        if len(self._segments) > 2 and now - self._last_hide >= self.HIDE_EVERY_S:
+            self._last_hide = now
+            await self.hide_far_segments()
 
-    async def finish(self, status: str, error: str | None = None) -> None:
+    async def _stop_stream(self) -> None:
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
+
+    @property
+    def has_hidden_segments(self) -> bool:
+        return bool(self._placeholders)
+
+    async def hide_far_segments(self) -> None:
+        """Swaps each segment but the last that lies more than a screen away from the rows its scrolling
+        container shows for a placeholder of its height, and back each placeholder that has come nearer.
+
+        Positions are rows of the container's scrolled content (virtual regions, which scrolling leaves alone),
+        so this is right even while a scroll has not been laid out yet."""
+        container = self.parent
+        if len(self._segments) < 2 or not isinstance(container, Widget):
+            return
+        seen = round(container.scroll_y)
+        rows = container.scrollable_content_region.height
+        top, bottom = seen - rows, seen + 2 * rows
+        base = self.virtual_region.y + self.styles.gutter.top
+        back = [p for p in self._placeholders if p.content_y < bottom and p.content_y + p.height > top]
+        hide = []
+        for segment in self._segments[:-1]:
+            region = segment.virtual_region
+            y = base + region.y
+            if segment.display and region.height and (y + region.height <= top or y >= bottom):
+                hide.append((segment, y))
+        if back or hide:
+            with self.app.batch_update():
+                await self._show_segments(back)
+                for segment, content_y in hide:
+                    placeholder = SegmentPlaceholder(segment, content_y)
+                    segment.display = False
+                    await self.mount(placeholder, before=segment)
+                    self._placeholders.append(placeholder)
+
+    async def _show_segments(self, placeholders: list[SegmentPlaceholder] | None = None) -> None:
+        for placeholder in list(self._placeholders if placeholders is None else placeholders):
+            if placeholder in self._placeholders:  # not already brought back by a concurrent call
+                self._placeholders.remove(placeholder)
+                placeholder.segment.display = True
+                await placeholder.remove()
+
+    async def on_resize(self, event: events.Resize) -> None:
+        if event.size.width != self._width:  # new width, new heights: show everything again
+            self._width = event.size.width
+            await self._show_segments()
+
+    async def finish(self, status: str, error: str | None = None) -> None:
+        await self._stop_stream()
+        if len(self._segments) > 1 and self._segmenter is not None and not cuts_render_alike(
+                self.content, self._segmenter.cuts):
+            await self._show_segments()
+            # a cut the streaming rule could not see coming (setext heading, HTML, link definitions): one widget
+            await self.remove_children(self._segments[1:])
+            await self._segments[0].update(self.content)
+            self._segments = self._segments[:1]
         self.error = error
         if error:
             self.query_one(".error-text", Static).update(error)
