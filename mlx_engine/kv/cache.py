@@ -147,9 +147,13 @@ class PagedCache:
         new_slots = mx.array([mgr.slot_mapping(r, p, p + 1)[0] for r, p in zip(req_ids, positions)], dtype=mx.int32)
         seq_lens = mx.array([p + 1 for p in positions], dtype=mx.int32)
         offset = mx.array(positions, dtype=mx.int32) if len(positions) > 1 else positions[0]
-        all_slots = None
+        all_slots: mx.array | slice | None = None
         if len(req_ids) == 1 and not mx.metal.is_available():
-            all_slots = mx.array(mgr.slot_mapping(req_ids[0], 0, positions[0] + 1), dtype=mx.int32)
+            table, n = tables[0], positions[0] + 1
+            if table == list(range(table[0], table[0] + len(table))):  # one run of blocks: slice, no gather
+                all_slots = slice(table[0] * self.block_size, table[0] * self.block_size + n)
+            else:
+                all_slots = mx.array(mgr.slot_mapping(req_ids[0], 0, n), dtype=mx.int32)
         return [PagedDecodeView(self.storage, i, offset, new_slots, block_tables, seq_lens, max(positions) + 1,
                                 all_slots) for i in range(self.num_layers)]
 

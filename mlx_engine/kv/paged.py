@@ -128,8 +128,9 @@ class PagedKVStorage:
 
     # --- reads ---
 
-    def gather(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
-        """K, V at `slots` (S,) -> (S, Hkv, D) each, dequantized to the storage dtype."""
+    def gather(self, layer: int, slots: mx.array | slice) -> tuple[mx.array, mx.array]:
+        """K, V at `slots` ((S,) ids, or a slice for a contiguous run) -> (S, Hkv, D) each, dequantized to
+        the storage dtype."""
         if self.bits is None:
             return self.k[layer][slots], self.v[layer][slots]
 
@@ -179,7 +180,8 @@ class PagedDecodeView:
     """What a model layer sees of the paged cache during one decode step of B sequences (one token each)."""
 
     def __init__(self, storage: PagedKVStorage, layer: int, offset: mx.array | int, new_slots: mx.array,
-                 block_tables: mx.array, seq_lens: mx.array, max_seq_len: int, all_slots: mx.array | None = None):
+                 block_tables: mx.array, seq_lens: mx.array, max_seq_len: int,
+                 all_slots: mx.array | slice | None = None):
         self.storage, self.layer, self.offset = storage, layer, offset  # offset: (B,) positions of the new tokens
         self.new_slots, self.block_tables, self.seq_lens = new_slots, block_tables, seq_lens  # (B,), (B, nb), (B,)
         self.max_seq_len = max_seq_len
@@ -190,8 +192,9 @@ class PagedDecodeView:
         B, Hq, _, D = q.shape
         self.storage.write(self.layer, self.new_slots, k[:, :, 0, :], v[:, :, 0, :])
         if self.all_slots is not None:
-            # one sequence on MLX's CPU backend: gathering its slots for the fused SDPA took 234 us a layer
-            # against 260 us for the kernel's reference path (masking, grouping) at 160 tokens of SmolLM2
+            # one sequence on MLX's CPU backend: its slots for the fused SDPA, a slice when its blocks are
+            # one run in the pool (no copy, as mlx-lm's contiguous buffer), else a gather (234 us a layer
+            # against 260 us for the kernel's reference path at 160 tokens of SmolLM2)
             keys, values = self.storage.gather(self.layer, self.all_slots)  # (S, Hkv, D)
             return mx.fast.scaled_dot_product_attention(q, keys.transpose(1, 0, 2)[None].astype(q.dtype),
                                                         values.transpose(1, 0, 2)[None].astype(q.dtype),
