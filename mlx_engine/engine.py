@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -15,7 +15,6 @@ from mlx_engine.api import (
     GenerationEvent,
     GenerationRequest,
     ModelInfo,
-    RequestError,
     RooflineError,
 )
 
@@ -242,9 +241,4 @@ class _Closed:
         pass
 
 
-def iterate_text(stream: Iterator[GenerationEvent]) -> str:
-    """Concatenated text of a stream (a convenience for scripts and tests)."""
-    return "".join(e.text for e in stream)
-
-
-__all__ = ["Engine", "GenerationStream", "RequestError", "iterate_text"]
+__all__ = ["Engine", "GenerationStream"]

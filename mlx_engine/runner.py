@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import numpy as np
 
 from mlx_engine.api import (
-    GenerationEvent,
     GenerationRequest,
     ModelInfo,
     RequestError,
     RooflineError,
     SamplingParams,
-    Stats,
-    TokenLogprob,
-    Usage,
 )
 from mlx_engine.loading import load_checkpoint
 from mlx_engine.models import BuiltModel, build_model, count_parameters
-from mlx_engine.stop import StopStringMatcher
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -90,7 +85,7 @@ class Runner:
             if not isinstance(max_context, int) or max_context < 2:
                 raise RooflineError(f"max_context={max_context!r}: expected an integer >= 2")
             context = min(context, max_context)
-        params = dict(_flatten(built.model.parameters()))
+        params = dict(tree_flatten(built.model.parameters()))
         notes = () if built.native else (
             f"{built.model_type!r} runs on mlx-lm's model class: generation works; paged KV, prefix caching "
             "and speculative decoding may be unavailable",
@@ -414,9 +409,3 @@ def _decode_shape(config: dict[str, Any], params: dict[str, mx.array], dtype: mx
         "head_dim": int(config.get("head_dim") or int(config.get("hidden_size") or 0) // heads),
         "kv_itemsize": dtype.size,
     }
-
-
-def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, mx.array]]:
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(tree)

@@ -7,7 +7,6 @@ these run natively without dequantizing. k-quants are refused here (a kernel in 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
