@@ -21,10 +21,25 @@ def steps(engine: Engine, ids: list[int], n: int = 10) -> tuple[list[int], np.nd
     return [lp.token_id for lp in lps], np.array([[list(t) for t in lp.top] for lp in lps])
 
 
+@pytest.fixture(params=["head-major", "token-major"])
+def layout(request, monkeypatch) -> str:
+    """The CPU pools are head-major; Metal's kernel reads token-major: run both layouts here."""
+    if request.param == "token-major":
+        import mlx_engine.kv.paged as paged
+
+        init = paged.PagedKVStorage.__init__
+
+        def token_major(self, *args, **kwargs):
+            init(self, *args, **{**kwargs, "head_major": False})
+
+        monkeypatch.setattr(paged.PagedKVStorage, "__init__", token_major)
+    return request.param
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1)], ids=["mha", "gqa2", "gqa8"])
 def test_paged_equals_contiguous_across_chunked_prefill_and_decode(tmp_path: Path, block_size: int,
-                                                                     heads: tuple[int, int]) -> None:
+                                                                     heads: tuple[int, int], layout: str) -> None:
     folder = random_llama_folder(tmp_path / "m", num_heads=heads[0], num_kv_heads=heads[1])
     with Engine.load(str(folder), paged_kv=False) as ref:
         want_tokens, want = steps(ref, PROMPT)
@@ -50,7 +65,7 @@ def test_prefix_hit_reuses_blocks_and_counts_them(tmp_path: Path) -> None:
         assert s2["num_hit_tokens"] == 48 and 0 < s2["hit_rate"] < 1
 
 
-def test_quantized_kv_error_shrinks_with_bits(tmp_path: Path) -> None:
+def test_quantized_kv_error_shrinks_with_bits(tmp_path: Path, layout: str) -> None:
     """The kernels' own tests prove the quantized attention exact against its reference; here the engine
     wiring: 8-bit KV moves the first step's log-probabilities less than 4-bit, both a little."""
     folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
@@ -99,7 +114,7 @@ def test_request_that_cannot_fit_the_budget_states_bytes(tmp_path: Path) -> None
         assert events[-1].finish_reason == "length"
 
 
-def test_save_restore_round_trips_bit_exactly(tmp_path: Path) -> None:
+def test_save_restore_round_trips_bit_exactly(tmp_path: Path, layout: str) -> None:
     folder = random_llama_folder(tmp_path / "m")
     path = str(tmp_path / "chat.kv.safetensors")
     with Engine.load(str(folder)) as a:
@@ -126,8 +141,9 @@ def test_save_restore_round_trips_bit_exactly(tmp_path: Path) -> None:
             ids.append(mgr.pool.get_cached_block(parent, history[i * 16:(i + 1) * 16]).block_id)
         slots = mx.array([i * 16 + j for i in ids for j in range(16)])
         for layer in range(2):
-            assert mx.array_equal(b._runner.cache.storage.k[layer][slots], got[f"k.{layer}"]).item()
-            assert mx.array_equal(b._runner.cache.storage.v[layer][slots], got[f"v.{layer}"]).item()
+            st = b._runner.cache.storage
+            assert mx.array_equal(st.read_slots(st.k[layer], slots), got[f"k.{layer}"]).item()
+            assert mx.array_equal(st.read_slots(st.v[layer], slots), got[f"v.{layer}"]).item()
     del storage, saved_slots
     with Engine.load(str(folder), paged_kv=False) as ref:
         want_tokens, _ = steps(ref, history + [5], 3)

@@ -39,12 +39,18 @@ def alone(folder: Path, prompt: list[int], p: SamplingParams) -> tuple[list[int]
         return tokens, lps
 
 
-def test_concurrent_requests_equal_sequential_runs(folder: Path) -> None:
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "token-major"])
+def test_concurrent_requests_equal_sequential_runs(folder: Path, head_major: bool, monkeypatch) -> None:
     """Six requests submitted at once (greedy and seeded sampling, different lengths) are batched; each gets
     the tokens and log-probabilities it gets alone."""
     ps = [params(), params(max_tokens=5), params(temperature=1.0, seed=3), params(), params(max_tokens=20),
           params(temperature=0.8, top_k=20, seed=11)]
     want = [alone(folder, pr, p) for pr, p in zip(PROMPTS, ps)]
+    import mlx_engine.kv.paged as paged
+
+    init = paged.PagedKVStorage.__init__
+    monkeypatch.setattr(paged.PagedKVStorage, "__init__",
+                        lambda self, *a, **kw: init(self, *a, **{**kw, "head_major": head_major}))
     with Engine.load(str(folder), prefix_caching=False, prefill_chunk_size=16) as e:
         streams = [e.generate(GenerationRequest(prompt_token_ids=pr, sampling=p)) for pr, p in zip(PROMPTS, ps)]
         got = [collect(s) for s in streams]

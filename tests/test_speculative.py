@@ -264,7 +264,7 @@ def test_rollback_leaves_the_kv_of_a_fresh_run(models, paged: bool, mode: str) -
     for layer, c in enumerate(fresh):
         want_k, want_v = c.keys[0, :, : len(tokens)], c.values[0, :, : len(tokens)]  # (Hkv, S, D)
         if paged:
-            k, v = (a.transpose(1, 0, 2) for a in cache.storage.gather(layer, slots))
+            k, v = cache.storage.gather(layer, slots)  # (Hkv, S, D)
         else:
             held = cache._layers[layer]
             assert held.offset == len(tokens)

@@ -277,7 +277,7 @@ def save_blocks(cache: PagedCache, path: str, token_ids: list[int], fingerprint:
         per_layer = getattr(st, name)
         if per_layer is not None:
             for layer, a in enumerate(per_layer):
-                arrays[f"{name}.{layer}"] = a[slots]
+                arrays[f"{name}.{layer}"] = st.read_slots(a, slots)  # token-major in the file, any layout here
     meta = {"format": KV_FILE_FORMAT, "fingerprint": fingerprint.hex(), "block_size": str(bs),
             "kv_bits": str(st.bits or 0), "kv_group_size": str(st.group_size), "dtype": str(st.dtype),
             "num_tokens": str(n), "tokens": json.dumps(token_ids[:n])}
@@ -319,9 +319,10 @@ def restore_blocks(cache: PagedCache, path: str, fingerprint: bytes) -> list[int
     for name in names:
         for layer, pool in enumerate(getattr(st, name)):
             a = arrays.get(f"{name}.{layer}")
-            if a is None or a.shape != (n, *pool.shape[1:]) or a.dtype != pool.dtype or len(tokens) != n:
+            want = (n, st.num_kv_heads, pool.shape[-1])
+            if a is None or a.shape != want or a.dtype != pool.dtype or len(tokens) != n:
                 raise KVRestoreError(f"saved KV refused: {path}: tensor {name}.{layer} is missing or has the wrong "
-                                     f"shape (expected {(n, *pool.shape[1:])} {pool.dtype})")
+                                     f"shape (expected {want} {pool.dtype})")
     cache.check_fits(n)
     req = f"restore-{id(arrays)}"
     mgr = cache.manager
@@ -331,8 +332,8 @@ def restore_blocks(cache: PagedCache, path: str, fingerprint: bytes) -> list[int
     cache._copy_pending()
     slots = mx.array(mgr.slot_mapping(req, 0, n), dtype=mx.int32)
     for name in names:
-        for layer, pool in enumerate(getattr(st, name)):
-            pool[slots] = arrays[f"{name}.{layer}"]
+        for layer in range(st.num_layers):
+            st._put(getattr(st, name), layer, slots, arrays[f"{name}.{layer}"])
     mx.eval(st.arrays())
     mgr.free(req)
     return tokens
