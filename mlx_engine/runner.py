@@ -242,9 +242,9 @@ class Runner:
     # --- MLX work (engine thread) ---
 
     def _fresh_contiguous(self) -> list[Any]:
-        from mlx_lm.models.cache import KVCache, make_prompt_cache
+        from mlx_engine.kv.cache import new_contiguous_layers
 
-        return [KVCache() for _ in self.model.layers] if self.native else make_prompt_cache(self.model)
+        return new_contiguous_layers(self.model, self.native)
 
     def forward(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         """inputs (B, L) -> hidden states (native) or logits (mlx-lm classes), lazily."""

@@ -11,7 +11,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, ProgressBar, Static
 
 from app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
-from app.tui.reply import ReplyRunner, model_messages
+from app.tui.reply import Generation, ReplyRunner, model_messages
 from app.tui.screens.settings import SettingsScreen
 from app.tui.store import Chat, ChatSettings
 from app.tui.widgets.messages import MessageView

@@ -63,6 +63,13 @@ def available_memory_bytes(weight_bytes: int) -> int:
         return 4 * 2**30
 
 
+def new_contiguous_layers(model: Any, native: bool) -> list[Any]:
+    """Empty per-layer buffers: mlx-lm's KVCache for our models, its own cache objects for its classes."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    return [KVCache() for _ in model.layers] if native else make_prompt_cache(model)
+
+
 class PagedCache:
     def __init__(self, storage: PagedKVStorage, manager: KVCacheManager, num_layers: int):
         self.storage, self.manager, self.num_layers = storage, manager, num_layers
@@ -191,9 +198,7 @@ class ContiguousCache:
         self.num_queried = self.num_hit = 0
 
     def _new(self) -> list[Any]:
-        from mlx_lm.models.cache import KVCache, make_prompt_cache
-
-        return [KVCache() for _ in self.model.layers] if self.native else make_prompt_cache(self.model)
+        return new_contiguous_layers(self.model, self.native)
 
     def _trim(self, n: int) -> bool:
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
