@@ -67,23 +67,28 @@ def test_prefix_hit_reuses_blocks_and_counts_them(tmp_path: Path) -> None:
 
 def test_quantized_kv_error_shrinks_with_bits(tmp_path: Path, layout: str) -> None:
     """The kernels' own tests prove the quantized attention exact against its reference; here the engine
-    wiring: 8-bit KV moves the first step's log-probabilities less than 4-bit, both a little."""
+    wiring: 8-bit KV moves the first step's log-probabilities less than 4-bit, both a little. A random
+    model's attention is sharp, so one prompt's error is noisy: the mean over four prompts is compared."""
     folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
+    prompts = [PROMPT] + [[(11 * i + 5 * s + 1) % 120 + 5 for i in range(40)] for s in range(3)]
     with Engine.load(str(folder), paged_kv=False) as ref:
-        want_tokens, want = steps(ref, PROMPT, 1)
-    ref_lp = dict(zip(want[0, :, 0].astype(int), want[0, :, 1]))
+        wanted = [steps(ref, p, 1) for p in prompts]
     err = {}
     for bits in (8, 4):
+        errs = []
         with Engine.load(str(folder), kv_bits=bits, kv_group_size=32) as e:
             assert e.kv_stats()["kv_bits"] == bits
-            tokens, lps = steps(e, PROMPT, 1)
-            got = dict(zip(lps[0, :, 0].astype(int), lps[0, :, 1]))
-            common = [t for t in want[0, :5, 0].astype(int) if t in got]
-            err[bits] = max(abs(got[t] - ref_lp[t]) for t in common)
-            if bits == 8:
-                assert tokens == want_tokens
-    assert 0 < err[8] < err[4], err
-    assert err[8] < 0.15 and err[4] < 1.0, err
+            for p, (want_tokens, want) in zip(prompts, wanted):
+                tokens, lps = steps(e, p, 1)
+                got = dict(zip(lps[0, :, 0].astype(int), lps[0, :, 1]))
+                ref_lp = dict(zip(want[0, :, 0].astype(int), want[0, :, 1]))
+                errs.append(max(abs(got[t] - ref_lp[t]) for t in want[0, :5, 0].astype(int) if t in got))
+                if bits == 8:
+                    assert tokens == want_tokens
+        err[bits] = float(np.mean(errs))
+    # measured (both layouts): 8-bit 0.10, 4-bit 1.44
+    assert 0 < err[8] < err[4] / 3, err
+    assert err[8] < 0.2 and err[4] < 2.5, err
 
 
 def test_budget_smaller_than_one_block_is_refused(tmp_path: Path) -> None:
@@ -200,3 +205,50 @@ def test_pool_memory_grows_with_use_and_numbers_stay_exact(tmp_path: Path, monke
         s1 = e.kv_stats()
         assert s1["bytes_total"] == 6 * s1["bytes_per_block"]
     assert tokens == want_tokens and float(np.abs(lps[..., 1] - want[..., 1]).max()) <= 1e-5
+
+
+def test_hadamard_is_orthonormal() -> None:
+    import mlx.core as mx
+
+    from mlx_engine.kv.paged import hadamard
+
+    for n in (1, 2, 16, 64, 128):
+        h = np.array(hadamard(n))
+        np.testing.assert_allclose(h @ h.T, np.eye(n), atol=1e-6)
+        assert set(np.unique(np.abs(h) * np.sqrt(n)).round(6)) == {1.0}
+    assert mx.array(hadamard(4)).shape == (4, 4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rotated_quantized_keys_keep_scores_and_beat_plain_on_outlier_channels(bits: int) -> None:
+    """Keys with one outlier RoPE pair (channels 5 and 37 of a 64-dim head: a large, steady norm whose phase
+    turns with the position, as in SmolLM2's keys): the rotated storage's scores q . k are
+    closer (about 2x here) to the float scores than the same keys quantized unrotated."""
+    import mlx.core as mx
+
+    from mlx_engine.kv.paged import PagedKVStorage
+
+    rng = np.random.default_rng(0)
+    n, hkv, d = 64, 2, 64
+    k = rng.normal(size=(n, hkv, d)).astype(np.float32)
+    phase = 0.3 * np.arange(n)[:, None]
+    k[:, :, 5] += 30.0 * np.cos(phase)
+    k[:, :, 37] += 30.0 * np.sin(phase)
+    v = rng.normal(size=(n, hkv, d)).astype(np.float32)
+    q = rng.normal(size=(hkv, d)).astype(np.float32)
+    exact = np.einsum("hd,nhd->hn", q, k)
+    slots = mx.arange(n, dtype=mx.int32)
+    errors = {}
+    for rotated in (True, False):
+        st = PagedKVStorage(1, 8, 16, hkv, d, mx.float32, bits=bits, group_size=32)
+        if not rotated:
+            st.key_rotation = None
+        st.write(0, slots, mx.array(k), mx.array(v))
+        keys, values = st.gather(0, slots)  # (Hkv, n, D)
+        got = np.einsum("hd,hnd->hn", np.array(st.rotate(mx.array(q))), np.array(keys))
+        errors[rotated] = np.abs(got - exact).max()
+        # values are never rotated
+        np.testing.assert_allclose(np.array(values).transpose(1, 0, 2), v, atol=0.5 if bits == 4 else 0.03)
+    # measured: 4-bit 3.76 vs 8.78, 8-bit 0.26 vs 0.47, on scores up to 64
+    assert errors[True] < errors[False] / 1.7, errors
+    assert errors[True] < (0.07 if bits == 4 else 0.005) * np.abs(exact).max(), errors

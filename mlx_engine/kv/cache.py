@@ -265,6 +265,11 @@ class KVRestoreError(RooflineError):
     """A saved KV file that cannot be used here (another model, another layout, corrupt)."""
 
 
+def _rotation_name(storage: PagedKVStorage) -> str:
+    """How stored keys are rotated (files written before rotation existed say nothing: 'none')."""
+    return "none" if storage.key_rotation is None else "hadamard"
+
+
 def save_blocks(cache: PagedCache, path: str, token_ids: list[int], fingerprint: bytes) -> int:
     """Writes the cached full blocks that cover the longest prefix of `token_ids` (K/V of every layer, the
     tokens and the model fingerprint) to a safetensors file. Returns the number of tokens saved."""
@@ -285,6 +290,7 @@ def save_blocks(cache: PagedCache, path: str, token_ids: list[int], fingerprint:
                 arrays[f"{name}.{layer}"] = st.read_slots(a, slots)  # token-major in the file, any layout here
     meta = {"format": KV_FILE_FORMAT, "fingerprint": fingerprint.hex(), "block_size": str(bs),
             "kv_bits": str(st.bits or 0), "kv_group_size": str(st.group_size), "dtype": str(st.dtype),
+            "key_rotation": _rotation_name(st),
             "num_tokens": str(n), "tokens": json.dumps(token_ids[:n])}
     mx.save_safetensors(path, arrays, metadata=meta)
     return n
@@ -311,9 +317,10 @@ def restore_blocks(cache: PagedCache, path: str, fingerprint: bytes) -> list[int
     if meta.get("fingerprint") != fingerprint.hex():
         raise KVRestoreError(f"saved KV refused: {path} was made by another model or dtype (fingerprint differs)")
     st = cache.storage
-    want = {"block_size": str(cache.block_size), "kv_bits": str(st.bits or 0), "kv_group_size": str(st.group_size)}
+    want = {"block_size": str(cache.block_size), "kv_bits": str(st.bits or 0), "kv_group_size": str(st.group_size),
+            "key_rotation": _rotation_name(st)}
     for key, value in want.items():
-        if meta.get(key) != value:
+        if meta.get(key, "none" if key == "key_rotation" else None) != value:
             raise KVRestoreError(f"saved KV refused: {path} has {key}={meta.get(key)}, this engine uses {value}")
     try:
         tokens = [int(t) for t in json.loads(meta["tokens"])]

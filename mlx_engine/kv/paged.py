@@ -21,6 +21,14 @@ SUPPORTED_GROUP_SIZES = (32, 64)
 INITIAL_BLOCKS = 8
 
 
+def hadamard(n: int) -> mx.array:
+    """The orthonormal Walsh-Hadamard matrix of order n (a power of two), float32: H @ H.T = I."""
+    h = mx.ones((1, 1))
+    while h.shape[0] < n:
+        h = mx.concatenate([mx.concatenate([h, h], axis=1), mx.concatenate([h, -h], axis=1)], axis=0)
+    return h / (n ** 0.5)
+
+
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int,
                     bits: int | None = None, group_size: int = 64) -> int:
     """K and V of one block across all layers."""
@@ -49,6 +57,12 @@ class PagedKVStorage:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.bits, self.group_size = bits, group_size
+        # Quantized keys are stored rotated by an orthonormal Hadamard matrix (QuaRot's trick): a few key
+        # channels carry outliers (RoPE pairs of large norm), which wreck a 4-bit group's scale; the rotation
+        # spreads every channel's energy over the whole head, and q . k is unchanged when q is rotated too
+        # (`rotate`). Measured on SmolLM2 in docs/benchmarks.md (bench/kv.py, figure 4).
+        self.key_rotation = (hadamard(head_dim).astype(dtype)
+                             if bits is not None and head_dim & (head_dim - 1) == 0 else None)
         # Layout of every pool array: token-major (slots, Hkv, last) is what the Metal kernel reads;
         # head-major (Hkv, slots, last) lets MLX's CPU SDPA read a sequence's run of slots in place
         # (4K tokens of SmolLM2: 2.8 ms a layer, as a contiguous buffer, against 5.5 ms token-major).
@@ -126,11 +140,15 @@ class PagedKVStorage:
             self._put(self.k, layer, slots, k.astype(self.dtype))
             self._put(self.v, layer, slots, v.astype(self.dtype))
             return
-        kq, ks, kb = self._quantize(k)
+        kq, ks, kb = self._quantize(self.rotate(k))
         vq, vs, vb = self._quantize(v)
         for arrays, x in ((self.k, kq), (self.k_scales, ks), (self.k_biases, kb), (self.v, vq),
                           (self.v_scales, vs), (self.v_biases, vb)):
             self._put(arrays, layer, slots, x)
+
+    def rotate(self, x: mx.array) -> mx.array:
+        """Keys, or queries, into the basis the quantized keys are stored in (last axis = head dim)."""
+        return x if self.key_rotation is None else x @ self.key_rotation.astype(x.dtype)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's slots -> block dst's slots, in every layer."""
@@ -149,7 +167,8 @@ class PagedKVStorage:
 
     def gather(self, layer: int, slots: mx.array | slice) -> tuple[mx.array, mx.array]:
         """K, V at `slots` ((S,) ids, or a slice for a contiguous run) -> head-major (Hkv, S, D) each,
-        dequantized to the storage dtype (a view of the pool for a head-major slice)."""
+        dequantized to the storage dtype (a view of the pool for a head-major slice). Quantized keys come
+        back rotated: attend with `rotate(q)`."""
 
         def take(a: mx.array) -> mx.array:
             return a[:, slots] if self.head_major else a[slots].swapaxes(0, 1)
@@ -216,7 +235,7 @@ class PagedPrefillView:
         keys, values = self.storage.gather(self.layer, self.all_slots)  # (Hkv, S, D)
         keys, values = keys[None].astype(q.dtype), values[None].astype(q.dtype)  # (1, Hkv, S, D)
         # "causal" aligns the L queries with the last L of the S keys
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask="causal")
+        return mx.fast.scaled_dot_product_attention(self.storage.rotate(q), keys, values, scale=scale, mask="causal")
 
 
 class PagedDecodeView:
@@ -234,6 +253,7 @@ class PagedDecodeView:
         """q (B, Hq, 1, D), k/v (B, Hkv, 1, D) after rope -> (B, Hq, 1, D); writes k/v to the pool."""
         B, Hq, _, D = q.shape
         self.storage.write(self.layer, self.new_slots, k[:, :, 0, :], v[:, :, 0, :])
+        q = self.storage.rotate(q)
         if self.all_slots is not None:
             # one sequence on MLX's CPU backend: its slots straight into the fused SDPA, a slice of the
             # head-major pool when its blocks are one run (read in place, as mlx-lm's contiguous buffer)
