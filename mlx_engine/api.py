@@ -188,3 +188,5 @@ class ModelInfo:
     dtype: str  # activation dtype in use
     eos_token_ids: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
+    backend: str = "mlx"  # the model runner: "mlx" or "torch"
+    device: str = "cpu"  # where it runs: "metal", "cpu" or "cuda"

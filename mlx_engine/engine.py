@@ -21,6 +21,9 @@ from mlx_engine.api import (
 T = TypeVar("T")
 
 LOAD_OPTIONS = {
+    "backend": "the model runner: 'mlx' (default; Metal or MLX's CPU backend) or 'torch' (CUDA or CPU; the "
+    "optional extra `torch`)",
+    "device": "'auto' (default), 'cpu' or 'cuda' (cuda: backend='torch' only)",
     "dtype": "activation dtype: 'float32', 'float16' or 'bfloat16' (default: float32 on MLX's CPU backend, "
     "the checkpoint's on Metal)",
     "prefill_chunk_size": "tokens per prefill step (default 512)",
@@ -154,12 +157,11 @@ class Engine:
         if unknown:
             known = "; ".join(f"{k}: {v}" for k, v in LOAD_OPTIONS.items())
             raise RooflineError(f"unknown Engine.load option(s) {', '.join(unknown)}. Known options: {known}")
-        from mlx_engine.runner import Runner
-
+        from mlx_engine.backends import load_runner
         from mlx_engine.scheduler import Scheduler
 
         thread = engine_thread()
-        runner = thread.call(lambda: Runner.load(model, **options))
+        runner = thread.call(lambda: load_runner(model, **options))
         engine = cls(thread, runner, runner.info)
         engine._scheduler = Scheduler(runner)
         thread.register(engine._scheduler)
@@ -184,6 +186,12 @@ class Engine:
         """float32 logits (T, vocab) of one forward pass over `token_ids` from an empty cache."""
         ids = self._runner.check_context(self._runner.check_ids(list(token_ids)))
         return self._thread.call(lambda: self._runner.forward_logits(ids))
+
+    def hidden_states(self, token_ids: list[int]) -> list[np.ndarray]:
+        """float32 hidden states of one forward pass over `token_ids` from an empty cache: the embedding
+        output, then each decoder layer's output, each (T, hidden)."""
+        ids = self._runner.check_context(self._runner.check_ids(list(token_ids)))
+        return self._thread.call(lambda: self._runner.hidden_states(ids))
 
     def decode_bytes_per_token(self, context_tokens: int) -> int:
         """Bytes one decode step reads at this context length: weights (the embedding table only when

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +23,8 @@ def test_front_ends_import_no_mlx_or_torch() -> None:
 
 
 @pytest.mark.parametrize("module", ["mlx_engine.engine", "mlx_engine.runner", "mlx_engine.loading",
-                                    "mlx_engine.tokenizer", "mlx_engine.sampling"])
+                                    "mlx_engine.tokenizer", "mlx_engine.sampling", "mlx_engine.scheduler",
+                                    "mlx_engine.speculative", "mlx_engine.backends"])
 def test_engine_never_imports_textual_or_app(module: str) -> None:
     mods = imported_after(f"import {module}")
     assert not {"textual", "app", "torch"} & mods
@@ -30,3 +33,14 @@ def test_engine_never_imports_textual_or_app(module: str) -> None:
 def test_kernels_never_import_the_engine() -> None:
     mods = imported_after("import kernels_metal")
     assert "mlx_engine" not in mods and "app" not in mods
+
+
+def test_only_the_torch_backend_imports_torch() -> None:
+    """torch (and triton) is an optional extra: only mlx_engine/backends/torch/ may import it."""
+    root = Path(__file__).resolve().parent.parent
+    allowed = root / "mlx_engine" / "backends" / "torch"
+    pattern = re.compile(r"^\s*(import|from)\s+(torch|triton)\b", re.MULTILINE)
+    offenders = [str(f.relative_to(root)) for folder in ("mlx_engine", "app", "kernels_metal")
+                 for f in sorted((root / folder).rglob("*.py"))
+                 if allowed not in f.parents and pattern.search(f.read_text())]
+    assert not offenders, offenders

@@ -1,0 +1,52 @@
+"""Backends: the model runner under the shared engine. "mlx" (Metal or MLX's CPU backend) is built in;
+"torch" (CUDA or CPU) is an optional extra, imported only when asked for."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mlx_engine.api import RooflineError
+
+BACKENDS = ("mlx", "torch")
+DEVICES = ("auto", "cpu", "cuda")
+TORCH_EXTRA_HINT = "the torch backend needs the optional extra: `uv sync --extra torch` or `pip install 'roofline[torch]'`"
+
+
+def _check(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise RooflineError(f"{name}={value!r}: expected one of {', '.join(map(repr, allowed))}")
+
+
+def import_torch_backend() -> Any:
+    """The mlx_engine.backends.torch package, or a RooflineError naming the extra when torch is missing."""
+    import importlib
+
+    try:
+        importlib.import_module("torch")  # a presence probe: only backends/torch uses it
+    except ImportError as e:
+        raise RooflineError(f"{TORCH_EXTRA_HINT} ({e})") from None
+    from mlx_engine.backends import torch as torch_backend
+
+    return torch_backend
+
+
+def load_runner(model: str | None, backend: str = "mlx", device: str = "auto", **options: Any) -> Any:
+    """The runner of `backend` on `device` (on the engine thread): mlx_engine.runner.Runner or TorchRunner."""
+    _check("backend", backend, BACKENDS)
+    _check("device", device, DEVICES)
+    if backend == "torch":
+        return import_torch_backend().TorchRunner.load(model, device=device, **options)
+    import mlx.core as mx
+
+    from mlx_engine.runner import Runner
+
+    if device == "cuda":
+        raise RooflineError("device='cuda' needs backend='torch': the MLX backend runs on Metal or the CPU")
+    metal = mx.metal.is_available()
+    if device == "cpu" and metal:
+        raise RooflineError("device='cpu' with backend='mlx' on a Mac is not supported (the engine picks Metal); "
+                            "use device='auto', or backend='torch' with device='cpu'")
+    runner = Runner.load(model, **options)
+    runner.info = dataclasses.replace(runner.info, backend="mlx", device="metal" if metal else "cpu")
+    return runner

@@ -1,0 +1,232 @@
+"""Paged KV in torch tensors under the shared block bookkeeping (`KVCacheManager`, `BlockPool`, unchanged).
+
+Every layer's K and V are token-major pools (num_slots, Hkv, D), slot = block_id * block_size + offset,
+the layout `triton_kernels.paged_decode_attention` reads. Views are what a model layer sees of the cache
+in one forward: they give the new tokens' positions and do attention, writing the new K/V first.
+Two attention paths with one contract: the reference (gather the sequence's slots, torch SDPA with a
+causal or padding mask), used on the CPU and for prefill; the Triton paged decode kernel on CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mlx_engine.api import RooflineError
+from mlx_engine.backends.torch.model import causal_attention
+from mlx_engine.kv.block_pool import BlockPool
+from mlx_engine.kv.cache import (
+    DEFAULT_MEMORY_FRACTION,
+    KVBudgetError,
+    KVConfig,
+    PagedCache,
+    available_memory_bytes,
+)
+from mlx_engine.kv.manager import KVCacheManager, cdiv
+
+INITIAL_BLOCKS = 8
+
+
+class TorchKVStorage:
+    bits = None  # unquantized (kv_bits is refused on this backend)
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, use_kernel: bool = False):
+        self.use_kernel = use_kernel  # decode through triton_kernels.paged_decode_attention (CUDA)
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
+        self.capacity = 0  # blocks addressable now; grows by doubling up to num_blocks as block ids are used
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.ensure_capacity(min(num_blocks, INITIAL_BLOCKS))
+
+    def ensure_capacity(self, num_blocks: int) -> None:
+        if num_blocks <= self.capacity:
+            return
+        new = min(self.num_blocks, max(num_blocks, 2 * self.capacity))
+        extra = torch.zeros((new - self.capacity) * self.block_size, self.num_kv_heads, self.head_dim,
+                            dtype=self.dtype, device=self.device)
+        for pools in (self.k, self.v):
+            for layer in range(self.num_layers):
+                if len(pools) <= layer:
+                    pools.append(extra.clone())
+                else:
+                    pools[layer] = torch.cat([pools[layer], extra])
+        self.capacity = new
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots (N,) int64; k, v (N, Hkv, D)."""
+        self.k[layer][slots] = k.to(self.dtype)
+        self.v[layer][slots] = v.to(self.dtype)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src's slots -> block dst's slots, in every layer."""
+        bs = self.block_size
+        src = torch.tensor([s * bs + i for s, _ in pairs for i in range(bs)], device=self.device)
+        dst = torch.tensor([d * bs + i for _, d in pairs for i in range(bs)], device=self.device)
+        for pools in (self.k, self.v):
+            for pool in pools:
+                pool[dst] = pool[src]
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots (..., S) -> K, V (..., Hkv, S, D)."""
+        return self.k[layer][slots].transpose(-3, -2), self.v[layer][slots].transpose(-3, -2)
+
+
+class PrefillView:
+    """One layer's view for a prefill chunk (or a speculative verify) over positions [offset, offset + L)."""
+
+    def __init__(self, storage: TorchKVStorage, layer: int, offset: int, new_slots: torch.Tensor,
+                 all_slots: torch.Tensor):
+        self.storage, self.layer, self.offset = storage, layer, offset
+        self.new_slots, self.all_slots = new_slots, all_slots  # (L,), (offset + L,)
+
+    def positions(self, B: int, L: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(self.offset, self.offset + L, device=device).expand(B, L)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q (1, Hq, L, D), k/v (1, Hkv, L, D) after rope -> (1, Hq, L, D)."""
+        self.storage.write(self.layer, self.new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        keys, values = self.storage.gather(self.layer, self.all_slots)  # (Hkv, S, D)
+        return causal_attention(q, keys[None].to(q.dtype), values[None].to(q.dtype), self.offset, scale)
+
+
+class DecodeStep:
+    """What every layer's view shares in one decode step of B sequences (one new token each)."""
+
+    def __init__(self, storage: TorchKVStorage, positions: list[int], new_slots: list[int], tables: list[list[int]]):
+        dev, bs = storage.device, storage.block_size
+        self.storage = storage
+        self.positions = torch.tensor(positions, device=dev)[:, None]  # (B, 1)
+        self.new_slots = torch.tensor(new_slots, device=dev)  # (B,)
+        width = max(len(t) for t in tables)
+        self.block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                         device=dev)  # (B, nb)
+        self.seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=dev)  # (B,)
+        self.use_kernel = storage.use_kernel
+        if not self.use_kernel:  # the reference: every sequence's slots, padded to the longest
+            S = max(positions) + 1
+            slots = self.block_tables.long()[:, :, None] * bs + torch.arange(bs, device=dev)  # (B, nb, bs)
+            self.slots = slots.flatten(1)[:, :S]  # (B, S)
+            self.mask = None
+            if len(positions) > 1:
+                self.mask = (torch.arange(S, device=dev)[None, :] < self.seq_lens[:, None])[:, None, None, :]
+
+
+class DecodeView:
+    def __init__(self, step: DecodeStep, layer: int):
+        self.step, self.layer = step, layer
+
+    def positions(self, B: int, L: int, device: torch.device) -> torch.Tensor:
+        return self.step.positions
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q (B, Hq, 1, D), k/v (B, Hkv, 1, D) after rope -> (B, Hq, 1, D)."""
+        st, storage = self.step, self.step.storage
+        storage.write(self.layer, st.new_slots, k[:, :, 0], v[:, :, 0])
+        if st.use_kernel:
+            from mlx_engine.backends.torch import triton_kernels
+
+            out = triton_kernels.paged_decode_attention(q[:, :, 0], storage.k[self.layer], storage.v[self.layer],
+                                                        st.block_tables, st.seq_lens, scale, storage.block_size)
+            return out[:, :, None]
+        keys, values = storage.gather(self.layer, st.slots)  # (B, Hkv, S, D)
+        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=st.mask,
+                                              scale=scale, enable_gqa=True)
+
+
+class TorchPagedCache(PagedCache):
+    """PagedCache's bookkeeping (start, record, finish, drop, stats, copy-on-write) over torch storage."""
+
+    @classmethod
+    def create_torch(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                     device: torch.device, context_length: int, weight_bytes: int, config: KVConfig,
+                     model_id: bytes, use_kernel: bool = False) -> TorchPagedCache:
+        from mlx_engine.kv.paged import bytes_per_block
+
+        config.validate(head_dim)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        per_block = bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim, itemsize)
+        budget = config.kv_budget_bytes
+        if budget is None:
+            if device.type == "cuda":  # a server GPU: room for many sequences, within half the free memory
+                budget = int(torch.cuda.mem_get_info(device)[0] * DEFAULT_MEMORY_FRACTION)
+            else:  # one full context plus a quarter for cached prefixes, within half the free memory
+                wanted = cdiv(context_length, config.block_size) * per_block * 5 // 4
+                budget = min(wanted, int(available_memory_bytes(weight_bytes) * DEFAULT_MEMORY_FRACTION))
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise RooflineError(f"kv_budget_bytes={budget}: smaller than one KV block ({per_block} bytes for "
+                                f"{config.block_size} tokens across {num_layers} layers)")
+        storage = TorchKVStorage(num_layers, num_blocks, config.block_size, num_kv_heads, head_dim, dtype, device,
+                                 use_kernel)
+        manager = KVCacheManager(BlockPool(num_blocks, enable_caching=config.prefix_caching), config.block_size,
+                                 extra_key=model_id)
+        cache = cls(storage, manager, num_layers)
+        cache.bytes_per_block = per_block
+        return cache
+
+    def prefill_layers(self, req_id: str, start: int, end: int) -> list[PrefillView]:
+        dev = self.storage.device
+        new_slots = torch.tensor(self.manager.slot_mapping(req_id, start, end), device=dev)
+        all_slots = torch.tensor(self.manager.slot_mapping(req_id, 0, end), device=dev)
+        return [PrefillView(self.storage, i, start, new_slots, all_slots) for i in range(self.num_layers)]
+
+    def decode_layers(self, req_ids: list[str], known_ids: list[list[int]]) -> list[DecodeView]:
+        """Sequence b's next token goes at position num_tokens(b), allocated here."""
+        mgr, positions = self.manager, [self.manager.num_tokens(r) for r in req_ids]
+        for req, known in zip(req_ids, known_ids):
+            if mgr.allocate_slots(req, known, 1) is None:
+                raise KVBudgetError(f"the KV pool is full ({self.storage.num_blocks} blocks of {self.block_size})")
+            self._grow(req)
+        self._copy_pending()
+        step = DecodeStep(self.storage, positions, [mgr.slot_mapping(r, p, p + 1)[0] for r, p in zip(req_ids, positions)],
+                          [mgr.block_table(r) for r in req_ids])
+        return [DecodeView(step, i) for i in range(self.num_layers)]
+
+
+class ContiguousLayer:
+    """One layer's K/V of one sequence in a growing buffer (B, Hkv, S, D): for forwards outside the block
+    pool (the speculative cost probe, a draft model). Trimmable, as mlx-lm's KVCache."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.offset = 0
+
+    @property
+    def state(self) -> list[Any]:
+        return []  # nothing for mx.eval: torch work is eager
+
+    def positions(self, B: int, L: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(self.offset, self.offset + L, device=device).expand(B, L)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        L = k.shape[2]
+        end = self.offset + L
+        if self.keys is None or end > self.keys.shape[2]:
+            size = max(end, 2 * (self.keys.shape[2] if self.keys is not None else 128))
+            grown = [k.new_zeros(k.shape[0], k.shape[1], size, k.shape[3]) for _ in range(2)]
+            if self.keys is not None:
+                grown[0][:, :, : self.offset] = self.keys[:, :, : self.offset]
+                grown[1][:, :, : self.offset] = self.values[:, :, : self.offset]
+            self.keys, self.values = grown
+        self.keys[:, :, self.offset:end] = k
+        self.values[:, :, self.offset:end] = v
+        out = causal_attention(q, self.keys[:, :, :end], self.values[:, :, :end], self.offset, scale)
+        self.offset = end
+        return out
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n

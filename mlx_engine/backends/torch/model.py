@@ -1,0 +1,383 @@
+"""The Llama family (llama, mistral, qwen2, qwen3) in PyTorch: the same math as `mlx_engine.models.llama`.
+
+Pure math: state lives in the cache views passed in (`kv.py`). A view gives the positions of the new
+tokens (`positions(B, L)`) and does attention (`attention(q, k, v, scale)`, writing k/v to its storage).
+Weights come from the checkpoint's MLX arrays through numpy. MLX affine-quantized weights (uint32 words
+packed low bits first, per-group scales and biases) stay packed on CUDA, where `triton_kernels.dequant_matmul`
+reads them (bit widths and group sizes it supports; others are dequantized at load); on the CPU they are
+dequantized once at load with `mx.dequantize` itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mlx_engine.api import ModelLoadError
+
+
+@dataclass
+class QuantizedWeight:
+    packed: torch.Tensor  # (out, in * bits / 32) int32
+    scales: torch.Tensor  # (out, in / group_size)
+    biases: torch.Tensor
+    bits: int
+    group_size: int
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> x @ W.T (..., out) through the Triton kernel (CUDA)."""
+        from mlx_engine.backends.torch import triton_kernels
+
+        x2 = x.reshape(-1, x.shape[-1])
+        y = triton_kernels.dequant_matmul(x2, self.packed, self.scales, self.biases, self.bits, self.group_size)
+        return y.reshape(*x.shape[:-1], -1)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows `ids` (an embedding lookup): ids (...) -> (..., in)."""
+        from mlx_engine.backends.torch import triton_kernels
+
+        flat = ids.reshape(-1)
+        w = triton_kernels.dequantize_ref(self.packed[flat], self.scales[flat], self.biases[flat], self.bits,
+                                          self.group_size)
+        return w.reshape(*ids.shape, -1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.biases))
+
+    @property
+    def num_parameters(self) -> int:
+        return self.packed.numel() * 32 // self.bits
+
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+def _nbytes(w: Weight | None) -> int:
+    if w is None:
+        return 0
+    return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
+
+
+class Linear:
+    def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):
+            y = self.weight.matmul(x)
+            return y + self.bias if self.bias is not None else y
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding:
+    def __init__(self, weight: Weight):
+        self.weight = weight
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (B, L) -> (B, L, hidden)."""
+        if isinstance(self.weight, QuantizedWeight):
+            return self.weight.rows(ids)
+        return F.embedding(ids, self.weight)
+
+    def as_linear(self, h: torch.Tensor) -> torch.Tensor:
+        """The tied head: h (..., hidden) -> logits (..., vocab)."""
+        return Linear(self.weight)(h)
+
+
+class RMSNorm:
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight, self.eps = weight, eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # statistics in float32, as mx.fast.rms_norm
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class RoPE:
+    """Rotary embedding as mlx-lm's initialize_rope builds it for the llama family: inverse frequencies
+    (default, linear, dynamic within the context, llama3, yarn, longrope, GGUF frequency factors) and an
+    input scale (yarn's and longrope's mscale)."""
+
+    def __init__(self, head_dim: int, base: float, scaling: dict[str, Any] | None, max_positions: int,
+                 traditional: bool = False, freq_factors: np.ndarray | None = None):
+        self.dims, self.traditional, self.mscale = head_dim, traditional, 1.0
+        exponents = np.arange(0, head_dim, 2, dtype=np.float32) / head_dim
+        freqs = (base ** exponents).astype(np.float32)  # periods / 2pi, as mx.fast.rope's `freqs`
+        scale = 1.0
+        kind = (scaling or {}).get("rope_type", "default")
+        if kind == "linear":
+            scale = 1.0 / scaling["factor"]
+        elif kind == "llama3":
+            freqs = _llama3_freqs(freqs, scaling)
+        elif kind == "yarn":
+            freqs = self._yarn(freqs, base, scaling, head_dim)
+        elif kind == "longrope":
+            freqs = np.asarray(scaling["long_factor"], np.float32) * freqs
+            factor = max_positions / scaling["original_max_position_embeddings"]
+            if factor > 1.0:
+                self.mscale = math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
+        # "dynamic" (NTK) changes the base only past max_position_embeddings, which the context never reaches
+        if freq_factors is not None:
+            freqs = freqs * np.asarray(freq_factors, np.float32)
+        self.inv_freq = torch.from_numpy((scale / freqs).astype(np.float32))  # (D/2,)
+
+    def _yarn(self, freqs: np.ndarray, base: float, s: dict[str, Any], dims: int) -> np.ndarray:
+        factor = s["factor"]
+        original = s.get("original_max_position_embeddings", 4096)
+        beta_fast, beta_slow = s.get("beta_fast", 32), s.get("beta_slow", 1)
+
+        def correction_dim(rotations: float) -> float:
+            return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        def mscale(m: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dims - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dims // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        mask = 1.0 - ramp
+        self.mscale = mscale(s.get("mscale", 1)) / mscale(s.get("mscale_all_dim", 0))
+        inter = factor * freqs
+        return ((inter * freqs) / (inter * mask + freqs * (1 - mask))).astype(np.float32)
+
+    def to(self, device: torch.device) -> RoPE:
+        self.inv_freq = self.inv_freq.to(device)
+        return self
+
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B, L) -> cos, sin (B, 1, L, D/2) float32, shared by every layer of a forward."""
+        a = positions.to(torch.float32)[..., None] * self.inv_freq  # (B, L, D/2)
+        return a.cos()[:, None], a.sin()[:, None]
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (B, H, L, D) -> rotated, in float32 then back to x's dtype."""
+        xf = x.float() * self.mscale if self.mscale != 1.0 else x.float()
+        if self.traditional:  # interleaved pairs (x0, x1), (x2, x3), ...
+            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+            out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+        else:  # halves
+            x1, x2 = xf[..., : self.dims // 2], xf[..., self.dims // 2:]
+            out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        return out.to(x.dtype)
+
+
+def _llama3_freqs(freqs: np.ndarray, s: dict[str, Any]) -> np.ndarray:
+    factor = s["factor"]
+    low_ff, high_ff = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old = s.get("original_max_position_embeddings", 8192)
+    wavelens = 2 * np.pi * freqs
+    out = np.where(wavelens > old / low_ff, freqs * factor, freqs)
+    medium = (wavelens > old / high_ff) & (wavelens < old / low_ff)
+    smooth = (old / wavelens - low_ff) / (high_ff - low_ff)
+    return np.where(medium, out / ((1 - smooth) / factor + smooth), out).astype(np.float32)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float) -> torch.Tensor:
+    """q (B, Hq, L, D) at positions offset..offset+L-1; k, v (B, Hkv, S, D) with S = offset + L -> (B, Hq, L, D).
+    Query i sees keys j <= offset + i (the last L keys are the queries' own)."""
+    L, S = q.shape[2], k.shape[2]
+    if L == 1:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    if S == L:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    mask = torch.arange(S, device=q.device)[None, :] <= torch.arange(S - L, S, device=q.device)[:, None]  # (L, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+class FreshAttention:
+    """No cache: one sequence from position 0 (forward_logits, hidden_states)."""
+
+    def positions(self, B: int, L: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(L, device=device).expand(B, L)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return causal_attention(q, k, v, 0, scale)
+
+
+class Attention:
+    def __init__(self, w: dict[str, Any], args: Any, rope: RoPE):
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.scale = args.head_dim**-0.5
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            Linear(w[f"{n}.weight"], w.get(f"{n}.bias")) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        self.q_norm = RMSNorm(w["q_norm.weight"], args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(w["k_norm.weight"], args.rms_norm_eps) if args.qk_norm else None
+        self.rope = rope
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any) -> torch.Tensor:
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim)  # (B, L, nh, hd)
+        k = self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim)  # (B, L, nkv, hd)
+        v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, L, hd)
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        out = cache.attention(q, k, v, self.scale)  # (B, nh, L, hd); the cache writes k/v first
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+
+
+class MLP:
+    def __init__(self, w: dict[str, Any]):
+        self.gate_proj, self.up_proj, self.down_proj = (
+            Linear(w[f"{n}.weight"], w.get(f"{n}.bias")) for n in ("gate_proj", "up_proj", "down_proj"))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock:
+    def __init__(self, w: dict[str, Any], args: Any, rope: RoPE):
+        self.self_attn = Attention(_under(w, "self_attn."), args, rope)
+        self.mlp = MLP(_under(w, "mlp."))
+        self.input_layernorm = RMSNorm(w["input_layernorm.weight"], args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(w["post_attention_layernorm.weight"], args.rms_norm_eps)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _under(w: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}
+
+
+class Model:
+    """Token ids in, final hidden states out; `logits` applies the head to the rows that are sampled."""
+
+    def __init__(self, args: Any, weights: dict[str, Weight], rope: RoPE, device: torch.device):
+        self.args, self.device, self.dtype = args, device, None
+        self.embed_tokens = Embedding(weights["model.embed_tokens.weight"])
+        self.layers = [TransformerBlock(_under(weights, f"model.layers.{i}."), args, rope)
+                       for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(weights["model.norm.weight"], args.rms_norm_eps)
+        self.lm_head = None if args.tie_word_embeddings else Linear(weights["lm_head.weight"])
+        self.rope = rope
+        self.weight_bytes = sum(_nbytes(w) for w in weights.values())
+        self.num_parameters = sum(w.num_parameters if isinstance(w, QuantizedWeight) else w.numel()
+                                  for w in weights.values())
+        self.embed_bytes = _nbytes(weights["model.embed_tokens.weight"])
+
+    def layer_outputs(self, ids: torch.Tensor, caches: list[Any] | None = None, num_layers: int | None = None):
+        """ids (B, L) -> the embedding output, then each layer's output (B, L, hidden), lazily as a generator."""
+        B, L = ids.shape
+        n = len(self.layers) if num_layers is None else num_layers
+        caches = caches if caches is not None else [FreshAttention()] * n
+        cos, sin = self.rope.angles(caches[0].positions(B, L, ids.device))  # (B, 1, L, D/2)
+        h = self.embed_tokens(ids)
+        yield h
+        for layer, c in zip(self.layers[:n], caches):
+            h = layer(h, cos, sin, c)
+            yield h
+
+    def __call__(self, ids: torch.Tensor, caches: list[Any] | None = None, num_layers: int | None = None) -> torch.Tensor:
+        """ids (B, L) -> final hidden states (B, L, hidden), after the first `num_layers` layers (all: None)."""
+        h = None
+        for h in self.layer_outputs(ids, caches, num_layers):
+            pass
+        return self.norm(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)
+
+
+# --- weights: from the checkpoint's MLX arrays ---------------------------------------------------------
+
+
+def _to_numpy(a: Any) -> np.ndarray:
+    import mlx.core as mx
+
+    if a.dtype == mx.bfloat16:  # numpy has no bfloat16: through float32 (exact)
+        a = a.astype(mx.float32)
+    return np.array(a)
+
+
+def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None, dtype: torch.dtype,
+                    device: torch.device, source: str, packed: bool) -> dict[str, Weight]:
+    """The checkpoint's MLX arrays -> torch: float tensors in `dtype` on `device`; each quantized layer
+    (`<path>.weight/.scales/.biases`) as a QuantizedWeight when `packed` (the Triton kernel's bit widths and
+    group sizes), else dequantized to a float tensor by mx.dequantize."""
+    import mlx.core as mx
+
+    if packed:
+        from mlx_engine.backends.torch.triton_kernels import (
+            SUPPORTED_BITS,
+            SUPPORTED_GROUP_SIZES,
+        )
+
+    quantization = quantization or {}
+    if quantization.get("mode", "affine") != "affine":
+        raise ModelLoadError(f"{source}: {quantization['mode']!r} quantization is not supported on the torch backend "
+                             "(supported: MLX affine quantization, GGUF Q4_0/Q4_1/Q8_0)")
+    out: dict[str, Weight] = {}
+    paths = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
+    for key, value in weights.items():
+        path, _, leaf = key.rpartition(".")
+        if path in paths and leaf in ("scales", "biases"):
+            continue
+        if path in paths and leaf == "weight":
+            spec = quantization.get(path) if isinstance(quantization.get(path), dict) else {}
+            bits = int(spec.get("bits", quantization.get("bits", 4)))
+            group = int(spec.get("group_size", quantization.get("group_size", 64)))
+            scales, biases = weights[f"{path}.scales"], weights.get(f"{path}.biases")
+            if biases is None:
+                raise ModelLoadError(f"{source}: {path} is quantized without biases (only affine quantization "
+                                     "is supported on the torch backend)")
+            if packed and bits in SUPPORTED_BITS and group in SUPPORTED_GROUP_SIZES:
+                def t(a: Any) -> torch.Tensor:
+                    return torch.from_numpy(_to_numpy(a)).to(device=device, dtype=dtype)
+
+                words = torch.from_numpy(np.array(value).view(np.int32)).to(device)  # uint32 bits as int32
+                out[key] = QuantizedWeight(words, t(scales), t(biases), bits, group)
+                continue
+            value = mx.dequantize(value, scales.astype(mx.float32), biases.astype(mx.float32), group, bits)
+        if not mx.issubdtype(value.dtype, mx.floating):
+            raise ModelLoadError(f"{source}: tensor {key} has dtype {value.dtype} and is not a quantized weight")
+        out[key] = torch.from_numpy(_to_numpy(value)).to(device=device, dtype=dtype)
+    return out
+
+
+def build_model(args: Any, weights: dict[str, Any], quantization: dict[str, Any] | None, dtype: torch.dtype,
+                device: torch.device, source: str, freq_factors: Any = None, packed: bool = False) -> Model:
+    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    if args.tie_word_embeddings:
+        weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+    tensors = convert_weights(weights, quantization, dtype, device, source, packed)
+    rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
+                args.rope_traditional, None if freq_factors is None else _to_numpy(freq_factors)).to(device)
+    _check_names(args, set(tensors), source)
+    model = Model(args, tensors, rope, device)
+    model.dtype = dtype
+    return model
+
+
+def _check_names(args: Any, names: set[str], source: str) -> None:
+    """The checkpoint's tensors are exactly the architecture's (biases where the config allows them)."""
+    required = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if args.tie_word_embeddings
+                                                                      else {"lm_head.weight"})
+    optional = set()
+    for i in range(args.num_hidden_layers):
+        p = f"model.layers.{i}."
+        required |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            required.add(f"{p}self_attn.{name}.weight")
+            optional.add(f"{p}self_attn.{name}.bias")
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            required.add(f"{p}mlp.{name}.weight")
+            optional.add(f"{p}mlp.{name}.bias")
+        if args.qk_norm:
+            required |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+    missing, unexpected = sorted(required - names), sorted(names - required - optional)
+    if missing or unexpected:
+        detail = "; ".join(f"{what} {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
+                           for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys)
+        raise ModelLoadError(f"{source}: weights do not match the {args.model_type!r} architecture: {detail}")

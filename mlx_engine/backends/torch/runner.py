@@ -1,0 +1,242 @@
+"""The torch model runner: the MLX Runner's interface over a torch model and torch KV.
+
+The scheduler, sampler and speculative code stay shared: token ids arrive as (possibly lazy) mx arrays and
+go to torch through numpy; logits come back as float32 mx arrays. Prompt handling, speculation checks and
+KV statistics are the MLX Runner's own (inherited).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import mlx.core as mx
+import numpy as np
+import torch
+
+from mlx_engine.api import ModelInfo, RooflineError
+from mlx_engine.backends.torch.kv import ContiguousLayer, TorchPagedCache
+from mlx_engine.backends.torch.model import build_model
+from mlx_engine.runner import (
+    NoTokenizer,
+    Runner,
+    check_same_vocabulary,
+    model_fingerprint,
+)
+
+TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DEVICES = ("auto", "cpu", "cuda")
+T = TypeVar("T")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Torch threads of a CPU forward. OpenMP's fork/join per op costs more than it saves on small ops, and
+# a parallel region waits on any thread whose core is busy: on the loaded 2-core build box, SmolLM2 with
+# torch's default 2 threads decoded at 1.8-3 tokens/s (SDPA alone 13 ms a layer) and prefilled 22 tokens/s;
+# with one thread 13-15 and 162.
+CPU_THREADS = 1
+
+
+def resolve_device(device: str) -> torch.device:
+    if device not in DEVICES:
+        raise RooflineError(f"device={device!r}: expected one of {', '.join(map(repr, DEVICES))}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RooflineError(f"device='cuda' but torch {torch.__version__} sees no CUDA device (a CPU build, or no "
+                            "GPU/driver): use device='cpu' or 'auto'")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def use_kernels(device: torch.device) -> bool:
+    """Packed quantized weights and the paged decode kernel (triton_kernels): on CUDA."""
+    return device.type == "cuda"
+
+
+def pick_dtype(requested: str | None, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    """float32 on the CPU; on CUDA the checkpoint's half dtype (float16 for GGUF)."""
+    if requested is not None:
+        if requested not in _DTYPES:
+            raise RooflineError(f"dtype={requested!r}: expected one of {', '.join(_DTYPES)}")
+        return _DTYPES[requested]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(checkpoint_dtype, torch.float16)
+
+
+def _ids(inputs: Any, device: torch.device) -> torch.Tensor:
+    """Token ids (an mx array, possibly lazy, or a list) -> int64 tensor on `device`."""
+    return torch.from_numpy(np.array(inputs, dtype=np.int64)).to(device)
+
+
+def _torch_work(method: Callable[..., T]) -> Callable[..., T]:
+    """A runner method's torch work: no autograd; on the CPU with CPU_THREADS threads (restored after)."""
+
+    @functools.wraps(method)
+    def run(self: TorchRunner, *args: Any, **kwargs: Any) -> T:
+        with torch.inference_mode():
+            if self.device.type != "cpu":
+                return method(self, *args, **kwargs)
+            before = torch.get_num_threads()
+            torch.set_num_threads(CPU_THREADS)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                torch.set_num_threads(before)
+
+    return run
+
+
+def _mx(t: torch.Tensor) -> mx.array:
+    return mx.array(t.float().cpu().numpy())
+
+
+class TorchRunner(Runner):
+    def __init__(self, model: Any, tokenizer: Any, info: ModelInfo, prefill_chunk_size: int, device: torch.device):
+        super().__init__(types.SimpleNamespace(model=model, native=True), tokenizer, info, prefill_chunk_size)
+        self.device = device
+
+    @classmethod
+    def load(
+        cls,
+        model: str | None,
+        device: str = "auto",
+        dtype: str | None = None,
+        prefill_chunk_size: int = 512,
+        max_context: int | None = None,
+        paged_kv: bool | None = None,
+        draft_model: str | None = None,
+        self_draft_layers: int | None = None,
+        *,
+        with_cache: bool = True,
+        **kv_options: Any,
+    ) -> TorchRunner:
+        """`kv_options`: KVConfig's fields (block_size, kv_bits, kv_group_size, kv_budget_bytes,
+        prefix_caching); kv_bits is refused (the torch KV is unquantized)."""
+        import importlib
+
+        from mlx_engine.kv.cache import KVConfig
+        from mlx_engine.loading import load_checkpoint
+
+        dev = resolve_device(device)
+        if kv_options.get("kv_bits") is not None:
+            raise RooflineError("kv_bits is not supported on the torch backend (its KV cache is unquantized): "
+                                "leave kv_bits unset, or use backend='mlx'")
+        if paged_kv is False:
+            raise RooflineError("paged_kv=False is not supported on the torch backend: it always uses the paged KV cache")
+        if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
+            raise RooflineError(f"prefill_chunk_size={prefill_chunk_size!r}: expected an integer >= 1")
+        kv_config = KVConfig(**kv_options)
+        ckpt = load_checkpoint(model)
+        model_type = ckpt.config.get("model_type")
+        if model_type not in TORCH_MODEL_TYPES:
+            raise RooflineError(f"{ckpt.path}: model type {model_type!r} is not supported on the torch backend "
+                                f"(supported: {', '.join(TORCH_MODEL_TYPES)}); use backend='mlx'")
+        args = importlib.import_module(f"mlx_engine.models.{model_type}").args_from_config(ckpt.config)
+        if args.sliding_window is not None:
+            raise RooflineError(f"{ckpt.path}: sliding-window attention (window {args.sliding_window}) is not "
+                                "supported on the torch backend; use backend='mlx'")
+        act_dtype = pick_dtype(dtype, ckpt.checkpoint_dtype, dev)
+        freq_factors = ckpt.config.pop("_rope_freq_factors", None)  # GGUF llama3: per-frequency divisors
+        kernels = use_kernels(dev)
+        tmodel = build_model(args, ckpt.weights, ckpt.quantization, act_dtype, dev, str(ckpt.path), freq_factors,
+                             packed=kernels)
+        del ckpt.weights
+        tokenizer = ckpt.tokenizer or NoTokenizer(ckpt.path, ckpt.config)
+        context = args.max_position_embeddings
+        if max_context is not None:
+            if not isinstance(max_context, int) or max_context < 2:
+                raise RooflineError(f"max_context={max_context!r}: expected an integer >= 2")
+            context = min(context, max_context)
+        dtype_name = str(act_dtype).removeprefix("torch.")
+        info = ModelInfo(
+            name=ckpt.name, path=str(ckpt.path), model_type=model_type, source_format=ckpt.source_format,
+            num_parameters=tmodel.num_parameters, quantization=ckpt.quant_label, context_length=context,
+            weight_bytes=tmodel.weight_bytes, vocab_size=int(ckpt.config.get("vocab_size") or tokenizer.vocab_size),
+            native=True, dtype=dtype_name, eos_token_ids=tuple(tokenizer.eos_token_ids), backend="torch",
+            device=dev.type,
+        )
+        runner = cls(tmodel, tokenizer, info, prefill_chunk_size, dev)
+        itemsize = torch.empty((), dtype=act_dtype).element_size()
+        runner._shape = {"embed_bytes": tmodel.embed_bytes, "tied": args.tie_word_embeddings,
+                         "layers": args.num_hidden_layers, "kv_heads": args.num_key_value_heads,
+                         "head_dim": args.head_dim, "kv_itemsize": itemsize}
+        runner.fingerprint = model_fingerprint(ckpt, f"torch.{dtype_name}")
+        if with_cache:
+            runner.cache = TorchPagedCache.create_torch(
+                num_layers=args.num_hidden_layers, num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
+                dtype=act_dtype, device=dev, context_length=context, weight_bytes=tmodel.weight_bytes,
+                config=kv_config, model_id=runner.fingerprint, use_kernel=kernels)
+        runner.self_draft_layers = runner._check_self_draft_layers(self_draft_layers)
+        if draft_model is not None:
+            draft = cls.load(draft_model, device=dev.type, dtype=dtype, prefill_chunk_size=prefill_chunk_size,
+                             with_cache=False)
+            runner.draft = check_same_vocabulary(runner, draft)
+        return runner
+
+    # --- forwards (engine thread) ---
+
+    def _fresh_contiguous(self) -> list[ContiguousLayer]:
+        return [ContiguousLayer() for _ in self.model.layers]
+
+    @_torch_work
+    def forward(self, inputs: Any, layers: list[Any]) -> torch.Tensor:
+        """inputs (B, L) -> final hidden states (B, L, hidden), a torch tensor (K/V written to `layers`)."""
+        return self.model(_ids(inputs, self.device), layers)
+
+    @staticmethod
+    def cache_state(layers: list[Any]) -> list[mx.array]:
+        return []  # torch work is eager: nothing for mx.eval
+
+    @_torch_work
+    def last_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
+        h = self.forward(inputs, layers)
+        return _mx(self.model.logits(h[:, -1, :]))
+
+    @_torch_work
+    def all_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
+        h = self.forward(inputs, layers)
+        return _mx(self.model.logits(h[0]))
+
+    @_torch_work
+    def draft_logits(self, inputs: Any, layers: list[Any], num_layers: int) -> mx.array:
+        h = self.model(_ids(inputs, self.device), layers, num_layers=num_layers)
+        return _mx(self.model.logits(h[:, -1, :]))
+
+    @_torch_work
+    def forward_logits(self, ids: list[int]) -> np.ndarray:
+        h = self.model(_ids([ids], self.device))
+        return self.model.logits(h[0]).float().cpu().numpy()
+
+    @_torch_work
+    def hidden_states(self, ids: list[int]) -> list[np.ndarray]:
+        """[embedding output, output of each decoder layer], each (T, hidden) float32, from a fresh forward."""
+        return [h[0].float().cpu().numpy() for h in self.model.layer_outputs(_ids([ids], self.device))]
+
+    @_torch_work
+    def score(self, ids: list[int]) -> np.ndarray:
+        """log p(ids[t+1] | ids[..t]) for every t, in prefill chunks -> float32 (T - 1,). The KV is unquantized
+        here, so buffers of its own give what the block pool would."""
+        layers, out = self._fresh_contiguous(), []
+        for start in range(0, len(ids) - 1, self.prefill_chunk_size):
+            end = min(start + self.prefill_chunk_size, len(ids) - 1)
+            h = self.model(_ids([ids[start:end]], self.device), layers)
+            logp = torch.log_softmax(self.model.logits(h[0]).float(), dim=-1)  # (L, V)
+            target = _ids(ids[start + 1:end + 1], self.device)
+            out.append(logp.gather(-1, target[:, None])[:, 0].cpu().numpy())
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+    def save_kv(self, path: str, token_ids: list[int]) -> int:
+        raise RooflineError("saving KV is not supported on the torch backend")
+
+    def restore_kv(self, path: str) -> list[int]:
+        raise RooflineError("restoring KV is not supported on the torch backend")
+
+    def release(self) -> None:
+        if self.draft is not None:
+            self.draft.release()
+            self.draft = None
+        self.cache = None
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,252 @@
+"""The PyTorch backend on the CPU: the same logits and greedy tokens as the MLX engine and the transformers
+goldens, batched decode, prefix caching, speculative decoding through the shared code, and clear errors.
+
+The CUDA paths (packed quantized weights through `triton_kernels.dequant_matmul`, decode through
+`triton_kernels.paged_decode_attention`) run here too, on a tiny GGUF through the kernels' torch references.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from tests.torch_support import require
+
+torch = require("torch")
+
+from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
+from mlx_engine.api import RequestError, RooflineError  # noqa: E402
+from tests.tiny_models import GOLDEN  # noqa: E402
+
+TINY = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists())
+LOGITS_TOL = 1e-4  # float32 torch vs transformers' float32 goldens; measured <= 4.3e-6
+# SmolLM2: torch vs MLX over the whole vocabulary (max |logit| 37.6): measured 1.1e-4, the two float32
+# engines each ~3.5e-5 from transformers' float64 on the top logits (held to LOGITS_TOL)
+SMOLLM2_VS_MLX_TOL = 1e-3
+PROMPT = [3, 17, 42, 99, 7, 64, 120, 5] * 3  # 24 tokens: one full block of 16
+
+
+def run(engine: Engine, ids: list[int], max_tokens: int = 16, **sampling) -> tuple[list[int], object]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **sampling)
+    events = list(engine.generate(GenerationRequest(prompt_token_ids=list(ids), sampling=params)))
+    assert events[-1].finish_reason == "length", events[-1]
+    return [t for e in events for t in e.token_ids], events[-1]
+
+
+# --- the golden tiny models ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=TINY)
+def tiny(request):
+    folder = GOLDEN / request.param
+    with Engine.load(str(folder), backend="torch", device="cpu") as engine:
+        yield folder.name, engine, dict(np.load(folder / "golden.npz"))
+
+
+def test_tiny_logits_and_greedy_match_transformers(tiny):
+    name, engine, gold = tiny
+    assert (engine.info.backend, engine.info.device, engine.info.dtype) == ("torch", "cpu", "float32")
+    ids = gold["input_ids"].tolist()
+    logits = engine.forward_logits(ids)
+    assert logits.shape == gold["logits"].shape and logits.dtype == np.float32
+    maxdiff = float(np.abs(logits - gold["logits"]).max())
+    assert maxdiff <= LOGITS_TOL, f"{name}: maxdiff {maxdiff:.3e}"
+    expected = gold["greedy_tokens"].tolist()
+    tokens, _ = run(engine, ids, len(expected))
+    assert tokens == expected, name
+
+
+@pytest.fixture(scope="module")
+def llama():
+    with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", draft_model=str(GOLDEN / "llama")) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def mlx_llama():
+    with Engine.load(str(GOLDEN / "llama")) as e:
+        yield e
+
+
+def test_hidden_states_match_mlx(llama, mlx_llama):
+    ids = PROMPT[:10]
+    hs, ref = llama.hidden_states(ids), mlx_llama.hidden_states(ids)
+    assert len(hs) == len(ref) == 3  # the embedding output and 2 layers
+    for i, (a, b) in enumerate(zip(hs, ref)):
+        assert a.shape == b.shape == (len(ids), 64) and a.dtype == np.float32
+        assert float(np.abs(a - b).max()) <= LOGITS_TOL, f"hidden state {i}"
+
+
+def test_score_matches_mlx(llama, mlx_llama):
+    assert np.abs(llama.score(PROMPT) - mlx_llama.score(PROMPT)).max() <= LOGITS_TOL
+
+
+def test_batched_decode_of_different_lengths_equals_solo_runs(llama):
+    a, b = PROMPT[:13], PROMPT[5:] + [9, 8]
+    solo = [run(llama, a)[0], run(llama, b)[0]]
+    scheduler = llama._scheduler
+    scheduler.trace = []
+    try:
+        streams = [llama.generate(GenerationRequest(prompt_token_ids=ids, sampling=SamplingParams(
+            temperature=0.0, max_tokens=16, ignore_eos=True))) for ids in (a, b)]
+        got = [[t for e in s for t in e.token_ids] for s in streams]
+        assert any(rows == 2 for rows, _ in scheduler.trace), scheduler.trace  # both decoded in one forward
+    finally:
+        scheduler.trace = None
+    assert got == solo
+
+
+def test_prefix_cache_hit_and_copy_on_write(llama):
+    first, _ = run(llama, PROMPT)
+    again, final2 = run(llama, PROMPT)
+    assert final2.usage.cached_prompt_tokens == 16 and again == first
+    other = PROMPT[:20] + [1, 2]  # shares the cached block, diverges inside the next one
+    tokens, final3 = run(llama, other)
+    assert final3.usage.cached_prompt_tokens == 16
+    with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", prefix_caching=False) as fresh:
+        assert tokens == run(fresh, other)[0]
+    assert llama.kv_stats()["kind"] == "paged"
+
+
+@pytest.mark.parametrize("mode", ["prompt-lookup", "self", "draft", "auto"])
+def test_speculative_greedy_equals_plain(llama, mode):
+    plain, _ = run(llama, PROMPT, 20)
+    tokens, final = run(llama, PROMPT, 20, speculative=mode)
+    assert tokens == plain
+    if mode == "draft":  # the draft is the model itself: every draft token is accepted
+        assert final.stats.acceptance_rate == 1.0
+
+
+# --- SmolLM2 (the embedded Q4_1 GGUF) against the MLX engine -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    gold = json.loads((GOLDEN / "smollm2_gguf.json").read_text())
+    prompts = [p["prompt_ids"][-20:] for p in gold["prompts"][:2]]  # short: two suffixes of chat prompts
+    with Engine.load(None) as mlx_engine:
+        ref = {"tokens": [run(mlx_engine, p)[0] for p in prompts],
+               "logits": mlx_engine.forward_logits(prompts[0])}
+    with Engine.load(None, backend="torch", device="cpu") as engine:
+        yield engine, prompts, ref
+
+
+def test_smollm2_logits(smollm2):
+    engine, prompts, ref = smollm2
+    gold = np.load(GOLDEN / "smollm2_gguf_logits.npz")
+    last = engine.forward_logits(gold["prompt_ids"].tolist())[-1].astype(np.float64)
+    top = gold["top_ids"]
+    assert float(np.abs(last[top] - gold["top_logits_f64"]).max()) <= LOGITS_TOL
+    maxdiff = float(np.abs(engine.forward_logits(prompts[0]) - ref["logits"]).max())
+    assert maxdiff <= SMOLLM2_VS_MLX_TOL, f"vs MLX: maxdiff {maxdiff:.3e}"
+
+
+def test_smollm2_greedy_matches_mlx_batched_and_cached(smollm2):
+    engine, prompts, ref = smollm2
+    streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True))) for p in prompts]
+    events = [list(s) for s in streams]
+    assert [[t for e in ev for t in e.token_ids] for ev in events] == ref["tokens"]
+    tokens, final = run(engine, prompts[0])  # the prompt's first block is in the prefix cache now
+    assert final.usage.cached_prompt_tokens == 16 and tokens == ref["tokens"][0]
+    tokens, _ = run(engine, prompts[1], speculative="prompt-lookup")
+    assert tokens == ref["tokens"][1]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """The golden llama as a GGUF with Q4_0, Q4_1 and Q8_0 tensors (the embedding too), and the MLX
+    engine's logits and greedy tokens on it."""
+    pytest.importorskip("gguf")
+    from tests.tiny_models import write_gguf_from_folder
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_gguf_from_folder(GOLDEN / "llama", path, {"attn_q": "Q4_0", "ffn": "Q4_1"}, default_type="Q8_0")
+    with Engine.load(str(path)) as mlx_engine:
+        ref = {"logits": mlx_engine.forward_logits(PROMPT), "tokens": [run(mlx_engine, p, 8)[0] for p in
+                                                                       (PROMPT, PROMPT[3:14])]}
+    return str(path), ref
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["dequantized", "packed"])
+def test_quantized_gguf_matches_mlx(tiny_gguf, kernels, monkeypatch):
+    """Dequantized at load (the CPU path), and packed (what CUDA runs: `dequant_matmul` on the packed words,
+    `paged_decode_attention` for decode, here through the kernels' torch references)."""
+    from mlx_engine.backends.torch import runner as torch_runner
+    from mlx_engine.backends.torch.model import QuantizedWeight
+
+    path, ref = tiny_gguf
+    monkeypatch.setattr(torch_runner, "use_kernels", lambda device: kernels)
+    with Engine.load(path, backend="torch", device="cpu") as engine:
+        model = engine._runner.model
+        for w in (model.embed_tokens.weight, model.layers[0].self_attn.q_proj.weight, model.lm_head.weight):
+            assert isinstance(w, QuantizedWeight) == kernels
+        assert engine._runner.cache.storage.use_kernel == kernels
+        assert float(np.abs(engine.forward_logits(PROMPT) - ref["logits"]).max()) <= LOGITS_TOL
+        streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True))) for p in (PROMPT, PROMPT[3:14])]
+        assert [[t for e in s for t in e.token_ids] for s in streams] == ref["tokens"]
+
+
+# --- bad input --------------------------------------------------------------------------------------
+
+
+def test_cuda_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RooflineError, match="sees no CUDA device"):
+        Engine.load(str(GOLDEN / "llama"), backend="torch", device="cuda")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"backend": "jax"}, "backend='jax': expected one of 'mlx', 'torch'"),
+    ({"backend": "torch", "device": "tpu"}, "device='tpu': expected one of"),
+    ({"backend": "mlx", "device": "cuda"}, "device='cuda' needs backend='torch'"),
+    ({"backend": "torch", "kv_bits": 8}, "kv_bits is not supported on the torch backend"),
+    ({"backend": "torch", "paged_kv": False}, "paged_kv=False is not supported on the torch backend"),
+    ({"backend": "torch", "dtype": "float64"}, "dtype='float64': expected one of"),
+])
+def test_bad_options(options, message):
+    with pytest.raises(RooflineError, match=message.replace("(", r"\(")):
+        Engine.load(str(GOLDEN / "llama"), **options)
+
+
+def _copy_with_config(tmp_path, name: str, **changes) -> str:
+    dst = tmp_path / name
+    shutil.copytree(GOLDEN / name, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+def test_unsupported_model_type_is_named(tmp_path):
+    folder = _copy_with_config(tmp_path, "llama", model_type="gemma2")
+    with pytest.raises(RooflineError, match="model type 'gemma2' is not supported on the torch backend"):
+        Engine.load(folder, backend="torch", device="cpu")
+
+
+def test_sliding_window_is_refused(tmp_path):
+    folder = _copy_with_config(tmp_path, "mistral", sliding_window=8)
+    with pytest.raises(RooflineError, match="sliding-window attention .* not supported on the torch backend"):
+        Engine.load(folder, backend="torch", device="cpu")
+
+
+def test_missing_torch_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    with pytest.raises(RooflineError, match=r"needs the optional extra: `uv sync --extra torch`"):
+        Engine.load(str(GOLDEN / "llama"), backend="torch")
+
+
+def test_save_kv_is_refused(llama, tmp_path):
+    with pytest.raises(RooflineError, match="not supported on the torch backend"):
+        llama.save_kv(str(tmp_path / "kv.safetensors"), PROMPT)
+
+
+def test_long_prompt_is_a_request_error(llama):
+    with pytest.raises(RequestError, match="context"):
+        llama.generate(GenerationRequest(prompt_token_ids=[5] * 600))
