@@ -75,6 +75,16 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGINT/SIGTERM, seconds to let running requests finish (default 30)")
     sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    sv.add_argument("--speculative", default="off", choices=("off", "auto", "prompt-lookup", "self"),
+                    help="speculative decoding for requests that do not set 'speculative' themselves (default off: "
+                    "a speculating request verifies in a forward of its own, outside the batch; 'draft' needs a "
+                    "draft model, which serve does not load)")
+
+    from app.bench import add_parser as add_bench
+    from app.parity_cmd import add_parser as add_parity
+
+    add_bench(sub)
+    add_parity(sub)
 
     t = sub.add_parser("tokens", help="show token pieces and ids of a text")
     t.add_argument("--tokenizer", "-t", help="model folder, tokenizer.json or GGUF file (default: embedded model)")
@@ -93,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return {"chat": cmd_chat, "generate": cmd_generate, "logits": cmd_logits, "tokens": cmd_tokens,
-                "kv": cmd_kv, "serve": cmd_serve}[args.command](args)
+                "kv": cmd_kv, "serve": cmd_serve, "bench": cmd_bench, "parity": cmd_parity}[args.command](args)
     except RooflineError as e:
         return _fail(str(e))
     except KeyboardInterrupt:
@@ -105,6 +115,18 @@ def _load_engine(model: str | None) -> Any:
     from mlx_engine import Engine
 
     return Engine.load(model)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from app.bench import cmd_bench
+
+    return cmd_bench(args)
+
+
+def cmd_parity(args: argparse.Namespace) -> int:
+    from app.parity_cmd import cmd_parity
+
+    return cmd_parity(args)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -127,7 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(lambda: _load_engine(args.model), host=args.host, port=args.port, api_key=args.api_key or None,
                  max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                  drain_timeout_s=args.drain_timeout, default_max_tokens=args.default_max_tokens,
-                 log_level=args.log_level)
+                 log_level=args.log_level, speculative=None if args.speculative == "off" else args.speculative)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

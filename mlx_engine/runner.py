@@ -266,6 +266,24 @@ class Runner:
         logits = self.model.logits(out) if self.native else out
         return np.array(logits[0].astype(mx.float32))
 
+    def hidden_states(self, ids: list[int]) -> list[np.ndarray]:
+        """[embedding output, output of decoder layer 0, ..., layer N-1], each float32 (T, hidden), from a
+        fresh forward without the cache. The last one, through the final norm and the head, gives
+        `forward_logits`. Native models only: mlx-lm's classes do not expose their layers' outputs."""
+        if not self.native:
+            raise RooflineError(f"hidden states need a natively implemented model; {self.info.name} "
+                                f"({self.info.model_type}) runs on an mlx-lm class")
+        m = self.model
+        inputs = mx.array([ids], dtype=mx.int32)  # (1, T)
+        h = m.model.embed_tokens(inputs)  # (1, T, hidden)
+        mask = m._mask(len(ids), 0)
+        out = [h]
+        for layer in m.layers:
+            h = layer(h, mask, None)
+            out.append(h)
+        mx.eval(out)
+        return [np.array(x[0].astype(mx.float32)) for x in out]
+
     def score(self, ids: list[int]) -> np.ndarray:
         """log p(ids[t+1] | ids[..t]) for every t, computed in prefill chunks through the engine's KV cache
         (so quantized KV counts, as it would in decoding) -> float32 (T - 1,)."""

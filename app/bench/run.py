@@ -1,0 +1,178 @@
+"""`roofline bench`: a llama-bench-style table of prefill and decode tokens/s, each against this machine's
+roofline, as text, Markdown or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from app.bench.schema import SCHEMA, validate
+from mlx_engine.api import RooflineError
+
+BACKENDS = ("mlx", "torch")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def int_list(flag: str, text: str, minimum: int) -> tuple[int, ...]:
+    """"1,4,8" -> (1, 4, 8); a clear RooflineError for anything else."""
+    try:
+        values = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise RooflineError(f"{flag} {text!r}: expected comma-separated integers, e.g. 1,4,8") from None
+    if not values:
+        raise RooflineError(f"{flag} is empty: expected comma-separated integers, e.g. 1,4,8")
+    bad = [v for v in values if v < minimum]
+    if bad:
+        raise RooflineError(f"{flag} {text!r}: {bad[0]} is below {minimum}")
+    return tuple(dict.fromkeys(values))
+
+
+def add_arguments(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
+    b.add_argument("--backend", choices=BACKENDS, default="mlx", help="model runner (default mlx)")
+    b.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto (default), cpu or cuda (cuda: the torch backend only)")
+    b.add_argument("-p", "--prompt-tokens", type=int, default=512, help="prompt tokens per prefill test (default 512)")
+    b.add_argument("-n", "--gen-tokens", type=int, default=128, help="new tokens per decode test (default 128)")
+    b.add_argument("--batch", "-b", default="1,4,8", help="concurrent sequences, comma-separated (default 1,4,8)")
+    b.add_argument("--context", "-d", default="0,4096",
+                   help="tokens already in the KV cache before each test, comma-separated (default 0,4096)")
+    b.add_argument("--repeats", "-r", type=int, default=5, help="runs per test (default 5)")
+    b.add_argument("--json", metavar="FILE", help="also write the results as JSON (schema roofline-bench-1)")
+    b.add_argument("--markdown", action="store_true", help="print a Markdown table instead of the text table")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from mlx_engine.bench import BenchSpec
+
+    spec = BenchSpec(prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
+                     batches=int_list("--batch", args.batch, 1), contexts=int_list("--context", args.context, 0),
+                     repeats=args.repeats)
+    spec.validate()
+    if args.backend == "mlx" and args.device == "cuda":
+        raise RooflineError("--device cuda needs --backend torch (the MLX backend runs on Metal or the CPU)")
+    out = Path(args.json) if args.json else None
+    if out is not None and not out.parent.exists():
+        raise RooflineError(f"--json {out}: folder {out.parent} does not exist")
+    result = run(args.model, spec, args.backend, args.device, command=" ".join(["roofline", *sys.argv[1:]]))
+    if out is not None:
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}", file=sys.stderr)
+    print(markdown(result) if args.markdown else text(result))
+    return 0
+
+
+def run(model: str | None, spec: Any, backend: str, device: str, command: str = "roofline bench") -> dict[str, Any]:
+    """Loads the model, measures `spec` with a progress bar on stderr, returns the bench JSON."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from app.bench.machine import machine_info, peak_bandwidth, peak_flops
+    from app.tui.store import data_dir
+    from mlx_engine import bench
+
+    engine = bench.load_engine(model, spec, backend, device)
+    try:
+        dev = bench.engine_device(engine, backend, device)
+        home = data_dir()
+        bw = peak_bandwidth(dev, home)
+        flops = peak_flops(dev, home, lambda: bench.measure_matmul_flops(engine, dev))
+        console = Console(stderr=True)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            task = progress.add_task(f"bench {engine.info.name}", total=bench.num_runs(spec))
+            points = bench.run_bench(engine, spec, lambda label: progress.update(
+                task, advance=1, description=f"bench {engine.info.name} {label}"))
+        info = engine.info
+        machine = machine_info(backend, dev, bench.versions())
+        machine.update(peak_bandwidth=bw, peak_flops=flops)
+        result = {
+            "schema": SCHEMA,
+            "command": command,
+            "machine": machine,
+            "model": {"name": info.name, "path": info.path, "model_type": info.model_type,
+                      "source_format": info.source_format, "quantization": info.quantization, "dtype": info.dtype,
+                      "num_parameters": info.num_parameters, "weight_bytes": info.weight_bytes,
+                      "context_length": info.context_length,
+                      "decode_bytes_per_token": engine.decode_bytes_per_token(0)},
+            "settings": {"prompt_tokens": spec.prompt_tokens, "gen_tokens": spec.gen_tokens, "repeats": spec.repeats,
+                         "batches": list(spec.batches), "contexts": list(spec.contexts)},
+            "rows": [_row(engine, p, bw, flops) for p in points],
+        }
+    finally:
+        engine.close()
+    return validate(result, "the bench result")
+
+
+def _stat(values: list[float]) -> dict[str, Any]:
+    return {"mean": statistics.fmean(values) if values else 0.0,
+            "stddev": statistics.stdev(values) if len(values) > 1 else 0.0, "values": values}
+
+
+def _row(engine: Any, p: Any, bw: dict[str, Any], flops: dict[str, Any]) -> dict[str, Any]:
+    from mlx_engine.bench import decode_bytes_per_step
+
+    tg, pp = _stat(p.tg_tps), _stat(p.pp_tps)
+    step_bytes = decode_bytes_per_step(engine, p.batch, p.tg_mean_context)
+    # decode: bytes per step x steps/s (each step gives one token to each of the B sequences)
+    tg_pct = 100 * step_bytes * (tg["mean"] / p.batch) / (bw["gbs"] * 1e9) if bw["gbs"] else None
+    # prefill: a matmul-bound pass does 2 FLOPs per parameter per token
+    pp_pct = 100 * 2 * engine.info.num_parameters * pp["mean"] / (flops["tflops"] * 1e12) if flops["tflops"] else None
+    return {"batch": p.batch, "context": p.context, "pp": pp, "tg": tg,
+            "pp_tokens": round(statistics.fmean(p.pp_tokens)) if p.pp_tokens else 0,
+            "peak_memory_bytes": int(p.peak_memory_bytes), "decode_bytes_per_step": step_bytes,
+            "tg_roofline_pct": tg_pct, "pp_roofline_pct": pp_pct}
+
+
+# --- output ---------------------------------------------------------------------------------------------
+
+HEADER = ("model", "backend", "device", "batch", "test", "t/s", "% roofline", "peak mem")
+
+
+def table_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
+    m, s = result["machine"], result["settings"]
+    name, quant = result["model"]["name"], result["model"].get("quantization") or ""
+    name = name if quant in name else f"{name} {quant}".strip()
+    out = []
+    for r in result["rows"]:
+        depth = f" @ d{r['context']}" if r["context"] else ""
+        for test, n, pct in (("pp", s["prompt_tokens"], r.get("pp_roofline_pct")),
+                             ("tg", s["gen_tokens"], r.get("tg_roofline_pct"))):
+            st = r[test]
+            out.append((name, m["backend"], m["device"], str(r["batch"]), f"{test}{n}{depth}",
+                        f"{st['mean']:.2f} ± {st['stddev']:.2f}", "-" if pct is None else f"{pct:.1f}%",
+                        f"{r['peak_memory_bytes'] / 2**20:.0f} MiB" if r["peak_memory_bytes"] else "-"))
+    return out
+
+
+def roofline_lines(result: dict[str, Any]) -> list[str]:
+    m = result["machine"]
+    bw, fl = m["peak_bandwidth"], m["peak_flops"]
+    bw_text = f"{bw['gbs']:.0f} GB/s {bw['label']} ({bw['source']})" if bw["gbs"] else f"unknown ({bw.get('note', '')})"
+    fl_text = (f"{fl['tflops']:.2f} TFLOP/s {fl['label']} ({fl['source']}: {fl.get('note', '')})" if fl["tflops"]
+               else f"unknown ({fl.get('note', '')})")
+    return [f"machine: {m['chip']} | {m['platform']} | {m['backend']} on {m['device']} | {m['date']}",
+            f"decode roofline: {bw_text}; prefill roofline: {fl_text}",
+            "% roofline: tg = bytes per decode step (weights once + each sequence's KV) x steps/s / peak bandwidth; "
+            "pp = 2 x parameters x tokens/s / peak FLOP/s"]
+
+
+def text(result: dict[str, Any]) -> str:
+    rows = [HEADER, *table_rows(result)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    right = {3, 5, 6, 7}
+    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(roofline_lines(result) + [""] + lines)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "| " + " | ".join("---:" if i in {3, 5, 6, 7} else "---"
+                                                               for i in range(len(HEADER))) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in table_rows(result)]
+    return "\n".join([f"{x}  " for x in roofline_lines(result)] + [""] + lines)

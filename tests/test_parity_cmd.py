@@ -1,0 +1,140 @@
+"""`roofline parity` on tiny random models: identical sides agree exactly, a perturbed layer is named, mismatched
+tokenizers are one clear line; and `Runner.hidden_states` feeds `forward_logits`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.tiny_models import byte_level_vocab, folder_with_weights, random_llama_folder
+
+IDS = [[1, 5, 9, 17, 33, 65, 3, 7], [100, 4, 4, 27]]
+
+
+def in_process(capsys: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    from app.cli import main
+
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, rc, out.out, out.err)
+
+
+def write_tokenizer(folder: Path, reverse: bool = False) -> Path:
+    """A byte-level BPE tokenizer.json over the folder's 128 ids (no merges); `reverse` numbers them backwards."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    pieces = byte_level_vocab(128)
+    vocab = {p: (127 - i if reverse else i) for i, p in enumerate(pieces)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("parity")
+    base = random_llama_folder(tmp / "base", layers=3)
+    w = load_file(str(base / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    perturbed = folder_with_weights(base, tmp / "perturbed", {name: w[name] + 0.5})
+    prompts = tmp / "ids.jsonl"
+    prompts.write_text("\n".join(json.dumps({"ids": i}) for i in IDS) + "\n")
+    text_a = write_tokenizer(random_llama_folder(tmp / "text_a", layers=3))
+    text_b = write_tokenizer(folder_with_weights(text_a, tmp / "text_b", {}), reverse=True)
+    return {"base": base, "perturbed": perturbed, "prompts": prompts, "text_a": text_a, "text_b": text_b}
+
+
+def test_same_model_on_both_sides_agrees_exactly(models: dict[str, Path], tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "parity.json"
+    r = in_process(capsys, "parity", "--model", str(models["base"]), "--backends", "mlx,mlx",
+                   "--prompts", str(models["prompts"]), "--steps", "6", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["schema"] == "roofline-parity-1" and [s["backend"] for s in report["sides"]] == ["mlx", "mlx"]
+    assert [p["num_tokens"] for p in report["prompts"]] == [8, 4]
+    for p in report["prompts"]:
+        assert p["max_abs_logit_diff"] == 0.0 and p["top1_agreement"] == 1.0
+        assert p["kl_mean"] == pytest.approx(0.0, abs=1e-12) and len(p["kl_per_position"]) == p["num_tokens"]
+        assert p["tokens_identical"] and len(p["tokens_a"]) == 6 and p["tokens_a"] == p["tokens_b"]
+        assert not p["diverged"] and p["first_diverging_layer"] is None
+    assert not report["summary"]["diverged"]
+    assert "OK: max |Δlogit| 0.00e+00" in r.stdout
+
+
+def test_perturbed_layer_is_named(models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "parity.json"
+    r = in_process(capsys, "parity", "--model", str(models["base"]), "--model-b", str(models["perturbed"]),
+                   "--backends", "mlx,mlx", "--prompts", str(models["prompts"]), "--steps", "4", "--json", str(out))
+    assert r.returncode == 1, r.stderr  # diverged
+    report = json.loads(out.read_text())
+    for p in report["prompts"]:
+        assert p["diverged"] and p["kl_mean"] > 1e-3
+        assert p["first_diverging_layer"]["name"] == "layer 1" and p["first_diverging_layer"]["index"] == 2
+        rel = p["layer_rel_diffs"]
+        assert rel[0] == 0.0 and rel[1] == 0.0 and rel[2] > 1e-2  # embedding and layer 0 untouched
+    assert "first diverging hidden state: layer 1" in r.stdout and "DIVERGED" in r.stdout
+
+
+def test_text_prompts_with_one_tokenizer_agree(models: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    r = in_process(capsys, "parity", "--model", str(models["text_a"]), "--backends", "mlx,mlx", "--steps", "2")
+    assert r.returncode == 0, r.stderr
+    assert "OK" in r.stdout and r.stdout.count("identical") >= 4  # the four built-in prompts
+
+
+def test_mismatched_tokenizers_are_one_clear_line(models: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    r = in_process(capsys, "parity", "--model", str(models["text_a"]), "--model-b", str(models["text_b"]),
+                   "--backends", "mlx,mlx", "--steps", "2")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "mismatched tokenizers" in r.stderr and "prompt 1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_parity_input_is_one_clear_line(models: dict[str, Path], tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    r = in_process(capsys, "parity", "--backends", "mlx")
+    assert r.returncode == 2 and "--backends" in r.stderr
+    r = in_process(capsys, "parity", "--prompts", str(tmp_path / "nope.txt"), "--backends", "mlx,mlx")
+    assert r.returncode == 2 and "nope.txt: no such file" in r.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"ids": "x"}\n')
+    r = in_process(capsys, "parity", "--prompts", str(bad), "--backends", "mlx,mlx")
+    assert r.returncode == 2 and "line 1" in r.stderr
+    r = in_process(capsys, "parity", "--model", str(models["base"]), "--backends", "mlx,mlx")  # no tokenizer, text prompts
+    assert r.returncode == 2 and "tokenizer" in r.stderr and '{"ids"' in r.stderr
+
+
+def test_hidden_states_end_in_forward_logits(models: dict[str, Path]) -> None:
+    from mlx_engine import Engine
+
+    base = models["base"]
+    w = load_file(str(base / "model.safetensors"))
+    ids = IDS[0]
+    with Engine.load(str(base)) as engine:
+        hs = engine.hidden_states(ids)
+        logits = engine.forward_logits(ids)
+    assert len(hs) == 3 + 1 and all(h.shape == (len(ids), 64) and h.dtype == np.float32 for h in hs)
+    np.testing.assert_array_equal(hs[0], w["model.embed_tokens.weight"][ids])
+    h = hs[-1].astype(np.float64)
+    normed = h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-5) * w["model.norm.weight"]  # RMSNorm
+    np.testing.assert_allclose(normed @ w["lm_head.weight"].T, logits, atol=1e-4, rtol=1e-4)
+
+
+def test_mlx_against_torch_on_cpu(models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from tests.torch_support import require
+
+    require("torch")
+    out = tmp_path / "parity.json"
+    r = in_process(capsys, "parity", "--model", str(models["base"]), "--backends", "mlx,torch", "--device", "cpu",
+                   "--prompts", str(models["prompts"]), "--steps", "6", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(out.read_text())
+    assert report["sides"][1]["backend"] == "torch"
+    for p in report["prompts"]:
+        assert p["max_abs_logit_diff"] <= 1e-4 and p["top1_agreement"] == 1.0 and p["tokens_identical"]
