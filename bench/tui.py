@@ -16,6 +16,7 @@ into a single Markdown widget, as the app did before.
     uv run python bench/tui.py                       # 3,000 tokens at 1,000 tokens/s
     uv run python bench/tui.py --tokens 5000 --rate 2000 --json
     uv run python bench/tui.py --segment-chars 0     # one Markdown widget per reply
+    uv run python bench/tui.py --drafted             # 3 of 4 tokens from a speculative draft (coloured)
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from textual import events  # noqa: E402
 from textual.widgets import Markdown, TextArea  # noqa: E402
 
 from app.tui.app import RooflineApp  # noqa: E402
-from app.tui.fake_engine import FakeBackend, FakeEngine  # noqa: E402
+from app.tui.fake_engine import FakeBackend, FakeEngine, FakeReply, FakeTokenizer  # noqa: E402
 from app.tui.store import ChatSettings  # noqa: E402
 from app.tui.widgets.messages import MessageView  # noqa: E402
 from mlx_engine.api import GenerationRequest, SamplingParams  # noqa: E402
@@ -65,6 +66,25 @@ def reply_text(num_tokens: int) -> str:
     return "\n\n".join(blocks)
 
 
+def drafted_pattern(text: str, drafted: bool) -> tuple[bool, ...]:
+    """Per token of `text`: from the draft (3 of every 4 with `drafted`, as with good prompt lookup), or not."""
+    return tuple(i % 4 != 0 for i in range(len(FakeTokenizer().pieces(text)))) if drafted else ()
+
+
+def drafted_marks(text: str, pattern: tuple[bool, ...]) -> list[int]:
+    """[start, end, ...) character ranges of `text` whose tokens are drafted in `pattern`."""
+    marks: list[int] = []
+    at = 0
+    for piece, d in zip(FakeTokenizer().pieces(text), pattern):
+        if d:
+            if marks and marks[-1] == at:
+                marks[-1] += len(piece)
+            else:
+                marks += (at, at + len(piece))
+        at += len(piece)
+    return marks
+
+
 class BenchApp(RooflineApp):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -78,10 +98,10 @@ class BenchApp(RooflineApp):
 def count_appends(app: BenchApp) -> None:
     original = MessageView.write
 
-    async def write(self: MessageView, fragment: str) -> None:
+    async def write(self: MessageView, fragment: str, *args, **kwargs) -> None:
         if fragment:
             app.appends += 1
-        await original(self, fragment)
+        await original(self, fragment, *args, **kwargs)
 
     MessageView.write = write  # type: ignore[method-assign]
 
@@ -107,8 +127,8 @@ def summary(ms: list[float]) -> dict[str, float]:
             "max_ms": q[-1]}
 
 
-async def run_case(text: str, num_tokens: int, rate: float, coalesce: bool) -> dict:
-    backend = FakeBackend(script=[text], tokens_per_s=rate)
+async def run_case(text: str, num_tokens: int, rate: float, coalesce: bool, drafted: bool = False) -> dict:
+    backend = FakeBackend(script=[FakeReply(text, drafted=drafted_pattern(text, drafted))], tokens_per_s=rate)
     app = BenchApp(backend=backend, home=tempfile.mkdtemp(prefix="roofline-bench-"),
                    default_settings=ChatSettings(temperature=0.0, max_tokens=num_tokens + 10),
                    frame_s=1 / 30 if coalesce else 0.0, coalesce_tokens=coalesce)
@@ -146,11 +166,13 @@ async def run_case(text: str, num_tokens: int, rate: float, coalesce: bool) -> d
                 "keys_idle": summary(idle_ms), "keys_streaming": summary(stream_ms)}
 
 
-async def paced_appends(text: str, chunk_chars: int = 150, frame_s: float = 1 / 30) -> list[float]:
+async def paced_appends(text: str, chunk_chars: int = 150, frame_s: float = 1 / 30, drafted: bool = False
+                        ) -> list[float]:
     """CPU seconds per append when `text` is written `chunk_chars` at a time, one append per frame, into a
     reply in the real chat screen (layout and rendering included)."""
     app = BenchApp(backend=FakeBackend(script=["x"]), home=tempfile.mkdtemp(prefix="roofline-bench-"))
     cpu: list[float] = []
+    marks = drafted_marks(text, drafted_pattern(text, drafted))
     async with app.run_test(size=(100, 30)) as pilot:
         while app.engine is None:
             await pilot.pause(0.01)
@@ -161,8 +183,11 @@ async def paced_appends(text: str, chunk_chars: int = 150, frame_s: float = 1 / 
         transcript.anchor()
         await pilot.pause(0.1)
         for i in range(0, len(text), chunk_chars):
+            piece = text[i:i + chunk_chars]
+            cut = [max(0, min(m - i, len(piece))) for m in marks]  # the drafted ranges within this piece
+            cut = [x for a, b in zip(cut[::2], cut[1::2]) if a < b for x in (a, b)]
             c0 = time.process_time()
-            await view.write(text[i:i + chunk_chars])
+            await view.write(piece, cut)
             await asyncio.sleep(frame_s)  # not pilot.pause(): it messages every widget on the screen
             cpu.append(time.process_time() - c0)
         await view.finish("done")
@@ -175,12 +200,13 @@ def tenths(cpu: list[float]) -> dict[str, float]:
             "last_tenth_ms": statistics.median(cpu[-k:]) * 1000}
 
 
-def engine_cpu(text: str, rate: float) -> tuple[float, int]:
+def engine_cpu(text: str, rate: float, drafted: bool = False) -> tuple[float, int]:
     """CPU seconds the fake engine itself spends streaming `text` (no app), and its token count."""
-    engine = FakeEngine([text], tokens_per_s=rate)
+    engine = FakeEngine([FakeReply(text, drafted=drafted_pattern(text, drafted))], tokens_per_s=rate)
     cpu0 = time.process_time()
     n = sum(len(e.token_ids) for e in engine.generate(
-        GenerationRequest(messages=[{"role": "user", "content": "go"}], sampling=SamplingParams(max_tokens=10**6))))
+        GenerationRequest(messages=[{"role": "user", "content": "go"}],
+                          sampling=SamplingParams(max_tokens=10**6, speculative="auto" if drafted else None))))
     return time.process_time() - cpu0, n
 
 
@@ -204,20 +230,22 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=1000.0, help="fake engine tokens/s")
     p.add_argument("--segment-chars", type=int, default=MessageView.segment_chars,
                    help="characters per Markdown widget of a streamed reply (0: one widget per reply)")
+    p.add_argument("--drafted", action="store_true",
+                   help="3 of every 4 tokens come from a speculative draft (their text is coloured)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     MessageView.segment_chars = args.segment_chars or 10**12
     text = reply_text(args.tokens)
-    base_cpu, n = engine_cpu(text, args.rate)
-    results = [asyncio.run(run_case(text, n, args.rate, coalesce)) for coalesce in (True, False)]
+    base_cpu, n = engine_cpu(text, args.rate, args.drafted)
+    results = [asyncio.run(run_case(text, n, args.rate, coalesce, args.drafted)) for coalesce in (True, False)]
     for r in results:
         r["tokens"] = n
         r["app_cpu_per_token_us"] = (r["cpu_s"] - base_cpu) / n * 1e6
         r["tokens_per_append"] = n / max(r["appends"], 1)
-    paced = tenths(asyncio.run(paced_appends(text)))
+    paced = tenths(asyncio.run(paced_appends(text, drafted=args.drafted)))
     out = {"command": "uv run python bench/tui.py " + " ".join(sys.argv[1:]), "machine": machine(),
            "date": time.strftime("%Y-%m-%d"), "rate_tokens_per_s": args.rate, "tokens": n,
-           "segment_chars": args.segment_chars, "engine_cpu_s": base_cpu, "results": results,
+           "segment_chars": args.segment_chars, "drafted": args.drafted, "engine_cpu_s": base_cpu, "results": results,
            "paced_append_cpu": paced}
     if args.json:
         print(json.dumps(out, indent=2))

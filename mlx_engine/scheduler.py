@@ -164,9 +164,9 @@ class Scheduler:
 
     def _cost_curve(self) -> Any:
         if self.cost_curve is None:
-            from mlx_engine.speculative import measure_cost_curve
+            from mlx_engine.speculative import cached_cost_curve
 
-            self.cost_curve = measure_cost_curve(self.runner)
+            self.cost_curve = cached_cost_curve(self.runner)  # measured once per model and machine
         return self.cost_curve
 
     def _draft_cost(self) -> float:

@@ -21,8 +21,13 @@ then overwrites: no extra weights and no extra KV).
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import platform
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -285,6 +290,75 @@ def measure_cost_curve(runner: Any, widths: tuple[int, ...] = (2, 3, 5, 9), repe
         curve.ratios[w] = time_forward(runner, w, repeats=repeats) / t1
         if curve.best_k(1.0, MAX_DRAFT_TOKENS) == 0:  # extrapolating the measured slope
             break
+    return curve
+
+
+COST_CURVE_FILE = "cost_curves.json"
+COST_CURVE_FORMAT = 1
+
+
+def cache_dir() -> Path:
+    """Where measurements are kept between runs: `ROOFLINE_CACHE_DIR`, else platformdirs' user cache dir."""
+    if path := os.environ.get("ROOFLINE_CACHE_DIR"):
+        return Path(path).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("roofline", appauthor=False))
+
+
+def cost_curve_key(runner: Any) -> str | None:
+    """What a measured curve holds for: the weights (and activation dtype), the backend and device, the
+    machine and the MLX version. None: the runner has no fingerprint, so nothing is kept."""
+    fingerprint = getattr(runner, "fingerprint", None)
+    if not fingerprint:
+        return None
+    info = runner.info
+    return "|".join([fingerprint.hex(), f"{info.backend}-{info.device}", f"{platform.system()}-{platform.machine()}",
+                     f"mlx-{mx.__version__}"])
+
+
+def load_cost_curve(key: str) -> CostCurve | None:
+    """The curve measured before for `key`, or None (none kept, or the file is unreadable or malformed)."""
+    try:
+        raw = json.loads((cache_dir() / COST_CURVE_FILE).read_text())
+        entry = raw["curves"][key] if raw.get("format") == COST_CURVE_FORMAT else None
+        if entry is None:
+            return None
+        ratios = {int(w): float(r) for w, r in entry["ratios"].items()}
+        t1_s = float(entry["t1_s"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if ratios.get(1) != 1.0 or len(ratios) < 2 or not all(math.isfinite(r) and r > 0 for r in ratios.values()):
+        return None
+    return CostCurve(ratios, t1_s)
+
+
+def save_cost_curve(key: str, curve: CostCurve) -> None:
+    """Keeps `curve` for `key` beside the others (an unreadable file is replaced); never raises."""
+    path = cache_dir() / COST_CURVE_FILE
+    try:
+        raw = json.loads(path.read_text())
+        curves = raw["curves"] if raw.get("format") == COST_CURVE_FORMAT and isinstance(raw["curves"], dict) else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        curves = {}
+    curves[key] = {"ratios": {str(w): r for w, r in sorted(curve.ratios.items())}, "t1_s": curve.t1_s}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"format": COST_CURVE_FORMAT, "curves": curves}, indent=1))
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+    except OSError:
+        pass
+
+
+def cached_cost_curve(runner: Any) -> CostCurve:
+    """The verify cost curve, measured once per model, backend and machine (~4 s) and kept in `cache_dir()`."""
+    key = cost_curve_key(runner)
+    curve = load_cost_curve(key) if key is not None else None
+    if curve is None:
+        curve = measure_cost_curve(runner)
+        if key is not None:
+            save_cost_curve(key, curve)
     return curve
 
 

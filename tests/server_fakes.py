@@ -3,7 +3,9 @@ server in a background thread, for the server's tests.
 
 The fake tokenizer is one token per character (id = code point), so counts are exact by eye. The prompt
 steers the reply: "[raise]" makes iteration raise after two tokens, "[error]" ends in an engine error
-event, "[slow]" sleeps 20 ms per token, "[long]" replies 40 tokens.
+event, "[slow]" sleeps 20 ms per token, "[long]" replies 40 tokens. A named speculative mode marks every
+second token as drafted (final stats: half the drafts accepted, one per verification); "draft" is refused
+(no draft model), "auto" steps aside.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from typing import Any
 
 import uvicorn
-from mlx_engine.api import GenerationEvent, GenerationRequest, ModelInfo, RequestError, TokenLogprob, Usage
+from mlx_engine.api import GenerationEvent, GenerationRequest, ModelInfo, RequestError, Stats, TokenLogprob, Usage
 
 VOCAB = 1000
 CONTEXT = 64
@@ -52,6 +54,7 @@ class FakeStream:
         self.error = "[error]" in text
         self.delay = 0.02 if "[slow]" in text else 0.0
         self.params = p
+        self.drafting = p.speculative in ("prompt-lookup", "self")
         self.num_prompt = len(ids)
         self.i = 0
         self.out = ""
@@ -67,8 +70,12 @@ class FakeStream:
         self.done = True
         with self.engine.lock:
             self.engine.active -= 1
+        drafted = self.i // 2 if self.drafting else 0  # tokens 1, 3, 5, ...: one accepted draft per verification
+        stats = Stats(ttft_s=0.01, prefill_tps=1000.0, decode_tps=100.0, peak_memory_bytes=0,
+                      acceptance_rate=0.5 if drafted else None, mean_accepted_tokens=1.0 if drafted else None,
+                      target_forwards=self.i - drafted)
         return GenerationEvent(text=text, finish_reason=reason, error=error,  # type: ignore[arg-type]
-                               usage=Usage(self.num_prompt, self.i, self.engine.cached(self.num_prompt)))
+                               usage=Usage(self.num_prompt, self.i, self.engine.cached(self.num_prompt)), stats=stats)
 
     def __next__(self) -> GenerationEvent:
         if self.done:
@@ -94,7 +101,8 @@ class FakeStream:
         for s in self.params.stop:
             if s in self.out:
                 return self._end("stop")
-        return GenerationEvent(text=chr(tok), token_ids=(tok,), from_draft=(False,), logprobs=lps)
+        return GenerationEvent(text=chr(tok), token_ids=(tok,), from_draft=(self.drafting and self.i % 2 == 0,),
+                               logprobs=lps)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -121,6 +129,9 @@ class FakeEngine:
         ids = list(request.prompt_token_ids or [])
         if len(ids) >= CONTEXT:
             raise RequestError(f"the prompt is {len(ids)} tokens but the model's context is {CONTEXT} tokens")
+        if request.sampling.speculative == "draft":
+            raise RequestError("speculative='draft' needs a draft model: load the engine with "
+                               "Engine.load(model, draft_model=PATH), or use 'prompt-lookup' or 'self'")
         self.requests.append(request)
         return FakeStream(self, ids, request)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 import shutil
 from pathlib import Path
 
@@ -408,3 +409,66 @@ def test_smollm2_prompt_lookup_greedy_identical() -> None:
         events = list(e.generate(GenerationRequest(**req, sampling=SamplingParams(**p, speculative="prompt-lookup"))))
     assert [t for ev in events for t in ev.token_ids] == plain
     assert events[-1].stats.target_forwards < len(plain)  # the quote is drafted from the prompt
+
+
+# --- the cost curve, measured once per model and machine -------------------------------------------------
+
+
+def test_cost_curve_is_kept_and_reused_by_the_next_engine(models, monkeypatch, tmp_path: Path) -> None:
+    """The first "auto" request measures the curve and writes it under ROOFLINE_CACHE_DIR; a second engine on
+    the same model reads it and measures nothing; another key (here another MLX version) measures again."""
+    import mlx_engine.speculative as sp
+
+    monkeypatch.setenv("ROOFLINE_CACHE_DIR", str(tmp_path / "cache"))
+    calls: list[object] = []
+
+    def fake_measure(runner: object) -> CostCurve:
+        calls.append(runner)
+        return CostCurve({1: 1.0, 2: 1.9, 3: 2.7}, t1_s=0.004)  # steep: "auto" steps aside
+
+    monkeypatch.setattr(sp, "measure_cost_curve", fake_measure)
+    target, _ = models
+    with Engine.load(str(target)) as e:
+        plain, _, _ = run(e, max_tokens=6)
+        tokens, from_draft, _ = run(e, speculative="auto", max_tokens=6)
+        run(e, speculative="auto", max_tokens=6)
+        key = sp.cost_curve_key(e._runner)
+        assert key == "|".join([e._runner.fingerprint.hex(), f"{e.info.backend}-{e.info.device}",
+                                f"{platform.system()}-{platform.machine()}", f"mlx-{mx.__version__}"])
+    assert tokens == plain and not any(from_draft)
+    assert len(calls) == 1  # once per engine at most, as before
+    saved = json.loads((tmp_path / "cache" / "cost_curves.json").read_text())
+    assert saved == {"format": 1, "curves": {key: {"ratios": {"1": 1.0, "2": 1.9, "3": 2.7}, "t1_s": 0.004}}}
+
+    with Engine.load(str(target)) as e2:
+        run(e2, speculative="auto", max_tokens=6)
+        assert e2._scheduler.cost_curve.ratios == {1: 1.0, 2: 1.9, 3: 2.7}
+        assert e2._scheduler.cost_curve.t1_s == 0.004
+    assert len(calls) == 1  # read from the file, not measured
+
+    monkeypatch.setattr(mx, "__version__", "0.0.0-other")
+    with Engine.load(str(target)) as e3:
+        run(e3, speculative="auto", max_tokens=6)
+    assert len(calls) == 2
+    assert len(json.loads((tmp_path / "cache" / "cost_curves.json").read_text())["curves"]) == 2
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"format": 1, "curves": {"KEY": {"ratios": {"1": 1.0}}}}',
+                                     '{"format": 1, "curves": {"KEY": {"ratios": {"1": 1.0, "2": "x"}, "t1_s": 1}}}',
+                                     '[1, 2]', '\udcff'])
+def test_corrupt_cost_curve_file_is_measured_again_and_overwritten(models, monkeypatch, tmp_path: Path,
+                                                                   content: str) -> None:
+    import mlx_engine.speculative as sp
+
+    monkeypatch.setenv("ROOFLINE_CACHE_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(sp, "measure_cost_curve", lambda runner: calls.append(1) or CostCurve({1: 1.0, 2: 1.5}, 0.01))
+    target, _ = models
+    with Engine.load(str(target)) as e:
+        key = sp.cost_curve_key(e._runner)
+        path = tmp_path / "cost_curves.json"
+        path.write_bytes(content.replace("KEY", key).encode("utf-8", "surrogateescape"))
+        run(e, speculative="auto", max_tokens=4)
+    assert calls == [1]
+    assert json.loads(path.read_text()) == {"format": 1, "curves": {key: {"ratios": {"1": 1.0, "2": 1.5},
+                                                                          "t1_s": 0.01}}}

@@ -55,6 +55,9 @@ class ServerConfig:
     # than this: the engine reserves KV for prompt + max_tokens at admission, so whole-context defaults
     # would let only one such request run at a time. None: the rest of the context.
     default_max_tokens: int | None = 2048
+    # speculative decoding for requests that do not name a mode ("auto", "prompt-lookup", "self", "draft");
+    # None: plain decoding. A speculating request verifies in a forward of its own, outside the batch.
+    speculative: str | None = None
 
 
 class Server:
@@ -166,7 +169,10 @@ class Server:
             max_tokens = job.max_tokens
             if max_tokens is None:
                 max_tokens = min(ctx - n, self.config.default_max_tokens or ctx)
-            sampling = SamplingParams(max_tokens=max_tokens, **job.sampling)
+            kw = dict(job.sampling)
+            if "speculative" not in kw and self.config.speculative is not None:
+                kw["speculative"] = self.config.speculative
+            sampling = SamplingParams(max_tokens=max_tokens, **kw)
             return self.engine.generate(GenerationRequest(prompt_token_ids=ids, sampling=sampling)), n
         except RequestError as e:
             raise from_request_error(str(e), _PARAM_NAMES) from None
@@ -207,7 +213,8 @@ class Server:
                 return Response(status_code=499)
             raise APIError(503, "the generation was cancelled (the server is shutting down)", None, "cancelled")
         assert final.usage is not None
-        return JSONResponse(fmt.response("".join(texts), tuple(lps), final.finish_reason, final.usage))
+        return JSONResponse(fmt.response("".join(texts), tuple(lps), final.finish_reason, final.usage,
+                                         accepted_draft_tokens(gen, final)))
 
     async def _chunks(self, gen: Generation, fmt: Formatter, t0: float) -> AsyncIterator[bytes]:
         head = fmt.first_chunk()
@@ -230,12 +237,19 @@ class Server:
             else:
                 yield sse(fmt.finish_chunk(reason))
                 if fmt.job.include_usage and event.usage is not None:
-                    yield sse(fmt.usage_chunk(event.usage))
+                    yield sse(fmt.usage_chunk(event.usage, accepted_draft_tokens(gen, event)))
             yield DONE
 
     def cancel_all(self) -> None:
         for gen in list(self.generations):
             gen.cancel()
+
+
+def accepted_draft_tokens(gen: Generation, final: GenerationEvent) -> int | None:
+    """Reply tokens that came from accepted drafts, where speculation verified any draft token (else None)."""
+    if final.stats is None or final.stats.acceptance_rate is None:
+        return None
+    return gen.num_draft_accepted
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -38,11 +38,12 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 
 _SAMPLING_FIELD = re.compile(r"invalid sampling parameter (\w+)")
+_SPECULATIVE = re.compile(r"(speculative)=")  # a mode the engine cannot serve ("draft" without a draft model)
 
 
 def from_request_error(message: str, param_names: dict[str, str] | None = None) -> APIError:
     """An engine RequestError as a 400; the param is read from SamplingParams' message when it names one."""
-    m = _SAMPLING_FIELD.match(message)
+    m = _SAMPLING_FIELD.match(message) or _SPECULATIVE.match(message)
     param = None
     if m:
         param = (param_names or {}).get(m.group(1), m.group(1))

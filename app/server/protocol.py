@@ -1,9 +1,10 @@
 """OpenAI request bodies -> a validated `Job`: every field type- and range-checked, errors naming the field.
 
 OpenAI's semantics where they exist (defaults, ranges, `n`, `stop`, `logit_bias` with string keys); vLLM's
-names for the extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`). Unknown fields are
-ignored, as vLLM does; fields that would change the answer and are not supported (tools, JSON mode,
-`echo`, `suffix`, n > 1) are refused rather than silently dropped.
+names for the extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`); ours for speculative
+decoding (`speculative`: "auto", "prompt-lookup", "self", "draft" or "off"; `num_draft_tokens`). Unknown
+fields are ignored, as vLLM does; fields that would change the answer and are not supported (tools, JSON
+mode, `echo`, `suffix`, n > 1) are refused rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field, fields
-
-from mlx_engine.api import SamplingParams
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from mlx_engine.api import MAX_DRAFT_TOKENS, SPECULATIVE_MODES
 
 from app.server.errors import APIError, invalid
 
 MAX_STOP = 4
+SPECULATIVE_OFF = "off"
 MAX_LOGPROBS = 20
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -207,14 +209,7 @@ def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], s
     if seed is not None:
         s["seed"] = seed
     s["ignore_eos"] = bool(f.boolean("ignore_eos"))
-    engine_fields = {x.name for x in fields(SamplingParams)}
-    for name, value in (("speculative", f.string("speculative")), ("num_draft_tokens", f.integer("num_draft_tokens"))):
-        if value is None:
-            continue
-        if name not in engine_fields:
-            raise invalid(f"'{name}' is not supported: this engine has no speculative decoding", name,
-                          "unsupported_value")
-        s[name] = value  # ranges are checked by SamplingParams, whose message names the field
+    _speculative(f, s)
     s["stop"] = _stop(f)
     s["logit_bias"] = _logit_bias(f, vocab_size)
 
@@ -364,6 +359,20 @@ def _logit_bias(f: _Fields, vocab_size: int) -> dict[int, float]:
                           "logit_bias")
         out[tid] = float(b)
     return out
+
+
+def _speculative(f: _Fields, s: dict[str, Any]) -> None:
+    """`speculative` absent (or null): the server's default; "off": plain decoding; else an engine mode."""
+    mode = f.string("speculative")
+    if mode is not None:
+        allowed = (*SPECULATIVE_MODES, SPECULATIVE_OFF)
+        if mode not in allowed:
+            raise invalid(f"'speculative' must be one of {', '.join(map(repr, allowed))}, got {_short(mode)}",
+                          "speculative", "unsupported_value")
+        s["speculative"] = None if mode == SPECULATIVE_OFF else mode
+    k = f.integer("num_draft_tokens", 1, MAX_DRAFT_TOKENS)
+    if k is not None:
+        s["num_draft_tokens"] = k
 
 
 def _response_format(f: _Fields) -> None:

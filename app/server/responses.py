@@ -23,10 +23,15 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage_dict(u: Usage) -> dict[str, Any]:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+def usage_dict(u: Usage, accepted_draft_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; `accepted_draft_tokens` (None: no draft token was verified) goes where OpenAI
+    counts accepted predicted-output tokens."""
+    out: dict[str, Any] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                           "total_tokens": u.prompt_tokens + u.completion_tokens,
+                           "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+    if accepted_draft_tokens is not None:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted_draft_tokens}
+    return out
 
 
 def token_bytes_fn(tokenizer: Any) -> Callable[[int], bytes]:
@@ -135,15 +140,16 @@ class Formatter:
             return self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason})
         return self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason})
 
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+    def usage_chunk(self, usage: Usage, accepted_draft_tokens: int | None = None) -> dict[str, Any]:
         obj = self._head("chat.completion.chunk" if self.chat else "text_completion")
         obj["choices"] = []
-        obj["usage"] = usage_dict(usage)
+        obj["usage"] = usage_dict(usage, accepted_draft_tokens)
         return obj
 
     # ---- whole responses ---------------------------------------------------------------------------------
 
-    def response(self, text: str, lps: tuple[TokenLogprob, ...], finish_reason: str, usage: Usage) -> dict[str, Any]:
+    def response(self, text: str, lps: tuple[TokenLogprob, ...], finish_reason: str, usage: Usage,
+                 accepted_draft_tokens: int | None = None) -> dict[str, Any]:
         if self.chat:
             obj = self._head("chat.completion")
             obj["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
@@ -152,7 +158,7 @@ class Formatter:
             obj = self._head("text_completion")
             obj["choices"] = [{"index": 0, "text": text, "logprobs": self._logprobs(lps),
                                "finish_reason": finish_reason}]
-        obj["usage"] = usage_dict(usage)
+        obj["usage"] = usage_dict(usage, accepted_draft_tokens)
         return obj
 
 

@@ -49,6 +49,7 @@ def serve(
     drain_timeout_s: float = 30.0,
     default_max_tokens: int | None = 2048,
     log_level: str = "info",
+    speculative: str | None = None,
 ) -> int:
     """Binds host:port, loads the engine (`engine_factory()`), serves until a signal. Returns an exit code."""
     import uvicorn
@@ -60,14 +61,16 @@ def serve(
     sock = bind(host, port)
     engine = engine_factory()
     config = ServerConfig(api_key=api_key, max_concurrency=max_concurrency, max_queue=max_queue,
-                          default_max_tokens=default_max_tokens)
+                          default_max_tokens=default_max_tokens, speculative=speculative)
     app = create_app(engine, config)
     server_state = app.state.server
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     print(f"roofline: serving {server_state.model_id} (also 'default') on http://{shown}:{bound_port}/v1 "
           f"- max {max_concurrency or 'unlimited'} running, {max_queue} waiting, then 429"
-          f"{'; API key required' if api_key else ''}", file=sys.stderr, flush=True)
+          f"{'; API key required' if api_key else ''}"
+          f"{f'; speculative={speculative} unless a request says otherwise' if speculative else ''}",
+          file=sys.stderr, flush=True)
     uv_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s,
                                lifespan="on", access_log=log_level == "debug")
     server = uvicorn.Server(uv_config)

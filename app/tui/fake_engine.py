@@ -1,10 +1,11 @@
 """A scripted engine with the real Engine's surface, for tests, snapshots and the responsiveness bench.
 
 `FakeBackend(script=[...])` hands out `FakeEngine`s whose replies come from the script in order (the last
-one repeats); a `FakeReply` can stop at a token and wait (`hold_after`, released by `release()`), or end
-in an engine error (`error_after`). A FakeEngine keeps a pretend prefix cache of 16-token blocks (the
-conversations it has generated or restored), reports hits in `usage.cached_prompt_tokens`, and saves and
-restores it as JSON files (`kv_calls` records each call).
+one repeats); a `FakeReply` can stop at a token and wait (`hold_after`, released by `release()`), end in an
+engine error (`error_after`), or mark tokens as drafted (`drafted`, with speculative stats). A FakeEngine
+refuses speculative="draft" unless made with `draft_model=True`. It keeps a pretend prefix cache of 16-token
+blocks (the conversations it has generated or restored), reports hits in `usage.cached_prompt_tokens`, and
+saves and restores it as JSON files (`kv_calls` records each call).
 """
 
 from __future__ import annotations
@@ -91,6 +92,11 @@ class FakeReply:
     hold_after: int | None = None  # emit this many tokens, then wait for FakeEngine.release()
     error_after: int | None = None  # emit this many tokens, then end with finish_reason "error"
     error: str = "engine failure: the fake engine was told to fail"
+    # speculative decoding: drafted[i] marks token i as from the draft, for requests that speculate (any mode
+    # but None); the final stats then carry these figures
+    drafted: tuple[bool, ...] = ()
+    acceptance_rate: float | None = None
+    mean_accepted_tokens: float | None = None
 
 
 class FakeStream:
@@ -128,8 +134,9 @@ class FakeEngine:
 
     def __init__(self, script: list[str | FakeReply] | None = None, tokens_per_s: float | None = 200.0,
                  info: ModelInfo | None = None, ttft_s: float = 0.0, tokenizer: FakeTokenizer | None = None,
-                 paged: bool = True, block_size: int = 16):
+                 paged: bool = True, block_size: int = 16, draft_model: bool = False):
         self.script = [r if isinstance(r, FakeReply) else FakeReply(r) for r in (script or ["Hello! How can I help?"])]
+        self.draft_model = draft_model
         self.tokens_per_s = tokens_per_s
         self.ttft_s = ttft_s
         self.info = info or fake_info()
@@ -151,6 +158,9 @@ class FakeEngine:
         prompt_ids = self.tokenizer.encode_chat(request.messages or [{"role": "user", "content": request.prompt or ""}])
         if len(prompt_ids) >= self.info.context_length:
             raise RequestError(f"prompt is {len(prompt_ids)} tokens, longer than the context ({self.info.context_length})")
+        if request.sampling.speculative == "draft" and not self.draft_model:
+            raise RequestError("speculative='draft' needs a draft model: load the engine with "
+                               "Engine.load(model, draft_model=PATH), or use 'prompt-lookup' or 'self'")
         self.requests.append(request)
         reply = self.script[min(self._next, len(self.script) - 1)]
         self._next += 1
@@ -171,6 +181,8 @@ class FakeEngine:
             time.sleep(self.ttft_s)
         first = None
         n = 0
+        drafted = reply.drafted if request.sampling.speculative is not None else ()
+        num_drafted = 0
         finish = "stop"
         error = None
         for i, piece in enumerate(pieces):
@@ -196,7 +208,9 @@ class FakeEngine:
                     time.sleep(delay)
             token = self.tokenizer._id(piece)
             fed.append(token)
-            stream.events.put(GenerationEvent(text=piece, token_ids=(token,), from_draft=(False,)))
+            from_draft = i < len(drafted) and drafted[i]
+            num_drafted += from_draft
+            stream.events.put(GenerationEvent(text=piece, token_ids=(token,), from_draft=(from_draft,)))
             n += 1
             if first is None:
                 first = time.perf_counter()
@@ -205,7 +219,9 @@ class FakeEngine:
         decode_s = end - (first or end)
         stats = Stats(ttft_s=ttft, prefill_tps=num_prompt / ttft if ttft > 0 else 0.0,
                       decode_tps=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
-                      peak_memory_bytes=self.info.weight_bytes + 2**20)
+                      peak_memory_bytes=self.info.weight_bytes + 2**20, target_forwards=n - num_drafted,
+                      acceptance_rate=reply.acceptance_rate if drafted else None,
+                      mean_accepted_tokens=reply.mean_accepted_tokens if drafted else None)
         if self.paged and finish != "error":
             self.cached.append(fed)
         stream.events.put(GenerationEvent(finish_reason=finish, usage=Usage(num_prompt, n, num_cached), stats=stats,
@@ -274,8 +290,10 @@ class FakeBackend(EngineBackend):
 
     def __init__(self, script: list[str | FakeReply] | None = None, tokens_per_s: float | None = 200.0,
                  load_delay_s: float = 0.0, models: list[ModelSummary] | None = None, fail: dict[str, str] | None = None,
-                 bandwidth: Bandwidth | None = None, ttft_s: float = 0.0, paged: bool = True, block_size: int = 16):
+                 bandwidth: Bandwidth | None = None, ttft_s: float = 0.0, paged: bool = True, block_size: int = 16,
+                 draft_model: bool = False):
         self.script = script
+        self.draft_model = draft_model
         self.tokens_per_s = tokens_per_s
         self.load_delay_s = load_delay_s
         self.ttft_s = ttft_s
@@ -307,7 +325,7 @@ class FakeBackend(EngineBackend):
             name = Path(key).name
         engine = FakeEngine(self.script, self.tokens_per_s, fake_info(name), ttft_s=self.ttft_s,
                             tokenizer=self.load_tokenizer(ref), paged=self.paged,
-                            block_size=self.block_size)
+                            block_size=self.block_size, draft_model=self.draft_model)
         self.engines.append(engine)
         return engine
 

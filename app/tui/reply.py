@@ -155,7 +155,7 @@ class ReplyRunner:
         gen.last_drain = time.perf_counter()
         d = gen.buffer.drain()
         if d.text and gen.view.is_attached:
-            await gen.view.write(d.text)
+            await gen.view.write(d.text, d.drafted)
         elif d.text:
             gen.view.content += d.text
         if d.final is not None:
@@ -201,7 +201,7 @@ class ReplyRunner:
             gen.drain_timer.stop()
         rest = gen.buffer.drain()
         if rest.text and gen.view.is_attached:
-            await gen.view.write(rest.text)
+            await gen.view.write(rest.text, rest.drafted)
         elif rest.text:
             gen.view.content += rest.text
         status = FINISH_STATUS.get(reason or "error", "error")
@@ -215,6 +215,11 @@ class ReplyRunner:
             s = self.stats
             s.prompt_tokens, s.reply_tokens, s.cached_tokens = u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens
             s.ttft_s, s.decode_tps = st.ttft_s, st.decode_tps
+            s.acceptance_rate, s.mean_accepted_tokens = st.acceptance_rate, st.mean_accepted_tokens
+            s.target_forwards = st.target_forwards
+            if st.acceptance_rate is not None:
+                stats.update(acceptance_rate=st.acceptance_rate, mean_accepted_tokens=st.mean_accepted_tokens,
+                             target_forwards=st.target_forwards)
             self.fill_bytes(gen.engine, s)
         self.stats.streaming = False
         store = self.rapp.store

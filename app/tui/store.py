@@ -61,6 +61,8 @@ class ChatSettings:
     repetition_penalty: float = 1.0
     max_tokens: int = 512
     seed: int | None = None
+    speculative: str | None = "auto"  # None: off; "auto" speculates only where the backend and acceptance say it pays
+    num_draft_tokens: int = 4
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -1,4 +1,4 @@
-"""Per-chat settings: system prompt and sampling, validated by the engine's SamplingParams."""
+"""Per-chat settings: system prompt, sampling and speculative decoding, validated by the engine's SamplingParams."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.screen import ModalScreen
+from textual.suggester import SuggestFromList
 from textual.widgets import Button, Input, Label, Static, TextArea
 
-from mlx_engine.api import RequestError, SamplingParams
+from mlx_engine.api import SPECULATIVE_MODES, RequestError, SamplingParams
 
 from app.tui.store import ChatSettings
 
@@ -21,13 +22,18 @@ FIELDS = [
     ("repetition_penalty", "Repetition penalty", "number", "1 = off"),
     ("max_tokens", "Max tokens", "integer", "reply length cap"),
     ("seed", "Seed", "integer", "empty = random"),
+    ("speculative", "Speculative", "text", "auto/prompt-lookup/self/draft/off"),
+    ("num_draft_tokens", "Draft tokens", "integer", "most per verification, 1-16"),
 ]
+SPECULATIVE_OFF = "off"
+SPECULATIVE_CHOICES = (*SPECULATIVE_MODES, SPECULATIVE_OFF)
 
 
 def sampling_params(s: ChatSettings) -> SamplingParams:
     """The engine's SamplingParams for a chat's settings (raises RequestError on bad values)."""
     return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                          repetition_penalty=s.repetition_penalty, max_tokens=s.max_tokens, seed=s.seed)
+                          repetition_penalty=s.repetition_penalty, max_tokens=s.max_tokens, seed=s.seed,
+                          speculative=s.speculative, num_draft_tokens=s.num_draft_tokens)
 
 
 class SettingsScreen(ModalScreen[ChatSettings | None]):
@@ -64,8 +70,12 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
             with Grid():
                 for name, label, kind, hint in FIELDS:
                     value = getattr(self.settings, name)
+                    if name == "speculative":
+                        value = SPECULATIVE_OFF if value is None else value
                     yield Label(label)
-                    yield Input("" if value is None else str(value), type=kind, id=name, compact=True)
+                    suggest = SuggestFromList(SPECULATIVE_CHOICES) if name == "speculative" else None
+                    yield Input("" if value is None else str(value), type=kind, id=name, compact=True,
+                                suggester=suggest)
                     yield Static(hint, classes="hint")
             yield Static("", id="error", markup=False)
             with Horizontal():
@@ -79,6 +89,9 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
             raw = self.query_one(f"#{name}", Input).value.strip()
             if name == "seed" and not raw:
                 values[name] = None
+                continue
+            if kind == "text":  # the speculative mode: SamplingParams says which names it knows
+                values[name] = None if raw.lower() in (SPECULATIVE_OFF, "") else raw
                 continue
             try:
                 values[name] = int(raw) if kind == "integer" else float(raw)

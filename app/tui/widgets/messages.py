@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from textual import events
 from textual.app import ComposeResult
@@ -15,6 +18,7 @@ from textual.widget import Widget
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
+from app.tui.drafted import add_marks, draft_spans, drafted_block_class
 from app.tui.segments import DEFAULT_SEGMENT_CHARS, PARSER, MarkdownSegmenter, cuts_render_alike
 
 STATUS_LABELS = {
@@ -34,12 +38,43 @@ class MarkdownSegment(Markdown):
     parent, so while a reply streams and its MessageView grows, every segment would be re-laid out, block by
     block, on every append. Blocks are all auto-height, so a segment's height depends only on the width and
     on its own content: cache it on those (`_layout_updates` counts layout changes below this widget).
-    It also shares one Markdown parser (Textual builds a new one, ~1 ms, for every append)."""
+    It also shares one Markdown parser (Textual builds a new one, ~1 ms, for every append).
 
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("parser_factory", lambda: PARSER)
+    Text that came from a speculative draft (`drafted`: the reply's ranges, shared with its MessageView;
+    `reply_offset`: where this segment starts in the reply) is shown in the `draft` component style."""
+
+    COMPONENT_CLASSES = {"draft"}
+    DEFAULT_CSS = "MarkdownSegment > .draft { color: $text-success; }"
+
+    def __init__(self, *args, drafted: list[int] | None = None, reply_offset: int = 0, **kwargs) -> None:
+        kwargs.setdefault("parser_factory", lambda: self)  # parse() below: Textual calls parser.parse(text)
         super().__init__(*args, **kwargs)
         self._height_cache: tuple[object, int] = (None, 0)
+        self.drafted: list[int] = drafted if drafted is not None else []
+        self.reply_offset = reply_offset
+        self._parsed = ""  # the text of the last parse: all of this segment (update) or its last lines (append)
+        self._parsed_at = 0  # where it starts in this segment
+        self._line_starts: list[int] | None = None
+
+    def parse(self, text: str, env: dict | None = None) -> list:
+        self._parsed, self._parsed_at, self._line_starts = text, len(self._markdown) - len(text), None
+        return PARSER.parse(text, env)
+
+    def get_block_class(self, block_name: str) -> type:
+        cls = super().get_block_class(block_name)
+        return drafted_block_class(cls) if self.drafted else cls
+
+    def draft_spans(self, plain: str, token: Any) -> list:
+        """The `.draft` spans of a block rendered as `plain` from `token` (of the last parse)."""
+        if not self.drafted or token.map is None:
+            return []
+        if self._line_starts is None:
+            self._line_starts = [0, *(m.end() for m in re.finditer("\n", self._parsed))]
+        starts, n = self._line_starts, len(self._parsed)
+        first, last = token.map
+        a = starts[first] if first < len(starts) else n
+        b = starts[last] if last < len(starts) else n
+        return draft_spans(plain, self._parsed[a:b], self.reply_offset + self._parsed_at + a, self.drafted)
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         key = (width, self._nodes._updates, self._layout_updates, self.styles._cache_key)
@@ -114,6 +149,7 @@ class MessageView(Vertical, can_focus=True):
         self._stream: MarkdownStream | None = None
         self._segmenter: MarkdownSegmenter | None = None
         self._segments: list[Markdown] = []  # the streamed reply's Markdown widgets, in order
+        self.drafted: list[int] = []  # [start, end) ranges of `content` that came from a speculative draft
         self._placeholders: list[SegmentPlaceholder] = []
         self._last_hide = 0.0
         self._width = 0
@@ -122,7 +158,7 @@ class MessageView(Vertical, can_focus=True):
     def compose(self) -> ComposeResult:
         yield Static(self._role_line(), classes="role", markup=False)
         if self.role == "assistant":
-            yield MarkdownSegment(self.content, classes="body")
+            yield MarkdownSegment(self.content, classes="body", drafted=self.drafted)
         else:
             yield Static(self.content, classes="body", markup=False)
         yield Static(self.error or "", classes="error-text", markup=False)
@@ -150,25 +186,30 @@ class MessageView(Vertical, can_focus=True):
 
     # ---- streaming ---------------------------------------------------------------------------------------
 
-    async def write(self, fragment: str) -> None:
+    async def write(self, fragment: str, drafted: Sequence[int] = ()) -> None:
         """Appends streamed text (through Textual's MarkdownStream, which coalesces bursts) to the last
-        segment, starting a new one where the segmenter cuts."""
+        segment, starting a new one where the segmenter cuts. `drafted`: [start, end, ...) ranges of
+        `fragment` that came from a speculative draft."""
         if not fragment:
             return
+        if drafted:
+            add_marks(self.drafted, len(self.content), drafted)
         self.content += fragment
         if self._segmenter is None:
             self._segmenter = MarkdownSegmenter(self.segment_chars)
             self._segments = [self.query_one(Markdown)]
             self._segmenter.feed(self.content[: -len(fragment)])  # text the widget was created with
+        at = len(self.content) - len(fragment)  # where the next piece starts in the reply
         for new_segment, piece in self._segmenter.feed(fragment):
             if new_segment:
                 await self._stop_stream()
-                segment = MarkdownSegment(classes="body")
+                segment = MarkdownSegment(classes="body", drafted=self.drafted, reply_offset=at)
                 await self.mount(segment, after=self._segments[-1])
                 self._segments.append(segment)
             if self._stream is None:
                 self._stream = Markdown.get_stream(self._segments[-1])
             await self._stream.write(piece)
+            at += len(piece)
         now = time.monotonic()
         if len(self._segments) > 2 and now - self._last_hide >= self.HIDE_EVERY_S:
             self._last_hide = now

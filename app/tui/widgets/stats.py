@@ -1,4 +1,5 @@
-"""The stats bar: live decode speed, latency, tokens, context, memory and % of the memory-bandwidth roofline."""
+"""The stats bar: live decode speed, latency, tokens, context, speculative decoding's acceptance, memory and % of
+the memory-bandwidth roofline."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ class LiveStats:
     bandwidth_bytes_per_s: float = 0.0
     bandwidth_label: str = ""
     streaming: bool = False
+    # speculative decoding, from the final stats; None: no draft token was verified
+    acceptance_rate: float | None = None  # accepted / drafted
+    mean_accepted_tokens: float | None = None  # accepted draft tokens per verification
+    target_forwards: int = 0
 
     @property
     def roofline_fraction(self) -> float | None:
@@ -46,6 +51,9 @@ class LiveStats:
             + f" · reply {self.reply_tokens}",
             f"ctx {used:,}/{self.context_length:,}",
         ])
+        if self.acceptance_rate is not None:
+            speed += (f" │ drafts {self.acceptance_rate * 100:.0f}% · {self.mean_accepted_tokens or 0:.1f}/verify"
+                      f" · {self.target_forwards:,} fwd")
         frac = self.roofline_fraction
         roof = f"{frac * 100:.1f}% of roofline" if frac is not None else "–% of roofline"
         memory = " │ ".join([

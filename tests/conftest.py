@@ -1,0 +1,10 @@
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """What the engine keeps between runs (the speculative cost curve) goes to a folder of this test session,
+    never to the user's cache; set before any fixture starts a server process, which inherits it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ROOFLINE_CACHE_DIR", str(tmp_path_factory.mktemp("roofline-cache")))
+        yield
