@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--context", "-c", type=int, required=True, help="tokens per sequence")
     k.add_argument("--batch", "-b", type=int, default=1, help="concurrent sequences")
     k.add_argument("--kv-bits", type=int, choices=(4, 8), help="quantized KV (group size 64)")
+    k.add_argument("--kv-key-bits", type=int, choices=(4, 8),
+                   help="the keys' bits, when not --kv-bits (needs --kv-bits)")
     k.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                    help="KV dtype when not quantized (default float16, as on a Mac)")
 
@@ -235,11 +237,16 @@ def cmd_kv(args: argparse.Namespace) -> int:
 
     if args.context < 1 or args.batch < 1:
         raise RooflineError("--context and --batch must be positive integers")
+    if args.kv_key_bits is not None and args.kv_bits is None:
+        raise RooflineError(f"--kv-key-bits {args.kv_key_bits} needs --kv-bits (4 or 8): it sets the keys' bits of "
+                            "a quantized KV cache")
     shape = kv_shape(args.model)
     itemsize = 4 if args.dtype == "float32" else 2
-    total = kv_bytes(shape, args.context, args.batch, args.kv_bits, itemsize)
-    per_token = kv_bytes(shape, 1, 1, args.kv_bits, itemsize)
+    total = kv_bytes(shape, args.context, args.batch, args.kv_bits, itemsize, key_bits=args.kv_key_bits)
+    per_token = kv_bytes(shape, 1, 1, args.kv_bits, itemsize, key_bits=args.kv_key_bits)
     kind = f"{args.kv_bits}-bit (g64)" if args.kv_bits else args.dtype
+    if args.kv_key_bits not in (None, args.kv_bits):
+        kind = f"{args.kv_key_bits}-bit keys, {args.kv_bits}-bit values (g64)"
     print(f"{total / 1e9:.1f} GB ({total:,} bytes) of KV for {args.batch} x {args.context:,} tokens in {kind}: "
           f"{shape.num_layers} layers x {shape.num_kv_heads} KV heads x head dim {shape.head_dim}, "
           f"{per_token:,} bytes per token")

@@ -8,8 +8,9 @@
 2. Time to first token of a chat's next turn with the prefix cache against a full re-prefill
    (`prefix_caching=False`), at 512, 1K and 2K tokens of history.
 3. Eight requests sharing a 1K-token system prompt: prompt tokens computed against naive.
-4. 8-bit and 4-bit KV (group size 64 and 32): bytes per token against fp16, and the perplexity change
-   on public-domain English text (`bench/data/`) through `Engine.score`.
+4. 8-bit and 4-bit KV (group size 64 and 32), and 8-bit keys with 4-bit values (`kv_key_bits`): bytes
+   per token against fp16, and the perplexity change on public-domain English text (`bench/data/`)
+   through `Engine.score`.
 5. Decode tokens/s with paged against contiguous KV at 1K and 4K of context, runs alternating.
 
 Prints a markdown section for docs/benchmarks.md on stdout, progress on stderr. The embedded SmolLM2
@@ -264,24 +265,29 @@ def figure_shared(args, doc: list[int]) -> list[str]:
 
 def figure_quantized(args, doc: list[int], shape) -> list[str]:
     ids = doc[:args.ppl_tokens + 1]
-    configs = [(None, 64), (8, 64), (4, 64), (8, 32), (4, 32)]
+    # (kv_bits, group size, key bits): key bits None means the keys take kv_bits
+    configs = [(None, 64, None), (8, 64, None), (4, 64, None), (8, 32, None), (4, 32, None), (4, 64, 8), (4, 32, 8)]
     results = {}
-    for bits, gs in configs:
-        engine = Engine.load(args.model, block_size=args.block_size, kv_bits=bits, kv_group_size=gs)
+    for bits, gs, key_bits in configs:
+        engine = Engine.load(args.model, block_size=args.block_size, kv_bits=bits, kv_group_size=gs,
+                             kv_key_bits=key_bits)
         t0 = time.perf_counter()
         logp = engine.score(ids)
         st = engine.kv_stats()
         engine.close()
-        results[(bits, gs)] = (float(np.exp(-logp.astype(np.float64).mean())), st["bytes_per_block"] / st["block_size"],
-                               time.perf_counter() - t0)
-        log(f"  kv_bits {bits} gs {gs}: ppl {results[(bits, gs)][0]:.4f} ({results[(bits, gs)][2]:.0f} s)")
-    ppl0, here0, _ = results[(None, 64)]
+        results[(bits, gs, key_bits)] = (float(np.exp(-logp.astype(np.float64).mean())),
+                                         st["bytes_per_block"] / st["block_size"], time.perf_counter() - t0)
+        ppl, _, secs = results[(bits, gs, key_bits)]
+        log(f"  kv_bits {bits} key bits {key_bits or bits} gs {gs}: ppl {ppl:.4f} ({secs:.0f} s)")
+    ppl0, here0, _ = results[(None, 64, None)]
     fp16 = kv_bytes(shape, 1, itemsize=2)
     rows = []
-    for bits, gs in configs:
-        ppl, here, secs = results[(bits, gs)]
-        mac = kv_bytes(shape, 1, kv_bits=bits, itemsize=2, group_size=gs)
+    for bits, gs, key_bits in configs:
+        ppl, here, secs = results[(bits, gs, key_bits)]
+        mac = kv_bytes(shape, 1, kv_bits=bits, itemsize=2, group_size=gs, key_bits=key_bits)
         name = "fp16 (reference)" if bits is None else f"{bits}-bit, group {gs}"
+        if key_bits not in (None, bits):
+            name = f"{key_bits}-bit K, {bits}-bit V, group {gs}"
         change = "" if bits is None else f"{100 * (ppl - ppl0) / ppl0:+.3f}%"
         rows.append(f"| {name} | {mac:,} | {100 * mac / fp16:.1f}% | {here:,.0f} | {ppl:.4f} | {change} |")
     return [

@@ -1,9 +1,12 @@
 // Paged decode attention, one new query token per sequence (FlashDecoding, pass 1).
 //
-// The wrapper prepends two defines:
-//   KV_BITS  0: k_pool/v_pool hold floats (num_blocks, block_size, Hkv, D)
+// The wrapper prepends three defines:
+//   K_BITS   0: k_pool holds floats (num_blocks, block_size, Hkv, D)
 //            4 or 8: uint32 words packed by mx.quantize along D (num_blocks, block_size, Hkv,
-//            D * KV_BITS / 32), with k_scales/k_biases/v_scales/v_biases (.., Hkv, D / group_size)
+//            D * K_BITS / 32), with k_scales/k_biases (.., Hkv, D / group_size)
+//   V_BITS   the same for v_pool, v_scales/v_biases. Keys and values may differ (8-bit keys with
+//            4-bit values: keys are the sensitive half); both 0 or both quantized (the wrapper
+//            builds no float/quantized mix, so the scale inputs exist exactly when K_BITS > 0).
 //   DIRECT   1: one partition covers the sequence; write the normalized output `out` (B, Hq, D).
 //            0: write this partition's normalized output o_part (B, Hq, P, D) and its running
 //            max / sum ml_part (B, Hq, P, 2); paged_attention_reduce.metal combines them.
@@ -67,10 +70,10 @@ for (int i = 0; i < C; ++i) {
   acc[i] = 0.0f;
 }
 
-#if KV_BITS == 0
-constexpr int row_elems = D;
-#else
-constexpr int row_elems = D * KV_BITS / 32;  // uint32 words per (token, kv head)
+// elements (float) or uint32 words (quantized) per (token, kv head) row of each pool
+constexpr int k_row_elems = K_BITS == 0 ? D : D * K_BITS / 32;
+constexpr int v_row_elems = V_BITS == 0 ? D : D * V_BITS / 32;
+#if K_BITS != 0 || V_BITS != 0
 const int groups = D / group_size;
 const int g = d0 / group_size;  // a lane's C elements lie in one group: group_size % 8 == 0
 #endif
@@ -85,18 +88,18 @@ for (int t0 = t_begin + sg * KPS; t0 < t_end; t0 += NSG * KPS) {
     row = (size_t(block) * block_size + t % block_size) * Hkv + hkv;
   }
   if (valid && active) {
-#if KV_BITS == 0
-    auto kr = k_pool + row * row_elems + d0;
+#if K_BITS == 0
+    auto kr = k_pool + row * k_row_elems + d0;
     for (int i = 0; i < C; ++i) {
       s += qv[i] * float(kr[i]);
     }
 #else
     float qk = 0.0f;
-    const device uint32_t* kr = k_pool + row * row_elems + d0 * KV_BITS / 32;
-    for (int w = 0; w < C * KV_BITS / 32; ++w) {
+    const device uint32_t* kr = k_pool + row * k_row_elems + d0 * K_BITS / 32;
+    for (int w = 0; w < C * K_BITS / 32; ++w) {
       const uint32_t word = kr[w];
-      for (int j = 0; j < 32 / KV_BITS; ++j) {
-        qk += qv[w * (32 / KV_BITS) + j] * float((word >> (j * KV_BITS)) & ((1u << KV_BITS) - 1u));
+      for (int j = 0; j < 32 / K_BITS; ++j) {
+        qk += qv[w * (32 / K_BITS) + j] * float((word >> (j * K_BITS)) & ((1u << K_BITS) - 1u));
       }
     }
     s = float(k_scales[row * groups + g]) * qk + float(k_biases[row * groups + g]) * qsum;
@@ -113,20 +116,20 @@ for (int t0 = t_begin + sg * KPS; t0 < t_end; t0 += NSG * KPS) {
     m = m_new;
     l = l * corr + e;
     if (active) {
-#if KV_BITS == 0
-      auto vr = v_pool + row * row_elems + d0;
+#if V_BITS == 0
+      auto vr = v_pool + row * v_row_elems + d0;
       for (int i = 0; i < C; ++i) {
         acc[i] = acc[i] * corr + e * float(vr[i]);
       }
 #else
-      const device uint32_t* vr = v_pool + row * row_elems + d0 * KV_BITS / 32;
+      const device uint32_t* vr = v_pool + row * v_row_elems + d0 * V_BITS / 32;
       const float vs = float(v_scales[row * groups + g]);
       const float vb = float(v_biases[row * groups + g]);
-      for (int w = 0; w < C * KV_BITS / 32; ++w) {
+      for (int w = 0; w < C * V_BITS / 32; ++w) {
         const uint32_t word = vr[w];
-        for (int j = 0; j < 32 / KV_BITS; ++j) {
-          const float vq = float((word >> (j * KV_BITS)) & ((1u << KV_BITS) - 1u));
-          acc[w * (32 / KV_BITS) + j] = acc[w * (32 / KV_BITS) + j] * corr + e * (vs * vq + vb);
+        for (int j = 0; j < 32 / V_BITS; ++j) {
+          const float vq = float((word >> (j * V_BITS)) & ((1u << V_BITS) - 1u));
+          acc[w * (32 / V_BITS) + j] = acc[w * (32 / V_BITS) + j] * corr + e * (vs * vq + vb);
         }
       }
 #endif

@@ -28,19 +28,25 @@ _SOURCE = _backend.load_source("paged_attention.metal")
 _REDUCE_SOURCE = _backend.load_source("paged_attention_reduce.metal")
 
 
+# (key bits, value bits) the kernel is built for; 0 means a float pool. Keys may keep more bits than
+# values (llama.cpp's --cache-type-k / --cache-type-v): the keys are the sensitive half.
+BITS_PAIRS = ((0, 0), *((kb, vb) for kb in KV_BITS for vb in KV_BITS))
+
+
 def _build(factory: Callable[..., Any]) -> dict[Any, Any]:
-    """Kernels keyed by (kv_bits, direct), plus "reduce". kv_bits 0 means float KV."""
+    """Kernels keyed by (k_bits, v_bits, direct), plus "reduce". Bits 0 means float KV."""
     kernels: dict[Any, Any] = {}
-    for bits in (0, *KV_BITS):
+    for k_bits, v_bits in BITS_PAIRS:
         inputs = ["q", "k_pool", "v_pool", "block_tables", "seq_lens", "params", "qscale"]
-        if bits:
+        if k_bits:
             inputs += ["k_scales", "k_biases", "v_scales", "v_biases"]
         for direct in (True, False):
-            kernels[bits, direct] = factory(
-                name=f"paged_decode_attention_kv{bits}{'' if direct else '_partial'}",
+            kernels[k_bits, v_bits, direct] = factory(
+                name=f"paged_decode_attention_k{k_bits}v{v_bits}{'' if direct else '_partial'}",
                 input_names=inputs,
                 output_names=["out"] if direct else ["o_part", "ml_part"],
-                source=f"\n#define KV_BITS {bits}\n#define DIRECT {int(direct)}\n{_SOURCE}",
+                source=f"\n#define K_BITS {k_bits}\n#define V_BITS {v_bits}\n#define DIRECT {int(direct)}\n"
+                f"{_SOURCE}",
             )
     kernels["reduce"] = factory(
         name="paged_decode_attention_reduce",
@@ -85,6 +91,7 @@ def _validate(
     scale: float,
     scales: dict[str, mx.array | None],
     bits: int | None,
+    k_bits: int | None,
     group_size: int,
     check_data: bool,
 ) -> int:
@@ -97,30 +104,36 @@ def _validate(
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
     if bits is None:
+        if k_bits is not None:
+            raise ValueError(f"k_bits: expected None when bits is None (float KV), got {k_bits!r}")
         if any(s is not None for s in scales.values()):
             given = [n for n, s in scales.items() if s is not None]
             raise ValueError(f"{given[0]}: expected None when bits is None (float KV), got an array")
         _check_array("k_pool", k_pool, 4, FLOAT_DTYPES)
         _check_array("v_pool", v_pool, 4, FLOAT_DTYPES)
-        packed = D
+        k_packed = v_packed = D
     else:
         if bits not in KV_BITS:
             raise ValueError(f"bits: expected None or one of {KV_BITS}, got {bits!r}")
+        if k_bits is not None and k_bits not in KV_BITS:
+            raise ValueError(f"k_bits: expected None (the keys take `bits`) or one of {KV_BITS}, got {k_bits!r}")
         if group_size not in GROUP_SIZES:
             raise ValueError(f"group_size: expected one of {GROUP_SIZES}, got {group_size!r}")
         if D % group_size:
             raise ValueError(f"group_size: expected a divisor of the head dim {D}, got {group_size}")
         _check_array("k_pool", k_pool, 4, (mx.uint32,))
         _check_array("v_pool", v_pool, 4, (mx.uint32,))
-        packed = D * bits // 32
+        k_packed, v_packed = D * (k_bits or bits) // 32, D * bits // 32
     num_blocks, block_size, Hkv, last = k_pool.shape
-    if last != packed:
-        what = "the head dim" if bits is None else f"head dim * bits / 32 = {D} * {bits} / 32"
-        raise ValueError(f"k_pool: expected last dim {packed} ({what}), got shape {tuple(k_pool.shape)}")
-    if v_pool.shape != k_pool.shape:
-        raise ValueError(
-            f"v_pool: expected the shape of k_pool {tuple(k_pool.shape)}, got {tuple(v_pool.shape)}"
-        )
+    if last != k_packed:
+        name = "bits" if k_bits is None else "k_bits"
+        what = "the head dim" if bits is None else f"head dim * {name} / 32 = {D} * {k_bits or bits} / 32"
+        raise ValueError(f"k_pool: expected last dim {k_packed} ({what}), got shape {tuple(k_pool.shape)}")
+    want_v = (num_blocks, block_size, Hkv, v_packed)
+    if tuple(v_pool.shape) != want_v:
+        what = ("the shape of k_pool" if bits is None
+                else f"k_pool's blocks and heads, last dim head dim * bits / 32 = {D} * {bits} / 32")
+        raise ValueError(f"v_pool: expected shape {want_v} ({what}), got {tuple(v_pool.shape)}")
     if v_pool.dtype != k_pool.dtype:
         raise TypeError(f"v_pool: expected the dtype of k_pool {k_pool.dtype}, got {v_pool.dtype}")
     if min(num_blocks, block_size, Hkv) < 1:
@@ -187,6 +200,7 @@ def paged_decode_attention(
     bits: int | None = None,
     group_size: int = 64,
     *,
+    k_bits: int | None = None,
     partition_size: int = PARTITION_SIZE,
     check_data: bool = True,
     backend: _backend.Backend = "auto",
@@ -195,7 +209,9 @@ def paged_decode_attention(
 
     q (B, Hq, D); k_pool, v_pool (num_blocks, block_size, Hkv, D) in float16/bfloat16/float32,
     or, with `bits` 4 or 8, uint32 (.., D * bits / 32) packed by `mx.quantize` along D with
-    scales and biases (num_blocks, block_size, Hkv, D // group_size); block_tables int32
+    scales and biases (num_blocks, block_size, Hkv, D // group_size). `k_bits` (4 or 8) stores the
+    keys at other bits than the values (k_pool's last dim D * k_bits / 32); None: the keys take
+    `bits`. block_tables int32
     (B, max_blocks_per_seq) of block ids; seq_lens int32 (B,). Returns (B, Hq, D) in q's dtype;
     a sequence of length 0 gives zeros. Hq must be a multiple of Hkv (GQA); D in (64, 80, 96, 128).
 
@@ -208,14 +224,15 @@ def paged_decode_attention(
     check_data=False to skip the sync; partitions then cover the tables' capacity.
     """
     quant = {"k_scales": k_scales, "k_biases": k_biases, "v_scales": v_scales, "v_biases": v_biases}
-    max_len = _validate(q, k_pool, v_pool, block_tables, seq_lens, scale, quant, bits, group_size, check_data)
+    max_len = _validate(q, k_pool, v_pool, block_tables, seq_lens, scale, quant, bits, k_bits, group_size,
+                        check_data)
     if not isinstance(partition_size, int) or partition_size < 1:
         raise ValueError(f"partition_size: expected a positive int, got {partition_size!r}")
     which = _backend.resolve(backend)
     if which == "reference":
         return reference.paged_decode_attention(
             q, k_pool, v_pool, block_tables, seq_lens, scale, *quant.values(), bits, group_size,
-            max_seq_len=max_len if check_data else None,
+            max_seq_len=max_len if check_data else None, k_bits=k_bits,
         )  # fmt: skip
 
     kernels = _kernels(which)
@@ -234,11 +251,11 @@ def paged_decode_attention(
     threads = NUM_SIMDGROUPS * 32
     template = [("T", q.dtype), ("D", D), ("NSG", NUM_SIMDGROUPS)]
     launch = dict(inputs=inputs, template=template, grid=(P * threads, Hq, B), threadgroup=(threads, 1, 1))
-    kv_bits = bits or 0
+    key = (k_bits or bits or 0, bits or 0)
     if P == 1:
-        (out,) = kernels[kv_bits, True](**launch, output_shapes=[(B, Hq, D)], output_dtypes=[q.dtype])
+        (out,) = kernels[(*key, True)](**launch, output_shapes=[(B, Hq, D)], output_dtypes=[q.dtype])
         return out
-    o_part, ml_part = kernels[kv_bits, False](
+    o_part, ml_part = kernels[(*key, False)](
         **launch,
         output_shapes=[(B, Hq, P, D), (B, Hq, P, 2)],
         output_dtypes=[mx.float32, mx.float32],

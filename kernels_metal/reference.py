@@ -34,12 +34,14 @@ def paged_decode_attention(
     bits: int | None = None,
     group_size: int = 64,
     max_seq_len: int | None = None,
+    k_bits: int | None = None,
 ) -> mx.array:
     """Decode attention over a paged KV pool: gather through the block tables, then masked attention.
 
     Arguments as `kernels_metal.paged_decode_attention` (not validated here). `max_seq_len`, when
     known, bounds the gather to the blocks in use instead of the tables' full capacity. Computes in
-    float32; a sequence of length 0 yields zeros.
+    float32; a sequence of length 0 yields zeros. `k_bits`: the keys' bits when they differ from the
+    values' `bits` (None: the same).
     """
     B, Hq, D = q.shape
     _, block_size, Hkv, _ = k_pool.shape
@@ -50,15 +52,15 @@ def paged_decode_attention(
     tables = mx.clip(block_tables[:, :num_used], 0, k_pool.shape[0] - 1)  # (B, nb)
     T = num_used * block_size
 
-    def gather(pool: mx.array, scales: mx.array | None, biases: mx.array | None) -> mx.array:
+    def gather(pool: mx.array, scales: mx.array | None, biases: mx.array | None, nbits: int | None) -> mx.array:
         x = pool[tables]  # (B, nb, block_size, Hkv, D or packed)
-        if bits is not None:
-            x = mx.dequantize(x, scales[tables], biases[tables], group_size=group_size, bits=bits)
+        if nbits is not None:
+            x = mx.dequantize(x, scales[tables], biases[tables], group_size=group_size, bits=nbits)
         x = x.astype(mx.float32).reshape(B, T, Hkv, D)
         return x.transpose(0, 2, 1, 3)  # (B, Hkv, T, D)
 
-    k = gather(k_pool, k_scales, k_biases)
-    v = gather(v_pool, v_scales, v_biases)
+    k = gather(k_pool, k_scales, k_biases, bits if k_bits is None else k_bits)
+    v = gather(v_pool, v_scales, v_biases, bits)
     valid = mx.arange(T)[None, :] < seq_lens[:, None]  # (B, T)
     # GQA by grouping the q heads of each kv head, so K and V are never repeated; on the CPU this
     # is 2-3x faster than mx.fast.scaled_dot_product_attention on the strided gather.

@@ -152,9 +152,15 @@ def kv_shape(ref: str | None) -> KVShape:
 
 
 def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None = None, itemsize: int = 2,
-             group_size: int = 64) -> int:
+             group_size: int = 64, key_bits: int | None = None) -> int:
     """K and V of every layer for `batch` sequences of `context` tokens (quantized: packed values plus a
-    scale and a bias per group, in the activation dtype)."""
-    per_vector = shape.head_dim * itemsize if kv_bits is None else (
-        shape.head_dim * kv_bits // 8 + 2 * -(-shape.head_dim // group_size) * itemsize)
-    return 2 * shape.num_layers * shape.num_kv_heads * per_vector * context * batch
+    scale and a bias per group, in the activation dtype). `key_bits`: the keys' bits when they differ
+    from the values' `kv_bits` (None: the same)."""
+
+    def per_vector(bits: int | None) -> int:
+        if bits is None:
+            return shape.head_dim * itemsize
+        return shape.head_dim * bits // 8 + 2 * -(-shape.head_dim // group_size) * itemsize
+
+    k_bits = kv_bits if key_bits is None else key_bits
+    return (per_vector(k_bits) + per_vector(kv_bits)) * shape.num_layers * shape.num_kv_heads * context * batch

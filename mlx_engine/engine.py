@@ -30,6 +30,7 @@ LOAD_OPTIONS = {
     "max_context": "cap the context length below the model's own",
     "block_size": "tokens per KV block: 16 (default) or 32",
     "kv_bits": "quantize the KV cache: 8 or 4 bits (default: None, the activation dtype)",
+    "kv_key_bits": "the keys' bits when they differ from kv_bits: 8 or 4 (default: kv_bits; needs kv_bits)",
     "kv_group_size": "group size of quantized KV: 64 (default) or 32",
     "kv_budget_bytes": "bytes for the KV block pool (default: one full context plus 25%, within half the "
     "free memory)",

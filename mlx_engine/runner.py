@@ -60,10 +60,11 @@ class Runner:
         paged_kv: bool | None = None,
         draft_model: str | None = None,
         self_draft_layers: int | None = None,
+        kv_key_bits: int | None = None,
     ) -> Runner:
         from mlx_engine.kv.cache import KVConfig
 
-        kv_config = KVConfig(block_size, kv_bits, kv_group_size, kv_budget_bytes, prefix_caching)
+        kv_config = KVConfig(block_size, kv_bits, kv_group_size, kv_budget_bytes, prefix_caching, kv_key_bits)
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise RooflineError(f"prefill_chunk_size={prefill_chunk_size!r}: expected an integer >= 1")
         ckpt = load_checkpoint(model)
@@ -183,8 +184,10 @@ class Runner:
         elif self.model.args.sliding_window is not None:
             why_not = "the model uses sliding-window attention"
         if paged is False or (paged is None and why_not):
-            if config.kv_bits is not None:
-                raise RooflineError(f"kv_bits needs the paged KV cache, which is off here ({why_not or 'paged_kv=False'})")
+            if config.kv_bits is not None or config.kv_key_bits is not None:
+                name = "kv_bits" if config.kv_bits is not None else "kv_key_bits"
+                raise RooflineError(f"{name} needs the paged KV cache, which is off here "
+                                    f"({why_not or 'paged_kv=False'})")
             return ContiguousCache(self.model, self.native)
         if why_not:
             raise RooflineError(f"paged_kv=True is not available: {why_not}")

@@ -127,3 +127,12 @@ def test_kv_bad_model_is_one_clear_line(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     assert_one_line_error(roofline("kv", "--model", str(tmp_path), "--context", "10"), "config.json",
                           "num_attention_heads")
+
+
+def test_kv_with_8bit_keys_and_4bit_values() -> None:
+    r = roofline("kv", "--context", "8192", "--batch", "4", "--kv-bits", "4", "--kv-key-bits", "8")
+    # 30 layers x 3 KV heads x (K: 64 + 4 bytes, V: 32 + 4 bytes of packed values, scale and bias per group)
+    assert r.returncode == 0, r.stderr
+    assert "(306,708,480 bytes) of KV for 4 x 8,192 tokens in 8-bit keys, 4-bit values" in r.stdout
+    assert "9,360 bytes per token" in r.stdout
+    assert_one_line_error(roofline("kv", "--context", "10", "--kv-key-bits", "8"), "--kv-key-bits 8 needs --kv-bits")

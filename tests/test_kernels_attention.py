@@ -56,9 +56,11 @@ def make_case(
     bits: int | None = None,
     group_size: int = 64,
     spare_blocks: int = 3,
+    k_bits: int | None = None,
 ) -> dict:
     """A pool with the sequences' blocks scattered over a random permutation of block ids, table
-    entries past each sequence's length set to ids past the pool (which must never be read)."""
+    entries past each sequence's length set to ids past the pool (which must never be read).
+    `k_bits`: keys quantized to other bits than the values' `bits`."""
     B = len(seq_lens)
     blocks_per_seq = [max(1, -(-n // block_size)) for n in seq_lens]
     max_blocks = max(blocks_per_seq) + 1
@@ -82,7 +84,7 @@ def make_case(
     if bits is None:
         case.update(k_pool=k, v_pool=v)
     else:
-        kq, ks, kb = mx.quantize(k, group_size=group_size, bits=bits)
+        kq, ks, kb = mx.quantize(k, group_size=group_size, bits=k_bits or bits)
         vq, vs, vb = mx.quantize(v, group_size=group_size, bits=bits)
         case.update(
             k_pool=kq,
@@ -94,6 +96,8 @@ def make_case(
             bits=bits,
             group_size=group_size,
         )
+        if k_bits is not None:
+            case["k_bits"] = k_bits
     return case
 
 
@@ -106,7 +110,7 @@ def naive_attention(case: dict) -> np.ndarray:
     else:
         f = lambda a: np.array(a.astype(mx.float32))
         k_pool = unpack_affine(
-            np.array(case["k_pool"]), f(case["k_scales"]), f(case["k_biases"]), case["bits"]
+            np.array(case["k_pool"]), f(case["k_scales"]), f(case["k_biases"]), case.get("k_bits") or case["bits"]
         )
         v_pool = unpack_affine(
             np.array(case["v_pool"]), f(case["v_scales"]), f(case["v_biases"]), case["bits"]
@@ -383,12 +387,62 @@ def test_metal_kernels_are_built_at_import():
     from kernels_metal import paged_attention
 
     assert not isinstance(paged_attention._METAL_KERNELS, Exception)
+    pairs = [(0, 0), (4, 4), (8, 8), (8, 4), (4, 8)]  # (k_bits, v_bits)
     assert set(paged_attention._METAL_KERNELS) == {
-        (0, True),
-        (0, False),
-        (4, True),
-        (4, False),
-        (8, True),
-        (8, False),
-        "reduce",
-    }
+        (k, v, direct) for k, v in pairs for direct in (True, False)
+    } | {"reduce"}
+
+
+# ---------------------------------------------------------------- keys and values at different bits
+
+
+@pytest.mark.parametrize("k_bits, bits", [(8, 4), (4, 8)])
+def test_reference_mixed_bits_matches_naive(k_bits, bits):
+    rng = np.random.default_rng(11)
+    case = make_case(rng, [37, 5], Hkv=2, ratio=2, D=64, block_size=16, dtype=mx.float32, bits=bits,
+                     group_size=32, k_bits=k_bits)
+    assert case["k_pool"].shape[-1] == 64 * k_bits // 32 and case["v_pool"].shape[-1] == 64 * bits // 32
+    assert_close(run(case, "reference"), naive_attention(case), mx.float32)
+
+
+# Tiny shapes (the interpreter is slow): one single-pass case, one split-K case with GQA.
+@needs_interpreter
+@pytest.mark.parametrize(
+    "k_bits, bits, group_size, dtype, lens, partition_size",
+    [
+        (8, 4, 32, mx.float32, [20], 512),
+        (4, 8, 64, mx.float16, [33, 3], 16),
+    ],
+)
+def test_interpreter_mixed_bits_matches_reference(k_bits, bits, group_size, dtype, lens, partition_size):
+    rng = np.random.default_rng(12 + k_bits)
+    case = make_case(rng, lens, Hkv=1, ratio=2, D=64, block_size=16, dtype=dtype, bits=bits,
+                     group_size=group_size, k_bits=k_bits)
+    got = run(case, "interpret", partition_size=partition_size)
+    assert_close(got, run(case, "reference"), dtype)
+    assert_close(got, naive_attention(case), dtype)
+
+
+def mixed_case(**overrides) -> dict:
+    rng = np.random.default_rng(13)
+    case = make_case(rng, [20], Hkv=1, ratio=1, D=64, block_size=16, dtype=mx.float16, bits=4, group_size=32,
+                     k_bits=8)
+    case.update(overrides)
+    return case
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: mixed_case(k_bits=3), ["k_bits", "3", "(4, 8)"]),
+        (lambda: small_case(k_bits=8), ["k_bits", "None when bits is None", "8"]),
+        (lambda: quant_case(k_bits=8), ["k_pool", "last dim 16", "k_bits", "8"]),  # 4-bit keys, k_bits=8
+        (lambda: mixed_case(k_bits=None), ["k_pool", "last dim 8", "bits"]),  # 8-bit keys read as 4-bit
+        (lambda: mixed_case(v_pool=mixed_case()["k_pool"]), ["v_pool", "last dim", "64 * 4 / 32"]),
+    ],
+)
+def test_bad_mixed_bits_raise(make, words):
+    with pytest.raises(ValueError) as info:
+        paged_decode_attention(**{"backend": "reference", **make()})
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in {str(info.value)!r}"

@@ -252,3 +252,156 @@ def test_rotated_quantized_keys_keep_scores_and_beat_plain_on_outlier_channels(b
     # measured: 4-bit 3.76 vs 8.78, 8-bit 0.26 vs 0.47, on scores up to 64
     assert errors[True] < errors[False] / 1.7, errors
     assert errors[True] < (0.07 if bits == 4 else 0.005) * np.abs(exact).max(), errors
+
+
+# --- keys at other bits than values (kv_key_bits) ---
+
+MIXED = {"kv_bits": 4, "kv_key_bits": 8, "kv_group_size": 32}
+
+
+def saved_arrays(engine: Engine, path: Path, ids: list[int]) -> dict:
+    """The token-major K/V (and scales, biases) of the cached full blocks of `ids`, as save_kv writes them."""
+    import mlx.core as mx
+
+    engine.save_kv(str(path), ids)
+    return mx.load(str(path))
+
+
+def test_key_bits_store_keys_and_values_at_their_own_bits(tmp_path: Path, layout: str) -> None:
+    """Layer 0's K and V depend on the prompt only, not on the cache: with 8-bit keys and 4-bit values they are
+    bit for bit the 8-bit run's keys and the 4-bit run's values."""
+    import mlx.core as mx
+
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
+    got = {}
+    for name, opts in (("mixed", MIXED), ("8", {"kv_bits": 8, "kv_group_size": 32}),
+                       ("4", {"kv_bits": 4, "kv_group_size": 32})):
+        with Engine.load(str(folder), **opts) as e:
+            steps(e, PROMPT, 1)
+            got[name] = saved_arrays(e, tmp_path / f"{name}.kv.safetensors", PROMPT)
+    mixed = got["mixed"]
+    assert mixed["k.1"].shape == (32, 2, 64 * 8 // 32) and mixed["v.1"].shape == (32, 2, 64 * 4 // 32)
+    for field in ("k", "k_scales", "k_biases"):
+        assert mx.array_equal(mixed[f"{field}.0"], got["8"][f"{field}.0"]).item(), field
+    for field in ("v", "v_scales", "v_biases"):
+        assert mx.array_equal(mixed[f"{field}.0"], got["4"][f"{field}.0"]).item(), field
+
+
+def test_key_bits_logits_lie_between_8bit_and_4bit(tmp_path: Path, layout: str) -> None:
+    """8-bit keys with 4-bit values against the all-8-bit run: closer than all-4-bit. On SmolLM2 the keys are
+    the sensitive half (bench/kv.py, figure 4); a random tiny model's values matter about as much, so here
+    only the order is asserted. The mean over four prompts' first-step top-5 log-probabilities."""
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
+    prompts = [PROMPT] + [[(11 * i + 5 * s + 1) % 120 + 5 for i in range(40)] for s in range(3)]
+    runs = {}
+    for name, opts in (("8", {"kv_bits": 8, "kv_group_size": 32}), ("mixed", MIXED),
+                       ("4", {"kv_bits": 4, "kv_group_size": 32})):
+        with Engine.load(str(folder), **opts) as e:
+            runs[name] = [steps(e, p, 1)[1][0] for p in prompts]  # (20, 2) per prompt
+
+    def err(name: str) -> float:
+        errs = []
+        for got, want in zip(runs[name], runs["8"]):
+            lp = dict(zip(got[:, 0].astype(int), got[:, 1]))
+            errs.append(max(abs(lp[t] - w) for t, w in zip(want[:5, 0].astype(int), want[:5, 1]) if t in lp))
+        return float(np.mean(errs))
+
+    # measured (both layouts): mixed 1.07, 4-bit 1.43
+    assert 0 < err("mixed") < 0.85 * err("4"), (err("mixed"), err("4"))
+
+
+def test_kv_stats_and_bytes_per_block_with_key_bits(tmp_path: Path) -> None:
+    from mlx_engine.catalog import KVShape, kv_bytes
+    from mlx_engine.kv.paged import bytes_per_block
+
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)  # 2 layers, 2 KV heads, float32
+    # a block: 16 tokens x 2 layers x 2 heads x (K: 64 bytes + 2 x 2 groups x 4 bytes; V: 32 + 16)
+    assert bytes_per_block(2, 16, 2, 64, 4, 4, 32, key_bits=8) == 16 * 2 * 2 * ((64 + 16) + (32 + 16)) == 8192
+    assert kv_bytes(KVShape(2, 2, 64, 0), 16, 1, 4, 4, 32, key_bits=8) == 8192
+    assert kv_bytes(KVShape(2, 2, 64, 0), 16, 1, 4, 4, 32, key_bits=4) == kv_bytes(KVShape(2, 2, 64, 0), 16, 1, 4, 4,
+                                                                                   32) == 6144
+    with Engine.load(str(folder), **MIXED) as e:
+        s = e.kv_stats()
+        assert (s["kv_bits"], s["kv_key_bits"], s["bytes_per_block"]) == (4, 8, 8192)
+        storage = e._runner.cache.storage
+        assert s["bytes_total"] == storage.nbytes == storage.capacity * 8192  # the formula is what is stored
+    with Engine.load(str(folder), kv_bits=8, kv_group_size=32) as e:
+        s = e.kv_stats()
+        assert (s["kv_bits"], s["kv_key_bits"], s["bytes_per_block"]) == (8, 8, 10240)
+    with Engine.load(str(folder)) as e:
+        assert (e.kv_stats()["kv_bits"], e.kv_stats()["kv_key_bits"]) == (None, None)
+
+
+def test_save_restore_round_trips_bit_exactly_with_key_bits(tmp_path: Path, layout: str) -> None:
+    import mlx.core as mx
+
+    from mlx_engine.kv.block_pool import hash_block_tokens
+
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
+    path = str(tmp_path / "chat.kv.safetensors")
+    with Engine.load(str(folder), **MIXED) as a:
+        reply, _ = steps(a, PROMPT, 6)
+        history = PROMPT + reply
+        assert a.save_kv(path, history) == 48
+    saved, meta = mx.load(path, return_metadata=True)
+    assert (meta["kv_bits"], meta["kv_key_bits"]) == ("4", "8")
+    with Engine.load(str(folder), **MIXED) as b:
+        assert b.restore_kv(path) == 48
+        events = list(b.generate(GenerationRequest(prompt_token_ids=history + [5], sampling=SamplingParams(
+            temperature=0.0, max_tokens=3, ignore_eos=True))))
+        assert events[-1].usage.cached_prompt_tokens == 48
+        mgr, st = b._runner.cache.manager, b._runner.cache.storage
+        parent, ids = None, []
+        for i in range(3):
+            parent = hash_block_tokens(parent, history[i * 16:(i + 1) * 16], mgr.extra_key)
+            ids.append(mgr.pool.get_cached_block(parent, history[i * 16:(i + 1) * 16]).block_id)
+        slots = mx.array([i * 16 + j for i in ids for j in range(16)])
+        for name in ("k", "v", "k_scales", "k_biases", "v_scales", "v_biases"):
+            for layer in range(2):
+                assert mx.array_equal(st.read_slots(getattr(st, name)[layer], slots), saved[f"{name}.{layer}"]).item()
+
+
+def test_restore_refuses_other_key_bits(tmp_path: Path) -> None:
+    """A file with other key bits is refused; a file from before kv_key_bits (no such field) has key bits ==
+    kv_bits."""
+    import mlx.core as mx
+
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
+    mixed_path, plain_path = tmp_path / "mixed.kv.safetensors", tmp_path / "plain.kv.safetensors"
+    with Engine.load(str(folder), **MIXED) as a:
+        steps(a, PROMPT, 4)
+        a.save_kv(str(mixed_path), PROMPT)
+    with Engine.load(str(folder), kv_bits=4, kv_group_size=32) as a:
+        steps(a, PROMPT, 4)
+        a.save_kv(str(plain_path), PROMPT)
+    arrays, meta = mx.load(str(plain_path), return_metadata=True)
+    del meta["kv_key_bits"]  # as written before the field existed
+    mx.save_safetensors(str(plain_path), arrays, metadata=meta)
+    with Engine.load(str(folder), kv_bits=4, kv_group_size=32) as plain:
+        with pytest.raises(RooflineError, match=r"saved KV refused: .* has kv_key_bits=8, this engine uses 4"):
+            plain.restore_kv(str(mixed_path))
+        assert plain.restore_kv(str(plain_path)) == 32
+    with Engine.load(str(folder), **MIXED) as mixed:
+        with pytest.raises(RooflineError, match=r"saved KV refused: .* has kv_key_bits=4, this engine uses 8"):
+            mixed.restore_kv(str(plain_path))
+        tokens, _ = steps(mixed, PROMPT, 2)  # the engine still serves
+        assert len(tokens) == 2
+
+
+@pytest.mark.parametrize("opts, message", [
+    ({"kv_bits": 4, "kv_key_bits": 3}, r"kv_key_bits=3: expected 4, 8 or None \(the keys take kv_bits\)"),
+    ({"kv_key_bits": 8}, r"kv_key_bits=8: only valid with kv_bits set \(4 or 8\)"),
+    ({"kv_key_bits": 3}, r"kv_key_bits=3: expected 4, 8 or None"),
+    ({"kv_key_bits": 8, "paged_kv": False}, r"kv_key_bits needs the paged KV cache, which is off here"),
+])
+def test_bad_kv_key_bits(tmp_path: Path, opts: dict, message: str) -> None:
+    with pytest.raises(RooflineError, match=message):
+        Engine.load(str(random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)), kv_group_size=32, **opts)
+
+
+def test_torch_backend_refuses_kv_key_bits(tmp_path: Path) -> None:
+    from tests.torch_support import require
+
+    require("torch")
+    with pytest.raises(RooflineError, match=r"kv_key_bits is not supported on the torch backend .*unquantized"):
+        Engine.load(str(random_llama_folder(tmp_path / "m")), backend="torch", kv_key_bits=8)

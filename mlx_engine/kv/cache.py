@@ -37,6 +37,7 @@ class KVConfig:
     kv_group_size: int = 64
     kv_budget_bytes: int | None = None  # None: sized from the context length, capped by free memory
     prefix_caching: bool = True
+    kv_key_bits: int | None = None  # the keys' bits when they differ from kv_bits (None: kv_bits)
 
     def validate(self, head_dim: int) -> None:
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
@@ -44,6 +45,11 @@ class KVConfig:
                                 "(the paged attention kernel's block sizes)")
         if self.kv_bits is not None and self.kv_bits not in SUPPORTED_KV_BITS:
             raise RooflineError(f"kv_bits={self.kv_bits!r}: expected 4, 8 or None (unquantized KV)")
+        if self.kv_key_bits is not None and self.kv_key_bits not in SUPPORTED_KV_BITS:
+            raise RooflineError(f"kv_key_bits={self.kv_key_bits!r}: expected 4, 8 or None (the keys take kv_bits)")
+        if self.kv_key_bits is not None and self.kv_bits is None:
+            raise RooflineError(f"kv_key_bits={self.kv_key_bits!r}: only valid with kv_bits set (4 or 8): it sets "
+                                "the keys' bits of a quantized KV cache; expected None without kv_bits")
         if self.kv_bits is not None and (self.kv_group_size not in (32, 64) or head_dim % self.kv_group_size):
             raise RooflineError(f"kv_group_size={self.kv_group_size!r}: expected 32 or 64, dividing the head "
                                 f"dim {head_dim}")
@@ -80,7 +86,7 @@ class PagedCache:
                weight_bytes: int, config: KVConfig, model_id: bytes) -> PagedCache:
         config.validate(head_dim)
         per_block = bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim, dtype.size,
-                                    config.kv_bits, config.kv_group_size)
+                                    config.kv_bits, config.kv_group_size, config.kv_key_bits)
         budget = config.kv_budget_bytes
         if budget is None:
             # one full context plus a quarter for cached prefixes, within half the free memory
@@ -91,7 +97,7 @@ class PagedCache:
             raise RooflineError(f"kv_budget_bytes={budget}: smaller than one KV block ({per_block} bytes for "
                                 f"{config.block_size} tokens across {num_layers} layers)")
         storage = PagedKVStorage(num_layers, num_blocks, config.block_size, num_kv_heads, head_dim, dtype,
-                                 config.kv_bits, config.kv_group_size)
+                                 config.kv_bits, config.kv_group_size, key_bits=config.kv_key_bits)
         manager = KVCacheManager(BlockPool(num_blocks, enable_caching=config.prefix_caching), config.block_size,
                                  extra_key=model_id)
         cache = cls(storage, manager, num_layers)
@@ -186,7 +192,8 @@ class PagedCache:
         s = self.manager.stats()
         s.update(kind="paged", bytes_per_block=self.bytes_per_block, bytes_total=self.storage.nbytes,
                  bytes_budget=self.storage.num_blocks * self.bytes_per_block,
-                 bytes_used=s["used"] * self.bytes_per_block, kv_bits=self.storage.bits)
+                 bytes_used=s["used"] * self.bytes_per_block, kv_bits=self.storage.bits,
+                 kv_key_bits=getattr(self.storage, "key_bits", self.storage.bits))  # torch storage: no key_bits
         return s
 
 
@@ -289,7 +296,8 @@ def save_blocks(cache: PagedCache, path: str, token_ids: list[int], fingerprint:
             for layer, a in enumerate(per_layer):
                 arrays[f"{name}.{layer}"] = st.read_slots(a, slots)  # token-major in the file, any layout here
     meta = {"format": KV_FILE_FORMAT, "fingerprint": fingerprint.hex(), "block_size": str(bs),
-            "kv_bits": str(st.bits or 0), "kv_group_size": str(st.group_size), "dtype": str(st.dtype),
+            "kv_bits": str(st.bits or 0), "kv_key_bits": str(st.key_bits or 0), "kv_group_size": str(st.group_size),
+            "dtype": str(st.dtype),
             "key_rotation": _rotation_name(st),
             "num_tokens": str(n), "tokens": json.dumps(token_ids[:n])}
     mx.save_safetensors(path, arrays, metadata=meta)
@@ -317,11 +325,14 @@ def restore_blocks(cache: PagedCache, path: str, fingerprint: bytes) -> list[int
     if meta.get("fingerprint") != fingerprint.hex():
         raise KVRestoreError(f"saved KV refused: {path} was made by another model or dtype (fingerprint differs)")
     st = cache.storage
-    want = {"block_size": str(cache.block_size), "kv_bits": str(st.bits or 0), "kv_group_size": str(st.group_size),
-            "key_rotation": _rotation_name(st)}
+    want = {"block_size": str(cache.block_size), "kv_bits": str(st.bits or 0), "kv_key_bits": str(st.key_bits or 0),
+            "kv_group_size": str(st.group_size), "key_rotation": _rotation_name(st)}
+    # fields older files lack: their keys were not rotated, and had the values' bits
+    defaults = {"key_rotation": "none", "kv_key_bits": meta.get("kv_bits")}
     for key, value in want.items():
-        if meta.get(key, "none" if key == "key_rotation" else None) != value:
-            raise KVRestoreError(f"saved KV refused: {path} has {key}={meta.get(key)}, this engine uses {value}")
+        have = meta.get(key, defaults.get(key))
+        if have != value:
+            raise KVRestoreError(f"saved KV refused: {path} has {key}={have}, this engine uses {value}")
     try:
         tokens = [int(t) for t in json.loads(meta["tokens"])]
         n = int(meta["num_tokens"])

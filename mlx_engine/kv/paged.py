@@ -1,7 +1,8 @@
 """Paged KV storage in MLX: every layer's K and V in one pool of fixed-size blocks, optionally quantized.
 
 Slots are flat: slot = block_id * block_size + offset. A pool is stored as (num_slots, Hkv, D) (or packed
-uint32 (num_slots, Hkv, D * bits / 32) with per-group scales and biases) and viewed as
+uint32 (num_slots, Hkv, D * bits / 32) with per-group scales and biases; the keys may have other bits than the values,
+`key_bits`) and viewed as
 (num_blocks, block_size, Hkv, ...) for the decode kernel. Writes are scatters into the pool array, which
 MLX performs in place when the pool holds the only reference.
 """
@@ -30,11 +31,12 @@ def hadamard(n: int) -> mx.array:
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int,
-                    bits: int | None = None, group_size: int = 64) -> int:
-    """K and V of one block across all layers."""
+                    bits: int | None = None, group_size: int = 64, key_bits: int | None = None) -> int:
+    """K and V of one block across all layers (`key_bits`: the keys' bits, None: `bits`)."""
     from mlx_engine.catalog import KVShape, kv_bytes
 
-    return kv_bytes(KVShape(num_layers, num_kv_heads, head_dim, 0), block_size, 1, bits, itemsize, group_size)
+    return kv_bytes(KVShape(num_layers, num_kv_heads, head_dim, 0), block_size, 1, bits, itemsize, group_size,
+                    key_bits=key_bits)
 
 
 class PagedKVStorage:
@@ -49,14 +51,18 @@ class PagedKVStorage:
         bits: int | None = None,
         group_size: int = 64,
         head_major: bool | None = None,
+        key_bits: int | None = None,
     ):
         if bits is not None and bits not in SUPPORTED_KV_BITS:
             raise ValueError(f"kv_bits={bits!r}: expected one of {SUPPORTED_KV_BITS} or None")
+        if key_bits is not None and (bits is None or key_bits not in SUPPORTED_KV_BITS):
+            raise ValueError(f"kv_key_bits={key_bits!r}: expected one of {SUPPORTED_KV_BITS} with kv_bits set, or None")
         if bits is not None and (group_size not in SUPPORTED_GROUP_SIZES or head_dim % group_size):
             raise ValueError(f"kv_group_size={group_size!r}: expected 32 or 64, dividing head_dim {head_dim}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        self.bits, self.group_size = bits, group_size
+        self.bits, self.group_size = bits, group_size  # bits: the values' (and by default the keys')
+        self.key_bits = bits if key_bits is None else key_bits
         # Quantized keys are stored rotated by an orthonormal Hadamard matrix (QuaRot's trick): a few key
         # channels carry outliers (RoPE pairs of large norm), which wreck a 4-bit group's scale; the rotation
         # spreads every channel's energy over the whole head, and q . k is unchanged when q is rotated too
@@ -82,8 +88,9 @@ class PagedKVStorage:
         """(per-layer arrays, last dim, dtype) of every pool."""
         if self.bits is None:
             return [(self.k, self.head_dim, self.dtype), (self.v, self.head_dim, self.dtype)]
-        packed, groups = self.head_dim * self.bits // 32, self.head_dim // self.group_size
-        return [(self.k, packed, mx.uint32), (self.v, packed, mx.uint32), (self.k_scales, groups, self.dtype),
+        k_packed, v_packed = self.head_dim * self.key_bits // 32, self.head_dim * self.bits // 32
+        groups = self.head_dim // self.group_size
+        return [(self.k, k_packed, mx.uint32), (self.v, v_packed, mx.uint32), (self.k_scales, groups, self.dtype),
                 (self.k_biases, groups, self.dtype), (self.v_scales, groups, self.dtype),
                 (self.v_biases, groups, self.dtype)]
 
@@ -116,10 +123,10 @@ class PagedKVStorage:
 
     # --- writes ---
 
-    def _quantize(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def _quantize(self, x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
         n = x.shape[0]
         q, s, b = mx.quantize(x.reshape(n * self.num_kv_heads, self.head_dim), group_size=self.group_size,
-                              bits=self.bits)
+                              bits=bits)
         shape = (n, self.num_kv_heads, -1)
         return q.reshape(shape), s.reshape(shape).astype(self.dtype), b.reshape(shape).astype(self.dtype)
 
@@ -140,8 +147,8 @@ class PagedKVStorage:
             self._put(self.k, layer, slots, k.astype(self.dtype))
             self._put(self.v, layer, slots, v.astype(self.dtype))
             return
-        kq, ks, kb = self._quantize(self.rotate(k))
-        vq, vs, vb = self._quantize(v)
+        kq, ks, kb = self._quantize(self.rotate(k), self.key_bits)
+        vq, vs, vb = self._quantize(v, self.bits)
         for arrays, x in ((self.k, kq), (self.k_scales, ks), (self.k_biases, kb), (self.v, vq),
                           (self.v_scales, vs), (self.v_biases, vb)):
             self._put(arrays, layer, slots, x)
@@ -176,12 +183,12 @@ class PagedKVStorage:
         if self.bits is None:
             return take(self.k[layer]), take(self.v[layer])
 
-        def deq(q: mx.array, s: mx.array, b: mx.array) -> mx.array:
+        def deq(q: mx.array, s: mx.array, b: mx.array, bits: int) -> mx.array:
             return mx.dequantize(take(q), take(s), take(b), group_size=self.group_size,
-                                 bits=self.bits).astype(self.dtype)
+                                 bits=bits).astype(self.dtype)
 
-        return (deq(self.k[layer], self.k_scales[layer], self.k_biases[layer]),
-                deq(self.v[layer], self.v_scales[layer], self.v_biases[layer]))
+        return (deq(self.k[layer], self.k_scales[layer], self.k_biases[layer], self.key_bits),
+                deq(self.v[layer], self.v_scales[layer], self.v_biases[layer], self.bits))
 
     def _blocked(self, a: mx.array | None) -> mx.array | None:
         return None if a is None else a.reshape(self.capacity, self.block_size, *a.shape[1:])
@@ -195,7 +202,8 @@ class PagedKVStorage:
         kwargs: dict[str, Any] = {}
         if self.bits is not None:
             kwargs = dict(k_scales=pick(self.k_scales), k_biases=pick(self.k_biases), v_scales=pick(self.v_scales),
-                          v_biases=pick(self.v_biases), bits=self.bits, group_size=self.group_size)
+                          v_biases=pick(self.v_biases), bits=self.bits, group_size=self.group_size,
+                          k_bits=self.key_bits)
         k, v = self._blocked(self.k[layer]), self._blocked(self.v[layer])
         if self.head_dim not in KERNEL_HEAD_DIMS:  # tiny test models: the kernels' reference math, unvalidated
             return kernel_reference.paged_decode_attention(q, k, v, block_tables, seq_lens, scale,

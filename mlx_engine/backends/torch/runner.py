@@ -112,16 +112,17 @@ class TorchRunner(Runner):
         **kv_options: Any,
     ) -> TorchRunner:
         """`kv_options`: KVConfig's fields (block_size, kv_bits, kv_group_size, kv_budget_bytes,
-        prefix_caching); kv_bits is refused (the torch KV is unquantized)."""
+        prefix_caching, kv_key_bits); kv_bits and kv_key_bits are refused (the torch KV is unquantized)."""
         import importlib
 
         from mlx_engine.kv.cache import KVConfig
         from mlx_engine.loading import load_checkpoint
 
         dev = resolve_device(device)
-        if kv_options.get("kv_bits") is not None:
-            raise RooflineError("kv_bits is not supported on the torch backend (its KV cache is unquantized): "
-                                "leave kv_bits unset, or use backend='mlx'")
+        for name in ("kv_bits", "kv_key_bits"):
+            if kv_options.get(name) is not None:
+                raise RooflineError(f"{name} is not supported on the torch backend (its KV cache is unquantized): "
+                                    f"leave {name} unset, or use backend='mlx'")
         if paged_kv is False:
             raise RooflineError("paged_kv=False is not supported on the torch backend: it always uses the paged KV cache")
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
