@@ -1,6 +1,7 @@
 """Speculative decoding on this backend: the verify-cost curve, then plain decoding against each proposer.
 
-    uv run python bench/speculative.py [--model M] [--tokens 48] [--temperatures 0 0.7] [--modes ...]
+    uv run python bench/speculative.py [--model M] [--backend mlx|torch] [--tokens 48] [--temperatures 0 0.7]
+                                       [--modes ...]
 
 1. The cost curve T(k+1)/T(1): a target forward over k+1 new tokens (logits at every position, as a
    verification computes) against a plain decode step (one token, logits at one position), k = 1..8,
@@ -14,6 +15,7 @@
 The "draft" proposer uses the same model at another precision: the target's weights (the embedded Q4_1
 GGUF: 4-bit, groups of 32) re-quantized to MLX affine 4-bit with groups of 64. It costs as much as the
 target, so it can only show the mechanics and the acceptance of a near-identical draft, never a speedup.
+On the torch backend (CPU here) the draft is the same model loaded again, unchanged (no re-quantization).
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def cost_curve(engine: Engine, k_max: int = 8) -> tuple[CostCurve, float, float]
     for w in range(2, k_max + 2):
         ratios[w] = time_forward(runner, w, context=64, repeats=3) / t1
     self_cost = time_forward(runner, 1, context=64, repeats=3, first_layers=runner.self_draft_layers) / t1
-    draft_cost = time_forward(runner.draft, 1, context=64, repeats=3, logits_at="last") / t1
+    draft_cost = (time_forward(runner.draft, 1, context=64, repeats=3, logits_at="last") / t1
+                  if runner.draft is not None else float("nan"))
     return CostCurve(ratios, t1), self_cost, draft_cost
 
 
@@ -111,6 +114,8 @@ def predicted(r: dict, curve: CostCurve, draft_cost: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
+    ap.add_argument("--backend", choices=("mlx", "torch"), default="mlx")
+    ap.add_argument("--device", default="auto")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--modes", nargs="+", default=MODES)
@@ -119,10 +124,17 @@ def main() -> None:
 
     from mlx_engine.loading import resolve
 
-    engine = Engine.load(args.model, draft_model=str(resolve(args.model)[0]))
-    engine._thread.call(lambda: requantize(engine._runner.draft.model))
-    print(f"# {engine.info.name}, {platform.platform()}, nproc {subprocess.getoutput('nproc')}, "
-          f"mlx {mx.__version__}, Metal {mx.metal.is_available()}, {datetime.date.today()}")
+    draft = str(resolve(args.model)[0]) if "draft" in args.modes else None
+    engine = Engine.load(args.model, draft_model=draft, backend=args.backend, device=args.device)
+    if draft is not None and args.backend == "mlx":
+        engine._thread.call(lambda: requantize(engine._runner.draft.model))
+    versions = f"mlx {mx.__version__}, Metal {mx.metal.is_available()}"
+    if args.backend == "torch":
+        import torch
+
+        versions = f"torch {torch.__version__} on {engine.info.device}"
+    print(f"# {engine.info.name}, backend {args.backend}, {platform.platform()}, nproc "
+          f"{subprocess.getoutput('nproc')}, {versions}, {datetime.date.today()}")
     curve, self_cost, draft_cost = engine._thread.call(lambda: cost_curve(engine))
     engine._scheduler.cost_curve = curve
     print(f"\nT(1) = {curve.t1_s * 1000:.1f} ms (one decode step, 64 tokens cached)\n")

@@ -6,26 +6,13 @@ from __future__ import annotations
 import copy
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from app.bench.schema import SCHEMA, validate
+from tests.test_cli import assert_one_line_error, roofline
 from tests.tiny_models import random_llama_folder
-
-
-def roofline(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None:
-    assert r.returncode == 2, r
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("roofline: error: "), r.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    assert "Traceback" not in r.stderr
 
 
 @pytest.fixture(scope="module")
