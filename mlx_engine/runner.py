@@ -82,10 +82,7 @@ class Runner:
         del ckpt.weights
         tokenizer = ckpt.tokenizer or NoTokenizer(ckpt.path, ckpt.config)
         context = built.context_length
-        if max_context is not None:
-            if not isinstance(max_context, int) or max_context < 2:
-                raise RooflineError(f"max_context={max_context!r}: expected an integer >= 2")
-            context = min(context, max_context)
+        context = cap_context(context, max_context)
         params = dict(tree_flatten(built.model.parameters()))
         notes = () if built.native else (
             f"{built.model_type!r} runs on mlx-lm's model class: generation works; paged KV, prefix caching "
@@ -209,6 +206,9 @@ class Runner:
             self.draft = None
         self.cache = None
         self.model = None
+        self._free_device_memory()
+
+    def _free_device_memory(self) -> None:
         mx.clear_cache()
 
     # --- prompt handling (called on the front end's thread: tokenizers only, no MLX) ---
@@ -336,6 +336,15 @@ class Runner:
         from mlx_engine.kv.cache import restore_blocks
 
         return restore_blocks(self._paged("restoring KV"), path, self.fingerprint)
+
+
+def cap_context(context: int, max_context: int | None) -> int:
+    """The model's context length, capped by the max_context load option."""
+    if max_context is None:
+        return context
+    if not isinstance(max_context, int) or max_context < 2:
+        raise RooflineError(f"max_context={max_context!r}: expected an integer >= 2")
+    return min(context, max_context)
 
 
 def check_same_vocabulary(target: Runner, draft: Runner) -> Runner:

@@ -69,6 +69,20 @@ def available_memory_bytes(weight_bytes: int) -> int:
         return 4 * 2**30
 
 
+def default_budget(context_length: int, block_size: int, per_block: int, weight_bytes: int) -> int:
+    """One full context plus a quarter for cached prefixes, within half the free memory."""
+    wanted = cdiv(context_length, block_size) * per_block * 5 // 4
+    return min(wanted, int(available_memory_bytes(weight_bytes) * DEFAULT_MEMORY_FRACTION))
+
+
+def blocks_in_budget(budget: int, per_block: int, block_size: int, num_layers: int) -> int:
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise RooflineError(f"kv_budget_bytes={budget}: smaller than one KV block ({per_block} bytes for "
+                            f"{block_size} tokens across {num_layers} layers)")
+    return num_blocks
+
+
 def new_contiguous_layers(model: Any, native: bool) -> list[Any]:
     """Empty per-layer buffers: mlx-lm's KVCache for our models, its own cache objects for its classes."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -89,13 +103,8 @@ class PagedCache:
                                     config.kv_bits, config.kv_group_size, config.kv_key_bits)
         budget = config.kv_budget_bytes
         if budget is None:
-            # one full context plus a quarter for cached prefixes, within half the free memory
-            wanted = cdiv(context_length, config.block_size) * per_block * 5 // 4
-            budget = min(wanted, int(available_memory_bytes(weight_bytes) * DEFAULT_MEMORY_FRACTION))
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise RooflineError(f"kv_budget_bytes={budget}: smaller than one KV block ({per_block} bytes for "
-                                f"{config.block_size} tokens across {num_layers} layers)")
+            budget = default_budget(context_length, config.block_size, per_block, weight_bytes)
+        num_blocks = blocks_in_budget(budget, per_block, config.block_size, num_layers)
         storage = PagedKVStorage(num_layers, num_blocks, config.block_size, num_kv_heads, head_dim, dtype,
                                  config.kv_bits, config.kv_group_size, key_bits=config.kv_key_bits)
         manager = KVCacheManager(BlockPool(num_blocks, enable_caching=config.prefix_caching), config.block_size,

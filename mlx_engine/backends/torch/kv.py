@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mlx_engine.api import RooflineError
 from mlx_engine.backends.torch.model import causal_attention
 from mlx_engine.kv.block_pool import BlockPool
 from mlx_engine.kv.cache import (
@@ -22,9 +21,10 @@ from mlx_engine.kv.cache import (
     KVBudgetError,
     KVConfig,
     PagedCache,
-    available_memory_bytes,
+    blocks_in_budget,
+    default_budget,
 )
-from mlx_engine.kv.manager import KVCacheManager, cdiv
+from mlx_engine.kv.manager import KVCacheManager
 
 INITIAL_BLOCKS = 8
 
@@ -157,13 +157,9 @@ class TorchPagedCache(PagedCache):
         if budget is None:
             if device.type == "cuda":  # a server GPU: room for many sequences, within half the free memory
                 budget = int(torch.cuda.mem_get_info(device)[0] * DEFAULT_MEMORY_FRACTION)
-            else:  # one full context plus a quarter for cached prefixes, within half the free memory
-                wanted = cdiv(context_length, config.block_size) * per_block * 5 // 4
-                budget = min(wanted, int(available_memory_bytes(weight_bytes) * DEFAULT_MEMORY_FRACTION))
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise RooflineError(f"kv_budget_bytes={budget}: smaller than one KV block ({per_block} bytes for "
-                                f"{config.block_size} tokens across {num_layers} layers)")
+            else:
+                budget = default_budget(context_length, config.block_size, per_block, weight_bytes)
+        num_blocks = blocks_in_budget(budget, per_block, config.block_size, num_layers)
         storage = TorchKVStorage(num_layers, num_blocks, config.block_size, num_kv_heads, head_dim, dtype, device,
                                  use_kernel)
         manager = KVCacheManager(BlockPool(num_blocks, enable_caching=config.prefix_caching), config.block_size,

@@ -22,6 +22,7 @@ from mlx_engine.backends.torch.model import build_model
 from mlx_engine.runner import (
     NoTokenizer,
     Runner,
+    cap_context,
     check_same_vocabulary,
     model_fingerprint,
 )
@@ -145,10 +146,7 @@ class TorchRunner(Runner):
         del ckpt.weights
         tokenizer = ckpt.tokenizer or NoTokenizer(ckpt.path, ckpt.config)
         context = args.max_position_embeddings
-        if max_context is not None:
-            if not isinstance(max_context, int) or max_context < 2:
-                raise RooflineError(f"max_context={max_context!r}: expected an integer >= 2")
-            context = min(context, max_context)
+        context = cap_context(context, max_context)
         dtype_name = str(act_dtype).removeprefix("torch.")
         info = ModelInfo(
             name=ckpt.name, path=str(ckpt.path), model_type=model_type, source_format=ckpt.source_format,
@@ -233,11 +231,6 @@ class TorchRunner(Runner):
     def restore_kv(self, path: str) -> list[int]:
         raise RooflineError("restoring KV is not supported on the torch backend")
 
-    def release(self) -> None:
-        if self.draft is not None:
-            self.draft.release()
-            self.draft = None
-        self.cache = None
-        self.model = None
+    def _free_device_memory(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
