@@ -211,6 +211,13 @@ class Runner:
     def _free_device_memory(self) -> None:
         mx.clear_cache()
 
+    def reset_peak_memory(self) -> None:
+        mx.reset_peak_memory()
+
+    def peak_memory_bytes(self) -> int:
+        """Peak memory MLX allocated since the last reset (weights, KV pool, activations)."""
+        return int(mx.get_peak_memory())
+
     # --- prompt handling (called on the front end's thread: tokenizers only, no MLX) ---
 
     def check_ids(self, ids: list[int]) -> list[int]:

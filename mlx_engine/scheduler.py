@@ -132,7 +132,7 @@ class Scheduler:
         from mlx_engine.sampling import Sampler
 
         if not self.running:
-            mx.reset_peak_memory()
+            self.runner.reset_peak_memory()
         seq.t_start = time.perf_counter()
         seq.num_cached = self.runner.cache.start(seq.req_id, seq.prompt)
         seq.num_prefilled = seq.num_cached
@@ -368,7 +368,7 @@ class Scheduler:
             ttft_s=t_first - seq.stream.submitted_at,
             prefill_tps=(len(seq.prompt) - seq.num_cached) / max(t_first - seq.t_start, 1e-9) if seq.t_start else 0.0,
             decode_tps=(seq.n_out - 1) / (seq.t_last - t_first) if seq.n_out > 1 and seq.t_last > t_first else 0.0,
-            peak_memory_bytes=int(mx.get_peak_memory()),
+            peak_memory_bytes=self.runner.peak_memory_bytes(),
             target_forwards=seq.num_forwards,
         )
         st = seq.spec

@@ -112,6 +112,14 @@ def test_prefix_cache_hit_and_copy_on_write(llama):
     assert llama.kv_stats()["kind"] == "paged"
 
 
+def test_peak_memory_is_the_process_peak_on_cpu(llama):
+    import resource
+
+    _, final = run(llama, PROMPT)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert llama.info.weight_bytes < final.stats.peak_memory_bytes <= rss
+
+
 @pytest.mark.parametrize("mode", ["prompt-lookup", "self", "draft", "auto"])
 def test_speculative_greedy_equals_plain(llama, mode):
     plain, _ = run(llama, PROMPT, 20)

@@ -234,3 +234,16 @@ class TorchRunner(Runner):
     def _free_device_memory(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def reset_peak_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_memory_bytes(self) -> int:
+        """CUDA: the peak torch allocated on the device since the last reset. CPU: the process's peak
+        resident memory (ru_maxrss; never reset, and it counts everything in the process)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
