@@ -28,11 +28,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 
 def roofline_bench(args: argparse.Namespace, backend: str, device: str, out: Path) -> tuple[list[str], dict]:
+    print(f"{backend}/{device}: {out}", file=sys.stderr)
     cmd = [sys.executable, "-m", "app.cli", "bench", "--backend", backend, "--device", device,
            "-p", str(args.p), "-n", str(args.n), "--batch", args.batch, "--context", args.context,
            "--repeats", str(args.repeats), "--json", str(out), "--markdown"]
     if args.model:
         cmd += ["--model", args.model]
+    if args.reuse and out.exists():
+        return ["roofline", *cmd[3:]], json.loads(out.read_text())
     print(f"running: {shlex.join(cmd[2:])}", file=sys.stderr)
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
@@ -45,13 +48,14 @@ def mlx_lm_benchmark(args: argparse.Namespace, batch: int) -> dict[str, float]:
     import mlx.core as mx
     from engine_vs_mlx_lm import hf_tokenizer, mlx_lm_model
     from mlx_lm import batch_generate, stream_generate
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     from mlx_engine import Engine
 
     engine = Engine.load(args.model)
     model = engine._thread.call(lambda: mlx_lm_model(engine))
-    tokenizer = hf_tokenizer(engine)
-    tokenizer._eos_token_ids = set()  # as benchmark.py: no early stop
+    tokenizer = TokenizerWrapper(hf_tokenizer(engine))  # what mlx_lm.load returns
+    tokenizer.eos_token_ids = []  # as benchmark.py: no early stop
     vocab = engine.info.vocab_size
 
     def trials() -> list[tuple[float, float, float]]:
@@ -86,9 +90,12 @@ def main() -> None:
     p.add_argument("--context", default="0", help="depths for roofline bench (mlx-lm's benchmark has none: d0 only)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-torch", action="store_true", help="skip the torch backend")
+    p.add_argument("--out", help="folder for each side's `roofline bench --json` (default: a new temp folder)")
+    p.add_argument("--reuse", action="store_true", help="read the sides' JSON already in --out instead of rerunning")
     args = p.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench_vs_peers_"))
+    tmp = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench_vs_peers_"))
+    tmp.mkdir(parents=True, exist_ok=True)
     sides = [("mlx", "auto")]
     if not args.no_torch and importlib.util.find_spec("torch") is not None:
         sides.append(("torch", "cpu"))

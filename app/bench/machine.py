@@ -65,7 +65,7 @@ def peak_flops(device: str, home: Path, measure: Any) -> dict[str, Any]:
                 "note": "dense FP16/BF16 tensor cores: " + entry.get("tflops_source", "")}
     label = flops_label(device)
     cache = home / FLOPS_CACHE_NAME
-    note = "float16 MLX matmul" if device == "metal" else "float32 numpy matmul, all cores"
+    note = "float16 MLX matmul" if device == "metal" else "float32 matmul, all cores, best of numpy and torch"
     try:
         cached = json.loads(cache.read_text())
         if cached.get("label") == label and float(cached["flops"]) > 0:
@@ -84,7 +84,7 @@ def peak_flops(device: str, home: Path, measure: Any) -> dict[str, Any]:
 def flops_label(device: str) -> str:
     """The key a measured peak FLOP/s is cached under: this machine's chip and the device."""
     chip = detect_chip()
-    return f"{chip[0] if chip else _cpu_name()} ({device})"
+    return f"{chip[0] if chip else _cpu_name()} ({device}, v2)"  # v2: torch's matmul counts too
 
 
 def machine_info(backend: str, device: str, versions: dict[str, str]) -> dict[str, Any]:
