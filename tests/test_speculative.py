@@ -355,6 +355,32 @@ def test_cost_curve_interpolates_and_picks_k() -> None:
     assert flat.best_k(0.8, 8) >= 4 and flat.best_k(0.1, 8) == 0
 
 
+def test_cost_curve_is_non_decreasing() -> None:
+    """The torch CPU backend measured T(4)/T(1) = 1.34 below T(2)/T(1) = 1.59: noise, since a wider forward
+    does the narrower one's work. The curve takes the dip for every narrower width too."""
+    curve = CostCurve({1: 1.0, 2: 1.59, 3: 1.91, 4: 1.34, 5: 1.56, 9: 1.77})
+    assert [round(curve.cost(w), 2) for w in range(1, 10)] == [1.0, 1.34, 1.34, 1.34, 1.56, 1.61, 1.67, 1.72, 1.77]
+
+
+def test_auto_acceptance_weighs_recent_verifications() -> None:
+    """An edit reply: a preamble whose drafts fail, then a quote whose drafts all pass. The estimate
+    follows the quote within a few verifications; the request's own counts keep every draft."""
+    from mlx_engine.speculative import PRIOR_WEIGHT, VERIFY_DECAY, PromptLookup, SpecState
+
+    st = SpecState("auto", PromptLookup(), 8, prior=0.7)
+    assert st.alpha == pytest.approx(0.7)
+    for _ in range(3):
+        st.record(4, 0)
+    low = st.alpha
+    for _ in range(3):
+        st.record(4, 4)
+    d = 4 * (VERIFY_DECAY ** 5 + VERIFY_DECAY ** 4 + VERIFY_DECAY ** 3 + VERIFY_DECAY ** 2 + VERIFY_DECAY + 1)
+    a = 4 * (VERIFY_DECAY ** 2 + VERIFY_DECAY + 1)
+    assert st.alpha == pytest.approx((a + PRIOR_WEIGHT * 0.7) / (d + PRIOR_WEIGHT))
+    assert low < 0.3 and st.alpha > 0.66  # plain counts would give (12 + 2.8) / (24 + 4) = 0.53
+    assert (st.num_drafted, st.num_accepted) == (24, 12)
+
+
 # --- bad input -------------------------------------------------------------------------------------------
 
 
