@@ -77,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGINT/SIGTERM, seconds to let running requests finish (default 30)")
     sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    sv.add_argument("--backend", choices=("mlx", "torch"), default="mlx",
+                    help="model runner: mlx (default) or torch (the optional extra; CUDA or CPU)")
+    sv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto (default), cpu or cuda (cuda: the torch backend only)")
     sv.add_argument("--speculative", default="off", choices=("off", "auto", "prompt-lookup", "self"),
                     help="speculative decoding for requests that do not set 'speculative' themselves (default off: "
                     "a speculating request verifies in a forward of its own, outside the batch; 'draft' needs a "
@@ -113,10 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _load_engine(model: str | None) -> Any:
+def _load_engine(model: str | None, **options: Any) -> Any:
     from mlx_engine import Engine
 
-    return Engine.load(model)
+    return Engine.load(model, **options)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -148,7 +152,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise RooflineError("--default-max-tokens must be >= 1")
     if args.drain_timeout < 0:
         raise RooflineError("--drain-timeout must be >= 0")
-    return serve(lambda: _load_engine(args.model), host=args.host, port=args.port, api_key=args.api_key or None,
+    return serve(lambda: _load_engine(args.model, backend=args.backend, device=args.device), host=args.host, port=args.port, api_key=args.api_key or None,
                  max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                  drain_timeout_s=args.drain_timeout, default_max_tokens=args.default_max_tokens,
                  log_level=args.log_level, speculative=None if args.speculative == "off" else args.speculative)

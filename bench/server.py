@@ -113,6 +113,20 @@ def cost_curve(folder: Path, widths: list[int], context: int = 64, repeats: int 
 # ---- servers --------------------------------------------------------------------------------------------
 
 
+def torch_cost_curve(model: str | None, widths: list[int]) -> dict[int, float]:
+    """The torch backend's forward over B new tokens (logits at each) after 64 cached: a batched decode
+    step's matmul shapes, with one sequence's attention."""
+    from mlx_engine import Engine
+    from mlx_engine.speculative import time_forward
+
+    engine = Engine.load(model, backend="torch", device="cpu")
+    try:
+        return {b: engine._thread.call(lambda b=b: time_forward(engine._runner, b, context=64, repeats=5))
+                for b in widths}
+    finally:
+        engine.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -239,6 +253,8 @@ def main() -> None:
     p.add_argument("--cost-curve", default="1,2,4,8,16", help="batch widths to time ('' to skip)")
     p.add_argument("--only", choices=("roofline", "mlx-lm"))
     p.add_argument("--quick", action="store_true", help="1 and 4 clients, 1 request each, 8 tokens")
+    p.add_argument("--torch", action="store_true",
+                   help="also `roofline serve --backend torch --device cpu` (a third server, its own cost curve)")
     args = p.parse_args()
     if args.quick:
         args.clients, args.requests_per_client, args.max_tokens, args.cost_curve = "1,4", 1, 8, "1,4"
@@ -249,11 +265,16 @@ def main() -> None:
         folder = Path(tmp)
         facts = export_mlx_lm_folder(args.model, folder)
         curve = cost_curve(folder, curve_widths) if curve_widths else {}
+        torch_curve = torch_cost_curve(args.model, curve_widths) if curve_widths and args.torch else {}
         port = free_port()
         targets = [
             Target("roofline", [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level",
                                 "warning", "--max-concurrency", str(max(widths))]
                    + (["--model", args.model] if args.model else []), "default", "/health"),
+            *([Target("roofline-torch", [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level",
+                                         "warning", "--max-concurrency", str(max(widths)), "--backend", "torch",
+                                         "--device", "cpu"] + (["--model", args.model] if args.model else []),
+                      "default", "/health")] if args.torch else []),
             Target("mlx-lm", [sys.executable, "-m", "mlx_lm.server", "--model", str(folder), "--port", str(port),
                               "--log-level", "WARNING"], "default_model", "/v1/models"),
         ]
@@ -280,15 +301,15 @@ def main() -> None:
           f"greedy, max_tokens {args.max_tokens}); loopback; servers run one after the other\n")
     names = list(results)
     head = "| clients | " + " | ".join(f"{n} tok/s | {n} TTFT p50 / p99 (s)" for n in names)
-    if len(names) == 2:
+    both = "roofline" in results and "mlx-lm" in results
+    if both:
         head += " | roofline / mlx-lm tok/s"
     print(head + " |")
-    print("|---:|" + "---:|---:|" * len(names) + ("---:|" if len(names) == 2 else ""))
+    print("|---:|" + "---:|---:|" * len(names) + ("---:|" if both else ""))
     for n in widths:
         cells = [f"{results[t][n]['tok_s']:.1f} | {results[t][n]['ttft_p50']:.2f} / {results[t][n]['ttft_p99']:.2f}"
                  for t in names]
-        ratio = (f" | {results['roofline'][n]['tok_s'] / results['mlx-lm'][n]['tok_s']:.2f}x"
-                 if len(names) == 2 else "")
+        ratio = f" | {results['roofline'][n]['tok_s'] / results['mlx-lm'][n]['tok_s']:.2f}x" if both else ""
         print(f"| {n} | " + " | ".join(cells) + ratio + " |")
     if curve:
         t1 = curve[curve_widths[0]]
@@ -297,7 +318,14 @@ def main() -> None:
         print("|---:|---:|---:|---:|")
         for b, t in curve.items():
             print(f"| {b} | {t * 1000:.1f} | {t / t1:.2f} | {b * t1 / t:.2f}x |")
-    print("\n<!-- " + json.dumps({"results": results, "cost_curve": curve}) + " -->")
+    if torch_curve:
+        t1 = torch_curve[curve_widths[0]]
+        print("\nThe torch backend's batched forward cost (B tokens with logits at each, 64 cached; CPU):\n")
+        print("| B | T(B) ms | T(B)/T(1) | bound on aggregate speedup B/(T(B)/T(1)) |")
+        print("|---:|---:|---:|---:|")
+        for b, t in torch_curve.items():
+            print(f"| {b} | {t * 1000:.1f} | {t / t1:.2f} | {b * t1 / t:.2f}x |")
+    print("\n<!-- " + json.dumps({"results": results, "cost_curve": curve, "torch_cost_curve": torch_curve}) + " -->")
 
 
 if __name__ == "__main__":
