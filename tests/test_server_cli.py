@@ -72,3 +72,14 @@ def test_sigterm_drains_the_stream_in_flight_then_exits(served) -> None:
     assert proc.wait(timeout=30) == -signal.SIGTERM
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health", timeout=2)
+
+
+def test_serve_on_a_missing_cuda_device_is_one_clear_line() -> None:
+    from tests.test_cli import assert_one_line_error, roofline
+    from tests.torch_support import require
+
+    torch = require("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    r = roofline("serve", "--backend", "torch", "--device", "cuda", "--port", "0")
+    assert_one_line_error(r, "device='cuda'", "sees no CUDA device")
