@@ -49,6 +49,12 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def cpu_matmul_seconds(a: np.ndarray, repeats: int, best_time: Callable[[Callable[[], Any], int], float]) -> float:
+    """The best time of a @ a in torch on the CPU, all cores (for the measured peak FLOP/s of `roofline bench`)."""
+    t = torch.from_numpy(a)
+    return best_time(lambda: t @ t, repeats)
+
+
 def use_kernels(device: torch.device) -> bool:
     """Packed quantized weights and the paged decode kernel (triton_kernels): on CUDA."""
     return device.type == "cuda"
