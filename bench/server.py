@@ -244,6 +244,14 @@ def run_target(target: Target, port: int, widths: list[int], per_client: int, ma
         stop(proc)
 
 
+def print_curve(title: str, curve: dict[int, float], t1: float) -> None:
+    print(f"\n{title}:\n")
+    print("| B | T(B) ms | T(B)/T(1) | bound on aggregate speedup B/(T(B)/T(1)) |")
+    print("|---:|---:|---:|---:|")
+    for b, t in curve.items():
+        print(f"| {b} | {t * 1000:.1f} | {t / t1:.2f} | {b * t1 / t:.2f}x |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="model for both servers (default: the embedded SmolLM2)")
@@ -311,20 +319,12 @@ def main() -> None:
                  for t in names]
         ratio = f" | {results['roofline'][n]['tok_s'] / results['mlx-lm'][n]['tok_s']:.2f}x" if both else ""
         print(f"| {n} | " + " | ".join(cells) + ratio + " |")
-    if curve:
-        t1 = curve[curve_widths[0]]
-        print("\nBatched decode forward cost on this backend (mlx-lm llama class, these weights, context 64):\n")
-        print("| B | T(B) ms | T(B)/T(1) | bound on aggregate speedup B/(T(B)/T(1)) |")
-        print("|---:|---:|---:|---:|")
-        for b, t in curve.items():
-            print(f"| {b} | {t * 1000:.1f} | {t / t1:.2f} | {b * t1 / t:.2f}x |")
-    if torch_curve:
-        t1 = torch_curve[curve_widths[0]]
-        print("\nThe torch backend's batched forward cost (B tokens with logits at each, 64 cached; CPU):\n")
-        print("| B | T(B) ms | T(B)/T(1) | bound on aggregate speedup B/(T(B)/T(1)) |")
-        print("|---:|---:|---:|---:|")
-        for b, t in torch_curve.items():
-            print(f"| {b} | {t * 1000:.1f} | {t / t1:.2f} | {b * t1 / t:.2f}x |")
+    for title, c in (("Batched decode forward cost on this backend (mlx-lm llama class, these weights, context 64)",
+                      curve),
+                     ("The torch backend's batched forward cost (B tokens with logits at each, 64 cached; CPU)",
+                      torch_curve)):
+        if c:
+            print_curve(title, c, c[curve_widths[0]])
     print("\n<!-- " + json.dumps({"results": results, "cost_curve": curve, "torch_cost_curve": torch_curve}) + " -->")
 
 
