@@ -188,6 +188,9 @@ class Scheduler:
         room = seq.max_new - seq.num_sampled - 1  # the verification samples one token more than it drafts
         if st.mode != "auto":
             return max(0, min(st.k, room))
+        worth_trying = getattr(st.proposer, "worth_trying", None)
+        if worth_trying is not None and not worth_trying(seq.prompt + seq.generated):  # tokens read so far
+            return None
         k = self._cost_curve().best_k(st.alpha, min(st.k_max, room), st.proposer.draft_cost)
         return k or None
 

@@ -105,9 +105,27 @@ def prompt_lookup(tokens: list[int] | np.ndarray, k: int, max_ngram: int = MAX_N
     return []
 
 
+def suffix_recurs(tokens: list[int], n: int) -> bool:
+    """Whether the last n tokens occurred earlier with a token after them: where prompt lookup would copy
+    from at least an n-gram match."""
+    t = np.asarray(tokens, dtype=np.int64)
+    L = len(t)
+    if L <= n:
+        return False
+    windows = np.lib.stride_tricks.sliding_window_view(t[: L - 1], n)
+    return bool((windows == t[L - n:]).all(axis=1).any())
+
+
 class PromptLookup:
     name = "prompt-lookup"
     draft_cost = 0.0  # of a target forward, per drafted token
+    # "auto" verifies prompt-lookup drafts only while the text's last AUTO_MIN_NGRAM tokens recur (a quote,
+    # an edit, repeated code): a lone recurring token or pair predicts little, and in open chat the
+    # failed probes cost more than they win
+    AUTO_MIN_NGRAM = 3
+
+    def worth_trying(self, known: list[int]) -> bool:
+        return suffix_recurs(known, self.AUTO_MIN_NGRAM)
 
     def propose(self, inp: DraftInput) -> tuple[list[int] | mx.array, mx.array | None]:
         return prompt_lookup(inp.tokens, inp.k), None  # q: a point mass

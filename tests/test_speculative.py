@@ -498,3 +498,14 @@ def test_corrupt_cost_curve_file_is_measured_again_and_overwritten(models, monke
     assert calls == [1]
     assert json.loads(path.read_text()) == {"format": 1, "curves": {key: {"ratios": {"1": 1.0, "2": 1.5},
                                                                           "t1_s": 0.01}}}
+
+
+def test_suffix_recurs_gates_auto_prompt_lookup() -> None:
+    from mlx_engine.speculative import PromptLookup, suffix_recurs
+
+    quote = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
+    assert suffix_recurs(quote, 3) and suffix_recurs(quote, 2) and not suffix_recurs(quote, 4)
+    assert not suffix_recurs([1, 2, 3], 3) and not suffix_recurs([], 3)
+    assert not suffix_recurs([5, 6, 7], 3)  # the suffix itself is no earlier occurrence
+    pl = PromptLookup()
+    assert pl.worth_trying(quote) and not pl.worth_trying([1, 2, 3, 1, 2, 4, 3])
