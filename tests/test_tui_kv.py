@@ -26,14 +26,20 @@ async def saved(pilot, path) -> None:
     await wait_for(pilot, lambda: path.exists() and pilot.app.chat_kv._pending == 0, what=f"{path.name} saved")
 
 
+async def first_reply_saved(pilot, home, text: str = "What is the capital of France?"):
+    """A new app's first message and reply, then its chat's KV file written; returns (chat id, file)."""
+    await ready(pilot)
+    await send(pilot, text)
+    await idle(pilot)
+    chat_id = pilot.app.chat_screen.chat.id
+    await saved(pilot, kv_file(home, chat_id))
+    return chat_id, kv_file(home, chat_id)
+
+
 async def test_a_reply_saves_the_conversation_kv_in_whole_blocks(tmp_path) -> None:
     app, backend = make_app(tmp_path, script=[REPLY])
     async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
-        await send(pilot, "What is the capital of France?")
-        await idle(pilot)
-        chat_id = app.chat_screen.chat.id
-        await saved(pilot, kv_file(tmp_path, chat_id))
+        chat_id, _ = await first_reply_saved(pilot, tmp_path)
         ((kind, path, n),) = backend.engine.kv_calls
         assert kind == "save" and n > 0 and n % 16 == 0
         assert path != str(kv_file(tmp_path, chat_id))  # written aside, then renamed into place
@@ -56,11 +62,7 @@ async def test_a_chat_shorter_than_one_block_saves_nothing_silently(tmp_path) ->
 async def test_reopening_a_chat_restores_its_kv_and_the_next_reply_hits_it(tmp_path) -> None:
     app, _ = make_app(tmp_path, script=[REPLY])
     async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
-        await send(pilot, "What is the capital of France?")
-        await idle(pilot)
-        chat_id = app.chat_screen.chat.id
-        await saved(pilot, kv_file(tmp_path, chat_id))
+        chat_id, _ = await first_reply_saved(pilot, tmp_path)
         n_saved = json.loads(kv_file(tmp_path, chat_id).read_text())["pieces"]
     app2, backend2 = make_app(tmp_path, script=["It is about 105 square kilometres."])
     async with app2.run_test(size=SIZE) as pilot:
@@ -129,11 +131,7 @@ async def test_a_refused_kv_file_is_deleted_and_the_chat_prefills(tmp_path, cont
 async def test_deleting_a_chat_or_changing_its_history_removes_the_file(tmp_path) -> None:
     app, backend = make_app(tmp_path, script=[REPLY])
     async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
-        await send(pilot, "What is the capital of France?")
-        await idle(pilot)
-        path = kv_file(tmp_path, app.chat_screen.chat.id)
-        await saved(pilot, path)
+        _, path = await first_reply_saved(pilot, tmp_path)
         app.chat_kv.forget(app.chat_screen.chat.id)  # as regenerate does, before the new reply saves again
         assert not path.exists()
         await pilot.press("ctrl+r")
@@ -149,11 +147,7 @@ async def test_deleting_a_chat_or_changing_its_history_removes_the_file(tmp_path
 async def test_edit_and_resend_deletes_the_file_before_the_new_reply(tmp_path) -> None:
     app, backend = make_app(tmp_path, script=[REPLY])
     async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
-        await send(pilot, "What is the capital of France?")
-        await idle(pilot)
-        path = kv_file(tmp_path, app.chat_screen.chat.id)
-        await saved(pilot, path)
+        _, path = await first_reply_saved(pilot, tmp_path)
         calls = len(backend.engine.kv_calls)
         await app.chat_screen.truncate_from(app.chat_screen.query("MessageView").first())
         assert not path.exists() and len(backend.engine.kv_calls) == calls

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.tui.chips import CHIPS_FILE, _cpu_name, detect_chip, machine_bandwidth
+from app.tui.chips import CHIPS_FILE, _cpu_name, detect_chip, machine_bandwidth, measured_once
 
 FLOPS_CACHE_NAME = "peak_flops.json"
 
@@ -64,20 +64,8 @@ def peak_flops(device: str, home: Path, measure: Any) -> dict[str, Any]:
         return {"tflops": float(entry["tflops_fp16"]), "label": entry["name"], "source": "table",
                 "note": "dense FP16/BF16 tensor cores: " + entry.get("tflops_source", "")}
     label = flops_label(device)
-    cache = home / FLOPS_CACHE_NAME
     note = "float16 MLX matmul" if device == "metal" else "float32 matmul, all cores, best of numpy and torch"
-    try:
-        cached = json.loads(cache.read_text())
-        if cached.get("label") == label and float(cached["flops"]) > 0:
-            return {"tflops": float(cached["flops"]) / 1e12, "label": label, "source": "measured", "note": note}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    flops = float(measure())
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({"label": label, "flops": flops, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}))
-    except OSError:
-        pass
+    flops = measured_once(home / FLOPS_CACHE_NAME, label, "flops", measure)
     return {"tflops": flops / 1e12, "label": label, "source": "measured", "note": note}
 
 

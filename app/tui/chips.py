@@ -93,19 +93,24 @@ def machine_bandwidth(home: Path, measure=None) -> Bandwidth:
         if known is not None:
             return known
     label = chip[0] if chip else _cpu_name()
-    cache = home / CACHE_NAME
-    try:
-        cached = json.loads(cache.read_text())
-        if cached.get("label") == label and float(cached["bytes_per_s"]) > 0:
-            return Bandwidth(label, float(cached["bytes_per_s"]), measured=True)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
     if measure is None:
         from mlx_engine.roofline import measure_bandwidth as measure
-    bps = float(measure())
+    return Bandwidth(label, measured_once(home / CACHE_NAME, label, "bytes_per_s", measure), measured=True)
+
+
+def measured_once(cache: Path, label: str, key: str, measure) -> float:
+    """A machine figure `measure()` gives, cached in `cache` (a small JSON) under `label`: measured only
+    when the file is missing, unreadable or holds another label. A cache that cannot be written is skipped."""
     try:
-        home.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({"label": label, "bytes_per_s": bps, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        cached = json.loads(cache.read_text())
+        if cached.get("label") == label and float(cached[key]) > 0:
+            return float(cached[key])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    value = float(measure())
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"label": label, key: value, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}))
     except OSError:
         pass
-    return Bandwidth(label, bps, measured=True)
+    return value
