@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -17,6 +18,7 @@ from mlx_engine.api import (
     ModelInfo,
     RooflineError,
 )
+from mlx_engine.models.layers import one_blas_thread
 
 T = TypeVar("T")
 
@@ -47,14 +49,29 @@ class _EngineThread:
     submitted jobs (new requests, forward passes, KV saves), so requests join at the next step.
 
     One per process, a daemon that never exits: MLX 0.32 on Linux aborts the process ("terminate called
-    without an active exception") at exit when a thread that ran MLX work has ended before it.
+    without an active exception") at exit when a thread that ran MLX work has ended before it. Nor may it
+    be inside a native call when the interpreter finalizes: a daemon thread that takes the GIL back then is
+    ended by pthread_exit, whose unwinding through MLX's or OpenBLAS's C++ frames aborts the same way. So
+    at exit it parks: it finishes the step it is in and then waits, forever, on an event nobody sets.
     """
+
+    PARK_TIMEOUT_S = 10.0
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._schedulers: list[Any] = []
+        self._stopping = False
+        self._parked = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="roofline-engine", daemon=True)
         self._thread.start()
+        atexit.register(self.park)
+
+    def park(self) -> None:
+        """Called at interpreter exit: returns once the engine thread is idle for good (or after
+        PARK_TIMEOUT_S, if a step hangs)."""
+        self._stopping = True
+        self._jobs.put((lambda: None, Future()))  # wakes it if it waits for a job
+        self._parked.wait(self.PARK_TIMEOUT_S)
 
     def _run(self, job: tuple[Callable[[], Any], Future]) -> None:
         fn, future = job
@@ -67,6 +84,9 @@ class _EngineThread:
 
     def _loop(self) -> None:
         while True:
+            if self._stopping:
+                self._parked.set()
+                threading.Event().wait()  # never returns: the process is exiting
             busy = [s for s in self._schedulers if s.has_work()]
             if not busy:
                 self._run(self._jobs.get())
@@ -76,8 +96,9 @@ class _EngineThread:
                     self._run(self._jobs.get_nowait())
                 except queue.Empty:
                     break
-            for scheduler in busy:
-                scheduler.step()
+            with one_blas_thread():  # once per step, not per host GEMM (models.layers)
+                for scheduler in busy:
+                    scheduler.step()
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         future: Future[T] = Future()

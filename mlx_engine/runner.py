@@ -74,12 +74,9 @@ class Runner:
             from mlx_engine.loading.gguf_model import apply_freq_factors
 
             apply_freq_factors(built.model, ckpt.config)
-        if not mx.metal.is_available():
-            from mlx_engine.models.layers import use_host_gemm_for_prefill
-
-            use_host_gemm_for_prefill(built.model)
         mx.eval(built.model.parameters())
         del ckpt.weights
+        host_bytes, idle_bytes, host_note = _use_host_blas(built.model, act_dtype)
         tokenizer = ckpt.tokenizer or NoTokenizer(ckpt.path, ckpt.config)
         context = built.context_length
         context = cap_context(context, max_context)
@@ -88,6 +85,7 @@ class Runner:
             f"{built.model_type!r} runs on mlx-lm's model class: generation works; paged KV, prefix caching "
             "and speculative decoding may be unavailable",
         )
+        notes += (host_note,) if host_note else ()
         eos = tuple(tokenizer.eos_token_ids)
         info = ModelInfo(
             name=ckpt.name,
@@ -97,7 +95,7 @@ class Runner:
             num_parameters=count_parameters(built.model),
             quantization=ckpt.quant_label,
             context_length=context,
-            weight_bytes=sum(v.nbytes for v in params.values()),
+            weight_bytes=sum(v.nbytes for v in params.values()) + host_bytes,
             vocab_size=int(ckpt.config.get("vocab_size") or tokenizer.vocab_size),
             native=built.native,
             dtype=str(act_dtype).removeprefix("mlx.core."),
@@ -106,6 +104,7 @@ class Runner:
         )
         runner = cls(built, tokenizer, info, prefill_chunk_size)
         runner._shape = _decode_shape(ckpt.config, params, act_dtype)
+        runner._host_bytes, runner._shape["idle_bytes"] = host_bytes, idle_bytes
         runner.fingerprint = model_fingerprint(ckpt, act_dtype)
         runner.cache = runner._make_cache(kv_config, paged_kv, act_dtype)
         runner.self_draft_layers = runner._check_self_draft_layers(self_draft_layers)
@@ -197,7 +196,8 @@ class Runner:
         from mlx_engine.roofline import decode_bytes_per_token
 
         s = self._shape
-        return decode_bytes_per_token(self.info.weight_bytes, s["embed_bytes"], s["tied"], s["layers"],
+        weights = self.info.weight_bytes - s.get("idle_bytes", 0)  # float32 host copies replace what they copy
+        return decode_bytes_per_token(weights, s["embed_bytes"], s["tied"], s["layers"],
                                       s["kv_heads"], s["head_dim"], context, s["kv_itemsize"]).total
 
     def release(self) -> None:
@@ -214,9 +214,12 @@ class Runner:
     def reset_peak_memory(self) -> None:
         mx.reset_peak_memory()
 
+    _host_bytes = 0  # resident float32 weights in numpy (MLX's CPU backend), outside MLX's allocator
+
     def peak_memory_bytes(self) -> int:
-        """Peak memory MLX allocated since the last reset (weights, KV pool, activations)."""
-        return int(mx.get_peak_memory())
+        """Peak memory MLX allocated since the last reset (weights, KV pool, activations), plus the
+        resident host weights."""
+        return int(mx.get_peak_memory()) + self._host_bytes
 
     # --- prompt handling (called on the front end's thread: tokenizers only, no MLX) ---
 
@@ -343,6 +346,24 @@ class Runner:
         from mlx_engine.kv.cache import restore_blocks
 
         return restore_blocks(self._paged("restoring KV"), path, self.fingerprint)
+
+
+def _use_host_blas(model: Any, act_dtype: mx.Dtype) -> tuple[int, int, str]:
+    """On MLX's CPU backend, routes projections to numpy's BLAS (models.layers): with resident float32
+    weights when they fit, else only prefill-sized ones. Returns (host bytes allocated, MLX bytes the
+    host path stops reading, a note for ModelInfo)."""
+    if mx.metal.is_available() or act_dtype != mx.float32:
+        return 0, 0, ""
+    from mlx_engine.kv.cache import available_memory_bytes
+    from mlx_engine.models import layers
+
+    fits, why = layers.host_weights_fit(layers.host_weights_bytes(model), available_memory_bytes(0))
+    if not fits:
+        layers.use_host_gemm_for_prefill(model)
+        return 0, 0, f"CPU: quantized weights stay packed ({why}); decode uses MLX's quantized matvec"
+    allocated, idle = layers.use_host_weights(model)
+    return allocated, idle, (f"CPU: projections run on float32 copies of the weights in numpy's BLAS "
+                             f"({allocated / 2**20:.0f} MiB, {why})")
 
 
 def cap_context(context: int, max_context: int | None) -> int:

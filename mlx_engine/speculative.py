@@ -332,14 +332,15 @@ def cache_dir() -> Path:
 
 
 def cost_curve_key(runner: Any) -> str | None:
-    """What a measured curve holds for: the weights (and activation dtype), the backend and device, the
-    machine and the MLX version. None: the runner has no fingerprint, so nothing is kept."""
+    """What a measured curve holds for: the weights (and activation dtype), the backend and device (and on
+    MLX's CPU backend whether float32 host weights are resident), the machine and the MLX version. None: the runner has no fingerprint, so nothing is kept."""
     fingerprint = getattr(runner, "fingerprint", None)
     if not fingerprint:
         return None
     info = runner.info
-    return "|".join([fingerprint.hex(), f"{info.backend}-{info.device}", f"{platform.system()}-{platform.machine()}",
-                     f"mlx-{mx.__version__}"])
+    path = "-fp32-host-weights" if getattr(runner, "_host_bytes", 0) else ""  # models.layers: another cost curve
+    return "|".join([fingerprint.hex(), f"{info.backend}-{info.device}{path}",
+                     f"{platform.system()}-{platform.machine()}", f"mlx-{mx.__version__}"])
 
 
 def load_cost_curve(key: str) -> CostCurve | None:

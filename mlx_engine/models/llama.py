@@ -46,6 +46,8 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
+    fused_qkv: Any = None  # set on MLX's CPU backend: x -> (q, k, v) in one host GEMM (models.layers)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         dim, hd = args.hidden_size, args.head_dim
@@ -66,9 +68,10 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, mask: mx.array | str | None, cache: Any) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1)  # (B, L, nh, hd)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)  # (B, L, nkv, hd)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        q, k, v = self.fused_qkv(x) if self.fused_qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.reshape(B, L, self.n_heads, -1)  # (B, L, nh, hd)
+        k = k.reshape(B, L, self.n_kv_heads, -1)  # (B, L, nkv, hd)
+        v = v.reshape(B, L, self.n_kv_heads, -1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, nh, L, hd)
@@ -85,6 +88,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused_gate_up: Any = None  # set on MLX's CPU backend: x -> (gate, up) in one host GEMM (models.layers)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
@@ -92,7 +97,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.fused_gate_up(x) if self.fused_gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(nn.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):

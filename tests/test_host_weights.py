@@ -1,0 +1,189 @@
+"""MLX's CPU backend: projections on resident float32 weights in numpy's BLAS give MLX's own numbers.
+
+The fast path (models.layers.use_host_weights) replaces every quantized projection by a float32 copy,
+fuses q/k/v and gate/up into one GEMM each and multiplies a tied head by the embedding's copy; these
+tests hold it to MLX's quantized matmuls on a tiny model, at decode, batched-decode and prefill widths,
+and check the memory it reports to the byte.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info
+
+from mlx_engine import Engine, RooflineError
+from mlx_engine.models import layers
+from mlx_engine.models.llama import Model, ModelArgs
+from tests.tiny_models import random_llama_folder, write_gguf_from_folder
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS = 64, 4, 2, 16, 96, 160, 2
+
+
+def tiny_model(tied: bool, bias: bool = False, bits: int = 4) -> Model:
+    mx.random.seed(3)
+    args = ModelArgs(model_type="llama", hidden_size=HIDDEN, num_hidden_layers=LAYERS, intermediate_size=FFN,
+                     num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=VOCAB,
+                     tie_word_embeddings=tied, qkv_bias=bias)
+    model = Model(args)
+    if bias:  # zero-initialized biases would test nothing
+        for layer in model.layers:
+            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                p.bias = mx.random.normal(p.bias.shape)
+    nn.quantize(model, group_size=32, bits=bits)
+    mx.eval(model.parameters())
+    return model
+
+
+def logits(model: Model, ids: mx.array) -> np.ndarray:
+    return np.array(model.logits(model(ids)))
+
+
+INPUTS = {
+    "decode, 1 row": mx.array([[7]]),
+    "batched decode, 5 rows": mx.array([[7], [1], [150], [42], [9]]),
+    "prefill, 24 rows": mx.array([list(range(3, 27))]),
+}
+
+
+@pytest.mark.parametrize("tied,bias", [(True, False), (False, True)], ids=["tied-head", "untied-head+qkv-bias"])
+def test_resident_weights_match_mlx_quantized_matmuls(tied: bool, bias: bool) -> None:
+    model = tiny_model(tied, bias)
+    want = {name: logits(model, ids) for name, ids in INPUTS.items()}
+    quantized_bytes = {name: sum(v.nbytes for v in m.values() if isinstance(v, mx.array))
+                       for name, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    expected_host = layers.host_weights_bytes(model)
+
+    allocated, idle = layers.use_host_weights(model)
+
+    # every projection (q k v o gate up down per layer) plus the head, in float32, plus qkv biases
+    per_layer = HIDDEN * (HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM) + HEADS * HEAD_DIM * HIDDEN + 3 * HIDDEN * FFN
+    floats = LAYERS * per_layer + VOCAB * HIDDEN
+    biases = LAYERS * (HEADS + 2 * KV_HEADS) * HEAD_DIM if bias else 0
+    assert expected_host == 4 * floats
+    assert allocated == 4 * (floats + biases)
+    if not tied:  # an untied input embedding stays a lookup into the packed table
+        quantized_bytes.pop("model.embed_tokens")
+    assert idle == sum(quantized_bytes.values())  # the packed copies the float32 path no longer reads
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert attn.fused_qkv.weight.shape == (HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    assert mlp.fused_gate_up.weight.shape == (HIDDEN, 2 * FFN)
+    head = model.model.embed_tokens if tied else model.lm_head
+    assert head.host.weight.shape == (HIDDEN, VOCAB) and head.host.weight.flags.c_contiguous
+
+    for name, ids in INPUTS.items():
+        got = logits(model, ids)
+        scale = np.abs(want[name]).max()
+        assert np.abs(got - want[name]).max() <= 2e-5 * scale, name
+        assert (got.argmax(-1) == want[name].argmax(-1)).all(), name
+
+
+def test_non_float32_inputs_take_the_modules_own_path() -> None:
+    model = tiny_model(tied=True)
+    proj = model.layers[0].self_attn.o_proj
+    x = mx.random.normal((2, HEADS * HEAD_DIM)).astype(mx.bfloat16)
+    want = np.array(proj(x).astype(mx.float32))
+    want_head = np.array(model.model.embed_tokens.as_linear(x[:, :HIDDEN]).astype(mx.float32))
+    layers.use_host_weights(model)
+    assert isinstance(proj, nn.QuantizedLinear) and proj.host is not None
+    np.testing.assert_array_equal(np.array(proj(x).astype(mx.float32)), want)
+    np.testing.assert_array_equal(np.array(model.model.embed_tokens.as_linear(x[:, :HIDDEN]).astype(mx.float32)),
+                                  want_head)
+    # lookups stay on MLX's packed table
+    ids = mx.array([[5, 9]])
+    np.testing.assert_array_equal(np.array(model.model.embed_tokens(ids)),
+                                  np.array(nn.QuantizedEmbedding.__call__(model.model.embed_tokens, ids)))
+
+
+def test_float32_weights_are_used_in_place() -> None:
+    mx.random.seed(0)
+    lin = nn.Linear(48, 80)
+    x = mx.random.normal((3, 48))
+    want = np.array(lin(x))
+    model = nn.Sequential(lin)
+    allocated, idle = layers.use_host_weights(model)
+    assert (allocated, idle) == (0, 0)  # a view of MLX's buffer: nothing new resident, nothing idle
+    np.testing.assert_allclose(np.array(lin(x)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp32_weights_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(layers.HOST_WEIGHTS_ENV, "off")
+    assert layers.host_weights_fit(1, 10**12)[0] is False
+    monkeypatch.setenv(layers.HOST_WEIGHTS_ENV, "on")
+    assert layers.host_weights_fit(10**12, 1)[0] is True
+    monkeypatch.setenv(layers.HOST_WEIGHTS_ENV, "auto")
+    assert layers.host_weights_fit(500, 1000)[0] is True  # within HOST_WEIGHTS_MEMORY_FRACTION = 0.5
+    assert layers.host_weights_fit(501, 1000)[0] is False
+    monkeypatch.setenv(layers.HOST_WEIGHTS_ENV, "fast")
+    with pytest.raises(RooflineError, match=r"ROOFLINE_CPU_FP32_WEIGHTS='fast': expected auto, on or off"):
+        layers.host_weights_fit(1, 1)
+
+
+def test_one_blas_thread_nests_and_restores() -> None:
+    def threads() -> int:  # numpy's OpenBLAS (and any other BLAS loaded, e.g. by torch)
+        return max((i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"), default=1)
+
+    before = threads()
+    with layers.one_blas_thread():
+        assert threads() == 1
+        with layers.one_blas_thread():
+            assert threads() == 1
+        assert threads() == 1  # the inner exit leaves the outer limit in place
+    assert threads() == before
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("hostw")
+    folder = random_llama_folder(root / "hf", vocab=160)
+    path = root / "tiny-q4_1.gguf"
+    write_gguf_from_folder(folder, path, {"attn": "Q4_1", "ffn": "Q4_1"}, default_type="Q4_1")
+    return path
+
+
+def test_engine_on_and_off_agree_and_count_the_copies(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same GGUF with and without resident float32 weights: the same greedy tokens, logits within
+    float32 rounding, and the float32 copies counted in weight bytes, decode bytes and peak memory."""
+    from tests.test_loading import greedy
+
+    ids = [3, 17, 42, 99, 7, 64, 120, 5, 33, 81, 12, 2] * 2
+    runs = {}
+    for setting in ("off", "on"):
+        monkeypatch.setenv(layers.HOST_WEIGHTS_ENV, setting)
+        engine = Engine.load(str(tiny_gguf))
+        try:
+            runner = engine._runner
+            runs[setting] = dict(tokens=greedy(engine, ids), logits=engine.forward_logits(ids),
+                                 weight_bytes=engine.info.weight_bytes, notes=engine.info.notes,
+                                 host=runner._host_bytes, decode=runner.decode_bytes_per_token(0),
+                                 idle=runner._shape["idle_bytes"])
+        finally:
+            engine.close()
+    off, on = runs["off"], runs["on"]
+    assert on["tokens"] == off["tokens"]
+    np.testing.assert_allclose(on["logits"], off["logits"], atol=2e-5 * np.abs(off["logits"]).max())
+    assert off["host"] == 0 and "quantized weights stay packed (ROOFLINE_CPU_FP32_WEIGHTS=off)" in off["notes"][0]
+    # every matrix but the untied input embedding (a row lookup) gets a float32 copy
+    h, v, ffn, heads, kv, hd, n = 64, 160, 96, 4, 2, 16, 2
+    floats = n * (h * (heads + 2 * kv) * hd + heads * hd * h + 3 * h * ffn) + v * h
+    assert on["host"] == 4 * floats
+    assert on["weight_bytes"] == off["weight_bytes"] + on["host"]
+    assert on["decode"] == off["decode"] - on["idle"] + on["host"]
+    assert "float32 copies of the weights" in on["notes"][0]
+
+
+@pytest.mark.parametrize("rows", [2, 5, 8])
+def test_row_gemvs_over_column_slices_equal_one_gemm(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small row counts go through one gemv per row and column slice (OpenBLAS's sgemm repacks the whole
+    weight for them); slices of 3 columns here so that the slicing, ragged last slice included, is used."""
+    monkeypatch.setattr(layers, "GEMV_SLICE_BYTES", 4 * 40 * 3)
+    rng = np.random.default_rng(rows)
+    x, w = rng.standard_normal((rows, 40), dtype=np.float32), rng.standard_normal((40, 23), dtype=np.float32)
+    np.testing.assert_allclose(layers._gemv_rows(x, w), x @ w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(layers._gemv_rows(x, w.T.copy().T), x @ w, rtol=1e-5, atol=1e-5)  # a strided view
+    got = np.array(layers._host_gemm(mx.array(x), w, bias=np.arange(23, dtype=np.float32)))
+    np.testing.assert_allclose(got, x @ w + np.arange(23), rtol=1e-5, atol=1e-5)
