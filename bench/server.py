@@ -11,7 +11,9 @@ after the other (greedy, max_tokens, a prompt of its own); a level's aggregate t
 over the level's wall time; TTFT is request sent -> first content chunk, as the client sees it.
 
 `--cost-curve` also times one batched decode forward of mlx-lm's llama class on these weights at widths B
-(context 64 per row): T(B)/T(1) bounds what batching can give on this backend (aggregate speedup <= B / (T(B)/T(1))).
+(context 64 per row), and our engine's forward of B tokens as `roofline serve` runs it (on MLX's CPU backend
+with float32 host weights, `mlx_engine/models/layers.py`): T(B)/T(1) bounds what batching can give on each
+(aggregate speedup <= B / (T(B)/T(1))).
 """
 
 from __future__ import annotations
@@ -113,13 +115,14 @@ def cost_curve(folder: Path, widths: list[int], context: int = 64, repeats: int 
 # ---- servers --------------------------------------------------------------------------------------------
 
 
-def torch_cost_curve(model: str | None, widths: list[int]) -> dict[int, float]:
-    """The torch backend's forward over B new tokens (logits at each) after 64 cached: a batched decode
-    step's matmul shapes, with one sequence's attention."""
+def engine_cost_curve(model: str | None, widths: list[int], backend: str = "mlx") -> dict[int, float]:
+    """Our engine's forward over B new tokens (logits at each) after 64 cached, on `backend` (MLX: as
+    `roofline serve` runs it, e.g. float32 host weights on the CPU backend; torch: on the CPU): a batched
+    decode step's matmul shapes, with one sequence's attention."""
     from mlx_engine import Engine
     from mlx_engine.speculative import time_forward
 
-    engine = Engine.load(model, backend="torch", device="cpu")
+    engine = Engine.load(model, backend=backend, **({"device": "cpu"} if backend == "torch" else {}))
     try:
         return {b: engine._thread.call(lambda b=b: time_forward(engine._runner, b, context=64, repeats=5))
                 for b in widths}
@@ -273,7 +276,8 @@ def main() -> None:
         folder = Path(tmp)
         facts = export_mlx_lm_folder(args.model, folder)
         curve = cost_curve(folder, curve_widths) if curve_widths else {}
-        torch_curve = torch_cost_curve(args.model, curve_widths) if curve_widths and args.torch else {}
+        ours_curve = engine_cost_curve(args.model, curve_widths) if curve_widths else {}
+        torch_curve = engine_cost_curve(args.model, curve_widths, "torch") if curve_widths and args.torch else {}
         port = free_port()
         targets = [
             Target("roofline", [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level",
@@ -321,11 +325,14 @@ def main() -> None:
         print(f"| {n} | " + " | ".join(cells) + ratio + " |")
     for title, c in (("Batched decode forward cost on this backend (mlx-lm llama class, these weights, context 64)",
                       curve),
+                     ("Roofline's MLX engine forward cost, as `roofline serve` runs it (B tokens with logits at "
+                      "each, 64 cached)", ours_curve),
                      ("The torch backend's batched forward cost (B tokens with logits at each, 64 cached; CPU)",
                       torch_curve)):
         if c:
             print_curve(title, c, c[curve_widths[0]])
-    print("\n<!-- " + json.dumps({"results": results, "cost_curve": curve, "torch_cost_curve": torch_curve}) + " -->")
+    print("\n<!-- " + json.dumps({"results": results, "cost_curve": curve, "roofline_cost_curve": ours_curve,
+                                  "torch_cost_curve": torch_curve}) + " -->")
 
 
 if __name__ == "__main__":
