@@ -24,9 +24,10 @@ from tests.tiny_models import GOLDEN  # noqa: E402
 
 TINY = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists())
 LOGITS_TOL = 1e-4  # float32 torch vs transformers' float32 goldens; measured <= 4.3e-6
-# SmolLM2: torch vs MLX over the whole vocabulary (max |logit| 37.6): measured 1.1e-4, the two float32
-# engines each ~3.5e-5 from transformers' float64 on the top logits (held to LOGITS_TOL)
-SMOLLM2_VS_MLX_TOL = 1e-3
+# SmolLM2: torch vs MLX over the whole vocabulary (max |logit| 37.6): measured 7.0e-5 since MLX's CPU
+# backend multiplies float32 copies of the weights as torch does (1.1e-4 against MLX's quantized matmuls);
+# the two float32 engines are each ~3.5e-5 from transformers' float64 on the top logits
+SMOLLM2_VS_MLX_TOL = LOGITS_TOL
 PROMPT = [3, 17, 42, 99, 7, 64, 120, 5] * 3  # 24 tokens: one full block of 16
 
 
@@ -136,9 +137,11 @@ def test_speculative_greedy_equals_plain(llama, mode):
 def smollm2():
     gold = json.loads((GOLDEN / "smollm2_gguf.json").read_text())
     prompts = [p["prompt_ids"][-20:] for p in gold["prompts"][:2]]  # short: two suffixes of chat prompts
-    with Engine.load(None) as mlx_engine:
-        ref = {"tokens": [run(mlx_engine, p)[0] for p in prompts],
-               "logits": mlx_engine.forward_logits(prompts[0])}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ROOFLINE_CPU_FP32_WEIGHTS", "on")  # what SMOLLM2_VS_MLX_TOL was measured with
+        with Engine.load(None) as mlx_engine:
+            ref = {"tokens": [run(mlx_engine, p)[0] for p in prompts],
+                   "logits": mlx_engine.forward_logits(prompts[0])}
     with Engine.load(None, backend="torch", device="cpu") as engine:
         yield engine, prompts, ref
 
