@@ -235,7 +235,13 @@ def run_target(target: Target, port: int, widths: list[int], per_client: int, ma
         asyncio.run(level(url, target.model, 2, 1, 4))  # warm-up: first forward passes, both batch paths
         rows = {}
         for n in widths:
-            results, wall = asyncio.run(level(url, target.model, n, per_client, max_tokens))
+            try:
+                results, wall = asyncio.run(level(url, target.model, n, per_client, max_tokens))
+            except (httpx.HTTPError, RuntimeError) as e:  # a server that fails a level is a result too
+                rows[n] = {"error": f"{type(e).__name__}: {e}"[:200], "alive": proc.poll() is None}
+                print(f"  {target.name:9s} {n:2d} clients: FAILED {rows[n]['error']} (server "
+                      f"{'still up' if rows[n]['alive'] else 'exited'})", file=sys.stderr, flush=True)
+                continue
             tokens = sum(r.tokens for r in results)
             ttfts = [r.ttft_s for r in results]
             rows[n] = {"requests": len(results), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
@@ -318,10 +324,16 @@ def main() -> None:
         head += " | roofline / mlx-lm tok/s"
     print(head + " |")
     print("|---:|" + "---:|---:|" * len(names) + ("---:|" if both else ""))
+    def cell(r: dict) -> str:
+        if "error" in r:
+            return f"failed ({r['error'].split(':')[0]}) | -"
+        return f"{r['tok_s']:.1f} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f}"
+
     for n in widths:
-        cells = [f"{results[t][n]['tok_s']:.1f} | {results[t][n]['ttft_p50']:.2f} / {results[t][n]['ttft_p99']:.2f}"
-                 for t in names]
-        ratio = f" | {results['roofline'][n]['tok_s'] / results['mlx-lm'][n]['tok_s']:.2f}x" if both else ""
+        cells = [cell(results[t][n]) for t in names]
+        ok = both and all("tok_s" in results[t][n] for t in ("roofline", "mlx-lm"))
+        ratio = f" | {results['roofline'][n]['tok_s'] / results['mlx-lm'][n]['tok_s']:.2f}x" if ok else (
+            " | -" if both else "")
         print(f"| {n} | " + " | ".join(cells) + ratio + " |")
     for title, c in (("Batched decode forward cost on this backend (mlx-lm llama class, these weights, context 64)",
                       curve),
