@@ -261,6 +261,26 @@ def print_curve(title: str, curve: dict[int, float], t1: float) -> None:
         print(f"| {b} | {t * 1000:.1f} | {t / t1:.2f} | {b * t1 / t:.2f}x |")
 
 
+def print_bounds(name: str, rows: dict[int, dict], curve: dict[int, float], per_client: int, max_tokens: int) -> None:
+    """Measured aggregate tok/s against two bounds from the cost curve: decode only (a single client's
+    tok/s times B / (T(B)/T(1))), and one that also charges every request its prefill unbatched (the
+    single-client TTFT p50): wall >= requests * TTFT(1) + per_client * (max_tokens - 1) * T(B)."""
+    one = rows.get(1)
+    if not one or "tok_s" not in one or 1 not in curve:
+        return
+    print(f"\n{name} against its cost curve:\n")
+    print("| clients | measured tok/s | decode-only bound | of it | bound with prefill | of it |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n, r in rows.items():
+        if n not in curve or "tok_s" not in r:
+            continue
+        decode_only = one["tok_s"] * n * curve[1] / curve[n]
+        wall = r["requests"] * one["ttft_p50"] + per_client * (max_tokens - 1) * curve[n]
+        with_prefill = r["tokens"] / wall
+        print(f"| {n} | {r['tok_s']:.1f} | {decode_only:.1f} | {100 * r['tok_s'] / decode_only:.0f}% | "
+              f"{with_prefill:.1f} | {100 * r['tok_s'] / with_prefill:.0f}% |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="model for both servers (default: the embedded SmolLM2)")
@@ -343,6 +363,9 @@ def main() -> None:
                       torch_curve)):
         if c:
             print_curve(title, c, c[curve_widths[0]])
+    for name, c in (("roofline", ours_curve), ("roofline-torch", torch_curve), ("mlx-lm", curve)):
+        if c and name in results:
+            print_bounds(name, results[name], c, args.requests_per_client, args.max_tokens)
     print("\n<!-- " + json.dumps({"results": results, "cost_curve": curve, "roofline_cost_curve": ours_curve,
                                   "torch_cost_curve": torch_curve}) + " -->")
 
