@@ -74,11 +74,17 @@ def mlx_lm_benchmark(args: argparse.Namespace, batch: int) -> dict[str, float]:
         return [once() for _ in range(args.repeats)]
 
     runs = engine._thread.call(trials)
+    # what mlx-lm's decode step reads: its packed weights (a tied embedding in full, as the head)
+    from mlx.utils import tree_flatten
+
+    weights_read = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    if not model.args.tie_word_embeddings:
+        weights_read -= sum(v.nbytes for _, v in tree_flatten(model.model.embed_tokens.parameters()))
     engine.close()
     return {"pp": statistics.fmean(r[0] for r in runs), "tg": statistics.fmean(r[1] for r in runs),
             "pp_sd": statistics.stdev(r[0] for r in runs) if len(runs) > 1 else 0.0,
             "tg_sd": statistics.stdev(r[1] for r in runs) if len(runs) > 1 else 0.0,
-            "peak_gb": max(r[2] for r in runs)}
+            "peak_gb": max(r[2] for r in runs), "weights_read": weights_read}
 
 
 def main() -> None:
@@ -136,10 +142,11 @@ def main() -> None:
     for b, s in peer.items():
         pct = "-"
         if bw["gbs"] and b in rows:
-            # bytes per step at mlx-lm's mean depth (prompt + half the new tokens), counted as our engine does
+            # bytes per step at mlx-lm's mean depth (prompt + half the new tokens): its own packed weights
+            # (ours may read float32 copies on MLX's CPU backend) plus each sequence's KV, counted as ours
             w, r = model["decode_bytes_per_token"], rows[b]
             kv_per_token = (r["decode_bytes_per_step"] - w) / (b * (1 + (args.n - 1) / 2))
-            step = w + b * kv_per_token * (args.p + args.n / 2)
+            step = s["weights_read"] + b * kv_per_token * (args.p + args.n / 2)
             pct = f"{100 * step * s['tg'] / b / (bw['gbs'] * 1e9):.1f}%"
         print(f"| mlx-lm {mlx_lm.__version__} benchmark method | {b} | {s['pp']:.1f} ± {s['pp_sd']:.1f} | "
               f"{s['tg']:.2f} ± {s['tg_sd']:.2f} | {pct} |")
