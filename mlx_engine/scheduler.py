@@ -148,19 +148,24 @@ class Scheduler:
         mode, runner = params.speculative, self.runner
         if mode is None or (mode == "auto" and runner.rollback_problem()):
             return None
-        kind = mode if mode != "auto" else ("draft" if runner.draft is not None else "prompt-lookup")
+        if mode != "auto":
+            kinds = [mode]
+        else:  # a loaded draft model first; prompt lookup (free to draft) when the draft cannot pay
+            kinds = (["draft"] if runner.draft is not None else []) + ["prompt-lookup"]
         curve = self._cost_curve() if mode == "auto" else None
-        if kind == "draft":
-            proposer: Any = sp.DraftModel(runner.draft, self._draft_cost() if curve else 0.0)
-        elif kind == "self":
-            proposer = sp.SelfDraft(runner, runner.self_draft_layers)
-        else:
-            proposer = sp.PromptLookup()
-        if curve is not None and curve.best_k(1.0, params.num_draft_tokens, proposer.draft_cost) == 0:
-            return None  # "auto": not even perfect drafts would pay on this backend
-        acc, drafted = self.acceptance.get(kind, [0, 0])
-        prior = (acc + sp.PRIOR_WEIGHT * sp.AUTO_PRIOR_ACCEPTANCE) / (drafted + sp.PRIOR_WEIGHT)
-        return sp.SpecState(mode, proposer, params.num_draft_tokens, prior=prior)
+        for kind in kinds:
+            if kind == "draft":
+                proposer: Any = sp.DraftModel(runner.draft, self._draft_cost() if curve else 0.0)
+            elif kind == "self":
+                proposer = sp.SelfDraft(runner, runner.self_draft_layers)
+            else:
+                proposer = sp.PromptLookup()
+            if curve is not None and curve.best_k(1.0, params.num_draft_tokens, proposer.draft_cost) == 0:
+                continue  # "auto": not even perfect drafts from it would pay on this backend
+            acc, drafted = self.acceptance.get(kind, [0, 0])
+            prior = (acc + sp.PRIOR_WEIGHT * sp.AUTO_PRIOR_ACCEPTANCE) / (drafted + sp.PRIOR_WEIGHT)
+            return sp.SpecState(mode, proposer, params.num_draft_tokens, prior=prior)
+        return None
 
     def _cost_curve(self) -> Any:
         if self.cost_curve is None:

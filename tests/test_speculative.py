@@ -347,6 +347,25 @@ def test_auto_steps_aside_on_a_steep_cost_curve_and_speculates_on_a_flat_one(mod
         assert final.stats.target_forwards < len(tokens) / 3
 
 
+def test_auto_falls_back_to_prompt_lookup_when_the_draft_model_cannot_pay(models) -> None:
+    """A loaded draft model as costly as the target never pays, whatever it proposes; "auto" then drafts
+    by prompt lookup (free) instead of giving up on speculation."""
+    from mlx_engine.speculative import DraftModel, PromptLookup
+
+    target, _ = models
+    with Engine.load(str(target), draft_model=str(target)) as e:
+        plain, _, _ = run(e)
+        sched = e._scheduler
+        sched.cost_curve = CostCurve({1: 1.0, 2: 1.02, 9: 1.1}, t1_s=1e9)  # bandwidth-bound: nearly flat
+        sched.cost_curve.draft_costs["draft"] = 0.05  # a cheap draft: auto uses it
+        assert isinstance(sched._spec_state(SamplingParams(speculative="auto")).proposer, DraftModel)
+        sched.cost_curve.draft_costs["draft"] = 1.0  # as costly as the target: 9 tokens cost >= 9.1 steps
+        assert isinstance(sched._spec_state(SamplingParams(speculative="auto")).proposer, PromptLookup)
+        assert isinstance(sched._spec_state(SamplingParams(speculative="draft")).proposer, DraftModel)  # named
+        tokens, _, _ = run(e, speculative="auto")
+        assert tokens == plain
+
+
 def test_cost_curve_interpolates_and_picks_k() -> None:
     curve = CostCurve({1: 1.0, 2: 1.9, 3: 2.7, 5: 4.3, 9: 7.5})
     assert curve.cost(4) == pytest.approx(3.5) and curve.cost(11) == pytest.approx(9.1)
