@@ -197,6 +197,8 @@ class Scheduler:
         if worth_trying is not None and not worth_trying(seq.prompt + seq.generated):  # tokens read so far
             return None
         k = self._cost_curve().best_k(st.alpha, min(st.k_max, room), st.proposer.draft_cost)
+        if not k and worth_trying is not None:
+            st.age()  # a candidate it declined: let old rejections fade
         return k or None
 
     # --- the step ---------------------------------------------------------------------------------

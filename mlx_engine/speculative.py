@@ -40,6 +40,10 @@ AUTO_MARGIN = 0.1  # "auto" speculates only where it predicts at least this gain
 AUTO_PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before any is measured
 PRIOR_WEIGHT = 4.0  # drafted tokens the prior counts as
 VERIFY_DECAY = 0.8  # weight of earlier verifications in "auto"'s acceptance estimate, per verification
+# ... and per plain step "auto" takes while its proposer has a candidate (prompt lookup: the last tokens
+# recur) but the estimate says a verification would not pay: old rejections fade, so a quote that starts
+# after a few misses is tried again (edit at temperature 0.7 stopped verifying after its first rejections)
+IDLE_DECAY = 0.85
 
 
 # --- acceptance -------------------------------------------------------------------------------------
@@ -406,8 +410,9 @@ class SpecState:
     num_forwards: int = 0  # target forwards that sampled tokens
     history: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per verification
     # "auto"'s acceptance estimate weighs recent verifications more: text moves between quoted and new
-    # spans. (Drifting back to the prior during plain steps, to probe again, was tried: on chat, where
-    # prompt lookup never matches, the probes cost 8-11% against plain decoding on the torch CPU backend.)
+    # spans. It drifts back to the prior only over plain steps where the proposer has a candidate
+    # (`age`): drifting on every plain step was tried, and on chat, where prompt lookup never matches,
+    # the probes cost 8-11% against plain decoding on the torch CPU backend.
     recent_drafted: float = 0.0
     recent_accepted: float = 0.0
 
@@ -418,6 +423,11 @@ class SpecState:
     def alpha(self) -> float:
         """Per-token acceptance, recency-weighted, starting from the prior."""
         return (self.recent_accepted + PRIOR_WEIGHT * self.prior) / (self.recent_drafted + PRIOR_WEIGHT)
+
+    def age(self) -> None:
+        """A plain step taken although the proposer had a candidate: old evidence fades (IDLE_DECAY)."""
+        self.recent_drafted *= IDLE_DECAY
+        self.recent_accepted *= IDLE_DECAY
 
     def record(self, drafted: int, accepted: int) -> None:
         self.num_forwards += 1

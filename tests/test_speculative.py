@@ -400,6 +400,24 @@ def test_auto_acceptance_weighs_recent_verifications() -> None:
     assert (st.num_drafted, st.num_accepted) == (24, 12)
 
 
+def test_auto_estimate_recovers_over_declined_candidates() -> None:
+    """One rejected 8-token draft puts "auto"'s estimate below what pays on MLX's CPU curve; the plain
+    steps it then takes while prompt lookup still has candidates let that rejection fade (IDLE_DECAY),
+    so it verifies again within 8 steps; with no candidate it would never have aged."""
+    from mlx_engine.speculative import IDLE_DECAY, PRIOR_WEIGHT, PromptLookup, SpecState
+
+    curve = CostCurve({1: 1.0, 2: 1.32, 3: 1.62, 4: 1.87, 5: 1.96, 9: 3.09})  # measured, float32 host weights
+    st = SpecState("auto", PromptLookup(), 8, prior=0.7)
+    st.record(8, 0)
+    assert st.alpha == pytest.approx(PRIOR_WEIGHT * 0.7 / (8 + PRIOR_WEIGHT)) and curve.best_k(st.alpha, 8) == 0
+    steps = 0
+    while curve.best_k(st.alpha, 8) == 0:
+        st.age()
+        steps += 1
+    assert steps == 8 and st.alpha == pytest.approx(PRIOR_WEIGHT * 0.7 / (8 * IDLE_DECAY ** 8 + PRIOR_WEIGHT))
+    assert (st.num_drafted, st.num_accepted, st.num_verifies) == (8, 0, 1)  # the request's counts stay
+
+
 # --- bad input -------------------------------------------------------------------------------------------
 
 
