@@ -187,3 +187,21 @@ def test_row_gemvs_over_column_slices_equal_one_gemm(rows: int, monkeypatch: pyt
     np.testing.assert_allclose(layers._gemv_rows(x, w.T.copy().T), x @ w, rtol=1e-5, atol=1e-5)  # a strided view
     got = np.array(layers._host_gemm(mx.array(x), w, bias=np.arange(23, dtype=np.float32)))
     np.testing.assert_allclose(got, x @ w + np.arange(23), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("length,keys,causal", [(1, 300, False), (5, 5, True), (24, 150, True), (7, 200, False)])
+def test_host_attention_equals_mlx_sdpa(length: int, keys: int, causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GQA (9 query heads over 3 KV heads), queries aligned with the last keys, and query slabs of 2 rows
+    (HOST_ATTENTION_MAX_SCORES shrunk) so that the slab loop and its causal offsets are used."""
+    monkeypatch.setattr(layers, "HOST_ATTENTION_MAX_SCORES", 2 * 9 * keys)
+    monkeypatch.setattr(layers, "HOST_ATTENTION_MIN_PAIRS", 1)
+    mx.random.seed(length)
+    q = mx.random.normal((1, 9, length, 32))
+    k, v = mx.random.normal((1, 3, keys, 32)), mx.random.normal((1, 3, keys, 32))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask="causal" if causal else None)
+    got = layers.sdpa(q, k, v, 0.3, causal)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=2e-6)
+    if causal:  # the first query sees keys 0..keys-length only: changing a later key leaves it alone
+        k2 = mx.concatenate([k[:, :, : keys - length + 1], k[:, :, keys - length + 1:] * 7], axis=2)
+        first = np.array(layers.sdpa(q, k2, v, 0.3, True))[:, :, 0]
+        np.testing.assert_allclose(first, np.array(got)[:, :, 0], rtol=1e-6, atol=1e-7)

@@ -16,6 +16,7 @@ import mlx.core as mx
 from kernels_metal import paged_decode_attention
 from kernels_metal import reference as kernel_reference
 from kernels_metal.paged_attention import HEAD_DIMS as KERNEL_HEAD_DIMS
+from mlx_engine.models.layers import sdpa
 
 SUPPORTED_KV_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64)
@@ -242,8 +243,8 @@ class PagedPrefillView:
         self.storage.write(self.layer, self.new_slots, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2))
         keys, values = self.storage.gather(self.layer, self.all_slots)  # (Hkv, S, D)
         keys, values = keys[None].astype(q.dtype), values[None].astype(q.dtype)  # (1, Hkv, S, D)
-        # "causal" aligns the L queries with the last L of the S keys
-        return mx.fast.scaled_dot_product_attention(self.storage.rotate(q), keys, values, scale=scale, mask="causal")
+        # causal: the L queries align with the last L of the S keys
+        return sdpa(self.storage.rotate(q), keys, values, scale, causal=True)
 
 
 class PagedDecodeView:
@@ -266,8 +267,7 @@ class PagedDecodeView:
             # one sequence on MLX's CPU backend: its slots straight into the fused SDPA, a slice of the
             # head-major pool when its blocks are one run (read in place, as mlx-lm's contiguous buffer)
             keys, values = self.storage.gather(self.layer, self.all_slots)  # (Hkv, S, D)
-            return mx.fast.scaled_dot_product_attention(q, keys[None].astype(q.dtype), values[None].astype(q.dtype),
-                                                        scale=scale)
+            return sdpa(q, keys[None].astype(q.dtype), values[None].astype(q.dtype), scale, causal=False)
         out = self.storage.decode_attention(self.layer, q[:, :, 0, :], self.block_tables, self.seq_lens, scale,
                                             max_seq_len=self.max_seq_len)
         return out.reshape(B, Hq, 1, D)

@@ -311,3 +311,45 @@ class _ResidentQuantizedEmbedding(nn.QuantizedEmbedding):
 
 _RESIDENT_QUANTIZED: type[Any] = _ResidentQuantizedLinear
 _RESIDENT_QUANTIZED_EMBEDDING: type[Any] = _ResidentQuantizedEmbedding
+
+
+# --- attention on the host ---
+
+# Scores held at once by the host attention, in float32 elements: query rows are taken in slabs below it.
+HOST_ATTENTION_MAX_SCORES = 16 * 2**20
+# Query x key pairs from which the host attention pays for the evaluation it forces (~60 us): one decode
+# token over 128 keys took 0.11 ms in MLX, 0.02 ms in numpy plus that sync.
+HOST_ATTENTION_MIN_PAIRS = 256
+
+
+def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool) -> mx.array:
+    """Scaled dot-product attention, q (1, Hq, L, D), k/v (1, Hkv, S, D) -> (1, Hq, L, D); `causal` aligns
+    the L queries with the last L keys. On MLX's CPU backend in float32 it runs in numpy (OpenBLAS):
+    MLX's CPU SDPA measured 100 ms for one SmolLM2 layer of a 128-token chunk over 1,152 keys against
+    9.2 ms, 0.80 ms against 0.19 ms for one decode token; elsewhere, and below HOST_ATTENTION_MIN_PAIRS,
+    MLX's fused kernel."""
+    if (mx.metal.is_available() or q.dtype != mx.float32 or q.shape[0] != 1
+            or q.shape[2] * k.shape[2] < HOST_ATTENTION_MIN_PAIRS):
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal" if causal else None)
+    _, hq, length, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = hq // hkv
+    mx.eval(q, k, v)  # one evaluation for the three
+    qn = np.asarray(q).reshape(hkv, g, length, d)  # query head h reads kv head h // g
+    kn, vn = np.asarray(k)[0], np.asarray(v)[0]
+    kt = kn.transpose(0, 2, 1)
+    out = np.empty((hkv, g, length, d), np.float32)
+    slab = max(1, HOST_ATTENTION_MAX_SCORES // (hq * s))
+    with one_blas_thread():
+        for a in range(0, length, slab):
+            b = min(length, a + slab)
+            scores = (qn[:, :, a:b].reshape(hkv, g * (b - a), d) @ kt).reshape(hkv, g, b - a, s)
+            scores *= scale
+            if causal and length > 1:  # query i sits at position s - length + i
+                visible = np.arange(s)[None, :] <= (np.arange(a, b) + (s - length))[:, None]
+                scores = np.where(visible, scores, np.float32(-np.inf))
+            scores -= scores.max(-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(-1, keepdims=True)
+            out[:, :, a:b] = (scores.reshape(hkv, g * (b - a), s) @ vn).reshape(hkv, g, b - a, d)
+    return mx.array(out.reshape(1, hq, length, d))
