@@ -14,6 +14,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
+from mlx_engine.models.layers import sdpa
+
 
 @dataclass
 class ModelArgs:
@@ -83,7 +85,10 @@ class Attention(nn.Module):
         else:
             if cache is not None:
                 k, v = cache.update_and_fetch(k, v)  # (B, nkv, S, hd)
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            if mask is None or isinstance(mask, str):  # numpy on MLX's CPU backend where it pays
+                out = sdpa(q, k, v, self.scale, causal=mask == "causal")
+            else:
+                out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
