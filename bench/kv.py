@@ -10,7 +10,7 @@
 3. Eight requests sharing a 1K-token system prompt: prompt tokens computed against naive.
 4. 8-bit and 4-bit KV (group size 64 and 32), and 8-bit keys with 4-bit values (`kv_key_bits`): bytes
    per token against fp16, and the perplexity change on public-domain English text (`bench/data/`)
-   through `Engine.score`.
+   through `Engine.score` (quantized K/V smoothed as the engine stores them: `mlx_engine/kv/smoothing.py`).
 5. Decode tokens/s with paged against contiguous KV at 1K and 4K of context, runs alternating.
 
 Prints a markdown section for docs/benchmarks.md on stdout, progress on stderr. The embedded SmolLM2
@@ -264,7 +264,7 @@ def figure_shared(args, doc: list[int]) -> list[str]:
 # ---- 4. quantized KV --------------------------------------------------------------------------------
 
 def figure_quantized(args, doc: list[int], shape) -> list[str]:
-    ids = doc[:args.ppl_tokens + 1]
+    ids = doc[args.ppl_offset:args.ppl_offset + args.ppl_tokens + 1]
     # (kv_bits, group size, key bits): key bits None means the keys take kv_bits
     configs = [(None, 64, None), (8, 64, None), (4, 64, None), (8, 32, None), (4, 32, None), (4, 64, 8), (4, 32, 8)]
     results = {}
@@ -291,9 +291,12 @@ def figure_quantized(args, doc: list[int], shape) -> list[str]:
         change = "" if bits is None else f"{100 * (ppl - ppl0) / ppl0:+.3f}%"
         rows.append(f"| {name} | {mac:,} | {100 * mac / fp16:.1f}% | {here:,.0f} | {ppl:.4f} | {change} |")
     return [
-        f"**4. Quantized KV**: bytes per token (K and V, every layer) and perplexity of the first "
-        f"{len(ids) - 1:,} next-token predictions of `bench/data/founding_documents.txt` through `Engine.score` "
-        f"(the engine's paged KV path, prefill chunks of 512, so every query reads quantized K/V). The reference "
+        f"**4. Quantized KV**: bytes per token (K and V, every layer) and perplexity of "
+        f"{len(ids) - 1:,} next-token predictions (from token {args.ppl_offset:,}) of "
+        f"`bench/data/founding_documents.txt` through `Engine.score` "
+        f"(the engine's paged KV path, prefill chunks of 512, so every query reads quantized K/V; quantized K and V "
+        f"are stored smoothed and rotated, `mlx_engine/kv/smoothing.py`, with offsets and key scales measured at "
+        f"load on a built-in calibration text, not this one). The reference "
         f"row's KV is unquantized in the activation dtype ({'fp16' if mx.metal.is_available() else 'float32 here'}); "
         "bytes per token with fp16 scales and biases (a Mac) from `catalog.kv_bytes`, and as stored here "
         "(scales and biases in the float32 activation dtype) from `kv_stats()`:",
@@ -408,6 +411,9 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--split-kv-check", action="store_true",
                    help="with figure 4: 4-bit K only / V only / both, fake-quantized in mlx-lm's KVCache")
+    p.add_argument("--ppl-tokens", type=int, default=None, help="figure 4: predictions scored (default 2,048)")
+    p.add_argument("--ppl-offset", type=int, default=0,
+                   help="figure 4: score the text from this token on (a second window checks robustness)")
     args = p.parse_args()
     figures = {int(x) for x in args.only.split(",")}
     q = args.quick
@@ -417,7 +423,7 @@ def main() -> None:
     args.system_tokens = 256 if q else 1024
     args.shared_requests = 8
     args.naive_requests = 2  # each is a full 1K prefill (~10-40 s here): measure 2, scale to 8
-    args.ppl_tokens = 256 if q else 2048
+    args.ppl_tokens = args.ppl_tokens or (256 if q else 2048)
     args.contexts = [256, 512] if q else [1024, 4096]
     args.decode_tokens = 8 if q else 16
 
@@ -433,7 +439,9 @@ def main() -> None:
              4: lambda: figure_quantized(args, doc, shape) + (split_kv_check(args, doc) if args.split_kv_check else []),
              5: lambda: figure_decode(args, doc)}
     cmd = ("uv run python bench/kv.py" + (" --quick" if q else "")
-           + (" --split-kv-check" if args.split_kv_check else "")) + (
+           + (" --split-kv-check" if args.split_kv_check else "")
+           + (f" --ppl-tokens {args.ppl_tokens}" if args.ppl_tokens != (256 if q else 2048) else "")
+           + (f" --ppl-offset {args.ppl_offset}" if args.ppl_offset else "")) + (
         f" --only {args.only}" if figures != set(steps) else "")
     print(f"### {platform.system()}, {'Metal' if mx.metal.is_available() else 'CPU'} ({datetime.date.today()})\n")
     print(f"- Command: `{cmd}`")

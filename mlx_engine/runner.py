@@ -107,6 +107,8 @@ class Runner:
         runner._host_bytes, runner._shape["idle_bytes"] = host_bytes, idle_bytes
         runner.fingerprint = model_fingerprint(ckpt, act_dtype)
         runner.cache = runner._make_cache(kv_config, paged_kv, act_dtype)
+        if hasattr(runner.cache, "calibrate"):  # quantized paged KV: its offsets and key scales (`kv.smoothing`)
+            runner.cache.calibrate(runner.model, tokenizer, runner.vocab_size)
         runner.self_draft_layers = runner._check_self_draft_layers(self_draft_layers)
         if draft_model is not None:
             draft = cls.load(draft_model, dtype=dtype, prefill_chunk_size=prefill_chunk_size, paged_kv=False)

@@ -86,9 +86,10 @@ def test_quantized_kv_error_shrinks_with_bits(tmp_path: Path, layout: str) -> No
                 if bits == 8:
                     assert tokens == want_tokens
         err[bits] = float(np.mean(errs))
-    # measured (both layouts): 8-bit 0.10, 4-bit 1.44
+    # measured (both layouts): 8-bit 0.11, 4-bit 1.58 as rotated; 0.23 and 1.88 smoothed as well (`kv.smoothing`,
+    # once the runner calibrates at load: this random model's K/V have no offsets for it to take off)
     assert 0 < err[8] < err[4] / 3, err
-    assert err[8] < 0.2 and err[4] < 2.5, err
+    assert err[8] < 0.3 and err[4] < 2.5, err
 
 
 def test_budget_smaller_than_one_block_is_refused(tmp_path: Path) -> None:
@@ -240,15 +241,14 @@ def test_rotated_quantized_keys_keep_scores_and_beat_plain_on_outlier_channels(b
     slots = mx.arange(n, dtype=mx.int32)
     errors = {}
     for rotated in (True, False):
-        st = PagedKVStorage(1, 8, 16, hkv, d, mx.float32, bits=bits, group_size=32)
-        if not rotated:
-            st.key_rotation = None
+        st = PagedKVStorage(1, 8, 16, hkv, d, mx.float32, bits=bits, group_size=32, rotation=rotated)
         st.write(0, slots, mx.array(k), mx.array(v))
         keys, values = st.gather(0, slots)  # (Hkv, n, D)
-        got = np.einsum("hd,hnd->hn", np.array(st.rotate(mx.array(q))), np.array(keys))
+        got = np.einsum("hd,hnd->hn", np.array(st.queries(0, mx.array(q)[None, :, None])[0, :, 0]), np.array(keys))
         errors[rotated] = np.abs(got - exact).max()
-        # values are never rotated
-        np.testing.assert_allclose(np.array(values).transpose(1, 0, 2), v, atol=0.5 if bits == 4 else 0.03)
+        # values come back rotated too; `outputs` maps them back (here each "output" is one value)
+        back = np.array(st.outputs(0, values[None]))[0]  # (Hkv, n, D)
+        np.testing.assert_allclose(back.transpose(1, 0, 2), v, atol=0.5 if bits == 4 else 0.03)
     # measured: 4-bit 3.76 vs 8.78, 8-bit 0.26 vs 0.47, on scores up to 64
     assert errors[True] < errors[False] / 1.7, errors
     assert errors[True] < (0.07 if bits == 4 else 0.005) * np.abs(exact).max(), errors
@@ -405,3 +405,4 @@ def test_torch_backend_refuses_kv_key_bits(tmp_path: Path) -> None:
     require("torch")
     with pytest.raises(RooflineError, match=r"kv_key_bits is not supported on the torch backend .*unquantized"):
         Engine.load(str(random_llama_folder(tmp_path / "m")), backend="torch", kv_key_bits=8)
+

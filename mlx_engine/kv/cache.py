@@ -113,6 +113,15 @@ class PagedCache:
         cache.bytes_per_block = per_block
         return cache
 
+    def calibrate(self, model: Any, tokenizer: Any, vocab_size: int) -> None:
+        """Quantized KV only: measures the model's KV smoothing (`kv.smoothing`) on the built-in calibration
+        text, one short forward, before anything is stored."""
+        if self.storage.bits is None:
+            return
+        from mlx_engine.kv.smoothing import calibrate
+
+        self.storage.set_smoothing(calibrate(model, tokenizer, vocab_size))
+
     @property
     def capacity_tokens(self) -> int:
         return self.storage.num_blocks * self.block_size
@@ -286,6 +295,14 @@ def _rotation_name(storage: PagedKVStorage) -> str:
     return "none" if storage.key_rotation is None else "hadamard"
 
 
+def _layout_meta(storage: PagedKVStorage) -> dict[str, str]:
+    """How the stored K and V are transformed; a file must match this engine's to be read."""
+    smoothing = getattr(storage, "smoothing", None)  # the torch storage has none
+    return {"key_rotation": _rotation_name(storage), "value_rotation": _rotation_name(storage),
+            # the per-model offsets and key scales (`kv.smoothing`), by fingerprint
+            "kv_smoothing": smoothing.fingerprint() if smoothing is not None else "none"}
+
+
 def save_blocks(cache: PagedCache, path: str, token_ids: list[int], fingerprint: bytes) -> int:
     """Writes the cached full blocks that cover the longest prefix of `token_ids` (K/V of every layer, the
     tokens and the model fingerprint) to a safetensors file. Returns the number of tokens saved."""
@@ -306,8 +323,7 @@ def save_blocks(cache: PagedCache, path: str, token_ids: list[int], fingerprint:
                 arrays[f"{name}.{layer}"] = st.read_slots(a, slots)  # token-major in the file, any layout here
     meta = {"format": KV_FILE_FORMAT, "fingerprint": fingerprint.hex(), "block_size": str(bs),
             "kv_bits": str(st.bits or 0), "kv_key_bits": str(st.key_bits or 0), "kv_group_size": str(st.group_size),
-            "dtype": str(st.dtype),
-            "key_rotation": _rotation_name(st),
+            "dtype": str(st.dtype), **_layout_meta(st),
             "num_tokens": str(n), "tokens": json.dumps(token_ids[:n])}
     mx.save_safetensors(path, arrays, metadata=meta)
     return n
@@ -335,13 +351,16 @@ def restore_blocks(cache: PagedCache, path: str, fingerprint: bytes) -> list[int
         raise KVRestoreError(f"saved KV refused: {path} was made by another model or dtype (fingerprint differs)")
     st = cache.storage
     want = {"block_size": str(cache.block_size), "kv_bits": str(st.bits or 0), "kv_key_bits": str(st.key_bits or 0),
-            "kv_group_size": str(st.group_size), "key_rotation": _rotation_name(st)}
-    # fields older files lack: their keys were not rotated, and had the values' bits
-    defaults = {"key_rotation": "none", "kv_key_bits": meta.get("kv_bits")}
+            "kv_group_size": str(st.group_size), **_layout_meta(st)}
+    # fields older files lack: their keys were not rotated (nor their values, nor smoothed), and had the values' bits
+    defaults = {"key_rotation": "none", "value_rotation": "none", "kv_smoothing": "none",
+                "kv_key_bits": meta.get("kv_bits")}
     for key, value in want.items():
         have = meta.get(key, defaults.get(key))
         if have != value:
-            raise KVRestoreError(f"saved KV refused: {path} has {key}={have}, this engine uses {value}")
+            why = (" (the quantized KV's offsets and key scales, measured when the engine loads, differ: another "
+                   "model build, MLX version or machine)") if key == "kv_smoothing" else ""
+            raise KVRestoreError(f"saved KV refused: {path} has {key}={have}, this engine uses {value}{why}")
     try:
         tokens = [int(t) for t in json.loads(meta["tokens"])]
         n = int(meta["num_tokens"])

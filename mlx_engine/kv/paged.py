@@ -5,6 +5,9 @@ uint32 (num_slots, Hkv, D * bits / 32) with per-group scales and biases; the key
 `key_bits`) and viewed as
 (num_blocks, block_size, Hkv, ...) for the decode kernel. Writes are scatters into the pool array, which
 MLX performs in place when the pool holds the only reference.
+
+Quantized K and V are stored transformed, exactly (`kv.smoothing`): keys as ((k - m_k) * s) @ H, read by queries
+(q / s) @ H (`queries`); values as (v - m_v) @ H, the attention output mapped back by `outputs`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import mlx.core as mx
 from kernels_metal import paged_decode_attention
 from kernels_metal import reference as kernel_reference
 from kernels_metal.paged_attention import HEAD_DIMS as KERNEL_HEAD_DIMS
+from mlx_engine.kv.smoothing import KVSmoothing
 from mlx_engine.models.layers import sdpa
 
 SUPPORTED_KV_BITS = (4, 8)
@@ -53,6 +57,7 @@ class PagedKVStorage:
         group_size: int = 64,
         head_major: bool | None = None,
         key_bits: int | None = None,
+        rotation: bool = True,
     ):
         if bits is not None and bits not in SUPPORTED_KV_BITS:
             raise ValueError(f"kv_bits={bits!r}: expected one of {SUPPORTED_KV_BITS} or None")
@@ -64,12 +69,15 @@ class PagedKVStorage:
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.bits, self.group_size = bits, group_size  # bits: the values' (and by default the keys')
         self.key_bits = bits if key_bits is None else key_bits
-        # Quantized keys are stored rotated by an orthonormal Hadamard matrix (QuaRot's trick): a few key
-        # channels carry outliers (RoPE pairs of large norm), which wreck a 4-bit group's scale; the rotation
+        # Quantized keys and values are stored rotated by an orthonormal Hadamard matrix (QuaRot's trick): a few
+        # key channels carry outliers (RoPE pairs of large norm), which wreck a 4-bit group's scale; the rotation
         # spreads every channel's energy over the whole head, and q . k is unchanged when q is rotated too
-        # (`rotate`). Measured on SmolLM2 in docs/benchmarks.md (bench/kv.py, figure 4).
+        # (`queries`; values: `outputs` rotates back). Measured on SmolLM2 in docs/benchmarks.md (bench/kv.py,
+        # figure 4).
         self.key_rotation = (hadamard(head_dim).astype(dtype)
-                             if bits is not None and head_dim & (head_dim - 1) == 0 else None)
+                             if rotation and bits is not None and head_dim & (head_dim - 1) == 0 else None)
+        self.smoothing: KVSmoothing | None = None  # offsets and key scales (`set_smoothing`), quantized KV only
+        self._build_transforms()
         # Layout of every pool array: token-major (slots, Hkv, last) is what the Metal kernel reads;
         # head-major (Hkv, slots, last) lets MLX's CPU SDPA read a sequence's run of slots in place
         # (4K tokens of SmolLM2: 2.8 ms a layer, as a contiguous buffer, against 5.5 ms token-major).
@@ -142,20 +150,87 @@ class PagedKVStorage:
         else:
             arrays[layer][slots] = x
 
+    def set_smoothing(self, smoothing: KVSmoothing | None) -> None:
+        """Per-model offsets and key scales of the stored K and V (ignored for unquantized KV). Set before
+        anything is written: blocks written under other offsets would read wrongly."""
+        if self.bits is None:
+            return
+        if smoothing is not None:
+            want = (self.num_layers, self.num_kv_heads, self.head_dim)
+            for name in ("key_offset", "key_scale", "value_offset"):
+                if getattr(smoothing, name).shape != want:
+                    raise ValueError(f"KV smoothing {name} has shape {getattr(smoothing, name).shape}, expected {want}")
+        self.smoothing = smoothing
+        self._build_transforms()
+
+    def _build_transforms(self) -> None:
+        """Per layer: the keys' (Hkv, D, D) map into storage and the queries' matching map, the offsets."""
+        self._key_in = self._query_in = self._key_offset = self._value_offset = None
+        if self.bits is None or (self.key_rotation is None and self.smoothing is None):
+            return
+        D, Hkv = self.head_dim, self.num_kv_heads
+        basis = self.key_rotation.astype(mx.float32) if self.key_rotation is not None else mx.eye(D)
+        sm = self.smoothing
+        self._key_in, self._query_in, self._key_offset, self._value_offset = [], [], [], []
+        for layer in range(self.num_layers):
+            s = mx.array(sm.key_scale[layer]) if sm is not None else mx.ones((Hkv, D))  # (Hkv, D)
+            # ((k - m) * s) @ H = (k - m) @ (diag(s) H); (q / s) @ H = q @ (diag(1/s) H)
+            self._key_in.append((s[:, :, None] * basis[None]).astype(self.dtype))  # (Hkv, D, D)
+            self._query_in.append(((1 / s)[:, :, None] * basis[None]).astype(self.dtype))
+            zero = mx.zeros((Hkv, D))
+            self._key_offset.append((mx.array(sm.key_offset[layer]) if sm is not None else zero).astype(self.dtype))
+            self._value_offset.append((mx.array(sm.value_offset[layer]) if sm is not None else zero).astype(self.dtype))
+        mx.eval(self._key_in, self._query_in, self._key_offset, self._value_offset)
+
+    def stored_keys(self, layer: int, k: mx.array) -> mx.array:
+        """k (N, Hkv, D) -> what is quantized: ((k - m_k) * s) @ H per KV head."""
+        if self._key_in is None:
+            return k
+        x = (k - self._key_offset[layer].astype(k.dtype)).swapaxes(0, 1)  # (Hkv, N, D)
+        return (x @ self._key_in[layer].astype(k.dtype)).swapaxes(0, 1)
+
+    def stored_values(self, layer: int, v: mx.array) -> mx.array:
+        """v (N, Hkv, D) -> what is quantized: (v - m_v) @ H."""
+        if self._value_offset is None:
+            return v
+        v = v - self._value_offset[layer].astype(v.dtype)
+        return v if self.key_rotation is None else v @ self.key_rotation.astype(v.dtype)
+
+    def queries(self, layer: int, q: mx.array) -> mx.array:
+        """q (B, Hq, L, D) -> the queries that read the stored keys: (q / s) @ H per KV head (q itself for
+        unquantized KV). Scores differ from q . k by q . m_k, the same for every key: the softmax is unchanged."""
+        if self._query_in is None:
+            return q
+        B, Hq, L, D = q.shape
+        Hkv = self.num_kv_heads
+        qg = q.reshape(B, Hkv, Hq // Hkv * L, D)  # a KV head's queries together
+        return (qg @ self._query_in[layer].astype(q.dtype)).reshape(B, Hq, L, D)
+
+    def outputs(self, layer: int, out: mx.array) -> mx.array:
+        """Attention output over the stored values, (B, Hq, L, D) -> over the true values: @ H.T + m_v."""
+        if self._value_offset is None:
+            return out
+        B, Hq, L, D = out.shape
+        Hkv = self.num_kv_heads
+        if self.key_rotation is not None:
+            out = out @ self.key_rotation.T.astype(out.dtype)
+        m = self._value_offset[layer].astype(out.dtype)  # (Hkv, D)
+        return (out.reshape(B, Hkv, Hq // Hkv, L, D) + m[None, :, None, None, :]).reshape(B, Hq, L, D)
+
     def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
         """slots (N,) int32; k, v (N, Hkv, D)."""
         if self.bits is None:
             self._put(self.k, layer, slots, k.astype(self.dtype))
             self._put(self.v, layer, slots, v.astype(self.dtype))
             return
-        kq, ks, kb = self._quantize(self.rotate(k), self.key_bits)
-        vq, vs, vb = self._quantize(v, self.bits)
+        kq, ks, kb = self._quantize(self.stored_keys(layer, k), self.key_bits)
+        vq, vs, vb = self._quantize(self.stored_values(layer, v), self.bits)
         for arrays, x in ((self.k, kq), (self.k_scales, ks), (self.k_biases, kb), (self.v, vq),
                           (self.v_scales, vs), (self.v_biases, vb)):
             self._put(arrays, layer, slots, x)
 
     def rotate(self, x: mx.array) -> mx.array:
-        """Keys, or queries, into the basis the quantized keys are stored in (last axis = head dim)."""
+        """x @ H (the Hadamard rotation alone; last axis = head dim)."""
         return x if self.key_rotation is None else x @ self.key_rotation.astype(x.dtype)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -175,8 +250,8 @@ class PagedKVStorage:
 
     def gather(self, layer: int, slots: mx.array | slice) -> tuple[mx.array, mx.array]:
         """K, V at `slots` ((S,) ids, or a slice for a contiguous run) -> head-major (Hkv, S, D) each,
-        dequantized to the storage dtype (a view of the pool for a head-major slice). Quantized keys come
-        back rotated: attend with `rotate(q)`."""
+        dequantized to the storage dtype (a view of the pool for a head-major slice). Quantized K and V come
+        back as stored (module docstring): attend with `queries(layer, q)`, map the output with `outputs`."""
 
         def take(a: mx.array) -> mx.array:
             return a[:, slots] if self.head_major else a[slots].swapaxes(0, 1)
@@ -244,7 +319,8 @@ class PagedPrefillView:
         keys, values = self.storage.gather(self.layer, self.all_slots)  # (Hkv, S, D)
         keys, values = keys[None].astype(q.dtype), values[None].astype(q.dtype)  # (1, Hkv, S, D)
         # causal: the L queries align with the last L of the S keys
-        return sdpa(self.storage.rotate(q), keys, values, scale, causal=True)
+        out = sdpa(self.storage.queries(self.layer, q), keys, values, scale, causal=True)
+        return self.storage.outputs(self.layer, out)
 
 
 class PagedDecodeView:
@@ -262,12 +338,13 @@ class PagedDecodeView:
         """q (B, Hq, 1, D), k/v (B, Hkv, 1, D) after rope -> (B, Hq, 1, D); writes k/v to the pool."""
         B, Hq, _, D = q.shape
         self.storage.write(self.layer, self.new_slots, k[:, :, 0, :], v[:, :, 0, :])
-        q = self.storage.rotate(q)
+        q = self.storage.queries(self.layer, q)
         if self.all_slots is not None:
             # one sequence on MLX's CPU backend: its slots straight into the fused SDPA, a slice of the
             # head-major pool when its blocks are one run (read in place, as mlx-lm's contiguous buffer)
             keys, values = self.storage.gather(self.layer, self.all_slots)  # (Hkv, S, D)
-            return sdpa(q, keys[None].astype(q.dtype), values[None].astype(q.dtype), scale, causal=False)
+            out = sdpa(q, keys[None].astype(q.dtype), values[None].astype(q.dtype), scale, causal=False)
+            return self.storage.outputs(self.layer, out)
         out = self.storage.decode_attention(self.layer, q[:, :, 0, :], self.block_tables, self.seq_lens, scale,
                                             max_seq_len=self.max_seq_len)
-        return out.reshape(B, Hq, 1, D)
+        return self.storage.outputs(self.layer, out.reshape(B, Hq, 1, D))
