@@ -201,6 +201,14 @@ def test_host_attention_equals_mlx_sdpa(length: int, keys: int, causal: bool, mo
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask="causal" if causal else None)
     got = layers.sdpa(q, k, v, 0.3, causal)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=2e-6)
+    cuts = [0, keys // 3, keys // 3 + 1, keys]  # three segments, one of a single key (a paged sequence's runs)
+    parts = lambda x: [x[:, :, a:b] for a, b in zip(cuts[:-1], cuts[1:])]  # noqa: E731
+    np.testing.assert_allclose(np.array(layers.sdpa(q, parts(k), parts(v), 0.3, causal)), np.array(want),
+                               rtol=1e-5, atol=2e-6)
+    monkeypatch.setattr(layers, "HOST_ATTENTION_MIN_PAIRS", 10**9)  # MLX's kernel over the segments joined
+    np.testing.assert_allclose(np.array(layers.sdpa(q, parts(k), parts(v), 0.3, causal)), np.array(want),
+                               rtol=1e-5, atol=2e-6)
+    monkeypatch.setattr(layers, "HOST_ATTENTION_MIN_PAIRS", 1)
     if causal:  # the first query sees keys 0..keys-length only: changing a later key leaves it alone
         k2 = mx.concatenate([k[:, :, : keys - length + 1], k[:, :, keys - length + 1:] * 7], axis=2)
         first = np.array(layers.sdpa(q, k2, v, 0.3, True))[:, :, 0]

@@ -406,3 +406,31 @@ def test_torch_backend_refuses_kv_key_bits(tmp_path: Path) -> None:
     with pytest.raises(RooflineError, match=r"kv_key_bits is not supported on the torch backend .*unquantized"):
         Engine.load(str(random_llama_folder(tmp_path / "m")), backend="torch", kv_key_bits=8)
 
+
+def test_a_next_turn_in_two_runs_of_blocks_is_read_in_place_and_equals_contiguous(
+        tmp_path: Path, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A next turn reuses its cached prefix's blocks and gets new blocks from the free queue's head, which do
+    not follow them: the CPU path attends to each run of blocks as a slice of the pool (no gather), with the
+    same numbers as a contiguous cache."""
+    import mlx_engine.kv.cache as kv_cache
+    from mlx_engine.models import layers
+
+    monkeypatch.setattr(layers, "HOST_ATTENTION_MIN_PAIRS", 1)  # the numpy path even for this tiny model
+    seen: list = []
+    slots = kv_cache.PagedCache._slots
+    monkeypatch.setattr(kv_cache.PagedCache, "_slots", lambda self, r, n: seen.append(slots(self, r, n)) or seen[-1])
+    folder = random_llama_folder(tmp_path / "m")
+    with Engine.load(str(folder), block_size=16, prefill_chunk_size=7) as e:
+        first, _ = steps(e, PROMPT, 8)  # 52 tokens fed: blocks 0-2 full and cached, block 3 partial
+        turn2 = PROMPT + first[:3] + [(5 * i + 1) % 120 + 5 for i in range(20)]  # 68 tokens, 48 cached
+        seen.clear()
+        tokens, lps = steps(e, turn2, 6)
+    with Engine.load(str(folder), paged_kv=False) as ref:
+        want_tokens, want = steps(ref, turn2, 6)
+    assert tokens == want_tokens
+    assert np.array_equal(lps[..., 0], want[..., 0])
+    assert float(np.abs(lps[..., 1] - want[..., 1]).max()) <= 1e-5
+    # prefill chunks of 7 from position 48, then decode; blocks 0-2 hold the cached 48 tokens, the first
+    # request's block 3 went back to the free queue's tail, so the new tokens are in blocks 4 and 5
+    assert seen[0] == [slice(0, 48), slice(64, 71)]
+    assert seen[-1] == [slice(0, 48), slice(64, 64 + 73 - 48)]  # the last step's query at position 72

@@ -152,7 +152,7 @@ def test_views_attend_as_over_the_dequantized_keys_and_values(head_major: bool, 
     want = mx.fast.scaled_dot_product_attention(mx.array(q[:, :, :n]), *held(n), scale=scale, mask="causal")
     assert float(mx.abs(out - want).max()) < 1e-4
     last = [mx.array(x[:, :, n:]) for x in (q, k, v)]  # one decode token at position n
-    for all_slots in (None, slice(0, n + 1), mx.arange(n + 1, dtype=mx.int32)):
+    for all_slots in (None, [slice(0, n + 1)], [slice(0, 7), slice(7, n + 1)], mx.arange(n + 1, dtype=mx.int32)):
         view = PagedDecodeView(st, 0, n, mx.array([n], dtype=mx.int32), mx.array([[0, 1]], dtype=mx.int32),
                                mx.array([n + 1], dtype=mx.int32), n + 1, all_slots)
         out = view.attention(*last, scale)

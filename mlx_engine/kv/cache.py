@@ -24,6 +24,7 @@ from mlx_engine.kv.paged import SUPPORTED_KV_BITS, PagedDecodeView, PagedKVStora
 
 SUPPORTED_BLOCK_SIZES = (16, 32)  # what kernels_metal.paged_decode_attention is built and tested for
 DEFAULT_MEMORY_FRACTION = 0.5
+MAX_SLOT_RUNS = 8  # on the CPU, a sequence in at most this many runs of blocks is attended in place (`_slots`)
 
 
 class KVBudgetError(RequestError):
@@ -157,8 +158,22 @@ class PagedCache:
     def prefill_layers(self, req_id: str, start: int, end: int) -> list[PagedPrefillView]:
         """Views for a forward over positions [start, end) of a sequence whose slots `start` allocated."""
         new_slots = mx.array(self.manager.slot_mapping(req_id, start, end), dtype=mx.int32)
-        all_slots = mx.array(self.manager.slot_mapping(req_id, 0, end), dtype=mx.int32)
+        all_slots = self._slots(req_id, end)
         return [PagedPrefillView(self.storage, i, start, new_slots, all_slots) for i in range(self.num_layers)]
+
+    def _slots(self, req_id: str, n: int) -> mx.array | list[slice]:
+        """The first n slots of a sequence for attention that reads them whole: on MLX's CPU backend, when its
+        blocks form at most MAX_SLOT_RUNS runs of consecutive ids, one slice per run (read in place: a
+        next turn's new blocks rarely follow its cached prefix's, and gathering 4K tokens' K/V every layer
+        and step cost 10% of decode); else their ids."""
+        table = self.manager.block_table(req_id)[:-(-n // self.block_size)]
+        if not mx.metal.is_available():
+            starts = [i for i in range(len(table)) if i == 0 or table[i] != table[i - 1] + 1]
+            if len(starts) <= MAX_SLOT_RUNS:
+                bs = self.block_size
+                ends = starts[1:] + [len(table)]
+                return [slice(table[a] * bs, table[a] * bs + min(n, b * bs) - a * bs) for a, b in zip(starts, ends)]
+        return mx.array(self.manager.slot_mapping(req_id, 0, n), dtype=mx.int32)
 
     def decode_layers(self, req_ids: list[str], known_ids: list[list[int]]) -> list[PagedDecodeView]:
         """Views for one decode step: sequence b's next token goes at position num_tokens(b) (allocated
@@ -178,13 +193,8 @@ class PagedCache:
         new_slots = mx.array([mgr.slot_mapping(r, p, p + 1)[0] for r, p in zip(req_ids, positions)], dtype=mx.int32)
         seq_lens = mx.array([p + 1 for p in positions], dtype=mx.int32)
         offset = mx.array(positions, dtype=mx.int32) if len(positions) > 1 else positions[0]
-        all_slots: mx.array | slice | None = None
-        if len(req_ids) == 1 and not mx.metal.is_available():
-            table, n = tables[0], positions[0] + 1
-            if table == list(range(table[0], table[0] + len(table))):  # one run of blocks: slice, no gather
-                all_slots = slice(table[0] * self.block_size, table[0] * self.block_size + n)
-            else:
-                all_slots = mx.array(mgr.slot_mapping(req_ids[0], 0, n), dtype=mx.int32)
+        all_slots = self._slots(req_ids[0], positions[0] + 1) if len(req_ids) == 1 and not mx.metal.is_available() \
+            else None
         return [PagedDecodeView(self.storage, i, offset, new_slots, block_tables, seq_lens, max(positions) + 1,
                                 all_slots) for i in range(self.num_layers)]
 

@@ -266,6 +266,14 @@ class PagedKVStorage:
         return (deq(self.k[layer], self.k_scales[layer], self.k_biases[layer], self.key_bits),
                 deq(self.v[layer], self.v_scales[layer], self.v_biases[layer], self.bits))
 
+    def gather_runs(self, layer: int, slots: mx.array | list[slice], dtype: mx.Dtype
+                    ) -> tuple[list[mx.array], list[mx.array]]:
+        """`gather` of each run ((S,) ids count as one) -> lists of (1, Hkv, S_i, D) K and V in `dtype`, for
+        `sdpa`'s segments: a slice of a head-major pool is read in place, with no copy of the sequence."""
+        runs = slots if isinstance(slots, list) else [slots]
+        pairs = [self.gather(layer, r) for r in runs]
+        return [k[None].astype(dtype) for k, _ in pairs], [v[None].astype(dtype) for _, v in pairs]
+
     def _blocked(self, a: mx.array | None) -> mx.array | None:
         return None if a is None else a.reshape(self.capacity, self.block_size, *a.shape[1:])
 
@@ -309,15 +317,15 @@ class PagedKVStorage:
 class PagedPrefillView:
     """What a model layer sees of the paged cache during a prefill chunk of one sequence."""
 
-    def __init__(self, storage: PagedKVStorage, layer: int, offset: int, new_slots: mx.array, all_slots: mx.array):
+    def __init__(self, storage: PagedKVStorage, layer: int, offset: int, new_slots: mx.array,
+                 all_slots: mx.array | list[slice]):
         self.storage, self.layer, self.offset = storage, layer, offset
-        self.new_slots, self.all_slots = new_slots, all_slots  # (L,), (offset + L,)
+        self.new_slots, self.all_slots = new_slots, all_slots  # (L,), (offset + L,) ids or runs of slots
 
     def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         """q (1, Hq, L, D), k/v (1, Hkv, L, D) after rope -> (1, Hq, L, D); writes k/v to the pool."""
         self.storage.write(self.layer, self.new_slots, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2))
-        keys, values = self.storage.gather(self.layer, self.all_slots)  # (Hkv, S, D)
-        keys, values = keys[None].astype(q.dtype), values[None].astype(q.dtype)  # (1, Hkv, S, D)
+        keys, values = self.storage.gather_runs(self.layer, self.all_slots, q.dtype)  # (1, Hkv, S_i, D) each
         # causal: the L queries align with the last L of the S keys
         out = sdpa(self.storage.queries(self.layer, q), keys, values, scale, causal=True)
         return self.storage.outputs(self.layer, out)
@@ -328,7 +336,7 @@ class PagedDecodeView:
 
     def __init__(self, storage: PagedKVStorage, layer: int, offset: mx.array | int, new_slots: mx.array,
                  block_tables: mx.array, seq_lens: mx.array, max_seq_len: int,
-                 all_slots: mx.array | slice | None = None):
+                 all_slots: mx.array | list[slice] | None = None):
         self.storage, self.layer, self.offset = storage, layer, offset  # offset: (B,) positions of the new tokens
         self.new_slots, self.block_tables, self.seq_lens = new_slots, block_tables, seq_lens  # (B,), (B, nb), (B,)
         self.max_seq_len = max_seq_len
@@ -340,10 +348,10 @@ class PagedDecodeView:
         self.storage.write(self.layer, self.new_slots, k[:, :, 0, :], v[:, :, 0, :])
         q = self.storage.queries(self.layer, q)
         if self.all_slots is not None:
-            # one sequence on MLX's CPU backend: its slots straight into the fused SDPA, a slice of the
-            # head-major pool when its blocks are one run (read in place, as mlx-lm's contiguous buffer)
-            keys, values = self.storage.gather(self.layer, self.all_slots)  # (Hkv, S, D)
-            out = sdpa(q, keys[None].astype(q.dtype), values[None].astype(q.dtype), scale, causal=False)
+            # one sequence on MLX's CPU backend: its slots straight into SDPA, slices of the head-major pool
+            # for its runs of blocks (read in place, as mlx-lm's contiguous buffer)
+            keys, values = self.storage.gather_runs(self.layer, self.all_slots, q.dtype)  # (1, Hkv, S_i, D) each
+            out = sdpa(q, keys, values, scale, causal=False)
             return self.storage.outputs(self.layer, out)
         out = self.storage.decode_attention(self.layer, q[:, :, 0, :], self.block_tables, self.seq_lens, scale,
                                             max_seq_len=self.max_seq_len)

@@ -322,28 +322,39 @@ HOST_ATTENTION_MAX_SCORES = 16 * 2**20
 HOST_ATTENTION_MIN_PAIRS = 256
 
 
-def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool) -> mx.array:
+def sdpa(q: mx.array, k: mx.array | list[mx.array], v: mx.array | list[mx.array], scale: float,
+         causal: bool) -> mx.array:
     """Scaled dot-product attention, q (1, Hq, L, D), k/v (1, Hkv, S, D) -> (1, Hq, L, D); `causal` aligns
-    the L queries with the last L keys. On MLX's CPU backend in float32 it runs in numpy (OpenBLAS):
-    MLX's CPU SDPA measured 100 ms for one SmolLM2 layer of a 128-token chunk over 1,152 keys against
-    9.2 ms, 0.80 ms against 0.19 ms for one decode token; elsewhere, and below HOST_ATTENTION_MIN_PAIRS,
-    MLX's fused kernel."""
+    the L queries with the last L keys. k and v may also be lists of segments (1, Hkv, S_i, D) that together
+    are the S keys in order (a paged sequence's runs of blocks, read in place rather than gathered). On MLX's
+    CPU backend in float32 it runs in numpy (OpenBLAS): MLX's CPU SDPA measured 100 ms for one SmolLM2 layer
+    of a 128-token chunk over 1,152 keys against 9.2 ms, 0.80 ms against 0.19 ms for one decode token;
+    elsewhere, and below HOST_ATTENTION_MIN_PAIRS, MLX's fused kernel."""
+    ks, vs = (k, v) if isinstance(k, list) else ([k], [v])
+    s = sum(x.shape[2] for x in ks)
     if (mx.metal.is_available() or q.dtype != mx.float32 or q.shape[0] != 1
-            or q.shape[2] * k.shape[2] < HOST_ATTENTION_MIN_PAIRS):
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal" if causal else None)
+            or q.shape[2] * s < HOST_ATTENTION_MIN_PAIRS):
+        if len(ks) > 1:
+            ks, vs = [mx.concatenate(ks, axis=2)], [mx.concatenate(vs, axis=2)]
+        return mx.fast.scaled_dot_product_attention(q, ks[0], vs[0], scale=scale, mask="causal" if causal else None)
     _, hq, length, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
+    hkv = ks[0].shape[1]
     g = hq // hkv
-    mx.eval(q, k, v)  # one evaluation for the three
+    mx.eval(q, ks, vs)  # one evaluation for all
     qn = np.asarray(q).reshape(hkv, g, length, d)  # query head h reads kv head h // g
-    kn, vn = np.asarray(k)[0], np.asarray(v)[0]
-    kt = kn.transpose(0, 2, 1)
+    kts = [np.asarray(x)[0].transpose(0, 2, 1) for x in ks]  # (Hkv, D, S_i), views of the pool where it can
+    vns = [np.asarray(x)[0] for x in vs]
+    bounds = np.cumsum([0] + [x.shape[-1] for x in kts])
     out = np.empty((hkv, g, length, d), np.float32)
     slab = max(1, HOST_ATTENTION_MAX_SCORES // (hq * s))
     with one_blas_thread():
         for a in range(0, length, slab):
             b = min(length, a + slab)
-            scores = (qn[:, :, a:b].reshape(hkv, g * (b - a), d) @ kt).reshape(hkv, g, b - a, s)
+            qs = qn[:, :, a:b].reshape(hkv, g * (b - a), d)
+            scores = np.empty((hkv, g * (b - a), s), np.float32)
+            for kt, lo, hi in zip(kts, bounds[:-1], bounds[1:]):
+                np.matmul(qs, kt, out=scores[:, :, lo:hi])
+            scores = scores.reshape(hkv, g, b - a, s)
             scores *= scale
             if causal and length > 1:  # query i sits at position s - length + i
                 visible = np.arange(s)[None, :] <= (np.arange(a, b) + (s - length))[:, None]
@@ -351,5 +362,9 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool) -> m
             scores -= scores.max(-1, keepdims=True)
             np.exp(scores, out=scores)
             scores /= scores.sum(-1, keepdims=True)
-            out[:, :, a:b] = (scores.reshape(hkv, g * (b - a), s) @ vn).reshape(hkv, g, b - a, d)
+            p = scores.reshape(hkv, g * (b - a), s)
+            acc = p[:, :, bounds[0]:bounds[1]] @ vns[0]
+            for vn, lo, hi in zip(vns[1:], bounds[1:-1], bounds[2:]):
+                acc += p[:, :, lo:hi] @ vn
+            out[:, :, a:b] = acc.reshape(hkv, g, b - a, d)
     return mx.array(out.reshape(1, hq, length, d))
