@@ -276,6 +276,17 @@ class Runner:
             return self.model.logits(out[:, -1, :]).astype(mx.float32)
         return out[:, -1, :].astype(mx.float32)
 
+    packs_rows = True  # a step's decode rows and prefill chunks go in one forward (`rows_logits`)
+
+    def rows_logits(self, inputs: mx.array, layers: list[Any], rows: list[int]) -> mx.array | None:
+        """A packed forward (`PagedCache.packed_layers`): inputs (1, T) -> logits of `rows` (len(rows), V),
+        float32, lazily; with no rows it evaluates the forward (its K/V writes) and returns None."""
+        out = self.forward(inputs, layers)
+        if not rows:
+            mx.eval(out)
+            return None
+        return self.model.logits(out[0, mx.array(rows, dtype=mx.int32)]).astype(mx.float32)
+
     def forward_logits(self, ids: list[int]) -> np.ndarray:
         out = self.forward(mx.array([ids], dtype=mx.int32), self._fresh_contiguous())
         logits = self.model.logits(out) if self.native else out

@@ -241,8 +241,19 @@ class Scheduler:
                     speculating.append((s, k))
         budget = self.token_budget - len(decoding)
         new: list[tuple[Sequence, mx.array, mx.array | None]] = []
+        chunks: list[tuple[Sequence, int, int]] = []
+        for s in [s for s in self.running if s.prefilling]:
+            if budget <= 0:
+                break
+            start = s.num_prefilled
+            end = min(len(s.prompt), start + min(budget, runner.prefill_chunk_size))
+            budget -= end - start
+            chunks.append((s, start, end))
 
-        if decoding:
+        packed = len(decoding) + len(chunks) > 1 and runner.packs_rows and hasattr(cache, "packed_layers")
+        if packed:
+            self._packed_forward(decoding, chunks, new)
+        if decoding and not packed:
             layers = cache.decode_layers([s.req_id for s in decoding], [s.cached_tokens() for s in decoding])
             inputs = mx.stack([s.last for s in decoding]).reshape(len(decoding), 1)  # (B, 1), lazy
             logits = runner.last_logits(inputs, layers)  # (B, V)
@@ -250,12 +261,7 @@ class Scheduler:
                 s.num_fed_out += 1
                 new.append((s, *self._sample(s, logits[i : i + 1])))
 
-        for s in [s for s in self.running if s.prefilling]:
-            if budget <= 0:
-                break
-            start = s.num_prefilled
-            end = min(len(s.prompt), start + min(budget, runner.prefill_chunk_size))
-            budget -= end - start
+        for s, start, end in [] if packed else chunks:
             layers = cache.prefill_layers(s.req_id, start, end)
             inputs = mx.array([s.prompt[start:end]], dtype=mx.int32)
             s.num_prefilled = end
@@ -277,6 +283,33 @@ class Scheduler:
         if new:
             mx.async_eval([t for _, t, _ in new] + [lp for _, _, lp in new if lp is not None])
         return {s for s, _, _ in new}, speculating
+
+    def _packed_forward(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]],
+                        new: list[tuple[Sequence, mx.array, mx.array | None]]) -> None:
+        """One forward over this step's decode rows and prefill chunks packed together (`PackedView`): every
+        projection and MLP is one GEMM over all rows, where a forward per prefill chunk paid the whole
+        layer stack's fixed cost again (on MLX's CPU backend about as much as a decode step)."""
+        runner, cache = self.runner, self.runner.cache
+        layers = cache.packed_layers([s.req_id for s in decoding], [s.cached_tokens() for s in decoding],
+                                     [(s.req_id, a, b) for s, a, b in chunks])
+        parts = [mx.stack([s.last for s in decoding])] if decoding else []  # lazy: sampled last step
+        parts += [mx.array(s.prompt[a:b], dtype=mx.int32) for s, a, b in chunks]
+        rows, sampling = list(range(len(decoding))), list(decoding)
+        row = len(decoding)
+        for s, a, b in chunks:
+            row += b - a
+            s.num_prefilled = b
+            if b == len(s.prompt):  # its last chunk: the last row gives the first token
+                rows.append(row - 1)
+                sampling.append(s)
+        logits = runner.rows_logits(mx.concatenate(parts).reshape(1, -1), layers, rows)
+        for s in decoding:
+            s.num_fed_out += 1
+        for i, s in enumerate(sampling):
+            new.append((s, *self._sample(s, logits[i : i + 1])))
+        for s in sampling[len(decoding):]:  # prefilled now
+            if s.spec is not None and hasattr(s.spec.proposer, "prefill"):
+                s.spec.proposer.prefill(s.prompt)
 
     def _speculate(self, s: Sequence, k: int) -> None:
         """A speculative sequence's step: read its newest token, propose k more, verify, emit."""

@@ -96,6 +96,35 @@ def test_token_budget_chunks_a_long_prompt_between_decode_steps(folder: Path) ->
     assert a_tokens == alone(folder, PROMPTS[0], params(max_tokens=30))[0][1:]
 
 
+def test_a_step_is_one_forward_over_decode_rows_and_prefill_chunks(folder: Path, monkeypatch) -> None:
+    """A decoding request and two new prompts: their step packs the decode row and both prompts' chunks
+    into one forward of (1, 1 + 16 + 16) rows (the chunk size is 16), every step is one forward, and each
+    request gets the tokens and log-probabilities it gets alone."""
+    from mlx_engine.runner import Runner
+
+    shapes: list[tuple[int, ...]] = []
+    forward = Runner.forward
+    monkeypatch.setattr(Runner, "forward", lambda self, inputs, layers: shapes.append(inputs.shape)
+                        or forward(self, inputs, layers))
+    ps = [params(max_tokens=10), params(max_tokens=3), params(temperature=1.0, seed=5, max_tokens=4)]
+    with Engine.load(str(folder), prefix_caching=False, prefill_chunk_size=16) as e:
+        a = e.generate(GenerationRequest(prompt_token_ids=PROMPTS[0], sampling=ps[0]))
+        first = next(a)  # a is decoding
+        shapes.clear()
+        steps0 = e._scheduler.num_steps
+        b = e.generate(GenerationRequest(prompt_token_ids=PROMPTS[1], sampling=ps[1]))  # 40 tokens: 3 chunks
+        c = e.generate(GenerationRequest(prompt_token_ids=PROMPTS[3], sampling=ps[2]))  # 70 tokens: 5 chunks
+        got = [collect(s) for s in (a, b, c)]
+        steps = e._scheduler.num_steps - steps0
+    assert (1, 33) in shapes  # a's decode row, then 16 rows of b's prompt and 16 of c's
+    assert len(shapes) <= steps  # one forward per step (or none, on a step with only reading to do)
+    for (tokens, lps, _), prompt, p, skip in zip(got, (PROMPTS[0], PROMPTS[1], PROMPTS[3]), ps, (1, 0, 0)):
+        want_tokens, want_lps = alone(folder, prompt, p)
+        assert tokens == want_tokens[skip:]
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(lps, want_lps[skip:])) <= 1e-5
+    assert list(first.token_ids) == alone(folder, PROMPTS[0], ps[0])[0][:1]
+
+
 def test_admission_waits_for_blocks_then_runs(folder: Path) -> None:
     # 8 blocks of 16 tokens; each request needs 4 blocks (40 + 20 tokens): two fit at once, the third waits
     per_block = 2 * 2 * 16 * 2 * 16 * 4

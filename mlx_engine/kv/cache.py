@@ -20,7 +20,8 @@ import mlx.core as mx
 from mlx_engine.api import RequestError, RooflineError
 from mlx_engine.kv.block_pool import BlockPool
 from mlx_engine.kv.manager import KVCacheManager, cdiv
-from mlx_engine.kv.paged import SUPPORTED_KV_BITS, PagedDecodeView, PagedKVStorage, PagedPrefillView, bytes_per_block
+from mlx_engine.kv.paged import (SUPPORTED_KV_BITS, PackedView, PagedDecodeView, PagedKVStorage, PagedPrefillView,
+                                 bytes_per_block)
 
 SUPPORTED_BLOCK_SIZES = (16, 32)  # what kernels_metal.paged_decode_attention is built and tested for
 DEFAULT_MEMORY_FRACTION = 0.5
@@ -197,6 +198,16 @@ class PagedCache:
             else None
         return [PagedDecodeView(self.storage, i, offset, new_slots, block_tables, seq_lens, max(positions) + 1,
                                 all_slots) for i in range(self.num_layers)]
+
+    def packed_layers(self, decode_ids: list[str], known_ids: list[list[int]],
+                      chunks: list[tuple[str, int, int]]) -> list[PackedView]:
+        """Views for one forward over packed rows: a decode step of `decode_ids` (as `decode_layers`, may be
+        empty), then each (req_id, start, end) prefill chunk (as `prefill_layers`)."""
+        decode = self.decode_layers(decode_ids, known_ids) if decode_ids else [None] * self.num_layers
+        prefills = [self.prefill_layers(r, a, b) for r, a, b in chunks]
+        lengths = [b - a for _, a, b in chunks]
+        return [PackedView(decode[i], len(decode_ids), [p[i] for p in prefills], lengths)
+                for i in range(self.num_layers)]
 
     def record(self, req_id: str, known_ids: list[int]) -> None:
         self.manager.cache_full_blocks(req_id, known_ids)

@@ -331,6 +331,35 @@ class PagedPrefillView:
         return self.storage.outputs(self.layer, out)
 
 
+class PackedView:
+    """One layer's view of a forward over packed rows (1, T) of several sequences, vLLM's mixed batch: first
+    one decode row per decoding sequence, then each prefill chunk's rows. The projections and the MLP run
+    once over all T rows (one GEMM each, rather than one forward per prefill chunk); rope and attention go
+    per part, through the decode view and each prefill chunk's view."""
+
+    offset = 0  # what the model's mask reads: unused, each part attends on its own
+
+    def __init__(self, decode: PagedDecodeView | None, num_decode: int, prefills: list[PagedPrefillView],
+                 lengths: list[int]):
+        self.decode, self.num_decode, self.prefills = decode, num_decode, prefills
+        starts = [num_decode + sum(lengths[:i]) for i in range(len(lengths))]
+        self.spans = [(a, a + n) for a, n in zip(starts, lengths)]
+
+    def rope_and_attend(self, rope: Any, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        """q (1, Hq, T, D), k/v (1, Hkv, T, D) before rope -> (1, Hq, T, D); writes every row's k/v."""
+        outs = []
+        b = self.num_decode
+        if self.decode is not None:
+            qd, kd, vd = (x[0, :, :b].swapaxes(0, 1)[:, :, None, :] for x in (q, k, v))  # (B, H, 1, D)
+            off = self.decode.offset
+            out = self.decode.attention(rope(qd, offset=off), rope(kd, offset=off), vd, scale)  # (B, Hq, 1, D)
+            outs.append(out[:, :, 0, :].swapaxes(0, 1)[None])  # (1, Hq, B, D)
+        for view, (lo, hi) in zip(self.prefills, self.spans):
+            qp, kp = (rope(x[:, :, lo:hi], offset=view.offset) for x in (q, k))
+            outs.append(view.attention(qp, kp, v[:, :, lo:hi], scale))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+
 class PagedDecodeView:
     """What a model layer sees of the paged cache during one decode step of B sequences (one token each)."""
 

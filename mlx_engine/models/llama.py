@@ -77,6 +77,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, nh, L, hd)
+        if hasattr(cache, "rope_and_attend"):  # packed rows of several sequences: rope and attention per part
+            out = cache.rope_and_attend(self.rope, q, k, v, self.scale)
+            return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
         offset = cache.offset if cache is not None else 0
         q = self.rope(q, offset=offset)
         k = self.rope(k, offset=offset)

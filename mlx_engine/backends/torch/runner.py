@@ -99,6 +99,8 @@ def _mx(t: torch.Tensor) -> mx.array:
 
 
 class TorchRunner(Runner):
+    packs_rows = False  # its model has no PackedView path: one forward per prefill chunk
+
     def __init__(self, model: Any, tokenizer: Any, info: ModelInfo, prefill_chunk_size: int, device: torch.device):
         super().__init__(types.SimpleNamespace(model=model, native=True), tokenizer, info, prefill_chunk_size)
         self.device = device
