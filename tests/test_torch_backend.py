@@ -101,6 +101,29 @@ def test_batched_decode_of_different_lengths_equals_solo_runs(llama):
     assert got == solo
 
 
+def test_a_step_packs_decode_rows_and_prefill_chunks_into_one_forward(monkeypatch):
+    """While one request decodes, two new prompts join: their step is one forward over (1, 1 + 16 + 16) rows
+    (prefill chunks of 16), each row roped at its own position, and every request gets its solo tokens."""
+    from mlx_engine.backends.torch.runner import TorchRunner
+
+    prompts = [PROMPT[:9], PROMPT + [11, 12, 13], [(5 * i + 2) % 120 + 3 for i in range(40)]]
+    with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", prefill_chunk_size=16,
+                     prefix_caching=False) as e:
+        solo = [run(e, p, n)[0] for p, n in zip(prompts, (12, 3, 4))]
+        shapes: list[tuple[int, ...]] = []
+        forward = TorchRunner.forward
+        monkeypatch.setattr(TorchRunner, "forward", lambda self, inputs, layers: shapes.append(
+            tuple(np.shape(inputs))) or forward(self, inputs, layers))
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 3, 4)]
+        a = e.generate(GenerationRequest(prompt_token_ids=prompts[0], sampling=params[0]))
+        first = next(a)
+        b, c = (e.generate(GenerationRequest(prompt_token_ids=p, sampling=q)) for p, q in zip(prompts[1:], params[1:]))
+        got = [list(first.token_ids) + [t for ev in a for t in ev.token_ids]]
+        got += [[t for ev in s for t in ev.token_ids] for s in (b, c)]
+    assert (1, 33) in shapes, shapes
+    assert got == solo
+
+
 def test_prefix_cache_hit_and_copy_on_write(llama):
     first, _ = run(llama, PROMPT)
     again, final2 = run(llama, PROMPT)

@@ -141,6 +141,33 @@ class DecodeView:
                                               scale=scale, enable_gqa=True)
 
 
+class PackedView:
+    """One layer's view of a forward over packed rows (1, T) of several sequences (as `kv.paged.PackedView`):
+    one decode row per decoding sequence, then each prefill chunk's rows; each row ropes at its own position,
+    and attention goes per part."""
+
+    def __init__(self, decode: DecodeView | None, num_decode: int, prefills: list[PrefillView], lengths: list[int],
+                 positions: torch.Tensor):
+        self.decode, self.num_decode, self.prefills = decode, num_decode, prefills
+        starts = [num_decode + sum(lengths[:i]) for i in range(len(lengths))]
+        self.spans = [(a, a + n) for a, n in zip(starts, lengths)]
+        self._positions = positions  # (1, T)
+
+    def positions(self, B: int, L: int, device: torch.device) -> torch.Tensor:
+        return self._positions
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q (1, Hq, T, D), k/v (1, Hkv, T, D) after rope -> (1, Hq, T, D)."""
+        outs = []
+        b = self.num_decode
+        if self.decode is not None:
+            qd, kd, vd = (x[0, :, :b].transpose(0, 1)[:, :, None] for x in (q, k, v))  # (B, H, 1, D)
+            outs.append(self.decode.attention(qd, kd, vd, scale)[:, :, 0].transpose(0, 1)[None])  # (1, Hq, B, D)
+        for view, (lo, hi) in zip(self.prefills, self.spans):
+            outs.append(view.attention(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
 class TorchPagedCache(PagedCache):
     """PagedCache's bookkeeping (start, record, finish, drop, stats, copy-on-write) over torch storage."""
 
@@ -185,6 +212,18 @@ class TorchPagedCache(PagedCache):
         step = DecodeStep(self.storage, positions, [mgr.slot_mapping(r, p, p + 1)[0] for r, p in zip(req_ids, positions)],
                           [mgr.block_table(r) for r in req_ids])
         return [DecodeView(step, i) for i in range(self.num_layers)]
+
+    def packed_layers(self, decode_ids: list[str], known_ids: list[list[int]],
+                      chunks: list[tuple[str, int, int]]) -> list[PackedView]:
+        decode = self.decode_layers(decode_ids, known_ids) if decode_ids else [None] * self.num_layers
+        prefills = [self.prefill_layers(r, a, b) for r, a, b in chunks]
+        lengths = [b - a for _, a, b in chunks]
+        dev = self.storage.device
+        parts = [decode[0].step.positions[:, 0]] if decode_ids else []
+        parts += [torch.arange(a, b, device=dev) for _, a, b in chunks]
+        positions = torch.cat(parts)[None]  # (1, T)
+        return [PackedView(decode[i], len(decode_ids), [p[i] for p in prefills], lengths, positions)
+                for i in range(self.num_layers)]
 
 
 class ContiguousLayer:

@@ -99,8 +99,6 @@ def _mx(t: torch.Tensor) -> mx.array:
 
 
 class TorchRunner(Runner):
-    packs_rows = False  # its model has no PackedView path: one forward per prefill chunk
-
     def __init__(self, model: Any, tokenizer: Any, info: ModelInfo, prefill_chunk_size: int, device: torch.device):
         super().__init__(types.SimpleNamespace(model=model, native=True), tokenizer, info, prefill_chunk_size)
         self.device = device
@@ -199,6 +197,11 @@ class TorchRunner(Runner):
     def last_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
         h = self.forward(inputs, layers)
         return _mx(self.model.logits(h[:, -1, :]))
+
+    @_torch_work
+    def rows_logits(self, inputs: Any, layers: list[Any], rows: list[int]) -> mx.array | None:
+        h = self.forward(inputs, layers)  # eager: the K/V writes are done
+        return _mx(self.model.logits(h[0, rows])) if rows else None
 
     @_torch_work
     def all_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
