@@ -238,13 +238,10 @@ def test_rotated_quantized_keys_keep_scores_and_beat_plain_on_outlier_channels(b
     v = rng.normal(size=(n, hkv, d)).astype(np.float32)
     q = rng.normal(size=(hkv, d)).astype(np.float32)
     exact = np.einsum("hd,nhd->hn", q, k)
-    slots = mx.arange(n, dtype=mx.int32)
     errors = {}
     for rotated in (True, False):
         st = PagedKVStorage(1, 8, 16, hkv, d, mx.float32, bits=bits, group_size=32, rotation=rotated)
-        st.write(0, slots, mx.array(k), mx.array(v))
-        keys, values = st.gather(0, slots)  # (Hkv, n, D)
-        got = np.einsum("hd,hnd->hn", np.array(st.queries(0, mx.array(q)[None, :, None])[0, :, 0]), np.array(keys))
+        got, values = stored_scores(st, k, v, q)
         errors[rotated] = np.abs(got - exact).max()
         # values come back rotated too; `outputs` maps them back (here each "output" is one value)
         back = np.array(st.outputs(0, values[None]))[0]  # (Hkv, n, D)
@@ -252,6 +249,18 @@ def test_rotated_quantized_keys_keep_scores_and_beat_plain_on_outlier_channels(b
     # measured: 4-bit 3.76 vs 8.78, 8-bit 0.26 vs 0.47, on scores up to 64
     assert errors[True] < errors[False] / 1.7, errors
     assert errors[True] < (0.07 if bits == 4 else 0.005) * np.abs(exact).max(), errors
+
+
+def stored_scores(st, k: np.ndarray, v: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, object]:
+    """Writes k, v (n, Hkv, D) to slots 0..n-1 of layer 0 of `st`, reads them back as stored -> the scores
+    of one query per KV head q (Hkv, D) against the stored keys (Hkv, n), and the stored values."""
+    import mlx.core as mx
+
+    slots = mx.arange(k.shape[0], dtype=mx.int32)
+    st.write(0, slots, mx.array(k), mx.array(v))
+    keys, values = st.gather(0, slots)  # (Hkv, n, D)
+    queries = np.array(st.queries(0, mx.array(q)[None, :, None]))[0, :, 0]
+    return np.einsum("hd,hnd->hn", queries, np.array(keys)), values
 
 
 # --- keys at other bits than values (kv_key_bits) ---
