@@ -166,7 +166,7 @@ class PagedCache:
         """The first n slots of a sequence for attention that reads them whole: on MLX's CPU backend, when its
         blocks form at most MAX_SLOT_RUNS runs of consecutive ids, one slice per run (read in place: a
         next turn's new blocks rarely follow its cached prefix's, and gathering 4K tokens' K/V every layer
-        and step cost 10% of decode); else their ids."""
+        and step made paged decode 18% slower than contiguous); else their ids."""
         table = self.manager.block_table(req_id)[:-(-n // self.block_size)]
         if not mx.metal.is_available():
             starts = [i for i in range(len(table)) if i == 0 or table[i] != table[i - 1] + 1]
