@@ -250,6 +250,7 @@ class Scheduler:
             budget -= end - start
             chunks.append((s, start, end))
 
+        # more than one part (decode rows count as one each, as do prefill chunks): one packed forward
         packed = len(decoding) + len(chunks) > 1 and runner.packs_rows and hasattr(cache, "packed_layers")
         if packed:
             self._packed_forward(decoding, chunks, new)
