@@ -83,18 +83,12 @@ GEMV_SLICE_BYTES = 4 * 2**20  # a column slice of the weight: well inside the 32
 def _host_gemm(x: mx.array, w_in_out: np.ndarray, bias: np.ndarray | None = None) -> mx.array:
     """x (..., in) float32 @ w (in, out) in numpy [+ bias] -> (..., out). Evaluates x."""
     rows = x.size // x.shape[-1]
-    y = _np_gemm(np.asarray(x.reshape(rows, x.shape[-1])), w_in_out, bias)
-    return mx.array(y).reshape(*x.shape[:-1], -1)
-
-
-def _np_gemm(x2: np.ndarray, w_in_out: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """x2 (rows, in) @ w (in, out) [+ bias], numpy in and out."""
-    rows = x2.shape[0]
+    x2 = np.asarray(x.reshape(rows, x.shape[-1]))
     with one_blas_thread():
         y = _gemv_rows(x2, w_in_out) if 1 < rows <= GEMV_MAX_ROWS else x2 @ w_in_out
     if bias is not None:
         y += bias
-    return y
+    return mx.array(y).reshape(*x.shape[:-1], -1)
 
 
 def _gemv_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -297,85 +291,7 @@ def use_host_weights(model: nn.Module) -> tuple[int, int]:
         head.host = proj
         allocated += proj.nbytes
         idle += _mlx_bytes(head) if proj.copied else 0
-    use_host_blocks(model)
     return allocated, idle
-
-
-class HostBlock:
-    """A llama-family decoder layer whose projections are all resident, run in numpy except its attention,
-    which the layer's cache does in MLX (rope, K/V writes, attention): one MLX evaluation per layer, where
-    the MLX path evaluated once per host GEMM plus the norms, residuals and activation between them
-    (27% of a 16-sequence SmolLM2 step). x (B, L, D) float32 numpy, updated in place and returned."""
-
-    def __init__(self, block: nn.Module, final_norm: nn.Module):
-        attn, mlp = block.self_attn, block.mlp
-        self.attn = attn
-        self.qkv = _projections(attn, "fused_qkv", ("q_proj", "k_proj", "v_proj"))
-        self.o = _projections(attn, None, ("o_proj",))
-        self.gate_up = _projections(mlp, "fused_gate_up", ("gate_proj", "up_proj"))
-        self.down = _projections(mlp, None, ("down_proj",))
-        self.norm_in, self.norm_post, self.norm_final = (
-            (np.array(n.weight.astype(mx.float32)), float(n.eps))
-            for n in (block.input_layernorm, block.post_attention_layernorm, final_norm))
-
-    def __call__(self, x: np.ndarray, mask: Any, cache: Any) -> np.ndarray:
-        B, L, D = x.shape
-        x2 = x.reshape(B * L, D)
-        q, k, v = (mx.array(t).reshape(B, L, -1) for t in _apply(self.qkv, _rms(x2, *self.norm_in)))
-        out = np.asarray(self.attn.attend(q, k, v, mask, cache)).reshape(B * L, -1)  # evaluates the attention
-        x2 += _apply(self.o, out)[0]
-        gate, up = _apply(self.gate_up, _rms(x2, *self.norm_post))
-        with np.errstate(over="ignore"):  # exp(-gate) overflows to inf for very negative gates: silu -> -0
-            gate /= 1 + np.exp(-gate)
-        x2 += _apply(self.down, gate * up)[0]
-        return x
-
-    def final_norm(self, x: np.ndarray) -> np.ndarray:
-        return _rms(x, *self.norm_final)
-
-
-def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    return x * (1 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(eps))) * weight
-
-
-def _projections(owner: nn.Module, fused: str | None, names: tuple[str, ...]) -> list[HostProjection] | None:
-    """The HostProjections computing `names` of `owner`, in order (a fused one, or one per module)."""
-    if fused is not None and isinstance(getattr(owner, fused, None), HostProjection):
-        return [getattr(owner, fused)]
-    mods = [getattr(owner, n, None) for n in names]
-    hosts = [getattr(m, "host", None) for m in mods]
-    return hosts if all(isinstance(h, HostProjection) for h in hosts) else None
-
-
-def _apply(projs: list[HostProjection], x2: np.ndarray) -> list[np.ndarray]:
-    out = []
-    for p in projs:
-        y = _np_gemm(x2, p.weight, p.bias)
-        out += np.split(y, p.splits, axis=1) if p.splits else [y]
-    return out
-
-
-def use_host_blocks(model: nn.Module) -> int:
-    """Gives each llama-family layer of `model` a HostBlock when all its projections are resident and its
-    norms are RMSNorms. Returns how many (all or none: the model runs the stack one way)."""
-    layers = getattr(model, "layers", None) or []
-    final = getattr(getattr(model, "model", None), "norm", None)
-    if not layers or not hasattr(type(layers[0]), "host") or not isinstance(final, nn.RMSNorm):
-        return 0
-    blocks = []
-    for block in layers:
-        attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
-        if (attn is None or mlp is None or not hasattr(attn, "attend")
-                or not all(isinstance(getattr(block, n, None), nn.RMSNorm)
-                           for n in ("input_layernorm", "post_attention_layernorm"))):
-            return 0
-        hb = HostBlock(block, final)
-        if None in (hb.qkv, hb.o, hb.gate_up, hb.down):
-            return 0
-        blocks.append(hb)
-    for block, hb in zip(layers, blocks):
-        block.host = hb
-    return len(blocks)
 
 
 def _mlx_bytes(m: nn.Module) -> int:

@@ -11,7 +11,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
@@ -72,11 +71,6 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, mask: mx.array | str | None, cache: Any) -> mx.array:
         B, L, _ = x.shape
         q, k, v = self.fused_qkv(x) if self.fused_qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        return self.o_proj(self.attend(q, k, v, mask, cache))
-
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | str | None, cache: Any) -> mx.array:
-        """Projected q, k, v (B, L, heads * hd) -> attention output (B, L, nh * hd), before o_proj."""
-        B, L, _ = q.shape
         q = q.reshape(B, L, self.n_heads, -1)  # (B, L, nh, hd)
         k = k.reshape(B, L, self.n_kv_heads, -1)  # (B, L, nkv, hd)
         v = v.reshape(B, L, self.n_kv_heads, -1)
@@ -85,7 +79,7 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, nh, L, hd)
         if hasattr(cache, "rope_and_attend"):  # packed rows of several sequences: rope and attention per part
             out = cache.rope_and_attend(self.rope, q, k, v, self.scale)
-            return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+            return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
         offset = cache.offset if cache is not None else 0
         q = self.rope(q, offset=offset)
         k = self.rope(k, offset=offset)
@@ -98,7 +92,7 @@ class Attention(nn.Module):
                 out = sdpa(q, k, v, self.scale, causal=mask == "causal")
             else:
                 out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class MLP(nn.Module):
@@ -116,8 +110,6 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    host: Any = None  # models.layers.HostBlock on MLX's CPU backend with resident weights (Model.__call__)
-
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.self_attn = Attention(args)
@@ -166,19 +158,9 @@ class Model(nn.Module):
             cache = [None] * len(self.layers)
         offset = cache[0].offset if cache[0] is not None else 0
         mask = self._mask(inputs.shape[1], offset)
-        if self.layers and self.layers[0].host is not None and h.dtype == mx.float32:
-            return self._host_forward(h, mask, cache)
         for layer, c in zip(self.layers, cache):
             h = layer(h, mask, c)
         return self.model.norm(h)
-
-    def _host_forward(self, h: mx.array, mask: mx.array | str | None, cache: list[Any]) -> mx.array:
-        """The layer stack in numpy between the attention calls (`models.layers.HostBlock`): one MLX
-        evaluation per layer instead of one per host GEMM and the small ops between them."""
-        x = np.array(h, dtype=np.float32)  # a writable copy: the residual stream is updated in place
-        for layer, c in zip(self.layers, cache):
-            x = layer.host(x, mask, c)
-        return mx.array(self.layers[0].host.final_norm(x))
 
     def logits(self, h: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:
