@@ -276,8 +276,6 @@ class Runner:
             return self.model.logits(out[:, -1, :]).astype(mx.float32)
         return out[:, -1, :].astype(mx.float32)
 
-    packs_rows = True  # a step's decode rows and prefill chunks go in one forward (`rows_logits`)
-
     def rows_logits(self, inputs: mx.array, layers: list[Any], rows: list[int]) -> mx.array | None:
         """A packed forward (`PagedCache.packed_layers`): inputs (1, T) -> logits of `rows` (len(rows), V),
         float32, lazily; with no rows it evaluates the forward (its K/V writes) and returns None."""

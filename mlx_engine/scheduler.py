@@ -251,7 +251,7 @@ class Scheduler:
             chunks.append((s, start, end))
 
         # more than one part (decode rows count as one each, as do prefill chunks): one packed forward
-        packed = len(decoding) + len(chunks) > 1 and runner.packs_rows and hasattr(cache, "packed_layers")
+        packed = len(decoding) + len(chunks) > 1 and hasattr(cache, "packed_layers")
         if packed:
             self._packed_forward(decoding, chunks, new)
         if decoding and not packed:

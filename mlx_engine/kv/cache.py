@@ -199,6 +199,8 @@ class PagedCache:
         return [PagedDecodeView(self.storage, i, offset, new_slots, block_tables, seq_lens, max(positions) + 1,
                                 all_slots) for i in range(self.num_layers)]
 
+    packed_view: type = PackedView  # the torch backend's cache packs its own views
+
     def packed_layers(self, decode_ids: list[str], known_ids: list[list[int]],
                       chunks: list[tuple[str, int, int]]) -> list[PackedView]:
         """Views for one forward over packed rows: a decode step of `decode_ids` (as `decode_layers`, may be
@@ -206,7 +208,7 @@ class PagedCache:
         decode = self.decode_layers(decode_ids, known_ids) if decode_ids else [None] * self.num_layers
         prefills = [self.prefill_layers(r, a, b) for r, a, b in chunks]
         lengths = [b - a for _, a, b in chunks]
-        return [PackedView(decode[i], len(decode_ids), [p[i] for p in prefills], lengths)
+        return [self.packed_view(decode[i], len(decode_ids), [p[i] for p in prefills], lengths)
                 for i in range(self.num_layers)]
 
     def record(self, req_id: str, known_ids: list[int]) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mlx_engine.backends.torch.model import causal_attention
+from mlx_engine.kv import paged
 from mlx_engine.kv.block_pool import BlockPool
 from mlx_engine.kv.cache import (
     DEFAULT_MEMORY_FRACTION,
@@ -141,20 +142,15 @@ class DecodeView:
                                               scale=scale, enable_gqa=True)
 
 
-class PackedView:
-    """One layer's view of a forward over packed rows (1, T) of several sequences (as `kv.paged.PackedView`):
-    one decode row per decoding sequence, then each prefill chunk's rows; each row ropes at its own position,
-    and attention goes per part."""
-
-    def __init__(self, decode: DecodeView | None, num_decode: int, prefills: list[PrefillView], lengths: list[int],
-                 positions: torch.Tensor):
-        self.decode, self.num_decode, self.prefills = decode, num_decode, prefills
-        starts = [num_decode + sum(lengths[:i]) for i in range(len(lengths))]
-        self.spans = [(a, a + n) for a, n in zip(starts, lengths)]
-        self._positions = positions  # (1, T)
+class PackedView(paged.PackedView):
+    """`kv.paged.PackedView`'s packed rows for the torch model, which ropes from per-row positions (asked of
+    layer 0's view, once a forward) and then calls `attention`."""
 
     def positions(self, B: int, L: int, device: torch.device) -> torch.Tensor:
-        return self._positions
+        parts = [self.decode.step.positions[:, 0]] if self.decode is not None else []
+        parts += [torch.arange(view.offset, view.offset + hi - lo, device=device)
+                  for view, (lo, hi) in zip(self.prefills, self.spans)]
+        return torch.cat(parts)[None]  # (1, T)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (1, Hq, T, D), k/v (1, Hkv, T, D) after rope -> (1, Hq, T, D)."""
@@ -169,7 +165,10 @@ class PackedView:
 
 
 class TorchPagedCache(PagedCache):
-    """PagedCache's bookkeeping (start, record, finish, drop, stats, copy-on-write) over torch storage."""
+    """PagedCache's bookkeeping (start, record, finish, drop, stats, copy-on-write, packing) over torch
+    storage."""
+
+    packed_view = PackedView
 
     @classmethod
     def create_torch(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -213,17 +212,6 @@ class TorchPagedCache(PagedCache):
                           [mgr.block_table(r) for r in req_ids])
         return [DecodeView(step, i) for i in range(self.num_layers)]
 
-    def packed_layers(self, decode_ids: list[str], known_ids: list[list[int]],
-                      chunks: list[tuple[str, int, int]]) -> list[PackedView]:
-        decode = self.decode_layers(decode_ids, known_ids) if decode_ids else [None] * self.num_layers
-        prefills = [self.prefill_layers(r, a, b) for r, a, b in chunks]
-        lengths = [b - a for _, a, b in chunks]
-        dev = self.storage.device
-        parts = [decode[0].step.positions[:, 0]] if decode_ids else []
-        parts += [torch.arange(a, b, device=dev) for _, a, b in chunks]
-        positions = torch.cat(parts)[None]  # (1, T)
-        return [PackedView(decode[i], len(decode_ids), [p[i] for p in prefills], lengths, positions)
-                for i in range(self.num_layers)]
 
 
 class ContiguousLayer:
