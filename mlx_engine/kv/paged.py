@@ -78,6 +78,7 @@ class PagedKVStorage:
         self.key_rotation = (hadamard(head_dim).astype(dtype)
                              if rotation and bits is not None and head_dim & (head_dim - 1) == 0 else None)
         self.smoothing: KVSmoothing | None = None  # offsets and key scales (`set_smoothing`), quantized KV only
+        self._tables_memo: tuple[mx.array, np.ndarray, np.ndarray] | None = None  # `_host_tables`
         self._build_transforms()
         # Layout of every pool array: token-major (slots, Hkv, last) is what the Metal kernel reads;
         # head-major (Hkv, slots, last) lets MLX's CPU SDPA read a sequence's run of slots in place
@@ -230,10 +231,6 @@ class PagedKVStorage:
                           (self.v_scales, vs), (self.v_biases, vb)):
             self._put(arrays, layer, slots, x)
 
-    def rotate(self, x: mx.array) -> mx.array:
-        """x @ H (the Hadamard rotation alone; last axis = head dim)."""
-        return x if self.key_rotation is None else x @ self.key_rotation.astype(x.dtype)
-
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's slots -> block dst's slots, in every layer."""
         if not pairs:
@@ -296,7 +293,6 @@ class PagedKVStorage:
         # the block manager built the tables: skip the kernel's host-side data checks (a sync per layer)
         return paged_decode_attention(q, k, v, block_tables, seq_lens, scale, check_data=False, **kwargs)
 
-
     def _decode_head_major(self, layer: int, q: mx.array, block_tables: mx.array, seq_lens: mx.array,
                            scale: float) -> mx.array:
         """The kernels' reference math (gather through the tables, grouped-query masked softmax in float32)
@@ -317,15 +313,25 @@ class PagedKVStorage:
         return (mx.softmax(scores, axis=-1) @ v).reshape(B, Hq, D).astype(q.dtype)
 
 
+    def _host_tables(self, block_tables: mx.array, seq_lens: mx.array) -> tuple[np.ndarray, np.ndarray]:
+        """A decode step's slots (B, T) and padding mask (B, T) in numpy, computed once per step: every layer's
+        view passes the same `block_tables` array, so the last step's result is kept by its identity."""
+        memo = self._tables_memo
+        if memo is None or memo[0] is not block_tables:
+            bs = self.block_size
+            tables, lens = np.asarray(block_tables), np.asarray(seq_lens)
+            slots = (tables[:, :, None] * bs + np.arange(bs)[None, None, :]).reshape(tables.shape[0], -1)
+            memo = self._tables_memo = (block_tables, slots, np.arange(slots.shape[1])[None, :] >= lens[:, None])
+        return memo[1], memo[2]
+
     def _decode_host(self, layer: int, q: mx.array, block_tables: mx.array, seq_lens: mx.array,
                      scale: float) -> mx.array:
         """`_decode_head_major`'s math in numpy (OpenBLAS) for float32 on MLX's CPU backend: MLX's batched
         small matmuls there measured 68 ms of a 16-sequence SmolLM2 decode step's 218 (30 layers)."""
         B, Hq, D = q.shape
-        Hkv, bs = self.num_kv_heads, self.block_size
-        tables, lens = np.asarray(block_tables), np.asarray(seq_lens)
-        T = tables.shape[1] * bs
-        slots = (tables[:, :, None] * bs + np.arange(bs)[None, None, :]).reshape(B, T)
+        Hkv = self.num_kv_heads
+        slots, padding = self._host_tables(block_tables, seq_lens)  # (B, T) each
+        T = slots.shape[1]
         if self.bits is None:
             mx.eval(q, self.k[layer], self.v[layer])
             k, v = np.asarray(self.k[layer])[:, slots], np.asarray(self.v[layer])[:, slots]  # (Hkv, B, T, D)
@@ -336,7 +342,7 @@ class PagedKVStorage:
         qn = np.asarray(q).reshape(B, Hkv, Hq // Hkv, D).transpose(1, 0, 2, 3)  # (Hkv, B, G, D)
         with one_blas_thread():
             scores = (qn @ k.transpose(0, 1, 3, 2)) * np.float32(scale)  # (Hkv, B, G, T)
-            scores[np.broadcast_to((np.arange(T)[None, :] >= lens[:, None])[None, :, None, :], scores.shape)] = -np.inf
+            scores[np.broadcast_to(padding[None, :, None, :], scores.shape)] = -np.inf
             scores -= scores.max(-1, keepdims=True)
             np.exp(scores, out=scores)
             scores /= scores.sum(-1, keepdims=True)
