@@ -423,7 +423,8 @@ def main() -> None:
     args.system_tokens = 256 if q else 1024
     args.shared_requests = 8
     args.naive_requests = 2  # each is a full 1K prefill (~10-40 s here): measure 2, scale to 8
-    args.ppl_tokens = args.ppl_tokens or (256 if q else 2048)
+    default_ppl_tokens = 256 if q else 2048
+    args.ppl_tokens = args.ppl_tokens or default_ppl_tokens
     args.contexts = [256, 512] if q else [1024, 4096]
     args.decode_tokens = 8 if q else 16
 
@@ -440,7 +441,7 @@ def main() -> None:
              5: lambda: figure_decode(args, doc)}
     cmd = ("uv run python bench/kv.py" + (" --quick" if q else "")
            + (" --split-kv-check" if args.split_kv_check else "")
-           + (f" --ppl-tokens {args.ppl_tokens}" if args.ppl_tokens != (256 if q else 2048) else "")
+           + (f" --ppl-tokens {args.ppl_tokens}" if args.ppl_tokens != default_ppl_tokens else "")
            + (f" --ppl-offset {args.ppl_offset}" if args.ppl_offset else "")) + (
         f" --only {args.only}" if figures != set(steps) else "")
     print(f"### {platform.system()}, {'Metal' if mx.metal.is_available() else 'CPU'} ({datetime.date.today()})\n")
