@@ -1,12 +1,16 @@
 // Paged decode attention, one new query token per sequence (FlashDecoding, pass 1).
 //
-// The wrapper prepends three defines:
+// The wrapper prepends four defines:
 //   K_BITS   0: k_pool holds floats (num_blocks, block_size, Hkv, D)
 //            4 or 8: uint32 words packed by mx.quantize along D (num_blocks, block_size, Hkv,
 //            D * K_BITS / 32), with k_scales/k_biases (.., Hkv, D / group_size)
 //   V_BITS   the same for v_pool, v_scales/v_biases. Keys and values may differ (8-bit keys with
 //            4-bit values: keys are the sensitive half); both 0 or both quantized (the wrapper
 //            builds no float/quantized mix, so the scale inputs exist exactly when K_BITS > 0).
+//   K_CHANNEL 1 (K_BITS > 0 only): per-channel keys (KIVI). k_pool is packed as above, but the
+//            keys' scales and biases are per (block, kv head, channel), shared by the block's
+//            tokens: k_scales/k_biases (num_blocks, block_size, Hkv, D / block_size), entry
+//            (blk, i, h, g) for channel g * block_size + i (block_size divides D). Values as above.
 //   DIRECT   1: one partition covers the sequence; write the normalized output `out` (B, Hq, D).
 //            0: write this partition's normalized output o_part (B, Hq, P, D) and its running
 //            max / sum ml_part (B, Hq, P, 2); paged_attention_reduce.metal combines them.
@@ -22,6 +26,10 @@
 // shuffles, simdgroups through threadgroup memory. GQA: q head h reads kv head h / (Hq / Hkv), and
 // the Hq / Hkv heads sharing it run in neighbouring threadgroups, so their KV reads hit the cache.
 // Every simd_shuffle runs on all 32 lanes: the token loop bound depends only on the simdgroup.
+
+#if K_CHANNEL && K_BITS == 0
+#error "K_CHANNEL needs quantized keys (K_BITS 4 or 8)"
+#endif
 
 constexpr int C = 8;
 constexpr int L = D <= 64 ? 8 : 16;
@@ -77,14 +85,26 @@ constexpr int v_row_elems = V_BITS == 0 ? D : D * V_BITS / 32;
 const int groups = D / group_size;
 const int g = d0 / group_size;  // a lane's C elements lie in one group: group_size % 8 == 0
 #endif
+#if K_CHANNEL
+// Per-channel key scales of block blk, kv head hkv, channel d sit at
+//   ((blk * block_size + d % block_size) * Hkv + hkv) * (D / block_size) + d / block_size
+//   = blk * Hkv * D + k_ch[i]   (block_size * (D / block_size) = D),
+// so a lane's offsets for its channels d0 + i are fixed; any block_size dividing D.
+int k_ch[C];
+for (int i = 0; i < C; ++i) {
+  const int d = active ? d0 + i : 0;
+  k_ch[i] = ((d % block_size) * Hkv + hkv) * (D / block_size) + d / block_size;
+}
+#endif
 
 for (int t0 = t_begin + sg * KPS; t0 < t_end; t0 += NSG * KPS) {
   const int t = t0 + ks;
   const bool valid = t < t_end;
   size_t row = 0;  // (physical token, kv head) index into the pools
+  int block = 0;
   float s = 0.0f;
   if (valid) {
-    const int block = table[t / block_size];
+    block = table[t / block_size];
     row = (size_t(block) * block_size + t % block_size) * Hkv + hkv;
   }
   if (valid && active) {
@@ -92,6 +112,18 @@ for (int t0 = t_begin + sg * KPS; t0 < t_end; t0 += NSG * KPS) {
     auto kr = k_pool + row * k_row_elems + d0;
     for (int i = 0; i < C; ++i) {
       s += qv[i] * float(kr[i]);
+    }
+#elif K_CHANNEL
+    // s = sum_i q_i (scale_d code_d + bias_d): the scale varies along D, no factoring out
+    const device uint32_t* kr = k_pool + row * k_row_elems + d0 * K_BITS / 32;
+    const size_t kc = size_t(block) * Hkv * D;  // this block's per-channel scales and biases
+    for (int w = 0; w < C * K_BITS / 32; ++w) {
+      const uint32_t word = kr[w];
+      for (int j = 0; j < 32 / K_BITS; ++j) {
+        const int i = w * (32 / K_BITS) + j;
+        const float code = float((word >> (j * K_BITS)) & ((1u << K_BITS) - 1u));
+        s += qv[i] * (float(k_scales[kc + k_ch[i]]) * code + float(k_biases[kc + k_ch[i]]));
+      }
     }
 #else
     float qk = 0.0f;

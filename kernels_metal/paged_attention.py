@@ -31,22 +31,27 @@ _REDUCE_SOURCE = _backend.load_source("paged_attention_reduce.metal")
 # (key bits, value bits) the kernel is built for; 0 means a float pool. Keys may keep more bits than
 # values (llama.cpp's --cache-type-k / --cache-type-v): the keys are the sensitive half.
 BITS_PAIRS = ((0, 0), *((kb, vb) for kb in KV_BITS for vb in KV_BITS))
+# (key bits, value bits) with per-channel keys (KIVI): quantized keys only, values as in BITS_PAIRS.
+CHANNEL_BITS_PAIRS = tuple((kb, vb) for kb, vb in BITS_PAIRS if kb)
 
 
 def _build(factory: Callable[..., Any]) -> dict[Any, Any]:
-    """Kernels keyed by (k_bits, v_bits, direct), plus "reduce". Bits 0 means float KV."""
+    """Kernels keyed by (k_bits, v_bits, k_channel, direct), plus "reduce". Bits 0 means float KV;
+    k_channel: per-channel key scales and biases (K_CHANNEL)."""
+    variants = [(kb, vb, False) for kb, vb in BITS_PAIRS] + [(kb, vb, True) for kb, vb in CHANNEL_BITS_PAIRS]
     kernels: dict[Any, Any] = {}
-    for k_bits, v_bits in BITS_PAIRS:
+    for k_bits, v_bits, k_channel in variants:
         inputs = ["q", "k_pool", "v_pool", "block_tables", "seq_lens", "params", "qscale"]
         if k_bits:
             inputs += ["k_scales", "k_biases", "v_scales", "v_biases"]
         for direct in (True, False):
-            kernels[k_bits, v_bits, direct] = factory(
-                name=f"paged_decode_attention_k{k_bits}v{v_bits}{'' if direct else '_partial'}",
+            name = f"paged_decode_attention_k{k_bits}{'c' if k_channel else ''}v{v_bits}"
+            kernels[k_bits, v_bits, k_channel, direct] = factory(
+                name=name if direct else f"{name}_partial",
                 input_names=inputs,
                 output_names=["out"] if direct else ["o_part", "ml_part"],
-                source=f"\n#define K_BITS {k_bits}\n#define V_BITS {v_bits}\n#define DIRECT {int(direct)}\n"
-                f"{_SOURCE}",
+                source=f"\n#define K_BITS {k_bits}\n#define V_BITS {v_bits}\n#define K_CHANNEL {int(k_channel)}\n"
+                f"#define DIRECT {int(direct)}\n{_SOURCE}",
             )
     kernels["reduce"] = factory(
         name="paged_decode_attention_reduce",
@@ -93,6 +98,7 @@ def _validate(
     bits: int | None,
     k_bits: int | None,
     group_size: int,
+    k_per_channel: bool,
     check_data: bool,
 ) -> int:
     """Shape and dtype checks, then (with check_data) the host-side checks of the tables and
@@ -103,7 +109,11 @@ def _validate(
         raise ValueError(f"q: head dim expected one of {HEAD_DIMS}, got {D}")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+    if not isinstance(k_per_channel, bool):
+        raise TypeError(f"k_per_channel: expected a bool, got {type(k_per_channel).__name__}")
     if bits is None:
+        if k_per_channel:
+            raise ValueError("k_per_channel: expected False when bits is None (float KV), got True")
         if k_bits is not None:
             raise ValueError(f"k_bits: expected None when bits is None (float KV), got {k_bits!r}")
         if any(s is not None for s in scales.values()):
@@ -142,14 +152,24 @@ def _validate(
         )
     if Hq % Hkv:
         raise ValueError(f"q: expected a number of heads that is a multiple of Hkv = {Hkv}, got Hq = {Hq}")
+    if k_per_channel and D % block_size:
+        raise ValueError(
+            f"k_per_channel needs block_size dividing the head dim: k_pool's block_size {block_size} "
+            f"does not divide {D}"
+        )
     if bits is not None:
-        want = (num_blocks, block_size, Hkv, D // group_size)
+        per_token = (num_blocks, block_size, Hkv, D // group_size)
+        # per-channel keys: a block's D scales per head fill its block_size slots, D / block_size each
+        per_channel = (num_blocks, block_size, Hkv, D // block_size)
         for name, s in scales.items():
+            want, what = per_token, f"{bits}-bit KV"
+            if k_per_channel and name in ("k_scales", "k_biases"):
+                want, what = per_channel, "per-channel keys (k_per_channel, D // block_size per slot)"
             if s is None:
-                raise ValueError(f"{name}: expected an array of shape {want} for {bits}-bit KV, got None")
+                raise ValueError(f"{name}: expected an array of shape {want} for {what}, got None")
             _check_array(name, s, 4, FLOAT_DTYPES)
             if tuple(s.shape) != want:
-                raise ValueError(f"{name}: expected shape {want}, got {tuple(s.shape)}")
+                raise ValueError(f"{name}: expected shape {want} for {what}, got {tuple(s.shape)}")
     _check_array("block_tables", block_tables, 2, (mx.int32,))
     _check_array("seq_lens", seq_lens, 1, (mx.int32,))
     if block_tables.shape[0] != B:
@@ -201,6 +221,7 @@ def paged_decode_attention(
     group_size: int = 64,
     *,
     k_bits: int | None = None,
+    k_per_channel: bool = False,
     partition_size: int = PARTITION_SIZE,
     check_data: bool = True,
     backend: _backend.Backend = "auto",
@@ -211,7 +232,10 @@ def paged_decode_attention(
     or, with `bits` 4 or 8, uint32 (.., D * bits / 32) packed by `mx.quantize` along D with
     scales and biases (num_blocks, block_size, Hkv, D // group_size). `k_bits` (4 or 8) stores the
     keys at other bits than the values (k_pool's last dim D * k_bits / 32); None: the keys take
-    `bits`. block_tables int32
+    `bits`. `k_per_channel` (quantized KV only): the keys are quantized per channel over each block's
+    tokens (KIVI); k_scales/k_biases are then (num_blocks, block_size, Hkv, D // block_size), entry
+    (blk, i, h, g) the scale (bias) of channel g * block_size + i for every token of block blk
+    (`reference.quantize_channels` writes them), so block_size must divide D. block_tables int32
     (B, max_blocks_per_seq) of block ids; seq_lens int32 (B,). Returns (B, Hq, D) in q's dtype;
     a sequence of length 0 gives zeros. Hq must be a multiple of Hkv (GQA); D in (64, 80, 96, 128).
 
@@ -225,14 +249,14 @@ def paged_decode_attention(
     """
     quant = {"k_scales": k_scales, "k_biases": k_biases, "v_scales": v_scales, "v_biases": v_biases}
     max_len = _validate(q, k_pool, v_pool, block_tables, seq_lens, scale, quant, bits, k_bits, group_size,
-                        check_data)
+                        k_per_channel, check_data)
     if not isinstance(partition_size, int) or partition_size < 1:
         raise ValueError(f"partition_size: expected a positive int, got {partition_size!r}")
     which = _backend.resolve(backend)
     if which == "reference":
         return reference.paged_decode_attention(
             q, k_pool, v_pool, block_tables, seq_lens, scale, *quant.values(), bits, group_size,
-            max_seq_len=max_len if check_data else None, k_bits=k_bits,
+            max_seq_len=max_len if check_data else None, k_bits=k_bits, k_per_channel=k_per_channel,
         )  # fmt: skip
 
     kernels = _kernels(which)
@@ -251,7 +275,7 @@ def paged_decode_attention(
     threads = NUM_SIMDGROUPS * 32
     template = [("T", q.dtype), ("D", D), ("NSG", NUM_SIMDGROUPS)]
     launch = dict(inputs=inputs, template=template, grid=(P * threads, Hq, B), threadgroup=(threads, 1, 1))
-    key = (k_bits or bits or 0, bits or 0)
+    key = (k_bits or bits or 0, bits or 0, k_per_channel)
     if P == 1:
         (out,) = kernels[(*key, True)](**launch, output_shapes=[(B, Hq, D)], output_dtypes=[q.dtype])
         return out

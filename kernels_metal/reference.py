@@ -35,13 +35,15 @@ def paged_decode_attention(
     group_size: int = 64,
     max_seq_len: int | None = None,
     k_bits: int | None = None,
+    k_per_channel: bool = False,
 ) -> mx.array:
     """Decode attention over a paged KV pool: gather through the block tables, then masked attention.
 
     Arguments as `kernels_metal.paged_decode_attention` (not validated here). `max_seq_len`, when
     known, bounds the gather to the blocks in use instead of the tables' full capacity. Computes in
     float32; a sequence of length 0 yields zeros. `k_bits`: the keys' bits when they differ from the
-    values' `bits` (None: the same).
+    values' `bits` (None: the same). `k_per_channel`: the keys are quantized per channel over each
+    block's tokens (KIVI), their scales and biases laid out as `channel_params` reads them.
     """
     B, Hq, D = q.shape
     _, block_size, Hkv, _ = k_pool.shape
@@ -52,14 +54,20 @@ def paged_decode_attention(
     tables = mx.clip(block_tables[:, :num_used], 0, k_pool.shape[0] - 1)  # (B, nb)
     T = num_used * block_size
 
-    def gather(pool: mx.array, scales: mx.array | None, biases: mx.array | None, nbits: int | None) -> mx.array:
+    def gather(pool: mx.array, scales: mx.array | None, biases: mx.array | None, nbits: int | None,
+               per_channel: bool = False) -> mx.array:
         x = pool[tables]  # (B, nb, block_size, Hkv, D or packed)
-        if nbits is not None:
-            x = mx.dequantize(x, scales[tables], biases[tables], group_size=group_size, bits=nbits)
+        if per_channel:  # one scale and bias per (block, head, channel)
+            s, z = channel_params(scales[tables]), channel_params(biases[tables])  # (B, nb, Hkv, D)
+            x = unpack_codes(x, nbits) * s[:, :, None] + z[:, :, None]
+        elif nbits is not None:
+            # float32 scales: K and V are not rounded to half precision before the float32 math
+            x = mx.dequantize(x, scales[tables].astype(mx.float32), biases[tables].astype(mx.float32),
+                              group_size=group_size, bits=nbits)
         x = x.astype(mx.float32).reshape(B, T, Hkv, D)
         return x.transpose(0, 2, 1, 3)  # (B, Hkv, T, D)
 
-    k = gather(k_pool, k_scales, k_biases, bits if k_bits is None else k_bits)
+    k = gather(k_pool, k_scales, k_biases, bits if k_bits is None else k_bits, k_per_channel)
     v = gather(v_pool, v_scales, v_biases, bits)
     valid = mx.arange(T)[None, :] < seq_lens[:, None]  # (B, T)
     # GQA by grouping the q heads of each kv head, so K and V are never repeated; on the CPU this
@@ -71,6 +79,47 @@ def paged_decode_attention(
     # A sequence of length 0 has every score masked (a NaN row); it attends to nothing.
     out = mx.where((seq_lens > 0)[:, None, None], out, 0.0)
     return out.astype(q.dtype)
+
+
+def unpack_codes(packed: mx.array, bits: int) -> mx.array:
+    """uint32 words packed as `mx.quantize` packs them (field j of a word is element j, lowest bits first)
+    -> the codes as float32 (..., words * 32 / bits)."""
+    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+    codes = (packed[..., None] >> shifts) & mx.array((1 << bits) - 1, dtype=mx.uint32)
+    return codes.reshape(*packed.shape[:-1], -1).astype(mx.float32)
+
+
+def channel_params(a: mx.array) -> mx.array:
+    """Per-channel key scales (or biases) of whole blocks as a pool stores them, (..., block_size, Hkv,
+    D / block_size) -> (..., Hkv, D). A block's D scales per head fill the slots of its block_size tokens:
+    entry (i, h, g) belongs to channel g * block_size + i, so they take the room per-token groups of
+    block_size channels would, and travel with the block (copies, saves) like any slot."""
+    *lead, bs, hkv, g = a.shape
+    n = len(lead)
+    return a.transpose(*range(n), n + 1, n + 2, n).reshape(*lead, hkv, g * bs)
+
+
+def quantize_channels(x: mx.array, valid: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Per-channel affine quantization of whole blocks, x (nb, block_size, Hkv, D), over each block's first
+    `valid` (nb,) tokens (the rest are padding: quantized as the block's minimum, never read) -> codes packed
+    as `mx.quantize` packs them (nb, block_size, Hkv, D * bits / 32) uint32, scales and biases (nb, block_size,
+    Hkv, D / block_size) as `channel_params` reads them, in x's dtype. w = scale * q + bias, q in [0, 2^bits)."""
+    nb, bs, hkv, d = x.shape
+    levels = (1 << bits) - 1
+    x32 = x.astype(mx.float32)
+    mask = (mx.arange(bs)[None, :] < valid[:, None])[:, :, None, None]  # (nb, bs, 1, 1)
+    lo = mx.where(mask, x32, mx.inf).min(axis=1)  # (nb, Hkv, D)
+    hi = mx.where(mask, x32, -mx.inf).max(axis=1)
+    scale = mx.maximum(hi - lo, 1e-12) / levels
+    q = mx.clip(mx.round((mx.where(mask, x32, lo[:, None]) - lo[:, None]) / scale[:, None]), 0, levels)
+    q = q.astype(mx.uint32).reshape(nb, bs, hkv, d * bits // 32, 32 // bits)
+    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+    packed = (q << shifts).sum(axis=-1).astype(mx.uint32)
+
+    def slots(p: mx.array) -> mx.array:  # (nb, Hkv, D) -> (nb, bs, Hkv, D / bs), channel g * bs + i at (i, g)
+        return p.reshape(nb, hkv, d // bs, bs).transpose(0, 3, 1, 2).astype(x.dtype)
+
+    return packed, slots(scale), slots(lo)
 
 
 def _fp16_at(b: mx.array, i: int) -> mx.array:

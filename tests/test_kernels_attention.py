@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels_metal import _backend, paged_decode_attention
+from kernels_metal import _backend, paged_decode_attention, reference
 from kernels_metal.paged_attention import HEAD_DIMS
 
 ATOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
@@ -32,17 +32,36 @@ needs_interpreter = pytest.mark.skipif(
 # ---------------------------------------------------------------- inputs
 
 
-def unpack_affine(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> np.ndarray:
-    """Naive inverse of mx.quantize's affine format: element j of a row is bits-wide field
-    j % (32 / bits) of word j // (32 / bits), lowest bits first; w = scale * q + bias per group."""
+def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
+    """mx.quantize's packing: element j of a row is bits-wide field j % (32 / bits) of word
+    j // (32 / bits), lowest bits first -> the codes as float64 (..., D)."""
     per_word = 32 // bits
     shifts = (np.arange(per_word, dtype=np.uint32) * bits)[None, :]
     q = (packed.astype(np.uint32)[..., None] >> shifts) & np.uint32((1 << bits) - 1)
-    q = q.reshape(*packed.shape[:-1], -1).astype(np.float64)  # (..., D)
+    return q.reshape(*packed.shape[:-1], -1).astype(np.float64)
+
+
+def unpack_affine(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> np.ndarray:
+    """Naive inverse of mx.quantize's affine format: w = scale * q + bias per group along D."""
+    q = unpack_codes(packed, bits)  # (..., D)
     group = q.shape[-1] // scales.shape[-1]
     s = np.repeat(scales.astype(np.float64), group, axis=-1)
     z = np.repeat(biases.astype(np.float64), group, axis=-1)
     return s * q + z
+
+
+def unpack_channels(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> np.ndarray:
+    """Naive per-channel keys, from the layout's definition: packed (nb, block_size, Hkv, D * bits / 32),
+    scales/biases (nb, block_size, Hkv, D / block_size); element (blk, t, h, d) =
+    scales[blk, d % block_size, h, d // block_size] * code + biases[blk, d % block_size, h, d // block_size]."""
+    q = unpack_codes(packed, bits)  # (nb, block_size, Hkv, D)
+    block_size, D = q.shape[1], q.shape[-1]
+    out = np.empty_like(q)
+    for d in range(D):
+        s = scales[:, d % block_size, :, d // block_size].astype(np.float64)  # (nb, Hkv)
+        z = biases[:, d % block_size, :, d // block_size].astype(np.float64)
+        out[..., d] = s[:, None, :] * q[..., d] + z[:, None, :]  # every token of the block
+    return out
 
 
 def make_case(
@@ -57,19 +76,24 @@ def make_case(
     group_size: int = 64,
     spare_blocks: int = 3,
     k_bits: int | None = None,
+    k_per_channel: bool = False,
 ) -> dict:
     """A pool with the sequences' blocks scattered over a random permutation of block ids, table
     entries past each sequence's length set to ids past the pool (which must never be read).
-    `k_bits`: keys quantized to other bits than the values' `bits`."""
+    `k_bits`: keys quantized to other bits than the values' `bits`. `k_per_channel`: keys quantized
+    per channel over each block's tokens in use (`reference.quantize_channels`), as the engine does."""
     B = len(seq_lens)
     blocks_per_seq = [max(1, -(-n // block_size)) for n in seq_lens]
     max_blocks = max(blocks_per_seq) + 1
     num_blocks = sum(blocks_per_seq) + spare_blocks
     ids = rng.permutation(num_blocks)
     tables = np.full((B, max_blocks), num_blocks + 7, dtype=np.int32)
+    block_valid = np.full(num_blocks, block_size, dtype=np.int32)  # tokens in use per block id
     start = 0
     for b, nb in enumerate(blocks_per_seq):
         tables[b, :nb] = ids[start : start + nb]
+        # a partial last block has padding past its tokens; at least one, so no block is all padding
+        block_valid[ids[start : start + nb]] = np.clip(seq_lens[b] - np.arange(nb) * block_size, 1, block_size)
         start += nb
     shape = (num_blocks, block_size, Hkv, D)
     q = mx.array(rng.standard_normal((B, Hkv * ratio, D)).astype(np.float32)).astype(dtype)
@@ -84,7 +108,10 @@ def make_case(
     if bits is None:
         case.update(k_pool=k, v_pool=v)
     else:
-        kq, ks, kb = mx.quantize(k, group_size=group_size, bits=k_bits or bits)
+        if k_per_channel:
+            kq, ks, kb = reference.quantize_channels(k, mx.array(block_valid), k_bits or bits)
+        else:
+            kq, ks, kb = mx.quantize(k, group_size=group_size, bits=k_bits or bits)
         vq, vs, vb = mx.quantize(v, group_size=group_size, bits=bits)
         case.update(
             k_pool=kq,
@@ -98,6 +125,8 @@ def make_case(
         )
         if k_bits is not None:
             case["k_bits"] = k_bits
+        if k_per_channel:
+            case["k_per_channel"] = True
     return case
 
 
@@ -109,7 +138,8 @@ def naive_attention(case: dict) -> np.ndarray:
         v_pool = np.array(case["v_pool"].astype(mx.float32), dtype=np.float64)
     else:
         f = lambda a: np.array(a.astype(mx.float32))
-        k_pool = unpack_affine(
+        unpack_keys = unpack_channels if case.get("k_per_channel") else unpack_affine
+        k_pool = unpack_keys(
             np.array(case["k_pool"]), f(case["k_scales"]), f(case["k_biases"]), case.get("k_bits") or case["bits"]
         )
         v_pool = unpack_affine(
@@ -388,8 +418,9 @@ def test_metal_kernels_are_built_at_import():
 
     assert not isinstance(paged_attention._METAL_KERNELS, Exception)
     pairs = [(0, 0), (4, 4), (8, 8), (8, 4), (4, 8)]  # (k_bits, v_bits)
+    variants = [(k, v, False) for k, v in pairs] + [(k, v, True) for k, v in pairs if k]  # k_channel
     assert set(paged_attention._METAL_KERNELS) == {
-        (k, v, direct) for k, v in pairs for direct in (True, False)
+        (k, v, k_channel, direct) for k, v, k_channel in variants for direct in (True, False)
     } | {"reduce"}
 
 
@@ -443,6 +474,141 @@ def mixed_case(**overrides) -> dict:
 )
 def test_bad_mixed_bits_raise(make, words):
     with pytest.raises(ValueError) as info:
+        paged_decode_attention(**{"backend": "reference", **make()})
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in {str(info.value)!r}"
+
+
+# ---------------------------------------------------------------- per-channel keys (KIVI)
+
+
+@pytest.mark.parametrize("bits, block_size, D", [(4, 16, 64), (8, 32, 96)])
+def test_quantize_channels_round_trips(bits, block_size, D):
+    # the pool reference.quantize_channels writes, read back by the layout's definition (unpack_channels):
+    # every token in use is within half a step of its float, and padding is never needed
+    rng = np.random.default_rng(20 + bits)
+    x = rng.standard_normal((3, block_size, 2, D)).astype(np.float32)
+    valid = np.array([block_size, 5, 1], dtype=np.int32)
+    packed, scales, biases = reference.quantize_channels(mx.array(x), mx.array(valid), bits)
+    assert packed.shape == (3, block_size, 2, D * bits // 32)
+    assert scales.shape == biases.shape == (3, block_size, 2, D // block_size)
+    got = unpack_channels(np.array(packed), np.array(scales), np.array(biases), bits)
+    for blk, n in enumerate(valid):
+        step = (x[blk, :n].max(axis=0) - x[blk, :n].min(axis=0)) / ((1 << bits) - 1)  # (Hkv, D)
+        assert np.all(np.abs(got[blk, :n] - x[blk, :n]) <= step / 2 + 1e-5)
+
+
+@st.composite
+def channel_cases(draw, max_len: int = 150, max_batch: int = 3):
+    block_size = draw(st.sampled_from([16, 32]))
+    D = draw(st.sampled_from([64, 96, 128]))  # 80 has no group size for the values
+    ratio = draw(st.sampled_from([1, 3, 4]))
+    Hkv = draw(st.sampled_from([1, 2]))
+    bits = draw(st.sampled_from([4, 8]))
+    k_bits = draw(st.sampled_from([None, 4, 8]))
+    group_size = draw(st.sampled_from([g for g in (32, 64) if D % g == 0]))
+    dtype = DTYPES[draw(st.sampled_from(list(DTYPES)))]
+    edge = st.sampled_from([1, block_size - 1, block_size, block_size + 1])
+    lens = draw(st.lists(st.one_of(edge, st.integers(1, max_len)), min_size=1, max_size=max_batch))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    return make_case(rng, lens, Hkv, ratio, D, block_size, dtype, bits, group_size, k_bits=k_bits,
+                     k_per_channel=True)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=channel_cases())
+def test_reference_per_channel_matches_naive(case):
+    assert_close(run(case, "reference"), naive_attention(case), case["q"].dtype)
+
+
+def test_per_channel_keys_are_not_per_token():
+    # the same pool read as per-token groups gives other keys: the tests above do tell the layouts apart
+    rng = np.random.default_rng(21)
+    case = make_case(rng, [40], Hkv=1, ratio=1, D=64, block_size=32, dtype=mx.float32, bits=4, group_size=32,
+                     k_per_channel=True)
+    assert case["k_scales"].shape == (case["k_pool"].shape[0], 32, 1, 2)  # D // block_size = D // group_size
+    per_token = run({**case, "k_per_channel": False}, "reference")
+    assert float(np.max(np.abs(per_token - naive_attention(case)))) > 0.1
+
+
+# Both key bits with both value bits, block sizes 16 and 32 (D / block_size of 4, 2, 6 and 3), GQA 1
+# and 3, float32 and float16; partial last blocks throughout, split-K where partition_size < the length.
+@needs_interpreter
+@pytest.mark.parametrize(
+    "k_bits, bits, block_size, D, ratio, dtype, lens, partition_size",
+    [
+        (4, 4, 16, 64, 1, mx.float32, [1, 15, 16], 512),
+        (4, 8, 32, 64, 3, mx.float16, [5, 33, 64], 32),
+        (8, 4, 16, 96, 3, mx.float32, [17, 40], 16),
+        (8, 8, 32, 96, 1, mx.float16, [31, 65], 512),
+        (8, 8, 16, 128, 3, mx.float32, [50], 16),
+        (4, 4, 32, 128, 1, mx.float16, [100, 2], 64),
+    ],
+)
+def test_interpreter_per_channel_matches_reference(
+    k_bits, bits, block_size, D, ratio, dtype, lens, partition_size
+):
+    rng = np.random.default_rng(30 + D + k_bits + bits)
+    case = make_case(rng, lens, Hkv=2, ratio=ratio, D=D, block_size=block_size, dtype=dtype, bits=bits,
+                     group_size=32, k_bits=k_bits, k_per_channel=True)
+    got = run(case, "interpret", partition_size=partition_size)
+    assert_close(got, run(case, "reference"), dtype)
+    assert_close(got, naive_attention(case), dtype)
+
+
+@needs_interpreter
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=channel_cases(max_len=70, max_batch=2), partition_size=st.sampled_from([32, 512]))
+def test_interpreter_per_channel_matches_reference_random(case, partition_size):
+    got = run(case, "interpret", partition_size=partition_size)
+    assert_close(got, run(case, "reference"), case["q"].dtype)
+
+
+@needs_interpreter
+def test_interpreter_per_channel_long_split_k():
+    rng = np.random.default_rng(22)
+    case = make_case(rng, [1100, 30], Hkv=1, ratio=3, D=64, block_size=16, dtype=mx.float16, bits=4,
+                     group_size=64, k_bits=8, k_per_channel=True)
+    got = run(case, "interpret")  # 3 partitions of 512, then the reduce kernel
+    assert_close(got, run(case, "reference"), mx.float16)
+
+
+def channel_case(**overrides) -> dict:
+    rng = np.random.default_rng(23)
+    case = make_case(rng, [20], Hkv=1, ratio=1, D=64, block_size=16, dtype=mx.float16, bits=4, group_size=32,
+                     k_per_channel=True)
+    case.update(overrides)
+    return case
+
+
+def per_token_case(**overrides) -> dict:
+    # a block size (64) that does not divide the head dim (96)
+    rng = np.random.default_rng(24)
+    case = make_case(rng, [20], Hkv=1, ratio=1, D=96, block_size=64, dtype=mx.float16, bits=4, group_size=32)
+    case.update(overrides)
+    return case
+
+
+@pytest.mark.parametrize(
+    "make, error, words",
+    [
+        # k_scales of per-token groups (D // group_size = 2) where per-channel keys need D // block_size = 4
+        (lambda: channel_case(k_scales=mx.zeros((5, 16, 1, 2), dtype=mx.float16)), ValueError,
+         ["k_scales", "expected shape (5, 16, 1, 4)", "per-channel", "got (5, 16, 1, 2)"]),
+        (lambda: channel_case(k_biases=mx.zeros((5, 16, 1, 2), dtype=mx.float16)), ValueError,
+         ["k_biases", "(5, 16, 1, 4)", "(5, 16, 1, 2)"]),
+        (lambda: channel_case(k_biases=None), ValueError, ["k_biases", "(5, 16, 1, 4)", "None"]),
+        # the values stay per token
+        (lambda: channel_case(v_scales=channel_case()["k_scales"]), ValueError,
+         ["v_scales", "(5, 16, 1, 2)", "(5, 16, 1, 4)"]),
+        (lambda: small_case(k_per_channel=True), ValueError, ["k_per_channel", "bits is None", "True"]),
+        (lambda: per_token_case(k_per_channel=True), ValueError,
+         ["k_per_channel needs block_size dividing the head dim", "64", "96"]),
+        (lambda: channel_case(k_per_channel=1), TypeError, ["k_per_channel", "bool", "int"]),
+    ],
+)
+def test_bad_per_channel_input_raises(make, error, words):
+    with pytest.raises(error) as info:
         paged_decode_attention(**{"backend": "reference", **make()})
     for w in words:
         assert w in str(info.value), f"{w!r} not in {str(info.value)!r}"
