@@ -152,15 +152,18 @@ def kv_shape(ref: str | None) -> KVShape:
 
 
 def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None = None, itemsize: int = 2,
-             group_size: int = 64, key_bits: int | None = None) -> int:
+             group_size: int = 64, key_bits: int | None = None, key_group_size: int | None = None) -> int:
     """K and V of every layer for `batch` sequences of `context` tokens (quantized: packed values plus a
     scale and a bias per group, in the activation dtype). `key_bits`: the keys' bits when they differ
-    from the values' `kv_bits` (None: the same)."""
+    from the values' `kv_bits` (None: the same). `key_group_size`: the keys' when it differs (per-channel
+    keys: a scale and bias per channel and block of that many tokens costs what per-token groups of that
+    many channels cost)."""
 
-    def per_vector(bits: int | None) -> int:
+    def per_vector(bits: int | None, group: int) -> int:
         if bits is None:
             return shape.head_dim * itemsize
-        return shape.head_dim * bits // 8 + 2 * -(-shape.head_dim // group_size) * itemsize
+        return shape.head_dim * bits // 8 + 2 * -(-shape.head_dim // group) * itemsize
 
     k_bits = kv_bits if key_bits is None else key_bits
-    return (per_vector(k_bits) + per_vector(kv_bits)) * shape.num_layers * shape.num_kv_heads * context * batch
+    per_token = per_vector(k_bits, key_group_size or group_size) + per_vector(kv_bits, group_size)
+    return per_token * shape.num_layers * shape.num_kv_heads * context * batch

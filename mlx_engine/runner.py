@@ -61,10 +61,12 @@ class Runner:
         draft_model: str | None = None,
         self_draft_layers: int | None = None,
         kv_key_bits: int | None = None,
+        kv_key_per_channel: bool = False,
     ) -> Runner:
         from mlx_engine.kv.cache import KVConfig
 
-        kv_config = KVConfig(block_size, kv_bits, kv_group_size, kv_budget_bytes, prefix_caching, kv_key_bits)
+        kv_config = KVConfig(block_size, kv_bits, kv_group_size, kv_budget_bytes, prefix_caching, kv_key_bits,
+                             kv_key_per_channel)
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise RooflineError(f"prefill_chunk_size={prefill_chunk_size!r}: expected an integer >= 1")
         ckpt = load_checkpoint(model)
@@ -182,8 +184,9 @@ class Runner:
         elif self.model.args.sliding_window is not None:
             why_not = "the model uses sliding-window attention"
         if paged is False or (paged is None and why_not):
-            if config.kv_bits is not None or config.kv_key_bits is not None:
-                name = "kv_bits" if config.kv_bits is not None else "kv_key_bits"
+            if config.kv_bits is not None or config.kv_key_bits is not None or config.kv_key_per_channel:
+                name = "kv_bits" if config.kv_bits is not None else \
+                    "kv_key_bits" if config.kv_key_bits is not None else "kv_key_per_channel"
                 raise RooflineError(f"{name} needs the paged KV cache, which is off here "
                                     f"({why_not or 'paged_kv=False'})")
             return ContiguousCache(self.model, self.native)

@@ -471,3 +471,252 @@ def test_cpu_batched_decode_attention_equals_per_sequence_attention(bits: int | 
         p = np.exp(s - s.max(-1, keepdims=True))
         want = np.einsum("hgn,hnd->hgd", p / p.sum(-1, keepdims=True), v).reshape(hq, d)
         np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-6)
+
+
+# --- keys quantized per channel (kv_key_per_channel) ---
+
+CHANNEL = {"kv_bits": 4, "kv_group_size": 32, "kv_key_per_channel": True}
+
+
+def check_channel_blocks(keys: np.ndarray, scales: np.ndarray, biases: np.ndarray, want: np.ndarray, bits: int,
+                         bs: int) -> None:
+    """keys: dequantized (n, Hkv, D) of whole blocks; scales/biases per (block, head, channel) (nb, Hkv, D); want:
+    the true keys of the blocks' valid tokens (m <= n, the last block may be partial). Each block's bias is its
+    channel's minimum over the block's valid tokens and its scale the range / (2^bits - 1), to float32 rounding,
+    and every key lies within half a step of the truth."""
+    for blk in range(-(-want.shape[0] // bs)):
+        w = want[blk * bs:(blk + 1) * bs]  # (valid, Hkv, D)
+        np.testing.assert_allclose(biases[blk], w.min(0), atol=1e-5)
+        np.testing.assert_allclose(scales[blk], (w.max(0) - w.min(0)) / (2**bits - 1), atol=1e-5)
+        err = np.abs(keys[blk * bs:blk * bs + len(w)] - w)
+        assert (err <= scales[blk] / 2 + 1e-5).all(), float(err.max())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("head_major", [True, False])
+def test_channel_keys_are_quantized_per_channel_over_each_block_as_it_fills(bits: int, head_major: bool) -> None:
+    """45 tokens over scattered blocks 3, 5, 1, written in prefill chunks of 7, then one token a step: after every
+    write each block's scales and biases are its channels' range over the tokens it holds (a partial block's too),
+    every read path gives the same keys, and the float staging of a block is released once its sequence writes past
+    it."""
+    import mlx.core as mx
+
+    from kernels_metal.reference import channel_params
+    from mlx_engine.kv.paged import PagedKVStorage
+
+    rng = np.random.default_rng(5)
+    hkv, d, bs = 2, 32, 16
+    st = PagedKVStorage(1, 8, bs, hkv, d, mx.float32, bits=bits, group_size=32, head_major=head_major,
+                        key_per_channel=True)
+    keys = (rng.normal(size=(45, hkv, d)) * rng.uniform(0.1, 8, size=(1, hkv, d))).astype(np.float32)
+    table = [3, 5, 1]
+    slot = [table[p // bs] * bs + p % bs for p in range(45)]
+    bounds = [(a, min(a + 7, 40)) for a in range(0, 40, 7)] + [(p, p + 1) for p in range(40, 45)]
+    for a, b in bounds:
+        plan = st.plan_key_writes([("r", s) for s in slot[a:b]])
+        st.write(0, mx.array(slot[a:b], dtype=mx.int32), mx.array(keys[a:b]), mx.zeros((b - a, hkv, d)), plan)
+        nb = -(-b // bs)
+        whole = mx.array([table[i] * bs + j for i in range(nb) for j in range(bs)], dtype=mx.int32)
+        s, z = (np.array(channel_params(st.read_slots(x[0], whole).reshape(nb, bs, hkv, -1)))
+                for x in (st.k_scales, st.k_biases))
+        got = np.array(st.gather(0, whole, whole_blocks=True)[0]).swapaxes(0, 1)  # (nb * bs, Hkv, D)
+        check_channel_blocks(got, s, z, keys[:b], bits, bs)
+        ids = np.array(st.gather(0, mx.array(slot[:b], dtype=mx.int32))[0]).swapaxes(0, 1)  # any ids
+        np.testing.assert_array_equal(ids, got[[i for i in range(nb * bs) if i % bs + i // bs * bs < b]])
+        assert set(st._stages) == {table[(b - 1) // bs]} | ({table[(a - 1) // bs]} if a % bs and a // bs < (b - 1) // bs
+                                                           else set())
+    if head_major:  # the in-place runs the CPU decode reads
+        runs = [slice(48, 64), slice(80, 96), slice(16, 29)]
+        pieces = [np.array(st.gather(0, r)[0]).swapaxes(0, 1) for r in runs]
+        np.testing.assert_array_equal(np.concatenate(pieces), ids)
+    assert len(st._stages) == 1 and st._stage_capacity == 4
+    st.release_key_stages("r")
+    assert st._stages == {} and sorted(st._free_stages) == [0, 1, 2, 3]
+
+
+def test_channel_keys_through_the_engine_match_the_model_keys(tmp_path: Path, layout: str) -> None:
+    """Layer 0's keys depend on the tokens only: after prefill chunks of 7 and 12 decode steps with 4-bit
+    per-channel keys (block size 32), every saved block is the per-channel quantization of a contiguous run's
+    keys over the same tokens; the values are per-token 4-bit as before (the same bytes as a per-token run's)."""
+    import mlx.core as mx
+
+    from kernels_metal.reference import channel_params, unpack_codes
+
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
+    with Engine.load(str(folder), block_size=32, prefill_chunk_size=7, **CHANNEL) as e:
+        assert e.kv_stats()["kv_key_per_channel"] is True
+        reply, _ = steps(e, PROMPT + [9] * 8, 12)
+        history = PROMPT + [9] * 8 + reply  # 65 tokens: two full blocks saved
+        saved = saved_arrays(e, tmp_path / "c.kv.safetensors", history)
+        assert e.kv_stats()["used"] == 0 and e._runner.cache.storage._stages == {}
+    with Engine.load(str(folder), block_size=32, prefill_chunk_size=7, kv_bits=4, kv_group_size=32) as e:
+        steps(e, PROMPT + [9] * 8, 1)
+        per_token = saved_arrays(e, tmp_path / "t.kv.safetensors", PROMPT + [9] * 8)
+    with Engine.load(str(folder), paged_kv=False) as ref:
+        steps(ref, history[:-1], 1)
+        want = ref._thread.call(lambda: np.array(ref._runner.cache._layers[0].keys[0, :, :64]))  # (Hkv, 64, D)
+    s, z = (np.array(channel_params(saved[f"{n}.0"].reshape(2, 32, 2, -1))) for n in ("k_scales", "k_biases"))
+    got = np.array(unpack_codes(saved["k.0"], 4).reshape(2, 32, 2, 64) * mx.array(s)[:, None]
+                   + mx.array(z)[:, None]).reshape(64, 2, 64)
+    check_channel_blocks(got, s, z, want.swapaxes(0, 1), 4, 32)
+    for field in ("v", "v_scales", "v_biases"):
+        assert mx.array_equal(saved[f"{field}.0"][:32], per_token[f"{field}.0"][:32]).item(), field
+
+
+def test_channel_keys_read_alike_on_both_layouts_and_beat_per_token_at_8_bits(tmp_path: Path) -> None:
+    """The CPU's head-major pools (in-place runs, numpy decode) and the kernel's token-major ones (its reference
+    path) read the same per-channel keys: equal log-probabilities. 8-bit keys per channel stay close to
+    unquantized KV (measured max 0.04 on the first step's top 5)."""
+    import mlx_engine.kv.paged as paged
+
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
+    with Engine.load(str(folder), paged_kv=False) as ref:
+        _, want = steps(ref, PROMPT, 1)
+    runs = {}
+    for head_major in (True, False):
+        init = paged.PagedKVStorage.__init__
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(paged.PagedKVStorage, "__init__",
+                       lambda self, *a, **k: init(self, *a, **{**k, "head_major": head_major}))
+            with Engine.load(str(folder), block_size=16, prefill_chunk_size=7, kv_bits=8, kv_group_size=32,
+                             kv_key_per_channel=True) as e:
+                runs[head_major] = steps(e, PROMPT, 6)
+    assert runs[True][0] == runs[False][0]
+    assert float(np.abs(runs[True][1][..., 1] - runs[False][1][..., 1]).max()) <= 1e-5
+    first = dict(zip(runs[True][1][0, :, 0].astype(int), runs[True][1][0, :, 1]))
+    assert max(abs(first[int(t)] - w) for t, w in want[0, :5]) < 0.1
+
+
+def test_channel_keys_prefix_hits_read_the_same(tmp_path: Path) -> None:
+    """A prompt of exactly three full blocks asked twice: the second request takes two from the cache and
+    recomputes the third into a fresh block (staged afresh). Same tokens and log-probabilities as the first
+    request, and a next turn reuses the blocks as well."""
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
+    prompt = PROMPT + [9, 10, 11]  # 48 tokens
+    with Engine.load(str(folder), block_size=16, **CHANNEL) as e:
+        first = steps(e, prompt, 5)
+        events = list(e.generate(GenerationRequest(prompt_token_ids=prompt, sampling=SamplingParams(
+            temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=20))))
+        assert events[-1].usage.cached_prompt_tokens == 32
+        second = steps(e, prompt, 5)
+        assert first[0] == second[0]
+        assert float(np.abs(first[1][..., 1] - second[1][..., 1]).max()) <= 1e-5
+        longer = prompt + first[0] + [12]
+        events = list(e.generate(GenerationRequest(prompt_token_ids=longer, sampling=SamplingParams(
+            temperature=0.0, max_tokens=2, ignore_eos=True))))
+        assert events[-1].usage.cached_prompt_tokens == 48
+        assert e.kv_stats()["used"] == 0 and e._runner.cache.storage._stages == {}
+
+
+def test_channel_keys_save_restore_round_trip_and_refuse_per_token_files(tmp_path: Path) -> None:
+    import mlx.core as mx
+
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
+    path, token_path = str(tmp_path / "c.kv.safetensors"), str(tmp_path / "t.kv.safetensors")
+    with Engine.load(str(folder), **CHANNEL) as a:
+        reply, lps = steps(a, PROMPT, 6)
+        history = PROMPT + reply
+        assert a.save_kv(path, history) == 48
+        _, again = steps(a, history + [5], 3)
+    with Engine.load(str(folder), kv_bits=4, kv_group_size=32) as t:
+        steps(t, PROMPT, 4)
+        t.save_kv(token_path, PROMPT)
+        with pytest.raises(RooflineError, match=r"saved KV refused: .* has kv_key_grouping=channel, this engine uses "
+                                                r"token"):
+            t.restore_kv(path)
+    saved, meta = mx.load(path, return_metadata=True)
+    assert (meta["kv_key_grouping"], meta["key_rotation"], meta["value_rotation"]) == ("channel", "none", "hadamard")
+    assert saved["k_scales.0"].shape == (48, 2, 64 // 16)  # D channel scales of a block over its 16 slots
+    with Engine.load(str(folder), **CHANNEL) as b:
+        with pytest.raises(RooflineError, match=r"saved KV refused: .* has kv_key_grouping=token, this engine uses "
+                                                r"channel"):
+            b.restore_kv(token_path)
+        assert b.restore_kv(path) == 48
+        events = list(b.generate(GenerationRequest(prompt_token_ids=history + [5], sampling=SamplingParams(
+            temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=20))))
+        assert events[-1].usage.cached_prompt_tokens == 48
+        got = np.array([[list(t) for t in lp.top] for e in events for lp in e.logprobs])
+        assert np.array_equal(got[..., 0], again[..., 0])
+        assert float(np.abs(got[..., 1] - again[..., 1]).max()) <= 1e-5
+
+
+def test_kv_bytes_of_channel_keys(tmp_path: Path) -> None:
+    from mlx_engine.catalog import KVShape, kv_bytes
+    from mlx_engine.kv.paged import bytes_per_block
+
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)  # 2 layers, 2 KV heads, float32
+    # a block of 32 tokens x 2 layers x 2 heads: K 32 bytes + 2 x (64 / 32) x 4 (a scale and bias per channel per
+    # 32 tokens), V 32 + 2 x 2 x 4
+    assert bytes_per_block(2, 32, 2, 64, 4, 4, 32, key_per_channel=True) == 32 * 2 * 2 * (48 + 48) == 12288
+    assert kv_bytes(KVShape(2, 2, 64, 0), 32, 1, 4, 4, 64, key_group_size=16) == 32 * 2 * 2 * ((32 + 32) + (32 + 8))
+    with Engine.load(str(folder), block_size=32, **CHANNEL) as e:
+        s = e.kv_stats()
+        assert (s["kv_bits"], s["kv_key_per_channel"], s["bytes_per_block"]) == (4, True, 12288)
+        assert s["bytes_total"] == e._runner.cache.storage.nbytes - sum(
+            a.nbytes for a in e._runner.cache.storage.key_stage) == e._runner.cache.storage.capacity * 12288
+
+
+@pytest.mark.parametrize("opts, message", [
+    ({"kv_key_per_channel": True}, r"kv_key_per_channel=True: only valid with kv_bits set"),
+    ({"kv_bits": 4, "kv_key_per_channel": "yes"}, r"kv_key_per_channel='yes': expected True or False"),
+    ({"kv_key_per_channel": True, "paged_kv": False},
+     r"kv_key_per_channel needs the paged KV cache, which is off here"),
+])
+def test_bad_kv_key_per_channel(tmp_path: Path, opts: dict, message: str) -> None:
+    with pytest.raises(RooflineError, match=message):
+        Engine.load(str(random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)), kv_group_size=32, **opts)
+
+
+def test_channel_keys_need_a_block_size_dividing_the_head_dim(tmp_path: Path) -> None:
+    folder = random_llama_folder(tmp_path / "m", head_dim=16)
+    with pytest.raises(RooflineError, match=r"kv_key_per_channel=True: .* block size must divide the head dim 16; "
+                                            r"got block_size=32"):
+        Engine.load(str(folder), block_size=32, kv_bits=4, kv_group_size=32, kv_key_per_channel=True)
+
+
+def test_channel_keys_read_the_same_whatever_the_prefill_chunks(tmp_path: Path) -> None:
+    """A query reads its own block quantized over the keys up to it, never over later keys of its chunk: prefill
+    chunks of 1 (as decode steps), 7 and the whole prompt give the same log-probabilities (to float32 rounding of
+    the different matrix shapes)."""
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
+    runs = {}
+    for chunk in (1, 7, 512):
+        with Engine.load(str(folder), prefill_chunk_size=chunk, block_size=16, **CHANNEL) as e:
+            runs[chunk] = steps(e, PROMPT, 6)
+    for chunk in (7, 512):
+        assert runs[chunk][0] == runs[1][0]
+        assert float(np.abs(runs[chunk][1][..., 1] - runs[1][1][..., 1]).max()) <= 5e-5, chunk
+
+
+def test_attention_with_own_block_keys_host_and_mlx_paths_agree() -> None:
+    """`sdpa(..., own=...)`: the numpy path (MLX's CPU backend, float32) and the MLX-ops path (Metal, half
+    precision) compute the same attention, and it equals attention over the keys with each query's own
+    columns replaced, computed naively."""
+    import mlx.core as mx
+
+    from mlx_engine.models.layers import _sdpa_own_mlx, sdpa
+
+    rng = np.random.default_rng(2)
+    hq, hkv, d, L, S, bs = 6, 2, 32, 9, 21, 8  # queries at positions 12..20; own blocks of 8 columns
+    q = rng.normal(size=(1, hq, L, d)).astype(np.float32)
+    k, v = (rng.normal(size=(1, hkv, S, d)).astype(np.float32) for _ in range(2))
+    pos = np.arange(S - L, S)
+    cols = (pos // bs * bs)[:, None] + np.arange(bs)[None, :]  # the last block reaches column 23 > S - 1
+    own_keys = rng.normal(size=(hkv, L, bs, d)).astype(np.float32)
+    segments = ([mx.array(k[:, :, :10]), mx.array(k[:, :, 10:])], [mx.array(v[:, :, :10]), mx.array(v[:, :, 10:])])
+    own = (mx.array(cols.astype(np.int32)), mx.array(own_keys))
+    host = np.array(sdpa(mx.array(q), *segments, 0.3, causal=True, own=own))
+    via_mlx = np.array(_sdpa_own_mlx(mx.array(q), *segments, 0.3, own))
+    want = np.zeros_like(host)
+    for h in range(hq):
+        g = h // (hq // hkv)
+        for i in range(L):
+            keys = k[0, g].copy()
+            for w in range(bs):
+                if cols[i, w] < S:
+                    keys[cols[i, w]] = own_keys[g, i, w]
+            sc = keys[:pos[i] + 1] @ q[0, h, i] * 0.3
+            p = np.exp(sc - sc.max())
+            want[0, h, i] = (p / p.sum()) @ v[0, g, :pos[i] + 1]
+    np.testing.assert_allclose(host, want, atol=1e-5)
+    np.testing.assert_allclose(via_mlx, want, atol=1e-5)

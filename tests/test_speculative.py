@@ -243,6 +243,21 @@ def _drive_until_rejected(runner, mode: str, min_steps: int = 3):
     raise AssertionError("no partial rejection happened")
 
 
+def test_greedy_identical_with_keys_quantized_per_channel(tmp_path: Path) -> None:
+    """4-bit keys quantized per channel over each block: a verification writes k+1 keys into a block at once, yet
+    each position reads its block quantized over the keys up to it, as a decode step does; and rollback re-stages
+    the block. So speculation stays token-for-token plain decoding under this KV layout too."""
+    target = random_llama_folder(tmp_path / "t", vocab=64, layers=4, head_dim=32, hidden=128)
+    draft = random_llama_folder(tmp_path / "d", vocab=64, layers=1, seed=1, head_dim=32, hidden=128)
+    with Engine.load(str(target), draft_model=str(draft), block_size=16, kv_bits=4, kv_group_size=32,
+                     kv_key_per_channel=True) as e:
+        plain, _, _ = run(e)
+        for mode in MODES:
+            tokens, from_draft, _ = run(e, speculative=mode, num_draft_tokens=4)
+            assert tokens == plain, mode
+        assert e.kv_stats()["used"] == 0 and e._runner.cache.storage._stages == {}
+
+
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
 @pytest.mark.parametrize("mode", MODES)
 def test_rollback_leaves_the_kv_of_a_fresh_run(models, paged: bool, mode: str) -> None:

@@ -40,6 +40,7 @@ class KVConfig:
     kv_budget_bytes: int | None = None  # None: sized from the context length, capped by free memory
     prefix_caching: bool = True
     kv_key_bits: int | None = None  # the keys' bits when they differ from kv_bits (None: kv_bits)
+    kv_key_per_channel: bool = False  # quantize keys per channel over each block's tokens (KIVI), not per token
 
     def validate(self, head_dim: int) -> None:
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
@@ -52,6 +53,14 @@ class KVConfig:
         if self.kv_key_bits is not None and self.kv_bits is None:
             raise RooflineError(f"kv_key_bits={self.kv_key_bits!r}: only valid with kv_bits set (4 or 8): it sets "
                                 "the keys' bits of a quantized KV cache; expected None without kv_bits")
+        if not isinstance(self.kv_key_per_channel, bool):
+            raise RooflineError(f"kv_key_per_channel={self.kv_key_per_channel!r}: expected True or False")
+        if self.kv_key_per_channel and self.kv_bits is None:
+            raise RooflineError("kv_key_per_channel=True: only valid with kv_bits set (4 or 8): it sets how the keys "
+                                "of a quantized KV cache are grouped")
+        if self.kv_key_per_channel and head_dim % self.block_size:
+            raise RooflineError(f"kv_key_per_channel=True: a block's per-channel key scales fill its slots, so the "
+                                f"block size must divide the head dim {head_dim}; got block_size={self.block_size}")
         if self.kv_bits is not None and (self.kv_group_size not in (32, 64) or head_dim % self.kv_group_size):
             raise RooflineError(f"kv_group_size={self.kv_group_size!r}: expected 32 or 64, dividing the head "
                                 f"dim {head_dim}")
@@ -102,13 +111,15 @@ class PagedCache:
                weight_bytes: int, config: KVConfig, model_id: bytes) -> PagedCache:
         config.validate(head_dim)
         per_block = bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim, dtype.size,
-                                    config.kv_bits, config.kv_group_size, config.kv_key_bits)
+                                    config.kv_bits, config.kv_group_size, config.kv_key_bits,
+                                    config.kv_key_per_channel)
         budget = config.kv_budget_bytes
         if budget is None:
             budget = default_budget(context_length, config.block_size, per_block, weight_bytes)
         num_blocks = blocks_in_budget(budget, per_block, config.block_size, num_layers)
         storage = PagedKVStorage(num_layers, num_blocks, config.block_size, num_kv_heads, head_dim, dtype,
-                                 config.kv_bits, config.kv_group_size, key_bits=config.kv_key_bits)
+                                 config.kv_bits, config.kv_group_size, key_bits=config.kv_key_bits,
+                                 key_per_channel=config.kv_key_per_channel)
         manager = KVCacheManager(BlockPool(num_blocks, enable_caching=config.prefix_caching), config.block_size,
                                  extra_key=model_id)
         cache = cls(storage, manager, num_layers)
@@ -158,9 +169,11 @@ class PagedCache:
 
     def prefill_layers(self, req_id: str, start: int, end: int) -> list[PagedPrefillView]:
         """Views for a forward over positions [start, end) of a sequence whose slots `start` allocated."""
-        new_slots = mx.array(self.manager.slot_mapping(req_id, start, end), dtype=mx.int32)
+        slots = self.manager.slot_mapping(req_id, start, end)
+        new_slots = mx.array(slots, dtype=mx.int32)
         all_slots = self._slots(req_id, end)
-        return [PagedPrefillView(self.storage, i, start, new_slots, all_slots) for i in range(self.num_layers)]
+        plan = self.storage.plan_key_writes([(req_id, s) for s in slots])
+        return [PagedPrefillView(self.storage, i, start, new_slots, all_slots, plan) for i in range(self.num_layers)]
 
     def _slots(self, req_id: str, n: int) -> mx.array | list[slice]:
         """The first n slots of a sequence for attention that reads them whole: on MLX's CPU backend, when its
@@ -191,13 +204,15 @@ class PagedCache:
         tables = [mgr.block_table(r) for r in req_ids]
         width = max(len(t) for t in tables)
         block_tables = mx.array([t + [0] * (width - len(t)) for t in tables], dtype=mx.int32)  # (B, nb)
-        new_slots = mx.array([mgr.slot_mapping(r, p, p + 1)[0] for r, p in zip(req_ids, positions)], dtype=mx.int32)
+        slots = [mgr.slot_mapping(r, p, p + 1)[0] for r, p in zip(req_ids, positions)]
+        new_slots = mx.array(slots, dtype=mx.int32)
+        plan = self.storage.plan_key_writes(list(zip(req_ids, slots)))
         seq_lens = mx.array([p + 1 for p in positions], dtype=mx.int32)
         offset = mx.array(positions, dtype=mx.int32) if len(positions) > 1 else positions[0]
         all_slots = self._slots(req_ids[0], positions[0] + 1) if len(req_ids) == 1 and not mx.metal.is_available() \
             else None
         return [PagedDecodeView(self.storage, i, offset, new_slots, block_tables, seq_lens, max(positions) + 1,
-                                all_slots) for i in range(self.num_layers)]
+                                all_slots, plan) for i in range(self.num_layers)]
 
     packed_view: type = PackedView  # the torch backend's cache packs its own views
 
@@ -214,17 +229,25 @@ class PagedCache:
     def record(self, req_id: str, known_ids: list[int]) -> None:
         self.manager.cache_full_blocks(req_id, known_ids)
 
+    def _release(self, req_id: str | None) -> None:
+        """Per-channel keys: drop the request's (None: every) staged keys of blocks still being written."""
+        if getattr(self.storage, "key_per_channel", False):  # the torch storage has none
+            self.storage.release_key_stages(req_id)
+
     def finish(self, req_id: str, fed_ids: list[int]) -> None:
         self.manager.free(req_id)
+        self._release(req_id)
 
     def drop(self) -> None:
         for req in list(self.manager.req_to_blocks):
             self.manager.free(req)
+        self._release(None)
 
     def drop_request(self, req_id: str) -> None:
         """After a failed step: free the request's blocks and forget the prefix hashes they carried."""
         blocks = list(self.manager.req_to_blocks.get(req_id, []))
         self.manager.free(req_id)
+        self._release(req_id)
         for block in blocks:
             if block.ref_cnt == 0 and block.block_hash is not None:
                 self.manager.pool._maybe_evict_cached_block(block)
@@ -234,7 +257,8 @@ class PagedCache:
         s.update(kind="paged", bytes_per_block=self.bytes_per_block, bytes_total=self.storage.nbytes,
                  bytes_budget=self.storage.num_blocks * self.bytes_per_block,
                  bytes_used=s["used"] * self.bytes_per_block, kv_bits=self.storage.bits,
-                 kv_key_bits=getattr(self.storage, "key_bits", self.storage.bits))  # torch storage: no key_bits
+                 kv_key_bits=getattr(self.storage, "key_bits", self.storage.bits),  # torch storage: no key_bits
+                 kv_key_per_channel=getattr(self.storage, "key_per_channel", False))
         return s
 
 
@@ -314,14 +338,17 @@ class KVRestoreError(RooflineError):
 
 
 def _rotation_name(storage: PagedKVStorage) -> str:
-    """How stored keys are rotated (files written before rotation existed say nothing: 'none')."""
+    """How stored values (and per-token keys) are rotated (files written before rotation existed say nothing:
+    'none')."""
     return "none" if storage.key_rotation is None else "hadamard"
 
 
 def _layout_meta(storage: PagedKVStorage) -> dict[str, str]:
     """How the stored K and V are transformed; a file must match this engine's to be read."""
     smoothing = getattr(storage, "smoothing", None)  # the torch storage has none
-    return {"key_rotation": _rotation_name(storage), "value_rotation": _rotation_name(storage),
+    per_channel = getattr(storage, "key_per_channel", False)
+    return {"kv_key_grouping": "channel" if per_channel else "token",
+            "key_rotation": "none" if per_channel else _rotation_name(storage), "value_rotation": _rotation_name(storage),
             # the per-model offsets and key scales (`kv.smoothing`), by fingerprint
             "kv_smoothing": smoothing.fingerprint() if smoothing is not None else "none"}
 
@@ -376,7 +403,7 @@ def restore_blocks(cache: PagedCache, path: str, fingerprint: bytes) -> list[int
     want = {"block_size": str(cache.block_size), "kv_bits": str(st.bits or 0), "kv_key_bits": str(st.key_bits or 0),
             "kv_group_size": str(st.group_size), **_layout_meta(st)}
     # fields older files lack: their keys were not rotated (nor their values, nor smoothed), and had the values' bits
-    defaults = {"key_rotation": "none", "value_rotation": "none", "kv_smoothing": "none",
+    defaults = {"key_rotation": "none", "value_rotation": "none", "kv_smoothing": "none", "kv_key_grouping": "token",
                 "kv_key_bits": meta.get("kv_bits")}
     for key, value in want.items():
         have = meta.get(key, defaults.get(key))

@@ -8,10 +8,19 @@ MLX performs in place when the pool holds the only reference.
 
 Quantized K and V are stored transformed, exactly (`kv.smoothing`): keys as ((k - m_k) * s) @ H, read by queries
 (q / s) @ H (`queries`); values as (v - m_v) @ H, the attention output mapped back by `outputs`.
+
+Per-channel keys (`key_per_channel`, KIVI): a block's keys are quantized per (KV head, channel) over the block's
+tokens instead of per token over groups of channels. A few key channels carry large, steady values (RoPE pairs of
+large norm, the attention sink's direction); per channel they get their own range, where per token they widen every
+group's. Such keys are stored untransformed, and their D scales per head and block fill the block's slots
+(`kernels_metal.reference.channel_params`). A block's scales depend on all its tokens, so the keys of a block still
+being written stay in float in a small staging pool (`KeyWritePlan`) and the block is re-quantized from them at
+every write; a full block's staging is released once its sequence writes past it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -19,6 +28,7 @@ import numpy as np
 
 from kernels_metal import paged_decode_attention
 from kernels_metal import reference as kernel_reference
+from kernels_metal.reference import channel_params, quantize_channels, unpack_codes
 from kernels_metal.paged_attention import HEAD_DIMS as KERNEL_HEAD_DIMS
 from mlx_engine.kv.smoothing import KVSmoothing
 from mlx_engine.models.layers import one_blas_thread, sdpa
@@ -37,12 +47,23 @@ def hadamard(n: int) -> mx.array:
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int,
-                    bits: int | None = None, group_size: int = 64, key_bits: int | None = None) -> int:
+                    bits: int | None = None, group_size: int = 64, key_bits: int | None = None,
+                    key_per_channel: bool = False) -> int:
     """K and V of one block across all layers (`key_bits`: the keys' bits, None: `bits`)."""
     from mlx_engine.catalog import KVShape, kv_bytes
 
     return kv_bytes(KVShape(num_layers, num_kv_heads, head_dim, 0), block_size, 1, bits, itemsize, group_size,
-                    key_bits=key_bits)
+                    key_bits=key_bits, key_group_size=block_size if key_per_channel else None)
+
+
+@dataclass
+class KeyWritePlan:
+    """Where one part of a step writes per-channel keys (`PagedKVStorage.plan_key_writes`), for every layer."""
+
+    stage_rows: mx.array  # (N,) the staging row of each new token
+    block_stage_rows: mx.array  # (nb * block_size,) the staging rows of the touched blocks
+    block_slots: mx.array  # (nb * block_size,) their pool slots
+    valid: mx.array  # (nb,) tokens written in each touched block after this write
 
 
 class PagedKVStorage:
@@ -59,6 +80,7 @@ class PagedKVStorage:
         head_major: bool | None = None,
         key_bits: int | None = None,
         rotation: bool = True,
+        key_per_channel: bool = False,
     ):
         if bits is not None and bits not in SUPPORTED_KV_BITS:
             raise ValueError(f"kv_bits={bits!r}: expected one of {SUPPORTED_KV_BITS} or None")
@@ -66,10 +88,21 @@ class PagedKVStorage:
             raise ValueError(f"kv_key_bits={key_bits!r}: expected one of {SUPPORTED_KV_BITS} with kv_bits set, or None")
         if bits is not None and (group_size not in SUPPORTED_GROUP_SIZES or head_dim % group_size):
             raise ValueError(f"kv_group_size={group_size!r}: expected 32 or 64, dividing head_dim {head_dim}")
+        if key_per_channel and (bits is None or head_dim % block_size):
+            raise ValueError(f"kv_key_per_channel: needs kv_bits set and a block size dividing head_dim {head_dim} "
+                             f"(got kv_bits={bits!r}, block_size={block_size})")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.bits, self.group_size = bits, group_size  # bits: the values' (and by default the keys')
         self.key_bits = bits if key_bits is None else key_bits
+        self.key_per_channel = key_per_channel
+        # per-channel keys: D / block_size scale slots per token hold a block's D channel scales
+        self.key_groups = head_dim // (block_size if key_per_channel else group_size)
+        # per-channel keys of blocks still being written, in float: staging rows (stage * block_size + offset)
+        self.key_stage: list[mx.array] = []
+        self._stage_capacity = 0
+        self._stages: dict[int, list] = {}  # block id -> [stage index, owner, full after its last write]
+        self._free_stages: list[int] = []
         # Quantized keys and values are stored rotated by an orthonormal Hadamard matrix (QuaRot's trick): a few
         # key channels carry outliers (RoPE pairs of large norm), which wreck a 4-bit group's scale; the rotation
         # spreads every channel's energy over the whole head, and q . k is unchanged when q is rotated too
@@ -101,8 +134,8 @@ class PagedKVStorage:
             return [(self.k, self.head_dim, self.dtype), (self.v, self.head_dim, self.dtype)]
         k_packed, v_packed = self.head_dim * self.key_bits // 32, self.head_dim * self.bits // 32
         groups = self.head_dim // self.group_size
-        return [(self.k, k_packed, mx.uint32), (self.v, v_packed, mx.uint32), (self.k_scales, groups, self.dtype),
-                (self.k_biases, groups, self.dtype), (self.v_scales, groups, self.dtype),
+        return [(self.k, k_packed, mx.uint32), (self.v, v_packed, mx.uint32), (self.k_scales, self.key_groups, self.dtype),
+                (self.k_biases, self.key_groups, self.dtype), (self.v_scales, groups, self.dtype),
                 (self.v_biases, groups, self.dtype)]
 
     def ensure_capacity(self, num_blocks: int) -> None:
@@ -183,6 +216,8 @@ class PagedKVStorage:
             self._key_offset.append((mx.array(sm.key_offset[layer]) if sm is not None else zero).astype(self.dtype))
             self._value_offset.append((mx.array(sm.value_offset[layer]) if sm is not None else zero).astype(self.dtype))
         mx.eval(self._key_in, self._query_in, self._key_offset, self._value_offset)
+        if self.key_per_channel:  # per-channel keys are stored as they are: no offset, scale or rotation
+            self._key_in = self._query_in = self._key_offset = None
 
     def stored_keys(self, layer: int, k: mx.array) -> mx.array:
         """k (N, Hkv, D) -> what is quantized: ((k - m_k) * s) @ H per KV head."""
@@ -215,26 +250,122 @@ class PagedKVStorage:
         B, Hq, L, D = out.shape
         Hkv = self.num_kv_heads
         if self.key_rotation is not None:
-            out = out @ self.key_rotation.T.astype(out.dtype)
+            out = out @ self.key_rotation.T.astype(out.dtype)  # the values' rotation (the keys' may be off)
         m = self._value_offset[layer].astype(out.dtype)  # (Hkv, D)
         return (out.reshape(B, Hkv, Hq // Hkv, L, D) + m[None, :, None, None, :]).reshape(B, Hq, L, D)
 
-    def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
-        """slots (N,) int32; k, v (N, Hkv, D)."""
+    def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array,
+              key_plan: KeyWritePlan | None = None) -> None:
+        """slots (N,) int32; k, v (N, Hkv, D). Per-channel keys need the step's `plan_key_writes`."""
         if self.bits is None:
             self._put(self.k, layer, slots, k.astype(self.dtype))
             self._put(self.v, layer, slots, v.astype(self.dtype))
             return
-        kq, ks, kb = self._quantize(self.stored_keys(layer, k), self.key_bits)
         vq, vs, vb = self._quantize(self.stored_values(layer, v), self.bits)
-        for arrays, x in ((self.k, kq), (self.k_scales, ks), (self.k_biases, kb), (self.v, vq),
-                          (self.v_scales, vs), (self.v_biases, vb)):
+        if self.key_per_channel:
+            if key_plan is None:
+                raise ValueError("per-channel keys are written with a plan_key_writes plan")
+            self._write_channel_keys(layer, key_plan, k)
+            pairs = ((self.v, vq), (self.v_scales, vs), (self.v_biases, vb))
+        else:
+            kq, ks, kb = self._quantize(self.stored_keys(layer, k), self.key_bits)
+            pairs = ((self.k, kq), (self.k_scales, ks), (self.k_biases, kb), (self.v, vq), (self.v_scales, vs),
+                     (self.v_biases, vb))
+        for arrays, x in pairs:
             self._put(arrays, layer, slots, x)
+
+    # --- per-channel keys: staging ---
+
+    def plan_key_writes(self, writes: list[tuple[str, int]]) -> KeyWritePlan | None:
+        """Before a forward that writes the (owner request, slot) pairs, in position order per owner: where each
+        layer's `write` stages the new keys and which blocks it re-quantizes. None for per-token keys.
+
+        A block written from its first slot starts afresh; one written from a later slot without staging (a
+        copied block, or one whose staging was released) is staged from its quantized keys first. An owner's
+        full blocks that this write does not touch are released."""
+        if not self.key_per_channel:
+            return None
+        bs = self.block_size
+        span: dict[int, list[int]] = {}  # block -> [first offset, last offset, owner]
+        for owner, slot in writes:
+            block, off = divmod(slot, bs)
+            if block in span:
+                span[block][1] = off
+            else:
+                span[block] = [off, off, owner]
+        owners = {o for o, _ in writes}
+        for block, (_, owner, full) in list(self._stages.items()):
+            if full and owner in owners and block not in span:
+                self._release_stage(block)
+        for block, (first, last, owner) in span.items():
+            entry = self._stages.get(block)
+            if entry is None:
+                entry = self._stages[block] = [self._take_stage(), owner, False]
+                if first > 0:
+                    self._stage_from_pool(block, entry[0])
+            entry[1], entry[2] = owner, last == bs - 1
+        stage_rows = [self._stages[s // bs][0] * bs + s % bs for _, s in writes]
+        blocks = list(span)
+        rows = [self._stages[b][0] * bs + i for b in blocks for i in range(bs)]
+        return KeyWritePlan(mx.array(stage_rows, dtype=mx.int32), mx.array(rows, dtype=mx.int32),
+                            mx.array([b * bs + i for b in blocks for i in range(bs)], dtype=mx.int32),
+                            mx.array([span[b][1] + 1 for b in blocks], dtype=mx.int32))
+
+    def release_key_stages(self, owner: str | None = None) -> None:
+        """Drops the staging of `owner`'s blocks (a finished request), or of every block."""
+        for block, entry in list(self._stages.items()):
+            if owner is None or entry[1] == owner:
+                self._release_stage(block)
+
+    def _release_stage(self, block: int) -> None:
+        self._free_stages.append(self._stages.pop(block)[0])
+
+    def _take_stage(self) -> int:
+        if not self._free_stages:  # grow by doubling, as the pool does
+            new = max(4, 2 * self._stage_capacity)
+            shape = ((new - self._stage_capacity) * self.block_size, self.num_kv_heads, self.head_dim)
+            # one array per layer: writes update an array in place
+            self.key_stage = [mx.concatenate([s, mx.zeros(shape, self.dtype)]) for s in self.key_stage] \
+                if self.key_stage else [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+            mx.eval(self.key_stage)
+            self._free_stages = list(range(new - 1, self._stage_capacity - 1, -1))
+            self._stage_capacity = new
+        return self._free_stages.pop()
+
+    def _stage_from_pool(self, block: int, stage: int) -> None:
+        """A block's quantized keys, every layer, into its staging rows (rows written next are overwritten)."""
+        bs = self.block_size
+        run = slice(block * bs, (block + 1) * bs)
+        for layer in range(self.num_layers):
+            self.key_stage[layer][stage * bs:(stage + 1) * bs] = self._channel_keys(layer, run, 1).astype(self.dtype)
+
+    def _write_channel_keys(self, layer: int, plan: KeyWritePlan, k: mx.array) -> None:
+        """Stages the new keys k (N, Hkv, D), then re-quantizes every touched block from its staging rows."""
+        self.key_stage[layer][plan.stage_rows] = k.astype(self.dtype)
+        nb = plan.valid.shape[0]
+        x = self.key_stage[layer][plan.block_stage_rows].reshape(nb, self.block_size, self.num_kv_heads,
+                                                                  self.head_dim)
+        packed, scales, biases = quantize_channels(x, plan.valid, self.key_bits)
+        n = nb * self.block_size
+        for arrays, a in ((self.k, packed), (self.k_scales, scales), (self.k_biases, biases)):
+            self._put(arrays, layer, plan.block_slots, a.reshape(n, self.num_kv_heads, -1))
+
+    def _channel_keys(self, layer: int, slots: slice | mx.array, num_blocks: int) -> mx.array:
+        """Per-channel keys of `num_blocks` whole blocks (a slice of slots from a block's start, or (nb * bs,) ids
+        of whole blocks in order), dequantized: token-major (nb * bs, Hkv, D) float32."""
+        bs, Hkv = self.block_size, self.num_kv_heads
+        codes = unpack_codes(self.read_slots(self.k[layer], slots), self.key_bits)  # (nb * bs, Hkv, D)
+        s, z = (channel_params(self.read_slots(a[layer], slots).reshape(num_blocks, bs, Hkv, -1))
+                for a in (self.k_scales, self.k_biases))  # (nb, Hkv, D)
+        return (codes.reshape(num_blocks, bs, Hkv, -1) * s[:, None] + z[:, None]).reshape(num_blocks * bs, Hkv, -1)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's slots -> block dst's slots, in every layer."""
         if not pairs:
             return
+        for _, dst in pairs:  # a copy gets the source's keys: staging left from the block's last owner is stale
+            if dst in self._stages:
+                self._release_stage(dst)
         bs = self.block_size
         src = mx.array([s * bs + i for s, _ in pairs for i in range(bs)], dtype=mx.int32)
         dst = mx.array([d * bs + i for _, d in pairs for i in range(bs)], dtype=mx.int32)
@@ -246,10 +377,11 @@ class PagedKVStorage:
 
     # --- reads ---
 
-    def gather(self, layer: int, slots: mx.array | slice) -> tuple[mx.array, mx.array]:
-        """K, V at `slots` ((S,) ids, or a slice for a contiguous run) -> head-major (Hkv, S, D) each,
-        dequantized to the storage dtype (a view of the pool for a head-major slice). Quantized K and V come
-        back as stored (module docstring): attend with `queries(layer, q)`, map the output with `outputs`."""
+    def gather(self, layer: int, slots: mx.array | slice, whole_blocks: bool = False) -> tuple[mx.array, mx.array]:
+        """K, V at `slots` ((S,) ids, or a slice for a contiguous run from a block's start) -> head-major
+        (Hkv, S, D) each, dequantized to the storage dtype (a view of the pool for a head-major slice). Quantized
+        K and V come back as stored (module docstring): attend with `queries(layer, q)`, map the output with
+        `outputs`. `whole_blocks`: the ids are whole blocks in order (per-channel keys read cheaper)."""
 
         def take(a: mx.array) -> mx.array:
             return a[:, slots] if self.head_major else a[slots].swapaxes(0, 1)
@@ -261,8 +393,28 @@ class PagedKVStorage:
             return mx.dequantize(take(q), take(s), take(b), group_size=self.group_size,
                                  bits=bits).astype(self.dtype)
 
-        return (deq(self.k[layer], self.k_scales[layer], self.k_biases[layer], self.key_bits),
-                deq(self.v[layer], self.v_scales[layer], self.v_biases[layer], self.bits))
+        values = deq(self.v[layer], self.v_scales[layer], self.v_biases[layer], self.bits)
+        if self.key_per_channel:
+            return self._gather_channel_keys(layer, slots, whole_blocks).astype(self.dtype), values
+        return deq(self.k[layer], self.k_scales[layer], self.k_biases[layer], self.key_bits), values
+
+    def _gather_channel_keys(self, layer: int, slots: mx.array | slice, whole_blocks: bool) -> mx.array:
+        """`gather`'s keys for per-channel keys: head-major (Hkv, S, D) float32."""
+        bs = self.block_size
+        if isinstance(slots, slice):
+            if slots.start % bs:
+                raise ValueError(f"a run of per-channel keys starts at a block's first slot, not {slots.start}")
+            n = slots.stop - slots.start
+            nb = -(-n // bs)
+            return self._channel_keys(layer, slice(slots.start, slots.start + nb * bs), nb)[:n].swapaxes(0, 1)
+        if whole_blocks:
+            return self._channel_keys(layer, slots, slots.shape[0] // bs).swapaxes(0, 1)
+        # any ids: each token's block's scale slots
+        S, Hkv = slots.shape[0], self.num_kv_heads
+        rows = ((slots // bs) * bs)[:, None] + mx.arange(bs)[None, :]  # (S, bs)
+        s, z = (channel_params(self.read_slots(a[layer], rows.reshape(-1)).reshape(S, bs, Hkv, -1))
+                for a in (self.k_scales, self.k_biases))  # (S, Hkv, D)
+        return (unpack_codes(self.read_slots(self.k[layer], slots), self.key_bits) * s + z).swapaxes(0, 1)
 
     def gather_runs(self, layer: int, slots: mx.array | list[slice], dtype: mx.Dtype
                     ) -> tuple[list[mx.array], list[mx.array]]:
@@ -285,7 +437,7 @@ class PagedKVStorage:
         if self.bits is not None:
             kwargs = dict(k_scales=pick(self.k_scales), k_biases=pick(self.k_biases), v_scales=pick(self.v_scales),
                           v_biases=pick(self.v_biases), bits=self.bits, group_size=self.group_size,
-                          k_bits=self.key_bits)
+                          k_bits=self.key_bits, k_per_channel=self.key_per_channel)
         k, v = self._blocked(self.k[layer]), self._blocked(self.v[layer])
         if self.head_dim not in KERNEL_HEAD_DIMS:  # tiny test models: the kernels' reference math, unvalidated
             return kernel_reference.paged_decode_attention(q, k, v, block_tables, seq_lens, scale,
@@ -303,7 +455,7 @@ class PagedKVStorage:
         Hkv, bs = self.num_kv_heads, self.block_size
         T = block_tables.shape[1] * bs
         slots = (block_tables[:, :, None] * bs + mx.arange(bs)[None, None, :]).reshape(-1)  # (B * T,)
-        k, v = self.gather(layer, slots)  # (Hkv, B * T, D)
+        k, v = self.gather(layer, slots, whole_blocks=True)  # (Hkv, B * T, D)
         k = k.reshape(Hkv, B, T, D).swapaxes(0, 1).astype(mx.float32)  # (B, Hkv, T, D)
         v = v.reshape(Hkv, B, T, D).swapaxes(0, 1).astype(mx.float32)
         qg = q.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, D)  # (B, Hkv, G, D)
@@ -336,7 +488,7 @@ class PagedKVStorage:
             mx.eval(q, self.k[layer], self.v[layer])
             k, v = np.asarray(self.k[layer])[:, slots], np.asarray(self.v[layer])[:, slots]  # (Hkv, B, T, D)
         else:
-            kd, vd = self.gather(layer, mx.array(slots.reshape(-1)))  # dequantized (Hkv, B * T, D)
+            kd, vd = self.gather(layer, mx.array(slots.reshape(-1)), whole_blocks=True)  # dequantized (Hkv, B * T, D)
             mx.eval(q, kd, vd)
             k, v = (np.asarray(x.astype(mx.float32)).reshape(Hkv, B, T, D) for x in (kd, vd))
         qn = np.asarray(q).reshape(B, Hkv, Hq // Hkv, D).transpose(1, 0, 2, 3)  # (Hkv, B, G, D)
@@ -354,17 +506,47 @@ class PagedPrefillView:
     """What a model layer sees of the paged cache during a prefill chunk of one sequence."""
 
     def __init__(self, storage: PagedKVStorage, layer: int, offset: int, new_slots: mx.array,
-                 all_slots: mx.array | list[slice]):
+                 all_slots: mx.array | list[slice], key_plan: KeyWritePlan | None = None):
         self.storage, self.layer, self.offset = storage, layer, offset
         self.new_slots, self.all_slots = new_slots, all_slots  # (L,), (offset + L,) ids or runs of slots
+        self.key_plan = key_plan  # per-channel keys: the chunk's `plan_key_writes`
 
     def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         """q (1, Hq, L, D), k/v (1, Hkv, L, D) after rope -> (1, Hq, L, D); writes k/v to the pool."""
-        self.storage.write(self.layer, self.new_slots, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2))
+        self.storage.write(self.layer, self.new_slots, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2),
+                           self.key_plan)
+        if self.key_plan is not None:
+            return self._channel_attention(q, scale)
         keys, values = self.storage.gather_runs(self.layer, self.all_slots, q.dtype)  # (1, Hkv, S_i, D) each
         # causal: the L queries align with the last L of the S keys
         out = sdpa(self.storage.queries(self.layer, q), keys, values, scale, causal=True)
         return self.storage.outputs(self.layer, out)
+
+
+    def _channel_attention(self, q: mx.array, scale: float) -> mx.array:
+        """Causal attention over per-channel keys as one-token decode steps would have read them: query i reads
+        the blocks before its own as stored (full), and its own block's keys up to i quantized over exactly those
+        (from the float staging, the range of rows 0..t by a running min and max), never over later tokens of
+        the chunk. So prefill chunks, verifications and decode steps read the same numbers, and no query sees a
+        quantization grid shaped by keys after it."""
+        st, plan = self.storage, self.key_plan
+        L = q.shape[2]
+        Hkv, D, bs = st.num_kv_heads, st.head_dim, st.block_size
+        first = self.offset // bs  # the chunk's first block, in the sequence's blocks
+        nb = plan.valid.shape[0]
+        x = st.key_stage[self.layer][plan.block_stage_rows].astype(mx.float32).reshape(nb, bs, Hkv, D)
+        pos = mx.arange(self.offset, self.offset + L)  # (L,)
+        blk, t = pos // bs - first, pos % bs
+        lo, hi = mx.cummin(x, axis=1)[blk, t], mx.cummax(x, axis=1)[blk, t]  # (L, Hkv, D)
+        levels = (1 << st.key_bits) - 1
+        step = mx.maximum(hi - lo, 1e-12) / levels  # as `quantize_channels`, which the stored blocks went through
+        codes = mx.clip(mx.round((x[blk] - lo[:, None]) / step[:, None]), 0, levels)  # (L, bs, Hkv, D)
+        # dequantized with the scale and bias rounded to the storage dtype, as the pool keeps them
+        own = codes * step.astype(st.dtype).astype(mx.float32)[:, None] + lo.astype(st.dtype).astype(mx.float32)[:, None]
+        cols = ((blk + first) * bs)[:, None] + mx.arange(bs)[None, :]  # (L, bs): the own block's positions
+        keys, values = st.gather_runs(self.layer, self.all_slots, q.dtype)  # (1, Hkv, S_i, D) each
+        out = sdpa(q, keys, values, scale, causal=True, own=(cols, own.transpose(2, 0, 1, 3).astype(q.dtype)))
+        return st.outputs(self.layer, out)
 
 
 class PackedView:
@@ -401,16 +583,17 @@ class PagedDecodeView:
 
     def __init__(self, storage: PagedKVStorage, layer: int, offset: mx.array | int, new_slots: mx.array,
                  block_tables: mx.array, seq_lens: mx.array, max_seq_len: int,
-                 all_slots: mx.array | list[slice] | None = None):
+                 all_slots: mx.array | list[slice] | None = None, key_plan: KeyWritePlan | None = None):
         self.storage, self.layer, self.offset = storage, layer, offset  # offset: (B,) positions of the new tokens
         self.new_slots, self.block_tables, self.seq_lens = new_slots, block_tables, seq_lens  # (B,), (B, nb), (B,)
         self.max_seq_len = max_seq_len
         self.all_slots = all_slots  # (S,) every slot of a single sequence, for the CPU path below
+        self.key_plan = key_plan  # per-channel keys: the step's `plan_key_writes`
 
     def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         """q (B, Hq, 1, D), k/v (B, Hkv, 1, D) after rope -> (B, Hq, 1, D); writes k/v to the pool."""
         B, Hq, _, D = q.shape
-        self.storage.write(self.layer, self.new_slots, k[:, :, 0, :], v[:, :, 0, :])
+        self.storage.write(self.layer, self.new_slots, k[:, :, 0, :], v[:, :, 0, :], self.key_plan)
         q = self.storage.queries(self.layer, q)
         if self.all_slots is not None:
             # one sequence on MLX's CPU backend: its slots straight into SDPA, slices of the head-major pool

@@ -119,15 +119,16 @@ class TorchRunner(Runner):
         **kv_options: Any,
     ) -> TorchRunner:
         """`kv_options`: KVConfig's fields (block_size, kv_bits, kv_group_size, kv_budget_bytes,
-        prefix_caching, kv_key_bits); kv_bits and kv_key_bits are refused (the torch KV is unquantized)."""
+        prefix_caching, kv_key_bits, kv_key_per_channel); the quantized-KV ones are refused (the torch KV is
+        unquantized)."""
         import importlib
 
         from mlx_engine.kv.cache import KVConfig
         from mlx_engine.loading import load_checkpoint
 
         dev = resolve_device(device)
-        for name in ("kv_bits", "kv_key_bits"):
-            if kv_options.get(name) is not None:
+        for name in ("kv_bits", "kv_key_bits", "kv_key_per_channel"):
+            if kv_options.get(name) not in (None, False):
                 raise RooflineError(f"{name} is not supported on the torch backend (its KV cache is unquantized): "
                                     f"leave {name} unset, or use backend='mlx'")
         if paged_kv is False:
