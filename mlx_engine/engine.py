@@ -34,8 +34,9 @@ LOAD_OPTIONS = {
     "kv_bits": "quantize the KV cache: 8 or 4 bits (default: None, the activation dtype)",
     "kv_key_bits": "the keys' bits when they differ from kv_bits: 8 or 4 (default: kv_bits; needs kv_bits)",
     "kv_group_size": "group size of quantized KV: 64 (default) or 32",
-    "kv_key_per_channel": "quantize the keys per channel over each block's tokens (KIVI), not per token (default "
-    "False; needs kv_bits; best with block_size=32: 4-bit KV's perplexity cost drops from ~6-11% to ~1-2%)",
+    "kv_key_per_channel": "quantize the keys per channel over each block's tokens (KIVI) rather than per token "
+    "(default: for 4-bit keys, where it takes SmolLM2's perplexity cost from 6-11% to under 3%, under 2% with "
+    "block_size=32; True needs kv_bits and a block size dividing the head dim)",
     "kv_budget_bytes": "bytes for the KV block pool (default: one full context plus 25%, within half the "
     "free memory)",
     "prefix_caching": "reuse KV blocks across requests that share a prefix (default True)",

@@ -61,7 +61,7 @@ class Runner:
         draft_model: str | None = None,
         self_draft_layers: int | None = None,
         kv_key_bits: int | None = None,
-        kv_key_per_channel: bool = False,
+        kv_key_per_channel: bool | None = None,
     ) -> Runner:
         from mlx_engine.kv.cache import KVConfig
 

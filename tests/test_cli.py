@@ -136,3 +136,28 @@ def test_kv_with_8bit_keys_and_4bit_values() -> None:
     assert "(306,708,480 bytes) of KV for 4 x 8,192 tokens in 8-bit keys, 4-bit values" in r.stdout
     assert "9,360 bytes per token" in r.stdout
     assert_one_line_error(roofline("kv", "--context", "10", "--kv-key-bits", "8"), "--kv-key-bits 8 needs --kv-bits")
+
+
+def test_kv_at_4_bits_counts_keys_per_channel() -> None:
+    """4-bit keys are grouped per channel over each block (the engine's default): a scale and a bias per channel
+    and block of 16 tokens."""
+    r = roofline("kv", "--context", "8192", "--kv-bits", "4")
+    # 30 layers x 3 KV heads x (K: 32 + 2 x 2 bytes x 64 / 16, V: 32 + 4 bytes of packed values, scale and bias)
+    assert r.returncode == 0, r.stderr
+    assert "(8,192 x 7,560 bytes" not in r.stdout and "7,560 bytes per token" in r.stdout
+    assert "4-bit (g64, keys per channel over 16-token blocks)" in r.stdout
+    r = roofline("kv", "--context", "8192", "--kv-bits", "4", "--block-size", "32")
+    assert r.returncode == 0 and "6,840 bytes per token" in r.stdout  # K: 32 + 2 x 2 x 64 / 32
+
+
+def test_generate_with_quantized_kv_options() -> None:
+    """8-bit KV stays faithful (the same answer); 4-bit runs (on a 135M model its replies drift: docs/benchmarks.md,
+    figure 4's chat check). A bad value is one clear line."""
+    r = roofline("generate", "-p", "What is the capital of France?", "--max-tokens", "8", "--json", "--kv-bits", "8",
+                 "--block-size", "32")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in json.loads(r.stdout)["text"]
+    r = roofline("generate", "-p", "What is the capital of France?", "--max-tokens", "8", "--json", "--kv-bits", "4")
+    assert r.returncode == 0 and json.loads(r.stdout)["usage"]["completion_tokens"] >= 1, r.stderr
+    r = roofline("generate", "-p", "hi", "--kv-bits", "3")
+    assert r.returncode == 2 and "--kv-bits: invalid choice: 3" in r.stderr and "Traceback" not in r.stderr

@@ -284,7 +284,7 @@ def test_key_bits_store_keys_and_values_at_their_own_bits(tmp_path: Path, layout
     folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
     got = {}
     for name, opts in (("mixed", MIXED), ("8", {"kv_bits": 8, "kv_group_size": 32}),
-                       ("4", {"kv_bits": 4, "kv_group_size": 32})):
+                       ("4", {"kv_bits": 4, "kv_group_size": 32, "kv_key_per_channel": False})):
         with Engine.load(str(folder), **opts) as e:
             steps(e, PROMPT, 1)
             got[name] = saved_arrays(e, tmp_path / f"{name}.kv.safetensors", PROMPT)
@@ -304,7 +304,7 @@ def test_key_bits_logits_lie_between_8bit_and_4bit(tmp_path: Path, layout: str) 
     prompts = [PROMPT] + [[(11 * i + 5 * s + 1) % 120 + 5 for i in range(40)] for s in range(3)]
     runs = {}
     for name, opts in (("8", {"kv_bits": 8, "kv_group_size": 32}), ("mixed", MIXED),
-                       ("4", {"kv_bits": 4, "kv_group_size": 32})):
+                       ("4", {"kv_bits": 4, "kv_group_size": 32, "kv_key_per_channel": False})):
         with Engine.load(str(folder), **opts) as e:
             runs[name] = [steps(e, p, 1)[1][0] for p in prompts]  # (20, 2) per prompt
 
@@ -380,13 +380,13 @@ def test_restore_refuses_other_key_bits(tmp_path: Path) -> None:
     with Engine.load(str(folder), **MIXED) as a:
         steps(a, PROMPT, 4)
         a.save_kv(str(mixed_path), PROMPT)
-    with Engine.load(str(folder), kv_bits=4, kv_group_size=32) as a:
+    with Engine.load(str(folder), kv_bits=4, kv_group_size=32, kv_key_per_channel=False) as a:
         steps(a, PROMPT, 4)
         a.save_kv(str(plain_path), PROMPT)
     arrays, meta = mx.load(str(plain_path), return_metadata=True)
     del meta["kv_key_bits"]  # as written before the field existed
     mx.save_safetensors(str(plain_path), arrays, metadata=meta)
-    with Engine.load(str(folder), kv_bits=4, kv_group_size=32) as plain:
+    with Engine.load(str(folder), kv_bits=4, kv_group_size=32, kv_key_per_channel=False) as plain:
         with pytest.raises(RooflineError, match=r"saved KV refused: .* has kv_key_bits=8, this engine uses 4"):
             plain.restore_kv(str(mixed_path))
         assert plain.restore_kv(str(plain_path)) == 32
@@ -549,7 +549,8 @@ def test_channel_keys_through_the_engine_match_the_model_keys(tmp_path: Path, la
         history = PROMPT + [9] * 8 + reply  # 65 tokens: two full blocks saved
         saved = saved_arrays(e, tmp_path / "c.kv.safetensors", history)
         assert e.kv_stats()["used"] == 0 and e._runner.cache.storage._stages == {}
-    with Engine.load(str(folder), block_size=32, prefill_chunk_size=7, kv_bits=4, kv_group_size=32) as e:
+    with Engine.load(str(folder), block_size=32, prefill_chunk_size=7, kv_bits=4, kv_group_size=32,
+                     kv_key_per_channel=False) as e:
         steps(e, PROMPT + [9] * 8, 1)
         per_token = saved_arrays(e, tmp_path / "t.kv.safetensors", PROMPT + [9] * 8)
     with Engine.load(str(folder), paged_kv=False) as ref:
@@ -618,7 +619,7 @@ def test_channel_keys_save_restore_round_trip_and_refuse_per_token_files(tmp_pat
         history = PROMPT + reply
         assert a.save_kv(path, history) == 48
         _, again = steps(a, history + [5], 3)
-    with Engine.load(str(folder), kv_bits=4, kv_group_size=32) as t:
+    with Engine.load(str(folder), kv_bits=4, kv_group_size=32, kv_key_per_channel=False) as t:
         steps(t, PROMPT, 4)
         t.save_kv(token_path, PROMPT)
         with pytest.raises(RooflineError, match=r"saved KV refused: .* has kv_key_grouping=channel, this engine uses "
@@ -658,7 +659,7 @@ def test_kv_bytes_of_channel_keys(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("opts, message", [
     ({"kv_key_per_channel": True}, r"kv_key_per_channel=True: only valid with kv_bits set"),
-    ({"kv_bits": 4, "kv_key_per_channel": "yes"}, r"kv_key_per_channel='yes': expected True or False"),
+    ({"kv_bits": 4, "kv_key_per_channel": "yes"}, r"kv_key_per_channel='yes': expected True, False or None \(auto\)"),
     ({"kv_key_per_channel": True, "paged_kv": False},
      r"kv_key_per_channel needs the paged KV cache, which is off here"),
 ])
@@ -720,3 +721,16 @@ def test_attention_with_own_block_keys_host_and_mlx_paths_agree() -> None:
             want[0, h, i] = (p / p.sum()) @ v[0, g, :pos[i] + 1]
     np.testing.assert_allclose(host, want, atol=1e-5)
     np.testing.assert_allclose(via_mlx, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("opts, per_channel", [
+    ({"kv_bits": 4}, True), ({"kv_bits": 4, "block_size": 32}, True), ({"kv_bits": 8}, False),
+    ({"kv_bits": 4, "kv_key_bits": 8}, False), ({"kv_bits": 8, "kv_key_bits": 4}, True),
+    ({"kv_bits": 4, "kv_key_per_channel": False}, False), ({"kv_bits": 8, "kv_key_per_channel": True}, True),
+    ({}, False),
+])
+def test_keys_are_quantized_per_channel_by_default_at_4_bits(tmp_path: Path, opts: dict, per_channel: bool) -> None:
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
+    with Engine.load(str(folder), **opts) as e:
+        assert e.kv_stats()["kv_key_per_channel"] is per_channel
+        assert e._runner.cache.storage.key_per_channel is per_channel

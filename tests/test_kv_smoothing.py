@@ -191,7 +191,7 @@ def test_restore_refuses_other_smoothing(tmp_path: Path) -> None:
     before smoothing) refuses it with the reason; one with the same restores and continues."""
     folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
     path, old = tmp_path / "chat.kv.safetensors", tmp_path / "old.kv.safetensors"
-    opts = {"kv_bits": 4, "kv_group_size": 32}
+    opts = {"kv_bits": 4, "kv_group_size": 32, "kv_key_per_channel": False}  # keys per token: smoothed and rotated
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     with Engine.load(str(folder), **opts) as a:
         fp = calibrated(a).fingerprint()

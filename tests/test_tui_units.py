@@ -237,3 +237,18 @@ def test_cuts_the_streaming_rule_cannot_see_are_caught_at_the_end() -> None:
     refs = "See [the docs][d].\n\nMore.\n\n[d]: https://example.com\n"
     assert not cuts_render_alike(refs, _segments(refs, 1, 1)[1])  # link definitions apply to the whole reply
     assert cuts_render_alike("One.\n\nTwo.\n", [6])
+
+
+def test_engine_backend_loads_every_model_with_the_cli_kv_options(tmp_path) -> None:
+    """`roofline chat --kv-bits 8 --block-size 32`: the app's engine backend passes them to every Engine.load."""
+    from app.cli import _kv_options, _parser
+    from app.tui.backend import EngineBackend
+    from tests.tiny_models import random_llama_folder
+
+    args = _parser().parse_args(["chat", "--kv-bits", "8", "--block-size", "32"])
+    assert _kv_options(args) == {"kv_bits": 8, "block_size": 32}
+    assert _kv_options(_parser().parse_args(["chat"])) == {}
+    engine = EngineBackend(**_kv_options(args)).load(str(random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)))
+    with engine:
+        stats = engine.kv_stats()
+        assert (stats["kv_bits"], stats["block_size"]) == (8, 32)

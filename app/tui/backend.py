@@ -12,10 +12,13 @@ from app.tui.chips import Bandwidth, machine_bandwidth
 
 
 class EngineBackend:
+    def __init__(self, **load_options: Any) -> None:
+        self.load_options = load_options  # Engine.load's options for every model (the KV cache's, from the CLI)
+
     def load(self, ref: str | None) -> Any:
         from mlx_engine import Engine
 
-        return Engine.load(ref)
+        return Engine.load(ref, **self.load_options)
 
     def list_models(self) -> list[Any]:
         from mlx_engine.catalog import list_local_models
