@@ -263,31 +263,44 @@ def figure_shared(args, doc: list[int]) -> list[str]:
 
 # ---- 4. quantized KV --------------------------------------------------------------------------------
 
+PER_CHANNEL_BLOCK = 32  # per-channel keys' rows: 32 tokens a group by default (--channel-block-size)
+
+
 def figure_quantized(args, doc: list[int], shape) -> list[str]:
     ids = doc[args.ppl_offset:args.ppl_offset + args.ppl_tokens + 1]
-    # (kv_bits, group size, key bits): key bits None means the keys take kv_bits
-    configs = [(None, 64, None), (8, 64, None), (4, 64, None), (8, 32, None), (4, 32, None), (4, 64, 8), (4, 32, 8)]
+    # (kv_bits, group size, key bits, keys per channel): key bits None means the keys take kv_bits; per-channel
+    # keys are grouped over a block's tokens, with blocks of --channel-block-size
+    configs = [(None, 64, None, False), (8, 64, None, False), (4, 64, None, False), (8, 32, None, False),
+               (4, 32, None, False), (4, 64, 8, False), (4, 32, 8, False), (4, 64, None, True), (4, 32, None, True)]
+    if args.kv_configs:
+        configs = [c for i, c in enumerate(configs) if i == 0 or str(i) in args.kv_configs.split(",")]
     results = {}
-    for bits, gs, key_bits in configs:
-        engine = Engine.load(args.model, block_size=args.block_size, kv_bits=bits, kv_group_size=gs,
-                             kv_key_bits=key_bits)
+    for config in configs:
+        bits, gs, key_bits, per_channel = config
+        engine = Engine.load(args.model, block_size=args.channel_block_size if per_channel else args.block_size,
+                             kv_bits=bits, kv_group_size=gs, kv_key_bits=key_bits, kv_key_per_channel=per_channel)
         t0 = time.perf_counter()
         logp = engine.score(ids)
         st = engine.kv_stats()
         engine.close()
-        results[(bits, gs, key_bits)] = (float(np.exp(-logp.astype(np.float64).mean())),
-                                         st["bytes_per_block"] / st["block_size"], time.perf_counter() - t0)
-        ppl, _, secs = results[(bits, gs, key_bits)]
-        log(f"  kv_bits {bits} key bits {key_bits or bits} gs {gs}: ppl {ppl:.4f} ({secs:.0f} s)")
-    ppl0, here0, _ = results[(None, 64, None)]
+        results[config] = (float(np.exp(-logp.astype(np.float64).mean())),
+                           st["bytes_per_block"] / st["block_size"], time.perf_counter() - t0)
+        ppl, _, secs = results[config]
+        log(f"  kv_bits {bits} key bits {key_bits or bits} gs {gs} per-channel keys {per_channel}: ppl {ppl:.4f} "
+            f"({secs:.0f} s)")
+    ppl0, here0, _ = results[configs[0]]
     fp16 = kv_bytes(shape, 1, itemsize=2)
     rows = []
-    for bits, gs, key_bits in configs:
-        ppl, here, secs = results[(bits, gs, key_bits)]
-        mac = kv_bytes(shape, 1, kv_bits=bits, itemsize=2, group_size=gs, key_bits=key_bits)
+    for config in configs:
+        bits, gs, key_bits, per_channel = config
+        ppl, here, secs = results[config]
+        mac = kv_bytes(shape, 1, kv_bits=bits, itemsize=2, group_size=gs, key_bits=key_bits,
+                       key_group_size=args.channel_block_size if per_channel else None)
         name = "fp16 (reference)" if bits is None else f"{bits}-bit, group {gs}"
         if key_bits not in (None, bits):
             name = f"{key_bits}-bit K, {bits}-bit V, group {gs}"
+        if per_channel:
+            name = f"{bits}-bit, keys per channel (blocks of {args.channel_block_size}), values group {gs}"
         change = "" if bits is None else f"{100 * (ppl - ppl0) / ppl0:+.3f}%"
         rows.append(f"| {name} | {mac:,} | {100 * mac / fp16:.1f}% | {here:,.0f} | {ppl:.4f} | {change} |")
     return [
@@ -296,13 +309,66 @@ def figure_quantized(args, doc: list[int], shape) -> list[str]:
         f"`bench/data/founding_documents.txt` through `Engine.score` "
         f"(the engine's paged KV path, prefill chunks of 512, so every query reads quantized K/V; quantized K and V "
         f"are stored smoothed and rotated, `mlx_engine/kv/smoothing.py`, with offsets and key scales measured at "
-        f"load on a built-in calibration text, not this one). The reference "
+        f"load on a built-in calibration text, not this one; keys quantized per channel, `kv_key_per_channel`, are "
+        f"stored as they are, only the values smoothed and rotated). The reference "
         f"row's KV is unquantized in the activation dtype ({'fp16' if mx.metal.is_available() else 'float32 here'}); "
         "bytes per token with fp16 scales and biases (a Mac) from `catalog.kv_bytes`, and as stored here "
         "(scales and biases in the float32 activation dtype) from `kv_stats()`:",
         "",
         "| KV | bytes/token (fp16) | of fp16 | bytes/token here | perplexity | change |",
         "|---|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+    ]
+
+
+CHAT_QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+                  "Explain photosynthesis in one sentence.", "List three primary colors.", "What is 12 times 12?",
+                  "Who wrote Romeo and Juliet?", "Give me a tip for better sleep.",
+                  "Translate 'good morning' into Spanish.", "What is a black hole?", "Name a mammal that can fly."]
+CHAT_CHECK_CONFIGS = {
+    "8-bit, group 64": dict(kv_bits=8),
+    "4-bit, group 64, keys per token (smoothed, rotated)": dict(kv_bits=4, kv_key_per_channel=False),
+    "4-bit, group 64, keys per channel (blocks of 16; the default)": dict(kv_bits=4),
+    "4-bit, group 64, keys per channel (blocks of 32)": dict(kv_bits=4, block_size=32),
+}
+
+
+def chat_check(args) -> list[str]:
+    """Short chats, where a long text's perplexity says little: each question's greedy reply (24 tokens) with
+    unquantized KV, then per KV format the mean |change| of the reply tokens' log-probabilities (teacher-forced
+    through `Engine.score`) and how many reply tokens greedy decoding reproduces before it first differs."""
+    ref = Engine.load(args.model)
+    chats = []
+    for q in CHAT_QUESTIONS:
+        msgs = [{"role": "user", "content": q}]
+        ev = list(ref.generate(GenerationRequest(messages=msgs, sampling=SamplingParams(temperature=0,
+                                                                                        max_tokens=24))))
+        ids = ref.tokenizer.encode_chat(msgs, add_generation_prompt=True)
+        reply = [t for e in ev for t in e.token_ids]
+        chats.append((ids, reply, ref.score(ids + reply)))
+    ref.close()
+    total = sum(len(r) for _, r, _ in chats)
+    rows = []
+    for name, opts in CHAT_CHECK_CONFIGS.items():
+        engine = Engine.load(args.model, **opts)
+        changes, kept = [], 0
+        for ids, reply, base in chats:
+            changes.append(float(np.abs(engine.score(ids + reply) - base)[len(ids) - 1:].mean()))
+            ev = list(engine.generate(GenerationRequest(prompt_token_ids=ids, sampling=SamplingParams(
+                temperature=0, max_tokens=len(reply)))))
+            got = [t for e in ev for t in e.token_ids]
+            kept += next((i for i, (a, b) in enumerate(zip(got, reply)) if a != b), min(len(got), len(reply)))
+        engine.close()
+        log(f"  chat check {name}: |dlogp| {np.mean(changes):.3f}, {kept} of {total} tokens before divergence")
+        rows.append(f"| {name} | {np.mean(changes):.3f} | {kept} of {total} |")
+    return [
+        f"**4b. Short chats** ({len(CHAT_QUESTIONS)} one-line questions, greedy replies of up to 24 tokens with "
+        "unquantized KV): per KV format, the mean |change| in the reply tokens' log-probabilities, and the reply "
+        "tokens greedy decoding reproduces before its first different token (summed over the questions):",
+        "",
+        "| KV | mean abs change of log p (nats/token) | greedy tokens before divergence |",
+        "|---|---:|---:|",
         *rows,
         "",
     ]
@@ -356,9 +422,19 @@ def split_kv_check(args, doc: list[int]) -> list[str]:
 
 # ---- 5. decode paged vs contiguous ------------------------------------------------------------------
 
+QUANTIZED_DECODE = {  # --decode-quantized: the paged side again with quantized KV
+    "paged 4-bit g64": dict(kv_bits=4, kv_group_size=64),
+    "paged 4-bit, keys per channel": dict(kv_bits=4, kv_group_size=64, kv_key_per_channel=True,
+                                          block_size=PER_CHANNEL_BLOCK),
+}
+
+
 def figure_decode(args, doc: list[int]) -> list[str]:
     engines = {"paged": Engine.load(args.model, block_size=args.block_size, paged_kv=True),
                "contiguous": Engine.load(args.model, paged_kv=False)}
+    if args.decode_quantized:
+        engines.update({name: Engine.load(args.model, **{"block_size": args.block_size, **opts})
+                        for name, opts in QUANTIZED_DECODE.items()})
     long_ids = (doc * (max(args.contexts) // len(doc) + 1))[:max(args.contexts)]
     rows = []
     for ctx in sorted(args.contexts):
@@ -372,13 +448,16 @@ def figure_decode(args, doc: list[int]) -> list[str]:
             order = list(engines) if r % 2 == 0 else list(engines)[::-1]
             for name in order:
                 ev, _ = run(engines[name], args.decode_tokens, ids=ids)
-                assert ev.usage.cached_prompt_tokens >= ctx - args.block_size, ev.usage
+                assert ev.usage.cached_prompt_tokens >= ctx - engines[name].kv_stats().get("block_size", args.block_size), ev.usage
                 tps[name].append(ev.stats.decode_tps)
                 log(f"  {name} ctx {ctx} #{r}: {ev.stats.decode_tps:.2f} tok/s")
         p, c = statistics.median(tps["paged"]), statistics.median(tps["contiguous"])
         spread = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}"  # noqa: E731
         rows.append(f"| {ctx:,} | {c:.2f} ({spread(tps['contiguous'])}) | {p:.2f} ({spread(tps['paged'])}) | "
                     f"**{100 * (c - p) / c:+.1f}%** |")
+        for name in QUANTIZED_DECODE if args.decode_quantized else ():
+            x = statistics.median(tps[name])
+            rows.append(f"| {ctx:,}, {name} | | {x:.2f} ({spread(tps[name])}) | {100 * (c - x) / c:+.1f}% |")
     for engine in engines.values():
         engine.close()
     return [
@@ -408,10 +487,18 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a smoke test: small contexts, one repeat")
     p.add_argument("--only", default="1,2,3,4,5", help="comma-separated figures to run")
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--channel-block-size", type=int, default=PER_CHANNEL_BLOCK, choices=(16, 32),
+                   help="figure 4: the block size of the rows with keys per channel (default 32)")
+    p.add_argument("--chat-check", action="store_true",
+                   help="figure 4: also the quantized formats on short chats (log-probability change, greedy agreement)")
+    p.add_argument("--decode-quantized", action="store_true",
+                   help="figure 5: also decode with 4-bit KV, per-token and with keys per channel")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--split-kv-check", action="store_true",
                    help="with figure 4: 4-bit K only / V only / both, fake-quantized in mlx-lm's KVCache")
     p.add_argument("--ppl-tokens", type=int, default=None, help="figure 4: predictions scored (default 2,048)")
+    p.add_argument("--kv-configs", default=None,
+                   help="figure 4: comma-separated indices (1-8) of the quantized configurations to run (default: all)")
     p.add_argument("--ppl-offset", type=int, default=0,
                    help="figure 4: score the text from this token on (a second window checks robustness)")
     args = p.parse_args()
@@ -437,12 +524,18 @@ def main() -> None:
     log(f"{info.name}: {len(doc)} document tokens")
     steps = {1: lambda: figure_waste(args, shape), 2: lambda: figure_ttft(args, doc),
              3: lambda: figure_shared(args, doc),
-             4: lambda: figure_quantized(args, doc, shape) + (split_kv_check(args, doc) if args.split_kv_check else []),
+             4: lambda: figure_quantized(args, doc, shape) + (split_kv_check(args, doc) if args.split_kv_check else [])
+             + (chat_check(args) if args.chat_check else []),
              5: lambda: figure_decode(args, doc)}
     cmd = ("uv run python bench/kv.py" + (" --quick" if q else "")
            + (" --split-kv-check" if args.split_kv_check else "")
            + (f" --ppl-tokens {args.ppl_tokens}" if args.ppl_tokens != default_ppl_tokens else "")
-           + (f" --ppl-offset {args.ppl_offset}" if args.ppl_offset else "")) + (
+           + (f" --ppl-offset {args.ppl_offset}" if args.ppl_offset else "")
+           + (f" --kv-configs {args.kv_configs}" if args.kv_configs else "")
+           + (" --decode-quantized" if args.decode_quantized else "")
+           + (" --chat-check" if args.chat_check else "")
+           + (f" --channel-block-size {args.channel_block_size}" if args.channel_block_size != PER_CHANNEL_BLOCK
+              else "")) + (
         f" --only {args.only}" if figures != set(steps) else "")
     print(f"### {platform.system()}, {'Metal' if mx.metal.is_available() else 'CPU'} ({datetime.date.today()})\n")
     print(f"- Command: `{cmd}`")

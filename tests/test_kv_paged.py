@@ -705,7 +705,7 @@ def test_attention_with_own_block_keys_host_and_mlx_paths_agree() -> None:
     cols = (pos // bs * bs)[:, None] + np.arange(bs)[None, :]  # the last block reaches column 23 > S - 1
     own_keys = rng.normal(size=(hkv, L, bs, d)).astype(np.float32)
     segments = ([mx.array(k[:, :, :10]), mx.array(k[:, :, 10:])], [mx.array(v[:, :, :10]), mx.array(v[:, :, 10:])])
-    own = (mx.array(cols.astype(np.int32)), mx.array(own_keys))
+    own = (mx.array(cols.astype(np.int32)), mx.array(own_keys), int(cols.max()) + 1)
     host = np.array(sdpa(mx.array(q), *segments, 0.3, causal=True, own=own))
     via_mlx = np.array(_sdpa_own_mlx(mx.array(q), *segments, 0.3, own))
     want = np.zeros_like(host)

@@ -545,7 +545,8 @@ class PagedPrefillView:
         own = codes * step.astype(st.dtype).astype(mx.float32)[:, None] + lo.astype(st.dtype).astype(mx.float32)[:, None]
         cols = ((blk + first) * bs)[:, None] + mx.arange(bs)[None, :]  # (L, bs): the own block's positions
         keys, values = st.gather_runs(self.layer, self.all_slots, q.dtype)  # (1, Hkv, S_i, D) each
-        out = sdpa(q, keys, values, scale, causal=True, own=(cols, own.transpose(2, 0, 1, 3).astype(q.dtype)))
+        width = (first + nb) * bs  # the last own block's end
+        out = sdpa(q, keys, values, scale, causal=True, own=(cols, own.transpose(2, 0, 1, 3).astype(q.dtype), width))
         return st.outputs(self.layer, out)
 
 

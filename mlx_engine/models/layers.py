@@ -323,7 +323,7 @@ HOST_ATTENTION_MIN_PAIRS = 256
 
 
 def sdpa(q: mx.array, k: mx.array | list[mx.array], v: mx.array | list[mx.array], scale: float,
-         causal: bool, own: tuple[mx.array, mx.array] | None = None) -> mx.array:
+         causal: bool, own: tuple[mx.array, mx.array, int] | None = None) -> mx.array:
     """Scaled dot-product attention, q (1, Hq, L, D), k/v (1, Hkv, S, D) -> (1, Hq, L, D); `causal` aligns
     the L queries with the last L keys. k and v may also be lists of segments (1, Hkv, S_i, D) that together
     are the S keys in order (a paged sequence's runs of blocks, read in place rather than gathered). On MLX's
@@ -331,9 +331,9 @@ def sdpa(q: mx.array, k: mx.array | list[mx.array], v: mx.array | list[mx.array]
     of a 128-token chunk over 1,152 keys against 9.2 ms, 0.80 ms against 0.19 ms for one decode token;
     elsewhere, and below HOST_ATTENTION_MIN_PAIRS, MLX's fused kernel.
 
-    `own` (causal only): (cols (L, W) int32, keys (Hkv, L, W, D)): query i reads keys[:, i, w] in place of key
-    cols[i, w] (per-channel quantized keys: a query's own block as quantized up to it, `kv.paged`); columns
-    past the S keys are allowed (masked, as the future)."""
+    `own` (causal only): (cols (L, W) int32, keys (Hkv, L, W, D), width): query i reads keys[:, i, w] in place of
+    key cols[i, w] (per-channel quantized keys: a query's own block as quantized up to it, `kv.paged`); columns
+    past the S keys, up to width - 1 (>= S), are allowed (masked, as the future)."""
     ks, vs = (k, v) if isinstance(k, list) else ([k], [v])
     s = sum(x.shape[2] for x in ks)
     if own is not None:
@@ -347,15 +347,14 @@ def sdpa(q: mx.array, k: mx.array | list[mx.array], v: mx.array | list[mx.array]
     _, hq, length, d = q.shape
     hkv = ks[0].shape[1]
     g = hq // hkv
-    mx.eval(q, ks, vs, own)  # one evaluation for all
+    mx.eval(q, ks, vs, own[:2] if own is not None else [])  # one evaluation for all
     qn = np.asarray(q).reshape(hkv, g, length, d)  # query head h reads kv head h // g
     kts = [np.asarray(x)[0].transpose(0, 2, 1) for x in ks]  # (Hkv, D, S_i), views of the pool where it can
     vns = [np.asarray(x)[0] for x in vs]
     bounds = np.cumsum([0] + [x.shape[-1] for x in kts])
     width = s  # score columns: with `own`, up to its last column
     if own is not None:
-        cols, own_keys = np.asarray(own[0]), np.asarray(own[1])
-        width = max(s, int(cols.max()) + 1)
+        cols, own_keys, width = np.asarray(own[0]), np.asarray(own[1]), own[2]
     out = np.empty((hkv, g, length, d), np.float32)
     slab = max(1, HOST_ATTENTION_MAX_SCORES // (hq * width))
     with one_blas_thread():
@@ -385,13 +384,12 @@ def sdpa(q: mx.array, k: mx.array | list[mx.array], v: mx.array | list[mx.array]
 
 
 def _sdpa_own_mlx(q: mx.array, ks: list[mx.array], vs: list[mx.array], scale: float,
-                  own: tuple[mx.array, mx.array]) -> mx.array:
+                  own: tuple[mx.array, mx.array, int]) -> mx.array:
     """`sdpa` with `own` in MLX ops (Metal, half precision), float32 math."""
-    cols, own_keys = own
+    cols, own_keys, width = own
     _, hq, length, d = q.shape
     hkv = ks[0].shape[1]
     s = sum(x.shape[2] for x in ks)
-    width = max(s, int(cols.max().item()) + 1)
     pad = mx.zeros((1, hkv, width - s, d), mx.float32)
     k = mx.concatenate([*(x.astype(mx.float32) for x in ks), pad], axis=2)[0]  # (Hkv, width, D)
     v = mx.concatenate([*(x.astype(mx.float32) for x in vs), pad], axis=2)[0]
