@@ -734,3 +734,37 @@ def test_keys_are_quantized_per_channel_by_default_at_4_bits(tmp_path: Path, opt
     with Engine.load(str(folder), **opts) as e:
         assert e.kv_stats()["kv_key_per_channel"] is per_channel
         assert e._runner.cache.storage.key_per_channel is per_channel
+
+
+def test_channel_keys_decode_through_the_metal_kernel_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token-major pools (a Mac's layout) with per-channel keys, two sequences decoding together: steps through the
+    Metal kernel's own source, run by the interpreter, give the log-probabilities of its MLX-ops reference (the
+    same engine wiring)."""
+    import kernels_metal.paged_attention as pa
+    import mlx_engine.kv.paged as paged
+    from kernels_metal import _backend
+
+    if not _backend.interpret_available():
+        pytest.skip("the Metal interpreter is not importable")
+    init = paged.PagedKVStorage.__init__
+    monkeypatch.setattr(paged.PagedKVStorage, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "head_major": False}))
+    launches = []
+    kernels = pa._interpret_kernels
+
+    def counted():
+        launches.append(1)
+        return kernels()
+
+    monkeypatch.setattr(pa, "_interpret_kernels", counted)
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=20)
+    runs = {}
+    for env in ("0", "1"):
+        monkeypatch.setenv(_backend.INTERPRET_ENV, env)
+        with Engine.load(str(folder), block_size=16, **CHANNEL) as e:
+            streams = [e.generate(GenerationRequest(prompt_token_ids=p, sampling=params)) for p in (PROMPT, PROMPT[5:])]
+            runs[env] = [np.array([[list(t) for t in lp.top] for ev in s for lp in ev.logprobs]) for s in streams]
+        assert (len(launches) > 0) == (env == "1")  # batched decode steps ran the kernel source
+    for got, want in zip(runs["1"], runs["0"]):
+        assert np.array_equal(got[..., 0], want[..., 0])
+        assert float(np.abs(got[..., 1] - want[..., 1]).max()) <= 1e-4
