@@ -312,18 +312,20 @@ def test_interpreter_empty_sequence_gives_zeros():
 # ---------------------------------------------------------------- bad input
 
 
-def small_case(**overrides) -> dict:
-    rng = np.random.default_rng(6)
-    case = make_case(rng, [20, 5], Hkv=2, ratio=2, D=64, block_size=16, dtype=mx.float32)
+def fixed_case(seed: int, overrides: dict, seq_lens: list[int], **shape) -> dict:
+    """A `make_case` from a fixed seed, then some of its arguments replaced (the bad input under test)."""
+    case = make_case(np.random.default_rng(seed), seq_lens, **shape)
     case.update(overrides)
     return case
+
+
+def small_case(**overrides) -> dict:
+    return fixed_case(6, overrides, [20, 5], Hkv=2, ratio=2, D=64, block_size=16, dtype=mx.float32)
 
 
 def quant_case(**overrides) -> dict:
-    rng = np.random.default_rng(7)
-    case = make_case(rng, [20], Hkv=1, ratio=1, D=64, block_size=16, dtype=mx.float16, bits=4, group_size=32)
-    case.update(overrides)
-    return case
+    return fixed_case(7, overrides, [20], Hkv=1, ratio=1, D=64, block_size=16, dtype=mx.float16, bits=4,
+                      group_size=32)
 
 
 @pytest.mark.parametrize(
@@ -574,19 +576,14 @@ def test_interpreter_per_channel_long_split_k():
 
 
 def channel_case(**overrides) -> dict:
-    rng = np.random.default_rng(23)
-    case = make_case(rng, [20], Hkv=1, ratio=1, D=64, block_size=16, dtype=mx.float16, bits=4, group_size=32,
-                     k_per_channel=True)
-    case.update(overrides)
-    return case
+    return fixed_case(23, overrides, [20], Hkv=1, ratio=1, D=64, block_size=16, dtype=mx.float16, bits=4,
+                      group_size=32, k_per_channel=True)
 
 
 def per_token_case(**overrides) -> dict:
     # a block size (64) that does not divide the head dim (96)
-    rng = np.random.default_rng(24)
-    case = make_case(rng, [20], Hkv=1, ratio=1, D=96, block_size=64, dtype=mx.float16, bits=4, group_size=32)
-    case.update(overrides)
-    return case
+    return fixed_case(24, overrides, [20], Hkv=1, ratio=1, D=96, block_size=64, dtype=mx.float16, bits=4,
+                      group_size=32)
 
 
 @pytest.mark.parametrize(
