@@ -653,8 +653,11 @@ def test_kv_bytes_of_channel_keys(tmp_path: Path) -> None:
     with Engine.load(str(folder), block_size=32, **CHANNEL) as e:
         s = e.kv_stats()
         assert (s["kv_bits"], s["kv_key_per_channel"], s["bytes_per_block"]) == (4, True, 12288)
-        assert s["bytes_total"] == e._runner.cache.storage.nbytes - sum(
-            a.nbytes for a in e._runner.cache.storage.key_stage) == e._runner.cache.storage.capacity * 12288
+        assert s["bytes_total"] == e._runner.cache.storage.nbytes == e._runner.cache.storage.capacity * 12288
+        assert s["bytes_staging"] == 0
+        steps(e, PROMPT, 2)
+        # one sequence's staging: 4 stages (the first allocation) x 32 tokens x 2 layers x 2 heads x 64 x 4 bytes
+        assert e.kv_stats()["bytes_staging"] == 4 * 32 * 2 * 2 * 64 * 4
 
 
 @pytest.mark.parametrize("opts, message", [

@@ -269,7 +269,10 @@ class PagedCache:
                  bytes_budget=self.storage.num_blocks * self.bytes_per_block,
                  bytes_used=s["used"] * self.bytes_per_block, kv_bits=self.storage.bits,
                  kv_key_bits=getattr(self.storage, "key_bits", self.storage.bits),  # torch storage: no key_bits
-                 kv_key_per_channel=getattr(self.storage, "key_per_channel", False))
+                 kv_key_per_channel=getattr(self.storage, "key_per_channel", False),
+                 # per-channel keys: float copies of the blocks being written (one per running sequence), outside
+                 # the budget
+                 bytes_staging=sum(a.nbytes for a in getattr(self.storage, "key_stage", [])))
         return s
 
 
