@@ -771,3 +771,26 @@ def test_channel_keys_decode_through_the_metal_kernel_source(tmp_path: Path, mon
     for got, want in zip(runs["1"], runs["0"]):
         assert np.array_equal(got[..., 0], want[..., 0])
         assert float(np.abs(got[..., 1] - want[..., 1]).max()) <= 1e-4
+
+
+def test_channel_keys_in_packed_steps_equal_solo_runs(tmp_path: Path) -> None:
+    """One request decoding while two others join: their steps pack its decode row with the new prompts' chunks
+    (one staging plan per part), and each request gets the tokens and log-probabilities it gets alone."""
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
+    prompts = [PROMPT, [(11 * i + 5) % 120 + 5 for i in range(40)], [(13 * i + 2) % 120 + 5 for i in range(70)]]
+    p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=20)
+
+    def tops(stream) -> np.ndarray:
+        return np.array([[list(t) for t in lp.top] for ev in stream for lp in ev.logprobs])
+
+    with Engine.load(str(folder), prefix_caching=False, prefill_chunk_size=16, **CHANNEL) as e:
+        solo = [tops(e.generate(GenerationRequest(prompt_token_ids=q, sampling=p))) for q in prompts]
+        a = e.generate(GenerationRequest(prompt_token_ids=prompts[0], sampling=p))
+        first = next(a)  # a is decoding
+        b, c = (e.generate(GenerationRequest(prompt_token_ids=q, sampling=p)) for q in prompts[1:])
+        together = [np.concatenate([np.array([[list(t) for t in lp.top] for lp in first.logprobs]), tops(a)]),
+                    tops(b), tops(c)]
+        assert e.kv_stats()["used"] == 0 and e._runner.cache.storage._stages == {}
+    for got, want in zip(together, solo):
+        assert np.array_equal(got[..., 0], want[..., 0])
+        assert float(np.abs(got[..., 1] - want[..., 1]).max()) <= 1e-4
