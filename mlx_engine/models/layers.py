@@ -361,7 +361,8 @@ def sdpa(q: mx.array, k: mx.array | list[mx.array], v: mx.array | list[mx.array]
         for a in range(0, length, slab):
             b = min(length, a + slab)
             qs = qn[:, :, a:b].reshape(hkv, g * (b - a), d)
-            scores = np.zeros((hkv, g * (b - a), width), np.float32)
+            # columns past the S keys (`own`'s) start at 0, not garbage: they are scaled before they are masked
+            scores = (np.zeros if width > s else np.empty)((hkv, g * (b - a), width), np.float32)
             for kt, lo, hi in zip(kts, bounds[:-1], bounds[1:]):
                 np.matmul(qs, kt, out=scores[:, :, lo:hi])
             scores = scores.reshape(hkv, g, b - a, width)
