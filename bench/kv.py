@@ -423,7 +423,8 @@ def split_kv_check(args, doc: list[int]) -> list[str]:
 # ---- 5. decode paged vs contiguous ------------------------------------------------------------------
 
 QUANTIZED_DECODE = {  # --decode-quantized: the paged side again with quantized KV
-    "paged 4-bit g64": dict(kv_bits=4, kv_group_size=64),
+    "paged 8-bit g64": dict(kv_bits=8, kv_group_size=64),
+    "paged 4-bit g64, keys per token": dict(kv_bits=4, kv_group_size=64, kv_key_per_channel=False),
     "paged 4-bit, keys per channel": dict(kv_bits=4, kv_group_size=64, kv_key_per_channel=True,
                                           block_size=PER_CHANNEL_BLOCK),
 }

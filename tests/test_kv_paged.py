@@ -794,3 +794,27 @@ def test_channel_keys_in_packed_steps_equal_solo_runs(tmp_path: Path) -> None:
     for got, want in zip(together, solo):
         assert np.array_equal(got[..., 0], want[..., 0])
         assert float(np.abs(got[..., 1] - want[..., 1]).max()) <= 1e-4
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_single_sequence_decode_reads_codes_in_place(bits: int) -> None:
+    """`decode_runs_quantized` (quantized matmuls over the codes, per KV head and run of blocks) equals attention
+    over the dequantized runs: per-token keys, GQA 9 over 3 heads, three runs out of order with a partial last
+    block."""
+    import mlx.core as mx
+
+    from mlx_engine.kv.paged import PagedKVStorage
+    from mlx_engine.models.layers import sdpa
+
+    rng = np.random.default_rng(bits)
+    st = PagedKVStorage(1, 16, 16, 3, 64, mx.float32, bits=bits, group_size=64, head_major=True)
+    st.ensure_capacity(16)
+    table, n = [3, 4, 5, 10, 1, 2, 6], 100
+    slots = [table[p // 16] * 16 + p % 16 for p in range(n)]
+    k, v = (mx.array(rng.normal(size=(n, 3, 64)).astype(np.float32)) for _ in range(2))
+    st.write(0, mx.array(slots, dtype=mx.int32), k, v)
+    runs = [slice(48, 96), slice(160, 176), slice(16, 16 + n - 64)]
+    q = mx.array(rng.normal(size=(1, 9, 1, 64)).astype(np.float32))
+    keys, values = st.gather_runs(0, runs, mx.float32)
+    want = np.array(sdpa(q, keys, values, 0.125, causal=False))
+    np.testing.assert_allclose(np.array(st.decode_runs_quantized(0, q, runs, 0.125)), want, atol=1e-6)

@@ -424,6 +424,35 @@ class PagedKVStorage:
         pairs = [self.gather(layer, r) for r in runs]
         return [k[None].astype(dtype) for k, _ in pairs], [v[None].astype(dtype) for _, v in pairs]
 
+    def decode_runs_quantized(self, layer: int, q: mx.array, runs: list[slice], scale: float) -> mx.array:
+        """One query per head, q (1, Hq, 1, D) as `queries` maps it, over one sequence's runs of a head-major pool
+        with per-token quantized K and V -> (1, Hq, 1, D) (stored values: map with `outputs`). `mx.quantized_matmul`
+        reads the codes in place, per KV head and run: one SmolLM2 layer over 4K tokens took 2.9 ms against 3.5 ms
+        dequantizing the runs for the numpy `sdpa` (1K: 0.90 against 0.99 ms). Per-channel keys stay on that path:
+        their per-block dequantization with numpy took 3.0 ms, with quantized values here 5.5."""
+        Hq, D = q.shape[1], q.shape[3]
+        Hkv = self.num_kv_heads
+        G = Hq // Hkv
+        qg = q.reshape(Hkv, G, D).astype(mx.float32)
+        gs = self.group_size
+        outs = []
+        for h in range(Hkv):
+            scores = [mx.quantized_matmul(qg[h], self.k[layer][h, r], self.k_scales[layer][h, r].astype(mx.float32),
+                                          self.k_biases[layer][h, r].astype(mx.float32), transpose=True,
+                                          group_size=gs, bits=self.key_bits) for r in runs]  # (G, S_r) each
+            p = mx.softmax(mx.concatenate(scores, axis=-1) * scale, axis=-1)  # (G, S)
+            out, start = None, 0
+            for r, sc in zip(runs, scores):
+                n = sc.shape[-1]
+                part = mx.quantized_matmul(p[:, start:start + n], self.v[layer][h, r],
+                                           self.v_scales[layer][h, r].astype(mx.float32),
+                                           self.v_biases[layer][h, r].astype(mx.float32), transpose=False,
+                                           group_size=gs, bits=self.bits)  # (G, D)
+                out = part if out is None else out + part
+                start += n
+            outs.append(out)
+        return mx.stack(outs).reshape(1, Hq, 1, D).astype(q.dtype)
+
     def _blocked(self, a: mx.array | None) -> mx.array | None:
         return None if a is None else a.reshape(self.capacity, self.block_size, *a.shape[1:])
 
@@ -599,9 +628,13 @@ class PagedDecodeView:
         if self.all_slots is not None:
             # one sequence on MLX's CPU backend: its slots straight into SDPA, slices of the head-major pool
             # for its runs of blocks (read in place, as mlx-lm's contiguous buffer)
-            keys, values = self.storage.gather_runs(self.layer, self.all_slots, q.dtype)  # (1, Hkv, S_i, D) each
-            out = sdpa(q, keys, values, scale, causal=False)
-            return self.storage.outputs(self.layer, out)
+            st = self.storage
+            if st.bits is not None and not st.key_per_channel and st.head_major and isinstance(self.all_slots, list):
+                out = st.decode_runs_quantized(self.layer, q, self.all_slots, scale)
+            else:
+                keys, values = st.gather_runs(self.layer, self.all_slots, q.dtype)  # (1, Hkv, S_i, D) each
+                out = sdpa(q, keys, values, scale, causal=False)
+            return st.outputs(self.layer, out)
         out = self.storage.decode_attention(self.layer, q[:, :, 0, :], self.block_tables, self.seq_lens, scale,
                                             max_seq_len=self.max_seq_len)
         return self.storage.outputs(self.layer, out.reshape(B, Hq, 1, D))
