@@ -77,7 +77,7 @@ def cost_curve(engine: Engine, k_max: int = 8) -> tuple[CostCurve, float, float]
     return CostCurve(ratios, t1), self_cost, draft_cost
 
 
-def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int) -> dict:
+def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int, seed: int = 0) -> dict:
     sched = engine._scheduler
     finished = []
     retire = sched._retire
@@ -88,7 +88,7 @@ def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int)
 
     sched._retire = spy
     try:
-        params = SamplingParams(temperature=temperature, seed=0, max_tokens=tokens, ignore_eos=True,
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=tokens, ignore_eos=True,
                                 speculative=None if mode == "plain" else mode, num_draft_tokens=8)
         t = time.perf_counter()
         events = list(engine.generate(GenerationRequest(messages=[{"role": "user", "content": prompt}],
@@ -117,6 +117,7 @@ def main() -> None:
     ap.add_argument("--backend", choices=("mlx", "torch"), default="mlx")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed of every request (temperature > 0)")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--modes", nargs="+", default=MODES)
     ap.add_argument("--kinds", nargs="+", default=list(PROMPTS))
@@ -155,7 +156,7 @@ def main() -> None:
         for temp in args.temperatures:
             base = None
             for mode in args.modes:
-                r = run(engine, PROMPTS[kind], mode, temp, args.tokens)
+                r = run(engine, PROMPTS[kind], mode, temp, args.tokens, args.seed)
                 s = r["stats"]
                 tpf = (r["n"] - 1) / max(s.target_forwards - 1, 1)
                 if mode == "plain":
