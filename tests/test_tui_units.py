@@ -248,6 +248,9 @@ def test_engine_backend_loads_every_model_with_the_cli_kv_options(tmp_path) -> N
     args = _parser().parse_args(["chat", "--kv-bits", "8", "--block-size", "32"])
     assert _kv_options(args) == {"kv_bits": 8, "block_size": 32}
     assert _kv_options(_parser().parse_args(["chat"])) == {}
+    for command in (["serve"], ["generate", "-p", "hi"]):  # the server and one-shot replies take the same options
+        assert _kv_options(_parser().parse_args([*command, "--kv-bits", "4", "--block-size", "32"])) == \
+            {"kv_bits": 4, "block_size": 32}
     engine = EngineBackend(**_kv_options(args)).load(str(random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)))
     with engine:
         stats = engine.kv_stats()
