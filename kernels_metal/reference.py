@@ -99,19 +99,27 @@ def channel_params(a: mx.array) -> mx.array:
     return a.transpose(*range(n), n + 1, n + 2, n).reshape(*lead, hkv, g * bs)
 
 
+def channel_codes(x: mx.array, lo: mx.array, hi: mx.array, bits: int) -> tuple[mx.array, mx.array]:
+    """The per-channel affine rule, float32: x's codes in [0, 2^bits) on the grid from lo to hi (lo, hi broadcast
+    against x), and the grid's step. `quantize_channels` stores blocks with it, and the engine re-quantizes a
+    query's own block with it (`kv.paged`): both must round alike."""
+    levels = (1 << bits) - 1
+    step = mx.maximum(hi - lo, 1e-12) / levels
+    return mx.clip(mx.round((x - lo) / step), 0, levels), step
+
+
 def quantize_channels(x: mx.array, valid: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
     """Per-channel affine quantization of whole blocks, x (nb, block_size, Hkv, D), over each block's first
     `valid` (nb,) tokens (the rest are padding: quantized as the block's minimum, never read) -> codes packed
     as `mx.quantize` packs them (nb, block_size, Hkv, D * bits / 32) uint32, scales and biases (nb, block_size,
     Hkv, D / block_size) as `channel_params` reads them, in x's dtype. w = scale * q + bias, q in [0, 2^bits)."""
     nb, bs, hkv, d = x.shape
-    levels = (1 << bits) - 1
     x32 = x.astype(mx.float32)
     mask = (mx.arange(bs)[None, :] < valid[:, None])[:, :, None, None]  # (nb, bs, 1, 1)
     lo = mx.where(mask, x32, mx.inf).min(axis=1)  # (nb, Hkv, D)
     hi = mx.where(mask, x32, -mx.inf).max(axis=1)
-    scale = mx.maximum(hi - lo, 1e-12) / levels
-    q = mx.clip(mx.round((mx.where(mask, x32, lo[:, None]) - lo[:, None]) / scale[:, None]), 0, levels)
+    q, scale = channel_codes(mx.where(mask, x32, lo[:, None]), lo[:, None], hi[:, None], bits)
+    scale = scale[:, 0]
     q = q.astype(mx.uint32).reshape(nb, bs, hkv, d * bits // 32, 32 // bits)
     shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
     packed = (q << shifts).sum(axis=-1).astype(mx.uint32)

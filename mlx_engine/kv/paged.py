@@ -28,7 +28,7 @@ import numpy as np
 
 from kernels_metal import paged_decode_attention
 from kernels_metal import reference as kernel_reference
-from kernels_metal.reference import channel_params, quantize_channels, unpack_codes
+from kernels_metal.reference import channel_codes, channel_params, quantize_channels, unpack_codes
 from kernels_metal.paged_attention import HEAD_DIMS as KERNEL_HEAD_DIMS
 from mlx_engine.kv.smoothing import KVSmoothing
 from mlx_engine.models.layers import one_blas_thread, sdpa
@@ -551,7 +551,6 @@ class PagedPrefillView:
         out = sdpa(self.storage.queries(self.layer, q), keys, values, scale, causal=True)
         return self.storage.outputs(self.layer, out)
 
-
     def _channel_attention(self, q: mx.array, scale: float) -> mx.array:
         """Causal attention over per-channel keys as one-token decode steps would have read them: query i reads
         the blocks before its own as stored (full), and its own block's keys up to i quantized over exactly those
@@ -566,12 +565,10 @@ class PagedPrefillView:
         x = st.key_stage[self.layer][plan.block_stage_rows].astype(mx.float32).reshape(nb, bs, Hkv, D)
         pos = mx.arange(self.offset, self.offset + L)  # (L,)
         blk, t = pos // bs - first, pos % bs
-        lo, hi = mx.cummin(x, axis=1)[blk, t], mx.cummax(x, axis=1)[blk, t]  # (L, Hkv, D)
-        levels = (1 << st.key_bits) - 1
-        step = mx.maximum(hi - lo, 1e-12) / levels  # as `quantize_channels`, which the stored blocks went through
-        codes = mx.clip(mx.round((x[blk] - lo[:, None]) / step[:, None]), 0, levels)  # (L, bs, Hkv, D)
+        lo, hi = mx.cummin(x, axis=1)[blk, t][:, None], mx.cummax(x, axis=1)[blk, t][:, None]  # (L, 1, Hkv, D)
+        codes, step = channel_codes(x[blk], lo, hi, st.key_bits)  # (L, bs, Hkv, D): as the stored blocks went
         # dequantized with the scale and bias rounded to the storage dtype, as the pool keeps them
-        own = codes * step.astype(st.dtype).astype(mx.float32)[:, None] + lo.astype(st.dtype).astype(mx.float32)[:, None]
+        own = codes * step.astype(st.dtype).astype(mx.float32) + lo.astype(st.dtype).astype(mx.float32)
         cols = ((blk + first) * bs)[:, None] + mx.arange(bs)[None, :]  # (L, bs): the own block's positions
         keys, values = st.gather_runs(self.layer, self.all_slots, q.dtype)  # (1, Hkv, S_i, D) each
         width = (first + nb) * bs  # the last own block's end
