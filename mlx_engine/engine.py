@@ -44,6 +44,8 @@ LOAD_OPTIONS = {
     "draft_model": "a draft model for speculative='draft' (same tokenizer as the model; GGUF file, HF or MLX "
     "folder, HF repo id)",
     "self_draft_layers": "layers of the model that speculative='self' drafts with (default: half)",
+    "cuda_graphs": "backend='torch' on CUDA: replay each batched decode step as a CUDA graph (default True; "
+    "False launches its kernels one by one)",
 }
 
 

@@ -36,6 +36,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--backend", choices=BACKENDS, default="mlx", help="model runner (default mlx)")
     b.add_argument("--device", choices=DEVICES, default="auto",
                    help="auto (default), cpu or cuda (cuda: the torch backend only)")
+    b.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
+                   help="torch on CUDA: launch each decode step's kernels one by one (default: replay a CUDA graph)")
     b.add_argument("-p", "--prompt-tokens", type=int, default=512, help="prompt tokens per prefill test (default 512)")
     b.add_argument("-n", "--gen-tokens", type=int, default=128, help="new tokens per decode test (default 128)")
     b.add_argument("--batch", "-b", default="1,4,8", help="concurrent sequences, comma-separated (default 1,4,8)")
@@ -58,7 +60,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.json) if args.json else None
     if out is not None and not out.parent.exists():
         raise RooflineError(f"--json {out}: folder {out.parent} does not exist")
-    result = run(args.model, spec, args.backend, args.device, command=" ".join(["roofline", *sys.argv[1:]]))
+    if args.cuda_graphs is not None and args.backend != "torch":
+        raise RooflineError("--no-cuda-graphs needs --backend torch (CUDA graphs are the torch backend's)")
+    result = run(args.model, spec, args.backend, args.device, command=" ".join(["roofline", *sys.argv[1:]]),
+                 cuda_graphs=args.cuda_graphs)
     if out is not None:
         out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {out}", file=sys.stderr)
@@ -66,7 +71,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(model: str | None, spec: Any, backend: str, device: str, command: str = "roofline bench") -> dict[str, Any]:
+def run(model: str | None, spec: Any, backend: str, device: str, command: str = "roofline bench",
+        cuda_graphs: bool | None = None) -> dict[str, Any]:
     """Loads the model, measures `spec` with a progress bar on stderr, returns the bench JSON."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -75,7 +81,8 @@ def run(model: str | None, spec: Any, backend: str, device: str, command: str = 
     from app.tui.store import data_dir
     from mlx_engine import bench
 
-    engine = bench.load_engine(model, spec, backend, device)
+    options = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
+    engine = bench.load_engine(model, spec, backend, device, **options)
     try:
         dev = bench.engine_device(engine, backend, device)
         home = data_dir()

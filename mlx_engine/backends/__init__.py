@@ -43,6 +43,8 @@ def load_runner(model: str | None, backend: str = "mlx", device: str = "auto", *
 
     if device == "cuda":
         raise RooflineError("device='cuda' needs backend='torch': the MLX backend runs on Metal or the CPU")
+    if options.pop("cuda_graphs", None) is not None:
+        raise RooflineError("cuda_graphs needs backend='torch' (device='cuda'): the MLX backend has no CUDA graphs")
     metal = mx.metal.is_available()
     if device == "cpu" and metal:
         raise RooflineError("device='cpu' with backend='mlx' on a Mac is not supported (the engine picks Metal); "

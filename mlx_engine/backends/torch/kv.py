@@ -9,6 +9,7 @@ causal or padding mask), used on the CPU and for prefill; the Triton paged decod
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -44,18 +45,26 @@ class TorchKVStorage:
         self.ensure_capacity(min(num_blocks, INITIAL_BLOCKS))
 
     def ensure_capacity(self, num_blocks: int) -> None:
+        """Pools of capacity + 1 blocks: the last one is `scratch_block`, never handed out by the block pool
+        (its ids stay below capacity), where a CUDA graph's padding rows write (`graphs.DecodeGraphs`)."""
         if num_blocks <= self.capacity:
             return
         new = min(self.num_blocks, max(num_blocks, 2 * self.capacity))
-        extra = torch.zeros((new - self.capacity) * self.block_size, self.num_kv_heads, self.head_dim,
-                            dtype=self.dtype, device=self.device)
+        used = self.capacity * self.block_size
         for pools in (self.k, self.v):
             for layer in range(self.num_layers):
+                grown = torch.zeros((new + 1) * self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+                                    device=self.device)
                 if len(pools) <= layer:
-                    pools.append(extra.clone())
+                    pools.append(grown)
                 else:
-                    pools[layer] = torch.cat([pools[layer], extra])
+                    grown[:used] = pools[layer][:used]
+                    pools[layer] = grown
         self.capacity = new
+
+    @property
+    def scratch_block(self) -> int:
+        return self.capacity
 
     @property
     def nbytes(self) -> int:
@@ -99,25 +108,54 @@ class PrefillView:
 
 
 class DecodeStep:
-    """What every layer's view shares in one decode step of B sequences (one new token each)."""
+    """What every layer's view shares in one decode step of B sequences (one new token each). The step keeps
+    its host lists; its device tensors are made on first use, so a CUDA graph's replay (which copies the lists
+    into its own static tensors, `graphs.DecodeGraphs`) never makes them."""
 
     def __init__(self, storage: TorchKVStorage, positions: list[int], new_slots: list[int], tables: list[list[int]]):
-        dev, bs = storage.device, storage.block_size
-        self.storage = storage
-        self.positions = torch.tensor(positions, device=dev)[:, None]  # (B, 1)
-        self.new_slots = torch.tensor(new_slots, device=dev)  # (B,)
-        width = max(len(t) for t in tables)
-        self.block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                                         device=dev)  # (B, nb)
-        self.seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=dev)  # (B,)
-        self.use_kernel = storage.use_kernel
-        if not self.use_kernel:  # the reference: every sequence's slots, padded to the longest
-            S = max(positions) + 1
-            slots = self.block_tables.long()[:, :, None] * bs + torch.arange(bs, device=dev)  # (B, nb, bs)
-            self.slots = slots.flatten(1)[:, :S]  # (B, S)
-            self.mask = None
-            if len(positions) > 1:
-                self.mask = (torch.arange(S, device=dev)[None, :] < self.seq_lens[:, None])[:, None, None, :]
+        self.storage, self.use_kernel = storage, storage.use_kernel
+        self.position_list, self.slot_list, self.tables = positions, new_slots, tables
+
+    @classmethod
+    def static(cls, storage: TorchKVStorage, positions: torch.Tensor, new_slots: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor) -> DecodeStep:
+        """A step over given device tensors (a CUDA graph's static inputs); the kernel path only."""
+        step = cls(storage, [], [], [])
+        step.__dict__.update(positions=positions, new_slots=new_slots, block_tables=block_tables, seq_lens=seq_lens)
+        step.use_kernel = True
+        return step
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        return torch.tensor(self.position_list, device=self.storage.device)[:, None]  # (B, 1)
+
+    @functools.cached_property
+    def new_slots(self) -> torch.Tensor:
+        return torch.tensor(self.slot_list, device=self.storage.device)  # (B,)
+
+    @functools.cached_property
+    def block_tables(self) -> torch.Tensor:
+        width = max(len(t) for t in self.tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32,
+                            device=self.storage.device)  # (B, nb)
+
+    @functools.cached_property
+    def seq_lens(self) -> torch.Tensor:
+        return torch.tensor([p + 1 for p in self.position_list], dtype=torch.int32, device=self.storage.device)
+
+    @functools.cached_property
+    def slots(self) -> torch.Tensor:
+        """The reference path: every sequence's slots, padded to the longest (B, S)."""
+        S, bs = max(self.position_list) + 1, self.storage.block_size
+        slots = self.block_tables.long()[:, :, None] * bs + torch.arange(bs, device=self.storage.device)
+        return slots.flatten(1)[:, :S]
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        if len(self.position_list) == 1:
+            return None
+        S = max(self.position_list) + 1
+        return (torch.arange(S, device=self.storage.device)[None, :] < self.seq_lens[:, None])[:, None, None, :]
 
 
 class DecodeView:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from mlx_engine.api import ModelInfo, RooflineError
-from mlx_engine.backends.torch.kv import ContiguousLayer, TorchPagedCache
+from mlx_engine.backends.torch.kv import ContiguousLayer, DecodeStep, DecodeView, PackedView, TorchPagedCache
 from mlx_engine.backends.torch.model import build_model
 from mlx_engine.runner import (
     NoTokenizer,
@@ -102,6 +102,8 @@ class TorchRunner(Runner):
     def __init__(self, model: Any, tokenizer: Any, info: ModelInfo, prefill_chunk_size: int, device: torch.device):
         super().__init__(types.SimpleNamespace(model=model, native=True), tokenizer, info, prefill_chunk_size)
         self.device = device
+        self.graphs: Any = None  # graphs.DecodeGraphs: the decode step as CUDA graphs (CUDA, cuda_graphs on)
+        self.graphs_error: str | None = None  # why graphs went off, when a capture failed
 
     @classmethod
     def load(
@@ -114,13 +116,14 @@ class TorchRunner(Runner):
         paged_kv: bool | None = None,
         draft_model: str | None = None,
         self_draft_layers: int | None = None,
+        cuda_graphs: bool | None = None,
         *,
         with_cache: bool = True,
         **kv_options: Any,
     ) -> TorchRunner:
         """`kv_options`: KVConfig's fields (block_size, kv_bits, kv_group_size, kv_budget_bytes,
         prefix_caching, kv_key_bits, kv_key_per_channel); the quantized-KV ones are refused (the torch KV is
-        unquantized)."""
+        unquantized). `cuda_graphs`: replay batched decode steps as CUDA graphs (default: on CUDA)."""
         import importlib
 
         from mlx_engine.kv.cache import KVConfig
@@ -133,6 +136,10 @@ class TorchRunner(Runner):
                                     f"leave {name} unset, or use backend='mlx'")
         if paged_kv is False:
             raise RooflineError("paged_kv=False is not supported on the torch backend: it always uses the paged KV cache")
+        if cuda_graphs not in (None, True, False):
+            raise RooflineError(f"cuda_graphs={cuda_graphs!r}: expected True, False or None (on CUDA: True)")
+        if cuda_graphs and dev.type != "cuda":
+            raise RooflineError(f"cuda_graphs=True needs device='cuda' (this runner is on {dev.type}); leave it unset")
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise RooflineError(f"prefill_chunk_size={prefill_chunk_size!r}: expected an integer >= 1")
         kv_config = KVConfig(**kv_options)
@@ -173,6 +180,10 @@ class TorchRunner(Runner):
                 num_layers=args.num_hidden_layers, num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
                 dtype=act_dtype, device=dev, context_length=context, weight_bytes=tmodel.weight_bytes,
                 config=kv_config, model_id=runner.fingerprint, use_kernel=kernels)
+            if kernels and dev.type == "cuda" and cuda_graphs is not False:
+                from mlx_engine.backends.torch.graphs import DecodeGraphs
+
+                runner.graphs = DecodeGraphs(tmodel, runner.cache.storage)
         runner.self_draft_layers = runner._check_self_draft_layers(self_draft_layers)
         if draft_model is not None:
             draft = cls.load(draft_model, device=dev.type, dtype=dtype, prefill_chunk_size=prefill_chunk_size,
@@ -194,13 +205,47 @@ class TorchRunner(Runner):
     def cache_state(layers: list[Any]) -> list[mx.array]:
         return []  # torch work is eager: nothing for mx.eval
 
+    def _graph_step(self, layers: list[Any]) -> DecodeStep | None:
+        """The decode step a CUDA graph can replay: `layers` are a decode step's views (one sequence's,
+        `decode_layers`), or packed views holding only decode rows (several sequences', `packed_layers`)."""
+        if self.graphs is None or not layers:
+            return None
+        view = layers[0]
+        if isinstance(view, PackedView) and not view.prefills and view.decode is not None:
+            view = view.decode
+        if isinstance(view, DecodeView) and self.graphs.supports(len(view.step.tables)):
+            return view.step
+        return None
+
+    def _graph_logits(self, inputs: Any, step: DecodeStep) -> torch.Tensor | None:
+        """The step's logits (B, V) from its CUDA graph; None when capturing fails (a torch or driver that
+        cannot capture some kernel): then graphs stay off for this runner, with a warning, and the step runs
+        eagerly (its K/V writes are idempotent)."""
+        try:
+            return self.graphs.logits(np.array(inputs, dtype=np.int64).reshape(-1), step)
+        except RuntimeError as e:
+            import warnings
+
+            self.graphs, self.graphs_error = None, f"{type(e).__name__}: {e}"
+            warnings.warn(f"CUDA graphs are off for this model: capturing the decode step failed ({e}); decoding "
+                          "continues with eager launches", RuntimeWarning, stacklevel=2)
+            return None
+
     @_torch_work
     def last_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
+        step = self._graph_step(layers)
+        logits = None if step is None else self._graph_logits(inputs, step)
+        if logits is not None:
+            return _mx(logits)
         h = self.forward(inputs, layers)
         return _mx(self.model.logits(h[:, -1, :]))
 
     @_torch_work
     def rows_logits(self, inputs: Any, layers: list[Any], rows: list[int]) -> mx.array | None:
+        step = self._graph_step(layers)  # a step of decode rows only: rows (1, B) -> a graph's batch of B
+        logits = None if step is None else self._graph_logits(inputs, step)
+        if logits is not None:
+            return _mx(logits[rows]) if rows else None
         h = self.forward(inputs, layers)  # eager: the K/V writes are done
         return _mx(self.model.logits(h[0, rows])) if rows else None
 

@@ -1,0 +1,115 @@
+"""The torch backend on CUDA (skipped without a GPU; run on a lent machine by `bench/device_check.sh`): the
+Triton kernels compiled for the GPU against their torch references, and batched decode replayed as CUDA
+graphs against the same steps launched eagerly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.torch_support import require
+
+torch = require("torch")
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
+from mlx_engine.backends.torch import triton_kernels as tk  # noqa: E402
+from tests.tiny_models import GOLDEN  # noqa: E402
+
+CUDA = torch.device("cuda")
+BUDGET = 1 << 24  # the default is half the free GPU memory: millions of blocks of this tiny model
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("B, Hq, Hkv, D, lens, partition", [
+    (3, 8, 2, 64, [1, 37, 300], None),
+    (2, 9, 3, 64, [2000, 700], 512),  # split over partitions (FlashDecoding), GQA of 3
+    (5, 4, 4, 128, [16, 17, 64, 5, 129], 32),
+])
+def test_paged_decode_attention_on_cuda(dtype, tol, B, Hq, Hkv, D, lens, partition):
+    g = torch.Generator(device="cpu").manual_seed(B * 100 + D)
+    bs = 16
+    tables = []
+    next_block = 0
+    for n in lens:
+        blocks = -(-n // bs)
+        tables.append(list(range(next_block, next_block + blocks))[::-1])  # not in order
+        next_block += blocks
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=CUDA)
+    sl = torch.tensor(lens, dtype=torch.int32, device=CUDA)
+    k = torch.randn(next_block * bs, Hkv, D, generator=g).to(CUDA, dtype)
+    v = torch.randn(next_block * bs, Hkv, D, generator=g).to(CUDA, dtype)
+    q = torch.randn(B, Hq, D, generator=g).to(CUDA, dtype)
+    before = tk.launch_counts["paged_decode_attention"]
+    out = tk.paged_decode_attention(q, k, v, bt, sl, D**-0.5, bs, partition_size=partition)
+    assert tk.launch_counts["paged_decode_attention"] == before + 1  # the kernel, not the fallback
+    ref = tk.paged_decode_attention_ref(q.cpu().float(), k.cpu().float(), v.cpu().float(), bt.cpu(), sl.cpu(),
+                                        D**-0.5, bs)
+    assert out.dtype == dtype
+    assert float((out.float().cpu() - ref).abs().max()) <= tol
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.float16, 3e-2), (torch.bfloat16, 2e-1)])
+@pytest.mark.parametrize("M, N, K, bits, group", [(1, 96, 256, 4, 64), (7, 200, 576, 4, 32), (64, 130, 512, 8, 128)])
+def test_dequant_matmul_on_cuda(dtype, tol, M, N, K, bits, group):
+    g = torch.Generator(device="cpu").manual_seed(M + N + K)
+    words = torch.randint(-(2**31), 2**31 - 1, (N, K * bits // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    scales = (torch.rand(N, K // group, generator=g) * 0.02).to(dtype)
+    biases = (torch.rand(N, K // group, generator=g) * 0.1 - 0.05).to(dtype)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    before = tk.launch_counts["dequant_matmul"]
+    y = tk.dequant_matmul(x.to(CUDA), words.to(CUDA), scales.to(CUDA), biases.to(CUDA), bits, group)
+    assert tk.launch_counts["dequant_matmul"] == before + 1
+    ref = tk._dequant_matmul_ref(x.float(), words, scales.float(), biases.float(), bits, group)
+    assert y.shape == (M, N) and y.dtype == dtype
+    assert float((y.float().cpu() - ref).abs().max()) <= tol * max(1.0, float(ref.abs().max()))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    pytest.importorskip("gguf")
+    from tests.tiny_models import write_gguf_from_folder
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_gguf_from_folder(GOLDEN / "llama", path, {"attn_q": "Q4_0", "ffn": "Q4_1"}, default_type="Q8_0")
+    return str(path)
+
+
+PROMPTS = [[3, 17, 42, 99, 7], [(7 * i + 1) % 120 + 3 for i in range(21)], [(5 * i + 2) % 120 + 3 for i in range(40)]]
+
+
+def decode_together(engine: Engine, n: int = 16) -> tuple[list[list[int]], np.ndarray]:
+    streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
+        temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0))) for p in PROMPTS]
+    events = [list(s) for s in streams]
+    return ([[t for e in ev for t in e.token_ids] for ev in events],
+            np.array([lp.logprob for ev in events for e in ev for lp in e.logprobs]))
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("float16", 2e-2)])
+def test_cuda_graph_decode_equals_eager(tiny_gguf, dtype, tol):
+    with Engine.load(tiny_gguf, backend="torch", device="cuda", dtype=dtype, cuda_graphs=False,
+                     kv_budget_bytes=BUDGET) as eager:
+        assert eager._runner.graphs is None
+        want_tokens, want_lp = decode_together(eager)
+        want_solo = decode_one(eager)
+    with Engine.load(tiny_gguf, backend="torch", device="cuda", dtype=dtype, kv_budget_bytes=BUDGET) as graphed:
+        graphs = graphed._runner.graphs
+        assert graphs is not None and graphs.capture
+        got_tokens, got_lp = decode_together(graphed)
+        assert graphs.captures >= 1 and graphs.replays >= 14
+        assert all(g.graph is not None for g in graphs.graphs.values())
+        got_solo = decode_one(graphed)  # batch 1: another graph
+        assert (1, 8) in {k[:2] for k in graphs.graphs}
+    assert got_tokens == want_tokens and got_solo == want_solo
+    assert float(np.abs(got_lp - want_lp).max()) <= tol
+
+
+def decode_one(engine: Engine) -> list[int]:
+    events = list(engine.generate(GenerationRequest(prompt_token_ids=PROMPTS[1], sampling=SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True))))
+    return [t for e in events for t in e.token_ids]

@@ -1,0 +1,104 @@
+"""The torch backend's decode step as CUDA graphs (`backends/torch/graphs.py`), on the CPU: the graph's
+static-buffer step run eagerly (`capture=False`) must give the tokens and log-probabilities of the eager step,
+with its padding rows and table columns in the pool's scratch block, and its keys dropped when the pool grows.
+The capture itself needs CUDA: `bench/device_check.sh` compares graphs on and off on a lent GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.torch_support import require
+
+torch = require("torch")
+
+from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
+from mlx_engine.api import RooflineError  # noqa: E402
+from mlx_engine.backends.torch.graphs import DecodeGraphs, batch_bucket, width_bucket  # noqa: E402
+from mlx_engine.backends.torch.kv import DecodeStep  # noqa: E402
+from tests.tiny_models import GOLDEN  # noqa: E402
+
+PROMPTS = [[3, 17, 42, 99, 7], [(7 * i + 1) % 120 + 3 for i in range(21)], [(5 * i + 2) % 120 + 3 for i in range(40)]]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", prefix_caching=False) as e:
+        e._runner.cache.storage.use_kernel = True  # decode reads KV through block tables, as on CUDA
+        yield e
+
+
+def batch(engine: Engine, n: int = 12) -> tuple[list[list[int]], list[list[float]]]:
+    """The three prompts decoded together (greedy): tokens and their log-probabilities."""
+    streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
+        temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0))) for p in PROMPTS]
+    events = [list(s) for s in streams]
+    return ([[t for e in ev for t in e.token_ids] for ev in events],
+            [[lp.logprob for e in ev for lp in e.logprobs] for ev in events])
+
+
+def test_graph_steps_equal_eager_steps():
+    """On a fresh pool, graphs first: the sequences hold block 0 and its neighbours, where a padding row
+    that missed the scratch block would write."""
+    with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", prefix_caching=False) as engine:
+        runner = engine._runner
+        assert runner.graphs is None  # on the CPU graphs are off unless asked for
+        runner.cache.storage.use_kernel = True
+        graphs = runner.graphs = DecodeGraphs(runner.model, runner.cache.storage, capture=False)
+        got_tokens, got_logprobs = batch(engine)
+        runner.graphs = None
+        tokens, logprobs = batch(engine)
+    assert got_tokens == tokens
+    np.testing.assert_allclose(np.concatenate(got_logprobs), np.concatenate(logprobs), rtol=0, atol=1e-5)
+    assert graphs.replays >= 10  # the batched decode steps went through the graph path
+    # 3 sequences pad to the bucket of 4; tables of <= 4 blocks of 16 (40 + 12 tokens) to the width of 8
+    assert {k[:2] for k in graphs.graphs} <= {(4, 8), (2, 8), (1, 8)} and (4, 8) in {k[:2] for k in graphs.graphs}
+    assert graphs.captures == len(graphs.graphs)
+
+
+def test_padding_rows_and_columns_go_to_the_scratch_block(engine):
+    storage = engine._runner.cache.storage
+    graphs = DecodeGraphs(engine._runner.model, storage, capture=False)
+    scratch, bs = storage.scratch_block, storage.block_size
+    assert scratch == storage.capacity and storage.k[0].shape[0] == (storage.capacity + 1) * bs
+    step = DecodeStep(storage, positions=[4, 20, 39], new_slots=[4, 36, 87], tables=[[0], [1, 2], [3, 4, 5]])
+    buf = graphs.host_inputs(np.array([11, 12, 13]), step, bucket=4, width=8)
+    assert buf[:4].tolist() == [11, 12, 13, 0]  # ids; the padding row decodes token 0
+    assert buf[4:8].tolist() == [4, 20, 39, 0]  # positions
+    assert buf[8:12].tolist() == [4, 36, 87, scratch * bs]  # new slots: the padding row's in the scratch block
+    tables = buf[12:].reshape(4, 8)
+    assert tables.tolist() == [[0] + [scratch] * 7, [1, 2] + [scratch] * 6, [3, 4, 5] + [scratch] * 5, [scratch] * 8]
+
+
+def test_buckets():
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 9, 13, 33, 64, 65, 256)] == [1, 2, 4, 8, 12, 16, 48, 64, 96, 256]
+    assert batch_bucket(257) is None
+    assert [width_bucket(n) for n in (1, 8, 9, 33, 512)] == [8, 8, 16, 64, 512]
+
+
+def test_graphs_over_an_old_pool_are_dropped_when_it_grows():
+    with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", prefix_caching=False,
+                     kv_budget_bytes=1 << 22) as engine:
+        runner = engine._runner
+        storage = runner.cache.storage
+        storage.use_kernel = True
+        tokens, _ = batch(engine, 4)
+        graphs = runner.graphs = DecodeGraphs(runner.model, storage, capture=False)
+        batch(engine, 4)
+        before = storage.capacity
+        assert {k[2] for k in graphs.graphs} == {before} and storage.num_blocks >= 2 * before
+        storage.ensure_capacity(before + 1)  # the pool doubles: its tensors move, the old graphs must go
+        assert storage.capacity == 2 * before and storage.k[0].shape[0] == (2 * before + 1) * storage.block_size
+        got, _ = batch(engine, 4)
+        assert got == tokens
+        assert {k[2] for k in graphs.graphs} == {2 * before}
+
+
+def test_cuda_graphs_option_errors():
+    with pytest.raises(RooflineError, match="cuda_graphs=True needs device='cuda'"):
+        Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", cuda_graphs=True)
+    with pytest.raises(RooflineError, match="cuda_graphs needs backend='torch'"):
+        Engine.load(str(GOLDEN / "llama"), cuda_graphs=False)
+    with pytest.raises(RooflineError, match="cuda_graphs='yes': expected True, False or None"):
+        Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", cuda_graphs="yes")
