@@ -36,14 +36,21 @@ if [ "${1:-}" = tests ]; then  # the first call: the CUDA tests (kernels compile
     2>&1 | tee -a "$OUT/report.txt"
   log "done"; exit 0
 fi
+bench() {  # bench NAME TIMEOUT ARGS...: roofline bench of the torch backend on $DEVICE
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" $PY -m app.cli bench "${MODEL_ARG[@]}" --backend torch --device "$DEVICE" -p ${PP:-512} -n ${TG:-128} \
+    --batch ${BATCHES:-1,8,32,64} --repeats ${REPEATS:-3} --json "$OUT/$name.json" --markdown "$@" 2>&1 | tee -a "$OUT/report.txt"
+}
 log "parity: torch on $DEVICE vs MLX on the CPU"
 timeout 150 $PY -m app.cli parity "${MODEL_ARG[@]}" --backends mlx,torch --device "$DEVICE" --steps 64 \
   --json "$OUT/parity.json" 2>&1 | tee -a "$OUT/report.txt"
-bench() {  # bench NAME TIMEOUT ARGS...: roofline bench of the torch backend on $DEVICE
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" $PY -m app.cli bench "${MODEL_ARG[@]}" --backend torch --device "$DEVICE" -p 512 -n ${TG:-128} \
-    --batch ${BATCHES:-1,8,32,64} --repeats ${REPEATS:-3} --json "$OUT/$name.json" --markdown "$@" 2>&1 | tee -a "$OUT/report.txt"
-}
+if [ "${1:-}" = fusion ]; then  # the A/B of the fused norm, rope and gate kernels (graphs on for both)
+  log "roofline bench: torch backend on $DEVICE, fused kernels (the default)"
+  bench bench_fused 100 --context 0
+  log "roofline bench: torch backend on $DEVICE, unfused (ROOFLINE_TORCH_UNFUSED=1)"
+  export ROOFLINE_TORCH_UNFUSED=1; bench bench_unfused 100 --context 0; unset ROOFLINE_TORCH_UNFUSED
+  log "done"; exit 0
+fi
 log "roofline bench: torch backend on $DEVICE, CUDA graphs (the default)"
 bench bench_torch 120 --context 0
 log "roofline bench: torch backend on $DEVICE, CUDA graphs off (eager launches)"

@@ -69,6 +69,31 @@ def test_dequant_matmul_on_cuda(dtype, tol, M, N, K, bits, group):
     assert float((y.float().cpu() - ref).abs().max()) <= tol * max(1.0, float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_elementwise_kernels_on_cuda(dtype):
+    """rms_norm, rope and silu_mul on the GPU against their torch references (the same ops as before)."""
+    from mlx_engine.backends.torch.model import RoPE
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    ulp = {torch.float32: 2e-6, torch.float16: 2 * 2**-10, torch.bfloat16: 2 * 2**-7}[dtype]
+
+    def close(got, want):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert float(((got.float() - want.float()).abs() / want.float().abs().clamp_min(1.0)).max()) <= ulp
+
+    x = (torch.randn(9, 576, generator=g) * 3).to(CUDA, dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(CUDA, dtype)
+    counts = dict(tk.launch_counts)
+    close(tk.rms_norm(x, w, 1e-5), tk.rms_norm_ref(x, w, 1e-5))
+    rope = RoPE(64, 10000.0, None, 8192).to(CUDA)
+    cos, sin = rope.angles(torch.tensor([[5, 6, 7], [4000, 4001, 4002]], device=CUDA))
+    q = torch.randn(2, 3, 9, 64, generator=g).to(CUDA, dtype).transpose(1, 2)
+    close(tk.rope(q, cos, sin), tk.rope_ref(q, cos, sin, 1.0, False))
+    gate, up = (torch.randn(7, 1536, generator=g) * 4).to(CUDA, dtype), torch.randn(7, 1536, generator=g).to(CUDA, dtype)
+    close(tk.silu_mul(gate, up), tk.silu_mul_ref(gate, up))
+    assert all(tk.launch_counts[k] == counts.get(k, 0) + 1 for k in ("rms_norm", "rope", "silu_mul"))
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     pytest.importorskip("gguf")

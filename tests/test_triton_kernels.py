@@ -287,3 +287,90 @@ def test_module_imports_and_falls_back_without_triton():
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+# --- the fused elementwise kernels: rms_norm, rope, silu_mul -----------------------------------------
+
+# float32: summation order alone. Half dtypes: two ulps of the output. The references round at the same
+# points, so only float32 differences that straddle a rounding boundary remain, twice where a rounded
+# value is multiplied again; the interpreter also truncates float32 -> bfloat16.
+ULP = {torch.float32: 2e-6, torch.float16: 2 * 2**-10, torch.bfloat16: 2 * 2**-7}
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = (got.float() - want.float()).abs()
+    assert float((err / want.float().abs().clamp_min(1.0)).max()) <= ULP[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("H, weight_float32", [(96, False), (576, False), (64, True)])
+def test_rms_norm_matches_reference(dtype, H, weight_float32):
+    g = torch.Generator().manual_seed(H)
+    x = (torch.randn(7, 3, H, generator=g) * 3).to(dtype)
+    w = (torch.rand(H, generator=g) + 0.5).to(torch.float32 if weight_float32 else dtype)
+    with launched("rms_norm"):
+        got = tk.rms_norm(x, w, 1e-5)
+    close(got, tk.rms_norm_ref(x, w, 1e-5), dtype)
+    assert got.dtype == (torch.float32 if weight_float32 else dtype)  # torch's promotion
+    with launched("rms_norm"):  # rows that are not contiguous in memory
+        got = tk.rms_norm(x.transpose(0, 1), w, 1e-5)
+    close(got, tk.rms_norm_ref(x.transpose(0, 1), w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("traditional, mscale, D", [(False, 1.0, 64), (True, 1.0, 32), (False, 1.25, 128)])
+def test_rope_matches_reference(dtype, traditional, mscale, D):
+    from mlx_engine.backends.torch.model import RoPE
+
+    B, L, H = 2, 5, 3
+    g = torch.Generator().manual_seed(D)
+    rope = RoPE(D, 10000.0, None, 4096, traditional=traditional)
+    cos, sin = rope.angles(torch.tensor([[0, 1, 2, 3, 4], [100, 101, 102, 103, 2000]]))
+    x = torch.randn(B, L, H, D, generator=g).to(dtype).transpose(1, 2)  # (B, H, L, D), as the projections give
+    with launched("rope"):
+        got = tk.rope(x, cos, sin, mscale, traditional)
+    assert got.is_contiguous()
+    close(got, tk.rope_ref(x, cos, sin, mscale, traditional), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_silu_mul_matches_reference(dtype):
+    g = torch.Generator().manual_seed(1)
+    gate, up = (torch.randn(3, 1100, generator=g) * 4).to(dtype), torch.randn(3, 1100, generator=g).to(dtype)
+    with launched("silu_mul"):
+        got = tk.silu_mul(gate, up)
+    close(got, tk.silu_mul_ref(gate, up), dtype)
+
+
+def test_fused_kernels_bad_arguments_and_cpu_fallback(monkeypatch):
+    x = torch.randn(2, 3, 4, 8)
+    cos = sin = torch.zeros(2, 1, 4, 4)
+    with pytest.raises(ValueError, match="rms_norm: x torch.float32 \\(2, 3, 4, 8\\) and weight \\(7,\\)"):
+        tk.rms_norm(x, torch.ones(7), 1e-5)
+    with pytest.raises(ValueError, match="rope: x \\(2, 3, 4, 8\\), cos \\(2, 1, 4, 3\\)"):
+        tk.rope(x, cos[..., :3], sin[..., :3])
+    with pytest.raises(ValueError, match="float32 cos/sin"):
+        tk.rope(x, cos.half(), sin.half())
+    with pytest.raises(ValueError, match="silu_mul: gate"):
+        tk.silu_mul(x, x[..., :4])
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors without the interpreter: the references
+    with launched("rms_norm", 0), launched("rope", 0), launched("silu_mul", 0):
+        assert torch.equal(tk.rms_norm(x, torch.ones(8), 1e-5), tk.rms_norm_ref(x, torch.ones(8), 1e-5))
+        assert torch.equal(tk.rope(x, cos, sin), tk.rope_ref(x, cos, sin, 1.0, False))
+        assert torch.equal(tk.silu_mul(x, x), tk.silu_mul_ref(x, x))
+
+
+def test_model_through_the_fused_kernels_equals_the_references(monkeypatch):
+    """The tiny golden llama with its layer's norms, rope and gate through the kernels (interpreted here, as
+    CUDA runs them) gives the logits of the torch references."""
+    from mlx_engine import Engine
+    from tests.tiny_models import GOLDEN
+
+    ids = [3, 17, 42, 99, 7, 64, 120, 5, 9]
+    with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu") as engine:
+        with launched("rms_norm", 2 * 2 + 1), launched("rope", 2 * 2), launched("silu_mul", 2):
+            fused = engine.forward_logits(ids)
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        ref = engine.forward_logits(ids)
+    assert float(np.abs(fused - ref).max()) <= 1e-5

@@ -11,6 +11,7 @@ dequantized once at load with `mx.dequantize` itself.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from mlx_engine.api import ModelLoadError
+from mlx_engine.backends.torch import triton_kernels as tk
+
+# The norms, rope and the MLP's gate as one Triton kernel each on CUDA (their torch references, op for op the
+# code they replace, elsewhere). ROOFLINE_TORCH_UNFUSED=1 runs the references everywhere: the A/B of
+# bench/device_check.sh, read when this module is imported.
+FUSED = os.environ.get("ROOFLINE_TORCH_UNFUSED", "0") in ("", "0")
 
 
 @dataclass
@@ -31,18 +38,14 @@ class QuantizedWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> x @ W.T (..., out) through the Triton kernel (CUDA)."""
-        from mlx_engine.backends.torch import triton_kernels
-
         x2 = x.reshape(-1, x.shape[-1])
-        y = triton_kernels.dequant_matmul(x2, self.packed, self.scales, self.biases, self.bits, self.group_size)
+        y = tk.dequant_matmul(x2, self.packed, self.scales, self.biases, self.bits, self.group_size)
         return y.reshape(*x.shape[:-1], -1)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup): ids (...) -> (..., in)."""
-        from mlx_engine.backends.torch import triton_kernels
-
         flat = ids.reshape(-1)
-        w = triton_kernels.dequantize_ref(self.packed[flat], self.scales[flat], self.biases[flat], self.bits,
+        w = tk.dequantize_ref(self.packed[flat], self.scales[flat], self.biases[flat], self.bits,
                                           self.group_size)
         return w.reshape(*ids.shape, -1)
 
@@ -95,9 +98,7 @@ class RMSNorm:
         self.weight, self.eps = weight, eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # statistics in float32, as mx.fast.rms_norm
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
+        return (tk.rms_norm if FUSED else tk.rms_norm_ref)(x, self.weight, self.eps)
 
 
 class RoPE:
@@ -160,14 +161,7 @@ class RoPE:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (B, H, L, D) -> rotated, in float32 then back to x's dtype."""
-        xf = x.float() * self.mscale if self.mscale != 1.0 else x.float()
-        if self.traditional:  # interleaved pairs (x0, x1), (x2, x3), ...
-            x1, x2 = xf[..., 0::2], xf[..., 1::2]
-            out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
-        else:  # halves
-            x1, x2 = xf[..., : self.dims // 2], xf[..., self.dims // 2:]
-            out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-        return out.to(x.dtype)
+        return (tk.rope if FUSED else tk.rope_ref)(x, cos, sin, self.mscale, self.traditional)
 
 
 def _llama3_freqs(freqs: np.ndarray, s: dict[str, Any]) -> np.ndarray:
@@ -232,7 +226,7 @@ class MLP:
             Linear(w[f"{n}.weight"], w.get(f"{n}.bias")) for n in ("gate_proj", "up_proj", "down_proj"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj((tk.silu_mul if FUSED else tk.silu_mul_ref)(self.gate_proj(x), self.up_proj(x)))
 
 
 class TransformerBlock:
@@ -308,12 +302,6 @@ def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None
     group sizes), else dequantized to a float tensor by mx.dequantize."""
     import mlx.core as mx
 
-    if packed:
-        from mlx_engine.backends.torch.triton_kernels import (
-            SUPPORTED_BITS,
-            SUPPORTED_GROUP_SIZES,
-        )
-
     quantization = quantization or {}
     if quantization.get("mode", "affine") != "affine":
         raise ModelLoadError(f"{source}: {quantization['mode']!r} quantization is not supported on the torch backend "
@@ -332,7 +320,7 @@ def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None
             if biases is None:
                 raise ModelLoadError(f"{source}: {path} is quantized without biases (only affine quantization "
                                      "is supported on the torch backend)")
-            if packed and bits in SUPPORTED_BITS and group in SUPPORTED_GROUP_SIZES:
+            if packed and bits in tk.SUPPORTED_BITS and group in tk.SUPPORTED_GROUP_SIZES:
                 def t(a: Any) -> torch.Tensor:
                     return torch.from_numpy(_to_numpy(a)).to(device=device, dtype=dtype)
 

@@ -4,6 +4,9 @@
   (vLLM's paged attention; FlashDecoding's split over the sequence when there are few programs).
 - `dequant_matmul`: x @ W.T with W in MLX's affine quantized format (`mx.quantize`), dequantized
   tile by tile in registers, accumulated in float32.
+- `rms_norm`, `rope`, `silu_mul`: a decoder layer's elementwise work, one kernel each where torch launches
+  8 (a norm), 9 (rope of q or k) and 2 (the MLP's gate): a decode step of a small model is bound by its
+  kernel count, not by bytes (docs/benchmarks.md, the H200 check).
 - `gguf_to_affine`: GGUF Q4_0 / Q4_1 / Q8_0 repacked, exactly, into that affine format, so GGUF
   weights run through the same kernel; `dequantize_gguf` dequantizes any GGUF type (k-quants too)
   with the gguf package's numpy reference.
@@ -263,6 +266,88 @@ def dequant_matmul(
 
 
 # ---------------------------------------------------------------------------------------------
+# fused elementwise work of a decoder layer: each reference is the torch code it replaces, op for op
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()  # statistics in float32, as mx.fast.rms_norm
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / sqrt(mean(x^2) + eps)) over the last dim: statistics in float32, the normalized x
+    rounded to x's dtype before the weight (as `rms_norm_ref`); the result in torch's promoted dtype."""
+    if x.dtype not in _FLOAT_DTYPES or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rms_norm: x {x.dtype} {tuple(x.shape)} and weight {tuple(weight.shape)}: expected a "
+                         "float x whose last dim is the weight's length")
+    if not _use_triton(x, weight) or x.numel() == 0:
+        return rms_norm_ref(x, weight, eps)
+    H = x.shape[-1]
+    x2 = x.reshape(-1, H)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _kernels(_interpreting())["_rms_norm"][(x2.shape[0],)](
+        x2, weight.contiguous(), out, x2.stride(0), H, float(eps), BLOCK=_next_pow2(H))
+    launch_counts["rms_norm"] += 1
+    return out.view(x.shape)
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mscale: float, traditional: bool) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    xf = x.float() * mscale if mscale != 1.0 else x.float()
+    if traditional:  # interleaved pairs (x0, x1), (x2, x3), ...
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    else:  # halves
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mscale: float = 1.0,
+         traditional: bool = False) -> torch.Tensor:
+    """Rotary embedding: x (B, H, L, D), any strides (a transposed projection); cos, sin (B, 1, L, D/2)
+    float32 -> contiguous (B, H, L, D) in x's dtype, computed in float32 (as `rope_ref`)."""
+    if x.dim() != 4 or x.shape[-1] % 2 or cos.shape != sin.shape or cos.dim() != 4 or cos.shape[1] != 1 \
+            or cos.shape[0] != x.shape[0] or cos.shape[2] != x.shape[2] or cos.shape[3] * 2 != x.shape[3]:
+        raise ValueError(f"rope: x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}: expected x "
+                         "(B, H, L, D) with D even and cos, sin (B, 1, L, D/2)")
+    if x.dtype not in _FLOAT_DTYPES or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"rope: expected a float x and float32 cos/sin, got {x.dtype}, {cos.dtype}, {sin.dtype}")
+    if not _use_triton(x, cos, sin) or x.numel() == 0:
+        return rope_ref(x, cos, sin, mscale, traditional)
+    B, H, L, D = x.shape
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((B, H, L, D), dtype=x.dtype, device=x.device)
+    _kernels(_interpreting())["_rope"][(B * H * L,)](
+        x, cos, sin, out, H, L, x.stride(0), x.stride(1), x.stride(2), x.stride(3), float(mscale),
+        HALF=D // 2, HALF_P=_next_pow2(D // 2), TRADITIONAL=traditional)
+    launch_counts["rope"] += 1
+    return out
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, silu rounded to gate's dtype before the product (as `silu_mul_ref`)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"silu_mul: gate {gate.dtype} {tuple(gate.shape)} and up {up.dtype} {tuple(up.shape)}: "
+                         "expected one float dtype and shape")
+    if not _use_triton(gate, up) or gate.numel() == 0:
+        return silu_mul_ref(gate, up)
+    g, u = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(g)
+    n = g.numel()
+    _kernels(_interpreting())["_silu_mul"][(triton.cdiv(n, 1024),)](g, u, out, n, BLOCK=1024)
+    launch_counts["silu_mul"] += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # GGUF: exact repack of the simple quants into the affine format; numpy dequant for everything else
 
 _GGUF_BLOCK = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8)}  # bytes per 32 weights, bits
@@ -324,7 +409,7 @@ def dequantize_gguf(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...]) -> 
 # (the interpreter and the compiler both resolve a kernel's callees in its module's globals).
 _add: Any = None
 _max: Any = None
-_SOURCES = ("_add", "_max", "_paged_decode", "_paged_combine", "_dequant_matmul")
+_SOURCES = ("_add", "_max", "_paged_decode", "_paged_combine", "_dequant_matmul", "_rms_norm", "_rope", "_silu_mul")
 
 
 @cache
@@ -443,3 +528,48 @@ def _dequant_matmul_src(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _rms_norm_src(x_ptr, w_ptr, out_ptr, stride_x, H, eps, BLOCK: tl.constexpr):
+    # one program per row
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    ok = c < H
+    x = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0).to(tl.float32)
+    ms = tl.reduce(x * x, 0, _add) / H  # not tl.sum: a jit helper the interpreter cannot call (module doc)
+    y = (x * (1.0 / tl.sqrt(ms + eps))).to(x_ptr.dtype.element_ty)  # rounded to x's dtype, as torch
+    w = tl.load(w_ptr + c, mask=ok, other=0.0)
+    tl.store(out_ptr + row * H + c, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _rope_src(x_ptr, cos_ptr, sin_ptr, out_ptr, H, L, sb, sh, sl, sd, mscale,
+              HALF: tl.constexpr, HALF_P: tl.constexpr, TRADITIONAL: tl.constexpr):
+    # one program per (b, h, l) row of D = 2 * HALF values
+    r = tl.program_id(0)
+    pos = r % L
+    h = (r // L) % H
+    b = r // (L * H)
+    i = tl.arange(0, HALF_P)
+    ok = i < HALF
+    base = x_ptr + b.to(tl.int64) * sb + h * sh + pos * sl
+    if TRADITIONAL:
+        lo, hi = 2 * i, 2 * i + 1
+    else:
+        lo, hi = i, i + HALF
+    x1 = tl.load(base + lo * sd, mask=ok, other=0.0).to(tl.float32) * mscale
+    x2 = tl.load(base + hi * sd, mask=ok, other=0.0).to(tl.float32) * mscale
+    cs = (b * L + pos) * HALF + i
+    c = tl.load(cos_ptr + cs, mask=ok, other=0.0)
+    s = tl.load(sin_ptr + cs, mask=ok, other=0.0)
+    o = out_ptr + r.to(tl.int64) * (2 * HALF)
+    tl.store(o + lo, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(o + hi, (x1 * s + x2 * c).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _silu_mul_src(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    g = tl.load(g_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + i, mask=ok, other=0.0)
+    act = (g / (1.0 + tl.exp(-g))).to(g_ptr.dtype.element_ty)  # silu rounded to the dtype, as torch
+    tl.store(out_ptr + i, (act.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
