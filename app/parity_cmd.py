@@ -156,6 +156,15 @@ def first_diverging_layer(ha: list[Any], hb: list[Any], tol: float) -> tuple[int
     return next((i for i, r in enumerate(rel) if r > tol), None), rel
 
 
+def divergence_margins(a: Any, b: Any, ids: list[int], token_a: int, token_b: int) -> dict[str, float]:
+    """Where greedy decoding parts (after `ids`, A picks token_a and B token_b): by how many logits each side
+    prefers its own token, from a fresh forward of each. Both within the logits' noise (max |Δlogit|) is a
+    tie that the two sides' rounding breaks differently, not a wrong layer."""
+    la, lb = a.forward_logits(ids)[-1], b.forward_logits(ids)[-1]
+    return {"a": float(la[token_a]) - float(la[token_b]), "b": float(lb[token_b]) - float(lb[token_a]),
+            "logit": float(la[token_a])}
+
+
 def compare_prompt(a: Any, b: Any, ids: list[int], args: argparse.Namespace) -> dict[str, Any]:
     r = compare_logits(a.forward_logits(ids), b.forward_logits(ids))
     ta, tb = greedy(a, ids, args.steps), greedy(b, ids, args.steps)
@@ -173,7 +182,9 @@ def compare_prompt(a: Any, b: Any, ids: list[int], args: argparse.Namespace) -> 
         reasons.append(f"max |Δlogit| {r['max_abs_logit_diff']:.2e} > {args.logit_tol:g}")
     r.update(num_tokens=len(ids), tokens_a=ta, tokens_b=tb, tokens_identical=first is None,
              first_divergence_step=first, diverged=bool(reasons), reasons=reasons,
-             first_diverging_layer=None, layer_rel_diffs=None)
+             first_diverging_layer=None, layer_rel_diffs=None, divergence_margins=None)
+    if first is not None and first < min(len(ta), len(tb)):
+        r["divergence_margins"] = divergence_margins(a, b, ids + ta[:first], ta[first], tb[first])
     if reasons:
         try:
             index, rel = first_diverging_layer(a.hidden_states(ids), b.hidden_states(ids), args.hidden_tol)
@@ -280,6 +291,12 @@ def render(report: dict[str, Any]) -> str:
                 k = r["first_divergence_step"]
                 lines.append(f"  A tokens from step {k}: {r['tokens_a'][k:k + 8]}")
                 lines.append(f"  B tokens from step {k}: {r['tokens_b'][k:k + 8]}")
+                m = r.get("divergence_margins")
+                if m is not None:
+                    tie = max(m["a"], m["b"]) <= r["max_abs_logit_diff"]
+                    lines.append(f"  at step {k}, A prefers its token by {m['a']:.4f} logits and B its own by "
+                                 f"{m['b']:.4f} (logits near {m['logit']:.1f})"
+                                 + (f": a tie within the logits' noise ({r['max_abs_logit_diff']:.2e})" if tie else ""))
     s = report["summary"]
     lines.append(f"{'DIVERGED' if s['diverged'] else 'OK'}: max |Δlogit| {s['max_abs_logit_diff']:.2e}, "
                  f"min top-1 agreement {s['min_top1_agreement']:.3f}, mean KL {s['kl_mean']:.2e}, "

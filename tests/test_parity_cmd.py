@@ -81,6 +81,36 @@ def test_perturbed_layer_is_named(models: dict[str, Path], tmp_path: Path, capsy
         rel = p["layer_rel_diffs"]
         assert rel[0] == 0.0 and rel[1] == 0.0 and rel[2] > 1e-2  # embedding and layer 0 untouched
     assert "first diverging hidden state: layer 1" in r.stdout and "DIVERGED" in r.stdout
+    parted = [p for p in report["prompts"] if not p["tokens_identical"]]
+    assert parted, "the perturbed layer should change some greedy token"
+    from mlx_engine import Engine
+
+    with Engine.load(str(models["base"])) as a, Engine.load(str(models["perturbed"])) as b:
+        for p, ids in [(p, IDS[report["prompts"].index(p)]) for p in parted]:
+            k, ta, tb = p["first_divergence_step"], p["tokens_a"], p["tokens_b"]
+            la, lb = a.forward_logits(ids + ta[:k])[-1], b.forward_logits(ids + ta[:k])[-1]
+            m = p["divergence_margins"]
+            assert m["a"] == pytest.approx(float(la[ta[k]] - la[tb[k]]), abs=1e-5) and m["a"] >= 0
+            assert m["b"] == pytest.approx(float(lb[tb[k]] - lb[ta[k]]), abs=1e-5) and m["b"] >= 0
+    assert f"at step {parted[0]['first_divergence_step']}, A prefers its token by" in r.stdout
+
+
+def test_a_divergence_at_a_tie_is_called_one() -> None:
+    from app.parity_cmd import render
+
+    side = {"backend": "mlx", "device": "cpu", "model": "m", "dtype": "float32"}
+    prompt = {"num_tokens": 5, "max_abs_logit_diff": 0.075, "top1_agreement": 1.0, "kl_mean": 2e-5, "kl_max": 4e-5,
+              "tokens_identical": False, "first_divergence_step": 2, "tokens_a": [1, 2, 3], "tokens_b": [1, 2, 4],
+              "diverged": True, "reasons": ["greedy tokens differ from step 2"], "first_diverging_layer": None,
+              "divergence_margins": {"a": 0.0151, "b": 0.0312, "logit": 39.07}}
+    report = {"sides": [side, side], "settings": {"steps": 3}, "prompts": [prompt],
+              "summary": {"diverged": True, "max_abs_logit_diff": 0.075, "min_top1_agreement": 1.0, "kl_mean": 2e-5,
+                          "tokens_identical": False}}
+    text = render(report)
+    assert ("at step 2, A prefers its token by 0.0151 logits and B its own by 0.0312 (logits near 39.1): a tie "
+            "within the logits' noise (7.50e-02)") in text
+    prompt["divergence_margins"] = {"a": 2.5, "b": 0.0312, "logit": 39.07}
+    assert "B its own by 0.0312 (logits near 39.1)\n" in render(report) + "\n" and "a tie" not in render(report)
 
 
 def test_text_prompts_with_one_tokenizer_agree(models: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
