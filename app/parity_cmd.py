@@ -28,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backends", default="mlx,torch", help="the two sides, A,B (default mlx,torch)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="device of the non-MLX side(s) (default auto); MLX runs where MLX runs")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                   help="activation dtype of the non-MLX side(s) (default: the backend's; float16 on CUDA)")
     p.add_argument("--prompts", metavar="FILE",
                    help='one prompt per line, or JSONL lines {"prompt": text} / {"ids": [token ids]} '
                    "(default: a few built-in prompts)")
@@ -78,10 +80,12 @@ def read_prompts(path: str | None) -> list[str | list[int]]:
     return out
 
 
-def load_side(model: str | None, backend: str, device: str) -> Any:
+def load_side(model: str | None, backend: str, device: str, dtype: str | None = None) -> Any:
     from mlx_engine import Engine
 
-    return Engine.load(model, backend=backend, device=device if backend != "mlx" else "auto")
+    if backend == "mlx":
+        return Engine.load(model, backend=backend, device="auto")
+    return Engine.load(model, backend=backend, device=device, **({"dtype": dtype} if dtype else {}))
 
 
 def prompt_ids(a: Any, b: Any, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -210,14 +214,16 @@ def cmd_parity(args: argparse.Namespace) -> int:
         raise RooflineError(f"--steps {args.steps}: expected >= 1")
     if "torch" not in backends and args.device == "cuda":
         raise RooflineError("--device cuda needs a torch side (--backends mlx,torch)")
+    if "torch" not in backends and args.dtype is not None:
+        raise RooflineError(f"--dtype {args.dtype} sets the torch side's activations: it needs --backends mlx,torch")
     out = Path(args.json) if args.json else None
     if out is not None and not out.parent.exists():
         raise RooflineError(f"--json {out}: folder {out.parent} does not exist")
     prompts = read_prompts(args.prompts)
     model_b = args.model_b if args.model_b is not None else args.model
-    a = load_side(args.model, backends[0], args.device)
+    a = load_side(args.model, backends[0], args.device, args.dtype)
     try:
-        b = load_side(model_b, backends[1], args.device)
+        b = load_side(model_b, backends[1], args.device, args.dtype)
         try:
             report = run(a, b, prompts, backends, args)
         finally:

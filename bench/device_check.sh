@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The device check of issue 8, for one lent NVIDIA H200 (see bench/device_prep.sh for how its files get
 # there). Under 5 minutes: parity of SmolLM2 between the torch backend on CUDA and the MLX engine on the
-# CPU (64 greedy steps, KL per position), the torch backend's decode at batch 1, 8, 32 and 64 as a share
+# CPU (64 greedy steps, KL per position; float16 on the GPU, then float32), the torch backend's decode at batch 1, 8, 32 and 64 as a share
 # of the H200's 4.8 TB/s (CUDA graphs on, then off), and HF transformers' generate() on the same GPU as
-# the peer. `device_check.sh tests` (the first of the two calls) runs the CUDA tests instead.
+# the peer. `device_check.sh tests` (the first of the two calls) runs the CUDA tests instead; `fusion` the
+# A/B of the fused elementwise kernels; `server` bench/server.py against `roofline serve` on the GPU.
 # Everything it writes goes to $OUT (the device tool brings back at most 8 files) or /tmp/device_out:
 # report.txt (all it prints) and one JSON per measurement.
 set -uo pipefail
@@ -41,6 +42,12 @@ bench() {  # bench NAME TIMEOUT ARGS...: roofline bench of the torch backend on 
   timeout "$limit" $PY -m app.cli bench "${MODEL_ARG[@]}" --backend torch --device "$DEVICE" -p ${PP:-512} -n ${TG:-128} \
     --batch ${BATCHES:-1,8,32,64} --repeats ${REPEATS:-3} --json "$OUT/$name.json" --markdown "$@" 2>&1 | tee -a "$OUT/report.txt"
 }
+if [ "${1:-}" = server ]; then  # issue 7 on a bandwidth-bound backend: roofline serve --backend torch on CUDA
+  log "server under load: roofline serve --backend torch --device $DEVICE, 1/4/8/16 streaming clients"
+  timeout 300 $PY bench/server.py "${MODEL_ARG[@]}" --torch --torch-device "$DEVICE" --only roofline-torch \
+    --clients 1,4,8,16 --requests-per-client 2 --max-tokens ${TG:-64} --cost-curve 1,2,4,8,16 2>&1 | tee -a "$OUT/report.txt"
+  log "done"; exit 0
+fi
 log "parity: torch on $DEVICE vs MLX on the CPU"
 timeout 150 $PY -m app.cli parity "${MODEL_ARG[@]}" --backends mlx,torch --device "$DEVICE" --steps 64 \
   --json "$OUT/parity.json" 2>&1 | tee -a "$OUT/report.txt"
@@ -51,6 +58,9 @@ if [ "${1:-}" = fusion ]; then  # the A/B of the fused norm, rope and gate kerne
   export ROOFLINE_TORCH_UNFUSED=1; bench bench_unfused 100 --context 0; unset ROOFLINE_TORCH_UNFUSED
   log "done"; exit 0
 fi
+log "parity: torch on $DEVICE in float32 vs MLX on the CPU (no float16 ties)"
+timeout 150 $PY -m app.cli parity "${MODEL_ARG[@]}" --backends mlx,torch --device "$DEVICE" --dtype float32 --steps 64 \
+  --json "$OUT/parity_fp32.json" 2>&1 | tee -a "$OUT/report.txt"
 log "roofline bench: torch backend on $DEVICE, CUDA graphs (the default)"
 bench bench_torch 120 --context 0
 log "roofline bench: torch backend on $DEVICE, CUDA graphs off (eager launches)"

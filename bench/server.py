@@ -115,14 +115,15 @@ def cost_curve(folder: Path, widths: list[int], context: int = 64, repeats: int 
 # ---- servers --------------------------------------------------------------------------------------------
 
 
-def engine_cost_curve(model: str | None, widths: list[int], backend: str = "mlx") -> dict[int, float]:
+def engine_cost_curve(model: str | None, widths: list[int], backend: str = "mlx",
+                      device: str = "cpu") -> dict[int, float]:
     """Our engine's forward over B new tokens (logits at each) after 64 cached, on `backend` (MLX: as
-    `roofline serve` runs it, e.g. float32 host weights on the CPU backend; torch: on the CPU): a batched
+    `roofline serve` runs it, e.g. float32 host weights on the CPU backend; torch: on `device`): a batched
     decode step's matmul shapes, with one sequence's attention."""
     from mlx_engine import Engine
     from mlx_engine.speculative import time_forward
 
-    engine = Engine.load(model, backend=backend, **({"device": "cpu"} if backend == "torch" else {}))
+    engine = Engine.load(model, backend=backend, **({"device": device} if backend == "torch" else {}))
     try:
         return {b: engine._thread.call(lambda b=b: time_forward(engine._runner, b, context=64, repeats=5))
                 for b in widths}
@@ -307,10 +308,12 @@ def main() -> None:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--cost-curve", default="1,2,4,8,16", help="batch widths to time ('' to skip)")
-    p.add_argument("--only", choices=("roofline", "mlx-lm"))
+    p.add_argument("--only", choices=("roofline", "roofline-torch", "mlx-lm"))
     p.add_argument("--quick", action="store_true", help="1 and 4 clients, 1 request each, 8 tokens")
     p.add_argument("--torch", action="store_true",
-                   help="also `roofline serve --backend torch --device cpu` (a third server, its own cost curve)")
+                   help="also `roofline serve --backend torch` (a third server, its own cost curve)")
+    p.add_argument("--torch-device", choices=("cpu", "cuda"), default="cpu",
+                   help="the torch server's device (default cpu; cuda on a GPU machine, bench/device_check.sh server)")
     args = p.parse_args()
     if args.quick:
         args.clients, args.requests_per_client, args.max_tokens, args.cost_curve = "1,4", 1, 8, "1,4"
@@ -320,9 +323,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="roofline-mlx-lm-") as tmp:
         folder = Path(tmp)
         facts = export_mlx_lm_folder(args.model, folder)
-        curve = cost_curve(folder, curve_widths) if curve_widths else {}
-        ours_curve = engine_cost_curve(args.model, curve_widths) if curve_widths else {}
-        torch_curve = engine_cost_curve(args.model, curve_widths, "torch") if curve_widths and args.torch else {}
+        def runs(name: str) -> bool:
+            return args.only in (None, name) and (name != "roofline-torch" or args.torch)
+
+        curve = cost_curve(folder, curve_widths) if curve_widths and runs("mlx-lm") else {}
+        ours_curve = engine_cost_curve(args.model, curve_widths) if curve_widths and runs("roofline") else {}
+        torch_curve = (engine_cost_curve(args.model, curve_widths, "torch", args.torch_device)
+                       if curve_widths and runs("roofline-torch") else {})
         port = free_port()
         targets = [
             Target("roofline", [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level",
@@ -330,19 +337,19 @@ def main() -> None:
                    + (["--model", args.model] if args.model else []), "default", "/health"),
             *([Target("roofline-torch", [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level",
                                          "warning", "--max-concurrency", str(max(widths)), "--backend", "torch",
-                                         "--device", "cpu"] + (["--model", args.model] if args.model else []),
+                                         "--device", args.torch_device] + (["--model", args.model] if args.model else []),
                       "default", "/health")] if args.torch else []),
             Target("mlx-lm", [sys.executable, "-m", "mlx_lm.server", "--model", str(folder), "--port", str(port),
                               "--log-level", "WARNING"], "default_model", "/v1/models"),
         ]
         results = {}
         for t in targets:
-            if args.only and t.name != args.only:
+            if not runs(t.name):
                 continue
             results[t.name] = run_target(t, port, widths, args.requests_per_client, args.max_tokens)
         # each engine's forward over one packed prefill of every client's uncached prompt tokens
         prefill_curves = {name: engine_cost_curve(args.model, sorted(set(prefill_widths(results[name]).values())),
-                                                  backend)
+                                                  backend, args.torch_device)
                           for name, backend in (("roofline", "mlx"), ("roofline-torch", "torch"))
                           if curve_widths and name in results}
 
@@ -383,8 +390,8 @@ def main() -> None:
                       curve),
                      ("Roofline's MLX engine forward cost, as `roofline serve` runs it (B tokens with logits at "
                       "each, 64 cached)", ours_curve),
-                     ("The torch backend's batched forward cost (B tokens with logits at each, 64 cached; CPU)",
-                      torch_curve)):
+                     (f"The torch backend's batched forward cost (B tokens with logits at each, 64 cached; "
+                      f"{args.torch_device})", torch_curve)):
         if c:
             print_curve(title, c, c[curve_widths[0]])
     for name, c in (("roofline", ours_curve), ("roofline-torch", torch_curve), ("mlx-lm", curve)):

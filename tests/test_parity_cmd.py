@@ -168,3 +168,17 @@ def test_mlx_against_torch_on_cpu(models: dict[str, Path], tmp_path: Path, capsy
     assert report["sides"][1]["backend"] == "torch"
     for p in report["prompts"]:
         assert p["max_abs_logit_diff"] <= 1e-4 and p["top1_agreement"] == 1.0 and p["tokens_identical"]
+
+
+def test_dtype_sets_the_torch_side(models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from tests.torch_support import require
+
+    require("torch")
+    out = tmp_path / "parity.json"
+    r = in_process(capsys, "parity", "--model", str(models["base"]), "--backends", "mlx,torch", "--device", "cpu",
+                   "--dtype", "bfloat16", "--prompts", str(models["prompts"]), "--steps", "2", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert [s["dtype"] for s in report["sides"]] == ["float32", "bfloat16"], r.stdout
+    assert 0 < report["summary"]["max_abs_logit_diff"] < 0.5  # bfloat16 rounding, not a broken model
+    r = in_process(capsys, "parity", "--backends", "mlx,mlx", "--dtype", "float16")
+    assert r.returncode == 2 and "--dtype float16" in r.stderr and "mlx,torch" in r.stderr
