@@ -102,3 +102,13 @@ def test_cuda_graphs_option_errors():
         Engine.load(str(GOLDEN / "llama"), cuda_graphs=False)
     with pytest.raises(RooflineError, match="cuda_graphs='yes': expected True, False or None"):
         Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", cuda_graphs="yes")
+
+
+def test_a_gpus_default_kv_budget_is_capped_at_256_contexts():
+    from mlx_engine.backends.torch.kv import gpu_default_budget
+
+    # SmolLM2 on an H200: 8192-token context, 16-token blocks of 30 layers x 3 heads x 64 x 2 (K, V) x 2 bytes
+    per_block = 30 * 16 * 3 * 64 * 2 * 2
+    assert gpu_default_budget(140 << 30, 8192, 16, per_block) == 256 * 512 * per_block  # 48 GiB, not 70
+    assert gpu_default_budget(8 << 30, 8192, 16, per_block) == 4 << 30  # a small GPU: half its free memory
+    assert gpu_default_budget(140 << 30, 512, 16, 8192) == 256 * 32 * 8192  # a tiny model: 8192 blocks

@@ -202,6 +202,17 @@ class PackedView(paged.PackedView):
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
+MAX_CONTEXTS = 256  # a GPU's default pool holds at most this many full contexts
+
+
+def gpu_default_budget(free_bytes: int, context_length: int, block_size: int, per_block: int) -> int:
+    """Half the GPU's free memory, capped at MAX_CONTEXTS full contexts: on an H200 half the free memory
+    would be millions of blocks of a tiny model, a block pool of millions of Python entries (seconds to
+    load, gigabytes of host memory) for sequences no scheduler runs at once."""
+    contexts = MAX_CONTEXTS * (-(-context_length // block_size)) * per_block
+    return min(int(free_bytes * DEFAULT_MEMORY_FRACTION), contexts)
+
+
 class TorchPagedCache(PagedCache):
     """PagedCache's bookkeeping (start, record, finish, drop, stats, copy-on-write, packing) over torch
     storage."""
@@ -220,7 +231,8 @@ class TorchPagedCache(PagedCache):
         budget = config.kv_budget_bytes
         if budget is None:
             if device.type == "cuda":  # a server GPU: room for many sequences, within half the free memory
-                budget = int(torch.cuda.mem_get_info(device)[0] * DEFAULT_MEMORY_FRACTION)
+                budget = gpu_default_budget(int(torch.cuda.mem_get_info(device)[0]), context_length,
+                                            config.block_size, per_block)
             else:
                 budget = default_budget(context_length, config.block_size, per_block, weight_bytes)
         num_blocks = blocks_in_budget(budget, per_block, config.block_size, num_layers)
