@@ -112,3 +112,21 @@ def test_a_gpus_default_kv_budget_is_capped_at_256_contexts():
     assert gpu_default_budget(140 << 30, 8192, 16, per_block) == 256 * 512 * per_block  # 48 GiB, not 70
     assert gpu_default_budget(8 << 30, 8192, 16, per_block) == 4 << 30  # a small GPU: half its free memory
     assert gpu_default_budget(140 << 30, 512, 16, 8192) == 256 * 32 * 8192  # a tiny model: 8192 blocks
+
+
+def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(monkeypatch):
+    with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", prefix_caching=False) as engine:
+        runner = engine._runner
+        runner.cache.storage.use_kernel = True
+        tokens, _ = batch(engine, 6)
+        graphs = runner.graphs = DecodeGraphs(runner.model, runner.cache.storage, capture=False)
+
+        def broken(*args):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        monkeypatch.setattr(graphs, "_step", broken)
+        with pytest.warns(RuntimeWarning, match="CUDA graphs are off for this model: capturing the decode step "
+                                                "failed \\(operation not permitted"):
+            got, _ = batch(engine, 6)
+        assert got == tokens
+        assert runner.graphs is None and runner.graphs_error.startswith("RuntimeError: operation not permitted")
