@@ -287,8 +287,13 @@ class CostCurve:
 def time_forward(runner: Any, width: int, context: int = 32, repeats: int = 2, first_layers: int | None = None,
                  logits_at: str = "all") -> float:
     """Seconds of one forward over `width` tokens after `context` cached ones (min over repeats), through
-    fresh contiguous buffers. `first_layers`: only that many layers + head (the self draft)."""
+    fresh contiguous buffers. `first_layers`: only that many layers + head (the self draft). A runner that
+    replays its steps as CUDA graphs times them there (`TorchRunner.time_graph_forward`): the contiguous
+    buffers' eager forward is not what its decode or verification costs."""
     from mlx_lm.models.cache import trim_prompt_cache
+
+    if first_layers is None and getattr(runner, "graphs", None) is not None:
+        return runner.time_graph_forward(width, context, repeats)
 
     layers = runner._fresh_contiguous()
     runner.forward(mx.array([[(7 * i) % 97 + 3 for i in range(context)]], dtype=mx.int32), layers)
@@ -343,6 +348,7 @@ def cost_curve_key(runner: Any) -> str | None:
         return None
     info = runner.info
     path = "-fp32-host-weights" if getattr(runner, "_host_bytes", 0) else ""  # models.layers: another cost curve
+    path += "-cuda-graphs" if getattr(runner, "graphs", None) is not None else ""  # graphed steps: another one
     return "|".join([fingerprint.hex(), f"{info.backend}-{info.device}{path}",
                      f"{platform.system()}-{platform.machine()}", f"mlx-{mx.__version__}"])
 

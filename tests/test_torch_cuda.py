@@ -138,3 +138,20 @@ def decode_one(engine: Engine) -> list[int]:
     events = list(engine.generate(GenerationRequest(prompt_token_ids=PROMPTS[1], sampling=SamplingParams(
         temperature=0.0, max_tokens=12, ignore_eos=True))))
     return [t for e in events for t in e.token_ids]
+
+
+def test_speculative_verification_in_graphs_on_cuda(tiny_gguf):
+    """Verification of k + 1 tokens as a graph of k + 1 rows (the draft is the model itself: all accepted)."""
+    params = dict(temperature=0.0, max_tokens=20, ignore_eos=True)
+    with Engine.load(tiny_gguf, backend="torch", device="cuda", dtype="float32", kv_budget_bytes=BUDGET,
+                     draft_model=tiny_gguf) as engine:
+        def run(**extra):
+            events = list(engine.generate(GenerationRequest(prompt_token_ids=PROMPTS[2], sampling=SamplingParams(
+                **params, **extra))))
+            return [t for e in events for t in e.token_ids], events[-1]
+
+        plain, _ = run()
+        got, final = run(speculative="draft", num_draft_tokens=4)
+        keys = {k[0] for k in engine._runner.graphs.graphs}
+    assert got == plain and final.stats.acceptance_rate == 1.0
+    assert 8 in keys  # 5 verified rows in the bucket of 8

@@ -130,3 +130,49 @@ def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(monkeypatch
             got, _ = batch(engine, 6)
         assert got == tokens
         assert runner.graphs is None and runner.graphs_error.startswith("RuntimeError: operation not permitted")
+
+
+def test_speculative_verification_through_graphs_equals_plain():
+    """A verification of k + 1 tokens replays the graph of k + 1 decode rows sharing the sequence's block
+    table (row i attends to positions <= offset + i): greedy output equals plain decoding. The draft is the
+    model itself, so every draft is accepted and each verification is 5 rows."""
+    prompt = [3, 17, 42, 99, 7, 64, 120, 5] * 3
+    params = dict(temperature=0.0, max_tokens=20, ignore_eos=True)
+    with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", prefix_caching=False,
+                     draft_model=str(GOLDEN / "llama")) as engine:
+        runner = engine._runner
+        runner.cache.storage.use_kernel = True
+
+        def run(**extra):
+            events = list(engine.generate(GenerationRequest(prompt_token_ids=prompt, sampling=SamplingParams(
+                **params, **extra))))
+            return [t for e in events for t in e.token_ids], events[-1]
+
+        plain, _ = run()
+        graphs = runner.graphs = DecodeGraphs(runner.model, runner.cache.storage, capture=False)
+        got, final = run(speculative="draft", num_draft_tokens=4)
+    assert got == plain
+    assert final.stats.acceptance_rate == 1.0 and final.stats.target_forwards <= 6
+    assert 8 in {k[0] for k in graphs.graphs}  # 5 rows in the bucket of 8
+    assert graphs.replays >= final.stats.target_forwards - 1  # all but the prompt's forward
+
+
+def test_time_graph_forward_touches_only_the_scratch_block():
+    with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu") as engine:
+        runner = engine._runner
+        storage = runner.cache.storage
+        storage.use_kernel = True
+        run_tokens = list(engine.generate(GenerationRequest(prompt_token_ids=[3, 4, 5, 6, 7], sampling=SamplingParams(
+            temperature=0.0, max_tokens=4, ignore_eos=True))))
+        assert run_tokens[-1].finish_reason == "length"
+        runner.graphs = DecodeGraphs(runner.model, storage, capture=False)
+        bs, scratch = storage.block_size, storage.scratch_block
+        before = [t[:scratch * bs].clone() for t in storage.k + storage.v]
+        seconds = runner.time_graph_forward(5, 40, 1)
+        assert 0 < seconds < 10
+        assert all(torch.equal(a, t[:scratch * bs]) for a, t in zip(before, storage.k + storage.v))
+        assert (8, 8, storage.capacity) in runner.graphs.graphs  # 5 rows pad to 8; 45 tokens in 3 blocks: width 8
+        from mlx_engine.speculative import cost_curve_key, time_forward
+
+        assert time_forward(runner, 5, 40, 1) > 0  # through the graph path
+        assert cost_curve_key(runner).split("|")[1] == "torch-cpu-cuda-graphs"

@@ -93,9 +93,18 @@ class PrefillView:
     """One layer's view for a prefill chunk (or a speculative verify) over positions [offset, offset + L)."""
 
     def __init__(self, storage: TorchKVStorage, layer: int, offset: int, new_slots: torch.Tensor,
-                 all_slots: torch.Tensor):
+                 all_slots: torch.Tensor, slot_list: list[int] | None = None, table: list[int] | None = None):
         self.storage, self.layer, self.offset = storage, layer, offset
         self.new_slots, self.all_slots = new_slots, all_slots  # (L,), (offset + L,)
+        self.slot_list, self.table = slot_list, table  # the same on the host: a CUDA graph's rows (runner)
+
+    def as_decode_step(self) -> DecodeStep:
+        """These L positions as a decode step of L rows sharing one block table, row i attending to
+        positions <= offset + i: causal prefill through the paged decode kernel (a short speculative
+        verification replayed as a CUDA graph). Needs the host lists (`TorchPagedCache.prefill_layers`)."""
+        assert self.slot_list is not None and self.table is not None
+        L = len(self.slot_list)
+        return DecodeStep(self.storage, list(range(self.offset, self.offset + L)), self.slot_list, [self.table] * L)
 
     def positions(self, B: int, L: int, device: torch.device) -> torch.Tensor:
         return torch.arange(self.offset, self.offset + L, device=device).expand(B, L)
@@ -246,9 +255,12 @@ class TorchPagedCache(PagedCache):
 
     def prefill_layers(self, req_id: str, start: int, end: int) -> list[PrefillView]:
         dev = self.storage.device
-        new_slots = torch.tensor(self.manager.slot_mapping(req_id, start, end), device=dev)
+        slot_list = self.manager.slot_mapping(req_id, start, end)
+        new_slots = torch.tensor(slot_list, device=dev)
         all_slots = torch.tensor(self.manager.slot_mapping(req_id, 0, end), device=dev)
-        return [PrefillView(self.storage, i, start, new_slots, all_slots) for i in range(self.num_layers)]
+        table = self.manager.block_table(req_id)
+        return [PrefillView(self.storage, i, start, new_slots, all_slots, slot_list, table)
+                for i in range(self.num_layers)]
 
     def decode_layers(self, req_ids: list[str], known_ids: list[list[int]]) -> list[DecodeView]:
         """Sequence b's next token goes at position num_tokens(b), allocated here."""

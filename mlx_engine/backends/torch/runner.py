@@ -17,7 +17,14 @@ import numpy as np
 import torch
 
 from mlx_engine.api import ModelInfo, RooflineError
-from mlx_engine.backends.torch.kv import ContiguousLayer, DecodeStep, DecodeView, PackedView, TorchPagedCache
+from mlx_engine.backends.torch.kv import (
+    ContiguousLayer,
+    DecodeStep,
+    DecodeView,
+    PackedView,
+    PrefillView,
+    TorchPagedCache,
+)
 from mlx_engine.backends.torch.model import build_model
 from mlx_engine.runner import (
     NoTokenizer,
@@ -36,6 +43,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # torch's default 2 threads decoded at 1.8-3 tokens/s (SDPA alone 13 ms a layer) and prefilled 22 tokens/s;
 # with one thread 13-15 and 162.
 CPU_THREADS = 1
+# A single sequence's prefill of at most this many positions (a speculative verification of k + 1 <= 17
+# tokens, a short prompt's last chunk) replays a CUDA graph as that many decode rows
+MAX_GRAPH_PREFILL = 17
 
 
 def resolve_device(device: str) -> torch.device:
@@ -206,8 +216,9 @@ class TorchRunner(Runner):
         return []  # torch work is eager: nothing for mx.eval
 
     def _graph_step(self, layers: list[Any]) -> DecodeStep | None:
-        """The decode step a CUDA graph can replay: `layers` are a decode step's views (one sequence's,
-        `decode_layers`), or packed views holding only decode rows (several sequences', `packed_layers`)."""
+        """The step a CUDA graph can replay, as rows of a decode step: `layers` are a decode step's views
+        (`decode_layers`), packed views holding only decode rows (`packed_layers`), or one sequence's prefill
+        of at most MAX_GRAPH_PREFILL positions (a speculative verification), one row per position."""
         if self.graphs is None or not layers:
             return None
         view = layers[0]
@@ -215,6 +226,8 @@ class TorchRunner(Runner):
             view = view.decode
         if isinstance(view, DecodeView) and self.graphs.supports(len(view.step.tables)):
             return view.step
+        if isinstance(view, PrefillView) and view.table is not None and len(view.slot_list) <= MAX_GRAPH_PREFILL:
+            return view.as_decode_step()
         return None
 
     def _graph_logits(self, inputs: Any, step: DecodeStep) -> torch.Tensor | None:
@@ -232,11 +245,36 @@ class TorchRunner(Runner):
             return None
 
     @_torch_work
+    def time_graph_forward(self, width: int, context: int, repeats: int) -> float:
+        """Seconds of one graphed step of `width` rows after `context` cached tokens, logits to the host (min
+        over repeats, after a warm-up): what a decode step of `width` sequences or a verification of `width`
+        tokens costs here. Every row reads and writes the pool's scratch block only."""
+        import time
+
+        storage = self.cache.storage
+        bs, scratch = storage.block_size, storage.scratch_block
+        nblocks = -(-(context + width) // bs)
+        step = DecodeStep(storage, [context + i for i in range(width)],
+                          [scratch * bs + (context + i) % bs for i in range(width)], [[scratch] * nblocks] * width)
+        ids = np.zeros(width, dtype=np.int64)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            logits = self._graph_logits(ids, step)
+            if logits is None:  # the capture failed and graphs are off: time what runs instead
+                from mlx_engine.speculative import time_forward
+
+                return time_forward(self, width, context, repeats)
+            mx.eval(_mx(logits))
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    @_torch_work
     def last_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
         step = self._graph_step(layers)
         logits = None if step is None else self._graph_logits(inputs, step)
-        if logits is not None:
-            return _mx(logits)
+        if logits is not None:  # a prefill's rows are one sequence's positions: its last
+            return _mx(logits[-1:] if isinstance(layers[0], PrefillView) else logits)
         h = self.forward(inputs, layers)
         return _mx(self.model.logits(h[:, -1, :]))
 
@@ -251,6 +289,10 @@ class TorchRunner(Runner):
 
     @_torch_work
     def all_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
+        step = self._graph_step(layers)
+        logits = None if step is None or not isinstance(layers[0], PrefillView) else self._graph_logits(inputs, step)
+        if logits is not None:
+            return _mx(logits)
         h = self.forward(inputs, layers)
         return _mx(self.model.logits(h[0]))
 
