@@ -337,7 +337,8 @@ def main() -> None:
                    + (["--model", args.model] if args.model else []), "default", "/health"),
             *([Target("roofline-torch", [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level",
                                          "warning", "--max-concurrency", str(max(widths)), "--backend", "torch",
-                                         "--device", args.torch_device] + (["--model", args.model] if args.model else []),
+                                         "--device", args.torch_device]
+                      + (["--model", args.model] if args.model else []),
                       "default", "/health")] if args.torch else []),
             Target("mlx-lm", [sys.executable, "-m", "mlx_lm.server", "--model", str(folder), "--port", str(port),
                               "--log-level", "WARNING"], "default_model", "/v1/models"),

@@ -89,7 +89,8 @@ def test_fused_elementwise_kernels_on_cuda(dtype):
     cos, sin = rope.angles(torch.tensor([[5, 6, 7], [4000, 4001, 4002]], device=CUDA))
     q = torch.randn(2, 3, 9, 64, generator=g).to(CUDA, dtype).transpose(1, 2)
     close(tk.rope(q, cos, sin), tk.rope_ref(q, cos, sin, 1.0, False))
-    gate, up = (torch.randn(7, 1536, generator=g) * 4).to(CUDA, dtype), torch.randn(7, 1536, generator=g).to(CUDA, dtype)
+    gate = (torch.randn(7, 1536, generator=g) * 4).to(CUDA, dtype)
+    up = torch.randn(7, 1536, generator=g).to(CUDA, dtype)
     close(tk.silu_mul(gate, up), tk.silu_mul_ref(gate, up))
     assert all(tk.launch_counts[k] == counts.get(k, 0) + 1 for k in ("rms_norm", "rope", "silu_mul"))
 

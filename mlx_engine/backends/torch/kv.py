@@ -89,30 +89,46 @@ class TorchKVStorage:
         return self.k[layer][slots].transpose(-3, -2), self.v[layer][slots].transpose(-3, -2)
 
 
+class PrefillSlots:
+    """A prefill chunk's slots, shared by its layers' views: host lists, device tensors made on first use (a
+    chunk replayed as a CUDA graph never makes them)."""
+
+    def __init__(self, device: torch.device, new: list[int], all_slots: list[int], table: list[int]):
+        self.device, self.new_list, self.all_list, self.table = device, new, all_slots, table
+
+    @functools.cached_property
+    def new(self) -> torch.Tensor:
+        return torch.tensor(self.new_list, device=self.device)  # (L,)
+
+    @functools.cached_property
+    def all(self) -> torch.Tensor:
+        return torch.tensor(self.all_list, device=self.device)  # (offset + L,)
+
+
 class PrefillView:
     """One layer's view for a prefill chunk (or a speculative verify) over positions [offset, offset + L)."""
 
-    def __init__(self, storage: TorchKVStorage, layer: int, offset: int, new_slots: torch.Tensor,
-                 all_slots: torch.Tensor, slot_list: list[int] | None = None, table: list[int] | None = None):
-        self.storage, self.layer, self.offset = storage, layer, offset
-        self.new_slots, self.all_slots = new_slots, all_slots  # (L,), (offset + L,)
-        self.slot_list, self.table = slot_list, table  # the same on the host: a CUDA graph's rows (runner)
+    def __init__(self, storage: TorchKVStorage, layer: int, offset: int, slots: PrefillSlots):
+        self.storage, self.layer, self.offset, self.slots = storage, layer, offset, slots
+
+    @property
+    def num_new(self) -> int:
+        return len(self.slots.new_list)
 
     def as_decode_step(self) -> DecodeStep:
         """These L positions as a decode step of L rows sharing one block table, row i attending to
         positions <= offset + i: causal prefill through the paged decode kernel (a short speculative
-        verification replayed as a CUDA graph). Needs the host lists (`TorchPagedCache.prefill_layers`)."""
-        assert self.slot_list is not None and self.table is not None
-        L = len(self.slot_list)
-        return DecodeStep(self.storage, list(range(self.offset, self.offset + L)), self.slot_list, [self.table] * L)
+        verification replayed as a CUDA graph)."""
+        L, slots = self.num_new, self.slots
+        return DecodeStep(self.storage, list(range(self.offset, self.offset + L)), slots.new_list, [slots.table] * L)
 
     def positions(self, B: int, L: int, device: torch.device) -> torch.Tensor:
         return torch.arange(self.offset, self.offset + L, device=device).expand(B, L)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (1, Hq, L, D), k/v (1, Hkv, L, D) after rope -> (1, Hq, L, D)."""
-        self.storage.write(self.layer, self.new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
-        keys, values = self.storage.gather(self.layer, self.all_slots)  # (Hkv, S, D)
+        self.storage.write(self.layer, self.slots.new, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        keys, values = self.storage.gather(self.layer, self.slots.all)  # (Hkv, S, D)
         return causal_attention(q, keys[None].to(q.dtype), values[None].to(q.dtype), self.offset, scale)
 
 
@@ -254,13 +270,10 @@ class TorchPagedCache(PagedCache):
         return cache
 
     def prefill_layers(self, req_id: str, start: int, end: int) -> list[PrefillView]:
-        dev = self.storage.device
-        slot_list = self.manager.slot_mapping(req_id, start, end)
-        new_slots = torch.tensor(slot_list, device=dev)
-        all_slots = torch.tensor(self.manager.slot_mapping(req_id, 0, end), device=dev)
-        table = self.manager.block_table(req_id)
-        return [PrefillView(self.storage, i, start, new_slots, all_slots, slot_list, table)
-                for i in range(self.num_layers)]
+        mgr = self.manager
+        slots = PrefillSlots(self.storage.device, mgr.slot_mapping(req_id, start, end),
+                             mgr.slot_mapping(req_id, 0, end), mgr.block_table(req_id))
+        return [PrefillView(self.storage, i, start, slots) for i in range(self.num_layers)]
 
     def decode_layers(self, req_ids: list[str], known_ids: list[list[int]]) -> list[DecodeView]:
         """Sequence b's next token goes at position num_tokens(b), allocated here."""

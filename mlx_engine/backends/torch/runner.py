@@ -226,7 +226,7 @@ class TorchRunner(Runner):
             view = view.decode
         if isinstance(view, DecodeView) and self.graphs.supports(len(view.step.tables)):
             return view.step
-        if isinstance(view, PrefillView) and view.table is not None and len(view.slot_list) <= MAX_GRAPH_PREFILL:
+        if isinstance(view, PrefillView) and view.num_new <= MAX_GRAPH_PREFILL:
             return view.as_decode_step()
         return None
 
