@@ -28,7 +28,7 @@ LOAD_OPTIONS = {
     "device": "'auto' (default), 'cpu' or 'cuda' (cuda: backend='torch' only)",
     "dtype": "activation dtype: 'float32', 'float16' or 'bfloat16' (default: float32 on MLX's CPU backend, "
     "the checkpoint's on Metal)",
-    "prefill_chunk_size": "tokens per prefill step (default 512)",
+    "prefill_chunk_size": "tokens per prefill step (default 512; 4096 for backend='torch' on CUDA)",
     "max_context": "cap the context length below the model's own",
     "block_size": "tokens per KV block: 16 (default) or 32",
     "kv_bits": "quantize the KV cache: 8 or 4 bits (default: None, the activation dtype)",
@@ -185,12 +185,13 @@ class Engine:
             known = "; ".join(f"{k}: {v}" for k, v in LOAD_OPTIONS.items())
             raise RooflineError(f"unknown Engine.load option(s) {', '.join(unknown)}. Known options: {known}")
         from mlx_engine.backends import load_runner
-        from mlx_engine.scheduler import Scheduler
+        from mlx_engine.scheduler import DEFAULT_TOKEN_BUDGET, Scheduler
 
         thread = engine_thread()
         runner = thread.call(lambda: load_runner(model, **options))
         engine = cls(thread, runner, runner.info)
-        engine._scheduler = Scheduler(runner)
+        # a step's token budget holds one whole prefill chunk: a larger prefill_chunk_size is not capped at 512
+        engine._scheduler = Scheduler(runner, token_budget=max(DEFAULT_TOKEN_BUDGET, runner.prefill_chunk_size))
         thread.register(engine._scheduler)
         return engine
 

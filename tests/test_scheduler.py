@@ -220,3 +220,18 @@ def test_cancelled_waiting_requests_leave_the_queue(folder: Path) -> None:
 def test_prompt_ids_is_what_generate_runs(folder: Path) -> None:
     with Engine.load(str(folder)) as e:
         assert e.prompt_ids(GenerationRequest(prompt_token_ids=[5, 6, 7])) == [5, 6, 7]
+
+
+def test_a_prefill_chunk_above_the_default_budget_goes_in_one_step(tmp_path: Path) -> None:
+    """prefill_chunk_size=1024: the step's token budget holds the whole chunk (it was capped at 512)."""
+    folder = random_llama_folder(tmp_path / "long", context=2048)
+    prompt = [(7 * i) % 120 + 3 for i in range(1500)]
+    with Engine.load(str(folder), prefix_caching=False, prefill_chunk_size=1024) as e:
+        assert e._scheduler.token_budget == 1024
+        e._scheduler.trace = trace = []
+        tokens, _, _ = collect(e.generate(GenerationRequest(prompt_token_ids=prompt, sampling=params(max_tokens=2))))
+    assert [p for _, p in trace if p > 0] == [1024, 476]
+    with Engine.load(str(folder), prefix_caching=False) as e:
+        assert e._scheduler.token_budget == 512
+        assert collect(e.generate(GenerationRequest(prompt_token_ids=prompt, sampling=params(max_tokens=2))))[0] \
+            == tokens

@@ -156,3 +156,8 @@ def test_speculative_verification_in_graphs_on_cuda(tiny_gguf):
         keys = {k[0] for k in engine._runner.graphs.graphs}
     assert got == plain and final.stats.acceptance_rate == 1.0
     assert 8 in keys  # 5 verified rows in the bucket of 8
+
+
+def test_prefill_chunk_default_is_4096_on_cuda(tiny_gguf):
+    with Engine.load(tiny_gguf, backend="torch", device="cuda", kv_budget_bytes=BUDGET) as engine:
+        assert engine._runner.prefill_chunk_size == 4096 and engine._scheduler.token_budget == 4096

@@ -176,3 +176,7 @@ def test_time_graph_forward_touches_only_the_scratch_block():
 
         assert time_forward(runner, 5, 40, 1) > 0  # through the graph path
         assert cost_curve_key(runner).split("|")[1] == "torch-cpu-cuda-graphs"
+
+
+def test_prefill_chunk_default_is_512_on_the_cpu(engine):
+    assert engine._runner.prefill_chunk_size == 512 and engine._scheduler.token_budget == 512

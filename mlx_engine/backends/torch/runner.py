@@ -46,6 +46,9 @@ CPU_THREADS = 1
 # A single sequence's prefill of at most this many positions (a speculative verification of k + 1 <= 17
 # tokens, a short prompt's last chunk) replays a CUDA graph as that many decode rows
 MAX_GRAPH_PREFILL = 17
+# Prefill tokens per forward on CUDA. At 512 a forward of SmolLM2 on the H200 cost the same ~30 ms of eager
+# launches whatever its rows: 14.5-20K prefill tokens/s at every batch from 1 to 64 (docs/benchmarks.md).
+CUDA_PREFILL_CHUNK = 4096
 
 
 def resolve_device(device: str) -> torch.device:
@@ -121,7 +124,7 @@ class TorchRunner(Runner):
         model: str | None,
         device: str = "auto",
         dtype: str | None = None,
-        prefill_chunk_size: int = 512,
+        prefill_chunk_size: int | None = None,
         max_context: int | None = None,
         paged_kv: bool | None = None,
         draft_model: str | None = None,
@@ -150,6 +153,8 @@ class TorchRunner(Runner):
             raise RooflineError(f"cuda_graphs={cuda_graphs!r}: expected True, False or None (on CUDA: True)")
         if cuda_graphs and dev.type != "cuda":
             raise RooflineError(f"cuda_graphs=True needs device='cuda' (this runner is on {dev.type}); leave it unset")
+        if prefill_chunk_size is None:
+            prefill_chunk_size = CUDA_PREFILL_CHUNK if dev.type == "cuda" else 512
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise RooflineError(f"prefill_chunk_size={prefill_chunk_size!r}: expected an integer >= 1")
         kv_config = KVConfig(**kv_options)
