@@ -21,10 +21,9 @@ from hypothesis import strategies as st
 
 from kernels_metal import _backend, dequant_matmul_kquant
 from kernels_metal.kquant import KQUANT_TYPES
-from kernels_metal.reference import KQUANT_BLOCK_BYTES, QK_K, dequantize_kquant
+from kernels_metal.reference import QK_K, dequantize_kquant
+from tests.tiny_models import random_blocks
 
-# byte offsets of each type's fp16 super-block scales (d, and dmin where the type has one)
-FP16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 OUT_REL = {mx.float32: 0.0, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -32,18 +31,6 @@ needs_interpreter = pytest.mark.skipif(
     not _backend.interpret_available(),
     reason="kernels_metal.interpret (the Metal interpreter) is not importable yet",
 )
-
-
-def random_blocks(
-    rng: np.random.Generator, ggml_type: str, out_features: int, in_features: int
-) -> np.ndarray:
-    bpb = KQUANT_BLOCK_BYTES[ggml_type]
-    w = rng.integers(0, 256, (out_features, in_features // QK_K * bpb), dtype=np.uint8)
-    blocks = w.reshape(-1, bpb)
-    for off in FP16_FIELDS[ggml_type]:
-        d = (rng.standard_normal(blocks.shape[0]) * 0.02).astype(np.float16)
-        blocks[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
-    return w
 
 
 def gguf_weights(w: np.ndarray, ggml_type: str) -> np.ndarray:

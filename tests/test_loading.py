@@ -49,20 +49,79 @@ def test_gguf_matches_dequantized_folder(tmp_path: Path, qtypes: dict[str, str])
         assert greedy(got, IDS) == greedy(ref, IDS)
 
 
-def test_gguf_kquant_refused_with_type_named(tmp_path: Path) -> None:
-    path = tmp_path / "k.gguf"
+KQUANTS = {"attn_q": "Q4_K", "attn_k": "Q3_K", "attn_v": "Q5_K", "attn_output": "Q6_K", "ffn_gate": "Q2_K",
+           "ffn_up": "Q4_K", "ffn_down": "Q4_1", "token_embd": "Q4_0", "output": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A llama of hidden size 256 (a k-quant super-block) as a GGUF holding every k-quant type beside
+    Q4_0 / Q4_1 (ffn_down's 96 inputs hold no super-block), and the folder of its dequantized weights, the
+    k-quants rounded to float16 as the loader keeps them."""
+    from tests.tiny_models import random_llama_folder
+
+    tmp = tmp_path_factory.mktemp("kquant")
+    src = random_llama_folder(tmp / "src", num_heads=4, num_kv_heads=2, head_dim=64, hidden=256)
+    gguf_path = tmp / "k.gguf"
+    deq = write_gguf_from_folder(src, gguf_path, KQUANTS)
+    for gname, value in deq.items():  # each matrix's type as the writer picks it
+        if value.ndim == 2 and next((t for key, t in KQUANTS.items() if key in gname), "Q8_0").endswith("_K"):
+            deq[gname] = value.astype(np.float16).astype(np.float32)
+    return gguf_path, folder_with_weights(src, tmp / "ref", gguf_to_hf_names(deq))
+
+
+def test_gguf_with_kquants_matches_its_dequantized_folder(kquant_gguf: tuple[Path, Path]) -> None:
+    """Q2_K..Q6_K dequantized at load (bit for bit gguf's dequantizer, then float16), Q4_0 / Q4_1 repacked
+    by the loader's own reader: the logits of the float folder. MLX's GGUF loader alone fails on Q3_K and
+    Q5_K and gets Q4_K wrong."""
+    gguf_path, ref_folder = kquant_gguf
+    with Engine.load(str(gguf_path)) as got, Engine.load(str(ref_folder)) as ref:
+        assert got.info.quantization == "Q6_K"  # the largest share of the bytes (lm_head, o_proj)
+        a, b = got.forward_logits(IDS), ref.forward_logits(IDS)
+        assert float(np.abs(a - b).max()) <= 1e-4
+        assert greedy(got, IDS) == greedy(ref, IDS)
+
+
+def test_torch_backend_reads_the_kquant_gguf_alike(kquant_gguf: tuple[Path, Path]) -> None:
+    from tests.torch_support import require
+
+    require("torch")
+    gguf_path, _ = kquant_gguf
+    with Engine.load(str(gguf_path)) as mlx_side, Engine.load(str(gguf_path), backend="torch", device="cpu") as t:
+        a, b = mlx_side.forward_logits(IDS), t.forward_logits(IDS)
+        # float32 both sides, summed in different orders: 1e-5 of the largest logit (measured 1.6e-4 on 18.3)
+        assert float(np.abs(a - b).max()) <= 1e-5 * float(np.abs(a).max()), float(np.abs(a).max())
+        assert greedy(mlx_side, IDS) == greedy(t, IDS)
+
+
+def test_own_reader_equals_mx_load_on_types_mlx_reads(tmp_path: Path) -> None:
+    """The reader used for k-quant files gives, on F32 / F16 / Q4_0 / Q4_1 / Q8_0, exactly what mx.load gives."""
+    from mlx_engine.loading.gguf_file import read_gguf
+    from mlx_engine.loading.gguf_tensors import read_tensors
+
+    path = tmp_path / "mixed.gguf"
+    write_gguf_from_folder(GOLDEN / "llama", path, {"attn_q": "Q4_0", "attn_k": "Q4_1", "ffn_down": "F16"})
+    ours, theirs = read_tensors(read_gguf(path)), mx.load(str(path))
+    assert sorted(ours) == sorted(theirs) and any(k.endswith(".scales") for k in ours)
+    for name in theirs:
+        assert ours[name].dtype == theirs[name].dtype and ours[name].shape == theirs[name].shape, name
+        assert mx.array_equal(ours[name], theirs[name]).item(), name
+
+
+def test_gguf_type_still_unsupported_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "q5.gguf"
     import gguf
     from gguf.constants import GGMLQuantizationType as Q
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
-    data = np.zeros((4, 144), dtype=np.uint8)  # 4 rows of one 256-wide Q4_K super-block (144 bytes)
-    w.add_tensor("token_embd.weight", data, raw_dtype=Q.Q4_K)
+    data = np.zeros((4, 22), dtype=np.uint8)  # 4 rows of one 32-wide Q5_0 block (22 bytes)
+    w.add_tensor("token_embd.weight", data, raw_dtype=Q.Q5_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match=r"Q4_K.*not loadable"):
+    with pytest.raises(ModelLoadError, match=r"Q5_0.*not loadable"):
         Engine.load(str(path))
 
 

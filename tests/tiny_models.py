@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,34 @@ def byte_level_vocab(n: int) -> list[str]:
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf permutation of Q/K rows (HF half-split rope -> interleaved)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# k-quants: bytes per super-block of 256 weights, and byte offsets of the fp16 super-block scales (d, and
+# dmin where the type has one). This gguf version implements no k-quant quantizer, so k-quant weights are
+# random bytes with those fields overwritten by finite values: every bit pattern of the other fields is valid.
+KQUANT_BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+FP16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(rng: np.random.Generator, ggml_type: str, out_features: int, in_features: int,
+                  std: float | None = None) -> np.ndarray:
+    """Random k-quant bytes (out_features, in_features // 256 * bytes per block); with `std`, the fp16
+    scales are rescaled so the dequantized weights have about that standard deviation."""
+    bpb = KQUANT_BLOCK_BYTES[ggml_type]
+    w = rng.integers(0, 256, (out_features, in_features // 256 * bpb), dtype=np.uint8)
+    blocks = w.reshape(-1, bpb)
+    for off in FP16_FIELDS[ggml_type]:
+        d = (rng.standard_normal(blocks.shape[0]) * 0.02).astype(np.float16)
+        blocks[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
+    if std is not None:
+        from gguf.constants import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        c = std / float(dequantize(w, GGMLQuantizationType[ggml_type]).std())
+        for off in FP16_FIELDS[ggml_type]:
+            d = blocks[:, off : off + 2].copy().view(np.float16)[:, 0]
+            blocks[:, off : off + 2] = (d.astype(np.float32) * c).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return w
 
 
 def write_gguf_from_folder(folder: Path, out: Path, qtypes: dict[str, str], default_type: str = "Q8_0") -> dict:
@@ -101,6 +130,15 @@ def write_gguf_from_folder(folder: Path, out: Path, qtypes: dict[str, str], defa
         if qtype == Q.F32:
             w.add_tensor(gname, stored)
             dequantized[gname] = value
+        elif tname in KQUANT_BLOCK_BYTES:  # random blocks of the weight's scale (no k-quant quantizer)
+            rng = np.random.default_rng(zlib.crc32(gname.encode()))
+            packed = random_blocks(rng, tname, value.shape[0], value.shape[1], std=float(value.std()))
+            w.add_tensor(gname, packed, raw_dtype=qtype)
+            back = gguf.quants.dequantize(packed, qtype).reshape(value.shape)
+            if stored is not value:  # the stored rows are in llama.cpp's order: undo it for the reference
+                n = n_heads if ".attn_q." in gname else n_kv
+                back = back.reshape(n, back.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(value.shape)
+            dequantized[gname] = back
         else:
             packed = gguf.quants.quantize(stored, qtype)
             w.add_tensor(gname, packed, raw_shape=packed.shape, raw_dtype=qtype)

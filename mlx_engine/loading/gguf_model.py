@@ -1,7 +1,8 @@
 """GGUF checkpoints: config from metadata, tensors renamed to HF names, llama.cpp's Q/K row permutation undone.
 
 MLX reads F32/F16/BF16 tensors and maps Q4_0/Q4_1/Q8_0 to its affine quantization (group size 32), so
-these run natively without dequantizing. k-quants are refused here (a kernel in kernels_metal adds them).
+these run natively without dequantizing. A file with k-quants (Q2_K..Q6_K) is read by `gguf_tensors`
+instead, which dequantizes them to float16 at load (MLX's own loader gets some of them wrong).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import mlx.nn as nn
 from mlx_engine.api import ModelLoadError
 from mlx_engine.loading.gguf_file import GGUFFile
 
-LOADABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+LOADABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_GROUP_SIZE = 32
 
@@ -96,7 +97,7 @@ def check_tensor_types(g: GGUFFile) -> None:
         example = next(t.name for t in g.tensors if t.ggml_type == bad[0])
         raise ModelLoadError(
             f"{g.path}: GGUF tensor type {', '.join(bad)} is not loadable yet (e.g. tensor {example!r}); "
-            f"supported: {', '.join(LOADABLE_TYPES)}. Use a Q4_0, Q4_1 or Q8_0 GGUF, or the model's safetensors."
+            f"supported: {', '.join(LOADABLE_TYPES)}. Use a GGUF of those types, or the model's safetensors."
         )
 
 
@@ -109,10 +110,12 @@ def _unpermute_rows(w: mx.array, n_head: int) -> mx.array:
 
 def gguf_weights(g: GGUFFile, config: dict[str, Any]) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
     """(weights under HF names, quantization spec for build_model or None)."""
+    from mlx_engine.loading.gguf_tensors import KQUANT_TYPES, read_tensors
+
     try:
-        raw = mx.load(str(g.path))
+        raw = read_tensors(g) if g.tensor_types() & set(KQUANT_TYPES) else mx.load(str(g.path))
     except (RuntimeError, ValueError) as e:
-        raise ModelLoadError(f"{g.path}: MLX could not read the GGUF tensors: {e}") from None
+        raise ModelLoadError(f"{g.path}: could not read the GGUF tensors: {e}") from None
     unpermute = g.architecture == "llama"
     weights: dict[str, mx.array] = {}
     freq_factors = raw.pop("rope_freqs.weight", None)

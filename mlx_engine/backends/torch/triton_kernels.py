@@ -358,26 +358,13 @@ def gguf_to_affine(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
     """GGUF Q4_0 / Q4_1 / Q8_0 weight bytes -> (w_packed int32, scales, biases, bits, group_size=32)
     for `dequant_matmul`; `shape` (out, in) in numpy order. Exact: dequantize_ref of the result
-    equals gguf.quants.dequantize in float32 (scales and biases are float32: d * (q - 8) = q * d - 8d)."""
+    equals gguf.quants.dequantize in float32 (`loading.gguf_tensors.affine_from_gguf`, float32 scales)."""
+    from mlx_engine.loading.gguf_tensors import affine_from_gguf
+
     if ggml_type not in _GGUF_BLOCK:
         raise ValueError(f"ggml_type={ggml_type!r}: expected one of {tuple(_GGUF_BLOCK)} "
                          "(dequantize other types with dequantize_gguf)")
-    out_features, in_features = shape
-    nbytes, bits = _GGUF_BLOCK[ggml_type]
-    if in_features % 32 or np.asarray(raw).nbytes != out_features * in_features // 32 * nbytes:
-        raise ValueError(f"raw: {np.asarray(raw).nbytes} bytes do not hold a {ggml_type} tensor of shape {shape}")
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(out_features, in_features // 32, nbytes)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, in / 32)
-    if ggml_type == "Q8_0":
-        q = blocks[..., 2:].view(np.int8).astype(np.int32) + 128  # (out, in / 32, 32), 0..255
-        bias = -128 * d
-    else:
-        qs = blocks[..., nbytes - 16:].astype(np.int32)  # byte j: weight j (low nibble), j + 16 (high)
-        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
-        bias = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if ggml_type == "Q4_1" else -8 * d
-    per_word = 32 // bits
-    q = q.reshape(out_features, in_features // per_word, per_word).astype(np.uint32)
-    words = np.bitwise_or.reduce(q << (np.arange(per_word, dtype=np.uint32) * bits), axis=-1)
+    words, d, bias, bits = affine_from_gguf(raw, ggml_type, shape)
     return (torch.from_numpy(words.view(np.int32).copy()), torch.from_numpy(d), torch.from_numpy(bias), bits, 32)
 
 

@@ -1,0 +1,77 @@
+"""GGUF tensors read here rather than by `mx.load`, for files that hold k-quants.
+
+MLX's GGUF loader (0.32) cannot be trusted with k-quants: it fails on Q3_K and Q5_K ("gguf_tensor_to_f16
+failed") and returns wrong values for Q4_K (max error 21 on weights of magnitude 30, against
+`gguf.quants.dequantize`); its Q2_K and Q6_K are exact. So a file with any k-quant is read tensor by tensor
+from the validated header's offsets (`gguf_file.read_gguf`):
+
+- F32 / F16 / BF16: as stored.
+- Q4_0 / Q4_1 / Q8_0: repacked, exactly, into MLX's affine quantization (group 32, as `mx.load` gives them:
+  uint32 words packed low bits first, float16 scales and biases), so they stay quantized.
+- k-quants (Q2_K..Q6_K): dequantized by `kernels_metal.reference.dequantize_kquant` (bit for bit
+  `gguf.quants.dequantize`, float32), stored as float16. They run as dense float16 weights: correct, at
+  about 3.5x the bytes of their blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import mlx.core as mx
+
+from mlx_engine.loading.gguf_file import GGUFFile
+
+KQUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_AFFINE_BLOCK = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8)}  # bytes per 32 weights, bits
+
+
+def affine_from_gguf(raw: np.ndarray, ggml_type: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray,
+                                                                                          np.ndarray, int]:
+    """GGUF Q4_0 / Q4_1 / Q8_0 weight bytes -> (words (out, in * bits / 32) uint32, scales, biases
+    (out, in / 32) float32, bits), group size 32: w = scale * q + bias exactly (d * (q - 8) = q * d - 8d;
+    Q8_0's signed q shifted by 128). `shape` (out, in) in numpy order."""
+    if ggml_type not in _AFFINE_BLOCK:
+        raise ValueError(f"ggml_type={ggml_type!r}: expected one of {tuple(_AFFINE_BLOCK)}")
+    out_features, in_features = shape
+    nbytes, bits = _AFFINE_BLOCK[ggml_type]
+    if in_features % 32 or np.asarray(raw).nbytes != out_features * in_features // 32 * nbytes:
+        raise ValueError(f"raw: {np.asarray(raw).nbytes} bytes do not hold a {ggml_type} tensor of shape {shape}")
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(out_features, in_features // 32, nbytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, in / 32)
+    if ggml_type == "Q8_0":
+        q = blocks[..., 2:].view(np.int8).astype(np.int32) + 128  # (out, in / 32, 32), 0..255
+        bias = -128 * d
+    else:
+        qs = blocks[..., nbytes - 16:].astype(np.int32)  # byte j: weight j (low nibble), j + 16 (high)
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+        bias = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if ggml_type == "Q4_1" else -8 * d
+    per_word = 32 // bits
+    q = q.reshape(out_features, in_features // per_word, per_word).astype(np.uint32)
+    words = np.bitwise_or.reduce(q << (np.arange(per_word, dtype=np.uint32) * bits), axis=-1)
+    return words, d, bias, bits
+
+
+def read_tensors(g: GGUFFile) -> dict[str, mx.array]:
+    """Every tensor of `g` as `mx.load` names them (a quantized `X.weight` adds `X.scales`, `X.biases`)."""
+    from kernels_metal.reference import dequantize_kquant
+
+    data = np.memmap(g.path, dtype=np.uint8, mode="r")
+    out: dict[str, mx.array] = {}
+    for t in g.tensors:
+        raw = data[t.offset:t.offset + t.nbytes]
+        if t.ggml_type in ("F32", "F16"):
+            out[t.name] = mx.array(raw.view(np.float32 if t.ggml_type == "F32" else np.float16).reshape(t.shape))
+        elif t.ggml_type == "BF16":
+            out[t.name] = mx.array(raw.view(np.uint16).reshape(t.shape)).view(mx.bfloat16)
+        elif t.ggml_type in _AFFINE_BLOCK:
+            words, scales, biases, _ = affine_from_gguf(raw, t.ggml_type, t.shape)
+            stem = t.name.removesuffix(".weight")
+            out[t.name] = mx.array(words)
+            out[f"{stem}.scales"] = mx.array(scales.astype(np.float16))  # exact: fp16 d, -8d, -128d, fp16 m
+            out[f"{stem}.biases"] = mx.array(biases.astype(np.float16))
+        else:  # a k-quant (check_tensor_types let nothing else through)
+            out_features, in_features = t.shape
+            w = dequantize_kquant(mx.array(np.asarray(raw)), t.ggml_type, out_features, in_features)
+            out[t.name] = w.astype(mx.float16)
+            mx.eval(out[t.name])  # one tensor's float32 at a time
+    return out
