@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams

@@ -247,29 +247,28 @@ def test_dequant_matmul_bad_arguments():
 
 
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_to_affine_is_exact(ggml_type):
+def test_gguf_affine_repack_is_exact_through_the_kernel(ggml_type):
+    """The loader's repack of GGUF blocks (`loading.gguf_tensors.affine_from_gguf`), float32 scales, read by
+    dequant_matmul: exactly gguf's dequantized weights."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
+    from mlx_engine.loading.gguf_tensors import affine_from_gguf
+
     w = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
     raw = quantize(w, GGMLQuantizationType[ggml_type])
-    wq, s, b, bits, group_size = tk.gguf_to_affine(raw, ggml_type, (6, 96))
+    words, s, b, bits = affine_from_gguf(raw, ggml_type, (6, 96))
+    wq, s, b = torch.from_numpy(words.view(np.int32)), torch.from_numpy(s), torch.from_numpy(b)
     want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[ggml_type]).reshape(6, 96))
-    assert torch.equal(tk.dequantize_ref(wq, s, b, bits, group_size), want)
-    assert torch.equal(tk.dequantize_gguf(raw, ggml_type, (6, 96)), want)
+    assert torch.equal(tk.dequantize_ref(wq, s, b, bits, 32), want)
     x = torch.randn(3, 96)
     with launched("dequant_matmul"):
-        y = tk.dequant_matmul(x, wq, s, b, bits, group_size)
+        y = tk.dequant_matmul(x, wq, s, b, bits, 32)
     torch.testing.assert_close(y, x @ want.T, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"bytes do not hold a .* tensor of shape \(6, 64\)"):
-        tk.gguf_to_affine(raw, ggml_type, (6, 64))
-
-
-def test_gguf_bad_types():
+        affine_from_gguf(raw, ggml_type, (6, 64))
     with pytest.raises(ValueError, match="ggml_type='Q4_K': expected one of"):
-        tk.gguf_to_affine(np.zeros(144, np.uint8), "Q4_K", (1, 256))
-    with pytest.raises(ValueError, match="ggml_type='Q9_9': not a GGML quantization type"):
-        tk.dequantize_gguf(np.zeros(4, np.uint8), "Q9_9", (1, 1))
+        affine_from_gguf(np.zeros(144, np.uint8), "Q4_K", (1, 256))
 
 
 def test_module_imports_and_falls_back_without_triton():

@@ -15,9 +15,8 @@ from the validated header's offsets (`gguf_file.read_gguf`):
 
 from __future__ import annotations
 
-import numpy as np
-
 import mlx.core as mx
+import numpy as np
 
 from mlx_engine.loading.gguf_file import GGUFFile
 

@@ -7,9 +7,9 @@
 - `rms_norm`, `rope`, `silu_mul`: a decoder layer's elementwise work, one kernel each where torch launches
   8 (a norm), 9 (rope of q or k) and 2 (the MLP's gate): a decode step of a small model is bound by its
   kernel count, not by bytes (docs/benchmarks.md, the H200 check).
-- `gguf_to_affine`: GGUF Q4_0 / Q4_1 / Q8_0 repacked, exactly, into that affine format, so GGUF
-  weights run through the same kernel; `dequantize_gguf` dequantizes any GGUF type (k-quants too)
-  with the gguf package's numpy reference.
+
+GGUF Q4_0 / Q4_1 / Q8_0 weights reach the kernel in that affine format (the loader's exact repack,
+`loading.gguf_tensors.affine_from_gguf`, or MLX's own); k-quants arrive dequantized at load.
 
 Dispatch: the Triton kernel runs when the tensors are on CUDA, or when TRITON_INTERPRET=1 and
 triton is importable (Triton's CPU interpreter, for tests); otherwise the torch reference, so CPU
@@ -19,13 +19,11 @@ are built on first use, once per mode. The wrappers never sync the host (CUDA-gr
 
 from __future__ import annotations
 
-import math
 import os
 from collections import Counter
 from functools import cache
 from typing import Any
 
-import numpy as np
 import torch
 
 try:
@@ -345,43 +343,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     _kernels(_interpreting())["_silu_mul"][(triton.cdiv(n, 1024),)](g, u, out, n, BLOCK=1024)
     launch_counts["silu_mul"] += 1
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# GGUF: exact repack of the simple quants into the affine format; numpy dequant for everything else
-
-_GGUF_BLOCK = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8)}  # bytes per 32 weights, bits
-
-
-def gguf_to_affine(
-    raw: np.ndarray, ggml_type: str, shape: tuple[int, int]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """GGUF Q4_0 / Q4_1 / Q8_0 weight bytes -> (w_packed int32, scales, biases, bits, group_size=32)
-    for `dequant_matmul`; `shape` (out, in) in numpy order. Exact: dequantize_ref of the result
-    equals gguf.quants.dequantize in float32 (`loading.gguf_tensors.affine_from_gguf`, float32 scales)."""
-    from mlx_engine.loading.gguf_tensors import affine_from_gguf
-
-    if ggml_type not in _GGUF_BLOCK:
-        raise ValueError(f"ggml_type={ggml_type!r}: expected one of {tuple(_GGUF_BLOCK)} "
-                         "(dequantize other types with dequantize_gguf)")
-    words, d, bias, bits = affine_from_gguf(raw, ggml_type, shape)
-    return (torch.from_numpy(words.view(np.int32).copy()), torch.from_numpy(d), torch.from_numpy(bias), bits, 32)
-
-
-def dequantize_gguf(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """Any GGUF tensor type (k-quants included) -> float32 torch tensor of `shape` (numpy order),
-    by the gguf package's numpy reference `gguf.quants.dequantize`."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    try:
-        qtype = GGMLQuantizationType[ggml_type]
-    except KeyError:
-        raise ValueError(f"ggml_type={ggml_type!r}: not a GGML quantization type") from None
-    w = dequantize(np.ascontiguousarray(raw).view(np.uint8), qtype)
-    if w.size != math.prod(shape):
-        raise ValueError(f"raw: holds {w.size} {ggml_type} values, expected shape {tuple(shape)}")
-    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(shape))
 
 
 # ---------------------------------------------------------------------------------------------
