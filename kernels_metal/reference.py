@@ -231,6 +231,54 @@ def dequantize_kquant(w_blocks: mx.array, ggml_type: str, out_features: int, in_
     return _DEQUANT[ggml_type](blocks).reshape(out_features, in_features)
 
 
+# k-quant -> affine groups (w = scale * q + bias): container bits, group size
+KQUANT_AFFINE = {"Q2_K": (4, 16), "Q3_K": (4, 16), "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
+
+
+def kquant_affine(w_blocks: mx.array, ggml_type: str, out_features: int,
+                  in_features: int) -> tuple[mx.array, mx.array, mx.array, int, int]:
+    """GGUF k-quant bytes -> (q uint8 (out, in), scales, biases float32 (out, in / group), bits, group):
+    the same weights as an affine quantization whose groups are the k-quant's sub-blocks, for kernels that
+    read affine groups (the torch backend's `dequant_matmul`). `scales * q + biases` equals
+    `dequantize_kquant` bit for bit for Q2_K, Q4_K and Q5_K (d * sc * q - dmin * m); Q3_K's and Q6_K's
+    d * sc * (q - offset) becomes d * sc * q - offset * d * sc, within an ulp or two."""
+    bits, group = KQUANT_AFFINE[ggml_type]
+    b = w_blocks.reshape(-1, KQUANT_BLOCK_BYTES[ggml_type])
+    n = b.shape[0]
+    if ggml_type in ("Q4_K", "Q5_K"):
+        d, dmin = _fp16_at(b, 0), _fp16_at(b, 2)
+        sc, mn = _q4k_scale_min(b[:, 4:16])
+        scale, bias = d * sc, -(dmin * mn)  # (n, 8)
+        qs = b[:, 16:144] if ggml_type == "Q4_K" else b[:, 48:176]
+        q = _bits(qs.reshape(n, 4, 32), [0, 4], 0x0F).reshape(n, 8, 32)
+        if ggml_type == "Q5_K":
+            q = q | (_bits(b[:, 16:48].reshape(n, 1, 32), list(range(8)), 1).reshape(n, 8, 32) << 4)
+    elif ggml_type == "Q6_K":
+        sc = mx.view(b[:, 192:208], mx.int8).astype(mx.float32)
+        scale = _fp16_at(b, 208) * sc  # (n, 16)
+        bias = -32 * scale
+        lo = _bits(b[:, 0:128].reshape(n, 2, 64), [0, 4], 0x0F).reshape(n, 8, 32)
+        hi = _bits(b[:, 128:192].reshape(n, 2, 32), [0, 2, 4, 6], 0x03).reshape(n, 8, 32)
+        q = lo | (hi << 4)
+    elif ggml_type == "Q2_K":
+        scales = b[:, 0:16]
+        scale = _fp16_at(b, 80) * (scales & 0xF).astype(mx.float32)
+        bias = -(_fp16_at(b, 82) * (scales >> 4).astype(mx.float32))
+        q = _bits(b[:, 16:80].reshape(n, 2, 32), [0, 2, 4, 6], 3)
+    else:  # Q3_K
+        scales = b[:, 96:108]
+        lsc = _bits(scales[:, 0:8], [0, 4], 0x0F).reshape(n, 16)
+        hsc = _bits(scales[:, 8:12], [0, 2, 4, 6], 0x03).reshape(n, 16)
+        scale = _fp16_at(b, 108) * ((lsc | (hsc << 4)).astype(mx.int8) - 32).astype(mx.float32)
+        bias = -4 * scale
+        ql = _bits(b[:, 32:96].reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 16, 16)
+        qh = _bits(b[:, 0:32].reshape(n, 1, 32), list(range(8)), 1).reshape(n, 16, 16)
+        q = ql | (qh << 2)  # a set hmask bit: no -4 offset, so q + 4
+    groups = in_features // group
+    return (q.astype(mx.uint8).reshape(out_features, in_features), scale.reshape(out_features, groups),
+            bias.reshape(out_features, groups), bits, group)
+
+
 def dequant_matmul_kquant(
     x: mx.array, w_blocks: mx.array, ggml_type: str, out_features: int, in_features: int
 ) -> mx.array:

@@ -14,7 +14,14 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from mlx_engine import Engine, GenerationRequest, ModelLoadError, RequestError, SamplingParams
-from tests.tiny_models import GOLDEN, folder_with_weights, gguf_to_hf_names, write_gguf_from_folder
+from tests.tiny_models import (
+    GOLDEN,
+    folder_with_weights,
+    gguf_to_hf_names,
+    kquant_llama_gguf,
+    kquants_as_float16,
+    write_gguf_from_folder,
+)
 
 IDS = [3, 17, 42, 99, 7, 64, 120, 5, 33, 81, 12, 2]
 
@@ -49,25 +56,13 @@ def test_gguf_matches_dequantized_folder(tmp_path: Path, qtypes: dict[str, str])
         assert greedy(got, IDS) == greedy(ref, IDS)
 
 
-KQUANTS = {"attn_q": "Q4_K", "attn_k": "Q3_K", "attn_v": "Q5_K", "attn_output": "Q6_K", "ffn_gate": "Q2_K",
-           "ffn_up": "Q4_K", "ffn_down": "Q4_1", "token_embd": "Q4_0", "output": "Q6_K"}
-
-
 @pytest.fixture(scope="module")
 def kquant_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A llama of hidden size 256 (a k-quant super-block) as a GGUF holding every k-quant type beside
-    Q4_0 / Q4_1 (ffn_down's 96 inputs hold no super-block), and the folder of its dequantized weights, the
-    k-quants rounded to float16 as the loader keeps them."""
-    from tests.tiny_models import random_llama_folder
-
+    """`kquant_llama_gguf`'s file and the folder of its dequantized weights, the k-quants rounded to float16
+    as the loader keeps them."""
     tmp = tmp_path_factory.mktemp("kquant")
-    src = random_llama_folder(tmp / "src", num_heads=4, num_kv_heads=2, head_dim=64, hidden=256)
-    gguf_path = tmp / "k.gguf"
-    deq = write_gguf_from_folder(src, gguf_path, KQUANTS)
-    for gname, value in deq.items():  # each matrix's type as the writer picks it
-        if value.ndim == 2 and next((t for key, t in KQUANTS.items() if key in gname), "Q8_0").endswith("_K"):
-            deq[gname] = value.astype(np.float16).astype(np.float32)
-    return gguf_path, folder_with_weights(src, tmp / "ref", gguf_to_hf_names(deq))
+    gguf_path, src, deq = kquant_llama_gguf(tmp)
+    return gguf_path, folder_with_weights(src, tmp / "ref", gguf_to_hf_names(kquants_as_float16(deq)))
 
 
 def test_gguf_with_kquants_matches_its_dequantized_folder(kquant_gguf: tuple[Path, Path]) -> None:

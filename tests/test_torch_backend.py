@@ -284,3 +284,32 @@ def test_save_kv_is_refused(llama, tmp_path):
 def test_long_prompt_is_a_request_error(llama):
     with pytest.raises(RequestError, match="context"):
         llama.generate(GenerationRequest(prompt_token_ids=[5] * 600))
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["dequantized", "packed"])
+def test_kquant_gguf(tmp_path, kernels, monkeypatch):
+    """GGUF k-quants on the torch backend. Packed (CUDA's path; here through the kernels' torch references):
+    each sub-block an affine group of 32 (Q4_K, Q5_K) or 16 (Q2_K, Q3_K, Q6_K) with float32 scales, so the
+    logits are those of the exact dequantized weights. Dequantized (the CPU's path): rounded to float16, as
+    the MLX backend keeps them."""
+    from mlx_engine.backends.torch import runner as torch_runner
+    from mlx_engine.backends.torch.model import QuantizedWeight
+    from tests.tiny_models import folder_with_weights, gguf_to_hf_names, kquant_llama_gguf, kquants_as_float16
+
+    path, src, deq = kquant_llama_gguf(tmp_path)
+    ref = folder_with_weights(src, tmp_path / "ref", gguf_to_hf_names(deq if kernels else kquants_as_float16(deq)))
+    monkeypatch.setattr(torch_runner, "use_kernels", lambda device: kernels)
+    with Engine.load(str(path), backend="torch", device="cpu") as engine, \
+            Engine.load(str(ref), backend="torch", device="cpu") as want:  # the float folder on this backend
+        attn, mlp = engine._runner.model.layers[0].self_attn, engine._runner.model.layers[0].mlp
+        formats = {name: (w.bits, w.group_size) if isinstance(w, QuantizedWeight) else None for name, w in (
+            ("Q4_K", attn.q_proj.weight), ("Q3_K", attn.k_proj.weight), ("Q5_K", attn.v_proj.weight),
+            ("Q6_K", attn.o_proj.weight), ("Q2_K", mlp.gate_proj.weight))}
+        if kernels:
+            assert formats == {"Q4_K": (4, 32), "Q3_K": (4, 16), "Q5_K": (8, 32), "Q6_K": (8, 16), "Q2_K": (4, 16)}
+            assert attn.q_proj.weight.scales.dtype == torch.float32
+        else:
+            assert set(formats.values()) == {None}
+        a, b = engine.forward_logits(PROMPT), want.forward_logits(PROMPT)
+        assert float(np.abs(a - b).max()) <= 2e-6 * float(np.abs(b).max())
+        assert run(engine, PROMPT, 8)[0] == run(want, PROMPT, 8)[0]

@@ -161,3 +161,21 @@ def test_speculative_verification_in_graphs_on_cuda(tiny_gguf):
 def test_prefill_chunk_default_is_4096_on_cuda(tiny_gguf):
     with Engine.load(tiny_gguf, backend="torch", device="cuda", kv_budget_bytes=BUDGET) as engine:
         assert engine._runner.prefill_chunk_size == 4096 and engine._scheduler.token_budget == 4096
+
+
+def test_kquant_gguf_packed_on_cuda(tmp_path, monkeypatch):
+    """k-quants packed into affine groups (16 and 32, float32 scales) run by dequant_matmul on the GPU: the
+    logits of the same packed model on the CPU (the kernels' torch references), float32 on both."""
+    from mlx_engine.backends.torch import runner as torch_runner
+    from mlx_engine.backends.torch.model import QuantizedWeight
+    from tests.tiny_models import kquant_llama_gguf
+
+    path, _, _ = kquant_llama_gguf(tmp_path)
+    ids = [3, 17, 42, 99, 7, 64, 120, 5, 9]
+    with Engine.load(str(path), backend="torch", device="cuda", dtype="float32", kv_budget_bytes=BUDGET) as gpu:
+        assert isinstance(gpu._runner.model.layers[0].self_attn.o_proj.weight, QuantizedWeight)  # Q6_K, group 16
+        a = gpu.forward_logits(ids)
+    monkeypatch.setattr(torch_runner, "use_kernels", lambda device: True)  # packed on the CPU too
+    with Engine.load(str(path), backend="torch", device="cpu") as cpu:
+        b = cpu.forward_logits(ids)
+    assert float(np.abs(a - b).max()) <= 1e-4 * float(np.abs(b).max())

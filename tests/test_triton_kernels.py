@@ -199,6 +199,27 @@ def test_dequant_matmul_float32(bits, group_size, M):
     assert ((y.double() - exact).abs() <= bound).all(), f"maxdiff {(y.double() - exact).abs().max():.3g}"
 
 
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q3_K"])
+def test_dequant_matmul_reads_kquants_as_affine_groups(ggml_type):
+    """k-quant sub-blocks as affine groups of 16 (Q6_K, Q3_K) or 32 (Q4_K), float32 scales
+    (`kernels_metal.reference.kquant_affine`), through the kernel: the k-quant's own matmul."""
+    from kernels_metal.reference import dequantize_kquant, kquant_affine
+    from mlx_engine.loading.gguf_tensors import pack_words
+    from tests.tiny_models import random_blocks
+
+    blocks = mx.array(random_blocks(np.random.default_rng(5), ggml_type, 24, 512, std=0.05))
+    q, sc, bi, bits, group = kquant_affine(blocks, ggml_type, 24, 512)
+    wq = torch.from_numpy(pack_words(np.array(q), bits).view(np.int32))
+    s, b = torch.from_numpy(np.array(sc)), torch.from_numpy(np.array(bi))
+    deq = torch.from_numpy(np.array(dequantize_kquant(blocks, ggml_type, 24, 512)))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    with launched("dequant_matmul"):
+        y = tk.dequant_matmul(x, wq, s, b, bits, group)
+    exact = x.double() @ deq.double().T
+    bound = 1e-5 * (x.abs().double() @ deq.abs().double().T)
+    assert ((y.double() - exact).abs() <= bound).all(), f"maxdiff {(y.double() - exact).abs().max():.3g}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("M", [1, 20])
 def test_dequant_matmul_half(dtype, M):
@@ -230,8 +251,8 @@ def test_dequant_matmul_bad_arguments():
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match=r"bits=3: expected one of \(4, 8\)"):
         tk.dequant_matmul(x, wq, s, b, 3, 32)
-    with pytest.raises(ValueError, match=r"group_size=16: expected one of \(32, 64, 128\)"):
-        tk.dequant_matmul(x, wq, s, b, 4, 16)
+    with pytest.raises(ValueError, match=r"group_size=8: expected one of \(16, 32, 64, 128\)"):
+        tk.dequant_matmul(x, wq, s, b, 4, 8)
     with pytest.raises(ValueError, match=r"w_packed: expected int32 .* or uint32, got torch.int64"):
         tk.dequant_matmul(x, wq.long(), s, b, 4, 32)
     with pytest.raises(ValueError, match=r"scales: expected shape \(8, 2\)"):

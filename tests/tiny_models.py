@@ -215,3 +215,25 @@ def random_llama_folder(dst: Path, num_heads: int = 4, num_kv_heads: int = 2, he
     (dst / "config.json").write_text(json.dumps(config))
     save_file(weights, str(dst / "model.safetensors"))
     return dst
+
+
+# every k-quant type beside Q4_0 / Q4_1 (ffn_down's 96 inputs hold no 256-weight super-block)
+KQUANT_LAYOUT = {"attn_q": "Q4_K", "attn_k": "Q3_K", "attn_v": "Q5_K", "attn_output": "Q6_K", "ffn_gate": "Q2_K",
+                 "ffn_up": "Q4_K", "ffn_down": "Q4_1", "token_embd": "Q4_0", "output": "Q6_K"}
+
+
+def kquant_llama_gguf(tmp: Path) -> tuple[Path, Path, dict[str, np.ndarray]]:
+    """A random llama of hidden size 256 (one k-quant super-block) as a GGUF in KQUANT_LAYOUT: (the file, its
+    source folder, {gguf name: dequantized float32 weights in HF row order})."""
+    src = random_llama_folder(tmp / "src", num_heads=4, num_kv_heads=2, head_dim=64, hidden=256)
+    path = tmp / "k.gguf"
+    return path, src, write_gguf_from_folder(src, path, KQUANT_LAYOUT)
+
+
+def kquants_as_float16(deq: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The k-quant matrices of `kquant_llama_gguf` rounded to float16, as the loader keeps them dense."""
+    def kind(gname: str) -> str:  # each matrix's type as the writer picks it
+        return next((t for key, t in KQUANT_LAYOUT.items() if key in gname), "Q8_0")
+
+    return {g: v.astype(np.float16).astype(np.float32) if v.ndim == 2 and kind(g).endswith("_K") else v
+            for g, v in deq.items()}

@@ -100,14 +100,16 @@ def _from_hf_cache(repo_id: str) -> Path:
         ) from None
 
 
-def load_checkpoint(ref: str | None) -> Checkpoint:
+def load_checkpoint(ref: str | None, kquant_blocks: bool = False) -> Checkpoint:
+    """`kquant_blocks`: a GGUF's k-quant matrices stay as their raw blocks (uint8, quantization entry
+    {"kquant": type}) for a runner that reads them itself, instead of being dequantized to float16."""
     path, kind = resolve(ref)
     if kind == "gguf":
-        return _load_gguf(path, name=EMBEDDED_MODEL_NAME if ref is None else path.name)
+        return _load_gguf(path, name=EMBEDDED_MODEL_NAME if ref is None else path.name, kquant_blocks=kquant_blocks)
     return _load_folder(path, hf_cache=kind == "hf-cache", name=ref if kind == "hf-cache" else path.name)
 
 
-def _load_gguf(path: Path, name: str) -> Checkpoint:
+def _load_gguf(path: Path, name: str, kquant_blocks: bool = False) -> Checkpoint:
     from mlx_engine.loading.gguf_file import read_gguf
     from mlx_engine.loading.gguf_model import check_tensor_types, describe_quantization, gguf_config, gguf_weights
     from mlx_engine.tokenizer import Tokenizer
@@ -118,7 +120,7 @@ def _load_gguf(path: Path, name: str) -> Checkpoint:
     check_tensor_types(g)
     config = gguf_config(g)
     tokenizer = Tokenizer.from_gguf(g.metadata)
-    weights, quantization = gguf_weights(g, config)
+    weights, quantization = gguf_weights(g, config, kquant_blocks)
     return Checkpoint(name, path, "gguf", config, weights, quantization, describe_quantization(g), tokenizer,
                       "float16")
 

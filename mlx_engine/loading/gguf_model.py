@@ -108,16 +108,21 @@ def _unpermute_rows(w: mx.array, n_head: int) -> mx.array:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(g: GGUFFile, config: dict[str, Any]) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
-    """(weights under HF names, quantization spec for build_model or None)."""
+def gguf_weights(g: GGUFFile, config: dict[str, Any],
+                 kquant_blocks: bool = False) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
+    """(weights under HF names, quantization spec for build_model or None). `kquant_blocks`: k-quant
+    matrices as their raw blocks, each path's quantization entry {"kquant": type} (`load_checkpoint`)."""
     from mlx_engine.loading.gguf_tensors import KQUANT_TYPES, read_tensors
 
+    kquants: dict[str, str] = {}  # gguf tensor name -> type, of those kept as blocks
     try:
-        raw = read_tensors(g) if g.tensor_types() & set(KQUANT_TYPES) else mx.load(str(g.path))
+        raw = (read_tensors(g, kquants if kquant_blocks else None) if g.tensor_types() & set(KQUANT_TYPES)
+               else mx.load(str(g.path)))
     except (RuntimeError, ValueError) as e:
         raise ModelLoadError(f"{g.path}: could not read the GGUF tensors: {e}") from None
     unpermute = g.architecture == "llama"
     weights: dict[str, mx.array] = {}
+    renamed: dict[str, str] = {}  # HF name -> GGUF name
     freq_factors = raw.pop("rope_freqs.weight", None)
     for name, value in raw.items():
         if match := _BLK.match(name):
@@ -127,15 +132,20 @@ def gguf_weights(g: GGUFFile, config: dict[str, Any]) -> tuple[dict[str, mx.arra
             if unpermute and part in ("attn_q", "attn_k"):
                 n = config["num_attention_heads"] if part == "attn_q" else config["num_key_value_heads"]
                 value = _unpermute_rows(value, n)
-            weights[f"model.layers.{layer}.{_LAYER_NAMES[part]}.{leaf}"] = value
+            weights[key := f"model.layers.{layer}.{_LAYER_NAMES[part]}.{leaf}"] = value
+            renamed[key] = name
         elif (match := _TOP.match(name)) and match.group(1) in _TOP_NAMES:
-            weights[f"{_TOP_NAMES[match.group(1)]}.{match.group(2)}"] = value
+            weights[key := f"{_TOP_NAMES[match.group(1)]}.{match.group(2)}"] = value
+            renamed[key] = name
         else:
             raise ModelLoadError(f"{g.path}: unexpected GGUF tensor {name!r}")
     if freq_factors is not None:
         config["_rope_freq_factors"] = freq_factors
 
     quantization: dict[str, Any] = {"group_size": GGUF_GROUP_SIZE, "bits": 4, "mode": "affine"}
+    hf_name = {value_name: key for key, value_name in renamed.items()}
+    for gname, ggml_type in kquants.items():
+        quantization[hf_name[gname].removesuffix(".weight")] = {"kquant": ggml_type}
     for key, scales in weights.items():
         if key.endswith(".scales"):
             path = key[: -len(".scales")]

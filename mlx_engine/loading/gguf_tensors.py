@@ -10,7 +10,8 @@ from the validated header's offsets (`gguf_file.read_gguf`):
   uint32 words packed low bits first, float16 scales and biases), so they stay quantized.
 - k-quants (Q2_K..Q6_K): dequantized by `kernels_metal.reference.dequantize_kquant` (bit for bit
   `gguf.quants.dequantize`, float32), stored as float16. They run as dense float16 weights: correct, at
-  about 3.5x the bytes of their blocks.
+  about 3.5x the bytes of their blocks. Or, for the torch backend, kept as their raw blocks, which it packs
+  into affine groups for its Triton kernel on CUDA (`backends.torch.model.kquant_weight`).
 """
 
 from __future__ import annotations
@@ -44,14 +45,21 @@ def affine_from_gguf(raw: np.ndarray, ggml_type: str, shape: tuple[int, int]) ->
         qs = blocks[..., nbytes - 16:].astype(np.int32)  # byte j: weight j (low nibble), j + 16 (high)
         q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
         bias = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if ggml_type == "Q4_1" else -8 * d
+    return pack_words(q.reshape(out_features, in_features), bits), d, bias, bits
+
+
+def pack_words(q: np.ndarray, bits: int) -> np.ndarray:
+    """Integer codes (out, in) in [0, 2**bits) -> uint32 words (out, in * bits / 32), lowest bits first
+    (MLX's affine layout)."""
     per_word = 32 // bits
-    q = q.reshape(out_features, in_features // per_word, per_word).astype(np.uint32)
-    words = np.bitwise_or.reduce(q << (np.arange(per_word, dtype=np.uint32) * bits), axis=-1)
-    return words, d, bias, bits
+    q = q.reshape(q.shape[0], q.shape[1] // per_word, per_word).astype(np.uint32)
+    return np.bitwise_or.reduce(q << (np.arange(per_word, dtype=np.uint32) * bits), axis=-1)
 
 
-def read_tensors(g: GGUFFile) -> dict[str, mx.array]:
-    """Every tensor of `g` as `mx.load` names them (a quantized `X.weight` adds `X.scales`, `X.biases`)."""
+def read_tensors(g: GGUFFile, kquant_blocks: dict[str, str] | None = None) -> dict[str, mx.array]:
+    """Every tensor of `g` as `mx.load` names them (a quantized `X.weight` adds `X.scales`, `X.biases`).
+    With a `kquant_blocks` dict, k-quants stay as their raw blocks (uint8, (out, in / 256 * bytes per
+    block)), and the dict gets each one's name -> type."""
     from kernels_metal.reference import dequantize_kquant
 
     data = np.memmap(g.path, dtype=np.uint8, mode="r")
@@ -68,6 +76,9 @@ def read_tensors(g: GGUFFile) -> dict[str, mx.array]:
             out[t.name] = mx.array(words)
             out[f"{stem}.scales"] = mx.array(scales.astype(np.float16))  # exact: fp16 d, -8d, -128d, fp16 m
             out[f"{stem}.biases"] = mx.array(biases.astype(np.float16))
+        elif kquant_blocks is not None:  # a k-quant, kept as blocks
+            out[t.name] = mx.array(np.asarray(raw).reshape(t.shape[0], -1))
+            kquant_blocks[t.name] = t.ggml_type
         else:  # a k-quant (check_tensor_types let nothing else through)
             out_features, in_features = t.shape
             w = dequantize_kquant(mx.array(np.asarray(raw)), t.ggml_type, out_features, in_features)

@@ -5,7 +5,8 @@ tokens (`positions(B, L)`) and does attention (`attention(q, k, v, scale)`, writ
 Weights come from the checkpoint's MLX arrays through numpy. MLX affine-quantized weights (uint32 words
 packed low bits first, per-group scales and biases) stay packed on CUDA, where `triton_kernels.dequant_matmul`
 reads them (bit widths and group sizes it supports; others are dequantized at load); on the CPU they are
-dequantized once at load with `mx.dequantize` itself.
+dequantized once at load with `mx.dequantize` itself. GGUF k-quants arrive as raw blocks (`kquant_weight`):
+packed as affine groups on CUDA, dequantized to float16 on the CPU.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class QuantizedWeight:
     biases: torch.Tensor
     bits: int
     group_size: int
+    act_dtype: torch.dtype | None = None  # rows' dtype when the scales are wider (k-quants: float32)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> x @ W.T (..., out) through the Triton kernel (CUDA)."""
@@ -45,9 +47,8 @@ class QuantizedWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup): ids (...) -> (..., in)."""
         flat = ids.reshape(-1)
-        w = tk.dequantize_ref(self.packed[flat], self.scales[flat], self.biases[flat], self.bits,
-                                          self.group_size)
-        return w.reshape(*ids.shape, -1)
+        w = tk.dequantize_ref(self.packed[flat], self.scales[flat], self.biases[flat], self.bits, self.group_size)
+        return w.reshape(*ids.shape, -1).to(self.act_dtype or w.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -308,9 +309,13 @@ def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None
                              "(supported: MLX affine quantization, GGUF Q4_0/Q4_1/Q8_0)")
     out: dict[str, Weight] = {}
     paths = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
+    kquants = {p: spec["kquant"] for p, spec in quantization.items() if isinstance(spec, dict) and "kquant" in spec}
     for key, value in weights.items():
         path, _, leaf = key.rpartition(".")
         if path in paths and leaf in ("scales", "biases"):
+            continue
+        if path in kquants and leaf == "weight":
+            out[key] = kquant_weight(value, kquants[path], dtype, device, packed)
             continue
         if path in paths and leaf == "weight":
             spec = quantization.get(path) if isinstance(quantization.get(path), dict) else {}
@@ -332,6 +337,29 @@ def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None
             raise ModelLoadError(f"{source}: tensor {key} has dtype {value.dtype} and is not a quantized weight")
         out[key] = torch.from_numpy(_to_numpy(value)).to(device=device, dtype=dtype)
     return out
+
+
+def kquant_weight(blocks: Any, ggml_type: str, dtype: torch.dtype, device: torch.device, packed: bool) -> Weight:
+    """A GGUF k-quant matrix's raw blocks (`load_checkpoint(kquant_blocks=True)`, uint8 (out, in / 256 *
+    bytes per block)) -> packed for `dequant_matmul` (its sub-blocks as affine groups of 16 or 32, float32
+    scales: `kernels_metal.reference.kquant_affine`), or, unpacked, dequantized and rounded to float16 as the
+    MLX backend keeps them."""
+    import mlx.core as mx
+
+    from kernels_metal.reference import KQUANT_BLOCK_BYTES, dequantize_kquant, kquant_affine
+    from mlx_engine.loading.gguf_tensors import pack_words
+
+    out_features, in_features = blocks.shape[0], blocks.shape[1] // KQUANT_BLOCK_BYTES[ggml_type] * 256
+    if packed:
+        q, scales, biases, bits, group = kquant_affine(blocks, ggml_type, out_features, in_features)
+        words = pack_words(np.array(q), bits).view(np.int32)
+
+        def t(a: Any) -> torch.Tensor:
+            return torch.from_numpy(np.array(a)).to(device)
+
+        return QuantizedWeight(t(words), t(scales), t(biases), bits, group, act_dtype=dtype)
+    w = dequantize_kquant(blocks, ggml_type, out_features, in_features).astype(mx.float16)
+    return torch.from_numpy(_to_numpy(w)).to(device=device, dtype=dtype)
 
 
 def build_model(args: Any, weights: dict[str, Any], quantization: dict[str, Any] | None, dtype: torch.dtype,

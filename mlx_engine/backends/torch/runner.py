@@ -158,7 +158,7 @@ class TorchRunner(Runner):
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise RooflineError(f"prefill_chunk_size={prefill_chunk_size!r}: expected an integer >= 1")
         kv_config = KVConfig(**kv_options)
-        ckpt = load_checkpoint(model)
+        ckpt = load_checkpoint(model, kquant_blocks=True)  # k-quants: packed here on CUDA (model.kquant_weight)
         model_type = ckpt.config.get("model_type")
         if model_type not in TORCH_MODEL_TYPES:
             raise RooflineError(f"{ckpt.path}: model type {model_type!r} is not supported on the torch backend "

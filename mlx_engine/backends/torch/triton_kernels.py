@@ -33,7 +33,7 @@ except Exception:  # triton is optional: the references serve
     triton = tl = None  # type: ignore[assignment]
 
 SUPPORTED_BITS = (4, 8)
-SUPPORTED_GROUP_SIZES = (32, 64, 128)
+SUPPORTED_GROUP_SIZES = (16, 32, 64, 128)  # 16: the sub-blocks of Q2_K, Q3_K, Q6_K
 SUPPORTED_BLOCK_SIZES = (16, 32)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
