@@ -279,6 +279,16 @@ class Runner:
             return self.model.logits(out[:, -1, :]).astype(mx.float32)
         return out[:, -1, :].astype(mx.float32)
 
+    def last_argmax(self, inputs: mx.array, layers: list[Any]) -> mx.array:
+        """inputs (B, L) -> each row's greedy token (B,) int32, lazily: `last_logits`' argmax (the scheduler's
+        path when every row is plain greedy; a runner whose logits live elsewhere takes it there)."""
+        return mx.argmax(self.last_logits(inputs, layers), axis=-1).astype(mx.int32)
+
+    def rows_argmax(self, inputs: mx.array, layers: list[Any], rows: list[int]) -> mx.array | None:
+        """As `rows_logits`, the greedy token of each of `rows` (len(rows),) int32."""
+        logits = self.rows_logits(inputs, layers, rows)
+        return None if logits is None else mx.argmax(logits, axis=-1).astype(mx.int32)
+
     def rows_logits(self, inputs: mx.array, layers: list[Any], rows: list[int]) -> mx.array | None:
         """A packed forward (`PagedCache.packed_layers`): inputs (1, T) -> logits of `rows` (len(rows), V),
         float32, lazily; with no rows it evaluates the forward (its K/V writes) and returns None."""

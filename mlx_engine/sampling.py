@@ -86,6 +86,12 @@ class Sampler:
                 seen = seen.at[row_idx, col_idx].add(True)  # bool add is logical or
             self._prompt_seen = seen
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy over the raw logits (no bias, no penalties): its token is the row's argmax, which a runner
+        can take where the logits are (`Runner.rows_argmax`) without sending them to the host."""
+        return self.greedy and self._bias is None and self._counts is None
+
     # ---- state -------------------------------------------------------------------------------
 
     @property

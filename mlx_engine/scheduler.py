@@ -257,10 +257,15 @@ class Scheduler:
         if decoding and not packed:
             layers = cache.decode_layers([s.req_id for s in decoding], [s.cached_tokens() for s in decoding])
             inputs = mx.stack([s.last for s in decoding]).reshape(len(decoding), 1)  # (B, 1), lazy
-            logits = runner.last_logits(inputs, layers)  # (B, V)
-            for i, s in enumerate(decoding):
+            if _plain_greedy(decoding):
+                tokens = runner.last_argmax(inputs, layers)  # (B,)
+                samples = [(tokens[i], None) for i in range(len(decoding))]
+            else:
+                logits = runner.last_logits(inputs, layers)  # (B, V)
+                samples = [self._sample(s, logits[i : i + 1]) for i, s in enumerate(decoding)]
+            for s, sample in zip(decoding, samples):
                 s.num_fed_out += 1
-                new.append((s, *self._sample(s, logits[i : i + 1])))
+                new.append((s, *sample))
 
         for s, start, end in [] if packed else chunks:
             layers = cache.prefill_layers(s.req_id, start, end)
@@ -303,11 +308,15 @@ class Scheduler:
             if b == len(s.prompt):  # its last chunk: the last row gives the first token
                 rows.append(row - 1)
                 sampling.append(s)
-        logits = runner.rows_logits(mx.concatenate(parts).reshape(1, -1), layers, rows)
+        inputs = mx.concatenate(parts).reshape(1, -1)
         for s in decoding:
             s.num_fed_out += 1
-        for i, s in enumerate(sampling):
-            new.append((s, *self._sample(s, logits[i : i + 1])))
+        if _plain_greedy(sampling):
+            tokens = runner.rows_argmax(inputs, layers, rows)  # (len(rows),), or None with no rows
+            new.extend((s, tokens[i], None) for i, s in enumerate(sampling))
+        else:
+            logits = runner.rows_logits(inputs, layers, rows)
+            new.extend((s, *self._sample(s, logits[i : i + 1])) for i, s in enumerate(sampling))
         for s in sampling[len(decoding):]:  # prefilled now
             if s.spec is not None and hasattr(s.spec.proposer, "prefill"):
                 s.spec.proposer.prefill(s.prompt)
@@ -436,3 +445,9 @@ def _token_logprob(token: int, lp: mx.array, top: int) -> TokenLogprob:
         order = mx.argsort(-vals)
         alts = tuple(zip(idx[order].tolist(), vals[order].tolist()))
     return TokenLogprob(token_id=token, logprob=float(row[token].item()), top=alts)
+
+
+def _plain_greedy(seqs: list[Sequence]) -> bool:
+    """Every one samples the argmax of its raw logits and wants no log-probabilities: their tokens can be taken
+    where the logits are (`Runner.rows_argmax`), rather than each row's logits going through its sampler."""
+    return all(s.sampler.plain_greedy and s.params.logprobs is None for s in seqs)

@@ -234,3 +234,35 @@ def test_a_prefill_chunk_above_the_default_budget_goes_in_one_step(tmp_path: Pat
         assert e._scheduler.token_budget == 512
         assert collect(e.generate(GenerationRequest(prompt_token_ids=prompt, sampling=params(max_tokens=2))))[0] \
             == tokens
+
+
+def test_plain_greedy_rows_take_the_runners_argmax(folder: Path, monkeypatch) -> None:
+    """Greedy requests without bias, penalties or log-probabilities get their tokens from the runner's argmax
+    (where a GPU runner keeps its logits); asking for log-probabilities takes every row through its sampler.
+    The tokens are the same."""
+    from mlx_engine.runner import Runner
+    from mlx_engine.scheduler import Scheduler
+
+    calls = {"argmax": 0, "sampler": 0}
+    for cls, name, kind in ((Runner, "rows_argmax", "argmax"), (Runner, "last_argmax", "argmax"),
+                            (Scheduler, "_sample", "sampler")):
+        original = getattr(cls, name)
+
+        def counted(self, *args, _original=original, _kind=kind):
+            calls[_kind] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(cls, name, counted)
+
+    def run_all(**extra) -> list[list[int]]:
+        with Engine.load(str(folder), prefix_caching=False) as e:
+            streams = [e.generate(GenerationRequest(prompt_token_ids=p, sampling=params(max_tokens=6, **extra)))
+                       for p in PROMPTS[:3]]
+            return [collect(s)[0] for s in streams]
+
+    fast = run_all(logprobs=None)
+    assert calls["argmax"] >= 5 and calls["sampler"] == 0
+    calls.update(argmax=0, sampler=0)
+    slow = run_all(logprobs=0)
+    assert calls["argmax"] == 0 and calls["sampler"] == 3 * 6  # every token through its sampler
+    assert fast == slow

@@ -180,3 +180,30 @@ def test_time_graph_forward_touches_only_the_scratch_block():
 
 def test_prefill_chunk_default_is_512_on_the_cpu(engine):
     assert engine._runner.prefill_chunk_size == 512 and engine._scheduler.token_budget == 512
+
+
+def test_greedy_tokens_taken_on_the_device_equal_the_samplers():
+    """Plain greedy rows: the torch runner's argmax (through the graph path too) gives the sampler's tokens."""
+    from mlx_engine.backends.torch import runner as torch_runner
+
+    def run_all(engine, logprobs):
+        streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=logprobs))) for p in PROMPTS]
+        return [[t for e in s for t in e.token_ids] for s in streams]
+
+    taken = []
+    original = torch_runner._argmax
+    with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", prefix_caching=False) as engine:
+        runner = engine._runner
+        runner.cache.storage.use_kernel = True
+        with_sampler = run_all(engine, 0)
+        torch_runner._argmax = lambda logits: taken.append(logits.shape[0]) or original(logits)
+        try:
+            on_device = run_all(engine, None)
+            runner.graphs = DecodeGraphs(runner.model, runner.cache.storage, capture=False)
+            through_graphs = run_all(engine, None)
+        finally:
+            torch_runner._argmax = original
+            runner.graphs = None
+    assert on_device == through_graphs == with_sampler
+    assert 3 in taken  # batched decode steps of the three
