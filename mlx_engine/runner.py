@@ -33,6 +33,13 @@ def pick_dtype(requested: str | None, checkpoint_dtype: str) -> mx.Dtype:
     return _DTYPES.get(checkpoint_dtype, mx.float16)
 
 
+def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
+    """(n, V) -> (n,) int32: one argmax for the greedy rows when all are, else each row by its sampler."""
+    if all(s.greedy for s in samplers):
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
+    return mx.concatenate([s.sample(logits[i : i + 1]) for i, s in enumerate(samplers)])
+
+
 class Runner:
     def __init__(self, built: BuiltModel, tokenizer: Any, info: ModelInfo, prefill_chunk_size: int):
         self.model = built.model
@@ -279,15 +286,16 @@ class Runner:
             return self.model.logits(out[:, -1, :]).astype(mx.float32)
         return out[:, -1, :].astype(mx.float32)
 
-    def last_argmax(self, inputs: mx.array, layers: list[Any]) -> mx.array:
-        """inputs (B, L) -> each row's greedy token (B,) int32, lazily: `last_logits`' argmax (the scheduler's
-        path when every row is plain greedy; a runner whose logits live elsewhere takes it there)."""
-        return mx.argmax(self.last_logits(inputs, layers), axis=-1).astype(mx.int32)
+    def last_sample(self, inputs: mx.array, layers: list[Any], samplers: list[Any]) -> mx.array:
+        """inputs (B, L) -> each row's next token (B,) int32, lazily, row b drawn by `samplers[b]` (plain ones,
+        `Sampler.plain`: no bias or penalties to record). Here each row's sampler on `last_logits`, as the
+        scheduler's own path does; a runner whose logits live on a device samples there."""
+        return _sample_rows(self.last_logits(inputs, layers), samplers)
 
-    def rows_argmax(self, inputs: mx.array, layers: list[Any], rows: list[int]) -> mx.array | None:
-        """As `rows_logits`, the greedy token of each of `rows` (len(rows),) int32."""
+    def rows_sample(self, inputs: mx.array, layers: list[Any], rows: list[int], samplers: list[Any]) -> mx.array | None:
+        """As `rows_logits` (None without rows), the next token of each of `rows` (len(rows),) int32."""
         logits = self.rows_logits(inputs, layers, rows)
-        return None if logits is None else mx.argmax(logits, axis=-1).astype(mx.int32)
+        return None if logits is None else _sample_rows(logits, samplers)
 
     def rows_logits(self, inputs: mx.array, layers: list[Any], rows: list[int]) -> mx.array | None:
         """A packed forward (`PagedCache.packed_layers`): inputs (1, T) -> logits of `rows` (len(rows), V),

@@ -87,10 +87,10 @@ class Sampler:
             self._prompt_seen = seen
 
     @property
-    def plain_greedy(self) -> bool:
-        """Greedy over the raw logits (no bias, no penalties): its token is the row's argmax, which a runner
-        can take where the logits are (`Runner.rows_argmax`) without sending them to the host."""
-        return self.greedy and self._bias is None and self._counts is None
+    def plain(self) -> bool:
+        """No logit bias and no penalties: a token depends on the raw logits, the temperature, the filters and
+        this request's draws only, so a runner can sample where its logits are (`Runner.rows_sample`)."""
+        return self._bias is None and self._counts is None
 
     # ---- state -------------------------------------------------------------------------------
 

@@ -257,8 +257,8 @@ class Scheduler:
         if decoding and not packed:
             layers = cache.decode_layers([s.req_id for s in decoding], [s.cached_tokens() for s in decoding])
             inputs = mx.stack([s.last for s in decoding]).reshape(len(decoding), 1)  # (B, 1), lazy
-            if _plain_greedy(decoding):
-                tokens = runner.last_argmax(inputs, layers)  # (B,)
+            if _plain(decoding):
+                tokens = runner.last_sample(inputs, layers, [s.sampler for s in decoding])  # (B,)
                 samples = [(tokens[i], None) for i in range(len(decoding))]
             else:
                 logits = runner.last_logits(inputs, layers)  # (B, V)
@@ -311,8 +311,8 @@ class Scheduler:
         inputs = mx.concatenate(parts).reshape(1, -1)
         for s in decoding:
             s.num_fed_out += 1
-        if _plain_greedy(sampling):
-            tokens = runner.rows_argmax(inputs, layers, rows)  # (len(rows),), or None with no rows
+        if _plain(sampling):
+            tokens = runner.rows_sample(inputs, layers, rows, [s.sampler for s in sampling])  # or None: no rows
             new.extend((s, tokens[i], None) for i, s in enumerate(sampling))
         else:
             logits = runner.rows_logits(inputs, layers, rows)
@@ -447,7 +447,7 @@ def _token_logprob(token: int, lp: mx.array, top: int) -> TokenLogprob:
     return TokenLogprob(token_id=token, logprob=float(row[token].item()), top=alts)
 
 
-def _plain_greedy(seqs: list[Sequence]) -> bool:
-    """Every one samples the argmax of its raw logits and wants no log-probabilities: their tokens can be taken
-    where the logits are (`Runner.rows_argmax`), rather than each row's logits going through its sampler."""
-    return all(s.sampler.plain_greedy and s.params.logprobs is None for s in seqs)
+def _plain(seqs: list[Sequence]) -> bool:
+    """Every one samples from its raw logits (`Sampler.plain`) and wants no log-probabilities: the runner samples
+    them where the logits are (`Runner.rows_sample`), rather than each row's logits going through the host."""
+    return all(s.sampler.plain and s.params.logprobs is None for s in seqs)

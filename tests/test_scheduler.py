@@ -236,16 +236,18 @@ def test_a_prefill_chunk_above_the_default_budget_goes_in_one_step(tmp_path: Pat
             == tokens
 
 
-def test_plain_greedy_rows_take_the_runners_argmax(folder: Path, monkeypatch) -> None:
-    """Greedy requests without bias, penalties or log-probabilities get their tokens from the runner's argmax
-    (where a GPU runner keeps its logits); asking for log-probabilities takes every row through its sampler.
-    The tokens are the same."""
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.7, top_p=0.9, seed=11)],
+                         ids=["greedy", "temperature"])
+def test_plain_rows_are_sampled_by_the_runner(folder: Path, monkeypatch, sampling: dict) -> None:
+    """Requests without bias, penalties or log-probabilities get their tokens from the runner's `rows_sample`
+    (where a GPU runner keeps its logits); asking for log-probabilities takes every row through the scheduler's
+    own sampling. On the MLX runner the tokens are the same, seeded draws included."""
     from mlx_engine.runner import Runner
     from mlx_engine.scheduler import Scheduler
 
-    calls = {"argmax": 0, "sampler": 0}
-    for cls, name, kind in ((Runner, "rows_argmax", "argmax"), (Runner, "last_argmax", "argmax"),
-                            (Scheduler, "_sample", "sampler")):
+    calls = {"runner": 0, "scheduler": 0}
+    for cls, name, kind in ((Runner, "rows_sample", "runner"), (Runner, "last_sample", "runner"),
+                            (Scheduler, "_sample", "scheduler")):
         original = getattr(cls, name)
 
         def counted(self, *args, _original=original, _kind=kind):
@@ -256,13 +258,13 @@ def test_plain_greedy_rows_take_the_runners_argmax(folder: Path, monkeypatch) ->
 
     def run_all(**extra) -> list[list[int]]:
         with Engine.load(str(folder), prefix_caching=False) as e:
-            streams = [e.generate(GenerationRequest(prompt_token_ids=p, sampling=params(max_tokens=6, **extra)))
-                       for p in PROMPTS[:3]]
+            streams = [e.generate(GenerationRequest(prompt_token_ids=p, sampling=params(
+                max_tokens=6, **sampling, **extra))) for p in PROMPTS[:3]]
             return [collect(s)[0] for s in streams]
 
-    fast = run_all(logprobs=None)
-    assert calls["argmax"] >= 5 and calls["sampler"] == 0
-    calls.update(argmax=0, sampler=0)
-    slow = run_all(logprobs=0)
-    assert calls["argmax"] == 0 and calls["sampler"] == 3 * 6  # every token through its sampler
-    assert fast == slow
+    by_runner = run_all(logprobs=None)
+    assert calls["runner"] >= 5 and calls["scheduler"] == 0
+    calls.update(runner=0, scheduler=0)
+    by_scheduler = run_all(logprobs=0)
+    assert calls["runner"] == 0 and calls["scheduler"] == 3 * 6  # every token through its sampler
+    assert by_runner == by_scheduler

@@ -179,3 +179,16 @@ def test_kquant_gguf_packed_on_cuda(tmp_path, monkeypatch):
     with Engine.load(str(path), backend="torch", device="cpu") as cpu:
         b = cpu.forward_logits(ids)
     assert float(np.abs(a - b).max()) <= 1e-4 * float(np.abs(b).max())
+
+
+def test_sampling_on_the_device(tiny_gguf):
+    """Plain rows are drawn on the GPU: a seeded temperature request repeats; greedy rows equal the host's."""
+    def run(engine, **extra):
+        streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
+            max_tokens=10, ignore_eos=True, **extra))) for p in PROMPTS]
+        return [[t for e in s for t in e.token_ids] for s in streams]
+
+    with Engine.load(tiny_gguf, backend="torch", device="cuda", dtype="float32", kv_budget_bytes=BUDGET) as engine:
+        seeded = run(engine, temperature=0.8, top_p=0.95, seed=3)
+        assert seeded == run(engine, temperature=0.8, top_p=0.95, seed=3)
+        assert run(engine, temperature=0.0) == run(engine, temperature=0.0, logprobs=0)  # device vs host argmax

@@ -183,7 +183,8 @@ def test_prefill_chunk_default_is_512_on_the_cpu(engine):
 
 
 def test_greedy_tokens_taken_on_the_device_equal_the_samplers():
-    """Plain greedy rows: the torch runner's argmax (through the graph path too) gives the sampler's tokens."""
+    """Plain greedy rows: the torch runner's device sampling (through the graph path too) gives the tokens of
+    the shared sampler."""
     from mlx_engine.backends.torch import runner as torch_runner
 
     def run_all(engine, logprobs):
@@ -192,18 +193,52 @@ def test_greedy_tokens_taken_on_the_device_equal_the_samplers():
         return [[t for e in s for t in e.token_ids] for s in streams]
 
     taken = []
-    original = torch_runner._argmax
+    original = torch_runner.sample_rows
     with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", prefix_caching=False) as engine:
         runner = engine._runner
         runner.cache.storage.use_kernel = True
         with_sampler = run_all(engine, 0)
-        torch_runner._argmax = lambda logits: taken.append(logits.shape[0]) or original(logits)
+        torch_runner.sample_rows = lambda logits, samplers: taken.append(len(samplers)) or original(logits, samplers)
         try:
             on_device = run_all(engine, None)
             runner.graphs = DecodeGraphs(runner.model, runner.cache.storage, capture=False)
             through_graphs = run_all(engine, None)
         finally:
-            torch_runner._argmax = original
+            torch_runner.sample_rows = original
             runner.graphs = None
     assert on_device == through_graphs == with_sampler
     assert 3 in taken  # batched decode steps of the three
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=0.9, top_p=0.9, min_p=0.05),
+                                    dict(temperature=1.3, top_k=4)], ids=["t0.7", "top-p+min-p", "top-k"])
+def test_device_draws_follow_the_samplers_distribution(params):
+    """`backends.torch.sampling`: 40,000 draws of one row match the distribution the shared sampler draws
+    from (`Sampler.probs`, chi-square at 99.9%), and never a filtered token; with the filters dropped they
+    do not match."""
+    import mlx.core as mx
+
+    from mlx_engine.api import SamplingParams as SP
+    from mlx_engine.backends.torch.sampling import filtered, gumbel_draw, sample_rows
+    from mlx_engine.sampling import Sampler
+
+    row = np.array([0.0, 0.5, 1.0, 1.5, 2.0, -1.0, 3.0, -3.0], dtype=np.float32)
+    sampler = Sampler(SP(seed=5, **params), 8)
+    probs = np.array(sampler.probs(mx.array(row[None])))[0].astype(np.float64)
+    n = 40_000
+    z = torch.from_numpy(row)[None].expand(n, 8) / sampler.temperature
+    uniform = torch.rand(n, 8, generator=torch.Generator().manual_seed(1))
+    counts = np.bincount(gumbel_draw(filtered(z, sampler.top_k, sampler.top_p, sampler.min_p), uniform).numpy(),
+                         minlength=8)
+    assert counts[probs == 0].sum() == 0
+    keep = probs > 0
+    expected = n * probs[keep]
+    chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+    assert chi2 < {3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}[int(keep.sum()) - 1], chi2
+    if keep.sum() < 8:  # a filter that matters: without it the draws fall outside the kept set
+        assert np.bincount(gumbel_draw(z, uniform).numpy(), minlength=8)[~keep].sum() > 0
+    # the per-request generator: seeded, reproducible, one row at a time through `sample_rows`
+    a = [int(sample_rows(torch.from_numpy(row)[None], [sampler])[0]) for _ in range(20)]
+    again = Sampler(SP(seed=5, **params), 8)
+    assert a == [int(sample_rows(torch.from_numpy(row)[None], [again])[0]) for _ in range(20)]
+    assert len(set(a)) > 1

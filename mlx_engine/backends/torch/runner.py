@@ -26,6 +26,7 @@ from mlx_engine.backends.torch.kv import (
     TorchPagedCache,
 )
 from mlx_engine.backends.torch.model import build_model
+from mlx_engine.backends.torch.sampling import sample_rows
 from mlx_engine.runner import (
     NoTokenizer,
     Runner,
@@ -111,9 +112,8 @@ def _mx(t: torch.Tensor) -> mx.array:
     return mx.array(t.float().cpu().numpy())
 
 
-def _argmax(logits: torch.Tensor) -> mx.array:
-    """(n, V) -> (n,) int32: the first maximum, as mx.argmax."""
-    return mx.array(torch.argmax(logits, dim=-1).to(torch.int32).cpu().numpy())
+def _tokens(t: torch.Tensor) -> mx.array:
+    return mx.array(t.to(torch.int32).cpu().numpy())
 
 
 class TorchRunner(Runner):
@@ -305,15 +305,15 @@ class TorchRunner(Runner):
         return None if logits is None else _mx(logits)
 
     @_torch_work
-    def last_argmax(self, inputs: Any, layers: list[Any]) -> mx.array:
-        """The greedy tokens taken on the device: B token ids to the host instead of B x V logits, and no
-        per-row argmax in MLX on the CPU (72 µs a row of SmolLM2's vocabulary, measured)."""
-        return _argmax(self._last_logits(inputs, layers))
+    def last_sample(self, inputs: Any, layers: list[Any], samplers: list[Any]) -> mx.array:
+        """Tokens drawn on the device (`backends.torch.sampling`): B token ids to the host instead of B x V
+        logits, and no per-row draw in MLX on the CPU."""
+        return _tokens(sample_rows(self._last_logits(inputs, layers), samplers))
 
     @_torch_work
-    def rows_argmax(self, inputs: Any, layers: list[Any], rows: list[int]) -> mx.array | None:
+    def rows_sample(self, inputs: Any, layers: list[Any], rows: list[int], samplers: list[Any]) -> mx.array | None:
         logits = self._rows_logits(inputs, layers, rows)
-        return None if logits is None else _argmax(logits)
+        return None if logits is None else _tokens(sample_rows(logits, samplers))
 
     @_torch_work
     def all_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
