@@ -7,9 +7,11 @@
 # Run here:   bash bench/device_prep.sh          (writes .dev/, ignored by git through .git/info/exclude)
 # Then two device calls, back to back while the machine stays warm (the first also keeps its files in
 # /tmp/roofline-dev there, in case the repo's ignored paths are not kept between calls):
-#   run(command="bash bench/device_check.sh tests", carry=[".dev/p1", ".dev/whl"], timeout_s=300)
-#   run(command="bash bench/device_check.sh",       carry=[".dev/p2"], timeout_s=540)
-# and copy the Markdown it prints into docs/benchmarks.md; then give the machine back.
+#   run(command="bash bench/device_check.sh tests", carry=[".dev/p1", ".dev/whl"], timeout_s=300)   # ~50 s
+#   run(command="bash bench/device_check.sh",       carry=[".dev/p2"], timeout_s=540)               # ~6 min
+# and, if the machine is still warm and time is left (its files are kept in /tmp/roofline-dev there):
+#   run(command="bash bench/device_check.sh server", timeout_s=330)                                # issue 7
+# Copy what they print into docs/benchmarks.md (the files come back under $OUT); then give the machine back.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.dev/' .git/info/exclude 2>/dev/null || echo '/.dev/' >> .git/info/exclude

@@ -72,9 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             t1, tn = timed(ids, 1), timed(ids, args.n)
             tps.append(b * (args.n - 1) / max(tn - t1, 1e-9))
-        row = {"batch": b, "tg_tps_mean": statistics.mean(tps), "tg_tps_std": statistics.pstdev(tps)}
+        row = {"batch": b, "tg_tps_mean": statistics.mean(tps), "tg_tps_std": statistics.pstdev(tps),
+               "tg_tps_median": statistics.median(tps), "tg_tps_values": tps}
         rows.append(row)
-        print(f"batch {b:3d}: decode {row['tg_tps_mean']:9.1f} ± {row['tg_tps_std']:.1f} tokens/s", flush=True)
+        print(f"batch {b:3d}: decode {row['tg_tps_mean']:9.1f} ± {row['tg_tps_std']:.1f} tokens/s (median "
+              f"{row['tg_tps_median']:.1f}; {', '.join(f'{x:.1f}' for x in tps)})", flush=True)
     result = {"peer": "transformers.generate", "model": str(path), "device": args.device, "dtype": str(dtype),
               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
