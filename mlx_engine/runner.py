@@ -76,7 +76,9 @@ class Runner:
                              kv_key_per_channel)
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise RooflineError(f"prefill_chunk_size={prefill_chunk_size!r}: expected an integer >= 1")
-        ckpt = load_checkpoint(model)
+        from mlx_engine.models.kquant import blocks_here
+
+        ckpt = load_checkpoint(model, kquant_blocks=blocks_here())  # k-quants as blocks on Metal (models.kquant)
         act_dtype = pick_dtype(dtype, ckpt.checkpoint_dtype)
         built = build_model(ckpt.config, ckpt.weights, act_dtype, ckpt.quantization, str(ckpt.path))
         if ckpt.source_format == "gguf":

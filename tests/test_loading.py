@@ -325,3 +325,39 @@ def test_repo_id_not_cached_and_offline_is_clear(tmp_path: Path) -> None:
     r = _load_in_subprocess("tiny-org/not-here", tmp_path)
     assert r.returncode == 3
     assert "'tiny-org/not-here' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set" in r.stdout
+
+
+@pytest.mark.parametrize("embedding", ["Q4_0", "Q6_K"])
+def test_kquant_layers_read_the_blocks(tmp_path: Path, monkeypatch, embedding: str) -> None:
+    """What Metal runs: k-quant matrices kept as blocks (`models.kquant`), read through
+    `kernels_metal.dequant_matmul_kquant` (its reference here) for up to 8 rows and dequantized for more.
+    The logits are those of the exact dequantized weights: float32 here, where the float16 copies differ."""
+    from mlx_engine.models import kquant
+    from mlx_engine.models.kquant import KQuantEmbedding, KQuantLinear
+    from tests.tiny_models import KQUANT_LAYOUT, random_llama_folder
+
+    src = random_llama_folder(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=64, hidden=256)
+    path = tmp_path / "k.gguf"
+    deq = write_gguf_from_folder(src, path, {**KQUANT_LAYOUT, "token_embd": embedding})
+    exact = folder_with_weights(src, tmp_path / "exact", gguf_to_hf_names(deq))
+    calls = []
+    original = kquant.dequant_matmul_kquant
+    monkeypatch.setattr(kquant, "dequant_matmul_kquant", lambda x, *a: calls.append(x.shape[0]) or original(x, *a))
+    monkeypatch.setattr(kquant, "blocks_here", lambda: True)
+    with Engine.load(str(path)) as got, Engine.load(str(exact)) as want:
+        attn = got._runner.model.layers[0].self_attn
+        assert isinstance(attn.q_proj, KQuantLinear) and attn.q_proj.ggml_type == "Q4_K"
+        assert isinstance(got._runner.model.lm_head, KQuantLinear)
+        assert isinstance(got._runner.model.model.embed_tokens, KQuantEmbedding) == embedding.endswith("_K")
+        assert got.info.num_parameters == want.info.num_parameters
+        a, b = got.forward_logits(IDS), want.forward_logits(IDS)  # 12 rows: dequantized
+        assert float(np.abs(a - b).max()) <= 1e-5 * float(np.abs(b).max())
+        # decode rows, the kernel's path: the same tokens and log-probabilities
+        runs = []
+        for engine in (got, want):
+            events = list(engine.generate(GenerationRequest(prompt_token_ids=IDS, sampling=SamplingParams(
+                temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0))))
+            runs.append(([t for e in events for t in e.token_ids], [lp.logprob for e in events for lp in e.logprobs]))
+        assert runs[0][0] == runs[1][0]
+        np.testing.assert_allclose(runs[0][1], runs[1][1], rtol=0, atol=1e-5)
+    assert 1 in calls

@@ -71,6 +71,9 @@ def build_model(
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     if quantization is not None:
+        from mlx_engine.models.kquant import use_kquant_layers
+
+        use_kquant_layers(model, quantization, dtype)  # GGUF k-quants kept as blocks (on Metal)
         _quantize(model, weights, quantization, source)
     try:
         model.load_weights(list(weights.items()), strict=True)
@@ -113,9 +116,14 @@ def _cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
 def count_parameters(model: nn.Module) -> int:
     """Logical parameter count: packed quantized weights counted as their unpacked size."""
     bits = {path: m.bits for path, m in model.named_modules() if hasattr(m, "bits") and hasattr(m, "scales")}
+    kquant = {path: m for path, m in model.named_modules() if hasattr(m, "ggml_type")}  # models.kquant
     total = 0
     for key, value in nn.utils.tree_flatten(model.parameters()):
         path, _, leaf = key.rpartition(".")
+        if path in kquant and leaf == "weight":  # super-block bytes: the matrix's own size
+            m = kquant[path]
+            total += m.out_features * m.in_features if hasattr(m, "out_features") else m.num_embeddings * m.dims
+            continue
         if path in bits:
             if leaf == "weight":
                 total += value.size * 32 // bits[path]
