@@ -2,7 +2,8 @@
 
 MLX reads F32/F16/BF16 tensors and maps Q4_0/Q4_1/Q8_0 to its affine quantization (group size 32), so
 these run natively without dequantizing. A file with k-quants (Q2_K..Q6_K) is read by `gguf_tensors`
-instead, which dequantizes them to float16 at load (MLX's own loader gets some of them wrong).
+instead (MLX's own loader gets some of them wrong), which dequantizes them to float16 at load or keeps
+their blocks for kernels that read them (Metal, CUDA).
 """
 
 from __future__ import annotations

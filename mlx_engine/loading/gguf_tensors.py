@@ -10,8 +10,9 @@ from the validated header's offsets (`gguf_file.read_gguf`):
   uint32 words packed low bits first, float16 scales and biases), so they stay quantized.
 - k-quants (Q2_K..Q6_K): dequantized by `kernels_metal.reference.dequantize_kquant` (bit for bit
   `gguf.quants.dequantize`, float32), stored as float16. They run as dense float16 weights: correct, at
-  about 3.5x the bytes of their blocks. Or, for the torch backend, kept as their raw blocks, which it packs
-  into affine groups for its Triton kernel on CUDA (`backends.torch.model.kquant_weight`).
+  about 3.5x the bytes of their blocks. Or kept as their raw blocks (`load_checkpoint(kquant_blocks=True)`):
+  on Metal for `models.kquant`'s layers, and for the torch backend, which packs them into affine groups for
+  its Triton kernel on CUDA (`backends.torch.model.kquant_weight`).
 """
 
 from __future__ import annotations
