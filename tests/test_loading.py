@@ -361,3 +361,13 @@ def test_kquant_layers_read_the_blocks(tmp_path: Path, monkeypatch, embedding: s
         assert runs[0][0] == runs[1][0]
         np.testing.assert_allclose(runs[0][1], runs[1][1], rtol=0, atol=1e-5)
     assert 1 in calls
+
+
+def test_kquant_blocks_for_a_layer_that_cannot_hold_them_are_a_load_error() -> None:
+    import mlx.core as mx
+
+    from mlx_engine.models import build_model
+
+    config = json.loads((GOLDEN / "llama" / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match=r"m.gguf: k-quant blocks .* a RMSNorm cannot hold k-quant blocks"):
+        build_model(config, {}, mx.float32, {"model.norm": {"kquant": "Q4_K"}}, "m.gguf")

@@ -73,7 +73,10 @@ def build_model(
     if quantization is not None:
         from mlx_engine.models.kquant import use_kquant_layers
 
-        use_kquant_layers(model, quantization, dtype)  # GGUF k-quants kept as blocks (on Metal)
+        try:
+            use_kquant_layers(model, quantization, dtype)  # GGUF k-quants kept as blocks (on Metal)
+        except (TypeError, AttributeError, IndexError) as e:
+            raise ModelLoadError(f"{source}: k-quant blocks for a layer this model cannot hold them in: {e}") from None
         _quantize(model, weights, quantization, source)
     try:
         model.load_weights(list(weights.items()), strict=True)
