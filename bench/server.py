@@ -1,7 +1,8 @@
 """Load test: N concurrent streaming clients against `roofline serve` and `mlx_lm.server`, same weights, one run.
 
     uv run python bench/server.py [--model M] [--clients 1,4,8,16] [--requests-per-client 2] [--max-tokens 16]
-                                  [--cost-curve 1,2,4,8,16] [--only roofline|mlx-lm] [--quick]
+                                  [--cost-curve 1,2,4,8,16] [--only roofline|roofline-torch|mlx-lm] [--quick]
+                                  [--torch [--torch-device cpu|cuda]]
 
 Both servers run as subprocesses on loopback, one after the other, on the weights Roofline loads (the embedded
 SmolLM2 Q4_1 GGUF by default): mlx-lm cannot read GGUF, so the bench writes our loaded, renamed tensors
