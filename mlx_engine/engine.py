@@ -185,13 +185,12 @@ class Engine:
             known = "; ".join(f"{k}: {v}" for k, v in LOAD_OPTIONS.items())
             raise RooflineError(f"unknown Engine.load option(s) {', '.join(unknown)}. Known options: {known}")
         from mlx_engine.backends import load_runner
-        from mlx_engine.scheduler import DEFAULT_TOKEN_BUDGET, Scheduler
+        from mlx_engine.scheduler import Scheduler
 
         thread = engine_thread()
         runner = thread.call(lambda: load_runner(model, **options))
         engine = cls(thread, runner, runner.info)
-        # a step's token budget holds one whole prefill chunk: a larger prefill_chunk_size is not capped at 512
-        engine._scheduler = Scheduler(runner, token_budget=max(DEFAULT_TOKEN_BUDGET, runner.prefill_chunk_size))
+        engine._scheduler = Scheduler(runner)
         thread.register(engine._scheduler)
         return engine
 

@@ -72,9 +72,10 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, runner: Any, token_budget: int = DEFAULT_TOKEN_BUDGET, max_seqs: int = DEFAULT_MAX_SEQS):
+    def __init__(self, runner: Any, token_budget: int | None = None, max_seqs: int = DEFAULT_MAX_SEQS):
         self.runner = runner
-        self.token_budget = token_budget
+        # default: DEFAULT_TOKEN_BUDGET, or one whole prefill chunk when the runner's chunks are larger
+        self.token_budget = token_budget or max(DEFAULT_TOKEN_BUDGET, getattr(runner, "prefill_chunk_size", 0))
         batches = hasattr(runner.cache, "manager")
         self.max_seqs = max_seqs if batches else 1  # the contiguous cache holds one sequence
         self.waiting: deque[Sequence] = deque()
