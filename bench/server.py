@@ -117,17 +117,24 @@ def cost_curve(folder: Path, widths: list[int], context: int = 64, repeats: int 
 
 
 def engine_cost_curve(model: str | None, widths: list[int], backend: str = "mlx",
-                      device: str = "cpu") -> dict[int, float]:
-    """Our engine's forward over B new tokens (logits at each) after 64 cached, on `backend` (MLX: as
-    `roofline serve` runs it, e.g. float32 host weights on the CPU backend; torch: on `device`): a batched
-    decode step's matmul shapes, with one sequence's attention."""
+                      device: str = "cpu", decode_widths: list[int] = ()) -> tuple[dict[int, float], dict[int, float]]:
+    """Our engine on `backend` (MLX: as `roofline serve` runs it, e.g. float32 host weights on the CPU backend;
+    torch: on `device`), 64 tokens cached:
+    - for `widths`, a forward over B new tokens of one sequence with logits at each: a batched decode step's
+      matmul shapes with one sequence's attention (also what a packed prefill of B prompt rows costs);
+    - for `decode_widths`, a decode step of B sequences, each reading its own K/V, with greedy sampling
+      (`mlx_engine.bench.time_decode_step`): what B requests decoding together cost the backend."""
     from mlx_engine import Engine
+    from mlx_engine.bench import time_decode_step
     from mlx_engine.speculative import time_forward
 
     engine = Engine.load(model, backend=backend, **({"device": device} if backend == "torch" else {}))
     try:
-        return {b: engine._thread.call(lambda b=b: time_forward(engine._runner, b, context=64, repeats=5))
+        rows = {b: engine._thread.call(lambda b=b: time_forward(engine._runner, b, context=64, repeats=5))
                 for b in widths}
+        steps = {b: engine._thread.call(lambda b=b: time_decode_step(engine._runner, b, context=64, repeats=5))
+                 for b in decode_widths}
+        return rows, steps
     finally:
         engine.close()
 
@@ -328,9 +335,11 @@ def main() -> None:
             return args.only in (None, name) and (name != "roofline-torch" or args.torch)
 
         curve = cost_curve(folder, curve_widths) if curve_widths and runs("mlx-lm") else {}
-        ours_curve = engine_cost_curve(args.model, curve_widths) if curve_widths and runs("roofline") else {}
-        torch_curve = (engine_cost_curve(args.model, curve_widths, "torch", args.torch_device)
-                       if curve_widths and runs("roofline-torch") else {})
+        ours_curve, ours_steps = (engine_cost_curve(args.model, curve_widths, decode_widths=curve_widths)
+                                  if curve_widths and runs("roofline") else ({}, {}))
+        torch_curve, torch_steps = (engine_cost_curve(args.model, curve_widths, "torch", args.torch_device,
+                                                      decode_widths=curve_widths)
+                                    if curve_widths and runs("roofline-torch") else ({}, {}))
         port = free_port()
         targets = [
             Target("roofline", [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level",
@@ -351,7 +360,7 @@ def main() -> None:
             results[t.name] = run_target(t, port, widths, args.requests_per_client, args.max_tokens)
         # each engine's forward over one packed prefill of every client's uncached prompt tokens
         prefill_curves = {name: engine_cost_curve(args.model, sorted(set(prefill_widths(results[name]).values())),
-                                                  backend, args.torch_device)
+                                                  backend, args.torch_device)[0]
                           for name, backend in (("roofline", "mlx"), ("roofline-torch", "torch"))
                           if curve_widths and name in results}
 
@@ -393,14 +402,20 @@ def main() -> None:
                      ("Roofline's MLX engine forward cost, as `roofline serve` runs it (B tokens with logits at "
                       "each, 64 cached)", ours_curve),
                      (f"The torch backend's batched forward cost (B tokens with logits at each, 64 cached; "
-                      f"{args.torch_device})", torch_curve)):
+                      f"{args.torch_device})", torch_curve),
+                     ("Roofline's MLX engine, a decode step of B sequences (64 tokens cached each, greedy sampling)",
+                      ours_steps),
+                     (f"The torch backend, a decode step of B sequences (64 tokens cached each, greedy sampling; "
+                      f"{args.torch_device})", torch_steps)):
         if c:
             print_curve(title, c, c[curve_widths[0]])
-    for name, c in (("roofline", ours_curve), ("roofline-torch", torch_curve), ("mlx-lm", curve)):
+    # the decode term of each bound: our engines' decode step of B sequences; mlx-lm's: its class's forward
+    for name, c in (("roofline", ours_steps), ("roofline-torch", torch_steps), ("mlx-lm", curve)):
         if c and name in results:
             print_bounds(name, results[name], c, args.requests_per_client, args.max_tokens, prefill_curves.get(name))
     print("\n<!-- " + json.dumps({"results": results, "cost_curve": curve, "roofline_cost_curve": ours_curve,
-                                  "torch_cost_curve": torch_curve, "prefill_curves": prefill_curves}) + " -->")
+                                  "torch_cost_curve": torch_curve, "roofline_decode_steps": ours_steps,
+                                  "torch_decode_steps": torch_steps, "prefill_curves": prefill_curves}) + " -->")
 
 
 if __name__ == "__main__":

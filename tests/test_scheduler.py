@@ -268,3 +268,30 @@ def test_plain_rows_are_sampled_by_the_runner(folder: Path, monkeypatch, samplin
     by_scheduler = run_all(logprobs=0)
     assert calls["runner"] == 0 and calls["scheduler"] == 3 * 6  # every token through its sampler
     assert by_runner == by_scheduler
+
+
+@pytest.mark.parametrize("backend", ["mlx", "torch"])
+def test_decode_step_timer_leaves_the_cache_as_it_found_it(folder: Path, backend: str) -> None:
+    """bench/server.py times B-sequence decode steps on a live engine: its sequences' blocks and prefix hashes
+    are gone afterwards, and the next request decodes exactly as before."""
+    from mlx_engine.bench import time_decode_step
+
+    opts: dict = {}
+    if backend == "torch":
+        from tests.torch_support import require
+
+        require()
+        opts = {"backend": "torch", "device": "cpu"}
+    req = GenerationRequest(prompt_token_ids=PROMPTS[1], sampling=params(max_tokens=6))
+    with Engine.load(str(folder), **opts) as e:
+        first, lps, _ = collect(e.generate(req))
+        before = e.kv_stats()
+        seconds = e._thread.call(lambda: time_decode_step(e._runner, 3, context=20, repeats=2))
+        after = e.kv_stats()
+        again, lps_again, final = collect(e.generate(req))
+    assert 0 < seconds < 60
+    for key in ("used", "cached", "free", "num_sequences"):
+        assert after[key] == before[key], key
+    assert again == first  # (its prompt now comes from the prefix cache: logprobs equal within float noise)
+    assert [lp.logprob for lp in lps_again] == pytest.approx([lp.logprob for lp in lps], abs=1e-4)
+    assert final.usage.cached_prompt_tokens == 32  # the first request's full blocks (40 tokens, blocks of 16)
