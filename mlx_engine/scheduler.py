@@ -197,10 +197,7 @@ class Scheduler:
         worth_trying = getattr(st.proposer, "worth_trying", None)
         if worth_trying is not None and not worth_trying(seq.prompt + seq.generated):  # tokens read so far
             return None
-        k = self._cost_curve().best_k(st.alpha, min(st.k_max, room), st.proposer.draft_cost)
-        if not k and worth_trying is not None:
-            st.age()  # a candidate it declined: let old rejections fade
-        return k or None
+        return st.auto_k(self._cost_curve(), min(st.k_max, room), seq.num_sampled, worth_trying is not None) or None
 
     # --- the step ---------------------------------------------------------------------------------
 
@@ -329,10 +326,13 @@ class Scheduler:
         self._read_all(s)
         if s not in self.running:
             return
+        drafted_before = s.spec.num_drafted
         try:
             new, num_drafted, lps = speculative_step(self.runner, s, k)
         except Exception as e:  # noqa: BLE001 - one request's failure is its own
             return self._retire(s, "error", error=e)
+        if s.spec.mode == "auto":
+            s.spec.settle(self._cost_curve(), s.spec.num_drafted - drafted_before, len(new))
         s.num_fed_out += 1 + num_drafted
         s.num_sampled += len(new)
         s.num_forwards += 1

@@ -44,6 +44,13 @@ VERIFY_DECAY = 0.8  # weight of earlier verifications in "auto"'s acceptance est
 # recur) but the estimate says a verification would not pay: old rejections fade, so a quote that starts
 # after a few misses is tried again (edit at temperature 0.7 stopped verifying after its first rejections)
 IDLE_DECAY = 0.85
+# "auto" risks at most this much predicted time on verifications that could fail, in plain decode steps T(1):
+# a fixed allowance, plus a share of the tokens the reply has so far, plus what its verifications have saved.
+# Each verification is sized so that even a rejection of its first draft (one token for the whole forward)
+# stays within that. So a reply whose drafts keep failing costs at most ~AUTO_LOSS_SHARE over plain decoding,
+# whatever the estimate says: on MLX's CPU backend one edit at temperature 0.7 probed its way to 0.96x.
+AUTO_LOSS_ALLOWANCE = 0.5
+AUTO_LOSS_SHARE = 0.02
 
 
 # --- acceptance -------------------------------------------------------------------------------------
@@ -421,6 +428,8 @@ class SpecState:
     # the probes cost 8-11% against plain decoding on the torch CPU backend.
     recent_drafted: float = 0.0
     recent_accepted: float = 0.0
+    # "auto": plain decode steps its verifications saved so far, predicted from the cost curve (negative: lost)
+    balance: float = 0.0
 
     def __post_init__(self) -> None:
         self.k = self.k or self.k_max
@@ -429,6 +438,23 @@ class SpecState:
     def alpha(self) -> float:
         """Per-token acceptance, recency-weighted, starting from the prior."""
         return (self.recent_accepted + PRIOR_WEIGHT * self.prior) / (self.recent_drafted + PRIOR_WEIGHT)
+
+    def auto_k(self, curve: CostCurve, k_max: int, tokens: int, candidate: bool) -> int:
+        """"auto"'s draft tokens this step, for a reply of `tokens` tokens so far: the k with the best predicted
+        speedup among those whose worst case fits the loss budget (AUTO_LOSS_*), or 0 (a plain step).
+        `candidate`: the proposer has something to draft; a plain step taken anyway lets old rejections fade."""
+        draft_cost = self.proposer.draft_cost
+        budget = self.balance + AUTO_LOSS_ALLOWANCE + AUTO_LOSS_SHARE * tokens
+        while k_max and curve.cost(k_max + 1) + k_max * draft_cost - 1.0 > budget:  # cost grows with k
+            k_max -= 1
+        k = curve.best_k(self.alpha, k_max, draft_cost)
+        if not k and candidate:
+            self.age()
+        return k
+
+    def settle(self, curve: CostCurve, drafted: int, tokens: int) -> None:
+        """After an "auto" verification of `drafted` drafts that gave `tokens` tokens: what it saved or lost."""
+        self.balance += tokens - (curve.cost(drafted + 1) + drafted * self.proposer.draft_cost)
 
     def age(self) -> None:
         """A plain step taken although the proposer had a candidate: old evidence fades (IDLE_DECAY)."""

@@ -7,6 +7,7 @@ import json
 import math
 import platform
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -431,6 +432,63 @@ def test_auto_estimate_recovers_over_declined_candidates() -> None:
         steps += 1
     assert steps == 8 and st.alpha == pytest.approx(PRIOR_WEIGHT * 0.7 / (8 * IDLE_DECAY ** 8 + PRIOR_WEIGHT))
     assert (st.num_drafted, st.num_accepted, st.num_verifies) == (8, 0, 1)  # the request's counts stay
+
+
+def _auto_reply(curve: CostCurve, accept: Callable[[int], int], length: int) -> tuple[float, int, float]:
+    """"auto" with prompt lookup over a reply of `length` tokens in which the proposer always has a candidate
+    and `accept(k)` of each k drafts pass. Returns (predicted cost in T(1), target forwards, the most the
+    cost ever exceeded plain decoding's beyond the loss budget)."""
+    from mlx_engine.speculative import AUTO_LOSS_ALLOWANCE, AUTO_LOSS_SHARE, PromptLookup, SpecState
+
+    st = SpecState("auto", PromptLookup(), 8, prior=0.7)
+    n, cost, forwards, over = 0, 0.0, 0, -float("inf")
+    while n < length:
+        k = st.auto_k(curve, min(8, length - n - 1), n, candidate=True)
+        accepted = accept(k) if k else 0
+        if k:
+            st.record(k, accepted)
+            st.settle(curve, k, accepted + 1)
+        cost += curve.cost(k + 1)
+        n += accepted + 1
+        forwards += 1
+        over = max(over, cost - n - (AUTO_LOSS_ALLOWANCE + AUTO_LOSS_SHARE * n))
+    return cost, forwards, over
+
+
+@pytest.mark.parametrize("curve", [CostCurve({1: 1.0, 2: 1.32, 3: 1.62, 4: 1.87, 5: 1.96, 9: 3.09}),  # MLX CPU
+                                   CostCurve({1: 1.0, 2: 1.57, 3: 1.42, 4: 1.42, 5: 1.5, 9: 1.8})])  # torch CPU
+def test_auto_loses_at_most_its_budget_when_every_draft_fails(curve: CostCurve, monkeypatch) -> None:
+    """A reply that keeps quoting just enough for prompt lookup to propose, and whose drafts all fail: "auto"
+    still probes (the estimate recovers over declined candidates), but never beyond what its loss budget
+    allows, ~2% here. Without the budget the same reply costs 10-12% more than plain decoding."""
+    import mlx_engine.speculative as sp
+
+    cost, forwards, over = _auto_reply(curve, lambda k: 0, 200)
+    assert over <= 1e-9 and cost <= 200 * 1.025
+    assert forwards == 200 and cost > 200  # it did verify, and every verification gave one token
+    monkeypatch.setattr(sp, "AUTO_LOSS_ALLOWANCE", 1e9)
+    unbounded, _, _ = _auto_reply(curve, lambda k: 0, 200)
+    assert unbounded > 200 * 1.09
+
+
+def test_auto_budget_does_not_hold_back_a_quote() -> None:
+    """Every draft passes: the first verification comes at the first token (one draft fits the allowance),
+    and what each verification saves funds wider ones: 48 tokens in 9 forwards (8 without the budget)."""
+    cost, forwards, over = _auto_reply(CostCurve({1: 1.0, 2: 1.32, 3: 1.62, 4: 1.87, 5: 1.96, 9: 3.09}),
+                                       lambda k: k, 48)
+    assert forwards == 9 and cost < 48 / 2.5
+
+
+def test_auto_verifications_fund_wider_ones_in_the_scheduler(models) -> None:
+    """Through the engine: a perfect draft (the target itself, timed as free) on MLX's CPU curve. The
+    scheduler books each verification's saving, so "auto" widens its drafts within a few steps."""
+    target, _ = models
+    with Engine.load(str(target), draft_model=str(target)) as e:
+        plain, _, _ = run(e, max_tokens=32)
+        e._scheduler.cost_curve = CostCurve({1: 1.0, 2: 1.32, 3: 1.62, 4: 1.87, 5: 1.96, 9: 3.09}, t1_s=1e9)
+        tokens, from_draft, final = run(e, speculative="auto", max_tokens=32)
+    assert tokens == plain and final.stats.acceptance_rate == 1.0
+    assert final.stats.target_forwards == 8  # as without the loss budget; 11 if the savings went unbooked
 
 
 # --- bad input -------------------------------------------------------------------------------------------
