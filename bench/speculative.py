@@ -1,7 +1,7 @@
 """Speculative decoding on this backend: the verify-cost curve, then plain decoding against each proposer.
 
     uv run python bench/speculative.py [--model M] [--backend mlx|torch] [--tokens 48] [--temperatures 0 0.7]
-                                       [--modes ...]
+                                       [--modes ...] [--kinds ...] [--seed S] [--repeats N]
 
 1. The cost curve T(k+1)/T(1): a target forward over k+1 new tokens (logits at every position, as a
    verification computes) against a plain decode step (one token, logits at one position), k = 1..8,
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -121,6 +122,9 @@ def main() -> None:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--modes", nargs="+", default=MODES)
     ap.add_argument("--kinds", nargs="+", default=list(PROMPTS))
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each mode, in rotation; tok/s and the measured speedup are medians (of each "
+                         "rotation's ratio to plain)")
     args = ap.parse_args()
 
     from mlx_engine.loading import resolve
@@ -154,18 +158,22 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for kind in args.kinds:
         for temp in args.temperatures:
-            base = None
+            runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+            for _ in range(args.repeats):  # in rotation, so the machine's drift falls on every mode alike
+                for mode in args.modes:
+                    runs[mode].append(run(engine, PROMPTS[kind], mode, temp, args.tokens, args.seed))
+            base = [r["stats"].decode_tps for r in runs["plain"]] if "plain" in runs else None
             for mode in args.modes:
-                r = run(engine, PROMPTS[kind], mode, temp, args.tokens, args.seed)
+                r = runs[mode][-1]  # the same tokens every repeat: the curve, prompt and seed are fixed
                 s = r["stats"]
+                tps = statistics.median(x["stats"].decode_tps for x in runs[mode])
                 tpf = (r["n"] - 1) / max(s.target_forwards - 1, 1)
-                if mode == "plain":
-                    base = s.decode_tps
-                measured = s.decode_tps / base if base else float("nan")
+                measured = (statistics.median(x["stats"].decode_tps / b for x, b in zip(runs[mode], base))
+                            if base else float("nan"))
                 pred = predicted(r, curve, costs[mode])
                 acc = f"{s.acceptance_rate:.2f}" if s.acceptance_rate is not None else "-"
                 mean = f"{s.mean_accepted_tokens:.2f}" if s.mean_accepted_tokens is not None else "-"
-                print(f"| {kind} | {temp:g} | {mode} | {tpf:.2f} | {acc} | {mean} | {s.decode_tps:.2f} | "
+                print(f"| {kind} | {temp:g} | {mode} | {tpf:.2f} | {acc} | {mean} | {tps:.2f} | "
                       f"{measured:.2f}x | {pred:.2f}x |", flush=True)
     engine.close()
 
