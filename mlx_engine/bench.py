@@ -189,10 +189,10 @@ def decode_bytes_per_step(engine: Any, batch: int, context: float) -> float:
 
 def time_decode_step(runner: Any, batch: int, context: int = 64, repeats: int = 5) -> float:
     """Seconds of one batched decode step of `batch` sequences, each with `context` tokens of its own cached
-    (min over `repeats`, after a warm-up step): the forward and greedy sampling the scheduler runs when `batch`
-    requests decode together, without its host bookkeeping. Each sequence reads its own K/V, which a forward
-    over `batch` positions of one sequence (`speculative.time_forward`) does not. Run it on the engine thread;
-    the sequences' blocks are freed after."""
+    (min over `repeats`, after a warm-up step): the block tables, forward and greedy sampling of the step the
+    scheduler runs when `batch` requests decode together, without emitting or detokenizing the tokens. Each
+    sequence reads its own K/V, which a forward over `batch` positions of one sequence
+    (`speculative.time_forward`) does not. Run it on the engine thread; the sequences' blocks are freed after."""
     import mlx.core as mx
 
     from mlx_engine.sampling import Sampler
