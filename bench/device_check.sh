@@ -4,7 +4,9 @@
 # CPU (64 greedy steps, KL per position; float16 on the GPU, then float32), the torch backend's decode at batch 1, 8, 32 and 64 as a share
 # of the H200's 4.8 TB/s (CUDA graphs on, then off), and HF transformers' generate() on the same GPU as
 # the peer. `device_check.sh tests` (the first of the two calls) runs the CUDA tests instead; `fusion` the
-# A/B of the fused elementwise kernels; `server` bench/server.py against `roofline serve` on the GPU.
+# A/B of the fused elementwise kernels; `server` bench/server.py against `roofline serve` on the GPU;
+# `speculative` issue 6's bench/speculative.py on the GPU (its cost curve through the CUDA graphs, then plain,
+# prompt lookup and "auto" on the edit, chat and code prompts, in rotation).
 # Everything it writes goes to $OUT (the device tool brings back at most 8 files) or /tmp/device_out:
 # report.txt (all it prints) and one JSON per measurement.
 set -uo pipefail
@@ -46,6 +48,12 @@ if [ "${1:-}" = server ]; then  # issue 7 on a bandwidth-bound backend: roofline
   log "server under load: roofline serve --backend torch --device $DEVICE, 1/4/8/16 streaming clients"
   timeout 300 $PY bench/server.py "${MODEL_ARG[@]}" --torch --torch-device "$DEVICE" --only roofline-torch \
     --clients 1,4,8,16 --requests-per-client 2 --max-tokens ${TG:-64} --cost-curve 1,2,4,8,16 2>&1 | tee -a "$OUT/report.txt"
+  log "done"; exit 0
+fi
+if [ "${1:-}" = speculative ]; then  # issue 6 on a bandwidth-bound backend
+  log "speculative decoding: torch backend on $DEVICE, plain vs prompt lookup vs auto"
+  timeout 240 $PY bench/speculative.py "${MODEL_ARG[@]}" --backend torch --device "$DEVICE" --modes plain prompt-lookup auto \
+    --repeats ${SPEC_REPEATS:-3} 2>&1 | tee -a "$OUT/report.txt"
   log "done"; exit 0
 fi
 log "parity: torch on $DEVICE vs MLX on the CPU"
