@@ -4,8 +4,9 @@ layer (pump threads, SSE, JSON). It bounds aggregate tokens/s on any backend, ho
 
     uv run python bench/server_ceiling.py [--clients 1,4,8,16] [--max-tokens 512] [--repeats 3]
 
-The forward is the torch runner's on the CPU (the KV bookkeeping and the prefill forwards stay real); its
-sampled tokens are replaced, so a step costs only its host work. The load generator is bench/server.py's.
+The torch runner (on the CPU) returns the constant from its sampling calls without running the model, so a
+decode step costs only its host work; the KV block bookkeeping stays real. A prompt may still get a real
+forward, before its first token, outside the span measured. The load generator is bench/server.py's.
 """
 
 from __future__ import annotations
