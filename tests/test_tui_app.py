@@ -160,7 +160,10 @@ async def test_switch_rename_and_delete_chats_from_the_sidebar(tmp_path) -> None
         await ready(pilot)
         await send(pilot, "first chat")
         await idle(pilot)
+        first_stats = app.chat_screen.stats.render_line()
+        assert " · reply 1 │ ctx " in first_stats and "TTFT –" not in first_stats
         await pilot.press("ctrl+n")
+        assert " · reply 0 │ ctx 0/" in app.chat_screen.stats.render_line()  # a new chat: nothing yet
         assert transcript(app) == []
         await send(pilot, "second chat")
         await idle(pilot)
@@ -171,6 +174,7 @@ async def test_switch_rename_and_delete_chats_from_the_sidebar(tmp_path) -> None
         await pilot.press("enter")
         await wait_for(pilot, lambda: transcript(app)[:1] == [("user", "done", "first chat")], what="switch")
         assert transcript(app) == [("user", "done", "first chat"), ("assistant", "done", "one")]
+        assert app.chat_screen.stats.render_line() == first_stats  # its last reply's figures, not zeros
         # rename
         chat_list.focus()
         await pilot.press("r")

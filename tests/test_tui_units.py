@@ -73,6 +73,28 @@ def test_killed_reply_reads_back_as_interrupted(tmp_path) -> None:
     assert [m.status for m in ChatStore(tmp_path / "chats.db").messages(c.id)] == ["interrupted"]
 
 
+def test_damaged_message_stats_read_back_as_none(tmp_path) -> None:
+    store = ChatStore(tmp_path / "chats.db")
+    chat = store.create_chat("c")
+    ok = store.add_message(chat.id, "assistant", "a", stats={"completion_tokens": 3})
+    for i, text in enumerate(["{not json", "[1, 2]", '"text"']):
+        m = store.add_message(chat.id, "assistant", f"b{i}")
+        store.conn.execute("UPDATE messages SET stats=? WHERE id=?", (text, m.id))
+    assert [m.stats for m in store.messages(chat.id)] == [{"completion_tokens": 3}, {}, {}, {}]
+    assert store.messages(chat.id)[0].id == ok.id
+
+
+def test_stats_bar_from_a_saved_reply_keeps_only_sound_numbers() -> None:
+    saved = {"prompt_tokens": 31, "completion_tokens": 8, "cached_prompt_tokens": 16, "ttft_s": 1.25,
+             "decode_tps": 5.0, "acceptance_rate": 0.5, "mean_accepted_tokens": 1.5, "target_forwards": 6}
+    s = LiveStats.from_saved(saved)
+    assert s.render_line().splitlines()[0] == ("5.0 tok/s │ TTFT 1.25 s │ prompt 31 (16 cached) · reply 8 │ ctx 39/0"
+                                                " │ drafts 50% · 1.5/verify · 6 fwd")
+    bad = LiveStats.from_saved({"prompt_tokens": "31", "completion_tokens": -2, "ttft_s": float("nan"),
+                                "decode_tps": True, "acceptance_rate": None})
+    assert bad == LiveStats()
+
+
 def test_chip_table_covers_m1_to_m5_and_datacenter_gpus() -> None:
     table = {c.name: c for c in load_chips()}
     for family in ("M1", "M2", "M3", "M4"):

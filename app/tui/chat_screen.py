@@ -125,17 +125,18 @@ class ChatScreen(ReplyRunner, Screen):
         transcript = self.query_one("#transcript", VerticalScroll)
         await transcript.remove_children()
         self.sub_title_for_chat()
-        if chat is None:
-            await transcript.mount(Static(WELCOME, id="welcome"))
+        messages = self.rapp.store.messages(chat.id) if chat is not None else []
+        if messages:
+            await transcript.mount_all([MessageView(m.role, m.content, m.id, m.status, m.stats.get("error"))
+                                        for m in messages])
         else:
-            views = [MessageView(m.role, m.content, m.id, m.status, m.stats.get("error")) for m in
-                     self.rapp.store.messages(chat.id)]
-            if views:
-                await transcript.mount_all(views)
-            else:
-                await transcript.mount(Static(WELCOME, id="welcome"))
+            await transcript.mount(Static(WELCOME, id="welcome"))
         transcript.scroll_end(animate=False)
-        self.stats = LiveStats()
+        # the bar shows the chat's last finished reply, as it did when that reply ended
+        saved = [m.stats for m in messages if m.role == "assistant" and "completion_tokens" in m.stats]
+        self.stats = LiveStats.from_saved(saved[-1]) if saved else LiveStats()
+        if saved and self.rapp.engine is not None:
+            self.fill_bytes(self.rapp.engine, self.stats)
         self.show_stats()
         if chat is not None and self.rapp.engine is not None:
             self.rapp.chat_kv.restore(self.rapp.engine, chat.id)

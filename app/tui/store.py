@@ -210,7 +210,7 @@ class ChatStore:
         out = []
         for r in rows:
             status = "interrupted" if r[4] == "streaming" else r[4]
-            out.append(Message(r[0], r[1], r[2], r[3], status, json.loads(r[5]) if r[5] else {}))
+            out.append(Message(r[0], r[1], r[2], r[3], status, _stats(r[5])))
         return out
 
     def add_message(self, chat_id: int, role: str, content: str, status: str = "done",
@@ -241,3 +241,12 @@ class ChatStore:
     def set_pref(self, key: str, value: str) -> None:
         self.conn.execute("INSERT INTO prefs(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
                           (key, value))
+
+
+def _stats(text: str) -> dict[str, Any]:
+    """A message's stats column: a JSON object, else (a row written by hand or damaged) none."""
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

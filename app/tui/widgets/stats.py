@@ -3,7 +3,9 @@ the memory-bandwidth roofline."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 from textual.widgets import Static
 
@@ -34,6 +36,25 @@ class LiveStats:
     acceptance_rate: float | None = None  # accepted / drafted
     mean_accepted_tokens: float | None = None  # accepted draft tokens per verification
     target_forwards: int = 0
+
+    @classmethod
+    def from_saved(cls, saved: dict[str, Any]) -> LiveStats:
+        """A finished reply's figures as the chat store keeps them (`ReplyMixin.finish`), so that a chat opened
+        again shows its last reply's speed, tokens and context rather than zeros. A field that is missing or not
+        a number (an older row) keeps its default."""
+
+        def num(key: str) -> float | None:
+            v = saved.get(key)
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+        def count(key: str) -> int:
+            v = num(key)
+            return int(v) if v is not None and v >= 0 else 0
+
+        return cls(decode_tps=num("decode_tps") or 0.0, ttft_s=num("ttft_s"), prompt_tokens=count("prompt_tokens"),
+                   reply_tokens=count("completion_tokens"), cached_tokens=count("cached_prompt_tokens"),
+                   acceptance_rate=num("acceptance_rate"), mean_accepted_tokens=num("mean_accepted_tokens"),
+                   target_forwards=count("target_forwards"))
 
     @property
     def roofline_fraction(self) -> float | None:
