@@ -99,6 +99,8 @@ class ChatScreen(ReplyRunner, Screen):
         if engine is not None:
             s.context_length = engine.info.context_length
             s.weight_bytes = engine.info.weight_bytes
+            if not s.streaming and s.reply_tokens and not s.bytes_per_token:  # a saved reply's figures
+                self.fill_bytes(engine, s)
         if bw is not None:
             s.bandwidth_bytes_per_s = bw.bytes_per_s
             s.bandwidth_label = bw.describe()
@@ -135,8 +137,6 @@ class ChatScreen(ReplyRunner, Screen):
         # the bar shows the chat's last finished reply, as it did when that reply ended
         saved = [m.stats for m in messages if m.role == "assistant" and "completion_tokens" in m.stats]
         self.stats = LiveStats.from_saved(saved[-1]) if saved else LiveStats()
-        if saved and self.rapp.engine is not None:
-            self.fill_bytes(self.rapp.engine, self.stats)
         self.show_stats()
         if chat is not None and self.rapp.engine is not None:
             self.rapp.chat_kv.restore(self.rapp.engine, chat.id)
