@@ -390,11 +390,15 @@ def test_cost_curve_interpolates_and_picks_k() -> None:
     assert flat.best_k(0.8, 8) >= 4 and flat.best_k(0.1, 8) == 0
 
 
-def test_cost_curve_is_non_decreasing() -> None:
-    """The torch CPU backend measured T(4)/T(1) = 1.34 below T(2)/T(1) = 1.59: noise, since a wider forward
-    does the narrower one's work. The curve takes the dip for every narrower width too."""
+def test_cost_curve_believes_a_measured_dip() -> None:
+    """The torch CPU backend measures T(4)/T(1) = 1.34 below T(2)/T(1) = 1.59 and T(3)/T(1) = 1.91, run after run:
+    its matmul is slower at 2-3 rows than at 4. So a verification of 2 or 3 tokens is predicted at its own cost
+    (the bench's predictions ran 10-19% above the measured speedups when the dip was spread to narrower widths),
+    and "auto" drafts 3 tokens rather than 1 or 2."""
     curve = CostCurve({1: 1.0, 2: 1.59, 3: 1.91, 4: 1.34, 5: 1.56, 9: 1.77})
-    assert [round(curve.cost(w), 2) for w in range(1, 10)] == [1.0, 1.34, 1.34, 1.34, 1.56, 1.61, 1.67, 1.72, 1.77]
+    assert [round(curve.cost(w), 2) for w in range(1, 10)] == [1.0, 1.59, 1.91, 1.34, 1.56, 1.61, 1.67, 1.72, 1.77]
+    assert curve.best_k(0.7, 8) == 3
+    assert curve.best_k(0.7, 8, max_loss=0.3) == 0 and curve.best_k(0.7, 8, max_loss=0.4) == 3
 
 
 def test_auto_acceptance_weighs_recent_verifications() -> None:
