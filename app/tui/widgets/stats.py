@@ -39,7 +39,7 @@ class LiveStats:
 
     @classmethod
     def from_saved(cls, saved: dict[str, Any]) -> LiveStats:
-        """A finished reply's figures as the chat store keeps them (`ReplyMixin.finish`), so that a chat opened
+        """A finished reply's figures as the chat store keeps them (`ReplyRunner.finish`), so that a chat opened
         again shows its last reply's speed, tokens and context rather than zeros. A field that is missing or not
         a number (an older row) keeps its default."""
 
