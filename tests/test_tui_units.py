@@ -4,7 +4,6 @@ and that importing the app pulls in no MLX."""
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import sys
 import threading
