@@ -87,6 +87,7 @@ def test_stats_bar_from_a_saved_reply_keeps_only_sound_numbers() -> None:
     saved = {"prompt_tokens": 31, "completion_tokens": 8, "cached_prompt_tokens": 16, "ttft_s": 1.25,
              "decode_tps": 5.0, "acceptance_rate": 0.5, "mean_accepted_tokens": 1.5, "target_forwards": 6}
     s = LiveStats.from_saved(saved)
+    assert s.to_saved() == saved  # the round trip the chat store makes
     assert s.render_line().splitlines()[0] == ("5.0 tok/s │ TTFT 1.25 s │ prompt 31 (16 cached) · reply 8 │ ctx 39/0"
                                                 " │ drafts 50% · 1.5/verify · 6 fwd")
     bad = LiveStats.from_saved({"prompt_tokens": "31", "completion_tokens": -2, "ttft_s": float("nan"),

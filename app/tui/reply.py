@@ -210,16 +210,12 @@ class ReplyRunner:
             stats["error"] = error
         if final is not None and final.usage is not None and final.stats is not None:
             u, st = final.usage, final.stats
-            stats.update(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                         cached_prompt_tokens=u.cached_prompt_tokens, ttft_s=st.ttft_s, decode_tps=st.decode_tps)
             s = self.stats
             s.prompt_tokens, s.reply_tokens, s.cached_tokens = u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens
             s.ttft_s, s.decode_tps = st.ttft_s, st.decode_tps
             s.acceptance_rate, s.mean_accepted_tokens = st.acceptance_rate, st.mean_accepted_tokens
             s.target_forwards = st.target_forwards
-            if st.acceptance_rate is not None:
-                stats.update(acceptance_rate=st.acceptance_rate, mean_accepted_tokens=st.mean_accepted_tokens,
-                             target_forwards=st.target_forwards)
+            stats.update(s.to_saved())
             self.fill_bytes(gen.engine, s)
         self.stats.streaming = False
         store = self.rapp.store

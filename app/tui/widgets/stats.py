@@ -37,11 +37,21 @@ class LiveStats:
     mean_accepted_tokens: float | None = None  # accepted draft tokens per verification
     target_forwards: int = 0
 
+    def to_saved(self) -> dict[str, Any]:
+        """A finished reply's figures as the chat store keeps them with the message (`ReplyRunner.finish`); the
+        speculative ones only when drafts were verified."""
+        saved: dict[str, Any] = dict(prompt_tokens=self.prompt_tokens, completion_tokens=self.reply_tokens,
+                                     cached_prompt_tokens=self.cached_tokens, ttft_s=self.ttft_s,
+                                     decode_tps=self.decode_tps)
+        if self.acceptance_rate is not None:
+            saved.update(acceptance_rate=self.acceptance_rate, mean_accepted_tokens=self.mean_accepted_tokens,
+                         target_forwards=self.target_forwards)
+        return saved
+
     @classmethod
     def from_saved(cls, saved: dict[str, Any]) -> LiveStats:
-        """A finished reply's figures as the chat store keeps them (`ReplyRunner.finish`), so that a chat opened
-        again shows its last reply's speed, tokens and context rather than zeros. A field that is missing or not
-        a number (an older row) keeps its default."""
+        """The inverse of `to_saved`, so that a chat opened again shows its last reply's speed, tokens and context
+        rather than zeros. A field that is missing or not a number (an older or damaged row) keeps its default."""
 
         def num(key: str) -> float | None:
             v = saved.get(key)
