@@ -1,0 +1,177 @@
+"""The engine's Mac code paths, run here on a simulated Mac.
+
+On a Mac `mx.metal.is_available()` turns on branches that never run on the Linux build machines: activations in
+the checkpoint's dtype, no host BLAS, token-major KV pools read by the paged-attention Metal kernel, k-quant
+weights kept as blocks for the k-quant Metal kernel, the KV budget from Metal's working set. These tests patch
+`mx.metal` to say a GPU is there and set ROOFLINE_METAL_INTERPRET=1, so every kernel launch runs the kernels' own
+Metal source through the interpreter (`kernels_metal.interpret`), and compare the whole engine's tokens and
+log-probabilities with the same requests on the CPU path. MLX's own ops still run on its CPU backend: what is
+checked is our Mac wiring and our kernel sources, not Apple's compiler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels_metal import _backend
+from mlx_engine import Engine, GenerationRequest, RooflineError, SamplingParams
+from tests.tiny_models import folder_with_weights, gguf_to_hf_names, kquant_llama_gguf, random_llama_folder
+
+PROMPTS = [[(7 * i + 3) % 120 + 5 for i in range(45)], [(11 * i + 5) % 120 + 5 for i in range(21)]]
+WORKING_SET = 6 * 2**30
+
+pytestmark = [pytest.mark.skipif(not _backend.interpret_available(), reason="the Metal interpreter is not importable"),
+              pytest.mark.skipif(mx.metal.is_available(), reason="a real Mac: its kernels run for real elsewhere")]
+
+
+class Launches:
+    """Counts kernel builds for the interpreter: each kernel call fetches its kernels once."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        import kernels_metal.kquant as kq
+        import kernels_metal.paged_attention as pa
+
+        self.attention = self.kquant = 0
+        attention, kquant = pa._interpret_kernels, kq._interpret_kernel
+
+        def count_attention():
+            self.attention += 1
+            return attention()
+
+        def count_kquant():
+            self.kquant += 1
+            return kquant()
+
+        monkeypatch.setattr(pa, "_interpret_kernels", count_attention)
+        monkeypatch.setattr(kq, "_interpret_kernel", count_kquant)
+
+
+@pytest.fixture
+def mac(monkeypatch: pytest.MonkeyPatch) -> Iterator[Launches]:
+    """A Mac as the engine sees one: Metal available, its working set, kernels through the interpreter."""
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(mx.metal, "device_info", lambda: {"max_recommended_working_set_size": WORKING_SET,
+                                                           "memory_size": 2 * WORKING_SET})
+    monkeypatch.setenv(_backend.INTERPRET_ENV, "1")
+    yield Launches(monkeypatch)
+
+
+def together(engine: Engine, params: SamplingParams) -> list[tuple[list[int], np.ndarray, int]]:
+    """Both prompts submitted at once (their decode steps batch), each: (tokens, top-5 (id, logprob) per step,
+    tokens that came from drafts)."""
+    streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=params)) for p in PROMPTS]
+    out = []
+    for s in streams:
+        events = list(s)
+        assert events[-1].finish_reason == "length", events[-1].error
+        lps = [lp for ev in events for lp in ev.logprobs]
+        out.append(([lp.token_id for lp in lps], np.array([[list(t) for t in lp.top] for lp in lps]),
+                    sum(d for ev in events for d in ev.from_draft)))
+    assert engine.kv_stats()["used"] == 0
+    return out
+
+
+def assert_same(got: list, want: list, atol: float) -> None:
+    for (tokens, top, _), (want_tokens, want_top, _) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        assert np.array_equal(top[..., 0], want_top[..., 0])
+        assert float(np.abs(top[..., 1] - want_top[..., 1]).max()) <= atol
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return random_llama_folder(tmp_path_factory.mktemp("llama"), head_dim=64, hidden=128)
+
+
+@pytest.mark.parametrize("kv", [{}, {"kv_bits": 8}, {"kv_bits": 4, "kv_group_size": 32, "kv_key_per_channel": True}],
+                         ids=["float", "kv8", "kv4-channel"])
+def test_batched_decode_on_a_mac_matches_the_cpu_path(llama: Path, kv: dict, request: pytest.FixtureRequest) -> None:
+    """Two requests decoding together: the Mac's token-major pools and the paged-attention kernel source give the
+    CPU path's tokens and log-probabilities."""
+    with Engine.load(str(llama), block_size=16, **kv) as e:
+        assert e._runner.info.device == "cpu" and e._runner.cache.storage.head_major
+        want = together(e, GREEDY)
+    launches = request.getfixturevalue("mac")
+    with Engine.load(str(llama), block_size=16, **kv) as e:
+        assert e._runner.info.device == "metal" and not e._runner.cache.storage.head_major
+        got = together(e, GREEDY)
+    assert launches.attention > 0
+    # quantized KV: the two paths' projections (MLX's matmul here, numpy's BLAS on the CPU path) differ in the
+    # last float bits, and now and then that moves a key across a rounding edge of its code (measured: 2e-3 at 8 bits)
+    assert_same(got, want, atol=1e-4 if not kv else 1e-2)
+
+
+def test_a_mac_budgets_kv_from_metals_working_set(mac: Launches, llama: Path) -> None:
+    from mlx_engine.kv.cache import available_memory_bytes
+
+    assert available_memory_bytes(2**30) == WORKING_SET - 2**30
+    with pytest.raises(RooflineError, match="device='cpu' with backend='mlx' on a Mac"):
+        Engine.load(str(llama), device="cpu")
+
+
+def test_a_mac_runs_in_the_checkpoints_dtype(tmp_path: Path, llama: Path, request: pytest.FixtureRequest) -> None:
+    """float16 weights: the CPU path computes in float32 unless told otherwise, a Mac in the checkpoint's float16,
+    with no host copies of the weights; and its float16 numbers are the CPU path's at dtype="float16"."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "config.json").write_text(json.dumps({**json.loads((llama / "config.json").read_text()),
+                                                  "torch_dtype": "float16"}))
+    save_file({k: v.astype(np.float16) for k, v in load_file(str(llama / "model.safetensors")).items()},
+              str(half / "model.safetensors"))
+    with Engine.load(str(half), block_size=16) as e:
+        assert e._runner.info.dtype == "float32"
+    with Engine.load(str(half), block_size=16, dtype="float16") as e:
+        want = together(e, GREEDY)
+    request.getfixturevalue("mac")
+    with Engine.load(str(half), block_size=16) as e:
+        assert e._runner.info.dtype == "float16" and e._runner._host_bytes == 0
+        got = together(e, GREEDY)
+    assert_same(got, want, atol=1e-2)
+
+
+def test_kquant_blocks_on_a_mac_match_the_exact_weights(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """A GGUF of k-quants: a Mac keeps the blocks and multiplies them in the k-quant kernel's source (the CPU path
+    rounds them to float16 at load instead). Its tokens and log-probabilities are those of the exactly dequantized
+    weights, in float32, on the CPU path."""
+    path, src, deq = kquant_llama_gguf(tmp_path)
+    exact = folder_with_weights(src, tmp_path / "exact", gguf_to_hf_names(deq))
+    with Engine.load(str(exact), block_size=16) as e:
+        want = together(e, GREEDY)
+    launches = request.getfixturevalue("mac")
+    with Engine.load(str(path), block_size=16, dtype="float32") as e:
+        got = together(e, GREEDY)
+    assert launches.kquant > 0 and launches.attention > 0
+    assert_same(got, want, atol=1e-4)
+
+
+def test_speculation_on_a_mac_matches_the_cpu_path(llama: Path, request: pytest.FixtureRequest) -> None:
+    """A draft model and prompt lookup on the Mac path: plain greedy tokens, the same drafts accepted as on the
+    CPU path (the target drafting for itself: every draft), no blocks left behind by rollbacks."""
+    runs = {}
+    for where in ("cpu", "mac"):
+        if where == "mac":
+            launches = request.getfixturevalue("mac")
+        with Engine.load(str(llama), block_size=16, draft_model=str(llama)) as e:
+            runs[where] = {mode: together(e, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5,
+                                                            speculative=mode, num_draft_tokens=3))
+                           for mode in (None, "draft", "prompt-lookup")}
+    assert launches.attention > 0
+    plain = [r[0] for r in runs["mac"][None]]
+    for mode in ("draft", "prompt-lookup"):
+        assert [r[0] for r in runs["mac"][mode]] == plain, mode
+        assert [r[2] for r in runs["mac"][mode]] == [r[2] for r in runs["cpu"][mode]], mode
+        assert_same(runs["mac"][mode], runs["cpu"][mode], atol=1e-4)
+    # 8 tokens: the prefill's, then verifications of 3 drafts (+ the bonus token) until the budget cuts one short
+    assert [r[2] for r in runs["mac"]["draft"]] == [5, 5]
