@@ -14,6 +14,7 @@ from typing import Any, Literal
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 SPECULATIVE_MODES = ("draft", "prompt-lookup", "self", "auto")
 MAX_DRAFT_TOKENS = 16
+MAX_LOGPROBS = 20  # top alternatives per token, at most (OpenAI's limit)
 
 
 class RooflineError(Exception):
@@ -84,8 +85,9 @@ class SamplingParams:
             raise bad("seed", "an integer or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "non-empty strings")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "an integer in [0, 20] or None")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
         if self.speculative is not None and self.speculative not in SPECULATIVE_MODES:
             raise bad("speculative", f"one of {', '.join(map(repr, SPECULATIVE_MODES))} or None")
         if (not isinstance(self.num_draft_tokens, int) or isinstance(self.num_draft_tokens, bool)

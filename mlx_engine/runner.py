@@ -33,6 +33,17 @@ def pick_dtype(requested: str | None, checkpoint_dtype: str) -> mx.Dtype:
     return _DTYPES.get(checkpoint_dtype, mx.float16)
 
 
+def join_scores(logps: list[np.ndarray], top_ids: list[np.ndarray], top_lps: list[np.ndarray], top: int
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`score`'s chunks joined: (T - 1,) float32, (T - 1, top) int64, (T - 1, top) float32."""
+    if not logps:
+        return np.zeros(0, np.float32), np.zeros((0, top), np.int64), np.zeros((0, top), np.float32)
+    if not top:
+        n = sum(len(x) for x in logps)
+        return np.concatenate(logps), np.zeros((n, 0), np.int64), np.zeros((n, 0), np.float32)
+    return np.concatenate(logps), np.concatenate(top_ids), np.concatenate(top_lps)
+
+
 def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
     """(n, V) -> (n,) int32: one argmax for the greedy rows when all are, else each row by its sampler."""
     if all(s.greedy for s in samplers):
@@ -331,9 +342,10 @@ class Runner:
         mx.eval(out)
         return [np.array(x[0].astype(mx.float32)) for x in out]
 
-    def score(self, ids: list[int]) -> np.ndarray:
+    def score(self, ids: list[int], top: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """log p(ids[t+1] | ids[..t]) for every t, computed in prefill chunks through the engine's KV cache
-        (so quantized KV counts, as it would in decoding) -> float32 (T - 1,)."""
+        (so quantized KV counts, as it would in decoding) -> float32 (T - 1,); and at each t the `top` most
+        likely next tokens, ids int64 (T - 1, top) and their log-probabilities float32 (T - 1, top), best first."""
         from mlx_engine.kv.cache import KVBudgetError, PagedCache
 
         req = f"score-{id(ids)}"
@@ -346,7 +358,7 @@ class Runner:
             self.cache._copy_pending()
         else:
             contiguous = self._fresh_contiguous()
-        out = []
+        out, top_ids, top_lps = [], [], []
         try:
             for start in range(0, len(ids) - 1, self.prefill_chunk_size):
                 end = min(start + self.prefill_chunk_size, len(ids) - 1)
@@ -356,10 +368,16 @@ class Runner:
                 logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 target = mx.array(ids[start + 1:end + 1], dtype=mx.int32)
                 out.append(np.array(mx.take_along_axis(logp, target[:, None], axis=-1)[:, 0]))
+                if top:
+                    idx = mx.argpartition(-logp, kth=top - 1, axis=-1)[:, :top]  # (L, top), unordered
+                    vals = mx.take_along_axis(logp, idx, axis=-1)
+                    order = mx.argsort(-vals, axis=-1)
+                    top_ids.append(np.array(mx.take_along_axis(idx, order, axis=-1)).astype(np.int64))
+                    top_lps.append(np.array(mx.take_along_axis(vals, order, axis=-1)))
         finally:
             if paged:
                 self.cache.manager.free(req)
-        return np.concatenate(out) if out else np.zeros(0, np.float32)
+        return join_scores(out, top_ids, top_lps, top)
 
     def kv_stats(self) -> dict[str, Any]:
         return self.cache.stats()

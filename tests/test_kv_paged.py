@@ -191,6 +191,32 @@ def test_score_matches_forward_logits_paged_and_contiguous(tmp_path: Path) -> No
         assert paged.kv_stats()["used"] == 0  # the scoring sequence freed its blocks
 
 
+def test_prompt_logprobs_are_the_scores_with_the_top_alternatives(tmp_path: Path) -> None:
+    """`Engine.prompt_logprobs`: per prompt token after the first, `score`'s log-probability and the top-k tokens
+    of the forward's distribution there, best first; its full blocks stay cached, so a generation from the same
+    prompt right after reuses them. Bad `top` is a RequestError."""
+    folder = random_llama_folder(tmp_path / "m")
+    ids = PROMPT + PROMPT[:10]
+    with Engine.load(str(folder), paged_kv=False) as ref:
+        logits = ref.forward_logits(ids).astype(np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    with Engine.load(str(folder), prefill_chunk_size=13, block_size=16) as e:
+        lps = e.prompt_logprobs(ids, 5)
+        assert [lp.token_id for lp in lps] == ids[1:]
+        assert np.abs(np.array([lp.logprob for lp in lps]) - e.score(ids)).max() == 0
+        for t, lp in enumerate(lps):
+            assert [i for i, _ in lp.top] == list(np.argsort(-logp[t])[:5])
+            assert np.abs(np.array([v for _, v in lp.top]) - logp[t][[i for i, _ in lp.top]]).max() <= 1e-4
+        assert e.prompt_logprobs(ids[:1], 3) == () and e.prompt_logprobs(ids[:3])[0].top == ()
+        assert e.kv_stats()["used"] == 0
+        events = list(e.generate(GenerationRequest(prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1))))
+        assert events[-1].usage.cached_prompt_tokens == 48  # 3 of the 55 tokens' 16-token blocks
+        for top in (-1, 21, 2.0):
+            with pytest.raises(RequestError, match="top="):
+                e.prompt_logprobs(ids, top)
+
+
 def test_pool_memory_grows_with_use_and_numbers_stay_exact(tmp_path: Path, monkeypatch) -> None:
     """The pool commits memory as blocks are first used (doubling), not the whole budget at load."""
     import mlx_engine.kv.paged as paged
