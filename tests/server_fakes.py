@@ -3,7 +3,8 @@ server in a background thread, for the server's tests.
 
 The fake tokenizer is one token per character (id = code point), so counts are exact by eye. The prompt
 steers the reply: "[raise]" makes iteration raise after two tokens, "[error]" ends in an engine error
-event, "[slow]" sleeps 20 ms per token, "[long]" replies 40 tokens. A named speculative mode marks every
+event, "[slow]" sleeps 20 ms per token, "[long]" replies 40 tokens. `prompt_logprobs` gives token t of a prompt
+the log-probability -t / 100. A named speculative mode marks every
 second token as drafted (final stats: half the drafts accepted, one per verification); "draft" is refused
 (no draft model), "auto" steps aside.
 """
@@ -120,6 +121,7 @@ class FakeEngine:
         self.lock = threading.Lock()
         self.active = 0
         self.requests: list[GenerationRequest] = []
+        self.streams: list[FakeStream] = []
         self.seen: list[list[int]] = []
 
     def cached(self, n: int) -> int:
@@ -133,7 +135,12 @@ class FakeEngine:
             raise RequestError("speculative='draft' needs a draft model: load the engine with "
                                "Engine.load(model, draft_model=PATH), or use 'prompt-lookup' or 'self'")
         self.requests.append(request)
-        return FakeStream(self, ids, request)
+        self.streams.append(FakeStream(self, ids, request))
+        return self.streams[-1]
+
+    def prompt_logprobs(self, token_ids: list[int], top: int = 0) -> tuple[TokenLogprob, ...]:
+        """Token t of the prompt: log-probability -t / 100, the best alternative 'x' at -0.5."""
+        return tuple(TokenLogprob(t, -t / 100, ((ord("x"), -0.5), (t, -t / 100))[:top]) for t in token_ids[1:])
 
     def kv_stats(self) -> dict[str, Any]:
         return {"kind": "paged", "num_blocks": 100, "used": self.active, "cached": 0, "hit_rate": 0.0}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from mlx_engine import Engine, GenerationRequest, SamplingParams
@@ -114,6 +115,34 @@ def test_logprobs(client, model_id) -> None:
                                   logprobs=2)
     lp = r.choices[0].logprobs
     assert "".join(lp.tokens) == r.choices[0].text and len(lp.top_logprobs[0]) == 2 and lp.text_offset[0] == 0
+
+
+def test_a_batch_of_prompts_with_echo_scores_them_as_lm_eval_does(client, engine, model_id) -> None:
+    """lm-evaluation-harness's loglikelihood request (`local-completions`): several token-id prompts, echo,
+    logprobs 1, max_tokens 1. Each choice's prompt log-probabilities are the engine's own scores of the prompt,
+    its reply is what the prompt alone gets, and the greedy test lm-eval runs on `top_logprobs` holds exactly
+    where the next prompt token is the model's argmax."""
+    prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is Paris", "One, two, three, four")]
+    r = client.completions.create(model=model_id, prompt=prompts, echo=True, logprobs=1, max_tokens=1,
+                                  temperature=0, seed=1234)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.prompt_tokens == sum(map(len, prompts)) and r.usage.completion_tokens == 2
+    seen_greedy = set()
+    for ids, choice in zip(prompts, r.choices):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        np.testing.assert_allclose(lp.token_logprobs[1:len(ids)], engine.score(ids), atol=1e-4)
+        logits = engine.forward_logits(ids)  # a cacheless forward: other kernels than the scoring's, so 1e-3 below
+        for t in range(1, len(ids)):
+            best = -float(np.log(np.exp(logits[t - 1] - logits[t - 1].max()).sum()))  # the argmax's log-probability
+            assert list(lp.top_logprobs[t].values()) == pytest.approx([best], abs=1e-3)
+            greedy = logits[t - 1].argmax() == ids[t]
+            assert (lp.token_logprobs[t] == max(lp.top_logprobs[t].values())) == greedy
+            seen_greedy.add(bool(greedy))
+        alone = client.completions.create(model=model_id, prompt=ids, max_tokens=1, temperature=0)
+        assert choice.text == engine.tokenizer.decode(ids) + alone.choices[0].text
+        assert lp.tokens[-1] == alone.choices[0].text
+    assert seen_greedy == {True, False}  # the prompts hold tokens the model would and would not have picked
 
 
 def test_errors_are_typed_exceptions(client, model_id) -> None:

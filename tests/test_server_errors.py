@@ -75,7 +75,9 @@ BAD = [
      "chat template error"),
     ("/v1/chat/completions", {**GOOD, "response_format": {"type": "json_object"}}, 400, "response_format.type",
      "not supported"),
-    ("/v1/completions", {"model": "default", "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+    ("/v1/completions", {"model": "default", "prompt": ["a", "y" * CONTEXT]}, 400, "prompt[1]",
+     "the prompt[1] is 65 tokens"),
+    ("/v1/completions", {"model": "default", "prompt": ["a"] * 65}, 400, "prompt", "at most 64 per request"),
 ]
 
 
@@ -279,3 +281,70 @@ def test_requests_from_other_sites_web_pages_are_refused(url: str) -> None:
     assert post(url, "/v1/chat/completions", GOOD, headers={"Origin": "null"}).status_code == 403
     r = post(url, "/v1/chat/completions", GOOD, headers={"Origin": "http://localhost:3000"})
     assert r.status_code == 200
+
+
+def test_several_prompts_get_a_choice_each_in_order(url: str, engine: FakeEngine) -> None:
+    """/v1/completions with an array of prompts (strings and token ids): one choice per prompt, `index` in prompt
+    order, usage added up; streamed, each choice's chunks carry its index, one finish each, one usage, one [DONE]."""
+    prompts = ["[slow]a", "b", [5, 6]]
+    body = {"model": "default", "prompt": prompts, "max_tokens": 8}
+    r = post(url, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in out["choices"]] == [
+        (0, REPLY[:8], "length"), (1, REPLY[:8], "length"), (2, REPLY[:8], "length")]
+    assert out["usage"]["prompt_tokens"] == 8 + 2 + 2 and out["usage"]["completion_tokens"] == 24
+    assert [r.prompt_token_ids for r in engine.requests[-3:]] == [[2, *map(ord, "[slow]a")], [2, ord("b")], [5, 6]]
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True,
+                                                              "stream_options": {"include_usage": True}}) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [e for e in events[:-1] if e["choices"]]
+    texts = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in range(3)}
+    assert texts == {0: REPLY[:8], 1: REPLY[:8], 2: REPLY[:8]}
+    finishes = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert sorted(finishes) == [0, 1, 2] and finishes[-1] == 0  # the slow prompt finished last
+    assert events[-2]["usage"]["completion_tokens"] == 24 and not events[-2]["choices"]
+    assert wait_until(lambda: engine.active == 0)
+
+
+def test_a_prompt_that_cannot_run_starts_none_of_the_request(url: str, engine: FakeEngine) -> None:
+    before = len(engine.requests)
+    r = post(url, "/v1/completions", {"model": "default", "prompt": ["a", "b", "y" * 70]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[2]"
+    assert len(engine.requests) == before
+    assert_still_serving(url)
+
+
+def test_one_failing_prompt_fails_the_request_and_stops_the_others(url: str, engine: FakeEngine) -> None:
+    for stream in (False, True):
+        r = post(url, "/v1/completions", {"model": "default", "prompt": ["[slow][long]", "[error]"],
+                                          "max_tokens": 40, "stream": stream})
+        slow = engine.streams[-2]
+        if stream:
+            events = [e for e in sse_events(r) if e != "[DONE]"]
+            assert events[-1]["error"]["code"] == "generation_failed"
+        else:
+            assert r.status_code == 500 and "fake engine failed" in r.json()["error"]["message"]
+        assert wait_until(lambda: slow.done) and slow.cancelled.is_set() and slow.i < 40
+    assert wait_until(lambda: engine.active == 0)
+    assert_still_serving(url)
+
+
+def test_echo_returns_each_prompt_with_its_logprobs(url: str) -> None:
+    """lm-evaluation-harness's loglikelihood request: token-id prompts, echo, logprobs 1, max_tokens 1. Each
+    choice holds its prompt's tokens (the first without a log-probability) and then the reply's."""
+    body = {"model": "default", "prompt": [[104, 105], [111, 107, 33]], "echo": True, "logprobs": 1,
+            "max_tokens": 1, "temperature": 0}
+    r = post(url, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    a, b = r.json()["choices"]
+    assert (a["text"], b["text"]) == ("hi" + REPLY[0], "ok!" + REPLY[0])
+    assert a["logprobs"]["tokens"] == ["h", "i", "H"]
+    assert a["logprobs"]["token_logprobs"] == [None, -1.05, -0.25]
+    assert a["logprobs"]["top_logprobs"] == [None, {"x": -0.5}, {"H": -0.25}]
+    assert a["logprobs"]["text_offset"] == [0, 1, 2]
+    assert b["logprobs"]["token_logprobs"] == [None, -1.07, -0.33, -0.25]
+    # a string prompt echoes as sent; without logprobs, the text alone
+    r = post(url, "/v1/completions", {"model": "default", "prompt": "say", "echo": True, "max_tokens": 2})
+    assert r.json()["choices"][0]["text"] == "say" + REPLY[:2] and r.json()["choices"][0]["logprobs"] is None

@@ -11,8 +11,8 @@ from mlx_engine.api import SamplingParams, TokenLogprob, Usage
 
 from app.server.bridge import AdmissionGate
 from app.server.errors import APIError, from_request_error
-from app.server.protocol import Job, model_slug, parse_body, parse_job
-from app.server.responses import Formatter, sse, token_bytes_fn, token_str
+from app.server.protocol import Job, Prompt, model_slug, parse_body, parse_job
+from app.server.responses import Choice, Echo, Formatter, sse, token_bytes_fn, token_str
 from tests.server_fakes import FakeTokenizer
 
 NAMES = {"fake", "default"}
@@ -57,9 +57,11 @@ def test_max_completion_tokens_wins_and_names_itself() -> None:
 
 
 def test_completion_prompt_forms_and_logprobs() -> None:
-    assert job({"prompt": ["one"]}, "completion").prompt == "one"
-    assert job({"prompt": [5, 6, 7]}, "completion").prompt_token_ids == [5, 6, 7]
-    assert job({"prompt": [[5, 6]]}, "completion").prompt_token_ids == [5, 6]
+    assert job({"prompt": ["one"]}, "completion").prompts == [Prompt(text="one")]
+    assert job({"prompt": [5, 6, 7]}, "completion").prompts == [Prompt(token_ids=[5, 6, 7])]
+    assert job({"prompt": [[5, 6]]}, "completion").prompts == [Prompt(token_ids=[5, 6])]
+    assert job({"prompt": ["a", [5], "b"]}, "completion").prompts == [Prompt("a"), Prompt(None, [5]), Prompt("b")]
+    assert not job({}, "completion").echo and job({"echo": True}, "completion").echo
     j = job({"logprobs": 2}, "completion")
     assert (j.logprobs, j.top_logprobs, j.sampling["logprobs"]) == (True, 2, 2)
     j = job({"logprobs": 0}, "completion")
@@ -116,12 +118,15 @@ def test_message_content_parts_and_developer_role() -> None:
      "boolean"),
     ({"stream": "yes"}, "chat", 400, "stream", "boolean"),
     ({"prompt": None}, "completion", 400, "prompt", "required"),
-    ({"prompt": ["a", "b"]}, "completion", 400, "prompt", "one prompt per request"),
+    ({"prompt": ["a"] * 65}, "completion", 400, "prompt", "at most 64 per request"),
+    ({"prompt": ["a", []]}, "completion", 400, "prompt[1]", "empty array"),
+    ({"prompt": ["a", [1, 5000]]}, "completion", 400, "prompt[1]", "outside the vocabulary"),
+    ({"prompt": [[1], [1.5]]}, "completion", 400, "prompt[1]", "integer token ids"),
     ({"prompt": [1, "a"]}, "completion", 400, "prompt", "token ids"),
     ({"prompt": [1, 5000]}, "completion", 400, "prompt", "outside the vocabulary"),
     ({"prompt": []}, "completion", 400, "prompt", "empty array"),
     ({"prompt": {"a": 1}}, "completion", 400, "prompt", "string"),
-    ({"echo": True}, "completion", 400, "echo", "not supported"),
+    ({"echo": 1}, "completion", 400, "echo", "boolean"),
     ({"best_of": 3}, "completion", 400, "best_of", "best_of must be 1"),
     ({"logprobs": 21}, "completion", 400, "logprobs", "[0, 20]"),
     ({"suffix": "x"}, "completion", 400, "suffix", "not supported"),
@@ -177,8 +182,8 @@ def test_chat_chunks_in_openai_shape() -> None:
     f = fmt({"stream": True, "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 1})
     head = {"id": "chatcmpl-X", "object": "chat.completion.chunk", "created": 1, "model": "fake",
             "system_fingerprint": "fp_0"}
-    assert f.first_chunk() == {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                    "logprobs": None, "finish_reason": None}], "usage": None}
+    assert f.first_chunks() == [{**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                      "logprobs": None, "finish_reason": None}], "usage": None}]
     lp = TokenLogprob(72, -0.5, ((72, -0.5), (73, -1.0)))
     assert f.delta_chunk("H", (lp,)) == {**head, "usage": None, "choices": [{
         "index": 0, "delta": {"content": "H"}, "finish_reason": None,
@@ -199,13 +204,39 @@ def test_chunks_without_include_usage_have_no_usage_key() -> None:
 def test_completion_response_with_logprobs() -> None:
     f = fmt({"logprobs": 2}, "completion")
     lps = (TokenLogprob(72, -0.5, ((72, -0.5), (300, -1.0))), TokenLogprob(105, -0.1, ((105, -0.1), (72, -3.0))))
-    body = f.response("Hi", lps, "length", Usage(3, 2, 0))
+    body = f.response([Choice("Hi", lps, "length")], Usage(3, 2, 0))
     assert body["object"] == "text_completion" and body["id"] == "cmpl-X"
     assert body["choices"] == [{"index": 0, "text": "Hi", "finish_reason": "length", "logprobs": {
         "tokens": ["H", "i"], "token_logprobs": [-0.5, -0.1], "top_logprobs": [{"H": -0.5, "\\xe4": -1.0},
                                                                                 {"i": -0.1, "H": -3.0}],
         "text_offset": [0, 1]}}]
     assert body["usage"]["total_tokens"] == 5
+
+
+def test_echoed_completions_put_the_prompt_first() -> None:
+    """`echo`: each choice's text starts with its prompt; with logprobs the prompt's tokens come first, the first
+    without a log-probability (null, as OpenAI's), offsets running on into the reply. A stream sends each prompt
+    in a chunk of its own before any reply token."""
+    f = fmt({"logprobs": 1, "echo": True, "prompt": ["ab", "c"]}, "completion")
+    f.echoes[0] = Echo("ab", [97, 98], (TokenLogprob(98, -2.0, ((120, -0.5),)),))
+    f.echoes[1] = Echo("c", [99])
+    reply = (TokenLogprob(72, -0.25, ((72, -0.25),)),)
+    body = f.response([Choice("H", reply, "length"), Choice("", (), "stop")], Usage(3, 1, 0))
+    assert body["choices"] == [
+        {"index": 0, "text": "abH", "finish_reason": "length", "logprobs": {
+            "tokens": ["a", "b", "H"], "token_logprobs": [None, -2.0, -0.25],
+            "top_logprobs": [None, {"x": -0.5}, {"H": -0.25}], "text_offset": [0, 1, 2]}},
+        {"index": 1, "text": "c", "finish_reason": "stop", "logprobs": {
+            "tokens": ["c"], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}}]
+    f = fmt({"logprobs": 1, "echo": True, "stream": True, "prompt": ["ab", "c"]}, "completion")
+    f.echoes[0] = Echo("ab", [97, 98], (TokenLogprob(98, -2.0, ((120, -0.5),)),))
+    f.echoes[1] = Echo("c", [99])
+    heads = f.first_chunks()
+    assert [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in heads] == [(0, "ab"), (1, "c")]
+    assert heads[0]["choices"][0]["logprobs"]["token_logprobs"] == [None, -2.0]
+    assert f.delta_chunk("H", reply, 0)["choices"][0]["logprobs"]["text_offset"] == [2]  # after the prompt
+    assert f.delta_chunk("d", (TokenLogprob(100, -1.0, ()),), 1)["choices"][0]["logprobs"]["text_offset"] == [1]
+    assert fmt({"prompt": "x"}, "completion").first_chunks() == []  # no echo: nothing before the reply
 
 
 def test_admission_gate_is_fifo_and_bounded() -> None:

@@ -3,7 +3,8 @@
 A request's life: read the body (<= 4 MiB) -> validate it into a Job -> wait for an admission slot (or 429)
 -> tokenize and submit on a worker thread (engine RequestError -> 400) -> stream or collect events while a
 watcher cancels the generation if the client goes away. The slot is released when the engine has
-finished with the request, not when the response ends.
+finished with the request, not when the response ends. A completions request of several prompts holds one
+slot and runs a generation per prompt (they batch in the engine), one choice each.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from mlx_engine.api import GenerationEvent, GenerationRequest, RequestError, RooflineError, SamplingParams
+from mlx_engine.api import GenerationEvent, GenerationRequest, RequestError, RooflineError, SamplingParams, Usage
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -38,7 +39,7 @@ from app.server.errors import (
 )
 from app.server.metrics import KVStatsReader, Metrics
 from app.server.protocol import Endpoint, Job, model_slug, parse_body, parse_job
-from app.server.responses import DONE, Formatter, error_chunk, sse, token_bytes_fn
+from app.server.responses import DONE, Choice, Echo, Formatter, error_chunk, sse, token_bytes_fn
 
 MAX_BODY_BYTES = 4 * 2**20
 _PARAM_NAMES = {"logprobs": "top_logprobs"}  # SamplingParams field -> request field, where they differ
@@ -131,59 +132,82 @@ class Server:
                 acquire.cancel()
                 raise
             try:
-                stream, num_prompt = await run_in_threadpool(self._submit, job)
+                submitted = await run_in_threadpool(self._submit, job, fmt)
             except BaseException:
                 self.gate.release()
                 raise
-            gen = Generation(stream, num_prompt, self._on_done)
-            self.generations.add(gen)
-            self.metrics.running += 1
-            watch.on_gone(gen.cancel)
-            if not job.stream:
-                return await self._collect(gen, fmt, t0, watch)
-        return EventStreamResponse(gen, self._chunks(gen, fmt, t0))
+            left = len(submitted)
 
-    def _submit(self, job: Job) -> tuple[Any, int]:
-        """On a worker thread: tokenize, check the context, start the generation."""
+            def done(gen: Generation, final: GenerationEvent) -> None:
+                nonlocal left
+                self._on_done(gen, final)
+                left -= 1
+                if left == 0:  # the request's slot goes back once the engine is done with all its prompts
+                    self.gate.release()
+                    self.metrics.running -= 1
+
+            gens = [Generation(stream, n, done) for stream, n in submitted]
+            self.generations.update(gens)
+            self.metrics.running += 1
+            for gen in gens:
+                watch.on_gone(gen.cancel)
+            if not job.stream:
+                return await self._collect(gens, fmt, t0, watch)
+        return EventStreamResponse(gens, self._chunks(gens, fmt, t0))
+
+    def _submit(self, job: Job, fmt: Formatter) -> list[tuple[Any, int]]:
+        """On a worker thread: tokenize every prompt and check it against the context, score the echoed prompts,
+        then start a generation per prompt (all or none)."""
         tok = self.engine.tokenizer
-        ctx = self.info.context_length
         try:
             if job.messages is not None:
-                ids = tok.encode_chat(job.messages, add_generation_prompt=True)
-                what = "messages"
-            elif job.prompt is not None:
-                ids = tok.encode(job.prompt)
-                what = "prompt"
+                prompts = [(tok.encode_chat(job.messages, add_generation_prompt=True), "messages", None)]
             else:
-                ids, what = list(job.prompt_token_ids or ()), "prompt"
-            n = len(ids)
-            if n >= ctx:
-                verb = "are" if what == "messages" else "is"
-                raise invalid(f"This model's maximum context length is {ctx} tokens, but the {what} {verb} {n} "
-                              "tokens (at least 1 token must be left to generate)", what, "context_length_exceeded")
-            if job.max_tokens is not None and n + job.max_tokens > ctx:
-                raise invalid(f"This model's maximum context length is {ctx} tokens, but {n + job.max_tokens} were "
-                              f"requested ({n} in the {what}, {job.max_tokens} in '{job.max_tokens_param}'); "
-                              f"at most {ctx - n} can be generated for this prompt", job.max_tokens_param,
-                              "context_length_exceeded")
-            max_tokens = job.max_tokens
-            if max_tokens is None:
-                max_tokens = min(ctx - n, self.config.default_max_tokens or ctx)
-            kw = dict(job.sampling)
-            if "speculative" not in kw and self.config.speculative is not None:
-                kw["speculative"] = self.config.speculative
-            sampling = SamplingParams(max_tokens=max_tokens, **kw)
-            return self.engine.generate(GenerationRequest(prompt_token_ids=ids, sampling=sampling)), n
+                prompts = [(tok.encode(p.text) if p.text is not None else list(p.token_ids or ()),
+                            "prompt" if len(job.prompts) == 1 else f"prompt[{i}]", p.text)
+                           for i, p in enumerate(job.prompts)]
+            requests = [self._request(job, ids, what) for ids, what, _ in prompts]
+            if job.echo:
+                for i, (ids, _, text) in enumerate(prompts):
+                    lps = self.engine.prompt_logprobs(ids, job.top_logprobs) if job.logprobs else ()
+                    fmt.echoes[i] = Echo(text if text is not None else tok.decode(ids), ids, lps)
+            submitted: list[tuple[Any, int]] = []
+            try:
+                for r in requests:
+                    submitted.append((self.engine.generate(r), len(r.prompt_token_ids or ())))
+            except BaseException:
+                for stream, _ in submitted:
+                    stream.cancel()
+                raise
+            return submitted
         except RequestError as e:
             raise from_request_error(str(e), _PARAM_NAMES) from None
         except RooflineError as e:
             raise APIError(503, f"the engine cannot take requests: {e}", None, "engine_unavailable") from None
 
+    def _request(self, job: Job, ids: list[int], what: str) -> GenerationRequest:
+        """One prompt's engine request, checked against the context (`what` names the prompt in errors)."""
+        ctx, n = self.info.context_length, len(ids)
+        if n >= ctx:
+            verb = "are" if what == "messages" else "is"
+            raise invalid(f"This model's maximum context length is {ctx} tokens, but the {what} {verb} {n} "
+                          "tokens (at least 1 token must be left to generate)", what, "context_length_exceeded")
+        if job.max_tokens is not None and n + job.max_tokens > ctx:
+            raise invalid(f"This model's maximum context length is {ctx} tokens, but {n + job.max_tokens} were "
+                          f"requested ({n} in the {what}, {job.max_tokens} in '{job.max_tokens_param}'); "
+                          f"at most {ctx - n} can be generated for this prompt", job.max_tokens_param,
+                          "context_length_exceeded")
+        max_tokens = job.max_tokens
+        if max_tokens is None:
+            max_tokens = min(ctx - n, self.config.default_max_tokens or ctx)
+        kw = dict(job.sampling)
+        if "speculative" not in kw and self.config.speculative is not None:
+            kw["speculative"] = self.config.speculative
+        return GenerationRequest(prompt_token_ids=ids, sampling=SamplingParams(max_tokens=max_tokens, **kw))
+
     def _on_done(self, gen: Generation, final: GenerationEvent) -> None:
-        self.gate.release()
         self.generations.discard(gen)
         m = self.metrics
-        m.running -= 1
         m.finished[final.finish_reason or "error"] += 1
         if final.usage is not None:
             m.prompt_tokens += final.usage.prompt_tokens
@@ -195,61 +219,98 @@ class Server:
             m.acceptance_sum += rate
             m.acceptance_count += 1
 
-    async def _collect(self, gen: Generation, fmt: Formatter, t0: float, watch: DisconnectWatch) -> Response:
-        texts, lps, first = [], [], True
-        final: GenerationEvent | None = None
-        async for event in gen.events():
-            if first and event.token_ids:
-                self.metrics.ttft.observe(time.perf_counter() - t0)
-                first = False
-            texts.append(event.text)
-            lps.extend(event.logprobs)
-            final = event
-        assert final is not None and final.finish_reason is not None
-        if final.finish_reason == "error":
-            raise APIError(500, f"the generation failed: {final.error}", None, "generation_failed")
-        if final.finish_reason == "cancelled":
+    def _first_token(self, event: GenerationEvent, t0: float, seen: list[bool]) -> None:
+        """Time to the request's first token (of any of its prompts), once."""
+        if not seen and event.token_ids:
+            self.metrics.ttft.observe(time.perf_counter() - t0)
+            seen.append(True)
+
+    async def _collect(self, gens: list[Generation], fmt: Formatter, t0: float, watch: DisconnectWatch) -> Response:
+        seen: list[bool] = []
+
+        async def one(gen: Generation) -> tuple[Choice, GenerationEvent]:
+            texts, lps = [], []
+            final: GenerationEvent | None = None
+            async for event in gen.events():
+                self._first_token(event, t0, seen)
+                texts.append(event.text)
+                lps.extend(event.logprobs)
+                final = event
+            assert final is not None and final.finish_reason is not None
+            if final.finish_reason == "error":
+                for other in gens:  # the request fails as a whole: its other prompts stop
+                    other.cancel()
+            return Choice("".join(texts), tuple(lps), final.finish_reason), final
+
+        results = await asyncio.gather(*(one(g) for g in gens))
+        finals = [final for _, final in results]
+        failed = next((f for f in finals if f.finish_reason == "error"), None)
+        if failed is not None:
+            raise APIError(500, f"the generation failed: {failed.error}", None, "generation_failed")
+        if any(f.finish_reason == "cancelled" for f in finals):
             if watch.gone:
                 return Response(status_code=499)
             raise APIError(503, "the generation was cancelled (the server is shutting down)", None, "cancelled")
-        assert final.usage is not None
-        return JSONResponse(fmt.response("".join(texts), tuple(lps), final.finish_reason, final.usage,
-                                         accepted_draft_tokens(gen, final)))
+        return JSONResponse(fmt.response([c for c, _ in results], total_usage(finals),
+                                         accepted_draft_tokens(gens, finals)))
 
-    async def _chunks(self, gen: Generation, fmt: Formatter, t0: float) -> AsyncIterator[bytes]:
-        head = fmt.first_chunk()
-        if head is not None:
+    async def _chunks(self, gens: list[Generation], fmt: Formatter, t0: float) -> AsyncIterator[bytes]:
+        for head in fmt.first_chunks():
             yield sse(head)
-        first = True
-        async for event in gen.events():
-            if first and event.token_ids:
-                self.metrics.ttft.observe(time.perf_counter() - t0)
-                first = False
-            if event.text or event.logprobs:
-                yield sse(fmt.delta_chunk(event.text, event.logprobs))
-            reason = event.finish_reason
-            if reason is None:
-                continue
-            if reason in ("error", "cancelled"):
-                message = (f"the generation failed: {event.error}" if reason == "error"
-                           else "the generation was cancelled (the server is shutting down)")
-                yield sse(error_chunk(message, "generation_failed" if reason == "error" else "cancelled"))
+        events: asyncio.Queue[tuple[int, GenerationEvent]] = asyncio.Queue()
+
+        async def pump(i: int, gen: Generation) -> None:
+            async for event in gen.events():
+                events.put_nowait((i, event))
+
+        pumps = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+        finals: dict[int, GenerationEvent] = {}
+        seen: list[bool] = []
+        try:
+            while len(finals) < len(gens):
+                i, event = await events.get()
+                self._first_token(event, t0, seen)
+                if event.text or event.logprobs:
+                    yield sse(fmt.delta_chunk(event.text, event.logprobs, i))
+                reason = event.finish_reason
+                if reason is None:
+                    continue
+                finals[i] = event
+                if reason in ("error", "cancelled"):
+                    message = (f"the generation failed: {event.error}" if reason == "error"
+                               else "the generation was cancelled (the server is shutting down)")
+                    yield sse(error_chunk(message, "generation_failed" if reason == "error" else "cancelled"))
+                    for gen in gens:
+                        gen.cancel()
+                    break
+                yield sse(fmt.finish_chunk(reason, i))
             else:
-                yield sse(fmt.finish_chunk(reason))
-                if fmt.job.include_usage and event.usage is not None:
-                    yield sse(fmt.usage_chunk(event.usage, accepted_draft_tokens(gen, event)))
+                if fmt.job.include_usage:
+                    ordered = [finals[i] for i in range(len(gens))]
+                    yield sse(fmt.usage_chunk(total_usage(ordered), accepted_draft_tokens(gens, ordered)))
             yield DONE
+        finally:
+            for p in pumps:
+                p.cancel()
 
     def cancel_all(self) -> None:
         for gen in list(self.generations):
             gen.cancel()
 
 
-def accepted_draft_tokens(gen: Generation, final: GenerationEvent) -> int | None:
+def accepted_draft_tokens(gens: list[Generation], finals: list[GenerationEvent]) -> int | None:
     """Reply tokens that came from accepted drafts, where speculation verified any draft token (else None)."""
-    if final.stats is None or final.stats.acceptance_rate is None:
-        return None
-    return gen.num_draft_accepted
+    verified = [g.num_draft_accepted for g, f in zip(gens, finals)
+                if f.stats is not None and f.stats.acceptance_rate is not None]
+    return sum(verified) if verified else None
+
+
+def total_usage(finals: list[GenerationEvent]) -> Usage:
+    """A request's usage: its prompts' added up."""
+    usages = [f.usage for f in finals if f.usage is not None]
+    return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
+                 completion_tokens=sum(u.completion_tokens for u in usages),
+                 cached_prompt_tokens=sum(u.cached_prompt_tokens for u in usages))
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -286,9 +347,13 @@ class EventStreamResponse:
     headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 
-    def __init__(self, gen: Generation, chunks: AsyncIterator[bytes]):
-        self.gen = gen
+    def __init__(self, gens: list[Generation], chunks: AsyncIterator[bytes]):
+        self.gens = gens
         self.chunks = chunks
+
+    def cancel(self) -> None:
+        for gen in self.gens:
+            gen.cancel()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -297,7 +362,7 @@ class EventStreamResponse:
                 async def watch() -> None:
                     while (await receive())["type"] != "http.disconnect":
                         pass
-                    self.gen.cancel()
+                    self.cancel()
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch)
@@ -309,7 +374,7 @@ class EventStreamResponse:
         except OSError:  # the client went away mid-send
             pass
         finally:
-            self.gen.cancel()
+            self.cancel()
 
 
 LOCAL_ORIGIN = re.compile(rb"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?$")

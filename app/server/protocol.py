@@ -4,7 +4,11 @@ OpenAI's semantics where they exist (defaults, ranges, `n`, `stop`, `logit_bias`
 names for the extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`); ours for speculative
 decoding (`speculative`: "auto", "prompt-lookup", "self", "draft" or "off"; `num_draft_tokens`). Unknown
 fields are ignored, as vLLM does; fields that would change the answer and are not supported (tools, JSON
-mode, `echo`, `suffix`, n > 1) are refused rather than silently dropped.
+mode, `suffix`, n > 1, best_of > 1) are refused rather than silently dropped.
+
+/v1/completions takes up to MAX_PROMPTS prompts in one request (an array of strings or of token-id arrays),
+one choice each, in order; and `echo` (the prompt before the reply, with its tokens' log-probabilities when
+`logprobs` is set: what lm-evaluation-harness scores multiple-choice tasks with).
 """
 
 from __future__ import annotations
@@ -15,13 +19,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mlx_engine.api import MAX_DRAFT_TOKENS, SPECULATIVE_MODES
+from mlx_engine.api import MAX_DRAFT_TOKENS, MAX_LOGPROBS, SPECULATIVE_MODES
 
 from app.server.errors import APIError, invalid
 
 MAX_STOP = 4
+MAX_PROMPTS = 64  # prompts in one /v1/completions request; each is one engine request
 SPECULATIVE_OFF = "off"
-MAX_LOGPROBS = 20
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 Endpoint = Literal["chat", "completion"]
@@ -33,6 +37,14 @@ def model_slug(name: str) -> str:
     return slug or "model"
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """One completion prompt: its text, or token ids."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+
+
 @dataclass
 class Job:
     """One validated completion request, ready to tokenize and submit."""
@@ -40,8 +52,7 @@ class Job:
     endpoint: Endpoint
     model: str
     messages: list[dict[str, str]] | None = None
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompts: list[Prompt] = field(default_factory=list)  # completions: one choice each
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs, without max_tokens
     max_tokens: int | None = None  # None: the rest of the context
     max_tokens_param: str = "max_tokens"
@@ -49,6 +60,7 @@ class Job:
     include_usage: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    echo: bool = False  # completions: the prompt comes back before the reply
 
 
 # ---- the body ------------------------------------------------------------------------------------------
@@ -169,7 +181,7 @@ def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], s
     if endpoint == "chat":
         job.messages = _messages(body)
     else:
-        job.prompt, job.prompt_token_ids = _prompt(body, vocab_size)
+        job.prompts = _prompts(body, vocab_size)
 
     n = f.integer("n", 1)
     if n is not None and n != 1:
@@ -179,8 +191,7 @@ def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], s
         best_of = f.integer("best_of", 1)
         if best_of is not None and best_of != 1:
             raise invalid(f"best_of={best_of} is not supported (best_of must be 1)", "best_of", "unsupported_value")
-        if f.boolean("echo"):
-            raise invalid("echo=true is not supported", "echo", "unsupported_value")
+        job.echo = bool(f.boolean("echo"))
         if f.string("suffix"):
             raise invalid("suffix is not supported (no fill-in-the-middle)", "suffix", "unsupported_value")
 
@@ -299,30 +310,34 @@ def _content_parts(parts: list[Any], param: str) -> str:
     return "\n".join(texts)
 
 
-def _prompt(body: dict[str, Any], vocab_size: int) -> tuple[str | None, list[int] | None]:
-    """A string, a one-element array of strings, an array of token ids, or a one-element array of those."""
+def _prompts(body: dict[str, Any], vocab_size: int) -> list[Prompt]:
+    """A string or an array of token ids (one prompt), or an array of those (one prompt each)."""
     if "prompt" not in body or body["prompt"] is None:
-        raise invalid("'prompt' is required: a string (or an array of token ids)", "prompt",
+        raise invalid("'prompt' is required: a string, an array of token ids, or an array of those", "prompt",
                       "missing_required_parameter")
     p = body["prompt"]
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
-    elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-        raise invalid(f"'prompt' holds {len(p)} prompts: this server takes one prompt per request "
-                      "(send them as separate requests)", "prompt", "unsupported_value")
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) > MAX_PROMPTS:
+            raise invalid(f"'prompt' holds {len(p)} prompts; at most {MAX_PROMPTS} per request (send the rest as "
+                          "further requests)", "prompt", "too_many_prompts")
+        return [_prompt(x, f"prompt[{i}]", vocab_size) for i, x in enumerate(p)]
+    return [_prompt(p, "prompt", vocab_size)]
+
+
+def _prompt(p: Any, param: str, vocab_size: int) -> Prompt:
     if isinstance(p, str):
-        return _text(p, "prompt"), None
+        return Prompt(text=_text(p, param))
     if isinstance(p, list):
         if not p:
-            raise invalid("'prompt' is an empty array: expected a string or token ids", "prompt")
+            raise invalid(f"'{param}' is an empty array: expected a string or token ids", param)
         for t in p:
             if isinstance(t, bool) or not isinstance(t, int):
-                raise invalid(f"'prompt' must be a string or an array of integer token ids, found {_kind(t)}",
-                              "prompt")
+                raise invalid(f"'{param}' must be a string or an array of integer token ids, found {_kind(t)}",
+                              param)
             if not 0 <= t < vocab_size:
-                raise invalid(f"'prompt' token id {t} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
-        return None, list(p)
-    raise invalid(f"'prompt' must be a string or an array of token ids, got {_kind(p)}", "prompt")
+                raise invalid(f"'{param}' token id {t} is outside the vocabulary (0..{vocab_size - 1})", param)
+        return Prompt(token_ids=list(p))
+    raise invalid(f"'{param}' must be a string or an array of token ids, got {_kind(p)}", param)
 
 
 def _stop(f: _Fields) -> tuple[str, ...]:

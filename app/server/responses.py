@@ -8,6 +8,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -61,8 +62,28 @@ def token_str(b: bytes) -> str:
     return b.decode("utf-8", errors="backslashreplace")
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completion prompt as `echo` returns it: its text, its token ids and, with `logprobs`, each token's
+    log-probability given those before it (all but the first)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One prompt's finished reply, for a whole (non-streamed) response."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...]
+    finish_reason: str
+
+
 class Formatter:
-    """Builds one request's chunks and final body: ids, timestamps, model and logprobs in OpenAI's shape."""
+    """Builds one request's chunks and final body: ids, timestamps, model and logprobs in OpenAI's shape. A
+    completions request of several prompts has a choice per prompt, `index` in prompt order."""
 
     def __init__(self, job: Job, model_id: str, fingerprint: str, token_bytes: Callable[[int], bytes]):
         self.job = job
@@ -72,7 +93,8 @@ class Formatter:
         self.model = model_id
         self.fingerprint = fingerprint
         self.token_bytes = token_bytes
-        self.text_offset = 0  # completions logprobs: where the next token starts in the reply
+        self.text_offset: dict[int, int] = {}  # completions logprobs: where choice i's next token starts
+        self.echoes: dict[int, Echo] = {}  # completions with `echo`: each choice's prompt
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -92,26 +114,41 @@ class Formatter:
             out.append(entry)
         return out
 
-    def completion_logprobs(self, lps: tuple[TokenLogprob, ...]) -> dict[str, Any]:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for lp in lps:
-            s = token_str(self.token_bytes(lp.token_id))
+    def _top(self, lp: TokenLogprob) -> dict[str, float]:
+        top: dict[str, float] = {}
+        for t, v in lp.top[:self.job.top_logprobs]:
+            top.setdefault(token_str(self.token_bytes(t)), finite(v))
+        return top
+
+    def completion_logprobs(self, lps: tuple[TokenLogprob, ...], index: int = 0,
+                            echo: Echo | None = None) -> dict[str, Any]:
+        """The legacy logprobs object; with `echo`, the prompt's tokens first (the first one has no
+        log-probability: nothing comes before it)."""
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        at = self.text_offset.get(index, 0)
+        entries: list[tuple[int, TokenLogprob | None]] = []
+        if echo is not None:
+            entries += [(echo.token_ids[0], None)] + [(lp.token_id, lp) for lp in echo.logprobs]
+        entries += [(lp.token_id, lp) for lp in lps]
+        for token_id, lp in entries:
+            s = token_str(self.token_bytes(token_id))
             tokens.append(s)
-            token_lps.append(finite(lp.logprob))
-            top: dict[str, float] = {}
-            for t, v in lp.top[:self.job.top_logprobs]:
-                top.setdefault(token_str(self.token_bytes(t)), finite(v))
-            tops.append(top)
-            offsets.append(self.text_offset)
-            self.text_offset += len(s)
+            token_lps.append(None if lp is None else finite(lp.logprob))
+            tops.append(None if lp is None else self._top(lp))
+            offsets.append(at)
+            at += len(s)
+        self.text_offset[index] = at
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def _logprobs(self, lps: tuple[TokenLogprob, ...]) -> Any:
+    def _logprobs(self, lps: tuple[TokenLogprob, ...], index: int = 0, echo: Echo | None = None) -> Any:
         if not self.job.logprobs:
             return None
         if self.chat:
             return {"content": self.chat_logprobs(lps), "refusal": None}
-        return self.completion_logprobs(lps)
+        return self.completion_logprobs(lps, index, echo)
 
     # ---- streaming ---------------------------------------------------------------------------------------
 
@@ -122,23 +159,26 @@ class Formatter:
             obj["usage"] = None
         return obj
 
-    def first_chunk(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant role and empty content, as OpenAI's do."""
-        if not self.chat:
-            return None
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
+    def first_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open with the assistant role and empty content, as OpenAI's do; completions with `echo`
+        with each prompt (and its log-probabilities)."""
+        if self.chat:
+            return [self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None})]
+        return [self._chunk({"index": i, "text": e.text, "logprobs": self._logprobs((), i, e), "finish_reason": None})
+                for i, e in sorted(self.echoes.items())]
 
-    def delta_chunk(self, text: str, lps: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    def delta_chunk(self, text: str, lps: tuple[TokenLogprob, ...], index: int = 0) -> dict[str, Any]:
         if self.chat:
             return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": self._logprobs(lps),
                                 "finish_reason": None})
-        return self._chunk({"index": 0, "text": text, "logprobs": self._logprobs(lps), "finish_reason": None})
+        return self._chunk({"index": index, "text": text, "logprobs": self._logprobs(lps, index),
+                            "finish_reason": None})
 
-    def finish_chunk(self, finish_reason: str) -> dict[str, Any]:
+    def finish_chunk(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
         if self.chat:
             return self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason})
-        return self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason})
+        return self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason})
 
     def usage_chunk(self, usage: Usage, accepted_draft_tokens: int | None = None) -> dict[str, Any]:
         obj = self._head("chat.completion.chunk" if self.chat else "text_completion")
@@ -148,16 +188,21 @@ class Formatter:
 
     # ---- whole responses ---------------------------------------------------------------------------------
 
-    def response(self, text: str, lps: tuple[TokenLogprob, ...], finish_reason: str, usage: Usage,
-                 accepted_draft_tokens: int | None = None) -> dict[str, Any]:
+    def response(self, choices: list[Choice], usage: Usage, accepted_draft_tokens: int | None = None
+                 ) -> dict[str, Any]:
         if self.chat:
+            (c,) = choices
             obj = self._head("chat.completion")
-            obj["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                               "logprobs": self._logprobs(lps), "finish_reason": finish_reason}]
+            obj["choices"] = [{"index": 0, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                               "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason}]
         else:
             obj = self._head("text_completion")
-            obj["choices"] = [{"index": 0, "text": text, "logprobs": self._logprobs(lps),
-                               "finish_reason": finish_reason}]
+            obj["choices"] = []
+            for i, c in enumerate(choices):
+                echo = self.echoes.get(i)
+                obj["choices"].append({"index": i, "text": (echo.text if echo else "") + c.text,
+                                       "logprobs": self._logprobs(c.logprobs, i, echo),
+                                       "finish_reason": c.finish_reason})
         obj["usage"] = usage_dict(usage, accepted_draft_tokens)
         return obj
 
