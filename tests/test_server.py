@@ -102,6 +102,17 @@ def test_seed_makes_sampling_reproducible_even_concurrently(client, model_id) ->
     assert len(texts) == 2 and texts[0] == texts[1] and texts[0]
 
 
+def test_n_choices_are_the_engines_replies_with_seed_plus_j(client, engine, model_id) -> None:
+    r = client.chat.completions.create(model=model_id, messages=HI, max_tokens=6, temperature=1.0, seed=7, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    runs = [list(engine.generate(GenerationRequest(messages=HI, sampling=SamplingParams(
+        temperature=1.0, max_tokens=6, seed=7 + j)))) for j in range(3)]
+    want = ["".join(e.text for e in events) for events in runs]
+    assert [c.message.content for c in r.choices] == want and len(set(want)) > 1
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode_chat(HI))  # the prompt once, as OpenAI counts
+    assert r.usage.completion_tokens == sum(events[-1].usage.completion_tokens for events in runs)
+
+
 def test_logprobs(client, model_id) -> None:
     r = client.chat.completions.create(model=model_id, messages=HI, max_tokens=3, temperature=0, logprobs=True,
                                        top_logprobs=2)
@@ -156,7 +167,7 @@ def test_errors_are_typed_exceptions(client, model_id) -> None:
         client.completions.create(model=model_id, prompt="hello " * 9000, max_tokens=2)
     assert e.value.code == "context_length_exceeded" and "8192" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model_id, messages=HI, max_tokens=2, n=2)
+        client.chat.completions.create(model=model_id, messages=HI, max_tokens=2, n=65)
     assert e.value.param == "n"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model_id, messages=[], max_tokens=2)

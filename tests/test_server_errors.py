@@ -62,7 +62,7 @@ BAD = [
     ("/v1/chat/completions", {**GOOD, "messages": 3}, 400, "messages", "must be an array"),
     ("/v1/chat/completions", {**GOOD, "model": "gpt-4"}, 404, "model", "'gpt-4' does not exist"),
     ("/v1/chat/completions", {**GOOD, "messages": []}, 400, "messages", "non-empty"),
-    ("/v1/chat/completions", {**GOOD, "n": 3}, 400, "n", "n must be 1"),
+    ("/v1/chat/completions", {**GOOD, "n": 65}, 400, "n", "in [1, 64]"),
     ("/v1/chat/completions", {**GOOD, "temperature": 9}, 400, "temperature", "[0, 2]"),
     ("/v1/chat/completions", {**GOOD, "max_tokens": 1000}, 400, "max_tokens", "context is 64"),
     # 17 tokens of template + 40 of text + 20 to generate > 64
@@ -208,7 +208,7 @@ def test_chat_stream_shape_with_usage(url: str) -> None:
 
 
 def test_metrics_count_requests_by_route_and_status(url: str) -> None:
-    post(url, "/v1/chat/completions", {**GOOD, "n": 2})
+    post(url, "/v1/chat/completions", {**GOOD, "n": 0})
     text = httpx.get(url + "/metrics").text
     assert 'roofline_requests_total{endpoint="/v1/chat/completions",status="400"}' in text
     assert 'roofline_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
@@ -348,3 +348,28 @@ def test_echo_returns_each_prompt_with_its_logprobs(url: str) -> None:
     # a string prompt echoes as sent; without logprobs, the text alone
     r = post(url, "/v1/completions", {"model": "default", "prompt": "say", "echo": True, "max_tokens": 2})
     assert r.json()["choices"][0]["text"] == "say" + REPLY[:2] and r.json()["choices"][0]["logprobs"] is None
+
+
+def test_n_replies_per_prompt_with_their_own_seeds(url: str, engine: FakeEngine) -> None:
+    """`n`: n choices per prompt, index prompt * n + reply, reply j sampled with seed + j; usage counts each prompt
+    once. Streamed chat opens every choice with its role chunk."""
+    r = post(url, "/v1/completions", {"model": "default", "prompt": ["a", [5, 6, 7]], "n": 3, "seed": 10,
+                                      "max_tokens": 4, "echo": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [(c["index"], c["text"]) for c in out["choices"]] == [
+        (0, "a" + REPLY[:4]), (1, "a" + REPLY[:4]), (2, "a" + REPLY[:4]),
+        (3, "\x05\x06\x07" + REPLY[:4]), (4, "\x05\x06\x07" + REPLY[:4]), (5, "\x05\x06\x07" + REPLY[:4])]
+    assert [q.sampling.seed for q in engine.requests[-6:]] == [10, 11, 12, 10, 11, 12]
+    assert [q.prompt_token_ids for q in engine.requests[-6:]] == [[2, 97]] * 3 + [[5, 6, 7]] * 3
+    assert (out["usage"]["prompt_tokens"], out["usage"]["completion_tokens"]) == (2 + 3, 6 * 4)
+    post(url, "/v1/chat/completions", {**GOOD, "n": 2})
+    assert [q.sampling.seed for q in engine.requests[-2:]] == [None, None]  # no seed: each reply its own
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**GOOD, "n": 2, "stream": True}) as r:
+        events = [e for e in sse_events(r) if e != "[DONE]"]
+    assert [e["choices"][0]["delta"] for e in events[:2]] == [{"role": "assistant", "content": ""}] * 2
+    assert [e["choices"][0]["index"] for e in events[:2]] == [0, 1]
+    for i in (0, 1):
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events
+                       if e["choices"][0]["index"] == i) == REPLY[:5]
+    assert sorted(e["choices"][0]["index"] for e in events if e["choices"][0]["finish_reason"]) == [0, 1]

@@ -3,8 +3,8 @@
 A request's life: read the body (<= 4 MiB) -> validate it into a Job -> wait for an admission slot (or 429)
 -> tokenize and submit on a worker thread (engine RequestError -> 400) -> stream or collect events while a
 watcher cancels the generation if the client goes away. The slot is released when the engine has
-finished with the request, not when the response ends. A completions request of several prompts holds one
-slot and runs a generation per prompt (they batch in the engine), one choice each.
+finished with the request, not when the response ends. A request of several choices (`n`, or several
+completion prompts) holds one slot and runs a generation per choice (they batch in the engine).
 """
 
 from __future__ import annotations
@@ -166,11 +166,12 @@ class Server:
                 prompts = [(tok.encode(p.text) if p.text is not None else list(p.token_ids or ()),
                             "prompt" if len(job.prompts) == 1 else f"prompt[{i}]", p.text)
                            for i, p in enumerate(job.prompts)]
-            requests = [self._request(job, ids, what) for ids, what, _ in prompts]
+            requests = [replies for ids, what, _ in prompts for replies in self._requests(job, ids, what)]
             if job.echo:
                 for i, (ids, _, text) in enumerate(prompts):
                     lps = self.engine.prompt_logprobs(ids, job.top_logprobs) if job.logprobs else ()
-                    fmt.echoes[i] = Echo(text if text is not None else tok.decode(ids), ids, lps)
+                    for j in range(job.n):
+                        fmt.echoes[i * job.n + j] = Echo(text if text is not None else tok.decode(ids), ids, lps)
             submitted: list[tuple[Any, int]] = []
             try:
                 for r in requests:
@@ -185,8 +186,9 @@ class Server:
         except RooflineError as e:
             raise APIError(503, f"the engine cannot take requests: {e}", None, "engine_unavailable") from None
 
-    def _request(self, job: Job, ids: list[int], what: str) -> GenerationRequest:
-        """One prompt's engine request, checked against the context (`what` names the prompt in errors)."""
+    def _requests(self, job: Job, ids: list[int], what: str) -> list[GenerationRequest]:
+        """One prompt's n engine requests, checked against the context (`what` names the prompt in errors). With a
+        seed, reply j samples with seed + j."""
         ctx, n = self.info.context_length, len(ids)
         if n >= ctx:
             verb = "are" if what == "messages" else "is"
@@ -203,7 +205,9 @@ class Server:
         kw = dict(job.sampling)
         if "speculative" not in kw and self.config.speculative is not None:
             kw["speculative"] = self.config.speculative
-        return GenerationRequest(prompt_token_ids=ids, sampling=SamplingParams(max_tokens=max_tokens, **kw))
+        seed = kw.pop("seed", None)
+        return [GenerationRequest(prompt_token_ids=ids, sampling=SamplingParams(
+            max_tokens=max_tokens, seed=None if seed is None else seed + j, **kw)) for j in range(job.n)]
 
     def _on_done(self, gen: Generation, final: GenerationEvent) -> None:
         self.generations.discard(gen)
@@ -251,7 +255,7 @@ class Server:
             if watch.gone:
                 return Response(status_code=499)
             raise APIError(503, "the generation was cancelled (the server is shutting down)", None, "cancelled")
-        return JSONResponse(fmt.response([c for c, _ in results], total_usage(finals),
+        return JSONResponse(fmt.response([c for c, _ in results], total_usage(finals, fmt.job.n),
                                          accepted_draft_tokens(gens, finals)))
 
     async def _chunks(self, gens: list[Generation], fmt: Formatter, t0: float) -> AsyncIterator[bytes]:
@@ -287,7 +291,7 @@ class Server:
             else:
                 if fmt.job.include_usage:
                     ordered = [finals[i] for i in range(len(gens))]
-                    yield sse(fmt.usage_chunk(total_usage(ordered), accepted_draft_tokens(gens, ordered)))
+                    yield sse(fmt.usage_chunk(total_usage(ordered, fmt.job.n), accepted_draft_tokens(gens, ordered)))
             yield DONE
         finally:
             for p in pumps:
@@ -305,12 +309,15 @@ def accepted_draft_tokens(gens: list[Generation], finals: list[GenerationEvent])
     return sum(verified) if verified else None
 
 
-def total_usage(finals: list[GenerationEvent]) -> Usage:
-    """A request's usage: its prompts' added up."""
-    usages = [f.usage for f in finals if f.usage is not None]
-    return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
-                 completion_tokens=sum(u.completion_tokens for u in usages),
-                 cached_prompt_tokens=sum(u.cached_prompt_tokens for u in usages))
+def total_usage(finals: list[GenerationEvent], n: int) -> Usage:
+    """A request's usage from its choices' final events, in choice order (n per prompt): every reply's tokens, and
+    each prompt's once (as its first reply ran it), as OpenAI counts them."""
+    def total(events: list[GenerationEvent], field: str) -> int:
+        return sum(getattr(e.usage, field) for e in events if e.usage is not None)
+
+    firsts = finals[::n]
+    return Usage(prompt_tokens=total(firsts, "prompt_tokens"), completion_tokens=total(finals, "completion_tokens"),
+                 cached_prompt_tokens=total(firsts, "cached_prompt_tokens"))
 
 
 async def read_body(request: Request, limit: int) -> bytes:

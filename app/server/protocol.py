@@ -4,11 +4,13 @@ OpenAI's semantics where they exist (defaults, ranges, `n`, `stop`, `logit_bias`
 names for the extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`); ours for speculative
 decoding (`speculative`: "auto", "prompt-lookup", "self", "draft" or "off"; `num_draft_tokens`). Unknown
 fields are ignored, as vLLM does; fields that would change the answer and are not supported (tools, JSON
-mode, `suffix`, n > 1, best_of > 1) are refused rather than silently dropped.
+mode, `suffix`, best_of > 1) are refused rather than silently dropped.
 
-/v1/completions takes up to MAX_PROMPTS prompts in one request (an array of strings or of token-id arrays),
-one choice each, in order; and `echo` (the prompt before the reply, with its tokens' log-probabilities when
-`logprobs` is set: what lm-evaluation-harness scores multiple-choice tasks with).
+`n` replies per prompt, and on /v1/completions up to MAX_CHOICES prompts in one request (an array of strings or
+of token-id arrays): choice `index` = prompt * n + reply, at most MAX_CHOICES in all. With a `seed`, reply j
+samples with seed + j, so the n replies differ and each is reproducible. /v1/completions also takes `echo` (the
+prompt before the reply, with its tokens' log-probabilities when `logprobs` is set: what
+lm-evaluation-harness scores multiple-choice tasks with).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from mlx_engine.api import MAX_DRAFT_TOKENS, MAX_LOGPROBS, SPECULATIVE_MODES
 from app.server.errors import APIError, invalid
 
 MAX_STOP = 4
-MAX_PROMPTS = 64  # prompts in one /v1/completions request; each is one engine request
+MAX_CHOICES = 64  # prompts x n in one request; each choice is one engine request
 SPECULATIVE_OFF = "off"
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -52,7 +54,8 @@ class Job:
     endpoint: Endpoint
     model: str
     messages: list[dict[str, str]] | None = None
-    prompts: list[Prompt] = field(default_factory=list)  # completions: one choice each
+    prompts: list[Prompt] = field(default_factory=list)  # completions: n choices each
+    n: int = 1  # replies per prompt
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs, without max_tokens
     max_tokens: int | None = None  # None: the rest of the context
     max_tokens_param: str = "max_tokens"
@@ -183,10 +186,11 @@ def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], s
     else:
         job.prompts = _prompts(body, vocab_size)
 
-    n = f.integer("n", 1)
-    if n is not None and n != 1:
-        raise invalid(f"n={n} is not supported: this server returns one choice per request (n must be 1)", "n",
-                      "unsupported_value")
+    job.n = _or(f.integer("n", 1, MAX_CHOICES), 1)
+    prompts = len(job.prompts) if endpoint == "completion" else 1
+    if prompts * job.n > MAX_CHOICES:
+        raise invalid(f"{prompts} prompts x n={job.n} is {prompts * job.n} choices; at most {MAX_CHOICES} per "
+                      "request (send the rest as further requests)", "n", "too_many_choices")
     if endpoint == "completion":
         best_of = f.integer("best_of", 1)
         if best_of is not None and best_of != 1:
@@ -317,8 +321,8 @@ def _prompts(body: dict[str, Any], vocab_size: int) -> list[Prompt]:
                       "missing_required_parameter")
     p = body["prompt"]
     if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-        if len(p) > MAX_PROMPTS:
-            raise invalid(f"'prompt' holds {len(p)} prompts; at most {MAX_PROMPTS} per request (send the rest as "
+        if len(p) > MAX_CHOICES:
+            raise invalid(f"'prompt' holds {len(p)} prompts; at most {MAX_CHOICES} per request (send the rest as "
                           "further requests)", "prompt", "too_many_prompts")
         return [_prompt(x, f"prompt[{i}]", vocab_size) for i, x in enumerate(p)]
     return [_prompt(p, "prompt", vocab_size)]

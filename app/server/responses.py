@@ -83,7 +83,7 @@ class Choice:
 
 class Formatter:
     """Builds one request's chunks and final body: ids, timestamps, model and logprobs in OpenAI's shape. A
-    completions request of several prompts has a choice per prompt, `index` in prompt order."""
+    request has n choices per prompt (`Job.n`), `index` = prompt * n + reply."""
 
     def __init__(self, job: Job, model_id: str, fingerprint: str, token_bytes: Callable[[int], bytes]):
         self.job = job
@@ -160,24 +160,24 @@ class Formatter:
         return obj
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        """Chat streams open with the assistant role and empty content, as OpenAI's do; completions with `echo`
-        with each prompt (and its log-probabilities)."""
+        """Chat streams open with the assistant role and empty content for each choice, as OpenAI's do; completions
+        with `echo` with each choice's prompt (and its log-probabilities)."""
         if self.chat:
-            return [self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None})]
+            return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}) for i in range(self.job.n)]
         return [self._chunk({"index": i, "text": e.text, "logprobs": self._logprobs((), i, e), "finish_reason": None})
                 for i, e in sorted(self.echoes.items())]
 
     def delta_chunk(self, text: str, lps: tuple[TokenLogprob, ...], index: int = 0) -> dict[str, Any]:
         if self.chat:
-            return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": self._logprobs(lps),
+            return self._chunk({"index": index, "delta": {"content": text}, "logprobs": self._logprobs(lps),
                                 "finish_reason": None})
         return self._chunk({"index": index, "text": text, "logprobs": self._logprobs(lps, index),
                             "finish_reason": None})
 
     def finish_chunk(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
         if self.chat:
-            return self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason})
+            return self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason})
         return self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason})
 
     def usage_chunk(self, usage: Usage, accepted_draft_tokens: int | None = None) -> dict[str, Any]:
@@ -191,10 +191,10 @@ class Formatter:
     def response(self, choices: list[Choice], usage: Usage, accepted_draft_tokens: int | None = None
                  ) -> dict[str, Any]:
         if self.chat:
-            (c,) = choices
             obj = self._head("chat.completion")
-            obj["choices"] = [{"index": 0, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                               "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason}]
+            obj["choices"] = [{"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                               "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                              for i, c in enumerate(choices)]
         else:
             obj = self._head("text_completion")
             obj["choices"] = []
