@@ -26,6 +26,8 @@ REPLY = "Hello world"
 
 class FakeTokenizer:
     eos_token_ids = (1,)
+    special_tokens = {"bos_token": "<s>", "eos_token": "</s>"}
+    chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([2] if add_special_tokens else []) + [min(ord(c), VOCAB - 1) for c in text]

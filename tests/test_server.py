@@ -156,6 +156,20 @@ def test_a_batch_of_prompts_with_echo_scores_them_as_lm_eval_does(client, engine
     assert seen_greedy == {True, False}  # the prompts hold tokens the model would and would not have picked
 
 
+def test_the_servers_tokenizer_is_the_engines(server, engine) -> None:
+    """What lm-evaluation-harness's remote tokenizer reads: the same ids as the engine's tokenizer, a round trip
+    through /detokenize, the chat template's ids, and the special tokens' text."""
+    text = "Roofline: 1,234 tokens/s on a Mac — ça va?"
+    r = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert r["tokens"] == engine.tokenizer.encode(text, add_special_tokens=False) and r["max_model_len"] == 8192
+    assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == text
+    r = httpx.post(server.url + "/tokenize", json={"messages": HI}).json()
+    assert r["tokens"] == engine.tokenizer.encode_chat(HI)
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    assert engine.tokenizer.encode(info["eos_token"], add_special_tokens=False)[0] in engine.info.eos_token_ids
+    assert info["chat_template"] == engine.tokenizer.chat_template
+
+
 def test_errors_are_typed_exceptions(client, model_id) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=HI, max_tokens=2)

@@ -373,3 +373,49 @@ def test_n_replies_per_prompt_with_their_own_seeds(url: str, engine: FakeEngine)
         assert "".join(e["choices"][0]["delta"].get("content", "") for e in events
                        if e["choices"][0]["index"] == i) == REPLY[:5]
     assert sorted(e["choices"][0]["index"] for e in events if e["choices"][0]["finish_reason"]) == [0, 1]
+
+
+def test_tokenizer_routes_in_vllms_shape(url: str) -> None:
+    """/tokenize, /detokenize and /tokenizer_info as vLLM serves them: lm-evaluation-harness's remote tokenizer
+    (found by a GET of /tokenizer_info with an eos_token and a POST of /tokenize) uses the server's own."""
+    r = post(url, "/tokenize", {"prompt": "hi", "add_special_tokens": False, "return_token_strs": True})
+    assert r.json() == {"count": 2, "max_model_len": CONTEXT, "tokens": [104, 105], "token_strs": ["h", "i"]}
+    assert post(url, "/tokenize", {"model": "default", "prompt": "hi"}).json()["tokens"] == [2, 104, 105]
+    r = post(url, "/tokenize", {"messages": [{"role": "user", "content": "a"}]})
+    assert r.json()["tokens"] == [ord(c) for c in "<user>a<assistant>"]
+    r = post(url, "/tokenize", {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": False})
+    assert r.json()["count"] == len("<user>a")
+    assert post(url, "/detokenize", {"tokens": [104, 105]}).json() == {"prompt": "hi"}
+    assert post(url, "/detokenize", {"tokens": []}).json() == {"prompt": ""}
+    info = httpx.get(url + "/tokenizer_info").json()
+    assert (info["eos_token"], info["bos_token"], info["model_max_length"]) == ("</s>", "<s>", CONTEXT)
+    assert info["chat_template"].startswith("{% for m in messages %}")
+
+
+@pytest.mark.parametrize("path,body,status,param,words", [
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, 400, "prompt", "not both"),
+    ("/tokenize", {}, 400, None, "either 'prompt'"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt", "must be a string"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, 400, "add_special_tokens", "boolean"),
+    ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "model", "does not exist"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "[template-error]"}]}, 400, None, "template"),
+    ("/detokenize", {}, 400, "tokens", "required"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens", "an array of integer token ids"),
+    ("/detokenize", {"tokens": [1, 2.5]}, 400, "tokens", "found a number"),
+    ("/detokenize", {"tokens": [1, 5000]}, 400, "tokens", "outside the vocabulary (0..999)"),
+    ("/detokenize", b"[1, 2]", 400, None, "JSON object"),
+])
+def test_bad_tokenizer_requests_are_clear_4xx(url: str, path, body, status, param, words) -> None:
+    r = post(url, path, body)
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert e["param"] == param and words in e["message"], e
+    assert_still_serving(url)
+
+
+def test_tokenizer_routes_need_the_api_key(guarded) -> None:
+    url, _ = guarded
+    assert post(url, "/tokenize", {"prompt": "a"}).status_code == 401
+    assert httpx.get(url + "/tokenizer_info").status_code == 401
+    r = post(url, "/detokenize", {"tokens": [104]}, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.json() == {"prompt": "h"}

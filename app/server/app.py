@@ -38,8 +38,8 @@ from app.server.errors import (
     server_error_handler,
 )
 from app.server.metrics import KVStatsReader, Metrics
-from app.server.protocol import Endpoint, Job, model_slug, parse_body, parse_job
-from app.server.responses import DONE, Choice, Echo, Formatter, error_chunk, sse, token_bytes_fn
+from app.server.protocol import Endpoint, Job, model_slug, parse_body, parse_detokenize, parse_job, parse_tokenize
+from app.server.responses import DONE, Choice, Echo, Formatter, error_chunk, sse, token_bytes_fn, token_str
 
 MAX_BODY_BYTES = 4 * 2**20
 _PARAM_NAMES = {"logprobs": "top_logprobs"}  # SamplingParams field -> request field, where they differ
@@ -106,6 +106,41 @@ class Server:
         engine_waiting = sum(1 for g in self.generations if not g.started)
         text = self.metrics.render(self.gate.waiting, engine_waiting, kv, age)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ---- the tokenizer (vLLM's routes: lm-evaluation-harness tokenizes through them, with no download) -----
+
+    async def tokenize(self, request: Request) -> Response:
+        job = parse_tokenize(parse_body(await read_body(request, self.config.max_body_bytes)), self.model_names,
+                             self.model_id)
+        tok = self.engine.tokenizer
+
+        def run() -> list[int]:
+            if job.messages is not None:
+                return tok.encode_chat(job.messages, add_generation_prompt=job.add_generation_prompt)
+            return tok.encode(job.prompt or "", add_special_tokens=job.add_special_tokens)
+
+        try:
+            ids = await run_in_threadpool(run)
+        except RequestError as e:
+            raise from_request_error(str(e), {}) from None
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.info.context_length, "tokens": ids}
+        if job.return_token_strs:
+            out["token_strs"] = [token_str(self.token_bytes(t)) for t in ids]
+        return JSONResponse(out)
+
+    async def detokenize(self, request: Request) -> Response:
+        ids = parse_detokenize(parse_body(await read_body(request, self.config.max_body_bytes)), self.model_names,
+                               self.model_id, self.info.vocab_size)
+        return JSONResponse({"prompt": await run_in_threadpool(self.engine.tokenizer.decode, ids)})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        tok = self.engine.tokenizer
+        special = getattr(tok, "special_tokens", {})
+        return JSONResponse({"tokenizer_class": type(tok).__name__, "model": self.model_id,
+                             "model_max_length": self.info.context_length, "vocab_size": self.info.vocab_size,
+                             "bos_token": special.get("bos_token"), "eos_token": special.get("eos_token"),
+                             "pad_token": special.get("pad_token"), "unk_token": special.get("unk_token"),
+                             "chat_template": getattr(tok, "chat_template", None)})
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._complete(request, "chat")
@@ -459,6 +494,9 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Starlette:
         Route("/v1/models/{model:path}", server.model, methods=["GET"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,

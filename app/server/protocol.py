@@ -174,12 +174,7 @@ def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], s
     if "model" not in body or body["model"] is None:
         raise invalid("you must provide a model parameter ('model': the id /v1/models lists, or 'default')",
                       "model", "missing_required_parameter")
-    model = f.string("model")
-    assert model is not None
-    if model not in model_names:
-        raise APIError(404, f"The model '{model}' does not exist: this server serves '{served_id}' "
-                       "(also reachable as 'default')", "model", "model_not_found")
-    job = Job(endpoint=endpoint, model=model)
+    job = Job(endpoint=endpoint, model=_model(f, model_names, served_id))
 
     if endpoint == "chat":
         job.messages = _messages(body)
@@ -261,6 +256,56 @@ def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], s
     return job
 
 
+def _model(f: _Fields, model_names: set[str], served_id: str) -> str:
+    model = f.string("model")
+    if model is not None and model not in model_names:
+        raise APIError(404, f"The model '{model}' does not exist: this server serves '{served_id}' "
+                       "(also reachable as 'default')", "model", "model_not_found")
+    return model or served_id
+
+
+@dataclass
+class TokenizeJob:
+    """A validated /tokenize body (vLLM's shape): a prompt, or messages through the chat template."""
+
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+def parse_tokenize(body: dict[str, Any], model_names: set[str], served_id: str) -> TokenizeJob:
+    """/tokenize: {"prompt": str} or {"messages": [...]}, `model` optional. Raises APIError (4xx)."""
+    f = _Fields(body)
+    _model(f, model_names, served_id)
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise invalid("send either 'prompt' (a string) or 'messages' (an array of {'role', 'content'}), not both",
+                      "prompt" if has_prompt else None, None if has_prompt else "missing_required_parameter")
+    job = TokenizeJob()
+    if has_prompt:
+        job.prompt = _text(f.string("prompt") or "", "prompt")
+    else:
+        job.messages = _messages(body)
+    job.add_special_tokens = _or(f.boolean("add_special_tokens"), True)
+    job.add_generation_prompt = _or(f.boolean("add_generation_prompt"), True)
+    job.return_token_strs = _or(f.boolean("return_token_strs"), False)
+    return job
+
+
+def parse_detokenize(body: dict[str, Any], model_names: set[str], served_id: str, vocab_size: int) -> list[int]:
+    """/detokenize: {"tokens": [ids]} -> the ids. Raises APIError (4xx)."""
+    f = _Fields(body)
+    _model(f, model_names, served_id)
+    tokens = body.get("tokens")
+    if tokens is None:
+        raise invalid("'tokens' is required: an array of token ids", "tokens", "missing_required_parameter")
+    if not isinstance(tokens, list):
+        raise f.wrong("tokens", "an array of integer token ids")
+    return _token_ids(tokens, "tokens", vocab_size, "an array of integer token ids")
+
+
 def _or(v: Any, default: Any) -> Any:
     return default if v is None else v
 
@@ -334,14 +379,17 @@ def _prompt(p: Any, param: str, vocab_size: int) -> Prompt:
     if isinstance(p, list):
         if not p:
             raise invalid(f"'{param}' is an empty array: expected a string or token ids", param)
-        for t in p:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise invalid(f"'{param}' must be a string or an array of integer token ids, found {_kind(t)}",
-                              param)
-            if not 0 <= t < vocab_size:
-                raise invalid(f"'{param}' token id {t} is outside the vocabulary (0..{vocab_size - 1})", param)
-        return Prompt(token_ids=list(p))
+        return Prompt(token_ids=_token_ids(p, param, vocab_size, "a string or an array of integer token ids"))
     raise invalid(f"'{param}' must be a string or an array of token ids, got {_kind(p)}", param)
+
+
+def _token_ids(p: list[Any], param: str, vocab_size: int, expected: str) -> list[int]:
+    for t in p:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise invalid(f"'{param}' must be {expected}, found {_kind(t)}", param)
+        if not 0 <= t < vocab_size:
+            raise invalid(f"'{param}' token id {t} is outside the vocabulary (0..{vocab_size - 1})", param)
+    return list(p)
 
 
 def _stop(f: _Fields) -> tuple[str, ...]:
