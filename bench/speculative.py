@@ -15,7 +15,8 @@
 The "draft" proposer uses the same model at another precision: the target's weights (the embedded Q4_1
 GGUF: 4-bit, groups of 32) re-quantized to MLX affine 4-bit with groups of 64. It costs as much as the
 target, so it can only show the mechanics and the acceptance of a near-identical draft, never a speedup.
-On the torch backend (CPU here) the draft is the same model loaded again, unchanged (no re-quantization).
+On the torch backend the draft is the same model loaded again, its float32 weights rounded through the same
+4-bit groups of 64 (`requantize_torch`): again the same cost as the target, other numbers.
 """
 
 from __future__ import annotations
@@ -64,6 +65,28 @@ def requantize(model, bits: int = 4, group_size: int = 64) -> None:
             m.weight, m.scales, m.biases = q, scales.astype(w.dtype), biases.astype(w.dtype)
             m.group_size, m.bits = group_size, bits
     mx.eval(model.parameters())
+
+
+def requantize_torch(model, bits: int = 4, group_size: int = 64) -> None:
+    """The torch backend's `requantize`: every projection, the embedding and the head, rounded in place through
+    affine `bits`-bit groups of `group_size` (as MLX's quantize: scale (max - min) / (2^bits - 1), offset min).
+    The weights stay float32, so the draft costs what the target does; only its numbers change."""
+    import torch
+
+    def round_trip(w: torch.Tensor) -> None:
+        out, inp = w.shape
+        g = w.float().reshape(out, inp // group_size, group_size)
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        scale = (hi - lo).clamp_min(1e-12) / (2**bits - 1)
+        w.copy_((torch.round((g - lo) / scale) * scale + lo).reshape(out, inp).to(w.dtype))
+
+    layers = [m for block in model.layers for m in (
+        block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj, block.self_attn.o_proj,
+        block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj)]
+    with torch.inference_mode():
+        for m in [model.embed_tokens, *([model.lm_head] if model.lm_head is not None else []), *layers]:
+            if isinstance(m.weight, torch.Tensor):
+                round_trip(m.weight)
 
 
 def cost_curve(engine: Engine, k_max: int = 8) -> tuple[CostCurve, float, float]:
@@ -131,8 +154,9 @@ def main() -> None:
 
     draft = str(resolve(args.model)[0]) if "draft" in args.modes else None
     engine = Engine.load(args.model, draft_model=draft, backend=args.backend, device=args.device)
-    if draft is not None and args.backend == "mlx":
-        engine._thread.call(lambda: requantize(engine._runner.draft.model))
+    if draft is not None:
+        requant = requantize if args.backend == "mlx" else requantize_torch
+        engine._thread.call(lambda: requant(engine._runner.draft.model))
     versions = f"mlx {mx.__version__}, Metal {mx.metal.is_available()}"
     if args.backend == "torch":
         import torch
