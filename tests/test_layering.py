@@ -44,3 +44,17 @@ def test_only_the_torch_backend_imports_torch() -> None:
                  for f in sorted((root / folder).rglob("*.py"))
                  if allowed not in f.parents and pattern.search(f.read_text())]
     assert not offenders, offenders
+
+
+def test_loading_a_model_skips_mlx_lms_init_but_keeps_it_whole() -> None:
+    """`Engine.load` imports mlx-lm's light model modules without mlx-lm's package __init__, which imports
+    transformers (and torch where installed): 4 s at every start. The first use of a name only that __init__
+    defines runs it, so code that wants all of mlx-lm still gets it."""
+    golden = Path(__file__).resolve().parent / "data" / "golden" / "llama"
+    code = (f"from mlx_engine import Engine\nimport sys\nEngine.load({str(golden)!r}).close()\n"
+            "assert not {'transformers', 'torch'} & set(sys.modules), sorted({'transformers', 'torch'} & set(sys.modules))\n"
+            "import mlx_lm\nfrom mlx_lm import load, stream_generate\n"
+            "assert mlx_lm.__version__ and callable(load) and 'transformers' in sys.modules\n"
+            "from mlx_lm.models.cache import KVCache\nassert KVCache().offset == 0")
+    mods = imported_after(code)
+    assert "mlx_lm" in mods

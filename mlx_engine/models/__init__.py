@@ -9,7 +9,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_engine._mlx_lm import bare_package
 from mlx_engine.api import ModelLoadError
+
+bare_package()  # before any model module imports mlx-lm's: without its __init__ (mlx_engine._mlx_lm)
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
