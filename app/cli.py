@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=os.environ.get("ROOFLINE_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on every route but /health "
                     "(default: $ROOFLINE_API_KEY)")
+    sv.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                    help="a web site whose pages may call the API from a browser (CORS), as scheme://host[:port]; "
+                    "repeat for more, or '*' for any. Pages on this machine (localhost, 127.0.0.1) always may")
     sv.add_argument("--max-concurrency", type=int, default=16,
                     help="requests generating at once (default 16); more wait in a queue of --max-queue, "
                     "beyond it they get 429")
@@ -175,11 +179,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise RooflineError("--default-max-tokens must be >= 1")
     if args.drain_timeout < 0:
         raise RooflineError("--drain-timeout must be >= 0")
+    for origin in args.allow_origin:
+        if origin != "*" and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s?#]+/?", origin):
+            raise RooflineError(f"--allow-origin {origin!r}: expected an origin like https://example.com "
+                                "(scheme://host[:port], no path), or '*'")
     return serve(lambda: _load_engine(args.model, backend=args.backend, device=args.device, **_kv_options(args)),
                  host=args.host, port=args.port, api_key=args.api_key or None,
                  max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                  drain_timeout_s=args.drain_timeout, default_max_tokens=args.default_max_tokens,
-                 log_level=args.log_level, speculative=None if args.speculative == "off" else args.speculative)
+                 log_level=args.log_level, speculative=None if args.speculative == "off" else args.speculative,
+                 allow_origins=tuple(o.rstrip("/") for o in args.allow_origin))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

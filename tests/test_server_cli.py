@@ -21,8 +21,8 @@ KEY = "test-key-123"
 @pytest.fixture(scope="module")
 def served():
     env = {**os.environ, "ROOFLINE_API_KEY": KEY}
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", "0", "--drain-timeout", "60"],
-                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", "0", "--drain-timeout", "60",
+                             "--allow-origin", "https://my.app/"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
         line = proc.stderr.readline()
@@ -50,6 +50,11 @@ def test_api_key_from_the_environment(served) -> None:
     assert httpx.get(url + "/v1/models").status_code == 401
     r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and r.json()["data"][0]["id"] == model_id
+    # --allow-origin https://my.app/ lets that site's pages in (and read the reply); other sites stay out
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.get(url + "/v1/models", headers={**auth, "Origin": "https://my.app"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://my.app"
+    assert httpx.get(url + "/v1/models", headers={**auth, "Origin": "https://other.app"}).status_code == 403
 
 
 def test_sigterm_drains_the_stream_in_flight_then_exits(served) -> None:
@@ -83,3 +88,11 @@ def test_serve_on_a_missing_cuda_device_is_one_clear_line() -> None:
         pytest.skip("this machine has CUDA")
     r = roofline("serve", "--backend", "torch", "--device", "cuda", "--port", "0")
     assert_one_line_error(r, "device='cuda'", "sees no CUDA device")
+
+
+@pytest.mark.parametrize("origin", ["https://my.app/chat", "my.app", "https://", "http://a b"])
+def test_a_malformed_allow_origin_is_one_clear_line(origin: str) -> None:
+    from tests.test_cli import assert_one_line_error, roofline
+
+    r = roofline("serve", "--allow-origin", "https://fine.example", "--allow-origin", origin, "--port", "0")
+    assert_one_line_error(r, f"--allow-origin {origin!r}", "scheme://host[:port], no path")

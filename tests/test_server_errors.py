@@ -419,3 +419,51 @@ def test_tokenizer_routes_need_the_api_key(guarded) -> None:
     assert httpx.get(url + "/tokenizer_info").status_code == 401
     r = post(url, "/detokenize", {"tokens": [104]}, headers={"Authorization": f"Bearer {KEY}"})
     assert r.json() == {"prompt": "h"}
+
+
+def test_pages_on_this_machine_get_cors_headers_and_others_none(url: str) -> None:
+    """A web front end served from localhost (any port) can call the API from a browser: its preflight is
+    answered without a key, and every reply, streamed or not, names it in Access-Control-Allow-Origin. Another
+    site's page gets no preflight and a 403."""
+    page = "http://localhost:3000"
+    pre = httpx.options(url + "/v1/chat/completions", headers={
+        "Origin": page, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == page
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert {"authorization", "content-type"} <= {h.strip().lower() for h in
+                                                 pre.headers["access-control-allow-headers"].split(",")}
+    r = post(url, "/v1/chat/completions", GOOD, headers={"Origin": page})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page and "Origin" in r.headers["vary"]
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**GOOD, "stream": True},
+                      headers={"Origin": "http://127.0.0.1:5173"}) as s:
+        assert s.headers["access-control-allow-origin"] == "http://127.0.0.1:5173"
+        assert sse_events(s)[-1] == "[DONE]"
+    evil = "https://evil.example"
+    pre = httpx.options(url + "/v1/chat/completions", headers={"Origin": evil, "Access-Control-Request-Method": "POST"})
+    assert pre.status_code == 400 and "access-control-allow-origin" not in pre.headers
+    r = post(url, "/v1/chat/completions", GOOD, headers={"Origin": evil})
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    assert "access-control-allow-origin" not in post(url, "/v1/chat/completions", GOOD).headers  # programs
+
+
+def test_allowed_origins_reach_the_api_and_still_need_the_key() -> None:
+    """--allow-origin adds a site (or '*' any): its pages pass the origin check and read the replies, a 401
+    included, while other sites stay refused; the key is still required."""
+    engine = FakeEngine()
+    config = ServerConfig(api_key=KEY, allow_origins=("https://my.app",))
+    with LiveServer(create_app(engine, config)) as s:
+        pre = httpx.options(s.url + "/v1/completions", headers={"Origin": "https://my.app",
+                                                                "Access-Control-Request-Method": "POST"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://my.app"
+        r = post(s.url, "/v1/completions", {"model": "default", "prompt": "x"}, headers={"Origin": "https://my.app"})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "https://my.app"
+        r = post(s.url, "/v1/completions", {"model": "default", "prompt": "x"},
+                 headers={"Origin": "https://my.app", "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == REPLY
+        r = post(s.url, "/v1/completions", {"model": "default", "prompt": "x"},
+                 headers={"Origin": "https://my.app.evil.example", "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 403
+    with LiveServer(create_app(FakeEngine(), ServerConfig(allow_origins=("*",)))) as s:
+        r = post(s.url, "/v1/completions", {"model": "default", "prompt": "x"}, headers={"Origin": "https://any.site"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://any.site"

@@ -24,6 +24,7 @@ from mlx_engine.api import GenerationEvent, GenerationRequest, RequestError, Roo
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -59,6 +60,9 @@ class ServerConfig:
     # speculative decoding for requests that do not name a mode ("auto", "prompt-lookup", "self", "draft");
     # None: plain decoding. A speculating request verifies in a forward of its own, outside the batch.
     speculative: str | None = None
+    # web pages that may call the API from a browser, beyond this machine's own (http(s)://localhost, 127.0.0.1,
+    # [::1], any port: always allowed): exact origins ("https://my.app"), or "*" for any page
+    allow_origins: tuple[str, ...] = ()
 
 
 class Server:
@@ -419,27 +423,39 @@ class EventStreamResponse:
             self.cancel()
 
 
-LOCAL_ORIGIN = re.compile(rb"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?$")
+LOCAL_ORIGIN_PATTERN = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+def origin_pattern(allow_origins: tuple[str, ...]) -> str:
+    """The origins whose pages may call the API, as one regular expression: this machine's, and `allow_origins`
+    ("*": any)."""
+    if "*" in allow_origins:
+        return ".*"
+    return "|".join([LOCAL_ORIGIN_PATTERN, *(re.escape(o) for o in allow_origins)])
 
 
 class AuthMiddleware:
     """With an API key, every route but /health needs `Authorization: Bearer KEY` (else 401, OpenAI's shape).
 
-    Always: a request from a web page of another site (an `Origin` header that is not this machine) gets 403.
-    Programs (the openai client, curl) send no Origin; a browser always does on a cross-site POST, even one it
-    will not let the page read, so a page cannot make a local server generate on a visitor's machine."""
+    Always: a request from a web page of another site (an `Origin` header that is not this machine's, nor one
+    of `--allow-origin`) gets 403. Programs (the openai client, curl) send no Origin; a browser always does on a
+    cross-site POST, even one it will not let the page read, so a page cannot make a local server generate on a
+    visitor's machine. The pages that are allowed also get CORS headers (`CORSMiddleware`, outside this one, so
+    a preflight needs no key), so a web front end on localhost can read the replies."""
 
-    def __init__(self, app: Any, api_key: str | None, open_paths: tuple[str, ...] = ("/health",)):
+    def __init__(self, app: Any, api_key: str | None, open_paths: tuple[str, ...] = ("/health",),
+                 allow_origins: tuple[str, ...] = ()):
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.open_paths = open_paths
+        self.origins = re.compile(f"^({origin_pattern(allow_origins)})$".encode())
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         origin = headers.get(b"origin")
-        if origin is not None and not LOCAL_ORIGIN.match(origin):  # "null" too: sandboxed frames send it
+        if origin is not None and not self.origins.match(origin):  # "null" too: sandboxed frames send it
             message = f"requests from web pages of other sites are refused (Origin: {origin.decode('latin-1')})"
             return await APIError(403, message, None, "origin_not_allowed").response()(scope, receive, send)
         if self.key is None or scope["path"] in self.open_paths:
@@ -504,7 +520,9 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Starlette:
                             Exception: server_error_handler},
         lifespan=lifespan,
     )
-    app.add_middleware(AuthMiddleware, api_key=server.config.api_key)
+    app.add_middleware(AuthMiddleware, api_key=server.config.api_key, allow_origins=server.config.allow_origins)
+    app.add_middleware(CORSMiddleware, allow_origin_regex=origin_pattern(server.config.allow_origins),
+                       allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"], max_age=600)
     app.add_middleware(CountRequests, metrics=server.metrics, routes={r.path for r in routes})
     app.state.server = server
     return app

@@ -50,6 +50,7 @@ def serve(
     default_max_tokens: int | None = 2048,
     log_level: str = "info",
     speculative: str | None = None,
+    allow_origins: tuple[str, ...] = (),
 ) -> int:
     """Binds host:port, loads the engine (`engine_factory()`), serves until a signal. Returns an exit code."""
     import uvicorn
@@ -58,10 +59,14 @@ def serve(
         print(f"roofline: warning: serving on {host}, which is not a loopback address, without --api-key: anyone "
               "who can reach this machine can use the model. Pass --api-key KEY (or set ROOFLINE_API_KEY).",
               file=sys.stderr)
+    if "*" in allow_origins and not api_key:
+        print("roofline: warning: --allow-origin '*' without --api-key: any web page open in a browser on this "
+              "machine can use the model.", file=sys.stderr)
     sock = bind(host, port)
     engine = engine_factory()
     config = ServerConfig(api_key=api_key, max_concurrency=max_concurrency, max_queue=max_queue,
-                          default_max_tokens=default_max_tokens, speculative=speculative)
+                          default_max_tokens=default_max_tokens, speculative=speculative,
+                          allow_origins=allow_origins)
     app = create_app(engine, config)
     server_state = app.state.server
     bound_host, bound_port = sock.getsockname()[:2]
