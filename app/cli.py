@@ -147,7 +147,10 @@ def _kv_options(args: argparse.Namespace) -> dict[str, Any]:
 def _load_engine(model: str | None, **options: Any) -> Any:
     from mlx_engine import Engine
 
-    return Engine.load(model, **options)
+    engine = Engine.load(model, **options)
+    for warning in engine.info.warnings:
+        print(f"roofline: warning: {warning}", file=sys.stderr)
+    return engine
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

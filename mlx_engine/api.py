@@ -189,6 +189,7 @@ class ModelInfo:
     native: bool  # False: mlx-lm's model class (later features may be unavailable)
     dtype: str  # activation dtype in use
     eos_token_ids: tuple[int, ...] = ()
-    notes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # how the engine runs this model here (informational)
+    warnings: tuple[str, ...] = ()  # what a user should know before relying on it: front ends show these
     backend: str = "mlx"  # the model runner: "mlx" or "torch"
     device: str = "cpu"  # where it runs: "metal", "cpu" or "cuda"

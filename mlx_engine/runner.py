@@ -103,11 +103,13 @@ class Runner:
         context = built.context_length
         context = cap_context(context, max_context)
         params = dict(tree_flatten(built.model.parameters()))
-        notes = () if built.native else (
+        notes = (host_note,) if host_note else ()
+        warnings = () if built.native else (
             f"{built.model_type!r} runs on mlx-lm's model class: generation works; paged KV, prefix caching "
             "and speculative decoding may be unavailable",
         )
-        notes += (host_note,) if host_note else ()
+        wired_note = wire_memory(sum(v.nbytes for v in params.values()))
+        warnings += (wired_note,) if wired_note else ()
         eos = tuple(tokenizer.eos_token_ids)
         info = ModelInfo(
             name=ckpt.name,
@@ -123,6 +125,7 @@ class Runner:
             dtype=str(act_dtype).removeprefix("mlx.core."),
             eos_token_ids=eos,
             notes=notes,
+            warnings=warnings,
         )
         runner = cls(built, tokenizer, info, prefill_chunk_size)
         runner._shape = _decode_shape(ckpt.config, params, act_dtype)
@@ -398,6 +401,21 @@ class Runner:
         from mlx_engine.kv.cache import restore_blocks
 
         return restore_blocks(self._paged("restoring KV"), path, self.fingerprint)
+
+
+def wire_memory(weight_bytes: int) -> str:
+    """On Metal, keeps up to the recommended working set resident (`mx.set_wired_limit`), as mlx-lm does for each
+    of its generations: the weights and KV are not paged out between requests, so an idle chat's next reply or
+    a server's next request runs at full speed. Process-wide, for as long as the process runs. Returns a note
+    when the weights alone come near that limit (then generation may page and be slow), else ""."""
+    if not mx.metal.is_available():
+        return ""
+    limit = int(mx.metal.device_info()["max_recommended_working_set_size"])
+    mx.set_wired_limit(limit)
+    if weight_bytes > 0.9 * limit:
+        return (f"the weights take {weight_bytes / 2**30:.1f} GiB of the {limit / 2**30:.1f} GiB Metal keeps "
+                "resident: generation may be slow (a smaller quantization would fit)")
+    return ""
 
 
 def _use_host_blas(model: Any, act_dtype: mx.Dtype) -> tuple[int, int, str]:

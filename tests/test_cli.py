@@ -161,3 +161,24 @@ def test_generate_with_quantized_kv_options() -> None:
     assert r.returncode == 0 and json.loads(r.stdout)["usage"]["completion_tokens"] >= 1, r.stderr
     r = roofline("generate", "-p", "hi", "--kv-bits", "3")
     assert r.returncode == 2 and "--kv-bits: invalid choice: 3" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_models_warnings_go_to_stderr_before_the_reply(monkeypatch, capsys) -> None:
+    """`roofline generate` (and serve, through the same loader) prints ModelInfo.warnings as warning lines."""
+    import dataclasses
+
+    from mlx_engine import Engine
+
+    from app import cli
+
+    load = Engine.load
+
+    def warned(*a, **k):
+        engine = load(*a, **k)
+        engine.info = dataclasses.replace(engine.info, warnings=("mind the gap",))
+        return engine
+
+    monkeypatch.setattr(Engine, "load", warned)
+    assert cli.main(["generate", "-p", "Hi", "-n", "1", "--temp", "0"]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == "roofline: warning: mind the gap"

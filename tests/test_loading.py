@@ -260,7 +260,7 @@ def test_fallback_runs_mlx_lm_class(tmp_path: Path) -> None:
     (dst / "config.json").write_text(json.dumps(config))
     golden = np.load(GOLDEN / "llama" / "golden.npz")
     with Engine.load(str(dst)) as e:
-        assert not e.info.native and "mlx-lm's model class" in e.info.notes[0]
+        assert not e.info.native and "mlx-lm's model class" in e.info.warnings[0]
         ids = golden["input_ids"].ravel().tolist()
         assert float(np.abs(e.forward_logits(ids) - golden["logits"].reshape(len(ids), -1)).max()) <= 1e-4
         assert greedy(e, ids, 8) == golden["greedy_tokens"].ravel()[:8].tolist()

@@ -37,6 +37,7 @@ class Launches:
         import kernels_metal.paged_attention as pa
 
         self.attention = self.kquant = 0
+        self.wired: list[int] = []  # mx.set_wired_limit calls (recorded, not made)
         attention, kquant = pa._interpret_kernels, kq._interpret_kernel
 
         def count_attention():
@@ -58,7 +59,9 @@ def mac(monkeypatch: pytest.MonkeyPatch) -> Iterator[Launches]:
     monkeypatch.setattr(mx.metal, "device_info", lambda: {"max_recommended_working_set_size": WORKING_SET,
                                                            "memory_size": 2 * WORKING_SET})
     monkeypatch.setenv(_backend.INTERPRET_ENV, "1")
-    yield Launches(monkeypatch)
+    launches = Launches(monkeypatch)
+    monkeypatch.setattr(mx, "set_wired_limit", lambda n: launches.wired.append(n) or 0)
+    yield launches
 
 
 def together(engine: Engine, params: SamplingParams) -> list[tuple[list[int], np.ndarray, int]]:
@@ -175,3 +178,17 @@ def test_speculation_on_a_mac_matches_the_cpu_path(llama: Path, request: pytest.
         assert_same(runs["mac"][mode], runs["cpu"][mode], atol=1e-4)
     # 8 tokens: the prefill's, then verifications of 3 drafts (+ the bonus token) until the budget cuts one short
     assert [r[2] for r in runs["mac"]["draft"]] == [5, 5]
+
+
+def test_a_mac_keeps_the_recommended_working_set_wired(mac: Launches, llama: Path, monkeypatch) -> None:
+    """As mlx-lm does: the wired limit is Metal's recommended working set, so weights and KV stay resident between
+    requests; weights near that size get a note. Never on the CPU path."""
+    from mlx_engine.runner import wire_memory
+
+    with Engine.load(str(llama)) as e:
+        assert mac.wired == [WORKING_SET]
+        assert e.info.warnings == ()
+    assert wire_memory(int(0.95 * WORKING_SET)).startswith("the weights take 5.7 GiB of the 6.0 GiB Metal keeps")
+    assert wire_memory(WORKING_SET // 2) == "" and mac.wired == [WORKING_SET] * 3
+    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
+    assert wire_memory(WORKING_SET) == "" and len(mac.wired) == 3

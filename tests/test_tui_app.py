@@ -242,6 +242,23 @@ async def test_a_model_that_fails_to_load_keeps_the_previous_one(tmp_path) -> No
         assert not app.chat_screen.query_one(PromptInput).disabled
 
 
+async def test_a_models_warnings_are_shown_when_it_loads(tmp_path, monkeypatch) -> None:
+    """ModelInfo.warnings (say, weights near what Metal keeps resident) reach the user as a warning notice."""
+    import dataclasses
+
+    from app.tui import fake_engine
+
+    info = fake_engine.fake_info
+    warning = "the weights take 5.7 GiB of the 6.0 GiB Metal keeps resident: generation may be slow"
+    monkeypatch.setattr(fake_engine, "fake_info",
+                        lambda *a, **k: dataclasses.replace(info(*a, **k), warnings=(warning,)))
+    app, backend = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await wait_for(pilot, lambda: any(n.message == warning and n.severity == "warning"
+                                          for n in app._notifications), what="warning notice")
+
+
 async def test_a_missing_model_path_at_startup_is_a_notice_not_a_crash(tmp_path) -> None:
     app, backend = make_app(tmp_path)
     app.requested_model = str(tmp_path / "nope.gguf")

@@ -131,6 +131,8 @@ class RooflineApp(App):
         self.engine, self.model_ref, self.loading_ref = engine, ref, None
         self.sub_title = engine.info.name
         self.chat_screen.set_loading(None)
+        for warning in engine.info.warnings:
+            self.notify(warning, title="About this model", severity="warning", timeout=12)
         if self.chat_screen.chat is not None:
             self.chat_kv.restore(engine, self.chat_screen.chat.id)
         if old is not None:  # a switch: say so (the first load shows in the title bar)
