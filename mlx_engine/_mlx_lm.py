@@ -14,6 +14,7 @@ mlx-lm gets all of it.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import threading
 from typing import Any
@@ -30,6 +31,7 @@ def bare_package() -> None:
         if spec is None or spec.loader is None or spec.submodule_search_locations is None:
             return  # not installed as a package: whoever imports it gets the usual error
         module = importlib.util.module_from_spec(spec)
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"  # the one side effect of the __init__'s, kept
         ran = False
 
         def __getattr__(name: str) -> Any:  # a name the real __init__ defines: run it, once
