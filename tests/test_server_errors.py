@@ -171,8 +171,11 @@ def test_engine_raising_mid_stream_fails_only_that_request(url: str, engine: Fak
     assert_still_serving(url)
 
 
-def test_streams_dropped_after_the_first_chunk_leave_nothing_running(url: str, engine: FakeEngine) -> None:
-    body = {"model": "default", "prompt": "[slow][long]", "stream": True}
+@pytest.mark.parametrize("prompt", ["[slow][long]", ["[slow][long]", "[slow][long]x", "[long]"]],
+                         ids=["one prompt", "three prompts"])
+def test_streams_dropped_after_the_first_chunk_leave_nothing_running(url: str, engine: FakeEngine, prompt) -> None:
+    body = {"model": "default", "prompt": prompt, "stream": True}
+    before = len(engine.streams)
     with httpx.Client(timeout=10) as client:
         for _ in range(100):
             with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -180,6 +183,10 @@ def test_streams_dropped_after_the_first_chunk_leave_nothing_running(url: str, e
                 next(r.iter_lines())
             # leaving the block closes the connection mid-stream
     assert wait_until(lambda: engine.active == 0), engine.active
+    new = engine.streams[before:]
+    slow = [s for s in new if s.delay]  # 20 ms a token: still running when the client left
+    assert all(s.done for s in new) and all(s.cancelled.is_set() for s in slow)
+    assert len(slow) == 100 * sum("[slow]" in p for p in (prompt if isinstance(prompt, list) else [prompt]))
     metrics = httpx.get(url + "/metrics").text
     assert "roofline_requests_in_flight 0" in metrics
     assert 'roofline_generations_total{finish_reason="cancelled"}' in metrics
