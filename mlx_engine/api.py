@@ -46,6 +46,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to return per token; None: none
+    # each prompt token's log-probability (all but the first) with this many top alternatives, on the first
+    # event; None: none. The prompt is then computed whole (no prefix-cache hits), in the batch's chunks.
+    prompt_logprobs: int | None = None
     # speculative decoding: "draft" (the engine's draft model), "prompt-lookup", "self" (the target's early
     # layers), "auto" (speculate only where the backend's cost curve and the acceptance say it pays), None: off
     speculative: str | None = None
@@ -85,9 +88,10 @@ class SamplingParams:
             raise bad("seed", "an integer or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "non-empty strings")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+                raise bad(name, f"an integer in [0, {MAX_LOGPROBS}] or None")
         if self.speculative is not None and self.speculative not in SPECULATIVE_MODES:
             raise bad("speculative", f"one of {', '.join(map(repr, SPECULATIVE_MODES))} or None")
         if (not isinstance(self.num_draft_tokens, int) or isinstance(self.num_draft_tokens, bool)
@@ -163,6 +167,8 @@ class GenerationEvent:
     token_ids: tuple[int, ...] = ()
     from_draft: tuple[bool, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    # SamplingParams.prompt_logprobs: every prompt token but the first, on the request's first event
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     stats: Stats | None = None

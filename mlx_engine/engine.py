@@ -13,13 +13,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from mlx_engine.api import (
-    MAX_LOGPROBS,
     GenerationEvent,
     GenerationRequest,
     ModelInfo,
-    RequestError,
     RooflineError,
-    TokenLogprob,
 )
 from mlx_engine.models.layers import one_blas_thread
 
@@ -232,19 +229,7 @@ class Engine:
         """Log-probability of each token given those before it, float32 (T - 1,), through the engine's own
         KV cache and prefill chunks: perplexity = exp(-mean)."""
         ids = self._runner.check_context(self._runner.check_ids(list(token_ids)))
-        return self._thread.call(lambda: self._runner.score(ids))[0]
-
-    def prompt_logprobs(self, token_ids: list[int], top: int = 0) -> tuple[TokenLogprob, ...]:
-        """Each token of `token_ids` but the first, given those before it: its log-probability and the `top`
-        (<= MAX_LOGPROBS) most likely tokens there, best first. As `score`, through the engine's KV cache, in one
-        job on the engine thread: other requests' steps wait for it. Full blocks stay in the prefix cache, so
-        a generation from the same prompt right after prefills only its last partial block."""
-        if not (isinstance(top, int) and 0 <= top <= MAX_LOGPROBS):
-            raise RequestError(f"top={top!r}: expected an integer in [0, {MAX_LOGPROBS}]")
-        ids = self._runner.check_context(self._runner.check_ids(list(token_ids)))
-        logp, top_ids, top_lps = self._thread.call(lambda: self._runner.score(ids, top))
-        return tuple(TokenLogprob(token_id=t, logprob=float(lp), top=tuple(zip(i.tolist(), v.tolist())))
-                     for t, lp, i, v in zip(ids[1:], logp, top_ids, top_lps))
+        return self._thread.call(lambda: self._runner.score(ids))
 
     def kv_stats(self) -> dict[str, Any]:
         """KV cache occupancy: blocks total/used/cached/free, bytes, prefix hit rate, fragmentation."""

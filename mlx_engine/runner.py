@@ -17,6 +17,7 @@ from mlx_engine.api import (
 )
 from mlx_engine.loading import load_checkpoint
 from mlx_engine.models import BuiltModel, build_model, count_parameters
+from mlx_engine.sampling import target_logprobs
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -31,17 +32,6 @@ def pick_dtype(requested: str | None, checkpoint_dtype: str) -> mx.Dtype:
     if not mx.metal.is_available():
         return mx.float32
     return _DTYPES.get(checkpoint_dtype, mx.float16)
-
-
-def join_scores(logps: list[np.ndarray], top_ids: list[np.ndarray], top_lps: list[np.ndarray], top: int
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`score`'s chunks joined: (T - 1,) float32, (T - 1, top) int64, (T - 1, top) float32."""
-    if not logps:
-        return np.zeros(0, np.float32), np.zeros((0, top), np.int64), np.zeros((0, top), np.float32)
-    if not top:
-        n = sum(len(x) for x in logps)
-        return np.concatenate(logps), np.zeros((n, 0), np.int64), np.zeros((n, 0), np.float32)
-    return np.concatenate(logps), np.concatenate(top_ids), np.concatenate(top_lps)
 
 
 def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
@@ -345,10 +335,9 @@ class Runner:
         mx.eval(out)
         return [np.array(x[0].astype(mx.float32)) for x in out]
 
-    def score(self, ids: list[int], top: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def score(self, ids: list[int]) -> np.ndarray:
         """log p(ids[t+1] | ids[..t]) for every t, computed in prefill chunks through the engine's KV cache
-        (so quantized KV counts, as it would in decoding) -> float32 (T - 1,); and at each t the `top` most
-        likely next tokens, ids int64 (T - 1, top) and their log-probabilities float32 (T - 1, top), best first."""
+        (so quantized KV counts, as it would in decoding) -> float32 (T - 1,)."""
         from mlx_engine.kv.cache import KVBudgetError, PagedCache
 
         req = f"score-{id(ids)}"
@@ -361,26 +350,18 @@ class Runner:
             self.cache._copy_pending()
         else:
             contiguous = self._fresh_contiguous()
-        out, top_ids, top_lps = [], [], []
+        out = []
         try:
             for start in range(0, len(ids) - 1, self.prefill_chunk_size):
                 end = min(start + self.prefill_chunk_size, len(ids) - 1)
                 layers = self.cache.prefill_layers(req, start, end) if paged else contiguous
                 h = self.forward(mx.array([ids[start:end]], dtype=mx.int32), layers)
-                logits = (self.model.logits(h) if self.native else h)[0].astype(mx.float32)  # (L, V)
-                logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                target = mx.array(ids[start + 1:end + 1], dtype=mx.int32)
-                out.append(np.array(mx.take_along_axis(logp, target[:, None], axis=-1)[:, 0]))
-                if top:
-                    idx = mx.argpartition(-logp, kth=top - 1, axis=-1)[:, :top]  # (L, top), unordered
-                    vals = mx.take_along_axis(logp, idx, axis=-1)
-                    order = mx.argsort(-vals, axis=-1)
-                    top_ids.append(np.array(mx.take_along_axis(idx, order, axis=-1)).astype(np.int64))
-                    top_lps.append(np.array(mx.take_along_axis(vals, order, axis=-1)))
+                logits = (self.model.logits(h) if self.native else h)[0]  # (L, V)
+                out.append(np.array(target_logprobs(logits, ids[start + 1:end + 1], 0)[0]))
         finally:
             if paged:
                 self.cache.manager.free(req)
-        return join_scores(out, top_ids, top_lps, top)
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
 
     def kv_stats(self) -> dict[str, Any]:
         return self.cache.stats()

@@ -232,3 +232,19 @@ class Sampler:
         if self.greedy:
             return mx.argmax(x, axis=-1).astype(mx.int32)
         return mx.random.categorical(self._filtered(x), axis=-1, key=self.next_key()).astype(mx.int32)
+
+
+def target_logprobs(logits: mx.array, targets: Sequence[int], top: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Scoring given text: logits (L, V) of L positions and the token that followed each -> the raw model's
+    log-probability of each target (L,) float32, and each position's `top` most likely tokens, ids (L, top) int32
+    and log-probabilities (L, top) float32, best first. Lazy."""
+    logits = logits.astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    lp = mx.take_along_axis(logp, mx.array(list(targets), dtype=mx.int32)[:, None], axis=-1)[:, 0]
+    if not top:
+        empty = mx.zeros((logp.shape[0], 0))
+        return lp, empty.astype(mx.int32), empty
+    idx = mx.argpartition(-logp, kth=top - 1, axis=-1)[:, :top]  # unordered
+    vals = mx.take_along_axis(logp, idx, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    return lp, mx.take_along_axis(idx, order, axis=-1).astype(mx.int32), mx.take_along_axis(vals, order, axis=-1)

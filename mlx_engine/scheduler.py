@@ -10,6 +10,9 @@ newest token, proposes k more and verifies them in its own forward over k + 1 po
 (`speculative.speculative_step`), so its tokens are read synchronously. "auto" requests join the batched,
 pipelined decode on every step where the backend's cost curve and their acceptance say speculation does
 not pay.
+
+A request with `prompt_logprobs` is prefilled whole (no prefix-cache hits: a cached block has no logits), and
+its chunks' logits at every position, packed with the step's other rows like any chunk, score its prompt.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_engine.api import (
     GenerationEvent,
@@ -61,6 +65,13 @@ class Sequence:
     t_last: float = 0.0
     num_forwards: int = 0  # target forwards that sampled a token for it
     spec: Any = None  # speculative.SpecState when the request speculates
+    # SamplingParams.prompt_logprobs: per prefill chunk, (target log-probs (L,), top ids (L, k), top log-probs
+    # (L, k)) as numpy, until the first event takes them
+    prompt_scores: list[tuple[Any, Any, Any]] | None = None
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.params.prompt_logprobs is not None
 
     @property
     def prefilling(self) -> bool:
@@ -135,7 +146,9 @@ class Scheduler:
         if not self.running:
             self.runner.reset_peak_memory()
         seq.t_start = time.perf_counter()
-        seq.num_cached = self.runner.cache.start(seq.req_id, seq.prompt)
+        # a prompt to score is computed whole: a cached prefix has no logits to give
+        seq.num_cached = self.runner.cache.start(seq.req_id, seq.prompt, reuse=not seq.scores_prompt)
+        seq.prompt_scores = [] if seq.scores_prompt else None
         seq.num_prefilled = seq.num_cached
         seq.sampler = Sampler(seq.params, self.runner.vocab_size, prompt_token_ids=seq.prompt)
         seq.detok = self.runner.tokenizer.detokenizer()
@@ -269,6 +282,16 @@ class Scheduler:
             layers = cache.prefill_layers(s.req_id, start, end)
             inputs = mx.array([s.prompt[start:end]], dtype=mx.int32)
             s.num_prefilled = end
+            if s.scores_prompt:  # logits at every position: the chunk's rows score the prompt
+                logits = runner.rows_logits(inputs, layers, list(range(end - start)))
+                self._score_chunk(s, start, end, logits)
+                if end == len(s.prompt):
+                    new.append((s, *self._sample(s, logits[-1:])))
+                    if s.spec is not None and hasattr(s.spec.proposer, "prefill"):
+                        s.spec.proposer.prefill(s.prompt)
+                else:
+                    mx.eval(runner.cache_state(layers))
+                continue
             if end == len(s.prompt):  # the last chunk: its last position gives the first token
                 new.append((s, *self._sample(s, runner.last_logits(inputs, layers))))
                 if s.spec is not None and hasattr(s.spec.proposer, "prefill"):
@@ -309,12 +332,21 @@ class Scheduler:
         inputs = mx.concatenate(parts).reshape(1, -1)
         for s in decoding:
             s.num_fed_out += 1
-        if _plain(sampling):
+        scored = []  # scoring sequences' chunks: (seq, start, end, where its rows begin in `rows`)
+        row = len(decoding)
+        for s, a, b in chunks:
+            if s.scores_prompt:  # every row of the chunk, after the rows that sample
+                scored.append((s, a, b, len(rows)))
+                rows = rows + list(range(row, row + b - a))
+            row += b - a
+        if _plain(sampling) and not scored:
             tokens = runner.rows_sample(inputs, layers, rows, [s.sampler for s in sampling])  # or None: no rows
             new.extend((s, tokens[i], None) for i, s in enumerate(sampling))
         else:
             logits = runner.rows_logits(inputs, layers, rows)
             new.extend((s, *self._sample(s, logits[i : i + 1])) for i, s in enumerate(sampling))
+            for s, a, b, first in scored:
+                self._score_chunk(s, a, b, logits[first : first + b - a])
         for s in sampling[len(decoding):]:  # prefilled now
             if s.spec is not None and hasattr(s.spec.proposer, "prefill"):
                 s.spec.proposer.prefill(s.prompt)
@@ -366,6 +398,28 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - one request's failure (detokenizer, stops) is its own
                     self._retire(s, "error", error=e)
 
+    def _score_chunk(self, seq: Sequence, start: int, end: int, logits: mx.array) -> None:
+        """A scoring sequence's prefill chunk [start, end) and its logits (end - start, V): position p scores the
+        prompt's token p + 1 (the last position of the prompt predicts the reply, not a prompt token)."""
+        from mlx_engine.sampling import target_logprobs
+
+        m = min(end, len(seq.prompt) - 1) - start
+        if m <= 0:
+            return
+        scores = target_logprobs(logits[:m], seq.prompt[start + 1:start + 1 + m], seq.params.prompt_logprobs or 0)
+        mx.eval(scores)  # small: the (m, V) logits need not outlive the step
+        assert seq.prompt_scores is not None
+        seq.prompt_scores.append(tuple(np.array(a) for a in scores))  # type: ignore[arg-type]
+
+    def _take_prompt_logprobs(self, seq: Sequence) -> tuple[TokenLogprob, ...]:
+        """The prompt's scores as TokenLogprobs, once (on the first event); () after, or when not asked for."""
+        if not seq.prompt_scores:
+            return ()
+        chunks, seq.prompt_scores = seq.prompt_scores, []
+        lp, ids, vals = (np.concatenate([c[i] for c in chunks]) for i in range(3))
+        return tuple(TokenLogprob(token_id=t, logprob=float(v), top=tuple(zip(i.tolist(), w.tolist())))
+                     for t, v, i, w in zip(seq.prompt[1:], lp.tolist(), ids, vals))
+
     def _sample(self, seq: Sequence, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         token = seq.sampler.sample(logits)  # (1,)
         lp = seq.sampler.logprobs(logits) if seq.params.logprobs is not None else None  # penalties before token
@@ -384,7 +438,7 @@ class Scheduler:
         logprobs = (_token_logprob(token, lp, seq.params.logprobs),) if lp is not None else ()
         text, hit = seq.stops.feed(seq.detok.add_token(token))
         seq.stream.events.put(GenerationEvent(text=text, token_ids=(token,), from_draft=(from_draft,),
-                                              logprobs=logprobs))
+                                              logprobs=logprobs, prompt_logprobs=self._take_prompt_logprobs(seq)))
         if hit:
             return self._retire(seq, "stop")
         if seq.n_out >= seq.max_new:
@@ -431,6 +485,7 @@ class Scheduler:
                                         mean_accepted_tokens=st.num_accepted / st.num_verifies)
         seq.stream.events.put(GenerationEvent(
             text=tail,
+            prompt_logprobs=self._take_prompt_logprobs(seq),  # when no token event took them (EOS first)
             finish_reason=reason,  # type: ignore[arg-type]
             usage=Usage(prompt_tokens=len(seq.prompt), completion_tokens=seq.n_out, cached_prompt_tokens=seq.num_cached),
             stats=stats,

@@ -3,8 +3,8 @@ server in a background thread, for the server's tests.
 
 The fake tokenizer is one token per character (id = code point), so counts are exact by eye. The prompt
 steers the reply: "[raise]" makes iteration raise after two tokens, "[error]" ends in an engine error
-event, "[slow]" sleeps 20 ms per token, "[long]" replies 40 tokens. `prompt_logprobs` gives token t of a prompt
-the log-probability -t / 100. A named speculative mode marks every
+event, "[slow]" sleeps 20 ms per token, "[long]" replies 40 tokens. With `prompt_logprobs` the first event gives
+token t of the prompt the log-probability -t / 100, its best alternative 'x' at -0.5. A named speculative mode marks every
 second token as drafted (final stats: half the drafts accepted, one per verification); "draft" is refused
 (no draft model), "auto" steps aside.
 """
@@ -59,6 +59,8 @@ class FakeStream:
         self.params = p
         self.drafting = p.speculative in ("prompt-lookup", "self")
         self.num_prompt = len(ids)
+        self.prompt_lps = () if p.prompt_logprobs is None else tuple(
+            TokenLogprob(t, -t / 100, ((ord("x"), -0.5), (t, -t / 100))[:p.prompt_logprobs]) for t in ids[1:])
         self.i = 0
         self.out = ""
         self.cancelled = threading.Event()
@@ -104,8 +106,9 @@ class FakeStream:
         for s in self.params.stop:
             if s in self.out:
                 return self._end("stop")
+        plps, self.prompt_lps = self.prompt_lps, ()
         return GenerationEvent(text=chr(tok), token_ids=(tok,), from_draft=(self.drafting and self.i % 2 == 0,),
-                               logprobs=lps)
+                               logprobs=lps, prompt_logprobs=plps)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -139,10 +142,6 @@ class FakeEngine:
         self.requests.append(request)
         self.streams.append(FakeStream(self, ids, request))
         return self.streams[-1]
-
-    def prompt_logprobs(self, token_ids: list[int], top: int = 0) -> tuple[TokenLogprob, ...]:
-        """Token t of the prompt: log-probability -t / 100, the best alternative 'x' at -0.5."""
-        return tuple(TokenLogprob(t, -t / 100, ((ord("x"), -0.5), (t, -t / 100))[:top]) for t in token_ids[1:])
 
     def kv_stats(self) -> dict[str, Any]:
         return {"kind": "paged", "num_blocks": 100, "used": self.active, "cached": 0, "hit_rate": 0.0}

@@ -191,30 +191,52 @@ def test_score_matches_forward_logits_paged_and_contiguous(tmp_path: Path) -> No
         assert paged.kv_stats()["used"] == 0  # the scoring sequence freed its blocks
 
 
-def test_prompt_logprobs_are_the_scores_with_the_top_alternatives(tmp_path: Path) -> None:
-    """`Engine.prompt_logprobs`: per prompt token after the first, `score`'s log-probability and the top-k tokens
-    of the forward's distribution there, best first; its full blocks stay cached, so a generation from the same
-    prompt right after reuses them. Bad `top` is a RequestError."""
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_prompt_logprobs_come_with_the_first_event(tmp_path: Path, paged: bool) -> None:
+    """`SamplingParams.prompt_logprobs`: each prompt token but the first, its log-probability (`score`'s) and the
+    top-k of the forward's distribution there, best first, on the first event; scored in the batch's prefill
+    chunks, alone or packed beside a decoding request, and computed whole (no prefix hits), its blocks then
+    cached for others. A reply that ends at once (EOS first) carries them on its final event."""
     folder = random_llama_folder(tmp_path / "m")
     ids = PROMPT + PROMPT[:10]
     with Engine.load(str(folder), paged_kv=False) as ref:
         logits = ref.forward_logits(ids).astype(np.float64)
+        scores = ref.score(ids)
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-    with Engine.load(str(folder), prefill_chunk_size=13, block_size=16) as e:
-        lps = e.prompt_logprobs(ids, 5)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=5)
+
+    def check(lps) -> None:
         assert [lp.token_id for lp in lps] == ids[1:]
-        assert np.abs(np.array([lp.logprob for lp in lps]) - e.score(ids)).max() == 0
+        assert np.abs(np.array([lp.logprob for lp in lps]) - scores).max() <= 1e-5
         for t, lp in enumerate(lps):
             assert [i for i, _ in lp.top] == list(np.argsort(-logp[t])[:5])
             assert np.abs(np.array([v for _, v in lp.top]) - logp[t][[i for i, _ in lp.top]]).max() <= 1e-4
-        assert e.prompt_logprobs(ids[:1], 3) == () and e.prompt_logprobs(ids[:3])[0].top == ()
-        assert e.kv_stats()["used"] == 0
-        events = list(e.generate(GenerationRequest(prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1))))
-        assert events[-1].usage.cached_prompt_tokens == 48  # 3 of the 55 tokens' 16-token blocks
-        for top in (-1, 21, 2.0):
-            with pytest.raises(RequestError, match="top="):
-                e.prompt_logprobs(ids, top)
+
+    with Engine.load(str(folder), prefill_chunk_size=13, block_size=16, paged_kv=paged) as e:
+        for _ in range(2):  # the second time the prompt's blocks are cached, and still scored whole
+            events = list(e.generate(GenerationRequest(prompt_token_ids=ids, sampling=params)))
+            check(events[0].prompt_logprobs)
+            assert all(ev.prompt_logprobs == () for ev in events[1:]) and events[-1].usage.cached_prompt_tokens == 0
+        plain = list(e.generate(GenerationRequest(prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1))))
+        assert plain[0].prompt_logprobs == ()
+        if paged:
+            assert plain[-1].usage.cached_prompt_tokens == 48  # the scored prompt's 3 full blocks
+            other = e.generate(GenerationRequest(prompt_token_ids=PROMPT[5:30], sampling=SamplingParams(
+                temperature=0.0, max_tokens=20, ignore_eos=True)))
+            next(other)  # decoding: the scored prompt's chunks pack beside its decode rows
+            e._scheduler.trace = []
+            events = list(e.generate(GenerationRequest(prompt_token_ids=ids, sampling=params)))
+            list(other)
+            assert any(rows and prefill for rows, prefill in e._scheduler.trace)
+            check(events[0].prompt_logprobs)
+            assert e.kv_stats()["used"] == 0
+        eos = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=0,
+                             logit_bias={2: 100.0})  # token 2 is the tiny model's EOS
+        events = list(e.generate(GenerationRequest(prompt_token_ids=ids, sampling=eos)))
+        assert len(events) == 1 and events[0].finish_reason == "stop"
+        assert [lp.token_id for lp in events[0].prompt_logprobs] == ids[1:]
+        assert all(lp.top == () for lp in events[0].prompt_logprobs)
 
 
 def test_pool_memory_grows_with_use_and_numbers_stay_exact(tmp_path: Path, monkeypatch) -> None:

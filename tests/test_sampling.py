@@ -98,6 +98,13 @@ def test_logit_bias_outside_vocab_is_a_request_error():
         Sampler(sp(logit_bias={4: 1.0}), vocab_size=4)
 
 
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+@pytest.mark.parametrize("value", [-1, 21, 2.0, True])
+def test_logprob_counts_out_of_range_are_request_errors(name: str, value) -> None:
+    with pytest.raises(RequestError, match=f"{name}={value!r}: expected an integer in \\[0, 20\\] or None"):
+        SamplingParams(**{name: value})
+
+
 # ---- penalties (values by hand) -----------------------------------------------------------------
 
 

@@ -216,13 +216,13 @@ def test_completion_response_with_logprobs() -> None:
 
 def test_echoed_completions_put_the_prompt_first() -> None:
     """`echo`: each choice's text starts with its prompt; with logprobs the prompt's tokens come first, the first
-    without a log-probability (null, as OpenAI's), offsets running on into the reply. A stream sends each prompt
-    in a chunk of its own before any reply token."""
-    f = fmt({"logprobs": 1, "echo": True, "prompt": ["ab", "c"]}, "completion")
-    f.echoes[0] = Echo("ab", [97, 98], (TokenLogprob(98, -2.0, ((120, -0.5),)),))
-    f.echoes[1] = Echo("c", [99])
+    without a log-probability (null, as OpenAI's), offsets running on into the reply. A stream sends each prompt,
+    with the log-probabilities its first event brought, in a chunk of its own before its reply."""
+    scored = (TokenLogprob(98, -2.0, ((120, -0.5),)),)
     reply = (TokenLogprob(72, -0.25, ((72, -0.25),)),)
-    body = f.response([Choice("H", reply, "length"), Choice("", (), "stop")], Usage(3, 1, 0))
+    f = fmt({"logprobs": 1, "echo": True, "prompt": ["ab", "c"]}, "completion")
+    f.echoes.update({0: Echo("ab", [97, 98]), 1: Echo("c", [99])})
+    body = f.response([Choice("H", reply, "length", scored), Choice("", (), "stop")], Usage(3, 1, 0))
     assert body["choices"] == [
         {"index": 0, "text": "abH", "finish_reason": "length", "logprobs": {
             "tokens": ["a", "b", "H"], "token_logprobs": [None, -2.0, -0.25],
@@ -230,14 +230,14 @@ def test_echoed_completions_put_the_prompt_first() -> None:
         {"index": 1, "text": "c", "finish_reason": "stop", "logprobs": {
             "tokens": ["c"], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}}]
     f = fmt({"logprobs": 1, "echo": True, "stream": True, "prompt": ["ab", "c"]}, "completion")
-    f.echoes[0] = Echo("ab", [97, 98], (TokenLogprob(98, -2.0, ((120, -0.5),)),))
-    f.echoes[1] = Echo("c", [99])
-    heads = f.first_chunks()
-    assert [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in heads] == [(0, "ab"), (1, "c")]
-    assert heads[0]["choices"][0]["logprobs"]["token_logprobs"] == [None, -2.0]
+    f.echoes.update({0: Echo("ab", [97, 98]), 1: Echo("c", [99])})
+    assert f.first_chunks() == []
+    head = f.echo_chunk(0, scored)["choices"][0]
+    assert (head["index"], head["text"], head["logprobs"]["token_logprobs"]) == (0, "ab", [None, -2.0])
     assert f.delta_chunk("H", reply, 0)["choices"][0]["logprobs"]["text_offset"] == [2]  # after the prompt
+    assert f.echo_chunk(1, ())["choices"][0]["text"] == "c"
     assert f.delta_chunk("d", (TokenLogprob(100, -1.0, ()),), 1)["choices"][0]["logprobs"]["text_offset"] == [1]
-    assert fmt({"prompt": "x"}, "completion").first_chunks() == []  # no echo: nothing before the reply
+    assert fmt({"prompt": "x"}, "completion").echo_chunk(0, ()) is None  # no echo: nothing before the reply
 
 
 def test_admission_gate_is_fifo_and_bounded() -> None:

@@ -158,6 +158,28 @@ def test_speculative_verification_in_graphs_on_cuda(tiny_gguf):
     assert 8 in keys  # 5 verified rows in the bucket of 8
 
 
+def test_prompt_logprobs_in_graphs_equal_eager_on_cuda(tiny_gguf):
+    """Scoring prompts: the 5-token prompt's prefill replays a graph as 5 decode rows, the 40-token one runs
+    eagerly; both equal the eager engine's, and its scores."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+
+    def scores(engine: Engine) -> list[list[tuple]]:
+        streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=params))
+                   for p in (PROMPTS[0], PROMPTS[2])]
+        return [[(lp.token_id, lp.logprob, [i for i, _ in lp.top]) for lp in next(iter(s)).prompt_logprobs]
+                for s in streams]
+
+    with Engine.load(tiny_gguf, backend="torch", device="cuda", dtype="float32", cuda_graphs=False,
+                     kv_budget_bytes=BUDGET) as eager:
+        want, score = scores(eager), eager.score(PROMPTS[2])
+    with Engine.load(tiny_gguf, backend="torch", device="cuda", dtype="float32", kv_budget_bytes=BUDGET) as graphed:
+        got = scores(graphed)
+    for g, w in zip(got, want):
+        assert [(x[0], x[2]) for x in g] == [(x[0], x[2]) for x in w]  # tokens and top ids
+        assert max(abs(a[1] - b[1]) for a, b in zip(g, w)) <= 1e-4
+    assert np.abs(np.array([x[1] for x in got[1]]) - score).max() <= 1e-4
+
+
 def test_prefill_chunk_default_is_4096_on_cuda(tiny_gguf):
     with Engine.load(tiny_gguf, backend="torch", device="cuda", kv_budget_bytes=BUDGET) as engine:
         assert engine._runner.prefill_chunk_size == 4096 and engine._scheduler.token_budget == 4096

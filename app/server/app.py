@@ -208,9 +208,8 @@ class Server:
             requests = [replies for ids, what, _ in prompts for replies in self._requests(job, ids, what)]
             if job.echo:
                 for i, (ids, _, text) in enumerate(prompts):
-                    lps = self.engine.prompt_logprobs(ids, job.top_logprobs) if job.logprobs else ()
                     for j in range(job.n):
-                        fmt.echoes[i * job.n + j] = Echo(text if text is not None else tok.decode(ids), ids, lps)
+                        fmt.echoes[i * job.n + j] = Echo(text if text is not None else tok.decode(ids), ids)
             submitted: list[tuple[Any, int]] = []
             try:
                 for r in requests:
@@ -245,6 +244,8 @@ class Server:
         if "speculative" not in kw and self.config.speculative is not None:
             kw["speculative"] = self.config.speculative
         seed = kw.pop("seed", None)
+        if job.echo and job.logprobs:  # the prompt's log-probabilities, scored in the batch's prefill chunks
+            kw["prompt_logprobs"] = job.top_logprobs
         return [GenerationRequest(prompt_token_ids=ids, sampling=SamplingParams(
             max_tokens=max_tokens, seed=None if seed is None else seed + j, **kw)) for j in range(job.n)]
 
@@ -272,18 +273,19 @@ class Server:
         seen: list[bool] = []
 
         async def one(gen: Generation) -> tuple[Choice, GenerationEvent]:
-            texts, lps = [], []
+            texts, lps, prompt_lps = [], [], []
             final: GenerationEvent | None = None
             async for event in gen.events():
                 self._first_token(event, t0, seen)
                 texts.append(event.text)
                 lps.extend(event.logprobs)
+                prompt_lps.extend(event.prompt_logprobs)
                 final = event
             assert final is not None and final.finish_reason is not None
             if final.finish_reason == "error":
                 for other in gens:  # the request fails as a whole: its other prompts stop
                     other.cancel()
-            return Choice("".join(texts), tuple(lps), final.finish_reason), final
+            return Choice("".join(texts), tuple(lps), final.finish_reason, tuple(prompt_lps)), final
 
         results = await asyncio.gather(*(one(g) for g in gens))
         finals = [final for _, final in results]
@@ -309,10 +311,16 @@ class Server:
         pumps = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
         finals: dict[int, GenerationEvent] = {}
         seen: list[bool] = []
+        started: set[int] = set()
         try:
             while len(finals) < len(gens):
                 i, event = await events.get()
                 self._first_token(event, t0, seen)
+                if i not in started:  # an echoed prompt goes before its reply
+                    started.add(i)
+                    echo = fmt.echo_chunk(i, event.prompt_logprobs)
+                    if echo is not None:
+                        yield sse(echo)
                 if event.text or event.logprobs:
                     yield sse(fmt.delta_chunk(event.text, event.logprobs, i))
                 reason = event.finish_reason

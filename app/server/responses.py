@@ -8,6 +8,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -65,7 +66,7 @@ def token_str(b: bytes) -> str:
 @dataclass(frozen=True)
 class Echo:
     """A completion prompt as `echo` returns it: its text, its token ids and, with `logprobs`, each token's
-    log-probability given those before it (all but the first)."""
+    log-probability given those before it (all but the first: the engine's `prompt_logprobs`)."""
 
     text: str
     token_ids: list[int]
@@ -79,6 +80,7 @@ class Choice:
     text: str
     logprobs: tuple[TokenLogprob, ...]
     finish_reason: str
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with `echo` and logprobs: the prompt's, from the engine
 
 
 class Formatter:
@@ -160,13 +162,21 @@ class Formatter:
         return obj
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        """Chat streams open with the assistant role and empty content for each choice, as OpenAI's do; completions
-        with `echo` with each choice's prompt (and its log-probabilities)."""
-        if self.chat:
-            return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}) for i in range(self.job.n)]
-        return [self._chunk({"index": i, "text": e.text, "logprobs": self._logprobs((), i, e), "finish_reason": None})
-                for i, e in sorted(self.echoes.items())]
+        """Chat streams open with the assistant role and empty content for each choice, as OpenAI's do."""
+        if not self.chat:
+            return []
+        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}) for i in range(self.job.n)]
+
+    def echo_chunk(self, index: int, prompt_logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+        """With `echo`, a completion choice's prompt (and its log-probabilities, which come with the choice's
+        first event), before anything of its reply; None without `echo`."""
+        echo = self.echoes.get(index)
+        if echo is None:
+            return None
+        echo = self.echoes[index] = dataclasses.replace(echo, logprobs=prompt_logprobs)
+        return self._chunk({"index": index, "text": echo.text, "logprobs": self._logprobs((), index, echo),
+                            "finish_reason": None})
 
     def delta_chunk(self, text: str, lps: tuple[TokenLogprob, ...], index: int = 0) -> dict[str, Any]:
         if self.chat:
@@ -190,6 +200,7 @@ class Formatter:
 
     def response(self, choices: list[Choice], usage: Usage, accepted_draft_tokens: int | None = None
                  ) -> dict[str, Any]:
+        """The whole body; an echoed prompt's log-probabilities are each Choice's `prompt_logprobs`."""
         if self.chat:
             obj = self._head("chat.completion")
             obj["choices"] = [{"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
@@ -200,6 +211,8 @@ class Formatter:
             obj["choices"] = []
             for i, c in enumerate(choices):
                 echo = self.echoes.get(i)
+                if echo is not None:
+                    echo = dataclasses.replace(echo, logprobs=c.prompt_logprobs)
                 obj["choices"].append({"index": i, "text": (echo.text if echo else "") + c.text,
                                        "logprobs": self._logprobs(c.logprobs, i, echo),
                                        "finish_reason": c.finish_reason})

@@ -159,8 +159,10 @@ class PagedCache:
                 "bytes); raise kv_budget_bytes, use kv_bits=8, or shorten the prompt"
             )
 
-    def start(self, req_id: str, prompt_ids: list[int]) -> int:
-        computed, num_cached = self.manager.get_computed_blocks(prompt_ids)
+    def start(self, req_id: str, prompt_ids: list[int], reuse: bool = True) -> int:
+        """Allocates a new sequence's prompt blocks, the cached prefix's (prefix caching) shared unless
+        `reuse` is False; returns the number of prompt tokens already cached."""
+        computed, num_cached = self.manager.get_computed_blocks(prompt_ids) if reuse else ([], 0)
         if self.manager.allocate_slots(req_id, prompt_ids, len(prompt_ids) - num_cached, computed) is None:
             raise KVBudgetError(f"no free KV blocks for a {len(prompt_ids)}-token prompt")
         self._grow(req_id)
@@ -294,12 +296,12 @@ class ContiguousCache:
     def check_fits(self, num_tokens: int) -> None:
         pass
 
-    def start(self, req_id: str, prompt_ids: list[int]) -> int:
+    def start(self, req_id: str, prompt_ids: list[int], reuse: bool = True) -> int:
         """Keeps the longest common prefix with what the buffers hold (at least the last prompt token
-        is recomputed); returns its length."""
+        is recomputed; none unless `reuse`); returns its length."""
         if self._layers is None:
             self._layers, self._tokens = self._new(), []
-        n, limit = 0, min(len(prompt_ids) - 1, len(self._tokens))
+        n, limit = 0, min(len(prompt_ids) - 1, len(self._tokens)) if reuse else 0
         while n < limit and prompt_ids[n] == self._tokens[n]:
             n += 1
         extra = len(self._tokens) - n

@@ -32,7 +32,6 @@ from mlx_engine.runner import (
     Runner,
     cap_context,
     check_same_vocabulary,
-    join_scores,
     model_fingerprint,
 )
 
@@ -341,22 +340,17 @@ class TorchRunner(Runner):
         return [h[0].float().cpu().numpy() for h in self.model.layer_outputs(_ids([ids], self.device))]
 
     @_torch_work
-    def score(self, ids: list[int], top: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """As the MLX runner's `score`: log p(ids[t+1] | ids[..t]) for every t, in prefill chunks, and the `top`
-        most likely next tokens at each t. The KV is unquantized here, so buffers of its own give what the block
-        pool would."""
-        layers, out, top_ids, top_lps = self._fresh_contiguous(), [], [], []
+    def score(self, ids: list[int]) -> np.ndarray:
+        """log p(ids[t+1] | ids[..t]) for every t, in prefill chunks -> float32 (T - 1,). The KV is unquantized
+        here, so buffers of its own give what the block pool would."""
+        layers, out = self._fresh_contiguous(), []
         for start in range(0, len(ids) - 1, self.prefill_chunk_size):
             end = min(start + self.prefill_chunk_size, len(ids) - 1)
             h = self.model(_ids([ids[start:end]], self.device), layers)
             logp = torch.log_softmax(self.model.logits(h[0]).float(), dim=-1)  # (L, V)
             target = _ids(ids[start + 1:end + 1], self.device)
             out.append(logp.gather(-1, target[:, None])[:, 0].cpu().numpy())
-            if top:
-                vals, idx = torch.topk(logp, top, dim=-1)  # sorted, best first
-                top_ids.append(idx.cpu().numpy())
-                top_lps.append(vals.cpu().numpy())
-        return join_scores(out, top_ids, top_lps, top)
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
 
     def save_kv(self, path: str, token_ids: list[int]) -> int:
         raise RooflineError("saving KV is not supported on the torch backend")
