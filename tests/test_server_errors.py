@@ -313,6 +313,13 @@ def test_several_prompts_get_a_choice_each_in_order(url: str, engine: FakeEngine
     assert sorted(finishes) == [0, 1, 2] and finishes[-1] == 0  # the slow prompt finished last
     assert events[-2]["usage"]["completion_tokens"] == 24 and not events[-2]["choices"]
     assert wait_until(lambda: engine.active == 0)
+    slow = {"model": "default", "prompt": ["[slow][long]a", "[slow][long]b", "[slow][long]c"], "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=slow) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator closes the stream
+        next(lines)  # the engine runs all three now: three generations in flight, one request
+        assert "roofline_requests_in_flight 3" in httpx.get(url + "/metrics").text
+        assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    assert wait_until(lambda: "roofline_requests_in_flight 0" in httpx.get(url + "/metrics").text)
 
 
 def test_a_prompt_that_cannot_run_starts_none_of_the_request(url: str, engine: FakeEngine) -> None:

@@ -183,11 +183,10 @@ class Server:
                 left -= 1
                 if left == 0:  # the request's slot goes back once the engine is done with all its prompts
                     self.gate.release()
-                    self.metrics.running -= 1
 
             gens = [Generation(stream, n, done) for stream, n in submitted]
             self.generations.update(gens)
-            self.metrics.running += 1
+            self.metrics.running += len(gens)
             for gen in gens:
                 watch.on_gone(gen.cancel)
             if not job.stream:
@@ -252,6 +251,7 @@ class Server:
     def _on_done(self, gen: Generation, final: GenerationEvent) -> None:
         self.generations.discard(gen)
         m = self.metrics
+        m.running -= 1
         m.finished[final.finish_reason or "error"] += 1
         if final.usage is not None:
             m.prompt_tokens += final.usage.prompt_tokens

@@ -43,7 +43,7 @@ class Metrics:
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
         self.completion_tokens = 0
-        self.running = 0  # submitted to the engine and not finished there
+        self.running = 0  # generations submitted to the engine and not finished there (n per request of n choices)
         self.draft_accepted_tokens = 0
         self.acceptance_sum = 0.0  # per-request acceptance rates of requests that verified drafts
         self.acceptance_count = 0
