@@ -174,7 +174,7 @@ class Formatter:
         echo = self.echoes.get(index)
         if echo is None:
             return None
-        echo = self.echoes[index] = dataclasses.replace(echo, logprobs=prompt_logprobs)
+        echo = dataclasses.replace(echo, logprobs=prompt_logprobs)
         return self._chunk({"index": index, "text": echo.text, "logprobs": self._logprobs((), index, echo),
                             "finish_reason": None})
 
