@@ -192,3 +192,23 @@ def test_a_mac_keeps_the_recommended_working_set_wired(mac: Launches, llama: Pat
     assert wire_memory(WORKING_SET // 2) == "" and mac.wired == [WORKING_SET] * 3
     monkeypatch.setattr(mx.metal, "is_available", lambda: False)
     assert wire_memory(WORKING_SET) == "" and len(mac.wired) == 3
+
+
+def test_prompt_scores_on_a_mac_match_the_cpu_path(llama: Path, request: pytest.FixtureRequest) -> None:
+    """`prompt_logprobs` on the Mac path (its prefill attention, packed beside the other prompt): the CPU path's
+    scores and top tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+
+    def scores(engine: Engine) -> list[list[tuple]]:
+        streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=params)) for p in PROMPTS]
+        return [[(lp.token_id, lp.logprob, [i for i, _ in lp.top]) for lp in next(iter(s)).prompt_logprobs]
+                for s in streams]
+
+    with Engine.load(str(llama), block_size=16, prefill_chunk_size=16) as e:
+        want = scores(e)
+    request.getfixturevalue("mac")
+    with Engine.load(str(llama), block_size=16, prefill_chunk_size=16) as e:
+        got = scores(e)
+    for g, w in zip(got, want, strict=True):
+        assert len(g) == len(w) > 0 and [(x[0], x[2]) for x in g] == [(x[0], x[2]) for x in w]
+        assert max(abs(a[1] - b[1]) for a, b in zip(g, w)) <= 1e-4
