@@ -241,10 +241,16 @@ def target_logprobs(logits: mx.array, targets: Sequence[int], top: int) -> tuple
     logits = logits.astype(mx.float32)
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     lp = mx.take_along_axis(logp, mx.array(list(targets), dtype=mx.int32)[:, None], axis=-1)[:, 0]
+    return (lp, *top_tokens(logp, top))
+
+
+def top_tokens(logp: mx.array, top: int) -> tuple[mx.array, mx.array]:
+    """logp (L, V) -> each row's `top` most likely tokens, ids (L, top) int32 and their values (L, top), best
+    first. Lazy."""
     if not top:
-        empty = mx.zeros((logp.shape[0], 0))
-        return lp, empty.astype(mx.int32), empty
+        empty = mx.zeros((logp.shape[0], 0), dtype=logp.dtype)
+        return empty.astype(mx.int32), empty
     idx = mx.argpartition(-logp, kth=top - 1, axis=-1)[:, :top]  # unordered
     vals = mx.take_along_axis(logp, idx, axis=-1)
     order = mx.argsort(-vals, axis=-1)
-    return lp, mx.take_along_axis(idx, order, axis=-1).astype(mx.int32), mx.take_along_axis(vals, order, axis=-1)
+    return mx.take_along_axis(idx, order, axis=-1).astype(mx.int32), mx.take_along_axis(vals, order, axis=-1)

@@ -282,22 +282,18 @@ class Scheduler:
             layers = cache.prefill_layers(s.req_id, start, end)
             inputs = mx.array([s.prompt[start:end]], dtype=mx.int32)
             s.num_prefilled = end
+            logits = None
             if s.scores_prompt:  # logits at every position: the chunk's rows score the prompt
                 logits = runner.rows_logits(inputs, layers, list(range(end - start)))
                 self._score_chunk(s, start, end, logits)
-                if end == len(s.prompt):
-                    new.append((s, *self._sample(s, logits[-1:])))
-                    if s.spec is not None and hasattr(s.spec.proposer, "prefill"):
-                        s.spec.proposer.prefill(s.prompt)
-                else:
-                    mx.eval(runner.cache_state(layers))
-                continue
             if end == len(s.prompt):  # the last chunk: its last position gives the first token
-                new.append((s, *self._sample(s, runner.last_logits(inputs, layers))))
+                last = logits[-1:] if logits is not None else runner.last_logits(inputs, layers)
+                new.append((s, *self._sample(s, last)))
                 if s.spec is not None and hasattr(s.spec.proposer, "prefill"):
                     s.spec.proposer.prefill(s.prompt)
             else:
-                runner.forward(inputs, layers)
+                if logits is None:
+                    runner.forward(inputs, layers)
                 mx.eval(runner.cache_state(layers))
 
         if self.trace is not None:
@@ -493,14 +489,11 @@ class Scheduler:
 
 
 def _token_logprob(token: int, lp: mx.array, top: int) -> TokenLogprob:
-    row = lp[0]
-    alts: tuple[tuple[int, float], ...] = ()
-    if top:
-        idx = mx.argpartition(-row, kth=top - 1)[:top]
-        vals = row[idx]
-        order = mx.argsort(-vals)
-        alts = tuple(zip(idx[order].tolist(), vals[order].tolist()))
-    return TokenLogprob(token_id=token, logprob=float(row[token].item()), top=alts)
+    from mlx_engine.sampling import top_tokens
+
+    ids, vals = top_tokens(lp, top)
+    return TokenLogprob(token_id=token, logprob=float(lp[0, token].item()),
+                        top=tuple(zip(ids[0].tolist(), vals[0].tolist())))
 
 
 def _plain(seqs: list[Sequence]) -> bool:

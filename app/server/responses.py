@@ -8,7 +8,6 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -65,12 +64,11 @@ def token_str(b: bytes) -> str:
 
 @dataclass(frozen=True)
 class Echo:
-    """A completion prompt as `echo` returns it: its text, its token ids and, with `logprobs`, each token's
-    log-probability given those before it (all but the first: the engine's `prompt_logprobs`)."""
+    """A completion prompt as `echo` returns it: its text and token ids. Its tokens' log-probabilities (all but
+    the first) come with the choice's first event, the engine's `prompt_logprobs`."""
 
     text: str
     token_ids: list[int]
-    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -122,10 +120,10 @@ class Formatter:
             top.setdefault(token_str(self.token_bytes(t)), finite(v))
         return top
 
-    def completion_logprobs(self, lps: tuple[TokenLogprob, ...], index: int = 0,
-                            echo: Echo | None = None) -> dict[str, Any]:
-        """The legacy logprobs object; with `echo`, the prompt's tokens first (the first one has no
-        log-probability: nothing comes before it)."""
+    def completion_logprobs(self, lps: tuple[TokenLogprob, ...], index: int = 0, echo: Echo | None = None,
+                            prompt_lps: tuple[TokenLogprob, ...] = ()) -> dict[str, Any]:
+        """The legacy logprobs object; with `echo`, the prompt's tokens first (`prompt_lps`; the first token
+        has no log-probability: nothing comes before it)."""
         tokens: list[str] = []
         token_lps: list[float | None] = []
         tops: list[dict[str, float] | None] = []
@@ -133,7 +131,7 @@ class Formatter:
         at = self.text_offset.get(index, 0)
         entries: list[tuple[int, TokenLogprob | None]] = []
         if echo is not None:
-            entries += [(echo.token_ids[0], None)] + [(lp.token_id, lp) for lp in echo.logprobs]
+            entries += [(echo.token_ids[0], None)] + [(lp.token_id, lp) for lp in prompt_lps]
         entries += [(lp.token_id, lp) for lp in lps]
         for token_id, lp in entries:
             s = token_str(self.token_bytes(token_id))
@@ -145,12 +143,13 @@ class Formatter:
         self.text_offset[index] = at
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def _logprobs(self, lps: tuple[TokenLogprob, ...], index: int = 0, echo: Echo | None = None) -> Any:
+    def _logprobs(self, lps: tuple[TokenLogprob, ...], index: int = 0, echo: Echo | None = None,
+                  prompt_lps: tuple[TokenLogprob, ...] = ()) -> Any:
         if not self.job.logprobs:
             return None
         if self.chat:
             return {"content": self.chat_logprobs(lps), "refusal": None}
-        return self.completion_logprobs(lps, index, echo)
+        return self.completion_logprobs(lps, index, echo, prompt_lps)
 
     # ---- streaming ---------------------------------------------------------------------------------------
 
@@ -174,9 +173,8 @@ class Formatter:
         echo = self.echoes.get(index)
         if echo is None:
             return None
-        echo = dataclasses.replace(echo, logprobs=prompt_logprobs)
-        return self._chunk({"index": index, "text": echo.text, "logprobs": self._logprobs((), index, echo),
-                            "finish_reason": None})
+        return self._chunk({"index": index, "text": echo.text,
+                            "logprobs": self._logprobs((), index, echo, prompt_logprobs), "finish_reason": None})
 
     def delta_chunk(self, text: str, lps: tuple[TokenLogprob, ...], index: int = 0) -> dict[str, Any]:
         if self.chat:
@@ -211,10 +209,8 @@ class Formatter:
             obj["choices"] = []
             for i, c in enumerate(choices):
                 echo = self.echoes.get(i)
-                if echo is not None:
-                    echo = dataclasses.replace(echo, logprobs=c.prompt_logprobs)
                 obj["choices"].append({"index": i, "text": (echo.text if echo else "") + c.text,
-                                       "logprobs": self._logprobs(c.logprobs, i, echo),
+                                       "logprobs": self._logprobs(c.logprobs, i, echo, c.prompt_logprobs),
                                        "finish_reason": c.finish_reason})
         obj["usage"] = usage_dict(usage, accepted_draft_tokens)
         return obj
