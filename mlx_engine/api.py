@@ -15,6 +15,7 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 SPECULATIVE_MODES = ("draft", "prompt-lookup", "self", "auto")
 MAX_DRAFT_TOKENS = 16
 MAX_LOGPROBS = 20  # top alternatives per token, at most (OpenAI's limit)
+RESPONSE_FORMATS = ("json_object", "json_schema", "regex", "lark")
 
 
 class RooflineError(Exception):
@@ -27,6 +28,39 @@ class ModelLoadError(RooflineError):
 
 class RequestError(RooflineError):
     """A request that cannot be served as given (bad sampling values, prompt too long, ...)."""
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """Structured output: the reply is held, token by token, to a grammar (`mlx_engine.structured`).
+
+    - `ResponseFormat("json_object")`: one JSON object (OpenAI's JSON mode).
+    - `ResponseFormat("json_schema", schema={...})`: JSON valid against a JSON Schema (a dict).
+    - `ResponseFormat("regex", pattern=r"...")`: text that the regular expression matches whole.
+    - `ResponseFormat("lark", grammar="start: ...")`: text in a Lark grammar (llguidance's dialect).
+
+    The reply ends ("stop") as soon as the grammar is complete; a schema the engine cannot compile is a
+    RequestError from `Engine.generate`."""
+
+    type: str
+    schema: dict[str, Any] | None = None
+    pattern: str | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in RESPONSE_FORMATS:
+            raise RequestError(f"invalid response format type {self.type!r}: expected one of "
+                               f"{', '.join(map(repr, RESPONSE_FORMATS))}")
+        needs = {"json_schema": "schema", "regex": "pattern", "lark": "grammar"}.get(self.type)
+        given = [name for name in ("schema", "pattern", "grammar") if getattr(self, name) is not None]
+        if given != ([needs] if needs else []):
+            want = f"'{needs}' and nothing else" if needs else "no schema, pattern or grammar"
+            raise RequestError(f"response format {self.type!r} takes {want} (got {', '.join(given) or 'none'})")
+        if needs == "schema" and not isinstance(self.schema, dict):
+            raise RequestError(f"response format 'json_schema' needs a JSON Schema object (a dict), got "
+                               f"{type(self.schema).__name__}")
+        if needs in ("pattern", "grammar") and not isinstance(getattr(self, needs), str):
+            raise RequestError(f"response format {self.type!r} needs '{needs}' as a string")
 
 
 @dataclass(frozen=True)
@@ -53,6 +87,8 @@ class SamplingParams:
     # layers), "auto" (speculate only where the backend's cost curve and the acceptance say it pays), None: off
     speculative: str | None = None
     num_draft_tokens: int = 4  # most draft tokens per verification (adapted per step within 1..this)
+    # structured output: the reply held to JSON, a JSON Schema, a regex or a Lark grammar; None: free text
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +133,12 @@ class SamplingParams:
         if (not isinstance(self.num_draft_tokens, int) or isinstance(self.num_draft_tokens, bool)
                 or not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS):
             raise bad("num_draft_tokens", f"an integer in [1, {MAX_DRAFT_TOKENS}]")
+        if self.response_format is not None and not isinstance(self.response_format, ResponseFormat):
+            raise bad("response_format", "a ResponseFormat or None")
+        if self.response_format is not None and self.speculative not in (None, "auto"):
+            raise RequestError(f"speculative={self.speculative!r} cannot be combined with a response format: a "
+                               "drafted token would bypass the grammar; use speculative=None or 'auto' (which "
+                               "decodes such a request plainly)")
         for k, v in self.logit_bias.items():
             if not isinstance(k, int) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise RequestError(f"invalid sampling parameter logit_bias: expected {{token_id: number}}, got {k!r}: {v!r}")

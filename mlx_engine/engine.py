@@ -196,12 +196,19 @@ class Engine:
 
     def generate(self, request: GenerationRequest) -> GenerationStream:
         """Starts a generation and returns its event stream. Errors in the request (a prompt longer than
-        the context, token ids outside the vocabulary, a template error) raise RequestError here."""
+        the context, token ids outside the vocabulary, a template error, a response format that does not compile)
+        raise RequestError here."""
         prompt_ids = self._runner.prompt_ids(request)
         self._runner.check_speculation(request.sampling)
+        constraint = None
+        fmt = request.sampling.response_format
+        if fmt is not None:  # compiled here: a bad schema fails this call, not the engine thread
+            from mlx_engine.structured import constrain
+
+            constraint = constrain(self.tokenizer, self.info.vocab_size, fmt)
         stream = GenerationStream()
         scheduler = self._scheduler
-        self._thread.submit(lambda: scheduler.add(prompt_ids, request.sampling, stream))
+        self._thread.submit(lambda: scheduler.add(prompt_ids, request.sampling, stream, constraint))
         return stream
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:

@@ -2,7 +2,8 @@
 
 Order of operations (HF `LogitsProcessorList` / vLLM):
 
-    x = logits + logit_bias
+    x = where(allowed, logits, -inf)                    # a response format's grammar (structured.py)
+    x = x + logit_bias
     x = where(seen, where(x > 0, x / r, x * r), x)     # CTRL repetition penalty, prompt + output
     x = x - frequency * count - presence * (count > 0)  # OpenAI penalties, output tokens only
     -- process_logits() returns this; logprobs() is its log-softmax --
@@ -57,6 +58,8 @@ class Sampler:
         self.seed = seed % (1 << 64)
         self._key = mx.random.key(self.seed)
 
+        # (1, V) bool, set before each draw of a constrained request: the tokens its grammar allows
+        self.allowed: mx.array | None = None
         self._bias: mx.array | None = None  # (V,) float32
         if params.logit_bias:
             bad = [t for t in params.logit_bias if not 0 <= t < vocab_size]
@@ -88,9 +91,10 @@ class Sampler:
 
     @property
     def plain(self) -> bool:
-        """No logit bias and no penalties: a token depends on the raw logits, the temperature, the filters and
-        this request's draws only, so a runner can sample where its logits are (`Runner.rows_sample`)."""
-        return self._bias is None and self._counts is None
+        """No logit bias, no penalties and no response format: a token depends on the raw logits, the temperature,
+        the filters and this request's draws only, so a runner can sample where its logits are
+        (`Runner.rows_sample`)."""
+        return self._bias is None and self._counts is None and self.params.response_format is None
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -133,6 +137,8 @@ class Sampler:
         """(B, V) raw logits -> (B, V) float32 logits after bias and penalties, before temperature."""
         self._check(logits)
         x = logits.astype(mx.float32)  # (B, V)
+        if self.allowed is not None:
+            x = mx.where(self.allowed, x, -mx.inf)
         if self._bias is not None:
             x = x + self._bias
         if self._counts is not None:

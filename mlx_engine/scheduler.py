@@ -11,6 +11,9 @@ newest token, proposes k more and verifies them in its own forward over k + 1 po
 pipelined decode on every step where the backend's cost curve and their acceptance say speculation does
 not pay.
 
+A request with a response format (`structured.Constraint`) is not pipelined: each step first reads the token it
+sampled in the last one, since the grammar's mask for its next token depends on it; it never speculates.
+
 A request with `prompt_logprobs` is prefilled whole (no prefix-cache hits: a cached block has no logits), and
 its chunks' logits at every position, packed with the step's other rows like any chunk, score its prompt.
 """
@@ -18,6 +21,7 @@ its chunks' logits at every position, packed with the step's other rows like any
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -65,6 +69,7 @@ class Sequence:
     t_last: float = 0.0
     num_forwards: int = 0  # target forwards that sampled a token for it
     spec: Any = None  # speculative.SpecState when the request speculates
+    constraint: Any = None  # structured.Constraint when the request has a response format
     # SamplingParams.prompt_logprobs: per prefill chunk, (target log-probs (L,), top ids (L, k), top log-probs
     # (L, k)) as numpy, until the first event takes them
     prompt_scores: list[tuple[Any, Any, Any]] | None = None
@@ -97,9 +102,9 @@ class Scheduler:
         self.cost_curve: Any = None  # speculative.CostCurve, measured at the first "auto" request
         self.acceptance: dict[str, list[int]] = {}  # proposer -> [accepted, drafted] over finished requests
 
-    def add(self, prompt: list[int], params: SamplingParams, stream: Any) -> None:
+    def add(self, prompt: list[int], params: SamplingParams, stream: Any, constraint: Any = None) -> None:
         self._counter += 1
-        self.waiting.append(Sequence(f"req-{self._counter}", prompt, params, stream))
+        self.waiting.append(Sequence(f"req-{self._counter}", prompt, params, stream, constraint=constraint))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -153,7 +158,7 @@ class Scheduler:
         seq.sampler = Sampler(seq.params, self.runner.vocab_size, prompt_token_ids=seq.prompt)
         seq.detok = self.runner.tokenizer.detokenizer()
         seq.stops = StopStringMatcher(seq.params.stop)
-        seq.spec = self._spec_state(seq.params)
+        seq.spec = None if seq.constraint is not None else self._spec_state(seq.params)
         self.running.append(seq)
 
     def _spec_state(self, params: SamplingParams) -> Any:
@@ -225,6 +230,8 @@ class Scheduler:
         for seq in [s for s in self.running if s.stream.cancelled.is_set()]:
             self._retire(seq, "cancelled")
         self._admit()
+        for seq in [s for s in self.running if s.constraint is not None and s.unread]:
+            self._read_all(seq)  # its grammar's next mask depends on the token it sampled last step
         if not self.running:
             return
         try:
@@ -417,6 +424,8 @@ class Scheduler:
                      for t, v, i, w in zip(seq.prompt[1:], lp.tolist(), ids, vals))
 
     def _sample(self, seq: Sequence, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+        if seq.constraint is not None:  # every token it sampled was read: the matcher is up to date
+            seq.sampler.allowed = mx.array(seq.constraint.allowed())[None]
         token = seq.sampler.sample(logits)  # (1,)
         lp = seq.sampler.logprobs(logits) if seq.params.logprobs is not None else None  # penalties before token
         seq.sampler.accept(token)
@@ -430,12 +439,14 @@ class Scheduler:
         self.runner.cache.record(seq.req_id, seq.cached_tokens())
         if token in self.runner.eos_ids and not seq.params.ignore_eos:
             return self._retire(seq, "stop")
+        if seq.constraint is not None:
+            seq.constraint.consume(token)
         seq.n_out += 1
         logprobs = (_token_logprob(token, lp, seq.params.logprobs),) if lp is not None else ()
         text, hit = seq.stops.feed(seq.detok.add_token(token))
         seq.stream.events.put(GenerationEvent(text=text, token_ids=(token,), from_draft=(from_draft,),
                                               logprobs=logprobs, prompt_logprobs=self._take_prompt_logprobs(seq)))
-        if hit:
+        if hit or (seq.constraint is not None and seq.constraint.done):
             return self._retire(seq, "stop")
         if seq.n_out >= seq.max_new:
             return self._retire(seq, "length")
@@ -492,8 +503,8 @@ def _token_logprob(token: int, lp: mx.array, top: int) -> TokenLogprob:
     from mlx_engine.sampling import top_tokens
 
     ids, vals = top_tokens(lp, top)
-    return TokenLogprob(token_id=token, logprob=float(lp[0, token].item()),
-                        top=tuple(zip(ids[0].tolist(), vals[0].tolist())))
+    return TokenLogprob(token_id=token, logprob=float(lp[0, token].item()),  # a grammar's masked tokens: not top
+                        top=tuple((i, v) for i, v in zip(ids[0].tolist(), vals[0].tolist()) if v > -math.inf))
 
 
 def _plain(seqs: list[Sequence]) -> bool:

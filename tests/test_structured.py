@@ -1,0 +1,220 @@
+"""Structured output: a reply held to a regex, JSON or a JSON Schema is exactly the greedy (or sampled) choice among
+the tokens the grammar allows, whole and valid, alone or batched with free requests, on both backends; bad formats
+are refused before anything runs."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from llguidance import LLMatcher
+
+from mlx_engine import Engine, GenerationRequest, RequestError, ResponseFormat, SamplingParams
+from mlx_engine.structured import grammar
+from tests.tiny_models import random_llama_folder, write_gguf_from_folder
+
+PATTERN = r"[a-c]{2,4}-[0-9]{1,3}"
+PROMPT = [1, 72, 101, 108, 108, 111, 58, 32]  # BOS "Hello: " in the byte-level vocabulary
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                   "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["ok", "color", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random llama with a byte-level tokenizer (token i is byte i; BOS 1, EOS 2)."""
+    root = tmp_path_factory.mktemp("structured")
+    folder = random_llama_folder(root / "hf", vocab=160, seed=3)
+    path = root / "tiny.gguf"
+    write_gguf_from_folder(folder, path, {}, default_type="F32")
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(tiny: Path):
+    with Engine.load(str(tiny)) as e:
+        yield e
+
+
+def run(engine, fmt: ResponseFormat | None, prompt: list[int] = PROMPT, **kw):
+    kw.setdefault("temperature", 0.0)
+    kw.setdefault("max_tokens", 40)
+    events = list(engine.generate(GenerationRequest(prompt_token_ids=prompt,
+                                                    sampling=SamplingParams(response_format=fmt, **kw))))
+    tokens = [t for e in events for t in e.token_ids]
+    return tokens, "".join(e.text for e in events), events
+
+
+def reference_greedy(engine, fmt: ResponseFormat, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy decoding by hand: full forwards from scratch, masked with a fresh matcher's allowed tokens."""
+    from mlx_engine.structured import constrain
+
+    c = constrain(engine.tokenizer, engine.info.vocab_size, fmt)
+    out: list[int] = []
+    while len(out) < max_tokens and not c.done:
+        logits = engine.forward_logits(prompt + out)[-1]
+        token = int(np.argmax(np.where(c.allowed(), logits, -np.inf)))
+        if token in engine.info.eos_token_ids:
+            break
+        c.consume(token)
+        out.append(token)
+    return out
+
+
+def test_greedy_regex_reply_is_the_masked_argmax_and_matches_whole(engine) -> None:
+    fmt = ResponseFormat("regex", pattern=PATTERN)
+    tokens, text, events = run(engine, fmt)
+    assert tokens == reference_greedy(engine, fmt, PROMPT, 40)
+    assert re.fullmatch(PATTERN, text), text
+    assert events[-1].finish_reason == "stop"  # the grammar ended it, before max_tokens
+    free, _, _ = run(engine, None)
+    assert free != tokens  # the random model alone would write something else
+
+
+def test_sampled_replies_always_match(engine) -> None:
+    """Temperature 1 with top-k, 30 seeds: every reply matches the regex whole, and they differ."""
+    texts = set()
+    for seed in range(30):
+        _, text, events = run(engine, ResponseFormat("regex", pattern=PATTERN), temperature=1.0, top_k=50, seed=seed)
+        assert re.fullmatch(PATTERN, text), (seed, text)
+        assert events[-1].finish_reason == "stop"
+        texts.add(text)
+    assert len(texts) > 10
+
+
+def test_json_schema_reply_parses_and_obeys_the_schema(engine) -> None:
+    fmt = ResponseFormat("json_schema", schema=SCHEMA)
+    for seed in range(8):
+        tokens, text, events = run(engine, fmt, temperature=1.0, seed=seed, max_tokens=400)
+        assert events[-1].finish_reason == "stop", text
+        value = json.loads(text)
+        assert set(value) == {"ok", "color", "n"}
+        assert isinstance(value["ok"], bool) and value["color"] in ("red", "green", "blue")
+        assert isinstance(value["n"], int) and 0 <= value["n"] <= 99
+    greedy, _, _ = run(engine, fmt, max_tokens=60)
+    assert greedy == reference_greedy(engine, fmt, PROMPT, 60)
+
+
+def test_json_object_reply_is_an_object(engine) -> None:
+    _, text, events = run(engine, ResponseFormat("json_object"), temperature=0.8, seed=5, max_tokens=80)
+    if events[-1].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:  # cut at max_tokens: still a prefix of an object
+        assert events[-1].finish_reason == "length" and text.startswith("{")
+
+
+def test_logprobs_are_the_masked_distribution(engine) -> None:
+    """Each token's log-probability and its alternatives come from the distribution it was drawn from: the
+    logits' log-softmax over the allowed tokens only."""
+    from mlx_engine.structured import constrain
+
+    fmt = ResponseFormat("regex", pattern=PATTERN)
+    tokens, _, events = run(engine, fmt, logprobs=5)
+    lps = [lp for e in events for lp in e.logprobs]
+    c = constrain(engine.tokenizer, engine.info.vocab_size, fmt)
+    for i, (token, lp) in enumerate(zip(tokens, lps)):
+        allowed = c.allowed()
+        x = np.where(allowed, engine.forward_logits(PROMPT + tokens[:i])[-1].astype(np.float64), -np.inf)
+        want = x - np.log(np.exp(x - x.max()).sum()) - x.max()
+        assert lp.token_id == token and lp.logprob == pytest.approx(want[token], abs=1e-4)
+        assert [t for t, _ in lp.top] == [int(t) for t in np.argsort(-want)[: min(5, allowed.sum())]]
+        assert all(allowed[t] for t, _ in lp.top)
+        c.consume(token)
+
+
+def test_batched_with_free_requests_each_gets_its_own_reply(engine) -> None:
+    """Constrained and free requests in one batch: each gets exactly the tokens it gets alone."""
+    jobs = [(ResponseFormat("regex", pattern=PATTERN), PROMPT, {}),
+            (None, PROMPT, {"ignore_eos": True, "max_tokens": 12}),
+            (ResponseFormat("json_schema", schema=SCHEMA), [1, 40, 41, 42], {"max_tokens": 60}),
+            (None, [1, 99, 98, 97, 96], {"temperature": 1.0, "seed": 4, "max_tokens": 10, "ignore_eos": True}),
+            (ResponseFormat("regex", pattern=PATTERN), [1, 50, 51], {"temperature": 1.0, "seed": 9})]
+    alone = [run(engine, fmt, prompt, **kw)[0] for fmt, prompt, kw in jobs]
+    streams = []
+    for fmt, prompt, kw in jobs:
+        kw = {"temperature": 0.0, "max_tokens": 40, **kw}
+        streams.append(engine.generate(GenerationRequest(prompt_token_ids=prompt,
+                                                         sampling=SamplingParams(response_format=fmt, **kw))))
+    together = [[t for e in s for t in e.token_ids] for s in streams]
+    assert together == alone
+    assert engine.kv_stats()["used"] == 0
+
+
+def test_auto_speculation_steps_aside_and_named_proposers_are_refused(engine) -> None:
+    fmt = ResponseFormat("regex", pattern=PATTERN)
+    assert run(engine, fmt, speculative="auto")[0] == run(engine, fmt)[0]
+    for mode in ("prompt-lookup", "self", "draft"):
+        with pytest.raises(RequestError, match=f"speculative='{mode}' cannot be combined with a response format"):
+            SamplingParams(speculative=mode, response_format=fmt)
+
+
+@pytest.mark.parametrize(("fmt", "match"), [
+    (lambda: ResponseFormat("regex", pattern="[a-"), r"response format regex: the regex cannot be used: .*unclosed"),
+    (lambda: ResponseFormat("json_schema", schema={"type": "colour"}),
+     "response format json_schema: the JSON Schema cannot be used: .*colour"),
+    (lambda: ResponseFormat("lark", grammar="start: missing_rule"), "the Lark grammar cannot be used: .*missing_rule"),
+])
+def test_a_format_that_does_not_compile_is_refused_at_generate(engine, fmt, match: str) -> None:
+    with pytest.raises(RequestError, match=match):
+        engine.generate(GenerationRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(response_format=fmt())))
+    assert run(engine, None, max_tokens=3, ignore_eos=True)[0]  # the engine still serves
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"type": "xml"}, "invalid response format type 'xml'"),
+    ({"type": "json_schema"}, "takes 'schema' and nothing else"),
+    ({"type": "json_object", "pattern": "a"}, "takes no schema, pattern or grammar"),
+    ({"type": "json_schema", "schema": "{}"}, "needs a JSON Schema object"),
+    ({"type": "regex", "pattern": 5}, "needs 'pattern' as a string"),
+])
+def test_malformed_response_format_is_a_request_error(kwargs: dict, match: str) -> None:
+    with pytest.raises(RequestError, match=match):
+        ResponseFormat(**kwargs)
+
+
+def test_model_without_tokenizer_refuses_a_format(tmp_path: Path) -> None:
+    with Engine.load(str(random_llama_folder(tmp_path / "m"))) as e:
+        with pytest.raises(RequestError, match="has no tokenizer, which a response format needs"):
+            e.generate(GenerationRequest(prompt_token_ids=[3, 4],
+                                         sampling=SamplingParams(response_format=ResponseFormat("json_object"))))
+
+
+def test_json_whitespace_is_bounded() -> None:
+    """Between JSON tokens at most a space, or a newline and 20 spaces of indent: a small model cannot pad a reply
+    with blank lines until max_tokens."""
+    g = grammar(ResponseFormat("json_object"))
+    assert "\\x0A[\\x20\\x09]{0,20}" in g or "{0,20}" in g
+    assert not LLMatcher.validate_grammar(g)
+
+
+def test_torch_backend_gives_the_same_constrained_reply(tiny: Path, engine) -> None:
+    from tests.torch_support import require
+
+    require()
+    fmt = ResponseFormat("json_schema", schema=SCHEMA)
+    with Engine.load(str(tiny), backend="torch", device="cpu") as t:
+        for kw in ({}, {"temperature": 1.0, "seed": 2}):
+            assert run(t, fmt, max_tokens=60, **kw)[1] == run(engine, fmt, max_tokens=60, **kw)[1]
+
+
+def test_smollm2_json_schema_chat_reply() -> None:
+    """The embedded model, asked in chat for a person as JSON: a reply that parses and has the schema's keys."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    with Engine.load(None) as e:
+        events = list(e.generate(GenerationRequest(
+            messages=[{"role": "user", "content": "Describe a fictional person as JSON with a name and an age."}],
+            sampling=SamplingParams(temperature=0.0, max_tokens=40,
+                                    response_format=ResponseFormat("json_schema", schema=schema)))))
+    text = "".join(ev.text for ev in events)
+    assert events[-1].finish_reason == "stop", text
+    value = json.loads(text)
+    assert set(value) == {"name", "age"} and isinstance(value["name"], str) and isinstance(value["age"], int)
