@@ -170,6 +170,39 @@ def test_the_servers_tokenizer_is_the_engines(server, engine) -> None:
     assert info["chat_template"] == engine.tokenizer.chat_template
 
 
+def test_structured_output_through_the_clients_parse_helper(client, model_id) -> None:
+    """`client.chat.completions.parse` with a pydantic model (the strict JSON Schema it sends), a schema streamed,
+    JSON mode: replies that parse; a schema the engine cannot use is a 400 naming response_format."""
+    import json
+
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        city: str
+        country: str
+
+    r = client.chat.completions.parse(model=model_id, messages=HI, response_format=City, max_tokens=40, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(choice.message.parsed, City) and choice.message.parsed.city
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}}, "required": ["answer"],
+              "additionalProperties": False}
+    stream = client.chat.completions.create(model=model_id, messages=HI, max_tokens=40, temperature=0, stream=True,
+                                            response_format={"type": "json_schema",
+                                                             "json_schema": {"name": "a", "schema": schema}})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "stop", text
+    assert list(json.loads(text)) == ["answer"]
+    r = client.chat.completions.create(model=model_id, messages=HI, max_tokens=8, temperature=0,
+                                       response_format={"type": "json_object"})  # JSON mode: an object begins
+    assert r.choices[0].message.content.startswith("{")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_id, messages=HI, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "colour"}}})
+    assert e.value.param == "response_format" and "colour" in e.value.message
+
+
 def test_errors_are_typed_exceptions(client, model_id) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=HI, max_tokens=2)

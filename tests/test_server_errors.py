@@ -73,7 +73,7 @@ BAD = [
     ("/v1/completions", {"model": "default", "prompt": "y" * CONTEXT}, 400, "prompt", "maximum context length"),
     ("/v1/chat/completions", {**GOOD, "messages": [{"role": "user", "content": "[template-error]"}]}, 400, None,
      "chat template error"),
-    ("/v1/chat/completions", {**GOOD, "response_format": {"type": "json_object"}}, 400, "response_format.type",
+    ("/v1/chat/completions", {**GOOD, "response_format": {"type": "grammar"}}, 400, "response_format.type",
      "not supported"),
     ("/v1/completions", {"model": "default", "prompt": ["a", "y" * CONTEXT]}, 400, "prompt[1]",
      "the prompt[1] is 65 tokens"),

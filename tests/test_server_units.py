@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from mlx_engine.api import SamplingParams, TokenLogprob, Usage
+from mlx_engine.api import ResponseFormat, SamplingParams, TokenLogprob, Usage
 
 from app.server.bridge import AdmissionGate
 from app.server.errors import APIError, from_request_error
@@ -43,6 +43,22 @@ def test_openai_fields_map_to_sampling_params() -> None:
         logprobs=3)
     assert (j.stream, j.include_usage, j.logprobs, j.top_logprobs) == (True, True, True, 3)
     assert j.messages == [{"role": "user", "content": "hi"}]
+
+
+def test_response_formats_map_to_the_engine_s() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = lambda body, endpoint="chat": job({"response_format": body}, endpoint).sampling.get("response_format")  # noqa: E731
+    assert fmt({"type": "text"}) is None
+    assert fmt({"type": "json_object"}) == ResponseFormat("json_object")
+    assert fmt({"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}) == \
+        ResponseFormat("json_schema", schema=schema)
+    assert fmt({"type": "json_schema", "json_schema": {"name": "any"}}) == ResponseFormat("json_object")
+    assert fmt({"type": "json_object"}, "completion") == ResponseFormat("json_object")  # as vLLM accepts
+
+
+def test_an_engine_format_error_names_response_format() -> None:
+    e = from_request_error("response format json_schema: the JSON Schema cannot be used: Invalid type: colour")
+    assert (e.status, e.param) == (400, "response_format")
 
 
 def test_openai_defaults() -> None:
@@ -111,8 +127,13 @@ def test_message_content_parts_and_developer_role() -> None:
     ({"presence_penalty": 3}, "chat", 400, "presence_penalty", "[-2, 2]"),
     ({"top_logprobs": 2}, "chat", 400, "top_logprobs", "needs 'logprobs'"),
     ({"logprobs": True, "top_logprobs": 21}, "chat", 400, "top_logprobs", "[0, 20]"),
-    ({"response_format": {"type": "json_object"}}, "chat", 400, "response_format.type", "not supported"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "chat", 400, "response_format.type", "text"),
+    ({"response_format": {"type": "xml"}}, "chat", 400, "response_format.type", "not supported"),
+    ({"response_format": "json"}, "chat", 400, "response_format", "must be an object"),
+    ({"response_format": {"type": "json_schema"}}, "chat", 400, "response_format.json_schema", "needs 'json_schema'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "chat", 400,
+     "response_format.json_schema.schema", "must be a JSON Schema object, got an array"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}}, "chat", 400,
+     "response_format.json_schema.strict", "must be a boolean"),
     ({"tools": [{"type": "function"}]}, "chat", 400, "tools", "no tool calling"),
     ({"stream_options": {"include_usage": True}}, "chat", 400, "stream_options", "only allowed when 'stream'"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "chat", 400, "stream_options.include_usage",

@@ -45,7 +45,9 @@ def from_request_error(message: str, param_names: dict[str, str] | None = None) 
     """An engine RequestError as a 400; the param is read from SamplingParams' message when it names one."""
     m = _SAMPLING_FIELD.match(message) or _SPECULATIVE.match(message)
     param = None
-    if m:
+    if message.startswith("response format"):  # structured.constrain: the schema, regex or grammar
+        param = "response_format"
+    elif m:
         param = (param_names or {}).get(m.group(1), m.group(1))
     elif "context" in message and "prompt" in message:
         return APIError(400, message, None, "context_length_exceeded")

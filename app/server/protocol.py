@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mlx_engine.api import MAX_DRAFT_TOKENS, MAX_LOGPROBS, SPECULATIVE_MODES
+from mlx_engine.api import MAX_DRAFT_TOKENS, MAX_LOGPROBS, SPECULATIVE_MODES, ResponseFormat
 
 from app.server.errors import APIError, invalid
 
@@ -236,7 +236,7 @@ def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], s
     if job.logprobs:
         s["logprobs"] = job.top_logprobs
 
-    _response_format(f)
+    _response_format(f, s)
     _no_tools(f)
 
     job.stream = bool(f.boolean("stream"))
@@ -442,15 +442,36 @@ def _speculative(f: _Fields, s: dict[str, Any]) -> None:
         s["num_draft_tokens"] = k
 
 
-def _response_format(f: _Fields) -> None:
+def _response_format(f: _Fields, s: dict[str, Any]) -> None:
+    """OpenAI's `response_format`: text, json_object (JSON mode) or json_schema ({"name", "schema", "strict",
+    "description"}; a missing schema means any JSON object). The engine compiles the schema at submission, so a
+    schema it cannot use is a 400 there."""
     v = f.get("response_format")
     if v is None:
         return
     if not isinstance(v, dict) or not isinstance(v.get("type"), str):
-        raise invalid("'response_format' must be an object like {'type': 'text'}", "response_format")
-    if v["type"] != "text":
-        raise invalid(f"response_format type {v['type']!r} is not supported: this server has no constrained "
-                      "decoding; only {'type': 'text'} is accepted", "response_format.type", "unsupported_value")
+        raise invalid("'response_format' must be an object like {'type': 'json_object'}", "response_format")
+    kind = v["type"]
+    if kind == "text":
+        return
+    if kind == "json_object":
+        s["response_format"] = ResponseFormat("json_object")
+        return
+    if kind != "json_schema":
+        raise invalid(f"response_format type {kind!r} is not supported: expected 'text', 'json_object' or "
+                      "'json_schema'", "response_format.type", "unsupported_value")
+    spec = v.get("json_schema")
+    if not isinstance(spec, dict):
+        raise invalid("response_format of type 'json_schema' needs 'json_schema': an object like {'name': ..., "
+                      f"'schema': {{...}}}}, got {_kind(spec)}", "response_format.json_schema")
+    for name, kinds, expected in (("name", str, "a string"), ("description", str, "a string"),
+                                  ("strict", bool, "a boolean"), ("schema", dict, "a JSON Schema object")):
+        if spec.get(name) is not None and not isinstance(spec[name], kinds):
+            raise invalid(f"'response_format.json_schema.{name}' must be {expected}, got {_kind(spec[name])}",
+                          f"response_format.json_schema.{name}")
+    schema = spec.get("schema")
+    s["response_format"] = (ResponseFormat("json_schema", schema=schema) if schema is not None
+                            else ResponseFormat("json_object"))
 
 
 def _no_tools(f: _Fields) -> None:
