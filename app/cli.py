@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mlx_engine.api import GenerationRequest, RooflineError, SamplingParams
+from mlx_engine.api import GenerationRequest, ResponseFormat, RooflineError, SamplingParams
 
 EXIT_USAGE = 2
 
@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object (reply, usage, stats) at the end")
+    fmt = g.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", metavar="FILE", help="hold the reply to this JSON Schema (a .json file)")
+    fmt.add_argument("--json-object", action="store_true", help="the reply is one JSON object (JSON mode)")
+    fmt.add_argument("--regex", metavar="PATTERN", help="the reply is text this regular expression matches whole")
     kv_args(g)
 
     c = sub.add_parser("chat", help="open the chat app (the default when run with no arguments in a terminal)")
@@ -194,6 +198,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  allow_origins=tuple(o.rstrip("/") for o in args.allow_origin))
 
 
+def _response_format(args: argparse.Namespace) -> ResponseFormat | None:
+    if args.json_object:
+        return ResponseFormat("json_object")
+    if args.regex is not None:
+        return ResponseFormat("regex", pattern=args.regex)
+    if args.json_schema is None:
+        return None
+    path = Path(args.json_schema)
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise RooflineError(f"--json-schema {path}: cannot read it ({e.strerror or e})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RooflineError(f"--json-schema {path}: not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise RooflineError(f"--json-schema {path}: expected a JSON Schema object, got {type(schema).__name__}")
+    return ResponseFormat("json_schema", schema=schema)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(
         temperature=args.temp,
@@ -204,6 +227,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
+        response_format=_response_format(args),
     )
     if args.raw:
         request = GenerationRequest(prompt=args.prompt, sampling=sampling)

@@ -38,6 +38,31 @@ def test_generate_json_on_embedded_model_answers_paris() -> None:
     assert out["usage"]["completion_tokens"] <= 8 and out["stats"]["decode_tps"] > 0
 
 
+def test_generate_held_to_a_json_schema_and_a_regex(tmp_path: Path) -> None:
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                                                   "age": {"type": "integer"}},
+                                  "required": ["name", "age"], "additionalProperties": False}))
+    r = roofline("generate", "-p", "Make up a person.", "--json-schema", str(schema), "-n", "40", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] == "stop" and set(json.loads(out["text"])) == {"name", "age"}
+    r = roofline("generate", "-p", "Is water wet? Answer yes or no.", "--regex", "(yes|no)", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["text"] in ("yes", "no")
+
+
+def test_generate_with_a_bad_schema_file_is_one_line(tmp_path: Path) -> None:
+    assert_one_line_error(roofline("generate", "-p", "x", "--json-schema", str(tmp_path / "none.json")),
+                          "none.json: cannot read it")
+    (tmp_path / "bad.json").write_text("{not json")
+    assert_one_line_error(roofline("generate", "-p", "x", "--json-schema", str(tmp_path / "bad.json")),
+                          "bad.json: not valid JSON")
+    (tmp_path / "colour.json").write_text('{"type": "colour"}')
+    assert_one_line_error(roofline("generate", "-p", "x", "--json-schema", str(tmp_path / "colour.json")),
+                          "the JSON Schema cannot be used: Invalid type: colour")
+
+
 def test_logits_writes_golden_logits(tmp_path: Path) -> None:
     golden = np.load(GOLDEN / "llama" / "golden.npz")
     ids = golden["input_ids"].ravel().tolist()
