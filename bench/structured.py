@@ -1,0 +1,156 @@
+"""Structured output: what holding replies to a JSON Schema costs and what it buys, in one run.
+
+    uv run python bench/structured.py [--model M] [--max-tokens 96] [--repeats 2]
+
+Eight chat requests that ask for JSON (four prompts, two seeds, temperature 0.7), each run two ways on the same
+engine: free (the peer: how the engine, mlx-lm or any server without constrained decoding answers) and held to a
+JSON Schema (`response_format`). Each way runs one request at a time and then all eight at once; the ways
+alternate, `--repeats` times, so the machine's drift hits both alike. Prints a markdown table: replies that parse
+as JSON, replies valid against the schema, decode tokens/s (median over the one-at-a-time requests; aggregate
+for eight at once), and the grammar's host time per token (mask + advance, replayed on each constrained reply).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mlx_engine import Engine, GenerationRequest, ResponseFormat, SamplingParams  # noqa: E402
+from mlx_engine.structured import constrain  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "maxLength": 40},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 3},
+    },
+    "required": ["name", "age", "city", "hobbies"],
+    "additionalProperties": False,
+}
+PROMPTS = [
+    "Invent a person. Reply with JSON only: name, age, city, hobbies (a list).",
+    "Give me a JSON object describing a fictional teacher with name, age, city and hobbies.",
+    "Return JSON for a made-up athlete: name, age, city, hobbies.",
+    "Describe a character from a novel as JSON with the keys name, age, city and hobbies.",
+]
+
+
+def schema_valid(value: object) -> bool:
+    """SCHEMA, checked by hand (no jsonschema dependency)."""
+    if not isinstance(value, dict) or set(value) != set(SCHEMA["required"]):
+        return False
+    name, age, city, hobbies = (value[k] for k in ("name", "age", "city", "hobbies"))
+    return (isinstance(name, str) and len(name) <= 40 and isinstance(city, str) and len(city) <= 40
+            and isinstance(age, int) and not isinstance(age, bool) and 0 <= age <= 150
+            and isinstance(hobbies, list) and len(hobbies) <= 3
+            and all(isinstance(h, str) and len(h) <= 30 for h in hobbies))
+
+
+def parse(text: str) -> object | None:
+    t = text.strip()
+    if t.startswith("```"):  # a free reply often fences its JSON: count it if the fence holds valid JSON
+        t = t.strip("`")
+        t = t[4:] if t.startswith("json") else t
+    try:
+        return json.loads(t)
+    except ValueError:
+        return None
+
+
+def requests(fmt: ResponseFormat | None, max_tokens: int) -> list[GenerationRequest]:
+    return [GenerationRequest(messages=[{"role": "user", "content": p}],
+                              sampling=SamplingParams(temperature=0.7, seed=seed, max_tokens=max_tokens,
+                                                      response_format=fmt))
+            for p in PROMPTS for seed in (1, 2)]
+
+
+def collect(stream) -> tuple[str, list[int], object]:
+    events = list(stream)
+    return "".join(e.text for e in events), [t for e in events for t in e.token_ids], events[-1]
+
+
+def run(engine: Engine, fmt: ResponseFormat | None, max_tokens: int) -> dict:
+    one = [collect(engine.generate(r)) for r in requests(fmt, max_tokens)]
+    t0 = time.perf_counter()
+    streams = [engine.generate(r) for r in requests(fmt, max_tokens)]
+    together = [collect(s) for s in streams]
+    wall = time.perf_counter() - t0
+    parsed = [parse(text) for text, _, _ in one + together]
+    return {
+        "replies": len(parsed),
+        "json": sum(p is not None for p in parsed),
+        "valid": sum(schema_valid(p) for p in parsed),
+        "decode_tps": [final.stats.decode_tps for _, _, final in one if final.stats.decode_tps > 0],
+        "tokens_one": [len(tokens) for _, tokens, _ in one],
+        "aggregate_tps": sum(len(tokens) for _, tokens, _ in together) / wall,
+        "replies_tokens": [tokens for _, tokens, _ in one],
+        "finish": [final.finish_reason for _, _, final in one + together],
+    }
+
+
+def grammar_us_per_token(engine: Engine, fmt: ResponseFormat, replies: list[list[int]]) -> float:
+    times = []
+    for tokens in replies:
+        c = constrain(engine.tokenizer, engine.info.vocab_size, fmt)
+        for token in tokens:
+            t = time.perf_counter()
+            c.allowed()
+            c.consume(token)
+            times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    engine = Engine.load(args.model)
+    fmt = ResponseFormat("json_schema", schema=SCHEMA)
+    engine.generate(GenerationRequest(prompt="warm up", sampling=SamplingParams(max_tokens=2)))
+    runs: dict[str, list[dict]] = {"free": [], "schema": []}
+    for _ in range(args.repeats):
+        for name, f in (("free", None), ("schema", fmt)):
+            runs[name].append(run(engine, f, args.max_tokens))
+            print(f"{name}: {runs[name][-1]['aggregate_tps']:.1f} tok/s at 8", file=sys.stderr)
+    us = grammar_us_per_token(engine, fmt, [t for r in runs["schema"] for t in r["replies_tokens"]])
+
+    print(f"- date: {datetime.date.today()}; machine: {platform.platform()}, {platform.processor() or 'cpu'}")
+    print(f"- model: {engine.info.name}; backend {engine.info.backend} on {engine.info.device}")
+    print(f"- command: `uv run python bench/structured.py --max-tokens {args.max_tokens} --repeats {args.repeats}`")
+    print()
+    print("| replies | parse as JSON | valid against the schema | finish stop / length | tokens per reply (median) "
+          "| decode tok/s, one at a time (median) | tok/s, 8 at once |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    med = {}
+    for name in ("free", "schema"):
+        rs = runs[name]
+        n = sum(r["replies"] for r in rs)
+        finish = [f for r in rs for f in r["finish"]]
+        tps = statistics.median([x for r in rs for x in r["decode_tps"]])
+        agg = statistics.median([r["aggregate_tps"] for r in rs])
+        med[name] = (tps, agg)
+        print(f"| {name} | {sum(r['json'] for r in rs)}/{n} | {sum(r['valid'] for r in rs)}/{n} | "
+              f"{finish.count('stop')} / {finish.count('length')} | "
+              f"{statistics.median([x for r in rs for x in r['tokens_one']]):.0f} | {tps:.1f} | {agg:.1f} |")
+    print()
+    print(f"- schema / free: decode {med['schema'][0] / med['free'][0]:.2f}x one at a time, "
+          f"{med['schema'][1] / med['free'][1]:.2f}x eight at once")
+    print(f"- grammar host time per token (mask + advance, median): {us:.0f} us, "
+          f"{us / 1e4 * med['free'][0]:.1f}% of a one-at-a-time decode step")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
