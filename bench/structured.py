@@ -148,7 +148,7 @@ def main() -> None:
     print(f"- schema / free: decode {med['schema'][0] / med['free'][0]:.2f}x one at a time, "
           f"{med['schema'][1] / med['free'][1]:.2f}x eight at once")
     print(f"- grammar host time per token (mask + advance, median): {us:.0f} us, "
-          f"{us / 1e4 * med['free'][0]:.1f}% of a one-at-a-time decode step")
+          f"{us / 1e4 * med['free'][0]:.2f}% of a one-at-a-time decode step")
     engine.close()
 
 
