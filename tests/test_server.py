@@ -203,6 +203,57 @@ def test_structured_output_through_the_clients_parse_helper(client, model_id) ->
     assert e.value.param == "response_format" and "colour" in e.value.message
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]}}}
+
+
+def test_tool_calls_as_an_agent_makes_them(client, engine, model_id) -> None:
+    """The openai client offers a function: the reply calls it with arguments valid against its schema, exactly the
+    engine's greedy reply under the server's grammar; streamed, the same call arrives whole; the call and its result
+    go back in the conversation."""
+    import json
+
+    from app.server.protocol import parse_job
+
+    ask = [{"role": "user", "content": "What's the weather in Paris?"}]
+    r = client.chat.completions.create(model=model_id, messages=ask, tools=[WEATHER_TOOL], tool_choice="required",
+                                       max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert isinstance(args["city"], str) and set(args) <= {"city", "unit"}
+    job = parse_job({"model": "default", "messages": ask, "tools": [WEATHER_TOOL], "tool_choice": "required"}, "chat",
+                    {"default"}, model_id, 8192, 49152)
+    events = list(engine.generate(GenerationRequest(messages=job.messages, sampling=SamplingParams(
+        max_tokens=60, **{**job.sampling, "temperature": 0.0}))))
+    want = json.loads("".join(e.text for e in events))
+    assert want == {"tool_calls": [{"name": "get_weather", "arguments": args}]}
+
+    stream = client.chat.completions.create(model=model_id, messages=ask, tools=[WEATHER_TOOL], tool_choice="required",
+                                            max_tokens=60, temperature=0, stream=True)
+    chunks = [c for c in stream if c.choices]
+    [streamed] = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert streamed.index == 0 and streamed.function.name == "get_weather"
+    assert json.loads(streamed.function.arguments) == args and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    history = [*ask, choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    follow = client.chat.completions.create(model=model_id, max_tokens=30, temperature=0, tools=[WEATHER_TOOL],
+                                            messages=history)
+    job = parse_job({"model": "default", "messages": history, "tools": [WEATHER_TOOL]}, "chat", {"default"}, model_id,
+                    8192, 49152)
+    assert job.messages[2]["content"] == json.dumps({"tool_calls": [{"name": "get_weather", "arguments": args}]})
+    assert follow.usage.prompt_tokens == len(engine.prompt_ids(GenerationRequest(messages=job.messages)))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_id, messages=ask, max_tokens=5, tools=[WEATHER_TOOL],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.param == "tool_choice"
+
+
 def test_errors_are_typed_exceptions(client, model_id) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=HI, max_tokens=2)

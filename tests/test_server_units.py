@@ -16,6 +16,10 @@ from app.server.responses import Choice, Echo, Formatter, sse, token_bytes_fn, t
 from tests.server_fakes import FakeTokenizer
 
 NAMES = {"fake", "default"}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}
 
 
 def job(body: dict, endpoint: str = "chat") -> Job:
@@ -43,6 +47,84 @@ def test_openai_fields_map_to_sampling_params() -> None:
         logprobs=3)
     assert (j.stream, j.include_usage, j.logprobs, j.top_logprobs) == (True, True, True, 3)
     assert j.messages == [{"role": "user", "content": "hi"}]
+
+
+def test_tools_become_a_system_prompt_and_a_json_schema() -> None:
+    """Offered tools: their instructions lead the conversation, and the reply is held to a call of one of them (its
+    arguments closed to the declared properties) or to a plain reply; "required", a named function and parallel
+    calls narrow or widen that schema; "none" offers nothing."""
+    j = job({"tools": [WEATHER, ADD], "messages": [{"role": "system", "content": "Be brief."},
+                                                   {"role": "user", "content": "hi"}]})
+    assert [m["role"] for m in j.messages] == ["system", "user"]
+    assert j.messages[0]["content"].startswith("Be brief.\n\nYou can call these functions")
+    assert '"name": "get_weather"' in j.messages[0]["content"] and '{"response": "<your reply>"}' in j.messages[0]["content"]
+    schema = j.sampling["response_format"].schema
+    call, plain = schema["anyOf"]
+    assert plain == {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                     "additionalProperties": False}
+    calls = call["properties"]["tool_calls"]
+    assert calls["maxItems"] == 1 and [c["properties"]["name"] for c in calls["items"]["anyOf"]] == [
+        {"const": "get_weather"}, {"const": "add"}]
+    weather_args = calls["items"]["anyOf"][0]["properties"]["arguments"]
+    assert weather_args["additionalProperties"] is False and weather_args["required"] == ["city"]
+
+    required = job({"tools": [WEATHER, ADD], "tool_choice": "required", "parallel_tool_calls": True})
+    calls = required.sampling["response_format"].schema["properties"]["tool_calls"]
+    assert "maxItems" not in calls and len(calls["items"]["anyOf"]) == 2
+    named = job({"tools": [WEATHER, ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    calls = named.sampling["response_format"].schema["properties"]["tool_calls"]
+    assert calls["items"]["properties"]["name"] == {"const": "add"} and calls["maxItems"] == 1
+    assert "Call add" in named.messages[0]["content"] and "get_weather" not in named.messages[0]["content"]
+    none = job({"tools": [WEATHER], "tool_choice": "none"})
+    assert none.tools is None and "response_format" not in none.sampling and none.messages[0]["role"] == "user"
+
+
+def test_a_conversation_s_tool_calls_go_back_as_the_json_the_model_writes() -> None:
+    j = job({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3 degrees"}]})
+    assert j.messages[1] == {"role": "assistant",
+                             "content": '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}'}
+    assert j.messages[2] == {"role": "tool", "content": "3 degrees"}
+
+
+def test_closed_adds_no_extra_properties_where_the_schema_is_silent() -> None:
+    from app.server.tools import closed
+
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}},
+                                               "c": {"type": "array", "items": {"type": "object"}},
+                                               "d": {"type": "object", "additionalProperties": True}}}
+    out = closed(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["c"]["items"]["additionalProperties"] is False
+    assert out["properties"]["d"]["additionalProperties"] is True
+    assert "additionalProperties" not in schema  # the request's own schema is untouched
+
+
+def test_tool_replies_format_as_openai_messages_and_chunks() -> None:
+    from app.server.tools import reply
+
+    content, calls = reply('{"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]}')
+    assert content is None and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+    assert reply('{"response": "hello"}') == ("hello", None)
+    assert reply('{"response": "hel') == ('{"response": "hel', None)  # a stop string cut it
+    fmt = Formatter(job({"tools": [ADD]}), "fake", "fp_x", lambda t: b"x")
+    body = fmt.response([Choice('{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 1}}]}', (), "stop"),
+                         Choice('{"response": "two"}', (), "stop"), Choice('{"tool_calls": [{"na', (), "length")],
+                        Usage(5, 3))
+    first, second, third = body["choices"]
+    assert first["finish_reason"] == "tool_calls" and first["message"]["content"] is None
+    assert first["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 1}'}
+    assert second["finish_reason"] == "stop" and second["message"]["content"] == "two"
+    assert "tool_calls" not in second["message"]
+    assert third["finish_reason"] == "length" and third["message"]["content"] == '{"tool_calls": [{"na'
+    chunks = fmt.tool_reply_chunks('{"tool_calls": [{"name": "add", "arguments": {}}]}', "stop", 0)
+    assert chunks[0]["choices"][0]["delta"]["tool_calls"][0]["index"] == 0
+    assert chunks[1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_response_formats_map_to_the_engine_s() -> None:
@@ -134,7 +216,25 @@ def test_message_content_parts_and_developer_role() -> None:
      "response_format.json_schema.schema", "must be a JSON Schema object, got an array"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}}, "chat", 400,
      "response_format.json_schema.strict", "must be a boolean"),
-    ({"tools": [{"type": "function"}]}, "chat", 400, "tools", "no tool calling"),
+    ({"tools": [{"type": "function"}]}, "chat", 400, "tools[0]", "must be an object like"),
+    ({"tools": {"type": "function"}}, "chat", 400, "tools", "must be an array"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "chat", 400, "tools[0].function.name",
+     "1-64 letters"),
+    ({"tools": [WEATHER, WEATHER]}, "chat", 400, "tools[1].function.name", "offered twice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "chat", 400,
+     "tools[0].function.parameters", "JSON Schema object"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "chat", 400,
+     "tool_choice", "'other', which is not among the tools"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "chat", 400, "tool_choice", "'none', 'auto', 'required'"),
+    ({"tool_choice": "required"}, "chat", 400, "tool_choice", "needs 'tools'"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "chat", 400, "parallel_tool_calls", "boolean"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "chat", 400, "response_format",
+     "cannot be combined with 'tools'"),
+    ({"tools": [WEATHER], "logprobs": True}, "chat", 400, "logprobs", "not supported with 'tools'"),
+    ({"functions": [{"name": "f"}]}, "chat", 400, "functions", "send 'tools'"),
+    ({"tools": [WEATHER]}, "completion", 400, "tools", "completions have no tool calling"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]}, "chat",
+     400, "messages[0].tool_calls[0]", "'arguments': '<JSON text>'"),
     ({"stream_options": {"include_usage": True}}, "chat", 400, "stream_options", "only allowed when 'stream'"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "chat", 400, "stream_options.include_usage",
      "boolean"),

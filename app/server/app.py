@@ -312,6 +312,8 @@ class Server:
         finals: dict[int, GenerationEvent] = {}
         seen: list[bool] = []
         started: set[int] = set()
+        holding = fmt.job.tools is not None  # a tool-calling reply streams whole once its JSON is complete
+        held: dict[int, list[str]] = {i: [] for i in range(len(gens))}
         try:
             while len(finals) < len(gens):
                 i, event = await events.get()
@@ -321,7 +323,9 @@ class Server:
                     echo = fmt.echo_chunk(i, event.prompt_logprobs)
                     if echo is not None:
                         yield sse(echo)
-                if event.text or event.logprobs:
+                if holding:
+                    held[i].append(event.text)
+                elif event.text or event.logprobs:
                     yield sse(fmt.delta_chunk(event.text, event.logprobs, i))
                 reason = event.finish_reason
                 if reason is None:
@@ -334,7 +338,11 @@ class Server:
                     for gen in gens:
                         gen.cancel()
                     break
-                yield sse(fmt.finish_chunk(reason, i))
+                if holding:
+                    for chunk in fmt.tool_reply_chunks("".join(held[i]), reason, i):
+                        yield sse(chunk)
+                else:
+                    yield sse(fmt.finish_chunk(reason, i))
             else:
                 if fmt.job.include_usage:
                     ordered = [finals[i] for i in range(len(gens))]

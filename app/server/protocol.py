@@ -24,6 +24,7 @@ from typing import Any, Literal
 from mlx_engine.api import MAX_DRAFT_TOKENS, MAX_LOGPROBS, SPECULATIVE_MODES, ResponseFormat
 
 from app.server.errors import APIError, invalid
+from app.server.tools import Tools, calls_as_text, parse_tools, with_tools
 
 MAX_STOP = 4
 MAX_CHOICES = 64  # prompts x n in one request; each choice is one engine request
@@ -64,6 +65,7 @@ class Job:
     logprobs: bool = False
     top_logprobs: int = 0
     echo: bool = False  # completions: the prompt comes back before the reply
+    tools: Tools | None = None  # chat: functions offered (the reply is held to the tool-call JSON)
 
 
 # ---- the body ------------------------------------------------------------------------------------------
@@ -237,7 +239,7 @@ def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], s
         s["logprobs"] = job.top_logprobs
 
     _response_format(f, s)
-    _no_tools(f)
+    _tools(body, job, s)
 
     job.stream = bool(f.boolean("stream"))
     opts = f.get("stream_options")
@@ -339,7 +341,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
         elif not isinstance(content, str):
             raise invalid(f"'{p}.content' must be a string or an array of text parts, got {_kind(content)}",
                           f"{p}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": _text(content, f"{p}.content")})
+        text = _text(content, f"{p}.content")
+        if role == "assistant" and m.get("tool_calls") is not None:  # its calls, as the model writes them
+            text = calls_as_text(text, m["tool_calls"], f"{p}.tool_calls")
+        out.append({"role": "system" if role == "developer" else role, "content": text})
     return out
 
 
@@ -474,11 +479,23 @@ def _response_format(f: _Fields, s: dict[str, Any]) -> None:
                             else ResponseFormat("json_object"))
 
 
-def _no_tools(f: _Fields) -> None:
-    for name in ("tools", "functions"):
-        if f.get(name):
-            raise invalid(f"'{name}' is not supported: this server has no tool calling", name, "unsupported_value")
-    for name in ("tool_choice", "function_call"):
-        v = f.get(name)
-        if v is not None and v != "none" and v != "auto":
-            raise invalid(f"'{name}' is not supported: this server has no tool calling", name, "unsupported_value")
+def _tools(body: dict[str, Any], job: Job, s: dict[str, Any]) -> None:
+    """Chat `tools`: the conversation gets their instructions and the reply their JSON grammar (`tools.py`)."""
+    if job.endpoint != "chat":
+        for name in ("tools", "tool_choice", "functions", "function_call"):
+            if body.get(name) is not None:
+                raise invalid(f"'{name}' is for /v1/chat/completions; completions have no tool calling", name,
+                              "unsupported_value")
+        return
+    job.tools = parse_tools(body)
+    if job.tools is None:
+        return
+    if "response_format" in s:
+        raise invalid("'response_format' cannot be combined with 'tools': a tool-calling reply is held to the tool "
+                      "call format", "response_format", "unsupported_value")
+    if job.logprobs:
+        raise invalid("'logprobs' is not supported with 'tools' (the reply's tokens are the tool-call JSON)",
+                      "logprobs", "unsupported_value")
+    assert job.messages is not None
+    job.messages = with_tools(job.messages, job.tools)
+    s["response_format"] = ResponseFormat("json_schema", schema=job.tools.schema())

@@ -14,6 +14,7 @@ from typing import Any
 
 from mlx_engine.api import TokenLogprob, Usage
 
+from app.server import tools
 from app.server.protocol import Job
 
 DONE = b"data: [DONE]\n\n"
@@ -188,6 +189,18 @@ class Formatter:
             return self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason})
         return self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason})
 
+    def tool_reply_chunks(self, text: str, finish_reason: str, index: int = 0) -> list[dict[str, Any]]:
+        """A tool-calling choice streams whole at its end (its JSON is parsed first): its content or its calls,
+        then its finish reason ("tool_calls" when it called)."""
+        content, calls = tools.reply(text) if finish_reason == "stop" else (text, None)
+        if calls:
+            delta: dict[str, Any] = {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}
+            finish_reason = "tool_calls"
+        else:
+            delta = {"content": content}
+        return [self._chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None}),
+                self.finish_chunk(finish_reason, index)]
+
     def usage_chunk(self, usage: Usage, accepted_draft_tokens: int | None = None) -> dict[str, Any]:
         obj = self._head("chat.completion.chunk" if self.chat else "text_completion")
         obj["choices"] = []
@@ -201,9 +214,16 @@ class Formatter:
         """The whole body; an echoed prompt's log-probabilities are each Choice's `prompt_logprobs`."""
         if self.chat:
             obj = self._head("chat.completion")
-            obj["choices"] = [{"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                               "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason}
-                              for i, c in enumerate(choices)]
+            obj["choices"] = []
+            for i, c in enumerate(choices):
+                message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+                reason = c.finish_reason
+                if self.job.tools is not None and reason == "stop":
+                    message["content"], calls = tools.reply(c.text)
+                    if calls:
+                        message["tool_calls"], reason = calls, "tool_calls"
+                obj["choices"].append({"index": i, "message": message, "logprobs": self._logprobs(c.logprobs),
+                                       "finish_reason": reason})
         else:
             obj = self._head("text_completion")
             obj["choices"] = []

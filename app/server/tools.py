@@ -1,0 +1,187 @@
+"""Tool calling for any model: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, answered through a JSON
+grammar (llama.cpp's "generic" tool-call format).
+
+A system message tells the model which functions it may call and that it answers with one JSON object:
+`{"tool_calls": [{"name": ..., "arguments": {...}}]}` to call functions, or `{"response": "..."}` to reply. The
+engine's structured output holds the reply to that shape (a JSON Schema built from the tools' parameter schemas),
+so every call names a declared function and its arguments are valid against that function's schema, even from a
+135M model. The server turns the JSON back into OpenAI's message: `tool_calls` with finish_reason "tool_calls", or
+`content`.
+
+Earlier turns go back to the model in the same JSON: an assistant message's `tool_calls` become its content; tool
+results keep the role "tool" (the chat template renders them). Parsing a model's own native tool format
+(`<tool_call>` blocks and the like) is not done: every model answers in this one format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from app.server.errors import invalid
+
+NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class Tools:
+    """The functions a request offers, and what it asks: `choice` is "auto" (call or reply), "required" (call at
+    least one) or the name of the one function to call."""
+
+    functions: tuple[dict[str, Any], ...]  # {"name", "description", "parameters"}
+    choice: str = "auto"
+    parallel: bool = False
+
+    def _offered(self) -> list[dict[str, Any]]:
+        if self.choice in ("auto", "required"):
+            return list(self.functions)
+        return [f for f in self.functions if f["name"] == self.choice]
+
+    def schema(self) -> dict[str, Any]:
+        """The JSON Schema a reply is held to."""
+        calls = []
+        for f in self._offered():
+            calls.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+                          "required": ["name", "arguments"], "additionalProperties": False})
+        array: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+                                 "minItems": 1}
+        if not self.parallel or self.choice not in ("auto", "required"):
+            array["maxItems"] = 1
+        call = {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"],
+                "additionalProperties": False}
+        if self.choice != "auto":
+            return call
+        reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                 "additionalProperties": False}
+        return {"anyOf": [call, reply]}
+
+    def system_prompt(self) -> str:
+        listed = json.dumps([{k: f[k] for k in ("name", "description", "parameters") if k in f}
+                             for f in self._offered()], ensure_ascii=False)
+        call = '{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}'
+        lines = [f"You can call these functions (their arguments as JSON Schema): {listed}",
+                 "Answer with one JSON object only."]
+        if self.choice == "auto":
+            lines.append(f'To call functions, answer {call}. To reply to the user directly, answer '
+                         '{"response": "<your reply>"}.')
+        else:
+            lines.append(f"Call {'a function' if self.choice == 'required' else self.choice}: answer {call}.")
+        return "\n".join(lines)
+
+
+def closed(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object that does not say (OpenAI's strict mode):
+    otherwise a small model pads a call with properties the function never declared, until max_tokens."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in ("items", "anyOf", "oneOf", "allOf", "prefixItems", "$defs", "definitions")
+           else v for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict):
+        out["properties"] = {k: closed(v) for k, v in schema["properties"].items()}
+    for key in ("$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {k: closed(v) for k, v in schema[key].items()}
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def parse_tools(body: dict[str, Any]) -> Tools | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` of a chat request -> Tools, or None when none are offered
+    (no tools, or tool_choice "none": the model replies in plain text). Raises APIError (400)."""
+    for name in ("functions", "function_call"):
+        if body.get(name) is not None:
+            raise invalid(f"'{name}' (deprecated by OpenAI) is not supported: send 'tools' and 'tool_choice'", name,
+                          "unsupported_value")
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid(f"'parallel_tool_calls' must be a boolean, got {type(parallel).__name__}", "parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise invalid("'tool_choice' needs 'tools': no function is offered", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise invalid("'tools' must be an array of {'type': 'function', 'function': {...}}", "tools")
+    functions = []
+    for i, t in enumerate(tools):
+        p = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise invalid(f"'{p}' must be an object like {{'type': 'function', 'function': {{'name': ...}}}}", p)
+        fn = t["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise invalid(f"'{p}.function.name' must be 1-64 letters, digits, '_', '-' or '.', got {name!r}",
+                          f"{p}.function.name")
+        if any(f["name"] == name for f in functions):
+            raise invalid(f"'{p}.function.name': {name!r} is offered twice", f"{p}.function.name")
+        description = fn.get("description")
+        if description is not None and not isinstance(description, str):
+            raise invalid(f"'{p}.function.description' must be a string", f"{p}.function.description")
+        parameters = fn.get("parameters", EMPTY_PARAMETERS)
+        if not isinstance(parameters, dict):
+            raise invalid(f"'{p}.function.parameters' must be a JSON Schema object", f"{p}.function.parameters")
+        functions.append({"name": name, **({"description": description} if description else {}),
+                          "parameters": closed(parameters or EMPTY_PARAMETERS)})
+    if choice is None or choice == "auto":
+        mode = "auto"
+    elif choice == "none":
+        return None
+    elif choice == "required":
+        mode = "required"
+    elif (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+          and isinstance(choice["function"].get("name"), str)):
+        mode = choice["function"]["name"]
+        if not any(f["name"] == mode for f in functions):
+            raise invalid(f"'tool_choice' names {mode!r}, which is not among the tools", "tool_choice")
+    else:
+        raise invalid("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                      "{'name': ...}}", "tool_choice")
+    return Tools(tuple(functions), mode, bool(parallel))  # one call a reply unless asked (llama.cpp's default)
+
+
+def with_tools(messages: list[dict[str, str]], tools: Tools) -> list[dict[str, str]]:
+    """The conversation with the tools' instructions in its system message (added first where it has none)."""
+    prompt = tools.system_prompt()
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
+def calls_as_text(content: str, tool_calls: Any, param: str) -> str:
+    """An assistant message's `tool_calls` (OpenAI's shape) as the JSON the model answers with, after any text."""
+    if not isinstance(tool_calls, list) or not tool_calls:
+        raise invalid(f"'{param}' must be a non-empty array of tool calls", param)
+    calls = []
+    for j, c in enumerate(tool_calls):
+        q = f"{param}[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise invalid(f"'{q}' must be like {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
+                          "'arguments': '<JSON text>'}}", q)
+        try:
+            arguments = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+        except ValueError:
+            arguments = fn["arguments"]  # as the client sent it
+        calls.append({"name": fn["name"], "arguments": arguments})
+    text = json.dumps({"tool_calls": calls}, ensure_ascii=False)
+    return f"{content}\n{text}" if content else text
+
+
+def reply(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """A whole grammar-held reply -> (content, None) or (None, OpenAI tool_calls with fresh ids). A reply a stop
+    string cut short is not whole JSON: it comes back as its text."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text, None
+    if "tool_calls" in value:
+        return None, [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                       "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                      for c in value["tool_calls"]]
+    return value["response"], None
