@@ -439,7 +439,7 @@ class Scheduler:
         self.runner.cache.record(seq.req_id, seq.cached_tokens())
         if token in self.runner.eos_ids and not seq.params.ignore_eos:
             return self._retire(seq, "stop")
-        if seq.constraint is not None:
+        if seq.constraint is not None and token not in self.runner.eos_ids:  # (EOS here: ignore_eos)
             seq.constraint.consume(token)
         seq.n_out += 1
         logprobs = (_token_logprob(token, lp, seq.params.logprobs),) if lp is not None else ()

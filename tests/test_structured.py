@@ -102,6 +102,15 @@ def test_json_schema_reply_parses_and_obeys_the_schema(engine) -> None:
     assert greedy == reference_greedy(engine, fmt, PROMPT, 60)
 
 
+def test_ignore_eos_runs_on_where_the_grammar_allows_more(engine) -> None:
+    """With ignore_eos an end-of-sequence the grammar allowed is emitted and decoding goes on, still in the grammar."""
+    for seed in range(6):
+        tokens, text, events = run(engine, ResponseFormat("regex", pattern="[ab]+"), temperature=1.0, seed=seed,
+                                   max_tokens=12, ignore_eos=True)
+        assert events[-1].finish_reason == "length" and len(tokens) == 12
+        assert set(tokens) <= {97, 98, *engine.info.eos_token_ids}
+
+
 def test_json_object_reply_is_an_object(engine) -> None:
     _, text, events = run(engine, ResponseFormat("json_object"), temperature=0.8, seed=5, max_tokens=80)
     if events[-1].finish_reason == "stop":
