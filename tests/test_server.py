@@ -254,6 +254,59 @@ def test_tool_calls_as_an_agent_makes_them(client, engine, model_id) -> None:
     assert e.value.param == "tool_choice"
 
 
+def test_responses_api_as_the_openai_client_uses_it(client, engine, model_id) -> None:
+    """`client.responses`: the reply is the chat reply to the same messages, streamed as typed events in order; a
+    function tool is called and its output goes back as an input item; text.format holds the reply to a schema."""
+    import json
+
+    r = client.responses.create(model=model_id, instructions="Be brief.", input="What is the capital of France?",
+                                max_output_tokens=6, temperature=0)
+    want = greedy(engine, [{"role": "system", "content": "Be brief."}, *HI], 6)
+    assert r.object == "response" and r.id.startswith("resp_") and r.output_text == want
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 6 and r.usage.total_tokens == r.usage.input_tokens + 6
+
+    stream = client.responses.create(model=model_id, input="What is the capital of France?", max_output_tokens=40,
+                                     temperature=0, stream=True)
+    events = list(stream)
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[4:4 + len(deltas)] == ["response.output_text.delta"] * len(deltas)
+    assert kinds[4 + len(deltas):] == ["response.output_text.done", "response.content_part.done",
+                                       "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(deltas) == events[-1].response.output_text == greedy(engine, HI, 40)
+
+    tool = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+            "parameters": WEATHER_TOOL["function"]["parameters"]}
+    ask = "What's the weather in Paris?"
+    r = client.responses.create(model=model_id, input=ask, tools=[tool], tool_choice="required", max_output_tokens=60,
+                                temperature=0)
+    [call] = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    chat = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": ask}],
+                                          tools=[WEATHER_TOOL], tool_choice="required", max_tokens=60, temperature=0)
+    assert json.loads(call.arguments) == json.loads(chat.choices[0].message.tool_calls[0].function.arguments)
+    follow = client.responses.create(model=model_id, tools=[tool], max_output_tokens=30, temperature=0, input=[
+        {"role": "user", "content": ask}, call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}])
+    assert follow.status in ("completed", "incomplete") and follow.usage.input_tokens > r.usage.input_tokens
+
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}}, "required": ["answer"],
+              "additionalProperties": False}
+    r = client.responses.create(model=model_id, input="What is the capital of France?", max_output_tokens=40,
+                                temperature=0, text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+    assert r.status == "completed" and list(json.loads(r.output_text)) == ["answer"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model_id, input="x", previous_response_id="resp_1")
+    assert e.value.param == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model_id, input="x", max_output_tokens=100000)
+    assert e.value.param == "max_output_tokens" and "'max_output_tokens' is 100000" in e.value.message
+
+
 def test_errors_are_typed_exceptions(client, model_id) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=HI, max_tokens=2)

@@ -171,6 +171,29 @@ def test_engine_raising_mid_stream_fails_only_that_request(url: str, engine: Fak
     assert_still_serving(url)
 
 
+def test_a_responses_stream_that_fails_ends_failed_and_one_dropped_cancels(url: str, engine: FakeEngine) -> None:
+    with httpx.stream("POST", url + "/v1/responses", json={"model": "default", "input": "[raise]", "stream": True},
+                      timeout=10) as r:
+        lines = [line for line in r.iter_lines() if line]
+    kinds = [line[7:] for line in lines if line.startswith("event: ")]
+    data = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert r.status_code == 200 and [d["type"] for d in data] == kinds
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert [d["delta"] for d in data if d["type"] == "response.output_text.delta"] == ["H", "e"]
+    assert kinds[-2:] == ["error", "response.failed"]
+    assert data[-1]["response"]["error"] == {
+        "code": "generation_failed", "message": "the generation failed: RuntimeError: the fake engine broke down"}
+    before = len(engine.streams)
+    with httpx.stream("POST", url + "/v1/responses", json={"model": "default", "input": "[slow][long]",
+                                                           "stream": True}, timeout=10) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # then the client goes away mid-stream
+    assert wait_until(lambda: engine.active == 0)
+    assert engine.streams[before].cancelled.is_set()
+    assert_still_serving(url)
+
+
 @pytest.mark.parametrize("prompt", ["[slow][long]", ["[slow][long]", "[slow][long]x", "[long]"]],
                          ids=["one prompt", "three prompts"])
 def test_streams_dropped_after_the_first_chunk_leave_nothing_running(url: str, engine: FakeEngine, prompt) -> None:

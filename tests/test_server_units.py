@@ -127,6 +127,57 @@ def test_tool_replies_format_as_openai_messages_and_chunks() -> None:
     assert chunks[1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def responses_error(body: dict) -> APIError:
+    from app.server.responses_api import parse_responses
+
+    with pytest.raises(APIError) as e:
+        parse_responses({"model": "fake", **body}, NAMES, "fake", context_length=64, vocab_size=1000)
+    return e.value
+
+
+def test_responses_input_items_become_chat_messages() -> None:
+    from app.server.responses_api import parse_responses
+
+    j = parse_responses({"model": "fake", "instructions": "Be brief.", "max_output_tokens": 7, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "3 degrees"},
+        {"type": "reasoning", "summary": []},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Cold."}]}]},
+        NAMES, "fake", context_length=64, vocab_size=1000)
+    assert j.max_tokens == 7 and j.max_tokens_param == "max_tokens"
+    assert j.messages == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+                                         '{"name": "get_weather", "arguments": {"city": "Rome"}}]}'},
+        {"role": "tool", "content": "3 degrees"}, {"role": "assistant", "content": "Cold."}]
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({}, "input", "'input' is required"),
+    ({"input": []}, "input", "non-empty array"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
+     "text parts only"),
+    ({"input": [{"type": "file_search_call"}]}, "input[0].type", "not supported here"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]", "needs string 'call_id'"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "'max_output_tokens' must be an integer >= 1"),
+    ({"input": "x", "temperature": 5}, "temperature", "[0, 2]"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type", "not supported"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": [1]}}}, "text.format.schema",
+     "JSON Schema object"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "function tools only"),
+    ({"input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools[0].name", "1-64 letters"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+    ({"input": "x", "background": True}, "background", "not supported"),
+    ({"instructions": 5, "input": "x"}, "instructions", "must be a string"),
+    ({"instructions": "\ud800", "input": "x"}, "instructions", "unpaired UTF-16 surrogate"),
+])
+def test_bad_responses_fields_are_named_as_sent(body: dict, param: str, words: str) -> None:
+    e = responses_error(body)
+    assert (e.status, e.param) == (400, param) and words in e.message, (e.param, e.message)
+
+
 def test_response_formats_map_to_the_engine_s() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     fmt = lambda body, endpoint="chat": job({"response_format": body}, endpoint).sampling.get("response_format")  # noqa: E731

@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 from mlx_engine.api import GenerationEvent, GenerationRequest, RequestError, RooflineError, SamplingParams, Usage
@@ -41,6 +41,7 @@ from app.server.errors import (
 from app.server.metrics import KVStatsReader, Metrics
 from app.server.protocol import Endpoint, Job, model_slug, parse_body, parse_detokenize, parse_job, parse_tokenize
 from app.server.responses import DONE, Choice, Echo, Formatter, error_chunk, sse, token_bytes_fn, token_str
+from app.server.responses_api import ResponsesFormatter, parse_responses
 
 MAX_BODY_BYTES = 4 * 2**20
 _PARAM_NAMES = {"logprobs": "top_logprobs"}  # SamplingParams field -> request field, where they differ
@@ -152,14 +153,23 @@ class Server:
     async def completions(self, request: Request) -> Response:
         return await self._complete(request, "completion")
 
+    async def responses(self, request: Request) -> Response:
+        return await self._complete(request, "responses")
+
     # ---- completions -------------------------------------------------------------------------------------
 
-    async def _complete(self, request: Request, endpoint: Endpoint) -> Response:
+    async def _complete(self, request: Request, endpoint: Endpoint | Literal["responses"]) -> Response:
         t0 = time.perf_counter()
         body = parse_body(await read_body(request, self.config.max_body_bytes))
-        job = parse_job(body, endpoint, self.model_names, self.model_id, self.info.context_length,
-                        self.info.vocab_size)
-        fmt = Formatter(job, self.model_id, self.fingerprint, self.token_bytes)
+        fmt: Formatter | ResponsesFormatter
+        if endpoint == "responses":
+            job = parse_responses(body, self.model_names, self.model_id, self.info.context_length,
+                                  self.info.vocab_size)
+            fmt = ResponsesFormatter(job, self.model_id, body)
+        else:
+            job = parse_job(body, endpoint, self.model_names, self.model_id, self.info.context_length,
+                            self.info.vocab_size)
+            fmt = Formatter(job, self.model_id, self.fingerprint, self.token_bytes)
         async with DisconnectWatch(request.receive) as watch:
             acquire = asyncio.ensure_future(self.gate.acquire())
             watch.on_gone(acquire.cancel)
@@ -191,6 +201,8 @@ class Server:
                 watch.on_gone(gen.cancel)
             if not job.stream:
                 return await self._collect(gens, fmt, t0, watch)
+        if isinstance(fmt, ResponsesFormatter):
+            return EventStreamResponse(gens, self._response_events(gens[0], fmt, t0))
         return EventStreamResponse(gens, self._chunks(gens, fmt, t0))
 
     def _submit(self, job: Job, fmt: Formatter) -> list[tuple[Any, int]]:
@@ -351,6 +363,56 @@ class Server:
         finally:
             for p in pumps:
                 p.cancel()
+
+    async def _response_events(self, gen: Generation, fmt: ResponsesFormatter, t0: float) -> AsyncIterator[bytes]:
+        """A Responses stream: created, in progress, the output item(s) with their deltas, then completed (or
+        incomplete at max_output_tokens; failed after an error). Text streams as it comes; a tool-calling reply
+        arrives whole once its JSON is complete."""
+        yield fmt.event("response.created", response=fmt.shell("in_progress"))
+        yield fmt.event("response.in_progress", response=fmt.shell("in_progress"))
+        item = fmt.message_item("", "in_progress") if fmt.job.tools is None else None
+        if item is not None:
+            for b in fmt.open_message(item):
+                yield b
+        parts: list[str] = []
+        seen: list[bool] = []
+        final: GenerationEvent | None = None
+        async for event in gen.events():
+            self._first_token(event, t0, seen)
+            if event.text:
+                parts.append(event.text)
+                if item is not None:
+                    yield fmt.text_delta(item["id"], event.text)
+            final = event
+        assert final is not None and final.finish_reason is not None
+        reason = final.finish_reason
+        if reason in ("error", "cancelled"):
+            message = (f"the generation failed: {final.error}" if reason == "error"
+                       else "the generation was cancelled (the server is shutting down)")
+            code = "generation_failed" if reason == "error" else "cancelled"
+            failed = fmt.shell("failed")
+            failed["error"] = {"code": code, "message": message}
+            yield fmt.event("error", code=code, message=message, param=None)
+            yield fmt.event("response.failed", response=failed)
+            return
+        text = "".join(parts)
+        if item is not None:
+            item["content"][0]["text"] = text
+            item["status"] = "completed" if reason == "stop" else "incomplete"
+            output = [item]
+            for b in fmt.close_message(item):
+                yield b
+        else:
+            output = fmt.output(text, reason)
+            if output[0]["type"] == "function_call":
+                for b in fmt.calls(output):
+                    yield b
+            else:
+                for b in [*fmt.open_message(output[0]), fmt.text_delta(output[0]["id"], output[0]["content"][0]["text"]),
+                          *fmt.close_message(output[0])]:
+                    yield b
+        done = "response.completed" if reason == "stop" else "response.incomplete"
+        yield fmt.event(done, response=fmt.finished(output, reason, total_usage([final], 1)))
 
     def cancel_all(self) -> None:
         for gen in list(self.generations):
@@ -526,6 +588,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Starlette:
         Route("/v1/models/{model:path}", server.model, methods=["GET"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/responses", server.responses, methods=["POST"]),
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),

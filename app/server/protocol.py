@@ -3,8 +3,9 @@
 OpenAI's semantics where they exist (defaults, ranges, `n`, `stop`, `logit_bias` with string keys); vLLM's
 names for the extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`); ours for speculative
 decoding (`speculative`: "auto", "prompt-lookup", "self", "draft" or "off"; `num_draft_tokens`). Unknown
-fields are ignored, as vLLM does; fields that would change the answer and are not supported (tools, JSON
-mode, `suffix`, best_of > 1) are refused rather than silently dropped.
+fields are ignored, as vLLM does; fields that would change the answer and are not supported (`suffix`,
+best_of > 1, legacy `functions`) are refused rather than silently dropped. `response_format` (JSON mode, a JSON
+Schema) and chat `tools` become a grammar the reply is held to (`tools.py`, the engine's `structured.py`).
 
 `n` replies per prompt, and on /v1/completions up to MAX_CHOICES prompts in one request (an array of strings or
 of token-id arrays): choice `index` = prompt * n + reply, at most MAX_CHOICES in all. With a `seed`, reply j
