@@ -8,6 +8,9 @@ JSON Schema (`response_format`). Each way runs one request at a time and then al
 alternate, `--repeats` times, so the machine's drift hits both alike. Prints a markdown table: replies that parse
 as JSON, replies valid against the schema, decode tokens/s (median over the one-at-a-time requests; aggregate
 for eight at once), and the grammar's host time per token (mask + advance, replayed on each constrained reply).
+Then tool calls: eight questions that need one of two offered functions, with the server's tool prompt, free and
+held to its grammar (greedy): replies that call an offered function with valid arguments, the right one, with the
+right arguments.
 """
 
 from __future__ import annotations
@@ -110,6 +113,54 @@ def grammar_us_per_token(engine: Engine, fmt: ResponseFormat, replies: list[list
     return statistics.median(times) * 1e6
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                "required": ["city"]}}},
+         {"type": "function", "function": {"name": "add", "description": "Add two numbers",
+                                            "parameters": {"type": "object", "properties": {
+                                                "a": {"type": "number"}, "b": {"type": "number"}},
+                                                "required": ["a", "b"]}}}]
+# (question, the call it needs: name and arguments that must match)
+TOOL_PROMPTS = [("What's the weather in Paris?", "get_weather", {"city": "Paris"}),
+                ("Is it raining in Tokyo right now?", "get_weather", {"city": "Tokyo"}),
+                ("How warm is it in Cairo today?", "get_weather", {"city": "Cairo"}),
+                ("Tell me the weather for Berlin.", "get_weather", {"city": "Berlin"}),
+                ("What is 2 plus 3?", "add", {"a": 2, "b": 3}),
+                ("Add 17 and 25.", "add", {"a": 17, "b": 25}),
+                ("What is the sum of 100 and 7?", "add", {"a": 100, "b": 7}),
+                ("Compute 4.5 + 1.5.", "add", {"a": 4.5, "b": 1.5})]
+
+
+def tool_calls(engine: Engine, grammar: bool, max_tokens: int) -> dict[str, int]:
+    """The server's tool prompt for each question, with and without its grammar: replies that are a call of a
+    declared function with valid arguments, of the right function, and with the right arguments."""
+    from app.server.tools import parse_tools, with_tools
+
+    tools = parse_tools({"tools": TOOLS, "tool_choice": "auto"})
+    assert tools is not None
+    fmt = ResponseFormat("json_schema", schema=tools.schema()) if grammar else None
+    declared = {f["name"]: f["parameters"] for f in tools.functions}
+    counts = {"valid call": 0, "right function": 0, "right arguments": 0}
+    for question, name, want in TOOL_PROMPTS:
+        text, _, _ = collect(engine.generate(GenerationRequest(
+            messages=with_tools([{"role": "user", "content": question}], tools),
+            sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, response_format=fmt))))
+        value = parse(text)
+        calls = value.get("tool_calls") if isinstance(value, dict) else None
+        call = calls[0] if isinstance(calls, list) and len(calls) == 1 and isinstance(calls[0], dict) else None
+        args = call.get("arguments") if call else None
+        params = declared.get(call.get("name")) if call else None
+        if params is None or not isinstance(args, dict) or not set(params["required"]) <= set(args) <= set(
+                params["properties"]):
+            continue
+        counts["valid call"] += 1
+        if call["name"] == name:
+            counts["right function"] += 1
+            counts["right arguments"] += all(args.get(k) == v for k, v in want.items())
+    return counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -149,6 +200,17 @@ def main() -> None:
           f"{med['schema'][1] / med['free'][1]:.2f}x eight at once")
     print(f"- grammar host time per token (mask + advance, median): {us:.0f} us, "
           f"{us / 1e4 * med['free'][0]:.2f}% of a one-at-a-time decode step")
+
+    print()
+    print(f"Tool calls: {len(TOOL_PROMPTS)} questions that need get_weather or add (both offered, tool_choice auto, "
+          "the server's tool prompt), greedy:")
+    print()
+    print("| replies | a call of an offered function, valid arguments | the right function | the right arguments |")
+    print("|---|---:|---:|---:|")
+    for name, grammar in (("free", False), ("held to the tool-call grammar", True)):
+        c = tool_calls(engine, grammar, args.max_tokens)
+        n = len(TOOL_PROMPTS)
+        print(f"| {name} | {c['valid call']}/{n} | {c['right function']}/{n} | {c['right arguments']}/{n} |")
     engine.close()
 
 
