@@ -76,7 +76,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
-    max_tokens: int = 512
+    max_tokens: int = 512  # 0 with prompt_logprobs: score the prompt and generate nothing
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to return per token; None: none
@@ -118,8 +118,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not finite(name) or not -2 <= getattr(self, name) <= 2:
                 raise bad(name, "a number in [-2, 2]")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
             raise bad("max_tokens", "an integer >= 1")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise bad("max_tokens", "an integer >= 1 (0 only with prompt_logprobs: the prompt scored, nothing generated)")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad("seed", "an integer or None")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -243,6 +243,8 @@ class Scheduler:
             return
         for seq, k in speculating:
             self._speculate(seq, k)
+        for seq in [s for s in self.running if not s.max_new and not s.prefilling]:
+            self._retire(seq, "length")  # max_tokens=0: the prompt is scored, nothing is generated
         self._read(new)
 
     def _queue_step(self) -> tuple[set[Sequence], list[tuple[Sequence, int]]]:
@@ -293,7 +295,7 @@ class Scheduler:
             if s.scores_prompt:  # logits at every position: the chunk's rows score the prompt
                 logits = runner.rows_logits(inputs, layers, list(range(end - start)))
                 self._score_chunk(s, start, end, logits)
-            if end == len(s.prompt):  # the last chunk: its last position gives the first token
+            if end == len(s.prompt) and s.max_new:  # the last chunk: its last position gives the first token
                 last = logits[-1:] if logits is not None else runner.last_logits(inputs, layers)
                 new.append((s, *self._sample(s, last)))
                 if s.spec is not None and hasattr(s.spec.proposer, "prefill"):
@@ -329,7 +331,7 @@ class Scheduler:
         for s, a, b in chunks:
             row += b - a
             s.num_prefilled = b
-            if b == len(s.prompt):  # its last chunk: the last row gives the first token
+            if b == len(s.prompt) and s.max_new:  # its last chunk: the last row gives the first token
                 rows.append(row - 1)
                 sampling.append(s)
         inputs = mx.concatenate(parts).reshape(1, -1)

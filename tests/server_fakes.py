@@ -79,8 +79,10 @@ class FakeStream:
         stats = Stats(ttft_s=0.01, prefill_tps=1000.0, decode_tps=100.0, peak_memory_bytes=0,
                       acceptance_rate=0.5 if drafted else None, mean_accepted_tokens=1.0 if drafted else None,
                       target_forwards=self.i - drafted)
+        plps, self.prompt_lps = self.prompt_lps, ()  # when no token took them (max_tokens=0)
         return GenerationEvent(text=text, finish_reason=reason, error=error,  # type: ignore[arg-type]
-                               usage=Usage(self.num_prompt, self.i, self.engine.cached(self.num_prompt)), stats=stats)
+                               usage=Usage(self.num_prompt, self.i, self.engine.cached(self.num_prompt)), stats=stats,
+                               prompt_logprobs=plps)
 
     def __next__(self) -> GenerationEvent:
         if self.done:

@@ -237,6 +237,19 @@ def test_prompt_logprobs_come_with_the_first_event(tmp_path: Path, paged: bool) 
         assert len(events) == 1 and events[0].finish_reason == "stop"
         assert [lp.token_id for lp in events[0].prompt_logprobs] == ids[1:]
         assert all(lp.top == () for lp in events[0].prompt_logprobs)
+        # max_tokens=0: the prompt scored and nothing generated (legacy OpenAI scoring), alone or beside a decode
+        only = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=5)
+        other = e.generate(GenerationRequest(prompt_token_ids=PROMPT[3:20], sampling=SamplingParams(
+            temperature=0.0, max_tokens=30, ignore_eos=True)))
+        next(other)  # decoding
+        e._scheduler.trace = []
+        for _ in range(2):
+            events = list(e.generate(GenerationRequest(prompt_token_ids=ids, sampling=only)))
+            assert len(events) == 1 and events[0].finish_reason == "length" and events[0].token_ids == ()
+            assert events[0].usage.completion_tokens == 0 and events[0].usage.prompt_tokens == len(ids)
+            check(events[0].prompt_logprobs)
+        assert len([t for ev in other for t in ev.token_ids]) == 29
+        assert not paged or (e.kv_stats()["used"] == 0 and any(rows and prefill for rows, prefill in e._scheduler.trace))
 
 
 def test_pool_memory_grows_with_use_and_numbers_stay_exact(tmp_path: Path, monkeypatch) -> None:

@@ -154,6 +154,14 @@ def test_a_batch_of_prompts_with_echo_scores_them_as_lm_eval_does(client, engine
         assert choice.text == engine.tokenizer.decode(ids) + alone.choices[0].text
         assert lp.tokens[-1] == alone.choices[0].text
     assert seen_greedy == {True, False}  # the prompts hold tokens the model would and would not have picked
+    # max_tokens 0 with echo (the legacy API's way, and lm-eval's older openai model's): the same scores, no reply
+    only = client.completions.create(model=model_id, prompt=prompts, echo=True, logprobs=1, max_tokens=0)
+    assert r.usage.prompt_tokens == only.usage.prompt_tokens and only.usage.completion_tokens == 0
+    for ids, choice, scored in zip(prompts, only.choices, r.choices):
+        assert choice.finish_reason == "length" and choice.text == engine.tokenizer.decode(ids)
+        assert choice.logprobs.token_logprobs == scored.logprobs.token_logprobs[:len(ids)]
+    plain = client.completions.create(model=model_id, prompt="Hello there", echo=True, max_tokens=0)
+    assert plain.choices[0].text == "Hello there" and plain.choices[0].logprobs is None
 
 
 def test_the_servers_tokenizer_is_the_engines(server, engine) -> None:

@@ -385,6 +385,17 @@ def test_echo_returns_each_prompt_with_its_logprobs(url: str) -> None:
     # a string prompt echoes as sent; without logprobs, the text alone
     r = post(url, "/v1/completions", {"model": "default", "prompt": "say", "echo": True, "max_tokens": 2})
     assert r.json()["choices"][0]["text"] == "say" + REPLY[:2] and r.json()["choices"][0]["logprobs"] is None
+    # max_tokens 0: the prompt and its log-probabilities only, streamed too
+    body = {**body, "prompt": [[104, 105]], "max_tokens": 0}
+    r = post(url, "/v1/completions", body)
+    [c] = r.json()["choices"]
+    assert (c["text"], c["finish_reason"], r.json()["usage"]["completion_tokens"]) == ("hi", "length", 0)
+    assert c["logprobs"]["token_logprobs"] == [None, -1.05]
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=10) as r:
+        events = sse_events(r)
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["hi", ""] and events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.05]
+    assert events[1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_n_replies_per_prompt_with_their_own_seeds(url: str, engine: FakeEngine) -> None:

@@ -211,6 +211,7 @@ def test_completion_prompt_forms_and_logprobs() -> None:
     assert job({"prompt": [[5, 6]]}, "completion").prompts == [Prompt(token_ids=[5, 6])]
     assert job({"prompt": ["a", [5], "b"]}, "completion").prompts == [Prompt("a"), Prompt(None, [5]), Prompt("b")]
     assert not job({}, "completion").echo and job({"echo": True}, "completion").echo
+    assert job({"echo": True, "max_tokens": 0}, "completion").max_tokens == 0  # scoring only
     j = job({"logprobs": 2}, "completion")
     assert (j.logprobs, j.top_logprobs, j.sampling["logprobs"]) == (True, 2, 2)
     j = job({"logprobs": 0}, "completion")
@@ -244,6 +245,7 @@ def test_message_content_parts_and_developer_role() -> None:
     ({"temperature": True}, "chat", 400, "temperature", "must be a number"),
     ({"top_p": 0}, "chat", 400, "top_p", "(0, 1]"),
     ({"max_tokens": 0}, "chat", 400, "max_tokens", ">= 1"),
+    ({"max_tokens": 0}, "completion", 400, "max_tokens", ">= 1"),  # 0 only with echo
     ({"max_tokens": 2.5}, "chat", 400, "max_tokens", "an integer"),
     ({"max_tokens": 64}, "chat", 400, "max_tokens", "context is 64"),
     ({"max_completion_tokens": 100}, "chat", 400, "max_completion_tokens", "context"),

@@ -257,6 +257,8 @@ class Server:
         seed = kw.pop("seed", None)
         if job.echo and job.logprobs:  # the prompt's log-probabilities, scored in the batch's prefill chunks
             kw["prompt_logprobs"] = job.top_logprobs
+        elif max_tokens == 0:  # echo without logprobs and no reply: the engine still reads the prompt, once
+            kw["prompt_logprobs"] = 0
         return [GenerationRequest(prompt_token_ids=ids, sampling=SamplingParams(
             max_tokens=max_tokens, seed=None if seed is None else seed + j, **kw)) for j in range(job.n)]
 

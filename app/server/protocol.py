@@ -199,7 +199,10 @@ def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], s
 
     for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins when both are sent
         if f.get(name) is not None:
-            job.max_tokens = f.integer(name, 1)
+            if job.echo and f.get(name) == 0:  # legacy scoring: the echoed prompt and its logprobs, no reply
+                job.max_tokens = 0
+            else:
+                job.max_tokens = f.integer(name, 1)
             job.max_tokens_param = name
             break
     if job.max_tokens is not None and job.max_tokens >= context_length:
