@@ -15,7 +15,8 @@ A request with a response format (`structured.Constraint`) is not pipelined: eac
 sampled in the last one, since the grammar's mask for its next token depends on it; it never speculates.
 
 A request with `prompt_logprobs` is prefilled whole (no prefix-cache hits: a cached block has no logits), and
-its chunks' logits at every position, packed with the step's other rows like any chunk, score its prompt.
+its chunks' logits at every position, packed with the step's other rows like any chunk, score its prompt. With
+max_tokens=0 it samples nothing and ends ("length") at the step that prefills its last chunk.
 """
 
 from __future__ import annotations
