@@ -209,6 +209,13 @@ def test_structured_output_through_the_clients_parse_helper(client, model_id) ->
         client.chat.completions.create(model=model_id, messages=HI, max_tokens=5, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "colour"}}})
     assert e.value.param == "response_format" and "colour" in e.value.message
+    # vLLM's fields, as a client written for vLLM sends them
+    r = client.chat.completions.create(model=model_id, messages=HI, max_tokens=5, temperature=0,
+                                       extra_body={"guided_choice": ["Paris", "Lyon", "Marseille"]})
+    assert r.choices[0].message.content in ("Paris", "Lyon", "Marseille") and r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_id, messages=HI, max_tokens=5, extra_body={"guided_regex": "[a-"})
+    assert e.value.param == "guided_regex" and "unclosed character class" in e.value.message
 
 
 WEATHER_TOOL = {"type": "function", "function": {

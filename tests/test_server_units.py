@@ -189,6 +189,19 @@ def test_response_formats_map_to_the_engine_s() -> None:
     assert fmt({"type": "json_object"}, "completion") == ResponseFormat("json_object")  # as vLLM accepts
 
 
+def test_vllm_guided_fields_map_to_the_engine_s_formats() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = lambda body: job(body).sampling.get("response_format")  # noqa: E731
+    assert fmt({"guided_json": schema}) == ResponseFormat("json_schema", schema=schema)
+    assert fmt({"guided_json": '{"type": "object"}'}) == ResponseFormat("json_schema", schema={"type": "object"})
+    assert fmt({"structured_outputs": {"regex": "[0-9]+"}}) == ResponseFormat("regex", pattern="[0-9]+")
+    assert fmt({"guided_choice": ["yes", 'no "way"']}) == ResponseFormat("lark", grammar='start: "yes" | "no \\"way\\""')
+    lark = fmt({"guided_grammar": 'root ::= "a" | "b"'}).grammar
+    assert 'start: "a"' in lark and '"b"' in lark
+    assert fmt({"structured_outputs": {"grammar": "start: /[a-z]+/"}}) == ResponseFormat("lark", grammar="start: /[a-z]+/")
+    assert job({"guided_regex": "x"}).format_param == "guided_regex"
+
+
 def test_an_engine_format_error_names_response_format() -> None:
     e = from_request_error("response format json_schema: the JSON Schema cannot be used: Invalid type: colour")
     assert (e.status, e.param) == (400, "response_format")
@@ -284,6 +297,16 @@ def test_message_content_parts_and_developer_role() -> None:
     ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "chat", 400, "response_format",
      "cannot be combined with 'tools'"),
     ({"tools": [WEATHER], "logprobs": True}, "chat", 400, "logprobs", "not supported with 'tools'"),
+    ({"guided_json": "{nope"}, "chat", 400, "guided_json", "not valid JSON"),
+    ({"guided_json": [1]}, "chat", 400, "guided_json", "JSON Schema object"),
+    ({"guided_choice": []}, "chat", 400, "guided_choice", "non-empty array"),
+    ({"guided_regex": 5}, "chat", 400, "guided_regex", "must be a string"),
+    ({"guided_grammar": "root ::= ("}, "chat", 400, "guided_grammar", "not a grammar this server reads"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "chat", 400, "guided_regex", "only one of"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "chat", 400, "guided_regex",
+     "only one of response_format, guided_regex"),
+    ({"structured_outputs": "json"}, "chat", 400, "structured_outputs", "must be an object"),
+    ({"guided_regex": "a", "tools": [WEATHER]}, "chat", 400, "guided_regex", "cannot be combined with 'tools'"),
     ({"functions": [{"name": "f"}]}, "chat", 400, "functions", "send 'tools'"),
     ({"tools": [WEATHER]}, "completion", 400, "tools", "completions have no tool calling"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]}, "chat",

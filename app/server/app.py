@@ -231,7 +231,10 @@ class Server:
                 raise
             return submitted
         except RequestError as e:
-            raise from_request_error(str(e), _PARAM_NAMES) from None
+            err = from_request_error(str(e), _PARAM_NAMES)
+            if err.param == "response_format":  # or the vLLM field the grammar came from
+                err.param = job.format_param
+            raise err from None
         except RooflineError as e:
             raise APIError(503, f"the engine cannot take requests: {e}", None, "engine_unavailable") from None
 

@@ -67,6 +67,7 @@ class Job:
     top_logprobs: int = 0
     echo: bool = False  # completions: the prompt comes back before the reply
     tools: Tools | None = None  # chat: functions offered (the reply is held to the tool-call JSON)
+    format_param: str = "response_format"  # the field the reply's grammar came from, for the engine's errors
 
 
 # ---- the body ------------------------------------------------------------------------------------------
@@ -243,6 +244,7 @@ def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], s
         s["logprobs"] = job.top_logprobs
 
     _response_format(f, s)
+    _guided(f, s, job)
     _tools(body, job, s)
 
     job.stream = bool(f.boolean("stream"))
@@ -483,6 +485,59 @@ def _response_format(f: _Fields, s: dict[str, Any]) -> None:
                             else ResponseFormat("json_object"))
 
 
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _guided(f: _Fields, s: dict[str, Any], job: Job) -> None:
+    """vLLM's structured-output fields, for clients written against vLLM: `guided_json`, `guided_regex`,
+    `guided_choice`, `guided_grammar` (GBNF, or Lark), or their newer form `structured_outputs` ({"json", "regex",
+    "choice", "grammar"}). At most one, and not with `response_format`."""
+    given: dict[str, Any] = {}
+    so = f.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise f.wrong("structured_outputs", "an object like {'json': {...}}")
+        given.update({f"structured_outputs.{k}": v for k, v in so.items()
+                      if k in ("json", "regex", "choice", "grammar") and v is not None})
+    given.update({k: f.get(k) for k in GUIDED if f.get(k) is not None})
+    if not given:
+        return
+    name, v = next(iter(given.items()))
+    if len(given) > 1 or "response_format" in s:
+        others = (["response_format"] if "response_format" in s else []) + list(given)
+        raise invalid(f"only one of {', '.join(others)} may be set", name)
+    kind = name.rsplit(".", 1)[-1].removeprefix("guided_")
+    job.format_param = name
+    if kind == "json":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError as e:
+                raise invalid(f"'{name}' is not valid JSON ({e})", name) from None
+        if not isinstance(v, dict):
+            raise invalid(f"'{name}' must be a JSON Schema object, got {_kind(v)}", name)
+        s["response_format"] = ResponseFormat("json_schema", schema=v)
+    elif kind == "regex":
+        if not isinstance(v, str):
+            raise invalid(f"'{name}' must be a string, got {_kind(v)}", name)
+        s["response_format"] = ResponseFormat("regex", pattern=v)
+    elif kind == "choice":
+        if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+            raise invalid(f"'{name}' must be a non-empty array of non-empty strings", name)
+        s["response_format"] = ResponseFormat("lark", grammar="start: " + " | ".join(json.dumps(c) for c in v))
+    else:
+        if not isinstance(v, str):
+            raise invalid(f"'{name}' must be a string (a GBNF or Lark grammar), got {_kind(v)}", name)
+        if "::=" in v:  # GBNF, as vLLM's xgrammar and llama.cpp take
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            try:
+                v = gbnf_to_lark(v)
+            except Exception as e:  # noqa: BLE001 - the converter raises its own error types
+                raise invalid(f"'{name}' is not a grammar this server reads: {e}", name) from None
+        s["response_format"] = ResponseFormat("lark", grammar=v)
+
+
 def _tools(body: dict[str, Any], job: Job, s: dict[str, Any]) -> None:
     """Chat `tools`: the conversation gets their instructions and the reply their JSON grammar (`tools.py`)."""
     if job.endpoint != "chat":
@@ -495,8 +550,8 @@ def _tools(body: dict[str, Any], job: Job, s: dict[str, Any]) -> None:
     if job.tools is None:
         return
     if "response_format" in s:
-        raise invalid("'response_format' cannot be combined with 'tools': a tool-calling reply is held to the tool "
-                      "call format", "response_format", "unsupported_value")
+        raise invalid(f"'{job.format_param}' cannot be combined with 'tools': a tool-calling reply is held to the "
+                      "tool call format", job.format_param, "unsupported_value")
     if job.logprobs:
         raise invalid("'logprobs' is not supported with 'tools' (the reply's tokens are the tool-call JSON)",
                       "logprobs", "unsupported_value")
