@@ -137,10 +137,6 @@ class SamplingParams:
             raise bad("num_draft_tokens", f"an integer in [1, {MAX_DRAFT_TOKENS}]")
         if self.response_format is not None and not isinstance(self.response_format, ResponseFormat):
             raise bad("response_format", "a ResponseFormat or None")
-        if self.response_format is not None and self.speculative not in (None, "auto"):
-            raise RequestError(f"speculative={self.speculative!r} cannot be combined with a response format: a "
-                               "drafted token would bypass the grammar; use speculative=None or 'auto' (which "
-                               "decodes such a request plainly)")
         for k, v in self.logit_bias.items():
             if not isinstance(k, int) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise RequestError(f"invalid sampling parameter logit_bias: expected {{token_id: number}}, got {k!r}: {v!r}")

@@ -12,7 +12,8 @@ pipelined decode on every step where the backend's cost curve and their acceptan
 not pay.
 
 A request with a response format (`structured.Constraint`) is not pipelined: each step first reads the token it
-sampled in the last one, since the grammar's mask for its next token depends on it; it never speculates.
+sampled in the last one, since the grammar's mask for its next token depends on it. Speculating, its verification
+masks each row with the grammar's state after the drafts before it.
 
 A request with `prompt_logprobs` is prefilled whole (no prefix-cache hits: a cached block has no logits), and
 its chunks' logits at every position, packed with the step's other rows like any chunk, score its prompt. With
@@ -159,7 +160,7 @@ class Scheduler:
         seq.sampler = Sampler(seq.params, self.runner.vocab_size, prompt_token_ids=seq.prompt)
         seq.detok = self.runner.tokenizer.detokenizer()
         seq.stops = StopStringMatcher(seq.params.stop)
-        seq.spec = None if seq.constraint is not None else self._spec_state(seq.params)
+        seq.spec = self._spec_state(seq.params)
         self.running.append(seq)
 
     def _spec_state(self, params: SamplingParams) -> Any:

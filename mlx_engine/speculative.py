@@ -97,6 +97,15 @@ class DraftInput:
     k: int
     sampler: Any  # the request's Sampler
     target_layers: Callable[[int, int], list[Any]]  # the target cache over positions [a, b), allocated
+    # a request with a response format: drafts so far -> (1, V) bool, what its grammar allows next
+    allowed_after: Callable[[list[int]], mx.array] | None = None
+
+
+def _mask_next(inp: DraftInput, drafts: list[mx.array]) -> None:
+    """Under a response format the next proposal is drawn from q masked by the grammar after the drafts so far
+    (a host read of each draft: the grammar advances on host)."""
+    if inp.allowed_after is not None:
+        inp.sampler.allowed = inp.allowed_after([int(x.item()) for x in drafts])
 
 
 def prompt_lookup(tokens: list[int] | np.ndarray, k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
@@ -189,6 +198,7 @@ class DraftModel:
         self.tokens = list(inp.tokens)
         drafts, qs = [], []
         for i in range(inp.k):
+            _mask_next(inp, drafts)
             q = inp.sampler.probs_after(logits, mx.concatenate(drafts) if drafts else [])  # (1, V)
             x = _draw(inp.sampler, q)  # (1,)
             drafts.append(x)
@@ -230,6 +240,7 @@ class SelfDraft:
         for i in range(inp.k):
             layers = inp.target_layers(n0 + i, n0 + i + 1)[:N]
             logits = self.runner.draft_logits(token, layers, N)  # (1, V)
+            _mask_next(inp, drafts)
             q = inp.sampler.probs_after(logits, mx.concatenate(drafts) if drafts else [])
             x = _draw(inp.sampler, q)
             drafts.append(x)
@@ -498,9 +509,14 @@ def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.
 
     draft: list[int] | mx.array = []
     q = None
+    constraint = getattr(seq, "constraint", None)  # a response format: drafts and rows held to its grammar
+    allowed_after = None if constraint is None else (lambda ds: mx.array(constraint.allowed_after(ds))[None])
     if k:
-        draft, q = state.proposer.propose(DraftInput(tokens, k, sampler,
-                                                     lambda a, b: cache.prefill_layers(req, a, b)))
+        draft, q = state.proposer.propose(DraftInput(tokens, k, sampler, lambda a, b: cache.prefill_layers(req, a, b),
+                                                     allowed_after))
+    sampler.allowed = None
+    if constraint is not None and q is None:  # a copied draft (point mass): cut where the grammar refuses it
+        draft = list(draft)[:constraint.consumable(list(draft))]
     m = len(draft)
     if paged and m < k:
         cache.manager.trim(req, n0 + m + 1)
@@ -508,6 +524,8 @@ def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.
     layers = cache.prefill_layers(req, n0, n0 + m + 1)
     inputs = mx.concatenate([mx.array([tokens[-1]], dtype=mx.int32), d])[None]  # (1, m+1)
     logits = runner.all_logits(inputs, layers)  # (m+1, V)
+    if constraint is not None:  # row i: what the grammar allows after the drafts before it
+        sampler.allowed = mx.array(constraint.allowed_along(d.tolist()))
     p = sampler.probs_along(logits, d)  # (m+1, V)
     if q is None:
         q = point_mass(d, p.shape[-1])

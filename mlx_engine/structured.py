@@ -7,6 +7,12 @@ constrained request: reads the token it sampled last (a host sync: the next mask
 the matcher, and masks the row's logits to the tokens the grammar allows before the sampler's penalties,
 temperature and filters (`Sampler.allowed`). Log-probabilities are those of the masked distribution, the one
 sampled from. The request ends with "stop" as soon as the grammar admits no further token but end-of-sequence.
+
+Speculative decoding keeps working. A draft model (or the self draft) draws each proposal from its own
+distribution masked by the grammar after the drafts before it (`allowed_after`), so it proposes only what fits;
+prompt lookup's copy is cut at the first token the grammar refuses. The verification masks each of its k + 1
+rows the same way (`allowed_along`). Rejection sampling with those masked p and q is lossless as ever, so the
+output is exactly the masked distribution's, and a quote that fits the grammar is accepted as usual.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ def constrain(tokenizer: Any, vocab_size: int, fmt: ResponseFormat) -> Constrain
         what = {"json_object": "JSON", "json_schema": "the JSON Schema", "regex": "the regex",
                 "lark": "the Lark grammar"}[fmt.type]
         raise RequestError(f"response format {fmt.type}: {what} cannot be used: {_one_line(matcher.get_error())}")
-    return Constraint(matcher, vocab_size)
+    return Constraint(matcher, vocab_size, tuple(tokenizer.eos_token_ids))
 
 
 def _one_line(message: str) -> str:
@@ -75,9 +81,10 @@ def _one_line(message: str) -> str:
 class Constraint:
     """One request's grammar state. Used on the engine thread only, after `constrain`."""
 
-    def __init__(self, matcher: LLMatcher, vocab_size: int):
+    def __init__(self, matcher: LLMatcher, vocab_size: int, eos_ids: tuple[int, ...] = ()):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
 
     def allowed(self) -> np.ndarray:
         """(vocab_size,) bool: the tokens the grammar allows next."""
@@ -86,6 +93,44 @@ class Constraint:
         if self.matcher.is_error() or not mask.any():
             raise RooflineError(f"the response format allows no next token: {self.matcher.get_error() or 'dead end'}")
         return mask
+
+    def consumable(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar accepts before the first it refuses or an end-of-sequence
+        (which ends the reply, or under ignore_eos is not fed to the grammar)."""
+        valid = self.matcher.validate_tokens(tokens)
+        return next((i for i, t in enumerate(tokens[:valid]) if t in self.eos_ids), valid)
+
+    def _rollback(self, n: int) -> None:
+        if n and not self.matcher.rollback(n):
+            raise RooflineError(f"the response format could not roll back {n} tokens: {self.matcher.get_error()}")
+
+    def allowed_along(self, tokens: list[int]) -> np.ndarray:
+        """(len(tokens) + 1, vocab_size) bool: row i is what the grammar allows after tokens[:i] (a speculative
+        verification's rows). Past the first token the grammar refuses, rows repeat the last: that token's
+        probability is 0 there, so it is rejected and no later row is used. The matcher ends where it began."""
+        valid = self.consumable(tokens)
+        rows = [self.allowed()]
+        try:
+            for token in tokens[:valid]:
+                self.consume(token)
+                rows.append(self.allowed())
+        finally:
+            self._rollback(len(rows) - 1)
+        rows += [rows[-1]] * (len(tokens) - valid)
+        return np.stack(rows)
+
+    def allowed_after(self, tokens: list[int]) -> np.ndarray:
+        """(vocab_size,) bool: what the grammar allows after `tokens` (a draft model's next proposal), or at the
+        first of them it refuses. The matcher ends where it began."""
+        valid = self.consumable(tokens)
+        done = 0
+        try:
+            for token in tokens[:valid]:
+                self.consume(token)
+                done += 1
+            return self.allowed()
+        finally:
+            self._rollback(done)
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):

@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from llguidance import LLMatcher
@@ -156,12 +157,102 @@ def test_batched_with_free_requests_each_gets_its_own_reply(engine) -> None:
     assert engine.kv_stats()["used"] == 0
 
 
-def test_auto_speculation_steps_aside_and_named_proposers_are_refused(engine) -> None:
+@pytest.fixture(scope="module")
+def with_draft(tiny: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The tiny model with a draft of the same byte vocabulary (another random model: it is often rejected)."""
+    root = tmp_path_factory.mktemp("draft")
+    draft = root / "draft.gguf"
+    write_gguf_from_folder(random_llama_folder(root / "hf", vocab=160, layers=1, seed=8), draft, {}, default_type="F32")
+    with Engine.load(str(tiny), draft_model=str(draft)) as e:
+        yield e
+
+
+QUOTE = [1, *b"copy: abab-12 abab-12 ab"]  # prompt lookup finds "abab-12" to draft from
+
+
+@pytest.mark.parametrize("mode", ["prompt-lookup", "self", "draft", "auto"])
+def test_speculation_under_a_grammar_is_exact_greedy(with_draft, mode: str) -> None:
+    """Every proposer drafts freely, the verification masks each row with the grammar after the drafts before
+    it: greedy replies equal plain decoding's under the same format, and drafts that fit are accepted."""
+    for fmt, prompt in ((ResponseFormat("regex", pattern=r"(ab){1,6}-[0-9]{2}"), QUOTE),
+                        (ResponseFormat("json_schema", schema=SCHEMA), PROMPT)):
+        plain, text, _ = run(with_draft, fmt, prompt, max_tokens=60)
+        for k in (1, 4):
+            tokens, _, events = run(with_draft, fmt, prompt, max_tokens=60, speculative=mode, num_draft_tokens=k)
+            assert tokens == plain, (mode, k, fmt.type)
+            assert mode == "auto" or events[-1].stats.acceptance_rate is not None  # drafts were verified
+    drafted = [d for e in run(with_draft, ResponseFormat("regex", pattern=r"(ab){1,6}-[0-9]{2}"), QUOTE,
+                              speculative="prompt-lookup")[2] for d in e.from_draft]
+    assert mode != "prompt-lookup" or sum(drafted) >= 3  # the quote was drafted and accepted
+
+
+@pytest.mark.parametrize("mode", ["prompt-lookup", "self", "draft"])
+def test_sampled_speculative_replies_stay_in_the_grammar(with_draft, mode: str) -> None:
+    for seed in range(12):
+        _, text, events = run(with_draft, ResponseFormat("regex", pattern=PATTERN), QUOTE, temperature=1.0, top_k=40,
+                              seed=seed, speculative=mode, num_draft_tokens=3)
+        assert re.fullmatch(PATTERN, text) and events[-1].finish_reason == "stop", (mode, seed, text)
+
+
+def test_speculative_sampling_under_a_grammar_is_lossless(with_draft, monkeypatch) -> None:
+    """Temperature 4 (a flat masked distribution), the random draft model proposing 2 tokens: the first three
+    tokens' distribution over the grammar's four strings matches the exact masked one (chi-square, p > 0.01), and
+    accepting every draft that fits the grammar (no p/q test) fails the same test."""
+    import mlx_engine.speculative as sp
+    from tests.test_speculative import chi2_pvalue
+
+    fmt = ResponseFormat("regex", pattern="a[ab]b|b[ab]a")  # the third token's mask depends on the first
+    prompt, T, n = [1, *b"abba abab: "], 4.0, 800
+    e = with_draft
+    allowed = [97, 98]
+
+    def p(prefix: list[int]) -> np.ndarray:
+        x = e.forward_logits(prompt + prefix)[-1].astype(np.float64)[allowed] / T
+        z = np.exp(x - x.max())
+        return z / z.sum()
+
+    outcomes = ["aab", "abb", "baa", "bba"]
+    exact = np.array([p([])[allowed.index(o.encode()[0])] * p([o.encode()[0]])[allowed.index(o.encode()[1])]
+                      for o in outcomes])
+
+    def sample() -> np.ndarray:
+        streams = [e.generate(GenerationRequest(prompt_token_ids=prompt, sampling=SamplingParams(
+            temperature=T, seed=seed, max_tokens=5, response_format=fmt, speculative="draft", num_draft_tokens=2)))
+            for seed in range(n)]
+        texts = ["".join(ev.text for ev in s) for s in streams]
+        return np.array([texts.count(o) for o in outcomes])
+
+    counts = sample()
+    assert counts.sum() == n and chi2_pvalue(counts, exact) > 0.01, (counts, exact * n)
+
+    def accept_all(p_, q, draft, key):  # every draft the grammar allows is kept (p > 0), then the bonus row
+        ok = (mx.take_along_axis(p_[:, :-1], draft[..., None].astype(mx.int32), axis=-1)[..., 0] > 0)
+        num = mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
+        row = mx.take_along_axis(p_, num[:, None, None], axis=1)[:, 0]
+        return num.astype(mx.int32), mx.random.categorical(mx.log(row), key=key).astype(mx.int32)
+
+    monkeypatch.setattr(sp, "rejection_sample", accept_all)
+    wrong = sample()
+    assert chi2_pvalue(wrong, exact) < 1e-4, (wrong, exact * n)
+
+
+def test_rows_along_a_draft_are_the_grammar_after_each_prefix(engine) -> None:
+    """allowed_along: row i is a fresh matcher's mask after the first i drafts; past a refused draft the rows
+    repeat; the matcher ends where it began."""
+    from mlx_engine.structured import constrain
+
     fmt = ResponseFormat("regex", pattern=PATTERN)
-    assert run(engine, fmt, speculative="auto")[0] == run(engine, fmt)[0]
-    for mode in ("prompt-lookup", "self", "draft"):
-        with pytest.raises(RequestError, match=f"speculative='{mode}' cannot be combined with a response format"):
-            SamplingParams(speculative=mode, response_format=fmt)
+    c = constrain(engine.tokenizer, engine.info.vocab_size, fmt)
+    draft = [97, 98, 45, 49, 122, 50]  # "ab-1", then "z": refused
+    rows = c.allowed_along(draft)
+    assert rows.shape == (7, engine.info.vocab_size)
+    for i in range(5):
+        fresh = constrain(engine.tokenizer, engine.info.vocab_size, fmt)
+        for t in draft[:i]:
+            fresh.consume(t)
+        assert (rows[i] == fresh.allowed()).all(), i
+    assert not rows[4][122] and (rows[5] == rows[4]).all() and (rows[6] == rows[4]).all()
+    assert (c.allowed() == rows[0]).all()  # rolled back
 
 
 @pytest.mark.parametrize(("fmt", "match"), [

@@ -255,7 +255,7 @@ class Server:
         if max_tokens is None:
             max_tokens = min(ctx - n, self.config.default_max_tokens or ctx)
         kw = dict(job.sampling)
-        if "speculative" not in kw and self.config.speculative is not None and "response_format" not in kw:
+        if "speculative" not in kw and self.config.speculative is not None:
             kw["speculative"] = self.config.speculative
         seed = kw.pop("seed", None)
         if job.echo and job.logprobs:  # the prompt's log-probabilities, scored in the batch's prefill chunks
