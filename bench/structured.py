@@ -1,6 +1,6 @@
 """Structured output: what holding replies to a JSON Schema costs and what it buys, in one run.
 
-    uv run python bench/structured.py [--model M] [--max-tokens 96] [--repeats 2]
+    uv run python bench/structured.py [--model M] [--max-tokens 96] [--repeats 2] [--parts json,tools,extraction]
 
 Eight chat requests that ask for JSON (four prompts, two seeds, temperature 0.7), each run two ways on the same
 engine: free (the peer: how the engine, mlx-lm or any server without constrained decoding answers) and held to a
@@ -10,7 +10,8 @@ as JSON, replies valid against the schema, decode tokens/s (median over the one-
 for eight at once), and the grammar's host time per token (mask + advance, replayed on each constrained reply).
 Then tool calls: eight questions that need one of two offered functions, with the server's tool prompt, free and
 held to its grammar (greedy): replies that call an offered function with valid arguments, the right one, with the
-right arguments.
+right arguments. Then JSON extraction (replies that copy spans of their prompt) held to a schema, greedy, plain
+against prompt lookup and "auto": tokens per target forward, decode tokens/s, and whether the reply is identical.
 """
 
 from __future__ import annotations
@@ -161,56 +162,121 @@ def tool_calls(engine: Engine, grammar: bool, max_tokens: int) -> dict[str, int]
     return counts
 
 
+EXTRACT = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "email": {"type": "string"}, "city": {"type": "string"},
+                   "order": {"type": "string"}, "items": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+    "required": ["name", "email", "city", "order", "items"],
+    "additionalProperties": False,
+}
+EXTRACT_PROMPTS = [
+    "Extract the customer's name, email, city, order number and items as JSON from this message:\n\n"
+    "Hello, this is Margaret Okonkwo-Hansen (margaret.okonkwo-hansen@riverbend-mail.example). I live in "
+    "Port Elizabeth and my order ORD-2024-118733 arrived without the stainless steel garlic press and the "
+    "bamboo cutting board. Could you send them?",
+    "From the note below, give JSON with name, email, city, order number and items.\n\nNote: customer "
+    "Bartholomew Fitzgerald-Quinn, bart.fitzquinn@northwind-traders.example, Saskatoon; order ORD-77-50291: "
+    "two ceramic pour-over coffee drippers, one cast iron skillet.",
+]
+
+
+def extraction_with_speculation(engine: Engine, modes: tuple[str, ...], max_tokens: int) -> list[tuple]:
+    """JSON extraction (the reply copies spans of the prompt), held to EXTRACT, greedy: each speculative mode
+    against plain decoding under the same grammar. Rows: (mode, tokens, forwards, tok/s, identical to plain)."""
+    rows = []
+    fmt = ResponseFormat("json_schema", schema=EXTRACT)
+    plain: dict[int, list[int]] = {}
+    for mode in modes:
+        tokens = forwards = 0
+        seconds = 0.0
+        same = True
+        for i, prompt in enumerate(EXTRACT_PROMPTS):
+            t0 = time.perf_counter()
+            _, ids, final = collect(engine.generate(GenerationRequest(
+                messages=[{"role": "user", "content": prompt}],
+                sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, response_format=fmt,
+                                        speculative=None if mode == "plain" else mode))))
+            seconds += time.perf_counter() - t0 - final.stats.ttft_s
+            tokens += len(ids)
+            forwards += final.stats.target_forwards
+            if mode == "plain":
+                plain[i] = ids
+            same = same and ids == plain[i]
+        rows.append((mode, tokens, forwards, (tokens - len(EXTRACT_PROMPTS)) / seconds, same))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--parts", default="json,tools,extraction", help="which tables: json, tools, extraction")
     args = ap.parse_args()
     engine = Engine.load(args.model)
-    fmt = ResponseFormat("json_schema", schema=SCHEMA)
-    engine.generate(GenerationRequest(prompt="warm up", sampling=SamplingParams(max_tokens=2)))
-    runs: dict[str, list[dict]] = {"free": [], "schema": []}
-    for _ in range(args.repeats):
-        for name, f in (("free", None), ("schema", fmt)):
-            runs[name].append(run(engine, f, args.max_tokens))
-            print(f"{name}: {runs[name][-1]['aggregate_tps']:.1f} tok/s at 8", file=sys.stderr)
-    us = grammar_us_per_token(engine, fmt, [t for r in runs["schema"] for t in r["replies_tokens"]])
-
     print(f"- date: {datetime.date.today()}; machine: {platform.platform()}, {platform.processor() or 'cpu'}")
     print(f"- model: {engine.info.name}; backend {engine.info.backend} on {engine.info.device}")
-    print(f"- command: `uv run python bench/structured.py --max-tokens {args.max_tokens} --repeats {args.repeats}`")
-    print()
-    print("| replies | parse as JSON | valid against the schema | finish stop / length | tokens per reply (median) "
-          "| decode tok/s, one at a time (median) | tok/s, 8 at once |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    med = {}
-    for name in ("free", "schema"):
-        rs = runs[name]
-        n = sum(r["replies"] for r in rs)
-        finish = [f for r in rs for f in r["finish"]]
-        tps = statistics.median([x for r in rs for x in r["decode_tps"]])
-        agg = statistics.median([r["aggregate_tps"] for r in rs])
-        med[name] = (tps, agg)
-        print(f"| {name} | {sum(r['json'] for r in rs)}/{n} | {sum(r['valid'] for r in rs)}/{n} | "
-              f"{finish.count('stop')} / {finish.count('length')} | "
-              f"{statistics.median([x for r in rs for x in r['tokens_one']]):.0f} | {tps:.1f} | {agg:.1f} |")
-    print()
-    print(f"- schema / free: decode {med['schema'][0] / med['free'][0]:.2f}x one at a time, "
-          f"{med['schema'][1] / med['free'][1]:.2f}x eight at once")
-    print(f"- grammar host time per token (mask + advance, median): {us:.0f} us, "
-          f"{us / 1e4 * med['free'][0]:.2f}% of a one-at-a-time decode step")
+    print(f"- command: `uv run python bench/structured.py --max-tokens {args.max_tokens} --repeats {args.repeats} "
+          f"--parts {args.parts}`")
+    parts = set(args.parts.split(","))
+    if "json" in parts:
+        fmt = ResponseFormat("json_schema", schema=SCHEMA)
+        engine.generate(GenerationRequest(prompt="warm up", sampling=SamplingParams(max_tokens=2)))
+        runs: dict[str, list[dict]] = {"free": [], "schema": []}
+        for _ in range(args.repeats):
+            for name, f in (("free", None), ("schema", fmt)):
+                runs[name].append(run(engine, f, args.max_tokens))
+                print(f"{name}: {runs[name][-1]['aggregate_tps']:.1f} tok/s at 8", file=sys.stderr)
+        us = grammar_us_per_token(engine, fmt, [t for r in runs["schema"] for t in r["replies_tokens"]])
 
-    print()
-    print(f"Tool calls: {len(TOOL_PROMPTS)} questions that need get_weather or add (both offered, tool_choice auto, "
-          "the server's tool prompt), greedy:")
-    print()
-    print("| replies | a call of an offered function, valid arguments | the right function | the right arguments |")
-    print("|---|---:|---:|---:|")
-    for name, grammar in (("free", False), ("held to the tool-call grammar", True)):
-        c = tool_calls(engine, grammar, args.max_tokens)
-        n = len(TOOL_PROMPTS)
-        print(f"| {name} | {c['valid call']}/{n} | {c['right function']}/{n} | {c['right arguments']}/{n} |")
+        print()
+        print("| replies | parse as JSON | valid against the schema | finish stop / length | tokens per reply (median) "
+              "| decode tok/s, one at a time (median) | tok/s, 8 at once |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        med = {}
+        for name in ("free", "schema"):
+            rs = runs[name]
+            n = sum(r["replies"] for r in rs)
+            finish = [f for r in rs for f in r["finish"]]
+            tps = statistics.median([x for r in rs for x in r["decode_tps"]])
+            agg = statistics.median([r["aggregate_tps"] for r in rs])
+            med[name] = (tps, agg)
+            print(f"| {name} | {sum(r['json'] for r in rs)}/{n} | {sum(r['valid'] for r in rs)}/{n} | "
+                  f"{finish.count('stop')} / {finish.count('length')} | "
+                  f"{statistics.median([x for r in rs for x in r['tokens_one']]):.0f} | {tps:.1f} | {agg:.1f} |")
+        print()
+        print(f"- schema / free: decode {med['schema'][0] / med['free'][0]:.2f}x one at a time, "
+              f"{med['schema'][1] / med['free'][1]:.2f}x eight at once")
+        print(f"- grammar host time per token (mask + advance, median): {us:.0f} us, "
+              f"{us / 1e4 * med['free'][0]:.2f}% of a one-at-a-time decode step")
+
+    if "tools" in parts:
+        print()
+        print(f"Tool calls: {len(TOOL_PROMPTS)} questions that need get_weather or add (both offered, tool_choice auto, "
+              "the server's tool prompt), greedy:")
+        print()
+        print("| replies | a call of an offered function, valid arguments | the right function | the right arguments |")
+        print("|---|---:|---:|---:|")
+        for name, grammar in (("free", False), ("held to the tool-call grammar", True)):
+            c = tool_calls(engine, grammar, args.max_tokens)
+            n = len(TOOL_PROMPTS)
+            print(f"| {name} | {c['valid call']}/{n} | {c['right function']}/{n} | {c['right arguments']}/{n} |")
+
+    if "extraction" in parts:
+        print()
+        print(f"JSON extraction with speculative decoding under the schema: {len(EXTRACT_PROMPTS)} prompts whose reply "
+              "copies names, addresses and numbers from the prompt, greedy, plain against each mode (after the first "
+              "token; median of --repeats):")
+        print()
+        print("| mode | tokens | target forwards | tokens per forward | decode tok/s | speedup | identical to plain |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        reps = [extraction_with_speculation(engine, ("plain", "prompt-lookup", "auto"), 160) for _ in range(args.repeats)]
+        base = statistics.median(r[0][3] for r in reps)
+        for j, (mode, tokens, forwards, _, _) in enumerate(reps[0]):
+            tps = statistics.median(r[j][3] for r in reps)
+            same = all(r[j][4] for r in reps)
+            print(f"| {mode} | {tokens} | {forwards} | {tokens / forwards:.2f} | {tps:.1f} | {tps / base:.2f}x | "
+                  f"{'yes' if same else 'NO'} |")
     engine.close()
 
 
