@@ -164,8 +164,11 @@ def tool_calls(engine: Engine, grammar: bool, max_tokens: int) -> dict[str, int]
 
 EXTRACT = {
     "type": "object",
-    "properties": {"name": {"type": "string"}, "email": {"type": "string"}, "city": {"type": "string"},
-                   "order": {"type": "string"}, "items": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+    "properties": {"name": {"type": "string", "maxLength": 40},
+                   "email": {"type": "string", "pattern": "^[a-z.-]+@[a-z.-]+$", "maxLength": 60},
+                   "city": {"type": "string", "maxLength": 30}, "order": {"type": "string", "pattern": "^ORD-[0-9-]+$",
+                                                                          "maxLength": 20},
+                   "items": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3}},
     "required": ["name", "email", "city", "order", "items"],
     "additionalProperties": False,
 }
