@@ -510,7 +510,7 @@ def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.
     draft: list[int] | mx.array = []
     q = None
     constraint = getattr(seq, "constraint", None)  # a response format: drafts and rows held to its grammar
-    allowed_after = None if constraint is None else (lambda ds: mx.array(constraint.allowed_after(ds))[None])
+    allowed_after = None if constraint is None else (lambda ds: mx.array(constraint.allowed_along(ds)[-1:]))
     if k:
         draft, q = state.proposer.propose(DraftInput(tokens, k, sampler, lambda a, b: cache.prefill_layers(req, a, b),
                                                      allowed_after))

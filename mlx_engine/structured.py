@@ -9,9 +9,9 @@ temperature and filters (`Sampler.allowed`). Log-probabilities are those of the 
 sampled from. The request ends with "stop" as soon as the grammar admits no further token but end-of-sequence.
 
 Speculative decoding keeps working. A draft model (or the self draft) draws each proposal from its own
-distribution masked by the grammar after the drafts before it (`allowed_after`), so it proposes only what fits;
-prompt lookup's copy is cut at the first token the grammar refuses. The verification masks each of its k + 1
-rows the same way (`allowed_along`). Rejection sampling with those masked p and q is lossless as ever, so the
+distribution masked by the grammar after the drafts before it (the last row of `allowed_along`), so it proposes
+only what fits; prompt lookup's copy is cut at the first token the grammar refuses. The verification masks each
+of its k + 1 rows the same way (`allowed_along`). Rejection sampling with those masked p and q is lossless as ever, so the
 output is exactly the masked distribution's, and a quote that fits the grammar is accepted as usual.
 """
 
@@ -106,31 +106,20 @@ class Constraint:
 
     def allowed_along(self, tokens: list[int]) -> np.ndarray:
         """(len(tokens) + 1, vocab_size) bool: row i is what the grammar allows after tokens[:i] (a speculative
-        verification's rows). Past the first token the grammar refuses, rows repeat the last: that token's
-        probability is 0 there, so it is rejected and no later row is used. The matcher ends where it began."""
+        verification's rows; the last row, a draft model's next proposal's mask). Past the first token the grammar
+        refuses, rows repeat the last: that token's probability is 0 there, so it is rejected and no later row is
+        used. The matcher ends where it began."""
         valid = self.consumable(tokens)
-        rows = [self.allowed()]
-        try:
-            for token in tokens[:valid]:
-                self.consume(token)
-                rows.append(self.allowed())
-        finally:
-            self._rollback(len(rows) - 1)
-        rows += [rows[-1]] * (len(tokens) - valid)
-        return np.stack(rows)
-
-    def allowed_after(self, tokens: list[int]) -> np.ndarray:
-        """(vocab_size,) bool: what the grammar allows after `tokens` (a draft model's next proposal), or at the
-        first of them it refuses. The matcher ends where it began."""
-        valid = self.consumable(tokens)
-        done = 0
+        rows, done = [self.allowed()], 0
         try:
             for token in tokens[:valid]:
                 self.consume(token)
                 done += 1
-            return self.allowed()
+                rows.append(self.allowed())
         finally:
             self._rollback(done)
+        rows += [rows[-1]] * (len(tokens) - valid)
+        return np.stack(rows)
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
