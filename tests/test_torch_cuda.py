@@ -180,6 +180,35 @@ def test_prompt_logprobs_in_graphs_equal_eager_on_cuda(tiny_gguf):
     assert np.abs(np.array([x[1] for x in got[1]]) - score).max() <= 1e-4
 
 
+def constrained_replies(engine: Engine) -> tuple[list[list[int]], list[int]]:
+    """Two requests held to a regex beside a free one, then one speculating under the regex (prompt lookup)."""
+    from mlx_engine import ResponseFormat
+
+    fmt = ResponseFormat("regex", pattern=r"[a-f]{2,6}-[0-9]{1,3}")
+    streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
+        temperature=0.0, max_tokens=20, response_format=None if i == 1 else fmt, ignore_eos=i == 1)))
+        for i, p in enumerate(PROMPTS)]
+    batched = [[t for e in s for t in e.token_ids] for s in streams]
+    spec = engine.generate(GenerationRequest(prompt_token_ids=[*PROMPTS[2], *b"abc-12 abc-1"], sampling=SamplingParams(
+        temperature=0.0, max_tokens=20, response_format=fmt, speculative="prompt-lookup")))
+    return batched, [t for e in spec for t in e.token_ids]
+
+
+def test_structured_output_in_graphs_equals_eager_on_cuda(tiny_gguf):
+    """A response format on CUDA: constrained rows (masked on the host) batched beside a free one in graphed
+    steps, and a constrained request speculating; the same tokens as the eager engine, and in the grammar."""
+    import re
+
+    with Engine.load(tiny_gguf, backend="torch", device="cuda", dtype="float32", cuda_graphs=False,
+                     kv_budget_bytes=BUDGET) as eager:
+        want = constrained_replies(eager)
+    with Engine.load(tiny_gguf, backend="torch", device="cuda", dtype="float32", kv_budget_bytes=BUDGET) as graphed:
+        got = constrained_replies(graphed)
+    assert got == want
+    for tokens in (got[0][0], got[0][2], got[1]):
+        assert re.fullmatch(r"[a-f]{2,6}-[0-9]{1,3}", bytes(tokens).decode())
+
+
 def test_prefill_chunk_default_is_4096_on_cuda(tiny_gguf):
     with Engine.load(tiny_gguf, backend="torch", device="cuda", kv_budget_bytes=BUDGET) as engine:
         assert engine._runner.prefill_chunk_size == 4096 and engine._scheduler.token_budget == 4096
