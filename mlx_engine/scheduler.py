@@ -232,8 +232,10 @@ class Scheduler:
         for seq in [s for s in self.running if s.stream.cancelled.is_set()]:
             self._retire(seq, "cancelled")
         self._admit()
-        for seq in [s for s in self.running if s.constraint is not None and s.unread]:
+        for seq in [s for s in self.running if s.constraint is not None]:
             self._read_all(seq)  # its grammar's next mask depends on the token it sampled last step
+            if seq in self.running:
+                self._mask(seq)
         if not self.running:
             return
         try:
@@ -427,9 +429,15 @@ class Scheduler:
         return tuple(TokenLogprob(token_id=t, logprob=float(v), top=tuple(zip(i.tolist(), w.tolist())))
                      for t, v, i, w in zip(seq.prompt[1:], lp.tolist(), ids, vals))
 
-    def _sample(self, seq: Sequence, logits: mx.array) -> tuple[mx.array, mx.array | None]:
-        if seq.constraint is not None:  # every token it sampled was read: the matcher is up to date
+    def _mask(self, seq: Sequence) -> None:
+        """A constrained sequence's mask for this step, before any forward is built: a grammar that fails (a dead
+        end, a resource limit) fails its own request, not the step's others."""
+        try:
             seq.sampler.allowed = mx.array(seq.constraint.allowed())[None]
+        except Exception as e:  # noqa: BLE001 - one request's failure is its own
+            self._retire(seq, "error", error=e)
+
+    def _sample(self, seq: Sequence, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         token = seq.sampler.sample(logits)  # (1,)
         lp = seq.sampler.logprobs(logits) if seq.params.logprobs is not None else None  # penalties before token
         seq.sampler.accept(token)

@@ -103,6 +103,56 @@ def test_json_schema_reply_parses_and_obeys_the_schema(engine) -> None:
     assert greedy == reference_greedy(engine, fmt, PROMPT, 60)
 
 
+def test_a_grammar_that_fails_fails_only_its_request(engine, monkeypatch) -> None:
+    """A grammar that dead-ends mid-reply (here: its mask fails after three tokens) ends that request with an
+    error; the free and constrained requests batched with it go on to their own replies."""
+    from mlx_engine.structured import Constraint
+
+    allowed = Constraint.allowed
+
+    def failing(self):
+        if getattr(self, "doomed", False) and len(self.seen) >= 3:
+            raise RuntimeError("lexer fuel exhausted")
+        return allowed(self)
+
+    consume = Constraint.consume
+
+    def counting(self, token):
+        self.seen = [*getattr(self, "seen", []), token]
+        consume(self, token)
+
+    monkeypatch.setattr(Constraint, "allowed", failing)
+    monkeypatch.setattr(Constraint, "consume", counting)
+    import mlx_engine.structured as st
+
+    made = []
+    original = st.constrain
+
+    def constrain(*args):
+        c = original(*args)
+        c.seen = []
+        made.append(c)
+        return c
+
+    monkeypatch.setattr(st, "constrain", constrain)
+    want_free, _, _ = run(engine, None, max_tokens=10, ignore_eos=True)
+    want_ok, _, _ = run(engine, ResponseFormat("regex", pattern=PATTERN), [1, 50, 51])
+    fmt = ResponseFormat("regex", pattern=PATTERN)
+    streams = [engine.generate(GenerationRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(
+        temperature=0.0, max_tokens=40, response_format=fmt)))]
+    made[-1].doomed = True
+    streams.append(engine.generate(GenerationRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(
+        temperature=0.0, max_tokens=10, ignore_eos=True))))
+    streams.append(engine.generate(GenerationRequest(prompt_token_ids=[1, 50, 51], sampling=SamplingParams(
+        temperature=0.0, max_tokens=40, response_format=fmt))))
+    doomed, free, ok = (list(s) for s in streams)
+    assert doomed[-1].finish_reason == "error" and "lexer fuel exhausted" in doomed[-1].error
+    assert sum(len(e.token_ids) for e in doomed) == 3
+    assert [t for e in free for t in e.token_ids] == want_free and free[-1].finish_reason == "length"
+    assert [t for e in ok for t in e.token_ids] == want_ok and ok[-1].finish_reason == "stop"
+    assert engine.kv_stats()["used"] == 0
+
+
 def test_ignore_eos_runs_on_where_the_grammar_allows_more(engine) -> None:
     """With ignore_eos an end-of-sequence the grammar allowed is emitted and decoding goes on, still in the grammar."""
     for seed in range(6):
