@@ -268,6 +268,17 @@ def test_tool_calls_as_an_agent_makes_them(client, engine, model_id) -> None:
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     assert e.value.param == "tool_choice"
 
+    # "auto", and the model replies in text: that text streams as it comes, the same as the whole reply
+    sums = [{"role": "user", "content": "What is 2 plus 3?"}]
+    whole = client.chat.completions.create(model=model_id, messages=sums, tools=[WEATHER_TOOL], max_tokens=40,
+                                           temperature=0)
+    assert whole.choices[0].finish_reason == "stop" and whole.choices[0].message.tool_calls is None
+    deltas = [c.choices[0].delta.content for c in client.chat.completions.create(
+        model=model_id, messages=sums, tools=[WEATHER_TOOL], max_tokens=40, temperature=0, stream=True)
+        if c.choices and c.choices[0].delta.content]
+    assert len(deltas) > 1 and "".join(deltas) == whole.choices[0].message.content
+    assert not whole.choices[0].message.content.startswith("{")
+
 
 def test_responses_api_as_the_openai_client_uses_it(client, engine, model_id) -> None:
     """`client.responses`: the reply is the chat reply to the same messages, streamed as typed events in order; a
@@ -308,6 +319,13 @@ def test_responses_api_as_the_openai_client_uses_it(client, engine, model_id) ->
         {"role": "user", "content": ask}, call.model_dump(exclude_none=True),
         {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}])
     assert follow.status in ("completed", "incomplete") and follow.usage.input_tokens > r.usage.input_tokens
+    whole = client.responses.create(model=model_id, input="What is 2 plus 3?", tools=[tool], max_output_tokens=40,
+                                    temperature=0)
+    events = list(client.responses.create(model=model_id, input="What is 2 plus 3?", tools=[tool],
+                                          max_output_tokens=40, temperature=0, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert whole.output[0].type == "message" and len(deltas) > 1  # a plain reply under tools streams
+    assert "".join(deltas) == whole.output_text == events[-1].response.output_text
 
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}}, "required": ["answer"],
               "additionalProperties": False}

@@ -111,7 +111,8 @@ def test_tool_replies_format_as_openai_messages_and_chunks() -> None:
     assert content is None and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
     assert calls[0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
     assert reply('{"response": "hello"}') == ("hello", None)
-    assert reply('{"response": "hel') == ('{"response": "hel', None)  # a stop string cut it
+    assert reply('{"response": "hel') == ("hel", None)  # cut short (max_tokens, a stop string): the text so far
+    assert reply('{"tool_calls": [{"na') == ('{"tool_calls": [{"na', None)  # a cut call: the raw text
     fmt = Formatter(job({"tools": [ADD]}), "fake", "fp_x", lambda t: b"x")
     body = fmt.response([Choice('{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 1}}]}', (), "stop"),
                          Choice('{"response": "two"}', (), "stop"), Choice('{"tool_calls": [{"na', (), "length")],
@@ -176,6 +177,32 @@ def test_responses_input_items_become_chat_messages() -> None:
 def test_bad_responses_fields_are_named_as_sent(body: dict, param: str, words: str) -> None:
     e = responses_error(body)
     assert (e.status, e.param) == (400, param) and words in e.message, (e.param, e.message)
+
+
+@pytest.mark.parametrize("full", ['{"response": "Hi \\"you\\"\\n caf\\u00e9 \\ud83d\\ude00 \\\\ end"}',
+                                  '{\n  "response"  :\n    "two"\n}',
+                                  '{"tool_calls": [{"name": "f", "arguments": {"a": "{\\"response\\": 1}"}}]}'])
+def test_a_plain_tool_reply_streams_as_it_comes(full: str) -> None:
+    """ReplyStream, fed the reply in random pieces: a plain reply's text comes out decoded, piece by piece, the
+    same as parsing the whole; split escapes and surrogate pairs are held until whole; a call gives nothing."""
+    import json
+    import random
+
+    from app.server.tools import ReplyStream
+
+    want = json.loads(full)
+    rng = random.Random(7)
+    for _ in range(200):
+        rs, out, i = ReplyStream(), [], 0
+        while i < len(full):
+            j = i + rng.randint(1, 4)
+            out.append(rs.feed(full[i:j]))
+            i = j
+        if "response" in want:
+            assert "".join(out) == want["response"] and rs.mode == "done"
+            assert len(want["response"]) < 8 or sum(1 for o in out if o) > 1  # it streamed
+        else:
+            assert out == [""] * len(out) and rs.mode == "calls"
 
 
 def test_response_formats_map_to_the_engine_s() -> None:

@@ -42,6 +42,7 @@ from app.server.metrics import KVStatsReader, Metrics
 from app.server.protocol import Endpoint, Job, model_slug, parse_body, parse_detokenize, parse_job, parse_tokenize
 from app.server.responses import DONE, Choice, Echo, Formatter, error_chunk, sse, token_bytes_fn, token_str
 from app.server.responses_api import ResponsesFormatter, parse_responses
+from app.server.tools import ReplyStream
 
 MAX_BODY_BYTES = 4 * 2**20
 _PARAM_NAMES = {"logprobs": "top_logprobs"}  # SamplingParams field -> request field, where they differ
@@ -329,8 +330,9 @@ class Server:
         finals: dict[int, GenerationEvent] = {}
         seen: list[bool] = []
         started: set[int] = set()
-        holding = fmt.job.tools is not None  # a tool-calling reply streams whole once its JSON is complete
+        holding = fmt.job.tools is not None  # a tool-calling reply: its JSON is held, a plain reply's text streams
         held: dict[int, list[str]] = {i: [] for i in range(len(gens))}
+        replies = {i: ReplyStream() for i in range(len(gens))}
         try:
             while len(finals) < len(gens):
                 i, event = await events.get()
@@ -342,6 +344,9 @@ class Server:
                         yield sse(echo)
                 if holding:
                     held[i].append(event.text)
+                    text = replies[i].feed(event.text)
+                    if text:
+                        yield sse(fmt.delta_chunk(text, (), i))
                 elif event.text or event.logprobs:
                     yield sse(fmt.delta_chunk(event.text, event.logprobs, i))
                 reason = event.finish_reason
@@ -356,7 +361,8 @@ class Server:
                         gen.cancel()
                     break
                 if holding:
-                    for chunk in fmt.tool_reply_chunks("".join(held[i]), reason, i):
+                    streamed = replies[i].mode in ("text", "done")
+                    for chunk in fmt.tool_reply_chunks("".join(held[i]), reason, i, streamed):
                         yield sse(chunk)
                 else:
                     yield sse(fmt.finish_chunk(reason, i))
@@ -379,15 +385,21 @@ class Server:
         if item is not None:
             for b in fmt.open_message(item):
                 yield b
-        parts: list[str] = []
+        held = ReplyStream() if fmt.job.tools is not None else None  # a tool-calling reply: its JSON is held,
+        parts: list[str] = []  # a plain reply's text streams once the JSON says it is one
         seen: list[bool] = []
         final: GenerationEvent | None = None
         async for event in gen.events():
             self._first_token(event, t0, seen)
             if event.text:
                 parts.append(event.text)
-                if item is not None:
-                    yield fmt.text_delta(item["id"], event.text)
+                delta = event.text if held is None else held.feed(event.text)
+                if held is not None and delta and item is None:
+                    item = fmt.message_item("", "in_progress")
+                    for b in fmt.open_message(item):
+                        yield b
+                if delta and item is not None:
+                    yield fmt.text_delta(item["id"], delta)
             final = event
         assert final is not None and final.finish_reason is not None
         reason = final.finish_reason
@@ -402,7 +414,7 @@ class Server:
             return
         text = "".join(parts)
         if item is not None:
-            item["content"][0]["text"] = text
+            item["content"][0]["text"] = text if held is None else fmt.output(text, reason)[0]["content"][0]["text"]
             item["status"] = "completed" if reason == "stop" else "incomplete"
             output = [item]
             for b in fmt.close_message(item):

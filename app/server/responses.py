@@ -189,10 +189,13 @@ class Formatter:
             return self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason})
         return self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason})
 
-    def tool_reply_chunks(self, text: str, finish_reason: str, index: int = 0) -> list[dict[str, Any]]:
-        """A tool-calling choice streams whole at its end (its JSON is parsed first): its content or its calls,
-        then its finish reason ("tool_calls" when it called)."""
-        content, calls = tools.reply(text) if finish_reason == "stop" else (text, None)
+    def tool_reply_chunks(self, text: str, finish_reason: str, index: int = 0, streamed: bool = False
+                          ) -> list[dict[str, Any]]:
+        """The end of a tool-calling choice: its calls (or, when its plain reply was not `streamed` already, its
+        content), then its finish reason ("tool_calls" when it called)."""
+        if streamed:
+            return [self.finish_chunk(finish_reason, index)]
+        content, calls = tools.reply(text)
         if calls:
             delta: dict[str, Any] = {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}
             finish_reason = "tool_calls"
@@ -218,7 +221,7 @@ class Formatter:
             for i, c in enumerate(choices):
                 message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
                 reason = c.finish_reason
-                if self.job.tools is not None and reason == "stop":
+                if self.job.tools is not None:
                     message["content"], calls = tools.reply(c.text)
                     if calls:
                         message["tool_calls"], reason = calls, "tool_calls"

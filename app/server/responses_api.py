@@ -206,7 +206,7 @@ class ResponsesFormatter:
 
     def output(self, text: str, finish_reason: str) -> list[dict[str, Any]]:
         """The output items of a finished reply (a tool-calling one parsed from its JSON)."""
-        if self.job.tools is not None and finish_reason == "stop":
+        if self.job.tools is not None:
             content, calls = tools.reply(text)
             if calls:
                 return [self.call_item(c) for c in calls]

@@ -174,14 +174,71 @@ def calls_as_text(content: str, tool_calls: Any, param: str) -> str:
 
 
 def reply(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
-    """A whole grammar-held reply -> (content, None) or (None, OpenAI tool_calls with fresh ids). A reply a stop
-    string cut short is not whole JSON: it comes back as its text."""
+    """A grammar-held reply -> (content, None) or (None, OpenAI tool_calls with fresh ids). A reply cut short (by
+    max_tokens or a stop string) is not whole JSON: a plain reply's text so far, or else the raw text."""
     try:
         value = json.loads(text)
     except ValueError:
-        return text, None
+        partial = ReplyStream()
+        content = partial.feed(text)
+        return (content if partial.mode in ("text", "done") else text), None
     if "tool_calls" in value:
         return None, [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                        "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
                       for c in value["tool_calls"]]
     return value["response"], None
+
+
+_OPENING = re.compile(r'\{\s*"(response|tool_calls)"\s*:\s*("?)')
+
+
+class ReplyStream:
+    """A tool-calling reply as it is generated: once it is plainly `{"response": "...`, the string's text is
+    streamed as it comes (JSON escapes decoded, a split escape held back); a call is left for the end. `mode`:
+    None (undecided), "text", "done" (the string closed) or "calls"."""
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.mode: str | None = None
+        self.pos = 0
+
+    def feed(self, text: str) -> str:
+        """More of the reply -> the reply's text that is now complete (often "")."""
+        self.buf += text
+        if self.mode is None:
+            m = _OPENING.match(self.buf)
+            if m is None:  # its key is still to come (the grammar bounds the whitespace before it)
+                if len(self.buf) > 128:
+                    self.mode = "calls"  # not the tool-call JSON after all: left whole for the end
+                return ""
+            if m.group(1) == "tool_calls":
+                self.mode = "calls"
+                return ""
+            if not m.group(2):  # the string's quote has not come yet
+                return ""
+            self.mode, self.pos = "text", m.end()
+        if self.mode != "text":
+            return ""
+        i, buf = self.pos, self.buf
+        while i < len(buf):
+            c = buf[i]
+            if c == '"':
+                self.mode = "done"
+                break
+            if c == "\\":
+                if i + 1 >= len(buf):
+                    break
+                if buf[i + 1] != "u":
+                    i += 2
+                    continue
+                if i + 6 > len(buf):
+                    break
+                high = 0xD800 <= int(buf[i + 2:i + 6], 16) < 0xDC00
+                if high and i + 12 > len(buf):  # the low half of a surrogate pair is still to come
+                    break
+                i += 12 if high and buf[i + 6:i + 8] == "\\u" else 6
+                continue
+            i += 1
+        out = json.loads('"' + buf[self.pos:i] + '"') if i > self.pos else ""
+        self.pos = i
+        return out.encode("utf-8", "replace").decode("utf-8")  # a lone surrogate escape: not valid text
