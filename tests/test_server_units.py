@@ -95,8 +95,11 @@ def test_closed_adds_no_extra_properties_where_the_schema_is_silent() -> None:
 
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}},
                                                "c": {"type": "array", "items": {"type": "object"}},
-                                               "d": {"type": "object", "additionalProperties": True}}}
+                                               "d": {"type": "object", "additionalProperties": True},
+                                               "e": {"$ref": "#/$defs/point"}},
+              "$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"}}}}}
     out = closed(schema)
+    assert out["$defs"]["point"]["additionalProperties"] is False and "additionalProperties" not in out["$defs"]
     assert out["additionalProperties"] is False
     assert out["properties"]["a"]["additionalProperties"] is False
     assert out["properties"]["c"]["items"]["additionalProperties"] is False

@@ -9,7 +9,8 @@ so every call names a declared function and its arguments are valid against that
 `content`.
 
 Earlier turns go back to the model in the same JSON: an assistant message's `tool_calls` become its content; tool
-results keep the role "tool" (the chat template renders them). Parsing a model's own native tool format
+results keep the role "tool" (the chat template renders them). Streamed, a plain reply's text goes out as it is
+generated (`ReplyStream`); calls go out whole once their JSON is complete. Parsing a model's own native tool format
 (`<tool_call>` blocks and the like) is not done: every model answers in this one format.
 """
 
@@ -80,8 +81,7 @@ def closed(schema: Any) -> Any:
         return [closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed(v) if k in ("items", "anyOf", "oneOf", "allOf", "prefixItems", "$defs", "definitions")
-           else v for k, v in schema.items()}
+    out = {k: closed(v) if k in ("items", "anyOf", "oneOf", "allOf", "prefixItems") else v for k, v in schema.items()}
     if isinstance(schema.get("properties"), dict):
         out["properties"] = {k: closed(v) for k, v in schema["properties"].items()}
     for key in ("$defs", "definitions"):
