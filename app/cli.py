@@ -36,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
         kv.add_argument("--block-size", type=int, choices=(16, 32), default=16,
                         help="tokens per KV block (default 16; 32 suits --kv-bits 4 best)")
 
+    def template_arg(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--chat-template", metavar="FILE",
+                            help="a Jinja chat template to use instead of the model's own (a .jinja file, or a "
+                            "tokenizer_config.json with a chat_template field)")
+
     g = sub.add_parser("generate", help="stream a reply to one prompt and print the stats")
     g.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
     g.add_argument("--prompt", "-p", required=True, help="the user message")
@@ -54,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     fmt.add_argument("--json-schema", metavar="FILE", help="hold the reply to this JSON Schema (a .json file)")
     fmt.add_argument("--json-object", action="store_true", help="the reply is one JSON object (JSON mode)")
     fmt.add_argument("--regex", metavar="PATTERN", help="the reply is text this regular expression matches whole")
+    template_arg(g)
     kv_args(g)
 
     c = sub.add_parser("chat", help="open the chat app (the default when run with no arguments in a terminal)")
@@ -105,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="speculative decoding for requests that do not set 'speculative' themselves (default off: "
                     "a speculating request verifies in a forward of its own, outside the batch; 'draft' needs a "
                     "draft model, which serve does not load)")
+    template_arg(sv)
     kv_args(sv)
 
     from app.bench import add_parser as add_bench
@@ -139,8 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _kv_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Engine.load's KV options from --kv-bits / --block-size (absent: the defaults)."""
+    """Engine.load's options from --kv-bits / --block-size (absent: the defaults) and --chat-template."""
     out: dict[str, Any] = {}
+    if getattr(args, "chat_template", None) is not None:
+        out["chat_template"] = args.chat_template
     if getattr(args, "kv_bits", None) is not None:
         out["kv_bits"] = args.kv_bits
     if getattr(args, "block_size", 16) != 16:

@@ -85,6 +85,39 @@ def compile_template(source: str) -> jinja2.Template:
         raise RequestError(f"the model's chat template has a syntax error (line {e.lineno}): {e.message}") from None
 
 
+def read_chat_template(value: str) -> str:
+    """A chat template given in place of the model's own: its Jinja text, or the path of a file holding it (a
+    `.jinja` file, or a tokenizer_config.json with a `chat_template` field). Checked now, so a mistake is a
+    ModelLoadError naming it before any model loads."""
+    from pathlib import Path
+
+    from mlx_engine.api import ModelLoadError
+
+    where, source = "the chat template given", value
+    if "{{" not in value and "{%" not in value:  # not Jinja text: a file
+        path = Path(value).expanduser()
+        where = f"chat template {path}"
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{where}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        if path.suffix == ".json":
+            try:
+                field = json.loads(source).get("chat_template")
+            except (ValueError, AttributeError):
+                field = None
+            if not isinstance(field, str):
+                raise ModelLoadError(f"{where}: a .json file needs a string 'chat_template' field (as in "
+                                     "tokenizer_config.json)")
+            source = field
+    try:
+        compile_template(source)
+    except RequestError as e:
+        detail = str(e).replace("the model's chat template", "it")
+        raise ModelLoadError(f"{where}: {detail}") from None
+    return source
+
+
 def _plain(value: Any) -> Any:
     """Only JSON-like data reaches the template (anything else is an inert placeholder)."""
     if value is None or type(value) in (str, int, float, bool):

@@ -16,6 +16,7 @@ from mlx_engine.api import (
     GenerationEvent,
     GenerationRequest,
     ModelInfo,
+    ModelLoadError,
     RooflineError,
 )
 from mlx_engine.models.layers import one_blas_thread
@@ -46,6 +47,8 @@ LOAD_OPTIONS = {
     "self_draft_layers": "layers of the model that speculative='self' drafts with (default: half)",
     "cuda_graphs": "backend='torch' on CUDA: replay each batched decode step as a CUDA graph (default True; "
     "False launches its kernels one by one)",
+    "chat_template": "a Jinja chat template to use instead of the model's own: its text, or a path (a .jinja file, "
+    "or a tokenizer_config.json)",
 }
 
 
@@ -187,8 +190,18 @@ class Engine:
         from mlx_engine.backends import load_runner
         from mlx_engine.scheduler import Scheduler
 
+        template = options.pop("chat_template", None)
+        if template is not None:  # checked before the model loads
+            from mlx_engine.chat_template import read_chat_template
+
+            template = read_chat_template(template)
         thread = engine_thread()
         runner = thread.call(lambda: load_runner(model, **options))
+        if template is not None:
+            if getattr(runner.tokenizer, "backend", None) is None:
+                thread.call(runner.release)
+                raise ModelLoadError(f"{runner.info.path} has no tokenizer, so a chat template cannot be used")
+            runner.tokenizer.chat_template = template
         engine = cls(thread, runner, runner.info)
         engine._scheduler = Scheduler(runner)
         thread.register(engine._scheduler)

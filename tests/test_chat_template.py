@@ -108,3 +108,37 @@ def test_compiled_templates_are_cached():
 def test_fallback_template():
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert render(FALLBACK_TEMPLATE, messages) == "user: hi\nassistant: hello\nassistant:"
+
+
+SIMPLE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+
+
+def test_a_chat_template_given_at_load_replaces_the_models(tmp_path) -> None:
+    """`Engine.load(chat_template=...)` (the CLI's --chat-template): as text, a .jinja file or a
+    tokenizer_config.json, the conversation is rendered with it; a bad one is a ModelLoadError naming it, before
+    the model loads."""
+    from mlx_engine import Engine, GenerationRequest, ModelLoadError
+    from tests.tiny_models import random_llama_folder, write_gguf_from_folder
+
+    gguf = tmp_path / "tiny.gguf"
+    write_gguf_from_folder(random_llama_folder(tmp_path / "hf", vocab=160), gguf, {}, default_type="F32")
+    (tmp_path / "t.jinja").write_text(SIMPLE)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": SIMPLE, "eos_token": "x"}))
+    chat = GenerationRequest(messages=[{"role": "user", "content": "hi"}])
+    for given in (SIMPLE, str(tmp_path / "t.jinja"), str(tmp_path / "tokenizer_config.json")):
+        with Engine.load(str(gguf), chat_template=given) as e:
+            assert e.tokenizer.chat_template == SIMPLE
+            assert e.prompt_ids(chat) == e.tokenizer.encode("<user>hi\n<a>", add_special_tokens=False)
+    with Engine.load(str(gguf)) as e:
+        assert e.prompt_ids(chat) != e.tokenizer.encode("<user>hi\n<a>", add_special_tokens=False)
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
+    (tmp_path / "other.json").write_text("{}")
+    for given, words in ((str(tmp_path / "none.jinja"), "none.jinja: cannot read it"),
+                         (str(tmp_path / "bad.jinja"), "bad.jinja: it has a syntax error (line 1)"),
+                         ("{{ unclosed", "the chat template given: it has a syntax error"),
+                         (str(tmp_path / "other.json"), "needs a string 'chat_template' field")):
+        with pytest.raises(ModelLoadError) as err:
+            Engine.load(str(gguf), chat_template=given)
+        assert words in str(err.value)
+    with pytest.raises(ModelLoadError, match="has no tokenizer, so a chat template cannot be used"):
+        Engine.load(str(random_llama_folder(tmp_path / "bare")), chat_template=SIMPLE)

@@ -63,6 +63,17 @@ def test_generate_with_a_bad_schema_file_is_one_line(tmp_path: Path) -> None:
                           "the JSON Schema cannot be used: Invalid type: colour")
 
 
+def test_generate_with_a_chat_template_of_ones_own(tmp_path: Path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}Q: {{ m.content }}\n{% endfor %}A:")
+    r = roofline("generate", "-p", "Hi", "-n", "2", "--chat-template", str(template), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["usage"]["prompt_tokens"] == 6  # "Q: Hi\nA:" is 6 of SmolLM2's tokens
+    (tmp_path / "bad.jinja").write_text("{% if %}")
+    assert_one_line_error(roofline("generate", "-p", "x", "--chat-template", str(tmp_path / "bad.jinja")),
+                          "chat template", "bad.jinja: it has a syntax error")
+
+
 def test_logits_writes_golden_logits(tmp_path: Path) -> None:
     golden = np.load(GOLDEN / "llama" / "golden.npz")
     ids = golden["input_ids"].ravel().tolist()
