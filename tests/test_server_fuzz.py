@@ -72,36 +72,22 @@ def engine_accepts(job) -> None:
         pass
 
 
-FUZZ = settings(max_examples=int(__import__("os").environ.get("FUZZ_EXAMPLES", "300")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=int(__import__("os").environ.get("FUZZ_EXAMPLES", "900")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def parse(kind: str, body: dict):
+    if kind == "responses":
+        return parse_responses(body, {"fake"}, "fake", context_length=64, vocab_size=1000)
+    return parse_job(body, kind, {"fake"}, "fake", context_length=64, vocab_size=1000)  # type: ignore[arg-type]
 
 
 @FUZZ
-@given(body=chat_body)
-def test_any_chat_body_is_a_job_or_a_4xx(body: dict) -> None:
+@given(case=st.one_of(chat_body.map(lambda b: ("chat", b)), completion_body.map(lambda b: ("completion", b)),
+                      responses_body.map(lambda b: ("responses", b))))
+def test_any_body_is_a_job_or_a_4xx(case: tuple[str, dict]) -> None:
+    kind, body = case
     try:
-        job = parse_job(body, "chat", {"fake"}, "fake", context_length=64, vocab_size=1000)
-    except APIError as e:
-        assert 400 <= e.status < 500 and e.message
-        return
-    engine_accepts(job)
-
-
-@FUZZ
-@given(body=completion_body)
-def test_any_completion_body_is_a_job_or_a_4xx(body: dict) -> None:
-    try:
-        job = parse_job(body, "completion", {"fake"}, "fake", context_length=64, vocab_size=1000)
-    except APIError as e:
-        assert 400 <= e.status < 500 and e.message
-        return
-    engine_accepts(job)
-
-
-@FUZZ
-@given(body=responses_body)
-def test_any_responses_body_is_a_job_or_a_4xx(body: dict) -> None:
-    try:
-        job = parse_responses(body, {"fake"}, "fake", context_length=64, vocab_size=1000)
+        job = parse(kind, body)
     except APIError as e:
         assert 400 <= e.status < 500 and e.message
         return
