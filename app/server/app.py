@@ -206,7 +206,7 @@ class Server:
             return EventStreamResponse(gens, self._response_events(gens[0], fmt, t0))
         return EventStreamResponse(gens, self._chunks(gens, fmt, t0))
 
-    def _submit(self, job: Job, fmt: Formatter) -> list[tuple[Any, int]]:
+    def _submit(self, job: Job, fmt: Formatter | ResponsesFormatter) -> list[tuple[Any, int]]:
         """On a worker thread: tokenize every prompt and check it against the context, score the echoed prompts,
         then start a generation per prompt (all or none)."""
         tok = self.engine.tokenizer
@@ -218,7 +218,8 @@ class Server:
                             "prompt" if len(job.prompts) == 1 else f"prompt[{i}]", p.text)
                            for i, p in enumerate(job.prompts)]
             requests = [replies for ids, what, _ in prompts for replies in self._requests(job, ids, what)]
-            if job.echo:
+            if job.echo:  # completions only
+                assert isinstance(fmt, Formatter)
                 for i, (ids, _, text) in enumerate(prompts):
                     for j in range(job.n):
                         fmt.echoes[i * job.n + j] = Echo(text if text is not None else tok.decode(ids), ids)
@@ -377,16 +378,17 @@ class Server:
 
     async def _response_events(self, gen: Generation, fmt: ResponsesFormatter, t0: float) -> AsyncIterator[bytes]:
         """A Responses stream: created, in progress, the output item(s) with their deltas, then completed (or
-        incomplete at max_output_tokens; failed after an error). Text streams as it comes; a tool-calling reply
-        arrives whole once its JSON is complete."""
+        incomplete at max_output_tokens; failed after an error). Text streams as it comes (with tools, once the
+        JSON shows a plain reply); function calls arrive whole once their JSON is complete."""
         yield fmt.event("response.created", response=fmt.shell("in_progress"))
         yield fmt.event("response.in_progress", response=fmt.shell("in_progress"))
         item = fmt.message_item("", "in_progress") if fmt.job.tools is None else None
         if item is not None:
             for b in fmt.open_message(item):
                 yield b
-        held = ReplyStream() if fmt.job.tools is not None else None  # a tool-calling reply: its JSON is held,
-        parts: list[str] = []  # a plain reply's text streams once the JSON says it is one
+        # with tools the reply is JSON: held, but for a plain reply's text, which streams once the JSON shows it
+        held = ReplyStream() if fmt.job.tools is not None else None
+        parts: list[str] = []
         seen: list[bool] = []
         final: GenerationEvent | None = None
         async for event in gen.events():
