@@ -26,8 +26,6 @@ from app.server.errors import APIError, invalid
 from app.server.protocol import Job, parse_job
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
-_IGNORED = ("store", "metadata", "include", "user", "reasoning", "truncation", "service_tier", "prompt_cache_key",
-            "safety_identifier", "background")
 
 
 def _param(p: str | None, first_input: int) -> str | None:
