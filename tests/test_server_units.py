@@ -161,8 +161,8 @@ def test_responses_input_items_become_chat_messages() -> None:
 @pytest.mark.parametrize("body,param,words", [
     ({}, "input", "'input' is required"),
     ({"input": []}, "input", "non-empty array"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
-     "text parts only"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].type", "text parts only"),
     ({"input": [{"type": "file_search_call"}]}, "input[0].type", "not supported here"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]", "needs string 'call_id'"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "'max_output_tokens' must be an integer >= 1"),

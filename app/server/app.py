@@ -332,8 +332,8 @@ class Server:
         seen: list[bool] = []
         started: set[int] = set()
         holding = fmt.job.tools is not None  # a tool-calling reply: its JSON is held, a plain reply's text streams
-        held: dict[int, list[str]] = {i: [] for i in range(len(gens))}
-        replies = {i: ReplyStream() for i in range(len(gens))}
+        held: dict[int, list[str]] = {i: [] for i in range(len(gens))} if holding else {}
+        replies = {i: ReplyStream() for i in range(len(gens))} if holding else {}
         try:
             while len(finals) < len(gens):
                 i, event = await events.get()

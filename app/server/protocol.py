@@ -343,7 +343,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
                 raise invalid(f"'{p}.content' is required for role '{role}'", f"{p}.content")
             content = ""
         elif isinstance(content, list):
-            content = _content_parts(content, f"{p}.content")
+            content = content_parts(content, f"{p}.content")
         elif not isinstance(content, str):
             raise invalid(f"'{p}.content' must be a string or an array of text parts, got {_kind(content)}",
                           f"{p}.content")
@@ -354,13 +354,14 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def _content_parts(parts: list[Any], param: str) -> str:
+def content_parts(parts: list[Any], param: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """Text parts ({"type": one of `kinds`, "text": ...}) joined by newlines; any other part is a 400 naming it."""
     texts = []
     for j, part in enumerate(parts):
         q = f"{param}[{j}]"
         if not isinstance(part, dict):
-            raise invalid(f"'{q}' must be an object like {{'type': 'text', 'text': ...}}, got {_kind(part)}", q)
-        if part.get("type") != "text":
+            raise invalid(f"'{q}' must be an object like {{'type': '{kinds[0]}', 'text': ...}}, got {_kind(part)}", q)
+        if part.get("type") not in kinds:
             raise invalid(f"'{q}.type' {_short(part.get('type'))} is not supported: this model reads text parts "
                           "only", f"{q}.type", "unsupported_content")
         text = part.get("text")

@@ -23,7 +23,7 @@ from mlx_engine.api import Usage
 
 from app.server import tools
 from app.server.errors import APIError, invalid
-from app.server.protocol import Job, parse_job
+from app.server.protocol import Job, content_parts, parse_job
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -47,15 +47,7 @@ def _parts_text(content: Any, param: str) -> str:
         return content
     if not isinstance(content, list):
         raise invalid(f"'{param}' must be a string or an array of input_text parts", param)
-    texts = []
-    for j, part in enumerate(content):
-        q = f"{param}[{j}]"
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise invalid(f"'{q}' of type {kind!r} is not supported: this model reads text parts only "
-                          "({'type': 'input_text', 'text': ...})", q, "unsupported_content")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return content_parts(content, param, _TEXT_PARTS)
 
 
 def _messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
@@ -197,10 +189,10 @@ class ResponsesFormatter:
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
     @staticmethod
-    def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    def call_item(call: dict[str, Any]) -> dict[str, Any]:
         fn = call["function"]
         return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
-                "name": fn["name"], "arguments": fn["arguments"], "status": status}
+                "name": fn["name"], "arguments": fn["arguments"], "status": "completed"}
 
     def output(self, text: str, finish_reason: str) -> list[dict[str, Any]]:
         """The output items of a finished reply (a tool-calling one parsed from its JSON)."""
