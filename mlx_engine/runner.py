@@ -70,22 +70,36 @@ class Runner:
         self_draft_layers: int | None = None,
         kv_key_bits: int | None = None,
         kv_key_per_channel: bool | None = None,
+        draft_bits: int | None = None,
+        *,
+        weight_bits: int | None = None,
     ) -> Runner:
+        """`draft_bits`: hold the draft at 4 or 8 bits (`weight_bits` of its own load: `quantize_weights`)."""
         from mlx_engine.kv.cache import KVConfig
 
         kv_config = KVConfig(block_size, kv_bits, kv_group_size, kv_budget_bytes, prefix_caching, kv_key_bits,
                              kv_key_per_channel)
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise RooflineError(f"prefill_chunk_size={prefill_chunk_size!r}: expected an integer >= 1")
+        if draft_bits not in (None, 4, 8):
+            raise RooflineError(f"draft_bits={draft_bits!r}: expected 4 or 8 (affine groups of {DRAFT_GROUP_SIZE})")
+        if draft_bits is not None and draft_model is None:
+            raise RooflineError(f"draft_bits={draft_bits} needs draft_model: the model to hold at {draft_bits} bits "
+                                "as the draft (it may be the model itself)")
         from mlx_engine.models.kquant import blocks_here
 
-        ckpt = load_checkpoint(model, kquant_blocks=blocks_here())  # k-quants as blocks on Metal (models.kquant)
+        # k-quants as blocks on Metal (models.kquant), unless they are to be quantized again here
+        ckpt = load_checkpoint(model, kquant_blocks=blocks_here() and weight_bits is None)
         act_dtype = pick_dtype(dtype, ckpt.checkpoint_dtype)
         built = build_model(ckpt.config, ckpt.weights, act_dtype, ckpt.quantization, str(ckpt.path))
         if ckpt.source_format == "gguf":
             from mlx_engine.loading.gguf_model import apply_freq_factors
 
             apply_freq_factors(built.model, ckpt.config)
+        quant_label = ckpt.quant_label
+        if weight_bits is not None:
+            quantize_weights(built.model, weight_bits)
+            quant_label = f"{weight_bits}-bit affine g{DRAFT_GROUP_SIZE}, from {quant_label}"
         mx.eval(built.model.parameters())
         del ckpt.weights
         host_bytes, idle_bytes, host_note = _use_host_blas(built.model, act_dtype)
@@ -107,7 +121,7 @@ class Runner:
             model_type=built.model_type,
             source_format=ckpt.source_format,
             num_parameters=count_parameters(built.model),
-            quantization=ckpt.quant_label,
+            quantization=quant_label,
             context_length=context,
             weight_bytes=sum(v.nbytes for v in params.values()) + host_bytes,
             vocab_size=int(ckpt.config.get("vocab_size") or tokenizer.vocab_size),
@@ -126,7 +140,8 @@ class Runner:
             runner.cache.calibrate(runner.model, tokenizer, runner.vocab_size)
         runner.self_draft_layers = runner._check_self_draft_layers(self_draft_layers)
         if draft_model is not None:
-            draft = cls.load(draft_model, dtype=dtype, prefill_chunk_size=prefill_chunk_size, paged_kv=False)
+            draft = cls.load(draft_model, dtype=dtype, prefill_chunk_size=prefill_chunk_size, paged_kv=False,
+                             weight_bits=draft_bits)
             runner.draft = check_same_vocabulary(runner, draft)
         return runner
 
@@ -415,6 +430,26 @@ def _use_host_blas(model: Any, act_dtype: mx.Dtype) -> tuple[int, int, str]:
     allocated, idle = layers.use_host_weights(model)
     return allocated, idle, (f"CPU: projections run on float32 copies of the weights in numpy's BLAS "
                              f"({allocated / 2**20:.0f} MiB, {why})")
+
+
+DRAFT_GROUP_SIZE = 64
+
+
+def quantize_weights(model: Any, bits: int, group_size: int = DRAFT_GROUP_SIZE) -> None:
+    """Every linear layer and embedding of `model` as affine `bits`-bit groups of `group_size` (a draft held at
+    lower precision than its target: `draft_bits`): quantized ones are dequantized and quantized again, float
+    ones go through mlx.nn.quantize (those whose rows do not split into groups stay float)."""
+    import mlx.nn as nn
+
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits,
+                              mode=getattr(m, "mode", "affine"))
+            q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+            m.weight, m.scales, m.biases = q, scales.astype(w.dtype), biases.astype(w.dtype)
+            m.group_size, m.bits, m.mode = group_size, bits, "affine"
+    nn.quantize(model, group_size, bits, class_predicate=lambda _, m: type(m) in (nn.Linear, nn.Embedding)
+                and m.weight.shape[-1] % group_size == 0)
 
 
 def cap_context(context: int, max_context: int | None) -> int:

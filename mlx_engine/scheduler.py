@@ -185,7 +185,10 @@ class Scheduler:
                 continue  # "auto": not even perfect drafts from it would pay on this backend
             acc, drafted = self.acceptance.get(kind, [0, 0])
             prior = (acc + sp.PRIOR_WEIGHT * sp.AUTO_PRIOR_ACCEPTANCE) / (drafted + sp.PRIOR_WEIGHT)
-            return sp.SpecState(mode, proposer, params.num_draft_tokens, prior=prior)
+            state = sp.SpecState(mode, proposer, params.num_draft_tokens, prior=prior)
+            if curve is not None:
+                state.allowance = sp.probe_allowance(curve, prior, params.num_draft_tokens, proposer.draft_cost)
+            return state
         return None
 
     def _cost_curve(self) -> Any:

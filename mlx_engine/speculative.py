@@ -305,6 +305,18 @@ class CostCurve:
         return best
 
 
+def probe_allowance(curve: CostCurve, prior: float, k_max: int, draft_cost: float) -> float:
+    """"auto"'s fixed loss allowance for a proposer: AUTO_LOSS_ALLOWANCE, or the worst case of the verification
+    it would make first (at the prior acceptance) where that is larger. Prompt lookup drafts for free, so its
+    worst case is the wider forward alone. A draft model's rejected drafts cost their own forwards too: on the
+    torch CPU backend (an int8 draft at 0.3 T(1), a verification of 4 at 1.36 T(1)) its best first
+    verification risks 1.26 T(1), which the fixed allowance would never admit. Either way a reply whose drafts
+    keep failing loses at most the allowance plus AUTO_LOSS_SHARE of its tokens."""
+    k = curve.best_k(prior, k_max, draft_cost)
+    worst = curve.cost(k + 1) + k * draft_cost - 1.0 if k else 0.0
+    return max(AUTO_LOSS_ALLOWANCE, worst) if draft_cost > 0 else AUTO_LOSS_ALLOWANCE
+
+
 def time_forward(runner: Any, width: int, context: int = 32, repeats: int = 2, first_layers: int | None = None,
                  logits_at: str = "all") -> float:
     """Seconds of one forward over `width` tokens after `context` cached ones (min over repeats), through
@@ -444,6 +456,8 @@ class SpecState:
     recent_accepted: float = 0.0
     # "auto": plain decode steps its verifications saved so far, predicted from the cost curve (negative: lost)
     balance: float = 0.0
+    # "auto": the fixed part of its loss budget, in T(1) (`probe_allowance`)
+    allowance: float = field(default_factory=lambda: AUTO_LOSS_ALLOWANCE)
 
     def __post_init__(self) -> None:
         self.k = self.k or self.k_max
@@ -457,7 +471,7 @@ class SpecState:
         """"auto"'s draft tokens this step, for a reply of `tokens` tokens so far: the k with the best predicted
         speedup among those whose worst case fits the loss budget (AUTO_LOSS_*), or 0 (a plain step).
         `candidate`: the proposer has something to draft; a plain step taken anyway lets old rejections fade."""
-        budget = self.balance + AUTO_LOSS_ALLOWANCE + AUTO_LOSS_SHARE * tokens
+        budget = self.balance + self.allowance + AUTO_LOSS_SHARE * tokens
         k = curve.best_k(self.alpha, k_max, self.proposer.draft_cost, max_loss=budget)
         if not k and candidate:
             self.age()

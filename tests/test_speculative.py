@@ -438,13 +438,19 @@ def test_auto_estimate_recovers_over_declined_candidates() -> None:
     assert (st.num_drafted, st.num_accepted, st.num_verifies) == (8, 0, 1)  # the request's counts stay
 
 
-def _auto_reply(curve: CostCurve, accept: Callable[[int], int], length: int) -> tuple[float, int, float]:
-    """"auto" with prompt lookup over a reply of `length` tokens in which the proposer always has a candidate
-    and `accept(k)` of each k drafts pass. Returns (predicted cost in T(1), target forwards, the most the
-    cost ever exceeded plain decoding's beyond the loss budget)."""
-    from mlx_engine.speculative import AUTO_LOSS_ALLOWANCE, AUTO_LOSS_SHARE, PromptLookup, SpecState
+def _auto_reply(curve: CostCurve, accept: Callable[[int], int], length: int,
+                draft_cost: float = 0.0) -> tuple[float, int, float]:
+    """"auto" over a reply of `length` tokens in which the proposer (prompt lookup, or with `draft_cost` a draft
+    model costing that much a token) always has a candidate and `accept(k)` of each k drafts pass. Returns
+    (predicted cost in T(1), target forwards, the most the cost ever exceeded plain decoding's beyond the loss
+    budget)."""
+    from types import SimpleNamespace
 
-    st = SpecState("auto", PromptLookup(), 8, prior=0.7)
+    from mlx_engine.speculative import AUTO_LOSS_SHARE, PromptLookup, SpecState, probe_allowance
+
+    proposer = SimpleNamespace(draft_cost=draft_cost) if draft_cost else PromptLookup()
+    st = SpecState("auto", proposer, 8, prior=0.7)
+    st.allowance = probe_allowance(curve, 0.7, 8, draft_cost)  # as the scheduler sets it
     n, cost, forwards, over = 0, 0.0, 0, -float("inf")
     while n < length:
         k = st.auto_k(curve, min(8, length - n - 1), n, candidate=True)
@@ -452,10 +458,10 @@ def _auto_reply(curve: CostCurve, accept: Callable[[int], int], length: int) -> 
         if k:
             st.record(k, accepted)
             st.settle(curve, k, accepted + 1)
-        cost += curve.cost(k + 1)
+        cost += curve.cost(k + 1) + k * draft_cost
         n += accepted + 1
         forwards += 1
-        over = max(over, cost - n - (AUTO_LOSS_ALLOWANCE + AUTO_LOSS_SHARE * n))
+        over = max(over, cost - n - (st.allowance + AUTO_LOSS_SHARE * n))
     return cost, forwards, over
 
 
@@ -481,6 +487,53 @@ def test_auto_budget_does_not_hold_back_a_quote() -> None:
     cost, forwards, over = _auto_reply(CostCurve({1: 1.0, 2: 1.32, 3: 1.62, 4: 1.87, 5: 1.96, 9: 3.09}),
                                        lambda k: k, 48)
     assert forwards == 9 and cost < 48 / 2.5
+
+
+TORCH_CPU_CURVE = CostCurve({1: 1.0, 2: 1.59, 3: 1.95, 4: 1.36, 5: 1.58, 9: 1.74})  # measured, with its dip
+
+
+def test_auto_allowance_admits_a_draft_models_first_verification(monkeypatch) -> None:
+    """A draft model's rejected drafts cost their forwards: on the torch CPU curve an int8 draft (0.3 T(1) a
+    token) is worth verifying at k = 3 (predicted 1.12x at the prior acceptance 0.7), whose worst case loses
+    1.36 + 0.9 - 1 = 1.26 T(1). The allowance admits that first verification; prompt lookup's stays 0.5."""
+    import mlx_engine.speculative as sp
+
+    assert TORCH_CPU_CURVE.best_k(0.7, 8, 0.3) == 3
+    assert sp.probe_allowance(TORCH_CPU_CURVE, 0.7, 8, 0.3) == pytest.approx(1.26)
+    assert sp.probe_allowance(TORCH_CPU_CURVE, 0.7, 8, 0.0) == sp.AUTO_LOSS_ALLOWANCE == 0.5
+    assert sp.probe_allowance(TORCH_CPU_CURVE, 0.7, 8, 1.0) == 0.5  # nothing worth verifying: no probe
+
+    # perfect drafts: verifying from the first token, 48 tokens in 10 forwards, predicted 1.89x plain
+    cost, forwards, over = _auto_reply(TORCH_CPU_CURVE, lambda k: k, 48, draft_cost=0.3)
+    assert forwards == 10 and over <= 1e-9 and 48 / cost == pytest.approx(1.89, abs=0.01)
+    # with the fixed allowance the first verification waited for the 2%-a-token share (the 39th token)
+    monkeypatch.setattr(sp, "probe_allowance", lambda *a: sp.AUTO_LOSS_ALLOWANCE)
+    cost, fixed, _ = _auto_reply(TORCH_CPU_CURVE, lambda k: k, 48, draft_cost=0.3)
+    assert fixed == 42 and 48 / cost < 1.1
+    monkeypatch.undo()
+    # every draft rejected: the loss stays within the allowance and 2% of the reply (2.5% over 200 tokens)
+    cost, forwards, over = _auto_reply(TORCH_CPU_CURVE, lambda k: 0, 200, draft_cost=0.3)
+    assert over <= 1e-9 and 200 < cost <= 200 + 1.26 + 0.02 * 200 and forwards == 200
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_draft_bits_quantizes_the_draft_and_greedy_is_unchanged(models, bits: int) -> None:
+    """The target as its own draft at 4 or 8 bits (affine, groups of 64): plain decoding's tokens, drafts
+    accepted where the rounded draft agrees."""
+    import mlx.nn as nn
+
+    target, _ = models
+    with Engine.load(str(target)) as e:
+        plain, _, _ = run(e, max_tokens=30)
+    with Engine.load(str(target), draft_model=str(target), draft_bits=bits) as e:
+        draft = e._runner.draft
+        q, down = draft.model.model.layers[0].self_attn.q_proj, draft.model.model.layers[0].mlp.down_proj
+        assert isinstance(q, nn.QuantizedLinear) and (q.bits, q.group_size) == (bits, 64)
+        assert not isinstance(down, nn.QuantizedLinear)  # 96 inputs: no groups of 64, so it stays float
+        assert draft.info.quantization == f"{bits}-bit affine g64, from fp32"
+        assert not isinstance(e._runner.model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+        tokens, from_draft, final = run(e, speculative="draft", num_draft_tokens=4, max_tokens=30)
+    assert tokens == plain and sum(from_draft) > 0
 
 
 def test_auto_verifications_fund_wider_ones_in_the_scheduler(models) -> None:

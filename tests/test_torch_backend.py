@@ -159,6 +159,59 @@ def test_speculative_greedy_equals_plain(llama, mode):
         assert final.stats.acceptance_rate == 1.0
 
 
+# --- an int8 draft (draft_bits=8): the CPU's int8 matmul ---------------------------------------------
+
+
+def _int8_reference(w: "torch.Tensor", row: "torch.Tensor", reduce_range: bool) -> "torch.Tensor":
+    """What the dynamic-quantized matmul computes for one row: weights rounded to int8 per output row
+    (scale max|w| / 127), the row to unsigned 8 (or 7) bits with a zero point over [min(x, 0), max(x, 0)]."""
+    sw = (w.abs().amax(1) / 127).clamp_min(1e-12)
+    wq = torch.round(w / sw[:, None]).clamp(-128, 127)
+    lo, hi = min(row.min().item(), 0.0), max(row.max().item(), 0.0)
+    levels = 127 if reduce_range else 255
+    sx = (hi - lo) / levels
+    zp = round(-lo / sx)
+    xq = torch.clamp(torch.round(row / sx) + zp, 0, levels)
+    return ((xq - zp) * sx) @ (wq * sw[:, None]).T
+
+
+def test_int8_weight_one_row_is_the_int8_matmul_and_several_rows_the_float_one():
+    from mlx_engine.backends.torch.model import Int8Weight
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(5, 64, generator=g)
+    iw = Int8Weight(w)
+    assert torch.equal(iw.matmul(x), torch.nn.functional.linear(x, w))  # a prefill: the float weight, exactly
+    for i in range(5):
+        row = x[i : i + 1]
+        got, exact = iw.matmul(row), row @ w.T
+        scale = exact.abs().max()
+        assert (got - _int8_reference(w, row, iw.reduce_range)).abs().max() <= 1e-5 * scale
+        assert 1e-4 * scale < (got - exact).abs().max() < 3e-2 * scale  # int8's rounding: there, and small
+    assert iw.matmul(x[None, 1:2]).shape == (1, 1, 96)
+
+
+@pytest.fixture(scope="module")
+def llama_int8_draft():
+    folder = str(GOLDEN / "llama")
+    with Engine.load(folder, backend="torch", device="cpu", draft_model=folder, draft_bits=8) as e:
+        yield e
+
+
+def test_int8_draft_greedy_equals_plain(llama_int8_draft, llama):
+    from mlx_engine.backends.torch.model import Int8Weight
+
+    draft = llama_int8_draft._runner.draft
+    assert all(isinstance(lin.weight, Int8Weight) for b in draft.model.layers
+               for lin in (b.self_attn.q_proj, b.mlp.down_proj))
+    assert isinstance(draft.model.lm_head.weight, Int8Weight) and draft.info.quantization.endswith("int8 draft")
+    assert draft.info.weight_bytes > llama._runner.draft.info.weight_bytes  # the int8 copies come on top
+    plain, _ = run(llama, PROMPT, 20)
+    tokens, final = run(llama_int8_draft, PROMPT, 20, speculative="draft")
+    assert tokens == plain
+    assert final.stats.target_forwards < 20  # the draft's tokens were accepted, some at least
+
+
 # --- SmolLM2 (the embedded Q4_1 GGUF) against the MLX engine -----------------------------------------
 
 
@@ -195,6 +248,18 @@ def test_smollm2_greedy_matches_mlx_batched_and_cached(smollm2):
     assert final.usage.cached_prompt_tokens == 16 and tokens == ref["tokens"][0]
     tokens, _ = run(engine, prompts[1], speculative="prompt-lookup")
     assert tokens == ref["tokens"][1]
+
+
+def test_smollm2_int8_draft_greedy_matches_mlx(smollm2):
+    """SmolLM2 drafting for itself at 8 bits: MLX's greedy tokens, and most drafts accepted."""
+    from mlx_engine.loading import resolve
+
+    _, prompts, ref = smollm2
+    with Engine.load(None, backend="torch", device="cpu", draft_model=str(resolve(None)[0]), draft_bits=8) as e:
+        tokens, final = run(e, prompts[0], speculative="draft", num_draft_tokens=4)
+    assert tokens == ref["tokens"][0]
+    # measured: every draft accepted, 16 tokens in 4 target forwards (prefill included)
+    assert final.stats.acceptance_rate >= 0.75 and final.stats.target_forwards <= 8
 
 
 @pytest.fixture(scope="module")
@@ -249,6 +314,13 @@ def test_cuda_without_cuda_is_a_clear_error():
     ({"backend": "torch", "kv_bits": 8}, "kv_bits is not supported on the torch backend"),
     ({"backend": "torch", "paged_kv": False}, "paged_kv=False is not supported on the torch backend"),
     ({"backend": "torch", "dtype": "float64"}, "dtype='float64': expected one of"),
+    ({"backend": "torch", "draft_bits": 4, "draft_model": str(GOLDEN / "llama")},
+     "draft_bits=4: the torch backend holds a draft at 8 bits only"),
+    ({"backend": "torch", "draft_bits": 8}, "draft_bits=8 needs draft_model"),
+    ({"backend": "torch", "draft_bits": 8, "draft_model": str(GOLDEN / "llama"), "dtype": "bfloat16"},
+     "draft_bits=8 needs float32 activations on the CPU, not dtype='bfloat16'"),
+    ({"backend": "mlx", "draft_bits": 3, "draft_model": str(GOLDEN / "llama")}, "draft_bits=3: expected 4 or 8"),
+    ({"backend": "mlx", "draft_bits": 8}, "draft_bits=8 needs draft_model"),
 ])
 def test_bad_options(options, message):
     with pytest.raises(RooflineError, match=message.replace("(", r"\(")):

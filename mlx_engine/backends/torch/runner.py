@@ -7,6 +7,7 @@ KV statistics are the MLX Runner's own (inherited).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from collections.abc import Callable
@@ -67,6 +68,23 @@ def cpu_matmul_seconds(a: np.ndarray, repeats: int, best_time: Callable[[Callabl
     """The best time of a @ a in torch on the CPU, all cores (for the measured peak FLOP/s of `roofline bench`)."""
     t = torch.from_numpy(a)
     return best_time(lambda: t @ t, repeats)
+
+
+def check_draft_bits(bits: Any, draft_model: str | None, device: torch.device, dtype: str | None) -> None:
+    """`draft_bits` on this backend: 8, on the CPU in float32, with a draft model to hold that way."""
+    if bits is None:
+        return
+    if bits != 8:
+        raise RooflineError(f"draft_bits={bits!r}: the torch backend holds a draft at 8 bits only (the CPU's int8 "
+                            "matmul); on MLX, 4 or 8")
+    if draft_model is None:
+        raise RooflineError("draft_bits=8 needs draft_model: the model to hold at 8 bits as the draft (it may be "
+                            "the model itself)")
+    if device.type != "cpu":
+        raise RooflineError(f"draft_bits=8 is for device='cpu' (this runner is on {device.type}); on CUDA, load a "
+                            "quantized draft file: its weights stay packed for the dequantizing matmul")
+    if dtype not in (None, "float32"):
+        raise RooflineError(f"draft_bits=8 needs float32 activations on the CPU, not dtype={dtype!r}")
 
 
 def use_kernels(device: torch.device) -> bool:
@@ -135,13 +153,15 @@ class TorchRunner(Runner):
         draft_model: str | None = None,
         self_draft_layers: int | None = None,
         cuda_graphs: bool | None = None,
+        draft_bits: int | None = None,
         *,
         with_cache: bool = True,
         **kv_options: Any,
     ) -> TorchRunner:
         """`kv_options`: KVConfig's fields (block_size, kv_bits, kv_group_size, kv_budget_bytes,
         prefix_caching, kv_key_bits, kv_key_per_channel); the quantized-KV ones are refused (the torch KV is
-        unquantized). `cuda_graphs`: replay batched decode steps as CUDA graphs (default: on CUDA)."""
+        unquantized). `cuda_graphs`: replay batched decode steps as CUDA graphs (default: on CUDA). `draft_bits`:
+        8 holds the draft's projections and head as int8 too, for the CPU's int8 matmul (`model.Int8Weight`)."""
         import importlib
 
         from mlx_engine.kv.cache import KVConfig
@@ -158,6 +178,7 @@ class TorchRunner(Runner):
             raise RooflineError(f"cuda_graphs={cuda_graphs!r}: expected True, False or None (on CUDA: True)")
         if cuda_graphs and dev.type != "cuda":
             raise RooflineError(f"cuda_graphs=True needs device='cuda' (this runner is on {dev.type}); leave it unset")
+        check_draft_bits(draft_bits, draft_model, dev, dtype)
         if prefill_chunk_size is None:
             prefill_chunk_size = CUDA_PREFILL_CHUNK if dev.type == "cuda" else 512
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
@@ -208,6 +229,12 @@ class TorchRunner(Runner):
         if draft_model is not None:
             draft = cls.load(draft_model, device=dev.type, dtype=dtype, prefill_chunk_size=prefill_chunk_size,
                              with_cache=False)
+            if draft_bits is not None:
+                from mlx_engine.backends.torch.model import quantize_int8
+
+                quantize_int8(draft.model)
+                draft.info = dataclasses.replace(draft.info, quantization=f"{draft.info.quantization}, int8 draft",
+                                                 weight_bytes=draft.model.weight_bytes)
             runner.draft = check_same_vocabulary(runner, draft)
         return runner
 
