@@ -12,11 +12,14 @@
    predicted from the forwards actually made (their widths, through the cost curve, plus the drafting
    cost) beside the measured one.
 
-The "draft" proposer uses the same model at another precision: the target's weights (the embedded Q4_1
-GGUF: 4-bit, groups of 32) re-quantized to MLX affine 4-bit with groups of 64. It costs as much as the
-target, so it can only show the mechanics and the acceptance of a near-identical draft, never a speedup.
-On the torch backend the draft is the same model loaded again, its float32 weights rounded through the same
-4-bit groups of 64 (`requantize_torch`): again the same cost as the target, other numbers.
+The "draft" proposer is the same model at another precision (`Engine.load(draft_bits=...)`):
+- MLX: the target's weights (the embedded Q4_1 GGUF: 4-bit, groups of 32) quantized again to affine 4-bit
+  groups of 64 (`--draft-bits`, default 4). On MLX's CPU backend it costs as much as the target (float32
+  host copies either way), so there it shows the acceptance of a near-identical draft, not a speedup.
+- torch on the CPU: the target's float32 weights held as int8 too, for the CPU's int8 matmul (`--draft-bits
+  8`, the default there): about 0.3 T(1) a drafted token.
+- torch on CUDA: the same model loaded again, its weights rounded through 4-bit groups of 64
+  (`requantize_torch`): the target's cost, other numbers.
 """
 
 from __future__ import annotations
@@ -56,17 +59,6 @@ PROMPTS = {
 MODES = ["plain", "prompt-lookup", "self", "draft", "auto"]
 
 
-def requantize(model, bits: int = 4, group_size: int = 64) -> None:
-    """Re-quantizes every quantized layer of `model` in place (dequantize, then MLX affine quantize)."""
-    for _, m in model.named_modules():
-        if hasattr(m, "scales") and hasattr(m, "bits"):
-            w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode)
-            q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
-            m.weight, m.scales, m.biases = q, scales.astype(w.dtype), biases.astype(w.dtype)
-            m.group_size, m.bits = group_size, bits
-    mx.eval(model.parameters())
-
-
 def requantize_torch(model, bits: int = 4, group_size: int = 64) -> None:
     """The torch backend's `requantize`: every projection, the embedding and the head, rounded in place through
     affine `bits`-bit groups of `group_size` (as MLX's quantize: scale (max - min) / (2^bits - 1), offset min).
@@ -87,6 +79,17 @@ def requantize_torch(model, bits: int = 4, group_size: int = 64) -> None:
         for m in [model.embed_tokens, *([model.lm_head] if model.lm_head is not None else []), *layers]:
             if isinstance(m.weight, torch.Tensor):
                 round_trip(m.weight)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _draft_label(engine: Engine) -> str:
+    draft = engine._runner.draft
+    return "none" if draft is None else draft.info.quantization
 
 
 def cost_curve(engine: Engine, k_max: int = 8) -> tuple[CostCurve, float, float]:
@@ -125,7 +128,9 @@ def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int,
     history = seq.spec.history if seq.spec is not None else []
     decode_forwards = final.stats.target_forwards - 1
     widths = [d + 1 for d, _ in history] + [1] * (decode_forwards - len(history))
+    proposer = seq.spec.proposer.name if seq.spec is not None else "plain"  # "auto": the one it chose
     return {"stats": final.stats, "n": final.usage.completion_tokens, "widths": widths, "history": history,
+            "proposer": proposer,
             "from_draft": sum(d for e in events for d in e.from_draft), "wall": wall}
 
 
@@ -145,6 +150,8 @@ def main() -> None:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--modes", nargs="+", default=MODES)
     ap.add_argument("--kinds", nargs="+", default=list(PROMPTS))
+    ap.add_argument("--draft-bits", type=int, choices=(4, 8), default=None,
+                    help="the draft's bits (the same model; default 4 on MLX, 8 on torch on the CPU)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each mode, in rotation; tok/s and the measured speedup are medians (of each "
                          "rotation's ratio to plain)")
@@ -152,11 +159,12 @@ def main() -> None:
 
     from mlx_engine.loading import resolve
 
-    draft = str(resolve(args.model)[0]) if "draft" in args.modes else None
-    engine = Engine.load(args.model, draft_model=draft, backend=args.backend, device=args.device)
-    if draft is not None:
-        requant = requantize if args.backend == "mlx" else requantize_torch
-        engine._thread.call(lambda: requant(engine._runner.draft.model))
+    draft = str(resolve(args.model)[0]) if {"draft", "auto"} & set(args.modes) else None
+    torch_cuda = args.backend == "torch" and args.device != "cpu" and _cuda_available()
+    bits = None if draft is None or torch_cuda else args.draft_bits or (8 if args.backend == "torch" else 4)
+    engine = Engine.load(args.model, draft_model=draft, backend=args.backend, device=args.device, draft_bits=bits)
+    if draft is not None and torch_cuda:
+        engine._thread.call(lambda: requantize_torch(engine._runner.draft.model))
     versions = f"mlx {mx.__version__}, Metal {mx.metal.is_available()}"
     if args.backend == "torch":
         import torch
@@ -173,9 +181,9 @@ def main() -> None:
         c = curve.cost(k + 1)
         print(f"| {k} | {k + 1} | {c:.2f} | {(k + 1) / c:.2f} |")
     print(f"\nDrafting cost per token, in T(1): self ({engine._runner.self_draft_layers} of "
-          f"{len(engine._runner.model.layers)} layers + head) {self_cost:.2f}, draft (4-bit g64 copy) "
-          f"{draft_cost:.2f}, prompt lookup 0\n")
-    costs = {"plain": 0.0, "prompt-lookup": 0.0, "self": self_cost, "draft": draft_cost, "auto": 0.0}
+          f"{len(engine._runner.model.layers)} layers + head) {self_cost:.2f}, draft "
+          f"({_draft_label(engine)}) {draft_cost:.2f}, prompt lookup 0\n")
+    costs = {"plain": 0.0, "prompt-lookup": 0.0, "self": self_cost, "draft": draft_cost}
 
     print("| prompt | temp | mode | tokens/forward | acceptance | mean accepted | decode tok/s | "
           "speedup measured | speedup predicted |")
@@ -194,10 +202,11 @@ def main() -> None:
                 tpf = (r["n"] - 1) / max(s.target_forwards - 1, 1)
                 measured = (statistics.median(x["stats"].decode_tps / b for x, b in zip(runs[mode], base))
                             if base else float("nan"))
-                pred = predicted(r, curve, costs[mode])
+                pred = predicted(r, curve, costs[r["proposer"]])
                 acc = f"{s.acceptance_rate:.2f}" if s.acceptance_rate is not None else "-"
                 mean = f"{s.mean_accepted_tokens:.2f}" if s.mean_accepted_tokens is not None else "-"
-                print(f"| {kind} | {temp:g} | {mode} | {tpf:.2f} | {acc} | {mean} | {tps:.2f} | "
+                label = f"auto ({r['proposer']})" if mode == "auto" and r["proposer"] != "plain" else mode
+                print(f"| {kind} | {temp:g} | {label} | {tpf:.2f} | {acc} | {mean} | {tps:.2f} | "
                       f"{measured:.2f}x | {pred:.2f}x |", flush=True)
     engine.close()
 
