@@ -191,6 +191,22 @@ def test_int8_weight_one_row_is_the_int8_matmul_and_several_rows_the_float_one()
     assert iw.matmul(x[None, 1:2]).shape == (1, 1, 96)
 
 
+def test_fused_int8_is_each_projection_int8_on_one_row_and_float_on_several():
+    from mlx_engine.backends.torch.model import FusedInt8, Int8Weight, Linear
+
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(n, 64, generator=g) for n in (32, 16, 16)]
+    bias = torch.randn(16, generator=g)
+    lins = (Linear(ws[0]), Linear(ws[1], bias), Linear(ws[2]))
+    fused, x = FusedInt8(lins), torch.randn(1, 3, 64, generator=g)
+    for got, lin in zip(fused(x), lins):
+        assert torch.equal(got, lin(x))  # several rows: each float projection, bias included
+    row = x[:, 1:2]
+    for got, w, b in zip(fused(row), ws, (None, bias, None)):
+        one = Int8Weight(w).matmul(row) + (b if b is not None else 0)  # its own int8 rows: same scales
+        assert got.shape == (1, 1, w.shape[0]) and torch.allclose(got, one, rtol=0, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def llama_int8_draft():
     folder = str(GOLDEN / "llama")
@@ -199,11 +215,12 @@ def llama_int8_draft():
 
 
 def test_int8_draft_greedy_equals_plain(llama_int8_draft, llama):
-    from mlx_engine.backends.torch.model import Int8Weight
+    from mlx_engine.backends.torch.model import FusedInt8, Int8Weight
 
     draft = llama_int8_draft._runner.draft
-    assert all(isinstance(lin.weight, Int8Weight) for b in draft.model.layers
-               for lin in (b.self_attn.q_proj, b.mlp.down_proj))
+    for b in draft.model.layers:
+        assert isinstance(b.self_attn.qkv, FusedInt8) and isinstance(b.mlp.gate_up, FusedInt8)
+        assert isinstance(b.self_attn.o_proj.weight, Int8Weight) and isinstance(b.mlp.down_proj.weight, Int8Weight)
     assert isinstance(draft.model.lm_head.weight, Int8Weight) and draft.info.quantization.endswith("int8 draft")
     assert draft.info.weight_bytes > llama._runner.draft.info.weight_bytes  # the int8 copies come on top
     plain, _ = run(llama, PROMPT, 20)
