@@ -175,36 +175,39 @@ def _int8_reference(w: "torch.Tensor", row: "torch.Tensor", reduce_range: bool) 
     return ((xq - zp) * sx) @ (wq * sw[:, None]).T
 
 
-def test_int8_weight_one_row_is_the_int8_matmul_and_several_rows_the_float_one():
-    from mlx_engine.backends.torch.model import Int8Weight
+def test_int8_weight_rows_through_the_int8_matmul_and_a_prefill_through_the_dequantized_weight():
+    from mlx_engine.backends.torch.model import INT8_MAX_ROW_CALLS, Int8Weight
 
     g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(96, 64, generator=g), torch.randn(5, 64, generator=g)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(2, 3, 64, generator=g)
     iw = Int8Weight(w)
-    assert torch.equal(iw.matmul(x), torch.nn.functional.linear(x, w))  # a prefill: the float weight, exactly
-    for i in range(5):
-        row = x[i : i + 1]
+    scale = (w.abs().amax(1) / 127)[:, None]
+    assert torch.equal(iw.dequantized(), torch.round(w / scale) * scale)
+    # a prefill (6 rows > INT8_MAX_ROW_CALLS): float32 over the dequantized weight, exactly
+    assert torch.equal(iw.matmul(x), torch.nn.functional.linear(x, iw.dequantized()))
+    rows = x.reshape(6, 64)
+    for i in range(6):  # one row: the int8 matmul, as its reference computes it
+        row = rows[i : i + 1]
         got, exact = iw.matmul(row), row @ w.T
-        scale = exact.abs().max()
-        assert (got - _int8_reference(w, row, iw.reduce_range)).abs().max() <= 1e-5 * scale
-        assert 1e-4 * scale < (got - exact).abs().max() < 3e-2 * scale  # int8's rounding: there, and small
-    assert iw.matmul(x[None, 1:2]).shape == (1, 1, 96)
+        ref = _int8_reference(w, row, iw.reduce_range)
+        assert (got - ref).abs().max() <= 1e-5 * exact.abs().max()
+        assert 1e-4 * exact.abs().max() < (got - exact).abs().max() < 3e-2 * exact.abs().max()  # int8: small
+    few = rows[:INT8_MAX_ROW_CALLS]  # a catch-up: each row its own call, the same numbers as alone
+    assert torch.equal(iw.matmul(few[None]), torch.cat([iw.matmul(r[None]) for r in few])[None])
+    assert torch.equal(iw.rows(torch.tensor([[3, 7]])), iw.dequantized()[[3, 7]][None])
 
 
-def test_fused_int8_is_each_projection_int8_on_one_row_and_float_on_several():
+def test_fused_int8_splits_one_int8_matmul_into_each_projection():
     from mlx_engine.backends.torch.model import FusedInt8, Int8Weight, Linear
 
     g = torch.Generator().manual_seed(1)
     ws = [torch.randn(n, 64, generator=g) for n in (32, 16, 16)]
     bias = torch.randn(16, generator=g)
-    lins = (Linear(ws[0]), Linear(ws[1], bias), Linear(ws[2]))
-    fused, x = FusedInt8(lins), torch.randn(1, 3, 64, generator=g)
-    for got, lin in zip(fused(x), lins):
-        assert torch.equal(got, lin(x))  # several rows: each float projection, bias included
-    row = x[:, 1:2]
-    for got, w, b in zip(fused(row), ws, (None, bias, None)):
-        one = Int8Weight(w).matmul(row) + (b if b is not None else 0)  # its own int8 rows: same scales
-        assert got.shape == (1, 1, w.shape[0]) and torch.allclose(got, one, rtol=0, atol=1e-5)
+    fused = FusedInt8((Linear(ws[0]), Linear(ws[1], bias), Linear(ws[2])))
+    for x in (torch.randn(1, 1, 64, generator=g), torch.randn(1, 9, 64, generator=g)):
+        for got, w, b in zip(fused(x), ws, (None, bias, None)):
+            alone = Int8Weight(w).matmul(x) + (b if b is not None else 0)  # its rows' scales are the same
+            assert got.shape == (*x.shape[:-1], w.shape[0]) and torch.allclose(got, alone, rtol=0, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -221,8 +224,11 @@ def test_int8_draft_greedy_equals_plain(llama_int8_draft, llama):
     for b in draft.model.layers:
         assert isinstance(b.self_attn.qkv, FusedInt8) and isinstance(b.mlp.gate_up, FusedInt8)
         assert isinstance(b.self_attn.o_proj.weight, Int8Weight) and isinstance(b.mlp.down_proj.weight, Int8Weight)
+        assert b.self_attn.q_proj is None and b.mlp.up_proj is None  # the float projections are gone
     assert isinstance(draft.model.lm_head.weight, Int8Weight) and draft.info.quantization.endswith("int8 draft")
-    assert draft.info.weight_bytes > llama._runner.draft.info.weight_bytes  # the int8 copies come on top
+    assert isinstance(draft.model.embed_tokens.weight, Int8Weight)  # untied here: its own int8 embedding
+    float_bytes = llama._runner.draft.info.weight_bytes
+    assert 0.25 * float_bytes < draft.info.weight_bytes < 0.6 * float_bytes  # int8 twice (packed, plain)
     plain, _ = run(llama, PROMPT, 20)
     tokens, final = run(llama_int8_draft, PROMPT, 20, speculative="draft")
     assert tokens == plain

@@ -64,32 +64,60 @@ class QuantizedWeight:
         return self.packed.numel() * 32 // self.bits
 
 
-class Int8Weight:
-    """A CPU projection held twice: as int8, one scale per output row, packed for the CPU's dynamic-quantized
-    matmul (fbgemm or oneDNN on x86, qnnpack on ARM: each row of activations quantized to 8 bits on the fly,
-    int32 accumulation), and as the float weight it came from.
+# Rows a call sends through the int8 matmul one by one; more are multiplied by the dequantized weight
+INT8_MAX_ROW_CALLS = 4
 
-    One row (a draft's decode step) goes through the int8 matmul: a quarter of float32's bytes, and SmolLM2's
+
+class Int8Weight:
+    """A CPU projection as int8, one scale per output row (`draft_bits=8` on the torch CPU backend): packed for
+    the CPU's dynamic-quantized matmul (fbgemm or oneDNN on x86, qnnpack on ARM: each call's activations
+    quantized to 8 bits on the fly, int32 accumulation), and plain, to dequantize.
+
+    A row (a draft's decode step) goes through the int8 matmul: a quarter of float32's bytes, and SmolLM2's
     projections at one row cost 11 ms against float32's 50 ms on one thread of the build VM (AVX-512 VNNI).
-    Several rows (a prefill, a catch-up) use the float weight: the dynamic quantization takes one activation
-    scale for all the rows of a call, so one token's outlier channels coarsen every other token's (SmolLM2's
-    top-1 agreement with float32 over a 400-token prefill fell to 0.55, against 0.83 row by row), and a
-    many-row matmul is bound by compute, not by the weight's bytes."""
+    Up to INT8_MAX_ROW_CALLS rows make one call each: the op takes one activation scale for all the rows of a
+    call, so one token's outlier channels would coarsen every other token's (SmolLM2's top-1 agreement with
+    float32 over a 400-token call fell to 0.55, against 0.83 row by row). More rows (a prefill) multiply the
+    dequantized weight in float32, which is bound by compute, not by the weight's bytes (dequantizing all of
+    SmolLM2's projections: 27 ms)."""
 
     def __init__(self, weight: torch.Tensor):
-        self.packed, self.int8_bytes = _pack_int8(weight)
-        self.weight = weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise ValueError(f"int8 weights are made from float32 CPU weights, not {weight.dtype} on "
+                             f"{weight.device.type}")
+        scale = (weight.abs().amax(1) / 127).clamp_min(1e-12)
+        zero = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # torch 2.10+ marks its quantized tensors deprecated; the ops remain
+            warnings.simplefilter("ignore")
+            q = torch.quantize_per_channel(weight.contiguous(), scale.double(), zero, 0, torch.qint8)
+            self.packed = torch.ops.quantized.linear_prepack(q, None)
+        self.q8, self.scale = q.int_repr(), scale  # (out, in) int8, (out,) float32
         self.reduce_range = int8_reduce_range()
+        self.shape = weight.shape
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) -> x @ W.T (..., out): one row through the int8 matmul, several through the float one."""
-        if x.numel() == x.shape[-1]:
-            return _int8_row(x, self.packed, self.reduce_range)
-        return F.linear(x, self.weight)
+        """x (..., in) -> x @ W.T (..., out) float32."""
+        rows = x.numel() // x.shape[-1]
+        if rows == 1:
+            return torch.ops.quantized.linear_dynamic.default(x.reshape(1, -1), self.packed, self.reduce_range
+                                                              ).reshape(*x.shape[:-1], -1)
+        if rows <= INT8_MAX_ROW_CALLS:
+            x2 = x.reshape(rows, -1)
+            return torch.cat([torch.ops.quantized.linear_dynamic.default(x2[i : i + 1], self.packed,
+                                                                         self.reduce_range)
+                              for i in range(rows)]).reshape(*x.shape[:-1], -1)
+        return F.linear(x, self.dequantized())
+
+    def dequantized(self) -> torch.Tensor:
+        return self.q8.float() * self.scale[:, None]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows `ids` (an embedding lookup): ids (...) -> (..., in) float32."""
+        return self.q8[ids].float() * self.scale[ids][..., None]
 
     @property
     def nbytes(self) -> int:
-        return self.int8_bytes + self.weight.numel() * self.weight.element_size()
+        return 2 * self.q8.numel() + self.scale.numel() * 4 * 2  # packed and plain
 
 
 @functools.cache
@@ -108,60 +136,44 @@ def int8_reduce_range() -> bool:
     return re.search(r"\b(avx512_vnni|avx_vnni|amx_int8)\b", flags) is None
 
 
-def _pack_int8(weight: torch.Tensor) -> tuple[Any, int]:
-    """A float32 CPU weight (out, in) -> (its int8 per-row quantization packed for the dynamic-quantized
-    matmul, the bytes that holds)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        raise ValueError(f"int8 weights are made from float32 CPU weights, not {weight.dtype} on {weight.device.type}")
-    scale = (weight.abs().amax(1) / 127).clamp_min(1e-12).double()
-    zero = torch.zeros(weight.shape[0], dtype=torch.long)
-    with warnings.catch_warnings():  # torch 2.10+ marks its quantized tensors deprecated; the ops remain
-        warnings.simplefilter("ignore")
-        q = torch.quantize_per_channel(weight.contiguous(), scale, zero, 0, torch.qint8)
-        return torch.ops.quantized.linear_prepack(q, None), weight.numel() + weight.shape[0] * 8
-
-
-def _int8_row(x: torch.Tensor, packed: Any, reduce_range: bool) -> torch.Tensor:
-    """One row x (..., in) through a packed int8 weight -> (..., out) float32."""
-    return torch.ops.quantized.linear_dynamic.default(x.reshape(1, -1), packed, reduce_range).reshape(*x.shape[:-1], -1)
-
-
 class FusedInt8:
-    """Projections of one input (q/k/v, gate/up) as one int8 matmul for a single row: one call instead of
-    three or two (a draft step of SmolLM2: 10.0 -> 7.7 ms in the matmuls). Several rows go through each
-    Linear's float weight, as Int8Weight's do."""
+    """Projections of one input (q/k/v, gate/up) as one Int8Weight: one int8 matmul instead of three or two
+    (a draft step of SmolLM2: 10.0 -> 7.7 ms in the matmuls), split after, each with its bias."""
 
     def __init__(self, linears: tuple[Linear, ...]):
-        self.linears = linears
         self.sizes = [lin.weight.shape[0] for lin in linears]
-        self.packed, self.int8_bytes = _pack_int8(torch.cat([lin.weight for lin in linears]))
-        self.reduce_range = int8_reduce_range()
+        self.biases = [lin.bias for lin in linears]
+        self.weight = Int8Weight(torch.cat([lin.weight for lin in linears]))
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if x.numel() != x.shape[-1]:
-            return [lin(x) for lin in self.linears]
-        outs = _int8_row(x, self.packed, self.reduce_range).split(self.sizes, dim=-1)
-        return [y + lin.bias if lin.bias is not None else y for y, lin in zip(outs, self.linears)]
+        outs = self.weight.matmul(x).split(self.sizes, dim=-1)
+        return [y + b if b is not None else y for y, b in zip(outs, self.biases)]
 
 
 def quantize_int8(model: Model) -> None:
-    """A float32 CPU model's projections and head as int8 as well (`draft_bits=8` on the torch CPU backend):
-    q/k/v and gate/up fused (`FusedInt8`), o and down as Int8Weight, the head as its own Int8Weight (a tied
-    head gets an int8 copy of the embedding, whose lookup stays float)."""
-    added = 0
+    """A float32 CPU model held as int8 (`draft_bits=8` on the torch CPU backend), its float projections
+    dropped: q/k/v and gate/up fused (`FusedInt8`), o and down as Int8Weight, the head as an Int8Weight whose
+    rows are also the embedding lookup (tied) or beside an int8 embedding (untied). The norms stay float."""
     try:
         for block in model.layers:
             a, m = block.self_attn, block.mlp
             a.qkv, m.gate_up = FusedInt8((a.q_proj, a.k_proj, a.v_proj)), FusedInt8((m.gate_proj, m.up_proj))
+            a.q_proj = a.k_proj = a.v_proj = m.gate_proj = m.up_proj = None
             a.o_proj.weight, m.down_proj.weight = Int8Weight(a.o_proj.weight), Int8Weight(m.down_proj.weight)
-            added += sum(x.int8_bytes for x in (a.qkv, m.gate_up, a.o_proj.weight, m.down_proj.weight))
-        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        model.lm_head = Linear(Int8Weight(head))
-        added += model.lm_head.weight.int8_bytes
-    except (RuntimeError, NotImplementedError) as e:  # a torch build without its quantized CPU kernels
+        head = Int8Weight(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
+        embed = head if model.lm_head is None else Int8Weight(model.embed_tokens.weight)
+        model.lm_head, model.embed_tokens = Linear(head), Embedding(embed)
+    except (RuntimeError, NotImplementedError, AttributeError) as e:  # a torch without its quantized CPU ops
         raise ModelLoadError(f"8-bit weights need torch's quantized CPU matmul (quantized engine "
                              f"{torch.backends.quantized.engine!r}), which failed here: {e}") from None
-    model.weight_bytes += added
+    norms = [n for b in model.layers for n in (b.input_layernorm, b.post_attention_layernorm,
+                                                b.self_attn.q_norm, b.self_attn.k_norm) if n is not None]
+    model.weight_bytes = (sum(w.nbytes for b in model.layers for w in (b.self_attn.qkv.weight, b.mlp.gate_up.weight,
+                                                                       b.self_attn.o_proj.weight,
+                                                                       b.mlp.down_proj.weight))
+                          + head.nbytes + (embed.nbytes if embed is not head else 0)
+                          + sum(_nbytes(n.weight) for n in [*norms, model.norm]))
+    model.embed_bytes = embed.nbytes
 
 
 Weight = torch.Tensor | QuantizedWeight | Int8Weight
@@ -190,7 +202,7 @@ class Embedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (B, L) -> (B, L, hidden)."""
-        if isinstance(self.weight, QuantizedWeight):
+        if isinstance(self.weight, (QuantizedWeight, Int8Weight)):
             return self.weight.rows(ids)
         return F.embedding(ids, self.weight)
 
