@@ -129,14 +129,18 @@ def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int,
     decode_forwards = final.stats.target_forwards - 1
     widths = [d + 1 for d, _ in history] + [1] * (decode_forwards - len(history))
     proposer = seq.spec.proposer.name if seq.spec is not None else "plain"  # "auto": the one it chose
+    draft_rows = getattr(seq.spec.proposer, "rows", None) if seq.spec is not None else None
     return {"stats": final.stats, "n": final.usage.completion_tokens, "widths": widths, "history": history,
-            "proposer": proposer,
+            "proposer": proposer, "draft_rows": draft_rows,
             "from_draft": sum(d for e in events for d in e.from_draft), "wall": wall}
 
 
 def predicted(r: dict, curve: CostCurve, draft_cost: float) -> float:
-    """Decode tokens over the predicted cost of the forwards made, in plain decode steps."""
-    cost = sum(curve.cost(w) + (w - 1) * draft_cost for w in r["widths"])
+    """Decode tokens over the predicted cost of the forwards made, in plain decode steps: each target forward's
+    width through the curve, and each row a proposer fed at `draft_cost` (a draft model's rows include its
+    catch-ups; otherwise the drafted tokens)."""
+    rows = r["draft_rows"] if r["draft_rows"] is not None else sum(w - 1 for w in r["widths"])
+    cost = sum(curve.cost(w) for w in r["widths"]) + rows * draft_cost
     return (r["n"] - 1) / cost if cost else 1.0
 
 

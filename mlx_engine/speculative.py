@@ -51,6 +51,8 @@ IDLE_DECAY = 0.85
 # whatever the estimate says (on MLX's CPU backend one edit at temperature 0.7 probed its way to a predicted
 # 0.96x, measured 0.93x; a simulated reply whose drafts all fail lost 10-12% without the budget).
 AUTO_LOSS_ALLOWANCE = 0.5
+# weight of each timed proposal in a draft model's running cost per drafted token ("auto", `SpecState.settle`)
+DRAFT_COST_EMA = 0.3
 AUTO_LOSS_SHARE = 0.02
 
 
@@ -176,6 +178,8 @@ class DraftModel:
         self.draft_cost = draft_cost
         self.layers: list[Any] | None = None
         self.tokens: list[int] = []
+        self.rows = 0  # rows its proposals fed (drafts and catch-ups; the prefill apart)
+        self.last_spent: tuple[float, int] | None = None  # the last proposal's (seconds, drafted tokens)
 
     def _feed(self, ids: list[int]) -> None:
         r = self.runner
@@ -192,7 +196,10 @@ class DraftModel:
 
     def propose(self, inp: DraftInput) -> tuple[list[int] | mx.array, mx.array | None]:
         r = self.runner
-        feed = inp.tokens[len(self.tokens):]  # catch up: the tokens accepted since the last proposal
+        start = time.perf_counter()
+        # catch up: the tokens since the last proposal (its last draft when all passed, plain steps' tokens)
+        feed = inp.tokens[len(self.tokens):]
+        self.rows += len(feed) - 1 + inp.k
         self._feed(feed[:-1])
         logits = r.last_logits(mx.array([feed[-1:]], dtype=mx.int32), self.layers)  # (1, V)
         self.tokens = list(inp.tokens)
@@ -208,6 +215,7 @@ class DraftModel:
         draft = mx.concatenate(drafts)  # (k,), lazy
         mx.eval(draft, qs)
         self.tokens += draft.tolist()[:-1]  # x_k is not fed
+        self.last_spent = (time.perf_counter() - start, inp.k)
         return draft, mx.concatenate(qs)
 
     def rollback(self, num_tokens: int) -> None:
@@ -478,8 +486,19 @@ class SpecState:
         return k
 
     def settle(self, curve: CostCurve, drafted: int, tokens: int) -> None:
-        """After an "auto" verification of `drafted` drafts that gave `tokens` tokens: what it saved or lost."""
-        self.balance += tokens - (curve.cost(drafted + 1) + drafted * self.proposer.draft_cost)
+        """After an "auto" verification of `drafted` drafts that gave `tokens` tokens: what it saved or lost.
+        A proposer that timed its proposal (a draft model) is charged what it took, and its cost per drafted
+        token follows (DRAFT_COST_EMA): `time_forward`'s one forward leaves out its catch-up forwards (its
+        last draft when all passed, the tokens of plain steps taken since) and the sampling of each draft."""
+        spent = getattr(self.proposer, "last_spent", None)
+        drafting = drafted * self.proposer.draft_cost
+        if spent is not None and spent[1] == drafted and curve.t1_s > 0:
+            drafting = spent[0] / curve.t1_s
+            c = self.proposer.draft_cost
+            self.proposer.draft_cost = c + DRAFT_COST_EMA * (drafting / drafted - c)
+            curve.draft_costs[self.proposer.name] = self.proposer.draft_cost  # for the next requests too
+            self.proposer.last_spent = None
+        self.balance += tokens - (curve.cost(drafted + 1) + drafting)
 
     def age(self) -> None:
         """A plain step taken although the proposer had a candidate: old evidence fades (IDLE_DECAY)."""

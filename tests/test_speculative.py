@@ -516,6 +516,24 @@ def test_auto_allowance_admits_a_draft_models_first_verification(monkeypatch) ->
     assert over <= 1e-9 and 200 < cost <= 200 + 1.26 + 0.02 * 200 and forwards == 200
 
 
+def test_auto_charges_a_draft_model_what_its_proposals_took() -> None:
+    """A draft model times its proposals (catch-ups and sampling included, which `time_forward` leaves out):
+    "auto" books that time, and its cost per drafted token moves toward it, for later requests too."""
+    from types import SimpleNamespace
+
+    from mlx_engine.speculative import DRAFT_COST_EMA, SpecState
+
+    curve = CostCurve({1: 1.0, 2: 1.5, 9: 1.9}, t1_s=0.05)
+    draft = SimpleNamespace(name="draft", draft_cost=0.3, last_spent=(0.1, 4))  # 4 drafts in 2 T(1)
+    st = SpecState("auto", draft, 8)
+    st.settle(curve, 4, 3)  # 2 of 4 accepted, then the sampled token
+    assert st.balance == pytest.approx(3 - (curve.cost(5) + 2.0))
+    assert draft.draft_cost == pytest.approx(0.3 + DRAFT_COST_EMA * (0.5 - 0.3))
+    assert curve.draft_costs["draft"] == draft.draft_cost and draft.last_spent is None
+    st.settle(curve, 2, 3)  # no timing kept: charged at the running cost
+    assert st.balance == pytest.approx(3 - (curve.cost(5) + 2.0) + 3 - (curve.cost(3) + 2 * draft.draft_cost))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_draft_bits_quantizes_the_draft_and_greedy_is_unchanged(models, bits: int) -> None:
     """The target as its own draft at 4 or 8 bits (affine, groups of 64): plain decoding's tokens, drafts
