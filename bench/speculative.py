@@ -16,8 +16,8 @@ The "draft" proposer is the same model at another precision (`Engine.load(draft_
 - MLX: the target's weights (the embedded Q4_1 GGUF: 4-bit, groups of 32) quantized again to affine 4-bit
   groups of 64 (`--draft-bits`, default 4). On MLX's CPU backend it costs as much as the target (float32
   host copies either way), so there it shows the acceptance of a near-identical draft, not a speedup.
-- torch on the CPU: the target's float32 weights held as int8 too, for the CPU's int8 matmul (`--draft-bits
-  8`, the default there): about 0.3 T(1) a drafted token.
+- torch on the CPU: the target's float32 weights held as int8, for the CPU's int8 matmul (`--draft-bits 8`,
+  the default there): about 0.3 T(1) a drafted token.
 - torch on CUDA: the same model loaded again, its weights rounded through 4-bit groups of 64
   (`requantize_torch`): the target's cost, other numbers.
 """

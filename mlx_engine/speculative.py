@@ -51,9 +51,9 @@ IDLE_DECAY = 0.85
 # whatever the estimate says (on MLX's CPU backend one edit at temperature 0.7 probed its way to a predicted
 # 0.96x, measured 0.93x; a simulated reply whose drafts all fail lost 10-12% without the budget).
 AUTO_LOSS_ALLOWANCE = 0.5
+AUTO_LOSS_SHARE = 0.02
 # weight of each timed proposal in a draft model's running cost per drafted token ("auto", `SpecState.settle`)
 DRAFT_COST_EMA = 0.3
-AUTO_LOSS_SHARE = 0.02
 
 
 # --- acceptance -------------------------------------------------------------------------------------
@@ -462,7 +462,8 @@ class SpecState:
     # the probes cost 8-11% against plain decoding on the torch CPU backend.
     recent_drafted: float = 0.0
     recent_accepted: float = 0.0
-    # "auto": plain decode steps its verifications saved so far, predicted from the cost curve (negative: lost)
+    # "auto": plain decode steps its verifications saved so far (negative: lost): their forwards through the cost
+    # curve, a draft model's proposals as timed
     balance: float = 0.0
     # "auto": the fixed part of its loss budget, in T(1) (`probe_allowance`)
     allowance: float = field(default_factory=lambda: AUTO_LOSS_ALLOWANCE)

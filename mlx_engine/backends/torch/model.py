@@ -93,7 +93,6 @@ class Int8Weight:
             self.packed = torch.ops.quantized.linear_prepack(q, None)
         self.q8, self.scale = q.int_repr(), scale  # (out, in) int8, (out,) float32
         self.reduce_range = int8_reduce_range()
-        self.shape = weight.shape
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> x @ W.T (..., out) float32."""

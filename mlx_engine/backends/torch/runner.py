@@ -161,7 +161,7 @@ class TorchRunner(Runner):
         """`kv_options`: KVConfig's fields (block_size, kv_bits, kv_group_size, kv_budget_bytes,
         prefix_caching, kv_key_bits, kv_key_per_channel); the quantized-KV ones are refused (the torch KV is
         unquantized). `cuda_graphs`: replay batched decode steps as CUDA graphs (default: on CUDA). `draft_bits`:
-        8 holds the draft's projections and head as int8 too, for the CPU's int8 matmul (`model.Int8Weight`)."""
+        8 holds the draft as int8 for the CPU's int8 matmul, its float projections dropped (`model.quantize_int8`)."""
         import importlib
 
         from mlx_engine.kv.cache import KVConfig
