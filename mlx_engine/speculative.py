@@ -52,6 +52,9 @@ IDLE_DECAY = 0.85
 # 0.96x, measured 0.93x; a simulated reply whose drafts all fail lost 10-12% without the budget).
 AUTO_LOSS_ALLOWANCE = 0.5
 AUTO_LOSS_SHARE = 0.02
+# a draft model's catch-up of at most this many tokens goes into the forward that gives its first draft: after a
+# fully accepted proposal it had not fed its last draft, so two forwards of one row became one of two
+CATCH_UP_IN_ONE = 4
 # weight of each timed proposal in a draft model's running cost per drafted token ("auto", `SpecState.settle`)
 DRAFT_COST_EMA = 0.3
 
@@ -200,8 +203,9 @@ class DraftModel:
         # catch up: the tokens since the last proposal (its last draft when all passed, plain steps' tokens)
         feed = inp.tokens[len(self.tokens):]
         self.rows += len(feed) - 1 + inp.k
-        self._feed(feed[:-1])
-        logits = r.last_logits(mx.array([feed[-1:]], dtype=mx.int32), self.layers)  # (1, V)
+        tail = len(feed) if len(feed) <= CATCH_UP_IN_ONE else 1  # a short catch-up rides the first draft's forward
+        self._feed(feed[:-tail])
+        logits = r.last_logits(mx.array([feed[-tail:]], dtype=mx.int32), self.layers)  # (1, V)
         self.tokens = list(inp.tokens)
         drafts, qs = [], []
         for i in range(inp.k):
