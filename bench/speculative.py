@@ -56,6 +56,14 @@ PROMPTS = {
     "chat": "What are three good habits for staying healthy? Answer in a few sentences.",
     "code": f"Add type hints and a docstring to this Python function, keeping the code the same:\n\n{CODE}",
 }
+# more open-chat prompts, for a mean over prompts (`--kinds chat chat2 ... chat6`); not run by default
+MORE_CHAT = ["Explain why the sky is blue to a ten-year-old.",
+             "Give me some tips for learning a new language.",
+             "What is the difference between a virus and a bacterium?",
+             "Describe a good morning routine for a busy student.",
+             "Why do people enjoy music? Answer briefly."]
+PROMPTS.update({f"chat{i + 2}": p for i, p in enumerate(MORE_CHAT)})
+DEFAULT_KINDS = ["edit", "chat", "code"]
 MODES = ["plain", "prompt-lookup", "self", "draft", "auto"]
 
 
@@ -153,7 +161,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="sampling seed of every request (temperature > 0)")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--modes", nargs="+", default=MODES)
-    ap.add_argument("--kinds", nargs="+", default=list(PROMPTS))
+    ap.add_argument("--kinds", nargs="+", default=DEFAULT_KINDS, choices=list(PROMPTS))
     ap.add_argument("--draft-bits", type=int, choices=(4, 8), default=None,
                     help="the draft's bits (the same model; default 4 on MLX, 8 on torch on the CPU)")
     ap.add_argument("--repeats", type=int, default=1,

@@ -524,14 +524,20 @@ def test_auto_charges_a_draft_model_what_its_proposals_took() -> None:
     from mlx_engine.speculative import DRAFT_COST_EMA, SpecState
 
     curve = CostCurve({1: 1.0, 2: 1.5, 9: 1.9}, t1_s=0.05)
-    draft = SimpleNamespace(name="draft", draft_cost=0.3, last_spent=(0.1, 4))  # 4 drafts in 2 T(1)
+    draft = SimpleNamespace(name="draft", draft_cost=0.3, last_spent=(0.1, 4, True))  # 4 drafts in 2 T(1)
     st = SpecState("auto", draft, 8)
     st.settle(curve, 4, 3)  # 2 of 4 accepted, then the sampled token
     assert st.balance == pytest.approx(3 - (curve.cost(5) + 2.0))
     assert draft.draft_cost == pytest.approx(0.3 + DRAFT_COST_EMA * (0.5 - 0.3))
     assert curve.draft_costs["draft"] == draft.draft_cost and draft.last_spent is None
+    balance, cost = st.balance, draft.draft_cost
     st.settle(curve, 2, 3)  # no timing kept: charged at the running cost
-    assert st.balance == pytest.approx(3 - (curve.cost(5) + 2.0) + 3 - (curve.cost(3) + 2 * draft.draft_cost))
+    assert st.balance == pytest.approx(balance + 3 - (curve.cost(3) + 2 * cost))
+    draft.last_spent = (0.25, 2, False)  # a long catch-up first (plain steps' tokens): 5 T(1), charged ...
+    balance = st.balance
+    st.settle(curve, 2, 1)
+    assert st.balance == pytest.approx(balance + 1 - (curve.cost(3) + 5.0))
+    assert draft.draft_cost == cost  # ... but not taken for the cost of drafting
 
 
 @pytest.mark.parametrize("bits", [4, 8])
