@@ -220,10 +220,9 @@ class Scheduler:
         worth_trying = getattr(st.proposer, "worth_trying", None)
         if worth_trying is not None and not worth_trying(seq.prompt + seq.generated):  # tokens read so far
             return None
-        # the proposer has a candidate: prompt lookup's last tokens recur, and a draft model always has one, so
-        # a plain step lets old rejections fade (one bad verification no longer ends a draft model's turn; the
-        # loss budget still bounds what retrying costs)
-        return st.auto_k(self._cost_curve(), min(st.k_max, room), seq.num_sampled, True) or None
+        # the proposer has a candidate: prompt lookup's last tokens recur, and a draft model always has one (so
+        # one bad verification no longer ends a draft model's turn; the loss budget bounds what retrying costs)
+        return st.auto_k(self._cost_curve(), min(st.k_max, room), seq.num_sampled) or None
 
     # --- the step ---------------------------------------------------------------------------------
 

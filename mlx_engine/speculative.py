@@ -41,7 +41,7 @@ AUTO_PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before any is measur
 PRIOR_WEIGHT = 4.0  # drafted tokens the prior counts as
 VERIFY_DECAY = 0.8  # weight of earlier verifications in "auto"'s acceptance estimate, per verification
 # ... and per plain step "auto" takes while its proposer has a candidate (prompt lookup: the last tokens
-# recur) but the estimate says a verification would not pay: old rejections fade, so a quote that starts
+# recur; a draft model: always) but the estimate says a verification would not pay: old rejections fade, so a quote that starts
 # after a few misses is tried again (edit at temperature 0.7 stopped verifying after its first rejections)
 IDLE_DECAY = 0.85
 # "auto" risks at most this much predicted time on verifications that could fail, in plain decode steps T(1):
@@ -482,13 +482,13 @@ class SpecState:
         """Per-token acceptance, recency-weighted, starting from the prior."""
         return (self.recent_accepted + PRIOR_WEIGHT * self.prior) / (self.recent_drafted + PRIOR_WEIGHT)
 
-    def auto_k(self, curve: CostCurve, k_max: int, tokens: int, candidate: bool) -> int:
-        """"auto"'s draft tokens this step, for a reply of `tokens` tokens so far: the k with the best predicted
-        speedup among those whose worst case fits the loss budget (AUTO_LOSS_*), or 0 (a plain step).
-        `candidate`: the proposer has something to draft; a plain step taken anyway lets old rejections fade."""
+    def auto_k(self, curve: CostCurve, k_max: int, tokens: int) -> int:
+        """"auto"'s draft tokens this step, for a reply of `tokens` tokens so far, when its proposer has a
+        candidate: the k with the best predicted speedup among those whose worst case fits the loss budget
+        (AUTO_LOSS_*), or 0 (a plain step, taken although there was a candidate: old rejections fade)."""
         budget = self.balance + self.allowance + AUTO_LOSS_SHARE * tokens
         k = curve.best_k(self.alpha, k_max, self.proposer.draft_cost, max_loss=budget)
-        if not k and candidate:
+        if not k:
             self.age()
         return k
 

@@ -453,7 +453,7 @@ def _auto_reply(curve: CostCurve, accept: Callable[[int], int], length: int,
     st.allowance = probe_allowance(curve, 0.7, 8, draft_cost)  # as the scheduler sets it
     n, cost, forwards, over = 0, 0.0, 0, -float("inf")
     while n < length:
-        k = st.auto_k(curve, min(8, length - n - 1), n, candidate=True)
+        k = st.auto_k(curve, min(8, length - n - 1), n)
         accepted = accept(k) if k else 0
         if k:
             st.record(k, accepted)
