@@ -171,7 +171,9 @@ def main() -> None:
 
     from mlx_engine.loading import resolve
 
-    draft = str(resolve(args.model)[0]) if {"draft", "auto"} & set(args.modes) else None
+    # a draft is loaded only with the "draft" mode: "auto" then drafts with it, else by prompt lookup (so
+    # `--modes plain prompt-lookup auto` measures what the app and `serve` run, which load no draft)
+    draft = str(resolve(args.model)[0]) if "draft" in args.modes else None
     torch_cuda = args.backend == "torch" and args.device != "cpu" and _cuda_available()
     bits = None if draft is None or torch_cuda else args.draft_bits or (8 if args.backend == "torch" else 4)
     engine = Engine.load(args.model, draft_model=draft, backend=args.backend, device=args.device, draft_bits=bits)
