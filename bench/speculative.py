@@ -136,19 +136,27 @@ def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int,
     history = seq.spec.history if seq.spec is not None else []
     decode_forwards = final.stats.target_forwards - 1
     widths = [d + 1 for d, _ in history] + [1] * (decode_forwards - len(history))
-    proposer = seq.spec.proposer.name if seq.spec is not None else "plain"  # "auto": the one it chose
-    draft_rows = getattr(seq.spec.proposer, "rows", None) if seq.spec is not None else None
+    spec = seq.spec
+    # "auto": the proposers it drafted with (prompt lookup, a draft model or both)
+    used = [p.name for p, (_, drafted) in zip(spec.proposers, spec.tallies) if drafted] if spec is not None else []
+    proposer = "+".join(used) or "plain"
+    draft_rows = None  # rows a draft model fed (drafts and catch-ups); prompt lookup's drafts cost nothing
+    if spec is not None and any(hasattr(p, "rows") for p in spec.proposers):
+        draft_rows = sum(getattr(p, "rows", 0) for p in spec.proposers)
     return {"stats": final.stats, "n": final.usage.completion_tokens, "widths": widths, "history": history,
             "proposer": proposer, "draft_rows": draft_rows,
             "from_draft": sum(d for e in events for d in e.from_draft), "wall": wall}
 
 
-def predicted(r: dict, curve: CostCurve, draft_cost: float) -> float:
+def predicted(r: dict, curve: CostCurve, costs: dict[str, float]) -> float:
     """Decode tokens over the predicted cost of the forwards made, in plain decode steps: each target forward's
-    width through the curve, and each row a proposer fed at `draft_cost` (a draft model's rows include its
-    catch-ups; otherwise the drafted tokens)."""
-    rows = r["draft_rows"] if r["draft_rows"] is not None else sum(w - 1 for w in r["widths"])
-    cost = sum(curve.cost(w) for w in r["widths"]) + rows * draft_cost
+    width through the curve, and each row a proposer fed at its cost per token in `costs` (a draft model's rows
+    include its catch-ups; otherwise the drafted tokens; prompt lookup's cost nothing)."""
+    if r["draft_rows"] is not None:
+        drafting = r["draft_rows"] * costs["draft"]
+    else:
+        drafting = sum(w - 1 for w in r["widths"]) * costs[r["proposer"]]
+    cost = sum(curve.cost(w) for w in r["widths"]) + drafting
     return (r["n"] - 1) / cost if cost else 1.0
 
 
@@ -216,7 +224,7 @@ def main() -> None:
                 tpf = (r["n"] - 1) / max(s.target_forwards - 1, 1)
                 measured = (statistics.median(x["stats"].decode_tps / b for x, b in zip(runs[mode], base))
                             if base else float("nan"))
-                pred = predicted(r, curve, costs[r["proposer"]])
+                pred = predicted(r, curve, costs)
                 acc = f"{s.acceptance_rate:.2f}" if s.acceptance_rate is not None else "-"
                 mean = f"{s.mean_accepted_tokens:.2f}" if s.mean_accepted_tokens is not None else "-"
                 label = f"auto ({r['proposer']})" if mode == "auto" and r["proposer"] != "plain" else mode

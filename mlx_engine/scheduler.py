@@ -171,9 +171,10 @@ class Scheduler:
             return None
         if mode != "auto":
             kinds = [mode]
-        else:  # a loaded draft model first; prompt lookup (free to draft) when the draft cannot pay
-            kinds = (["draft"] if runner.draft is not None else []) + ["prompt-lookup"]
+        else:  # prompt lookup (free to draft) and a loaded draft model, each step the one predicted to gain most
+            kinds = ["prompt-lookup"] + (["draft"] if runner.draft is not None else [])
         curve = self._cost_curve() if mode == "auto" else None
+        proposers, priors = [], []
         for kind in kinds:
             if kind == "draft":
                 proposer: Any = sp.DraftModel(runner.draft, self._draft_cost() if curve else 0.0)
@@ -184,12 +185,16 @@ class Scheduler:
             if curve is not None and curve.best_k(1.0, params.num_draft_tokens, proposer.draft_cost) == 0:
                 continue  # "auto": not even perfect drafts from it would pay on this backend
             acc, drafted = self.acceptance.get(kind, [0, 0])
-            prior = (acc + sp.PRIOR_WEIGHT * sp.AUTO_PRIOR_ACCEPTANCE) / (drafted + sp.PRIOR_WEIGHT)
-            state = sp.SpecState(mode, proposer, params.num_draft_tokens, prior=prior)
-            if curve is not None:
-                state.allowance = sp.probe_allowance(curve, prior, params.num_draft_tokens, proposer.draft_cost)
-            return state
-        return None
+            proposers.append(proposer)
+            priors.append((acc + sp.PRIOR_WEIGHT * sp.AUTO_PRIOR_ACCEPTANCE) / (drafted + sp.PRIOR_WEIGHT))
+        if not proposers:
+            return None
+        state = sp.SpecState(mode, proposers[-1], params.num_draft_tokens, prior=priors[-1], proposers=proposers,
+                             priors=priors)
+        if curve is not None:  # the largest first verification any of them would make
+            state.allowance = max(sp.probe_allowance(curve, prior, params.num_draft_tokens, p.draft_cost)
+                                  for p, prior in zip(proposers, priors))
+        return state
 
     def _cost_curve(self) -> Any:
         if self.cost_curve is None:
@@ -217,12 +222,9 @@ class Scheduler:
         room = seq.max_new - seq.num_sampled - 1  # the verification samples one token more than it drafts
         if st.mode != "auto":
             return max(0, min(st.k, room))
-        worth_trying = getattr(st.proposer, "worth_trying", None)
-        if worth_trying is not None and not worth_trying(seq.prompt + seq.generated):  # tokens read so far
-            return None
-        # the proposer has a candidate: prompt lookup's last tokens recur, and a draft model always has one (so
-        # one bad verification no longer ends a draft model's turn; the loss budget bounds what retrying costs)
-        return st.auto_k(self._cost_curve(), min(st.k_max, room), seq.num_sampled) or None
+        # the proposers with a candidate (prompt lookup: the last tokens recur; a draft model always has one, so one
+        # bad verification no longer ends its turn; the loss budget bounds what retrying costs)
+        return st.auto_k(self._cost_curve(), min(st.k_max, room), seq.num_sampled, seq.prompt + seq.generated) or None
 
     # --- the step ---------------------------------------------------------------------------------
 
@@ -307,8 +309,8 @@ class Scheduler:
             if end == len(s.prompt) and s.max_new:  # the last chunk: its last position gives the first token
                 last = logits[-1:] if logits is not None else runner.last_logits(inputs, layers)
                 new.append((s, *self._sample(s, last)))
-                if s.spec is not None and hasattr(s.spec.proposer, "prefill"):
-                    s.spec.proposer.prefill(s.prompt)
+                if s.spec is not None:
+                    s.spec.prefill(s.prompt)
             else:
                 if logits is None:
                     runner.forward(inputs, layers)
@@ -362,8 +364,8 @@ class Scheduler:
             for s, a, b, first in scored:
                 self._score_chunk(s, a, b, logits[first : first + b - a])
         for s in sampling[len(decoding):]:  # prefilled now
-            if s.spec is not None and hasattr(s.spec.proposer, "prefill"):
-                s.spec.proposer.prefill(s.prompt)
+            if s.spec is not None:
+                s.spec.prefill(s.prompt)
 
     def _speculate(self, s: Sequence, k: int) -> None:
         """A speculative sequence's step: read its newest token, propose k more, verify, emit."""
@@ -474,10 +476,11 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             if seq.spec is not None:
-                seq.spec.proposer.close()
-                tally = self.acceptance.setdefault(seq.spec.proposer.name, [0, 0])
-                tally[0] += seq.spec.num_accepted
-                tally[1] += seq.spec.num_drafted
+                seq.spec.close()
+                for p, (accepted, drafted) in zip(seq.spec.proposers, seq.spec.tallies):
+                    tally = self.acceptance.setdefault(p.name, [0, 0])
+                    tally[0] += accepted
+                    tally[1] += drafted
             if error is None:
                 self.runner.cache.finish(seq.req_id, seq.cached_tokens())
             else:

@@ -41,8 +41,9 @@ AUTO_PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before any is measur
 PRIOR_WEIGHT = 4.0  # drafted tokens the prior counts as
 VERIFY_DECAY = 0.8  # weight of earlier verifications in "auto"'s acceptance estimate, per verification
 # ... and per plain step "auto" takes while its proposer has a candidate (prompt lookup: the last tokens
-# recur; a draft model: always) but the estimate says a verification would not pay: old rejections fade, so a quote that starts
-# after a few misses is tried again (edit at temperature 0.7 stopped verifying after its first rejections)
+# recur; a draft model: always) but the estimate says a verification would not pay: old rejections fade, so a
+# quote that starts after a few misses is tried again (edit at temperature 0.7 stopped verifying after its first
+# rejections)
 IDLE_DECAY = 0.85
 # "auto" risks at most this much predicted time on verifications that could fail, in plain decode steps T(1):
 # a fixed allowance, plus a share of the tokens the reply has so far, plus what its verifications have saved.
@@ -310,13 +311,18 @@ class CostCurve:
         """The k with the best predicted speedup E[tokens] / cost, or 0 when none beats plain by `margin`. Only k
         whose worst case (its first draft rejected: one token for the whole verification) loses at most
         `max_loss` plain steps count."""
+        return self.best(alpha, k_max, draft_cost, margin, max_loss)[0]
+
+    def best(self, alpha: float, k_max: int, draft_cost: float = 0.0, margin: float = AUTO_MARGIN,
+             max_loss: float = math.inf) -> tuple[int, float]:
+        """`best_k` and its predicted speedup (1.0 with k = 0)."""
         best, best_gain = 0, 1.0 + margin
         for k in range(1, k_max + 1):
             cost = self.cost(k + 1) + k * draft_cost
             gain = expected_tokens(alpha, k) / cost
             if gain > best_gain and cost - 1.0 <= max_loss:
                 best, best_gain = k, gain
-        return best
+        return best, (best_gain if best else 1.0)
 
 
 def probe_allowance(curve: CostCurve, prior: float, k_max: int, draft_cost: float) -> float:
@@ -389,7 +395,8 @@ def cache_dir() -> Path:
 
 def cost_curve_key(runner: Any) -> str | None:
     """What a measured curve holds for: the weights (and activation dtype), the backend and device (and on
-    MLX's CPU backend whether float32 host weights are resident), the machine and the MLX version. None: the runner has no fingerprint, so nothing is kept."""
+    MLX's CPU backend whether float32 host weights are resident), the machine and the MLX version. None: the runner
+    has no fingerprint, so nothing is kept."""
     fingerprint = getattr(runner, "fingerprint", None)
     if not fingerprint:
         return None
@@ -450,24 +457,31 @@ def cached_cost_curve(runner: Any) -> CostCurve:
 
 @dataclass(eq=False)
 class SpecState:
-    """A request's speculation: its proposer, adaptive k and counts."""
+    """A request's speculation: its proposer(s), adaptive k and counts."""
 
     mode: str  # the requested mode: "draft", "prompt-lookup", "self" or "auto"
-    proposer: Any
+    proposer: Any  # the one that drafts this step (the last one that did)
     k_max: int
     k: int = 0
-    prior: float = AUTO_PRIOR_ACCEPTANCE
+    prior: float = AUTO_PRIOR_ACCEPTANCE  # `proposer`'s acceptance before any is measured
+    # "auto" with a draft model loaded: prompt lookup and the draft model, each with its own estimate. Each step
+    # drafts with the one that has a candidate and the best predicted speedup: a quote is copied for free and the
+    # rest drafted by the model (with the model alone an edit read 1.84x on the torch CPU backend, against 2.46x
+    # for prompt lookup alone). `priors`: one per proposer, `prior` where not given.
+    proposers: list[Any] = field(default_factory=list)
+    priors: list[float] = field(default_factory=list)
     num_drafted: int = 0
     num_accepted: int = 0
     num_verifies: int = 0  # verifications with at least one drafted token
     num_forwards: int = 0  # target forwards that sampled tokens
     history: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per verification
+    # per proposer: [accepted, drafted] in this request
+    tallies: list[list[int]] = field(default_factory=list)
     # "auto"'s acceptance estimate weighs recent verifications more: text moves between quoted and new
     # spans. It drifts back to the prior only over plain steps where the proposer has a candidate
     # (`age`): drifting on every plain step was tried, and on chat, where prompt lookup never matches,
-    # the probes cost 8-11% against plain decoding on the torch CPU backend.
-    recent_drafted: float = 0.0
-    recent_accepted: float = 0.0
+    # the probes cost 8-11% against plain decoding on the torch CPU backend. Per proposer: [drafted, accepted].
+    recent: list[list[float]] = field(default_factory=list)
     # "auto": plain decode steps its verifications saved so far (negative: lost): their forwards through the cost
     # curve, a draft model's proposals as timed
     balance: float = 0.0
@@ -476,30 +490,52 @@ class SpecState:
 
     def __post_init__(self) -> None:
         self.k = self.k or self.k_max
+        self.proposers = self.proposers or [self.proposer]
+        self.priors = self.priors or [self.prior] * len(self.proposers)
+        self.tallies = [[0, 0] for _ in self.proposers]
+        self.recent = [[0.0, 0.0] for _ in self.proposers]
+
+    def _index(self, proposer: Any) -> int:
+        return next(i for i, p in enumerate(self.proposers) if p is proposer)
+
+    def alpha_of(self, i: int) -> float:
+        """Proposer i's per-token acceptance, recency-weighted, starting from its prior."""
+        drafted, accepted = self.recent[i]
+        return (accepted + PRIOR_WEIGHT * self.priors[i]) / (drafted + PRIOR_WEIGHT)
 
     @property
     def alpha(self) -> float:
-        """Per-token acceptance, recency-weighted, starting from the prior."""
-        return (self.recent_accepted + PRIOR_WEIGHT * self.prior) / (self.recent_drafted + PRIOR_WEIGHT)
+        """The current proposer's per-token acceptance estimate."""
+        return self.alpha_of(self._index(self.proposer))
 
-    def auto_k(self, curve: CostCurve, k_max: int, tokens: int) -> int:
-        """"auto"'s draft tokens this step, for a reply of `tokens` tokens so far, when its proposer has a
-        candidate: the k with the best predicted speedup among those whose worst case fits the loss budget
-        (AUTO_LOSS_*), or 0 (a plain step, taken although there was a candidate: old rejections fade)."""
+    def auto_k(self, curve: CostCurve, k_max: int, tokens: int, known: list[int] | None = None) -> int:
+        """"auto"'s draft tokens this step, for a reply of `tokens` tokens so far: the k with the best predicted
+        speedup among those whose worst case fits the loss budget (AUTO_LOSS_*), over the proposers with a
+        candidate for the text `known` (prompt lookup: its last tokens recur; a draft model always has one), which
+        becomes `proposer`. 0: a plain step; where that was taken although a proposer had a candidate, old
+        rejections fade."""
         budget = self.balance + self.allowance + AUTO_LOSS_SHARE * tokens
-        k = curve.best_k(self.alpha, k_max, self.proposer.draft_cost, max_loss=budget)
-        if not k:
-            self.age()
-        return k
+        best, best_gain, candidates = 0, 0.0, []
+        for i, p in enumerate(self.proposers):
+            worth_trying = getattr(p, "worth_trying", None)
+            if known is not None and worth_trying is not None and not worth_trying(known):
+                continue
+            candidates.append(i)
+            k, gain = curve.best(self.alpha_of(i), k_max, p.draft_cost, max_loss=budget)
+            if k and gain > best_gain:
+                best, best_gain, self.proposer = k, gain, p
+        if not best:
+            self.age(candidates)
+        return best
 
     def settle(self, curve: CostCurve, drafted: int, tokens: int) -> None:
         """After an "auto" verification of `drafted` drafts that gave `tokens` tokens: what it saved or lost.
         A proposer that timed its proposal (a draft model) is charged what it took. Its cost per drafted token
         follows the proposals that caught up as usual (DRAFT_COST_EMA): `time_forward`'s one forward leaves out
         the catch-up of its last draft after a full acceptance and the sampling of each draft. A long catch-up
-        (the tokens of plain steps taken since) is charged but kept out of that cost: counted in, one such
-        proposal on the torch CPU backend raised it from 0.35 to 0.55 T(1), after which "auto" stopped drafting,
-        so its catch-ups grew longer still."""
+        (the tokens of plain steps taken since, or copied by prompt lookup) is charged but kept out of that cost:
+        counted in, one such proposal on the torch CPU backend raised it from 0.35 to 0.55 T(1), after which
+        "auto" stopped drafting, so its catch-ups grew longer still."""
         spent = getattr(self.proposer, "last_spent", None)
         drafting = drafted * self.proposer.draft_cost
         if spent is not None and spent[1] == drafted and curve.t1_s > 0:
@@ -511,19 +547,25 @@ class SpecState:
             self.proposer.last_spent = None
         self.balance += tokens - (curve.cost(drafted + 1) + drafting)
 
-    def age(self) -> None:
-        """A plain step taken although the proposer had a candidate: old evidence fades (IDLE_DECAY)."""
-        self.recent_drafted *= IDLE_DECAY
-        self.recent_accepted *= IDLE_DECAY
+    def age(self, which: list[int] | None = None) -> None:
+        """A plain step taken although these proposers (default: all) had a candidate: old evidence fades
+        (IDLE_DECAY)."""
+        for i in range(len(self.proposers)) if which is None else which:
+            self.recent[i][0] *= IDLE_DECAY
+            self.recent[i][1] *= IDLE_DECAY
 
     def record(self, drafted: int, accepted: int) -> None:
         self.num_forwards += 1
         if not drafted:
             return
+        i = self._index(self.proposer)
         self.num_drafted += drafted
         self.num_accepted += accepted
-        self.recent_drafted = self.recent_drafted * VERIFY_DECAY + drafted
-        self.recent_accepted = self.recent_accepted * VERIFY_DECAY + accepted
+        self.tallies[i][0] += accepted
+        self.tallies[i][1] += drafted
+        recent = self.recent[i]
+        recent[0] = recent[0] * VERIFY_DECAY + drafted
+        recent[1] = recent[1] * VERIFY_DECAY + accepted
         self.num_verifies += 1
         self.history.append((drafted, accepted))
         # adaptive k: one more after a fully accepted draft of the current length; after a rejection, one
@@ -532,6 +574,20 @@ class SpecState:
             self.k = min(self.k + 1, self.k_max)
         elif accepted < drafted:
             self.k = max(1, min(self.k, accepted + 1))
+
+    def prefill(self, prompt: list[int]) -> None:
+        """Proposers with KV of their own (a draft model) prefill beside the target."""
+        for p in self.proposers:
+            if hasattr(p, "prefill"):
+                p.prefill(prompt)
+
+    def rollback(self, num_tokens: int) -> None:
+        for p in self.proposers:
+            p.rollback(num_tokens)
+
+    def close(self) -> None:
+        for p in self.proposers:
+            p.close()
 
 
 def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.array | None]:
@@ -585,7 +641,7 @@ def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.
     elif m - n:
         trim_prompt_cache(layers, m - n)
     if m:
-        state.proposer.rollback(keep)
+        state.rollback(keep)
     sampler.accept(mx.array([new], dtype=mx.int32))
     state.record(m, n)
     return new, n, (lps[: n + 1] if lps is not None else None)

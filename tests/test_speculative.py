@@ -348,7 +348,9 @@ def test_stats_and_from_draft_are_filled(models) -> None:
 
 
 def test_auto_steps_aside_on_a_steep_cost_curve_and_speculates_on_a_flat_one(models) -> None:
-    """With a draft model loaded, "auto" drafts with it (here the target itself, timed as free)."""
+    """With a draft model loaded, "auto" drafts with it (here the target itself, timed as free), and by prompt
+    lookup where the text recurs. Every draft of the model passes, so its KV stayed in step over the tokens
+    that prompt lookup drafted (caught up at its next proposal)."""
     target, _ = models
     with Engine.load(str(target), draft_model=str(target)) as e:
         plain, _, _ = run(e)
@@ -359,7 +361,8 @@ def test_auto_steps_aside_on_a_steep_cost_curve_and_speculates_on_a_flat_one(mod
         assert final.stats.acceptance_rate is None and final.stats.target_forwards == len(tokens)
         sched.cost_curve = CostCurve({1: 1.0, 2: 1.02, 9: 1.1}, t1_s=1e9)  # bandwidth-bound: nearly flat
         tokens, from_draft, final = run(e, speculative="auto")
-        assert tokens == plain and final.stats.acceptance_rate == 1.0
+        accepted, drafted = sched.acceptance["draft"]
+        assert tokens == plain and accepted == drafted > 0 and sched.acceptance["prompt-lookup"][1] > 0
         assert final.stats.target_forwards < len(tokens) / 3
 
 
@@ -489,6 +492,38 @@ def test_auto_budget_does_not_hold_back_a_quote() -> None:
     assert forwards == 9 and cost < 48 / 2.5
 
 
+def test_auto_drafts_by_prompt_lookup_where_the_text_recurs_and_by_the_draft_model_elsewhere() -> None:
+    """"auto" with a draft model loaded: each step the proposer with a candidate and the best predicted speedup.
+    Prompt lookup drafts for free, so it takes a quote; the model drafts the rest. Each keeps its own estimate,
+    so failed copies do not put the model off, and the other way round."""
+    from types import SimpleNamespace
+
+    from mlx_engine.speculative import PromptLookup, SpecState, probe_allowance
+
+    lookup, model = PromptLookup(), SimpleNamespace(name="draft", draft_cost=0.3)
+    st = SpecState("auto", model, 8, proposers=[lookup, model], priors=[0.7, 0.7])
+    st.allowance = probe_allowance(TORCH_CPU_CURVE, 0.7, 8, 0.3)  # the larger of the two, as the scheduler sets
+    quoting, new = [1, 2, 3, 4, 5, 9, 1, 2, 3], [1, 2, 3, 4, 5, 9, 8, 7, 6]
+    k_copy = st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting)
+    assert st.proposer is lookup and k_copy == TORCH_CPU_CURVE.best_k(0.7, 8)
+    st.record(k_copy, k_copy)
+    k_model = st.auto_k(TORCH_CPU_CURVE, 8, 0, new)
+    assert st.proposer is model and k_model == TORCH_CPU_CURVE.best_k(0.7, 8, 0.3) == 3
+    for _ in range(4):  # the model's drafts fail: its estimate falls, prompt lookup's stays
+        st.record(3, 0)
+    assert st.alpha_of(1) < 0.3 < 0.7 < st.alpha_of(0)
+    assert st.auto_k(TORCH_CPU_CURVE, 8, 0, new) == 0  # not worth it: a plain step, the model's evidence fades
+    assert st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting) > 0 and st.proposer is lookup
+    assert st.tallies == [[k_copy, k_copy], [0, 12]] and (st.num_drafted, st.num_accepted) == (k_copy + 12, k_copy)
+    # where both have candidates and copying fails, the model takes over
+    st = SpecState("auto", model, 8, proposers=[lookup, model], priors=[0.7, 0.9])
+    st.allowance = probe_allowance(TORCH_CPU_CURVE, 0.9, 8, 0.3)
+    assert st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting) > 0 and st.proposer is lookup  # free beats 0.9 at 0.3
+    for _ in range(3):
+        st.record(4, 0)
+    assert st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting) > 0 and st.proposer is model
+
+
 TORCH_CPU_CURVE = CostCurve({1: 1.0, 2: 1.59, 3: 1.95, 4: 1.36, 5: 1.58, 9: 1.74})  # measured, with its dip
 
 
@@ -560,9 +595,13 @@ def test_draft_bits_quantizes_the_draft_and_greedy_is_unchanged(models, bits: in
     assert tokens == plain and sum(from_draft) > 0
 
 
-def test_auto_verifications_fund_wider_ones_in_the_scheduler(models) -> None:
+def test_auto_verifications_fund_wider_ones_in_the_scheduler(models, monkeypatch) -> None:
     """Through the engine: a perfect draft (the target itself, timed as free) on MLX's CPU curve. The
-    scheduler books each verification's saving, so "auto" widens its drafts within a few steps."""
+    scheduler books each verification's saving, so "auto" widens its drafts within a few steps. (Prompt lookup
+    is kept out: the random model's reply recurs, and its drafts would not all pass.)"""
+    from mlx_engine.speculative import PromptLookup
+
+    monkeypatch.setattr(PromptLookup, "worth_trying", lambda self, known: False)
     target, _ = models
     with Engine.load(str(target), draft_model=str(target)) as e:
         plain, _, _ = run(e, max_tokens=32)
