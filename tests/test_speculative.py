@@ -494,33 +494,39 @@ def test_auto_budget_does_not_hold_back_a_quote() -> None:
 
 def test_auto_drafts_by_prompt_lookup_where_the_text_recurs_and_by_the_draft_model_elsewhere() -> None:
     """"auto" with a draft model loaded: each step the proposer with a candidate and the best predicted speedup.
-    Prompt lookup drafts for free, so it takes a quote; the model drafts the rest. Each keeps its own estimate,
-    so failed copies do not put the model off, and the other way round."""
+    Prompt lookup drafts for free, so it takes a quote; the model drafts the rest. Each keeps its own estimate per
+    context (the text recurs or not), so failed copies do not put the model off, and the other way round."""
     from types import SimpleNamespace
 
-    from mlx_engine.speculative import PromptLookup, SpecState, probe_allowance
+    from mlx_engine.speculative import COPY_CONTEXT_PRIOR, PromptLookup, SpecState, probe_allowance
 
     lookup, model = PromptLookup(), SimpleNamespace(name="draft", draft_cost=0.3)
     st = SpecState("auto", model, 8, proposers=[lookup, model], priors=[0.7, 0.7])
     st.allowance = probe_allowance(TORCH_CPU_CURVE, 0.7, 8, 0.3)  # the larger of the two, as the scheduler sets
     quoting, new = [1, 2, 3, 4, 5, 9, 1, 2, 3], [1, 2, 3, 4, 5, 9, 8, 7, 6]
+    assert st.prior_of(1, True) == 0.7  # prompt lookup not tried yet: the model at its usual prior
     k_copy = st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting)
-    assert st.proposer is lookup and k_copy == TORCH_CPU_CURVE.best_k(0.7, 8)
+    assert st.proposer is lookup and st.recurs and k_copy == TORCH_CPU_CURVE.best_k(0.7, 8)
     st.record(k_copy, k_copy)
     k_model = st.auto_k(TORCH_CPU_CURVE, 8, 0, new)
-    assert st.proposer is model and k_model == TORCH_CPU_CURVE.best_k(0.7, 8, 0.3) == 3
-    for _ in range(4):  # the model's drafts fail: its estimate falls, prompt lookup's stays
+    assert st.proposer is model and not st.recurs and k_model == TORCH_CPU_CURVE.best_k(0.7, 8, 0.3) == 3
+    for _ in range(4):  # the model's drafts of new text fail: that estimate falls, the others stay
         st.record(3, 0)
-    assert st.alpha_of(1) < 0.3 < 0.7 < st.alpha_of(0)
+    assert st.alpha_of(1, False) < 0.3 < 0.7 < st.alpha_of(0, True)
+    assert st.alpha_of(1, True) == COPY_CONTEXT_PRIOR == 1.0
     assert st.auto_k(TORCH_CPU_CURVE, 8, 0, new) == 0  # not worth it: a plain step, the model's evidence fades
-    assert st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting) > 0 and st.proposer is lookup
+    assert st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting) > 0 and st.proposer is lookup  # copies pass: they stay
     assert st.tallies == [[k_copy, k_copy], [0, 12]] and (st.num_drafted, st.num_accepted) == (k_copy + 12, k_copy)
-    # where both have candidates and copying fails, the model takes over
-    st = SpecState("auto", model, 8, proposers=[lookup, model], priors=[0.7, 0.9])
-    st.allowance = probe_allowance(TORCH_CPU_CURVE, 0.9, 8, 0.3)
-    assert st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting) > 0 and st.proposer is lookup  # free beats 0.9 at 0.3
-    for _ in range(3):
-        st.record(4, 0)
+    # copies that fail: the model, optimistic where the text recurs once prompt lookup was tried, takes over,
+    # and keeps it while its drafts pass
+    st = SpecState("auto", model, 8, proposers=[lookup, model], priors=[0.7, 0.7])
+    st.allowance = probe_allowance(TORCH_CPU_CURVE, 0.7, 8, 0.3)
+    assert st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting) > 0 and st.proposer is lookup
+    st.record(3, 1)
+    assert st.alpha_of(0, True) == pytest.approx(3.8 / 7) and st.alpha_of(1, True) == 1.0
+    k = st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting)
+    assert st.proposer is model and k == TORCH_CPU_CURVE.best_k(1.0, 8, 0.3, max_loss=st.allowance)
+    st.record(k, k)
     assert st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting) > 0 and st.proposer is model
 
 
