@@ -179,8 +179,8 @@ def main() -> None:
 
     from mlx_engine.loading import resolve
 
-    # a draft is loaded only with the "draft" mode: "auto" then drafts with it, else by prompt lookup (so
-    # `--modes plain prompt-lookup auto` measures what the app and `serve` run, which load no draft)
+    # a draft is loaded only with the "draft" mode: "auto" then drafts with it and by prompt lookup, else by prompt
+    # lookup alone (so `--modes plain prompt-lookup auto` measures what the app and `serve` run, which load no draft)
     draft = str(resolve(args.model)[0]) if "draft" in args.modes else None
     torch_cuda = args.backend == "torch" and args.device != "cpu" and _cuda_available()
     bits = None if draft is None or torch_cuda else args.draft_bits or (8 if args.backend == "torch" else 4)

@@ -84,7 +84,8 @@ class SamplingParams:
     # event; None: none. The prompt is then computed whole (no prefix-cache hits), in the batch's chunks.
     prompt_logprobs: int | None = None
     # speculative decoding: "draft" (the engine's draft model), "prompt-lookup", "self" (the target's early
-    # layers), "auto" (speculate only where the backend's cost curve and the acceptance say it pays), None: off
+    # layers), "auto" (speculate only where the backend's cost curve and the acceptance say it pays: by prompt
+    # lookup, and with a draft model loaded by it too, each step the one predicted to gain most), None: off
     speculative: str | None = None
     num_draft_tokens: int = 4  # most draft tokens per verification (adapted per step within 1..this)
     # structured output: the reply held to JSON, a JSON Schema, a regex or a Lark grammar; None: free text

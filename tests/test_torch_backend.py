@@ -179,13 +179,14 @@ def test_int8_weight_rows_through_the_int8_matmul_and_a_prefill_through_the_dequ
     from mlx_engine.backends.torch.model import INT8_MAX_ROW_CALLS, Int8Weight
 
     g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(96, 64, generator=g), torch.randn(2, 3, 64, generator=g)
+    assert INT8_MAX_ROW_CALLS == 32
+    w, x = torch.randn(96, 64, generator=g), torch.randn(3, 11, 64, generator=g)
     iw = Int8Weight(w)
     scale = (w.abs().amax(1) / 127)[:, None]
     assert torch.equal(iw.dequantized(), torch.round(w / scale) * scale)
-    # a prefill (6 rows > INT8_MAX_ROW_CALLS): float32 over the dequantized weight, exactly
+    # a prefill (33 rows > INT8_MAX_ROW_CALLS): float32 over the dequantized weight, exactly
     assert torch.equal(iw.matmul(x), torch.nn.functional.linear(x, iw.dequantized()))
-    rows = x.reshape(6, 64)
+    rows = x.reshape(33, 64)
     for i in range(6):  # one row: the int8 matmul, as its reference computes it
         row = rows[i : i + 1]
         got, exact = iw.matmul(row), row @ w.T
