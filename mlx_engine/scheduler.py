@@ -204,13 +204,17 @@ class Scheduler:
         return self.cost_curve
 
     def _draft_cost(self) -> float:
-        """T_draft(1) / T(1): a draft model's step in target decode steps."""
+        """T_draft(1) / T(1): a draft model's step in target decode steps, timed beside a target step. Divided by
+        the curve's T(1), timed minutes or runs before, a slow spell of the machine made the draft look dearer: on
+        the build VM one such reading (0.47 T(1), against 0.30-0.33) kept "auto" from drafting for the rest of a
+        run, since only the proposals it makes correct the figure."""
         curve = self._cost_curve()
         if "draft" not in curve.draft_costs:
             from mlx_engine.speculative import time_forward
 
             t = time_forward(self.runner.draft, 1, logits_at="last")
-            curve.draft_costs["draft"] = t / curve.t1_s if curve.t1_s else 0.0
+            t1 = time_forward(self.runner, 1, logits_at="last")
+            curve.draft_costs["draft"] = t / t1 if t1 > 0 else 0.0
         return curve.draft_costs["draft"]
 
     def _spec_k(self, seq: Sequence) -> int | None:

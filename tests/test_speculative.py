@@ -355,11 +355,13 @@ def test_auto_steps_aside_on_a_steep_cost_curve_and_speculates_on_a_flat_one(mod
     with Engine.load(str(target), draft_model=str(target)) as e:
         plain, _, _ = run(e)
         sched = e._scheduler
-        sched.cost_curve = CostCurve({1: 1.0, 2: 1.9, 3: 2.7, 5: 4.3, 9: 7.5}, t1_s=1e9)  # this CPU backend's
+        sched.cost_curve = CostCurve({1: 1.0, 2: 1.9, 3: 2.7, 5: 4.3, 9: 7.5}, t1_s=1e9,  # this CPU backend's
+                                     draft_costs={"draft": 0.0})
         tokens, from_draft, final = run(e, speculative="auto")
         assert tokens == plain and not any(from_draft)
         assert final.stats.acceptance_rate is None and final.stats.target_forwards == len(tokens)
-        sched.cost_curve = CostCurve({1: 1.0, 2: 1.02, 9: 1.1}, t1_s=1e9)  # bandwidth-bound: nearly flat
+        sched.cost_curve = CostCurve({1: 1.0, 2: 1.02, 9: 1.1}, t1_s=1e9,  # bandwidth-bound: nearly flat
+                                     draft_costs={"draft": 0.0})
         tokens, from_draft, final = run(e, speculative="auto")
         accepted, drafted = sched.acceptance["draft"]
         assert tokens == plain and accepted == drafted > 0 and sched.acceptance["prompt-lookup"][1] > 0
@@ -601,6 +603,21 @@ def test_draft_bits_quantizes_the_draft_and_greedy_is_unchanged(models, bits: in
     assert tokens == plain and sum(from_draft) > 0
 
 
+def test_draft_cost_is_timed_beside_a_target_step(models, monkeypatch) -> None:
+    """A draft model's cost is its step over a target step timed with it, not over the curve's T(1) timed
+    earlier: a slow spell of the machine then slows both."""
+    import mlx_engine.speculative as sp
+
+    target, draft = models
+    with Engine.load(str(target), draft_model=str(draft)) as e:
+        sched = e._scheduler
+        sched.cost_curve = CostCurve({1: 1.0, 2: 1.02, 9: 1.1}, t1_s=0.05)  # timed in a faster spell
+        slow = {id(e._runner): 0.08, id(e._runner.draft): 0.02}
+        monkeypatch.setattr(sp, "time_forward", lambda runner, width, **kw: slow[id(runner)])
+        assert e._thread.call(sched._draft_cost) == pytest.approx(0.25)  # not 0.02 / 0.05
+        assert sched.cost_curve.draft_costs == {"draft": pytest.approx(0.25)}
+
+
 def test_auto_verifications_fund_wider_ones_in_the_scheduler(models, monkeypatch) -> None:
     """Through the engine: a perfect draft (the target itself, timed as free) on MLX's CPU curve. The
     scheduler books each verification's saving, so "auto" widens its drafts within a few steps. (Prompt lookup
@@ -611,7 +628,8 @@ def test_auto_verifications_fund_wider_ones_in_the_scheduler(models, monkeypatch
     target, _ = models
     with Engine.load(str(target), draft_model=str(target)) as e:
         plain, _, _ = run(e, max_tokens=32)
-        e._scheduler.cost_curve = CostCurve({1: 1.0, 2: 1.32, 3: 1.62, 4: 1.87, 5: 1.96, 9: 3.09}, t1_s=1e9)
+        e._scheduler.cost_curve = CostCurve({1: 1.0, 2: 1.32, 3: 1.62, 4: 1.87, 5: 1.96, 9: 3.09}, t1_s=1e9,
+                                            draft_costs={"draft": 0.0})
         tokens, from_draft, final = run(e, speculative="auto", max_tokens=32)
     assert tokens == plain and final.stats.acceptance_rate == 1.0
     assert final.stats.target_forwards == 8  # as without the loss budget; 11 if the savings went unbooked
@@ -700,7 +718,7 @@ def test_cost_curve_is_kept_and_reused_by_the_next_engine(models, monkeypatch, t
     assert tokens == plain and not any(from_draft)
     assert len(calls) == 1  # once per engine at most, as before
     saved = json.loads((tmp_path / "cache" / "cost_curves.json").read_text())
-    assert saved == {"format": 1, "curves": {key: {"ratios": {"1": 1.0, "2": 1.9, "3": 2.7}, "t1_s": 0.004}}}
+    assert saved == {"format": 2, "curves": {key: {"ratios": {"1": 1.0, "2": 1.9, "3": 2.7}, "t1_s": 0.004}}}
 
     with Engine.load(str(target)) as e2:
         run(e2, speculative="auto", max_tokens=6)
@@ -715,9 +733,11 @@ def test_cost_curve_is_kept_and_reused_by_the_next_engine(models, monkeypatch, t
     assert len(json.loads((tmp_path / "cache" / "cost_curves.json").read_text())["curves"]) == 2
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"format": 1, "curves": {"KEY": {"ratios": {"1": 1.0}}}}',
-                                     '{"format": 1, "curves": {"KEY": {"ratios": {"1": 1.0, "2": "x"}, "t1_s": 1}}}',
-                                     '[1, 2]', '\udcff'])
+@pytest.mark.parametrize("content", ["{not json", '{"format": 2, "curves": {"KEY": {"ratios": {"1": 1.0}}}}',
+                                     '{"format": 2, "curves": {"KEY": {"ratios": {"1": 1.0, "2": "x"}, "t1_s": 1}}}',
+                                     '[1, 2]', '\udcff',
+                                     # a curve kept by an earlier format (width 4 not measured)
+                                     '{"format": 1, "curves": {"KEY": {"ratios": {"1": 1.0, "2": 1.5}, "t1_s": 1}}}'])
 def test_corrupt_cost_curve_file_is_measured_again_and_overwritten(models, monkeypatch, tmp_path: Path,
                                                                    content: str) -> None:
     import mlx_engine.speculative as sp
@@ -732,7 +752,7 @@ def test_corrupt_cost_curve_file_is_measured_again_and_overwritten(models, monke
         path.write_bytes(content.replace("KEY", key).encode("utf-8", "surrogateescape"))
         run(e, speculative="auto", max_tokens=4)
     assert calls == [1]
-    assert json.loads(path.read_text()) == {"format": 1, "curves": {key: {"ratios": {"1": 1.0, "2": 1.5},
+    assert json.loads(path.read_text()) == {"format": 2, "curves": {key: {"ratios": {"1": 1.0, "2": 1.5},
                                                                           "t1_s": 0.01}}}
 
 
