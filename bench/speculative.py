@@ -100,16 +100,23 @@ def _draft_label(engine: Engine) -> str:
     return "none" if draft is None else draft.info.quantization
 
 
-def cost_curve(engine: Engine, k_max: int = 8) -> tuple[CostCurve, float, float]:
+DRAFT_WIDTHS = (1, 2, 4, 5, 8, 16, 32, 33, 64)  # a draft model's forwards: a draft step, catch-ups, long catch-ups
+
+
+def cost_curve(engine: Engine, k_max: int = 8) -> tuple[CostCurve, float, CostCurve | None]:
+    """The target's verify cost curve T(w)/T(1); the self draft's step; the draft model's forward over w rows
+    (a catch-up over the tokens prompt lookup copied or plain steps took), also over T(1)."""
     runner = engine._runner
     t1 = time_forward(runner, 1, context=64, repeats=3, logits_at="last")
     ratios = {1: 1.0}
     for w in range(2, k_max + 2):
         ratios[w] = time_forward(runner, w, context=64, repeats=3) / t1
     self_cost = time_forward(runner, 1, context=64, repeats=3, first_layers=runner.self_draft_layers) / t1
-    draft_cost = (time_forward(runner.draft, 1, context=64, repeats=3, logits_at="last") / t1
-                  if runner.draft is not None else float("nan"))
-    return CostCurve(ratios, t1), self_cost, draft_cost
+    draft = None
+    if runner.draft is not None:
+        draft = CostCurve({w: time_forward(runner.draft, w, context=64, repeats=3, logits_at="last") / t1
+                           for w in DRAFT_WIDTHS})
+    return CostCurve(ratios, t1), self_cost, draft
 
 
 def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int, seed: int = 0) -> dict:
@@ -140,20 +147,41 @@ def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int,
     # "auto": the proposers it drafted with (prompt lookup, a draft model or both)
     used = [p.name for p, (_, drafted) in zip(spec.proposers, spec.tallies) if drafted] if spec is not None else []
     proposer = "+".join(used) or "plain"
-    draft_rows = None  # rows a draft model fed (drafts and catch-ups); prompt lookup's drafts cost nothing
-    if spec is not None and any(hasattr(p, "rows") for p in spec.proposers):
-        draft_rows = sum(getattr(p, "rows", 0) for p in spec.proposers)
+    draft_proposals = None  # a draft model's proposals (catch-ups and drafts); prompt lookup's cost nothing
+    if spec is not None and any(hasattr(p, "proposals") for p in spec.proposers):
+        draft_proposals = [x for p in spec.proposers for x in getattr(p, "proposals", [])]
     return {"stats": final.stats, "n": final.usage.completion_tokens, "widths": widths, "history": history,
-            "proposer": proposer, "draft_rows": draft_rows,
+            "proposer": proposer, "draft_proposals": draft_proposals,
             "from_draft": sum(d for e in events for d in e.from_draft), "wall": wall}
 
 
-def predicted(r: dict, curve: CostCurve, costs: dict[str, float]) -> float:
+def draft_step_cost(engine: Engine, temperature: float, k: int = 8) -> float:
+    """A draft model's cost per drafted token in T(1), as its proposals spend it: a forward and the sampling of
+    each draft (`time_forward` times the forward alone), at the request's temperature, after a catch-up of one."""
+    from mlx_engine.sampling import Sampler
+    from mlx_engine.speculative import DraftInput, DraftModel
+
+    runner = engine._runner
+    sampler = Sampler(SamplingParams(temperature=temperature, seed=0), runner.vocab_size)
+    best = float("inf")
+    for _ in range(4):  # the first is a warm-up
+        draft = DraftModel(runner.draft)
+        draft.prefill([(7 * i) % 97 + 3 for i in range(64)])
+        draft.propose(DraftInput(draft.tokens + [5], k, sampler, lambda a, b: []))
+        best = min(best, draft.last_spent[0])
+    return best / k / engine._scheduler.cost_curve.t1_s
+
+
+def predicted(r: dict, curve: CostCurve, costs: dict[str, float], draft_curve: CostCurve | None) -> float:
     """Decode tokens over the predicted cost of the forwards made, in plain decode steps: each target forward's
-    width through the curve, and each row a proposer fed at its cost per token in `costs` (a draft model's rows
-    include its catch-ups; otherwise the drafted tokens; prompt lookup's cost nothing)."""
-    if r["draft_rows"] is not None:
-        drafting = r["draft_rows"] * costs["draft"]
+    width through the curve; a draft model's drafted tokens at its step cost (`costs`, forward and sampling), and
+    its catch-ups through its own curve (a catch-up riding the first draft's forward: the rows beyond one); a
+    self draft's drafted tokens at its cost per token (prompt lookup's cost nothing)."""
+    if r["draft_proposals"] is not None:
+        drafting = 0.0
+        for chunks, tail, k in r["draft_proposals"]:
+            drafting += sum(draft_curve.cost(w) for w in chunks) + draft_curve.cost(tail) - draft_curve.cost(1)
+            drafting += k * costs["draft"]
     else:
         drafting = sum(w - 1 for w in r["widths"]) * costs[r["proposer"]]
     cost = sum(curve.cost(w) for w in r["widths"]) + drafting
@@ -194,7 +222,7 @@ def main() -> None:
         versions = f"torch {torch.__version__} on {engine.info.device}"
     print(f"# {engine.info.name}, backend {args.backend}, {platform.platform()}, nproc "
           f"{subprocess.getoutput('nproc')}, {versions}, {datetime.date.today()}")
-    curve, self_cost, draft_cost = engine._thread.call(lambda: cost_curve(engine))
+    curve, self_cost, draft_curve = engine._thread.call(lambda: cost_curve(engine))
     engine._scheduler.cost_curve = curve
     print(f"\nT(1) = {curve.t1_s * 1000:.1f} ms (one decode step, 64 tokens cached)\n")
     print("| k | k+1 | T(k+1)/T(1) | best case k+1 tokens / cost |")
@@ -202,10 +230,17 @@ def main() -> None:
     for k in range(1, 9):
         c = curve.cost(k + 1)
         print(f"| {k} | {k + 1} | {c:.2f} | {(k + 1) / c:.2f} |")
+    step_costs = {t: float("nan") for t in args.temperatures}  # the draft model's, by temperature
+    if draft_curve is not None:
+        step_costs = {t: engine._thread.call(lambda t=t: draft_step_cost(engine, t)) for t in args.temperatures}
+    steps = ", ".join(f"{step_costs[t]:.2f} at temperature {t:g}" for t in args.temperatures)
     print(f"\nDrafting cost per token, in T(1): self ({engine._runner.self_draft_layers} of "
-          f"{len(engine._runner.model.layers)} layers + head) {self_cost:.2f}, draft "
-          f"({_draft_label(engine)}) {draft_cost:.2f}, prompt lookup 0\n")
-    costs = {"plain": 0.0, "prompt-lookup": 0.0, "self": self_cost, "draft": draft_cost}
+          f"{len(engine._runner.model.layers)} layers + head) {self_cost:.2f}, draft ({_draft_label(engine)}) "
+          f"{steps} (forward and sampling), prompt lookup 0")
+    if draft_curve is not None:
+        print("The draft model's forward over w rows (a catch-up), in T(1): " + ", ".join(
+            f"{w}: {draft_curve.cost(w):.2f}" for w in DRAFT_WIDTHS))
+    print()
 
     print("| prompt | temp | mode | tokens/forward | acceptance | mean accepted | decode tok/s | "
           "speedup measured | speedup predicted |")
@@ -224,7 +259,8 @@ def main() -> None:
                 tpf = (r["n"] - 1) / max(s.target_forwards - 1, 1)
                 measured = (statistics.median(x["stats"].decode_tps / b for x, b in zip(runs[mode], base))
                             if base else float("nan"))
-                pred = predicted(r, curve, costs)
+                costs = {"plain": 0.0, "prompt-lookup": 0.0, "self": self_cost, "draft": step_costs[temp]}
+                pred = predicted(r, curve, costs, draft_curve)
                 acc = f"{s.acceptance_rate:.2f}" if s.acceptance_rate is not None else "-"
                 mean = f"{s.mean_accepted_tokens:.2f}" if s.mean_accepted_tokens is not None else "-"
                 label = f"auto ({r['proposer']})" if mode == "auto" and r["proposer"] != "plain" else mode

@@ -189,7 +189,9 @@ class DraftModel:
         self.draft_cost = draft_cost
         self.layers: list[Any] | None = None
         self.tokens: list[int] = []
-        self.rows = 0  # rows its proposals fed (drafts and catch-ups; the prefill apart)
+        # per proposal: (rows of each forward that only caught up, rows of the forward that gave the first draft,
+        # drafts); the prefill apart
+        self.proposals: list[tuple[list[int], int, int]] = []
         # the last proposal: (seconds, drafted tokens, whether its catch-up was the usual one: at most
         # CATCH_UP_IN_ONE tokens, inside the first draft's forward)
         self.last_spent: tuple[float, int, bool] | None = None
@@ -212,8 +214,10 @@ class DraftModel:
         start = time.perf_counter()
         # catch up: the tokens since the last proposal (its last draft when all passed, plain steps' tokens)
         feed = inp.tokens[len(self.tokens):]
-        self.rows += len(feed) - 1 + inp.k
         tail = len(feed) if len(feed) <= CATCH_UP_IN_ONE else 1  # a short catch-up rides the first draft's forward
+        chunk = self.runner.prefill_chunk_size
+        self.proposals.append(([min(chunk, len(feed) - tail - a) for a in range(0, len(feed) - tail, chunk)], tail,
+                               inp.k))
         self._feed(feed[:-tail])
         logits = r.last_logits(mx.array([feed[-tail:]], dtype=mx.int32), self.layers)  # (1, V)
         self.tokens = list(inp.tokens)
