@@ -189,8 +189,7 @@ class Scheduler:
             priors.append((acc + sp.PRIOR_WEIGHT * sp.AUTO_PRIOR_ACCEPTANCE) / (drafted + sp.PRIOR_WEIGHT))
         if not proposers:
             return None
-        state = sp.SpecState(mode, proposers[-1], params.num_draft_tokens, prior=priors[-1], proposers=proposers,
-                             priors=priors)
+        state = sp.SpecState(mode, proposers[-1], params.num_draft_tokens, proposers=proposers, priors=priors)
         if curve is not None:  # the largest first verification any of them would make
             state.allowance = max(sp.probe_allowance(curve, prior, params.num_draft_tokens, p.draft_cost)
                                   for p, prior in zip(proposers, priors))

@@ -476,19 +476,17 @@ class SpecState:
     proposer: Any  # the one that drafts this step (the last one that did)
     k_max: int
     k: int = 0
-    prior: float = AUTO_PRIOR_ACCEPTANCE  # `proposer`'s acceptance before any is measured
+    prior: float = AUTO_PRIOR_ACCEPTANCE  # where `priors` is not given: every proposer's prior acceptance
     # "auto" with a draft model loaded: prompt lookup and the draft model, each with its own estimate. Each step
     # drafts with the one that has a candidate and the best predicted speedup: a quote is copied for free and the
     # rest drafted by the model (with the model alone an edit read 1.84x on the torch CPU backend, against 2.46x
-    # for prompt lookup alone). `priors`: one per proposer, `prior` where not given.
+    # for prompt lookup alone). `priors`: one per proposer.
     proposers: list[Any] = field(default_factory=list)
     priors: list[float] = field(default_factory=list)
-    num_drafted: int = 0
-    num_accepted: int = 0
     num_verifies: int = 0  # verifications with at least one drafted token
     num_forwards: int = 0  # target forwards that sampled tokens
     history: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per verification
-    # per proposer: [accepted, drafted] in this request
+    # per proposer: [accepted, drafted] in this request (`num_accepted`, `num_drafted`: all of them)
     tallies: list[list[int]] = field(default_factory=list)
     # "auto"'s acceptance estimate weighs recent verifications more: text moves between quoted and new
     # spans. It drifts back to the prior only over plain steps where the proposer has a candidate
@@ -509,6 +507,14 @@ class SpecState:
         self.proposers = self.proposers or [self.proposer]
         self.priors = self.priors or [self.prior] * len(self.proposers)
         self.tallies = [[0, 0] for _ in self.proposers]
+
+    @property
+    def num_drafted(self) -> int:
+        return sum(drafted for _, drafted in self.tallies)
+
+    @property
+    def num_accepted(self) -> int:
+        return sum(accepted for accepted, _ in self.tallies)
 
     def _index(self, proposer: Any) -> int:
         return next(i for i, p in enumerate(self.proposers) if p is proposer)
@@ -594,8 +600,6 @@ class SpecState:
         if not drafted:
             return
         i = self._index(self.proposer)
-        self.num_drafted += drafted
-        self.num_accepted += accepted
         self.tallies[i][0] += accepted
         self.tallies[i][1] += drafted
         recent = self.recent.setdefault((i, self.recurs), [0.0, 0.0])
