@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mlx_engine.api import GenerationRequest, ResponseFormat, RooflineError, SamplingParams
+from mlx_engine.api import SPECULATIVE_MODES, GenerationRequest, ResponseFormat, RooflineError, SamplingParams
 
 EXIT_USAGE = 2
+SPECULATIVE_CHOICES = ("off", *SPECULATIVE_MODES)
 
 
 def _fail(message: str) -> int:
@@ -35,6 +36,21 @@ def _parser() -> argparse.ArgumentParser:
                         "perplexity at 53%% of fp16's bytes; 4: keys grouped per channel, under 3%% at about a third")
         kv.add_argument("--block-size", type=int, choices=(16, 32), default=16,
                         help="tokens per KV block (default 16; 32 suits --kv-bits 4 best)")
+
+    def draft_args(parser: argparse.ArgumentParser, speculative: str | None = None) -> None:
+        sp = parser.add_argument_group("speculative decoding")
+        if speculative is not None:
+            sp.add_argument("--speculative", choices=SPECULATIVE_CHOICES,
+                            help=f"how {speculative} drafts tokens for the model to verify several in one forward: "
+                            "'auto' where the backend's cost curve and the acceptance say it pays (prompt lookup, "
+                            "and the draft model where one is loaded), 'prompt-lookup', 'self' (the model's first "
+                            "layers), 'draft' (--draft-model) or 'off' (default: auto with --draft-model, else off)")
+        sp.add_argument("--draft-model", metavar="MODEL",
+                        help="a small model with the model's tokenizer that drafts tokens for it to verify (GGUF file, "
+                        "model folder or HF repo id), e.g. SmolLM2-135M beside SmolLM2-1.7B")
+        sp.add_argument("--draft-bits", type=int, choices=(4, 8),
+                        help="hold the draft model at 4 or 8 bits, so that it drafts cheaply (it may then be the "
+                        "model itself; the torch backend on the CPU: 8)")
 
     def template_arg(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--chat-template", metavar="FILE",
@@ -61,10 +77,14 @@ def _parser() -> argparse.ArgumentParser:
     fmt.add_argument("--regex", metavar="PATTERN", help="the reply is text this regular expression matches whole")
     template_arg(g)
     kv_args(g)
+    draft_args(g, "the reply")
+    g.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
+                   help="most draft tokens per verification, 1-16 (default 4; adapted per step)")
 
     c = sub.add_parser("chat", help="open the chat app (the default when run with no arguments in a terminal)")
     c.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
     kv_args(c)
+    draft_args(c)
 
     lg = sub.add_parser("logits", help="write the float32 logits (T, vocab) of one forward pass to .npy")
     lg.add_argument("--model", "-m")
@@ -107,12 +127,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="model runner: mlx (default) or torch (the optional extra; CUDA or CPU)")
     sv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="auto (default), cpu or cuda (cuda: the torch backend only)")
-    sv.add_argument("--speculative", default="off", choices=("off", "auto", "prompt-lookup", "self"),
-                    help="speculative decoding for requests that do not set 'speculative' themselves (default off: "
-                    "a speculating request verifies in a forward of its own, outside the batch; 'draft' needs a "
-                    "draft model, which serve does not load)")
     template_arg(sv)
     kv_args(sv)
+    draft_args(sv, "a request that does not set 'speculative' itself (a speculating request verifies in a forward "
+               "of its own, outside the batch)")
 
     from app.bench import add_parser as add_bench
     from app.parity_cmd import add_parser as add_parity
@@ -145,9 +163,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _kv_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Engine.load's options from --kv-bits / --block-size (absent: the defaults) and --chat-template."""
+def _speculative(args: argparse.Namespace) -> str | None:
+    """The mode from --speculative (absent: "auto" with --draft-model, else off; None: off), checked against the
+    draft flags before any model loads."""
+    mode = args.speculative or ("auto" if args.draft_model else "off")
+    if mode == "draft" and args.draft_model is None:
+        raise RooflineError("--speculative draft needs --draft-model MODEL: a small model with the model's tokenizer "
+                            "(or use prompt-lookup or self, which need no other model)")
+    return None if mode == "off" else mode
+
+
+def _load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine.load's options from --kv-bits / --block-size (absent: the defaults), --chat-template and
+    --draft-model / --draft-bits."""
     out: dict[str, Any] = {}
+    if getattr(args, "draft_model", None) is not None:
+        out["draft_model"] = args.draft_model
+    if getattr(args, "draft_bits", None) is not None:
+        if args.draft_model is None:
+            raise RooflineError(f"--draft-bits {args.draft_bits} needs --draft-model MODEL: the model to hold at "
+                                f"{args.draft_bits} bits as the draft (it may be the model itself)")
+        out["draft_bits"] = args.draft_bits
     if getattr(args, "chat_template", None) is not None:
         out["chat_template"] = args.chat_template
     if getattr(args, "kv_bits", None) is not None:
@@ -181,7 +217,10 @@ def cmd_parity(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from app.tui import run
 
-    return run(args.model, **_kv_options(args))
+    options = _load_options(args)
+    if "draft_model" in options:  # a model picked in the app need not suit the draft: then it loads without one
+        options["draft_optional"] = True
+    return run(args.model, **options)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -199,11 +238,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if origin != "*" and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s?#]+/?", origin):
             raise RooflineError(f"--allow-origin {origin!r}: expected an origin like https://example.com "
                                 "(scheme://host[:port], no path), or '*'")
-    return serve(lambda: _load_engine(args.model, backend=args.backend, device=args.device, **_kv_options(args)),
+    options, speculative = _load_options(args), _speculative(args)
+    return serve(lambda: _load_engine(args.model, backend=args.backend, device=args.device, **options),
                  host=args.host, port=args.port, api_key=args.api_key or None,
                  max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                  drain_timeout_s=args.drain_timeout, default_max_tokens=args.default_max_tokens,
-                 log_level=args.log_level, speculative=None if args.speculative == "off" else args.speculative,
+                 log_level=args.log_level, speculative=speculative,
                  allow_origins=tuple(o.rstrip("/") for o in args.allow_origin))
 
 
@@ -227,6 +267,7 @@ def _response_format(args: argparse.Namespace) -> ResponseFormat | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    options = _load_options(args)
     sampling = SamplingParams(
         temperature=args.temp,
         top_p=args.top_p,
@@ -237,6 +278,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
         response_format=_response_format(args),
+        speculative=_speculative(args),
+        num_draft_tokens=args.num_draft_tokens,
     )
     if args.raw:
         request = GenerationRequest(prompt=args.prompt, sampling=sampling)
@@ -245,7 +288,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             {"role": "user", "content": args.prompt}
         ]
         request = GenerationRequest(messages=messages, sampling=sampling)
-    engine = _load_engine(args.model, **_kv_options(args))
+    engine = _load_engine(args.model, **options)
     parts: list[str] = []
     final = None
     for event in engine.generate(request):
@@ -267,7 +310,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
                       "cached_prompt_tokens": usage.cached_prompt_tokens},
             "stats": {"ttft_s": stats.ttft_s, "prefill_tps": stats.prefill_tps, "decode_tps": stats.decode_tps,
-                      "peak_memory_bytes": stats.peak_memory_bytes},
+                      "peak_memory_bytes": stats.peak_memory_bytes, "target_forwards": stats.target_forwards,
+                      "acceptance_rate": stats.acceptance_rate, "mean_accepted_tokens": stats.mean_accepted_tokens},
         }
         print(json.dumps(out, ensure_ascii=False))
     else:
@@ -275,7 +319,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"[{final.finish_reason}] prompt {usage.prompt_tokens} tok, reply {usage.completion_tokens} tok | "
             f"ttft {stats.ttft_s * 1000:.0f} ms | prefill {stats.prefill_tps:.1f} tok/s | "
-            f"decode {stats.decode_tps:.1f} tok/s | peak {stats.peak_memory_bytes / 2**20:.0f} MiB",
+            f"decode {stats.decode_tps:.1f} tok/s | peak {stats.peak_memory_bytes / 2**20:.0f} MiB"
+            + (f" | drafts: {stats.acceptance_rate:.0%} accepted, {stats.mean_accepted_tokens:.1f} a verification, "
+               f"{usage.completion_tokens / max(stats.target_forwards, 1):.2f} tokens a forward"
+               if stats.acceptance_rate is not None else ""),
             file=sys.stderr,
         )
     return 0

@@ -14,6 +14,10 @@ from typing import Any, Literal
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 SPECULATIVE_MODES = ("draft", "prompt-lookup", "self", "auto")
 MAX_DRAFT_TOKENS = 16
+# speculative="draft" on an engine loaded without a draft model (every front end shows it as is)
+NO_DRAFT_MODEL = ("speculative='draft' needs a draft model: load one beside the model (Engine.load(model, "
+                  "draft_model=PATH); roofline chat, generate and serve: --draft-model PATH), or use 'prompt-lookup' "
+                  "or 'self'")
 MAX_LOGPROBS = 20  # top alternatives per token, at most (OpenAI's limit)
 RESPONSE_FORMATS = ("json_object", "json_schema", "regex", "lark")
 
@@ -240,3 +244,4 @@ class ModelInfo:
     warnings: tuple[str, ...] = ()  # what a user should know before relying on it: front ends show these
     backend: str = "mlx"  # the model runner: "mlx" or "torch"
     device: str = "cpu"  # where it runs: "metal", "cpu" or "cuda"
+    draft_model: str | None = None  # the name of the draft model loaded beside it (Engine.load's draft_model)

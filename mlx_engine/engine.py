@@ -47,6 +47,9 @@ LOAD_OPTIONS = {
     "draft_bits": "hold the draft model at fewer bits than it is stored in, so that it drafts cheaply (the model "
     "itself may then be its own draft): 4 or 8 on MLX (affine groups of 64); 8 on backend='torch' on the CPU, "
     "through the CPU's int8 matmul (about 0.3 of a float32 decode step for SmolLM2)",
+    "draft_optional": "a draft model that fails to load or does not share the model's tokenizer is one of the "
+    "model's warnings (ModelInfo.warnings) rather than an error, and the model loads without it (default False; "
+    "the chat app, where a model picked in the app need not suit the draft named on its command line)",
     "self_draft_layers": "layers of the model that speculative='self' drafts with (default: half)",
     "cuda_graphs": "backend='torch' on CUDA: replay each batched decode step as a CUDA graph (default True; "
     "False launches its kernels one by one)",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -9,8 +11,10 @@ from mlx.utils import tree_flatten
 import numpy as np
 
 from mlx_engine.api import (
+    NO_DRAFT_MODEL,
     GenerationRequest,
     ModelInfo,
+    ModelLoadError,
     RequestError,
     RooflineError,
     SamplingParams,
@@ -71,10 +75,12 @@ class Runner:
         kv_key_bits: int | None = None,
         kv_key_per_channel: bool | None = None,
         draft_bits: int | None = None,
+        draft_optional: bool = False,
         *,
         weight_bits: int | None = None,
     ) -> Runner:
-        """`draft_bits`: hold the draft at 4 or 8 bits (`weight_bits` of its own load: `quantize_weights`)."""
+        """`draft_bits`: hold the draft at 4 or 8 bits (`weight_bits` of its own load: `quantize_weights`).
+        `draft_optional`: a draft model that cannot serve this one is a warning, not an error (`attach_draft`)."""
         from mlx_engine.kv.cache import KVConfig
 
         kv_config = KVConfig(block_size, kv_bits, kv_group_size, kv_budget_bytes, prefix_caching, kv_key_bits,
@@ -140,9 +146,8 @@ class Runner:
             runner.cache.calibrate(runner.model, tokenizer, runner.vocab_size)
         runner.self_draft_layers = runner._check_self_draft_layers(self_draft_layers)
         if draft_model is not None:
-            draft = cls.load(draft_model, dtype=dtype, prefill_chunk_size=prefill_chunk_size, paged_kv=False,
-                             weight_bits=draft_bits)
-            runner.draft = check_same_vocabulary(runner, draft)
+            attach_draft(runner, lambda: cls.load(draft_model, dtype=dtype, prefill_chunk_size=prefill_chunk_size,
+                                                  paged_kv=False, weight_bits=draft_bits), draft_optional)
         return runner
 
     # --- speculative decoding ---
@@ -181,8 +186,7 @@ class Runner:
             raise RequestError(f"speculative={mode!r} is not available for {self.info.name}: {why}, so rejected "
                                "draft tokens cannot be rolled back")
         if mode == "draft" and self.draft is None:
-            raise RequestError("speculative='draft' needs a draft model: load the engine with "
-                               "Engine.load(model, draft_model=PATH), or use 'prompt-lookup' or 'self'")
+            raise RequestError(NO_DRAFT_MODEL)
         if mode == "self" and not self.native:
             raise RequestError(f"speculative='self' needs a natively implemented model; {self.info.name} runs "
                                "on an mlx-lm class")
@@ -459,6 +463,26 @@ def cap_context(context: int, max_context: int | None) -> int:
     if not isinstance(max_context, int) or max_context < 2:
         raise RooflineError(f"max_context={max_context!r}: expected an integer >= 2")
     return min(context, max_context)
+
+
+def attach_draft(target: Any, load: Callable[[], Any], optional: bool = False) -> None:
+    """Loads the draft model (`load`) and, where it shares the target's tokenizer (`check_same_vocabulary`),
+    makes it the target's draft. An error names the draft model. `optional`: the error becomes one of the
+    target's warnings and the target goes on without a draft (the chat app, where a model picked in the app need
+    not suit the draft named on its command line, and a missing draft should not keep the model from loading)."""
+    try:
+        try:
+            draft = load()
+        except RooflineError as e:
+            raise ModelLoadError(f"draft model: {e}") from None  # the loader's errors name the path
+        target.draft = check_same_vocabulary(target, draft)
+    except RooflineError as e:
+        if not optional:
+            raise
+        note = f"{e}. Loaded without a draft model: speculative='draft' is unavailable, 'auto' drafts by prompt lookup"
+        target.info = dataclasses.replace(target.info, warnings=(*target.info.warnings, note))
+        return
+    target.info = dataclasses.replace(target.info, draft_model=draft.info.name)
 
 
 def check_same_vocabulary(target: Runner, draft: Runner) -> Runner:

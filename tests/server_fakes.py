@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 import uvicorn
-from mlx_engine.api import GenerationEvent, GenerationRequest, ModelInfo, RequestError, Stats, TokenLogprob, Usage
+from mlx_engine.api import NO_DRAFT_MODEL, GenerationEvent, GenerationRequest, ModelInfo, RequestError, Stats, TokenLogprob, Usage
 
 VOCAB = 1000
 CONTEXT = 64
@@ -139,8 +139,7 @@ class FakeEngine:
         if len(ids) >= CONTEXT:
             raise RequestError(f"the prompt is {len(ids)} tokens but the model's context is {CONTEXT} tokens")
         if request.sampling.speculative == "draft":
-            raise RequestError("speculative='draft' needs a draft model: load the engine with "
-                               "Engine.load(model, draft_model=PATH), or use 'prompt-lookup' or 'self'")
+            raise RequestError(NO_DRAFT_MODEL)
         self.requests.append(request)
         self.streams.append(FakeStream(self, ids, request))
         return self.streams[-1]

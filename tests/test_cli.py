@@ -218,3 +218,47 @@ def test_a_models_warnings_go_to_stderr_before_the_reply(monkeypatch, capsys) ->
     assert cli.main(["generate", "-p", "Hi", "-n", "1", "--temp", "0"]) == 0
     err = capsys.readouterr().err
     assert err.splitlines()[0] == "roofline: warning: mind the gap"
+
+
+def test_generate_with_a_draft_model_is_greedy_exact_and_reports_its_drafts(capsys) -> None:
+    """--draft-model beside the embedded model (itself: every draft passes at temperature 0): the reply equals
+    plain decoding's, and the stats carry the drafts."""
+    from mlx_engine.loading import embedded_model_path
+
+    from app import cli
+
+    args = ["generate", "-p", "Repeat exactly: the quick brown fox jumps over the lazy dog.", "-n", "12", "--json"]
+    assert cli.main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["stats"]["acceptance_rate"] is None and plain["stats"]["target_forwards"] >= 12
+    assert cli.main([*args, "--draft-model", str(embedded_model_path()), "--speculative", "draft",
+                     "--num-draft-tokens", "3"]) == 0
+    drafted = json.loads(capsys.readouterr().out)
+    assert drafted["text"] == plain["text"] and drafted["usage"] == plain["usage"]
+    stats = drafted["stats"]
+    assert stats["acceptance_rate"] == 1.0 and 1.0 <= stats["mean_accepted_tokens"] <= 3.0
+    assert stats["target_forwards"] < plain["stats"]["target_forwards"]
+
+
+def test_draft_flags_without_a_draft_model_are_one_clear_line(monkeypatch, capsys) -> None:
+    """Refused before any model loads, in generate and serve alike; chat loads its draft as optional."""
+    import app.server as server_pkg
+    import app.tui as tui_pkg
+
+    from app import cli
+
+    for command in (["generate", "-p", "hi"], ["serve"]):
+        assert cli.main([*command, "--speculative", "draft"]) == 2
+        assert capsys.readouterr().err.strip() == (
+            "roofline: error: --speculative draft needs --draft-model MODEL: a small model with the model's "
+            "tokenizer (or use prompt-lookup or self, which need no other model)")
+        assert cli.main([*command, "--draft-bits", "4"]) == 2
+        assert "--draft-bits 4 needs --draft-model MODEL" in capsys.readouterr().err
+    seen: dict = {}
+    monkeypatch.setattr(server_pkg, "serve", lambda factory, **kw: seen.update(kw) or 0)
+    assert cli.main(["serve", "--draft-model", "small.gguf"]) == 0 and seen["speculative"] == "auto"
+    assert cli.main(["serve", "--draft-model", "small.gguf", "--speculative", "off"]) == 0
+    assert seen["speculative"] is None
+    monkeypatch.setattr(tui_pkg, "run", lambda model, **options: seen.update(chat=(model, options)) or 0)
+    assert cli.main(["chat", "-m", "big.gguf", "--draft-model", "small.gguf", "--draft-bits", "8"]) == 0
+    assert seen["chat"] == ("big.gguf", {"draft_model": "small.gguf", "draft_bits": 8, "draft_optional": True})

@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from mlx_engine.api import Usage
+from mlx_engine.api import NO_DRAFT_MODEL, Usage
 
 from app.server import ServerConfig, create_app
 from app.server.errors import from_request_error
@@ -65,7 +65,7 @@ def test_usage_reports_accepted_drafts_only_when_given() -> None:
 
 
 def test_engine_refusing_a_mode_names_the_field() -> None:
-    e = from_request_error("speculative='draft' needs a draft model: load the engine with ...")
+    e = from_request_error(NO_DRAFT_MODEL)
     assert (e.status, e.param) == (400, "speculative")
 
 
@@ -125,8 +125,7 @@ def test_a_mode_the_engine_refuses_is_a_400_naming_speculative(servers) -> None:
     r = httpx.post(url + PATHS["chat"], json={**CHAT, "speculative": "draft"}, timeout=10)
     assert r.status_code == 400
     assert r.json()["error"] == {
-        "message": "speculative='draft' needs a draft model: load the engine with Engine.load(model, "
-                   "draft_model=PATH), or use 'prompt-lookup' or 'self'",
+        "message": NO_DRAFT_MODEL,
         "type": "invalid_request_error", "param": "speculative", "code": None}
     assert len(engine.requests) == n
     assert httpx.post(url + PATHS["chat"], json=CHAT, timeout=10).status_code == 200  # the slot was given back

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from mlx_engine import Engine, GenerationRequest, RequestError, RooflineError, SamplingParams
+from mlx_engine.api import NO_DRAFT_MODEL, ModelLoadError
 from mlx_engine.speculative import CostCurve, prompt_lookup, rejection_sample
 from tests.tiny_models import GOLDEN, random_llama_folder
 
@@ -643,6 +645,28 @@ def test_draft_with_another_vocabulary_is_refused(models, tmp_path: Path) -> Non
     other = random_llama_folder(tmp_path / "other", vocab=96)
     with pytest.raises(RooflineError, match=r"draft model other .*does not share the tokenizer of target.*96"):
         Engine.load(str(target), draft_model=str(other))
+
+
+def test_a_draft_model_that_cannot_load_is_an_error_naming_it_or_with_draft_optional_a_warning(
+        models, tmp_path: Path) -> None:
+    """The chat app loads with draft_optional: a model picked there that does not suit the draft named on its
+    command line (or a draft that is missing) loads without one, and says why."""
+    target, draft = models
+    with pytest.raises(ModelLoadError, match=r"^draft model: model not found: .*nothere"):
+        Engine.load(str(target), draft_model=str(tmp_path / "nothere"))
+    other = random_llama_folder(tmp_path / "other", vocab=96)
+    for bad, why in ((other, r"draft model other .*does not share the tokenizer of target.*96"),
+                     (tmp_path / "nothere", r"draft model: model not found: .*nothere")):
+        with Engine.load(str(target), draft_model=str(bad), draft_optional=True) as e:
+            assert e.info.draft_model is None
+            (warning,) = e.info.warnings
+            assert re.match(why + r".*\. Loaded without a draft model: speculative='draft' is unavailable", warning)
+            with pytest.raises(RequestError, match=re.escape(NO_DRAFT_MODEL)):
+                e.generate(GenerationRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(speculative="draft")))
+            assert run(e, max_tokens=4, speculative="prompt-lookup")[0] == run(e, max_tokens=4)[0]
+    with Engine.load(str(target), draft_model=str(draft), draft_optional=True) as e:
+        assert e.info.draft_model == "draft" and e.info.warnings == ()
+        assert run(e, max_tokens=4, speculative="draft")[0] == run(e, max_tokens=4)[0]
 
 
 @pytest.mark.parametrize("value", [0, 17, -1, 2.5, True])

@@ -9,13 +9,13 @@ from textual.geometry import Region
 from textual.widgets.markdown import MarkdownBlock, MarkdownFence
 
 from app.tui.drafted import add_marks, clip, draft_spans, overlaps
-from app.tui.fake_engine import FakeReply
+from app.tui.fake_engine import FAKE_DRAFT_NAME, FakeReply
 from app.tui.screens.settings import SettingsScreen, sampling_params
 from app.tui.store import ChatSettings, ChatStore
 from app.tui.streaming import TokenBuffer
 from app.tui.widgets.messages import MarkdownSegment, MessageView
 from app.tui.widgets.stats import LiveStats, StatsBar
-from mlx_engine.api import GenerationEvent, RequestError, Stats, Usage
+from mlx_engine.api import NO_DRAFT_MODEL, GenerationEvent, RequestError, Stats, Usage
 from tests.tui_helpers import idle, make_app, ready, send, transcript, wait_for
 
 D = ".draft"
@@ -211,8 +211,7 @@ async def test_a_refused_speculative_mode_is_shown_in_the_chat_and_nothing_is_lo
         app.default_settings = ChatSettings(temperature=0.0, speculative="draft")
         await send(pilot, "hello there")
         await idle(pilot)
-        message = "speculative='draft' needs a draft model: load the engine with Engine.load(model, " \
-                  "draft_model=PATH), or use 'prompt-lookup' or 'self'"
+        message = NO_DRAFT_MODEL
         assert transcript(app) == [("user", "done", "hello there"), ("assistant", "error", "")]
         view = app.chat_screen.query(MessageView).last()
         assert view.error == message
@@ -229,6 +228,20 @@ async def test_a_refused_speculative_mode_is_shown_in_the_chat_and_nothing_is_lo
         await idle(pilot)
         assert transcript(app) == [("user", "done", "hello there"), ("assistant", "done", "Fine.")]
         assert backend.engine.requests[-1].messages == [{"role": "user", "content": "hello there"}]
+
+
+@pytest.mark.asyncio
+async def test_a_loaded_draft_model_is_named_in_the_title_and_drafts(tmp_path) -> None:
+    """`roofline chat --draft-model M`: the title bar names the draft beside the model, and "draft" is served."""
+    app, backend = make_app(tmp_path, script=["Fine."], draft_model=True)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        assert app.sub_title == f"FakeLM-1M (test) · draft {FAKE_DRAFT_NAME}"
+        app.default_settings = ChatSettings(temperature=0.0, speculative="draft")
+        await send(pilot, "hello there")
+        await idle(pilot)
+        assert transcript(app) == [("user", "done", "hello there"), ("assistant", "done", "Fine.")]
+        assert backend.engine.requests[-1].sampling.speculative == "draft"
 
 
 def test_stats_line_without_and_with_speculation() -> None:

@@ -261,19 +261,19 @@ def test_cuts_the_streaming_rule_cannot_see_are_caught_at_the_end() -> None:
     assert cuts_render_alike("One.\n\nTwo.\n", [6])
 
 
-def test_engine_backend_loads_every_model_with_the_cli_kv_options(tmp_path) -> None:
+def test_engine_backend_loads_every_model_with_the_cli_load_options(tmp_path) -> None:
     """`roofline chat --kv-bits 8 --block-size 32`: the app's engine backend passes them to every Engine.load."""
-    from app.cli import _kv_options, _parser
+    from app.cli import _load_options, _parser
     from app.tui.backend import EngineBackend
     from tests.tiny_models import random_llama_folder
 
     args = _parser().parse_args(["chat", "--kv-bits", "8", "--block-size", "32"])
-    assert _kv_options(args) == {"kv_bits": 8, "block_size": 32}
-    assert _kv_options(_parser().parse_args(["chat"])) == {}
+    assert _load_options(args) == {"kv_bits": 8, "block_size": 32}
+    assert _load_options(_parser().parse_args(["chat"])) == {}
     for command in (["serve"], ["generate", "-p", "hi"]):  # the server and one-shot replies take the same options
-        assert _kv_options(_parser().parse_args([*command, "--kv-bits", "4", "--block-size", "32"])) == \
+        assert _load_options(_parser().parse_args([*command, "--kv-bits", "4", "--block-size", "32"])) == \
             {"kv_bits": 4, "block_size": 32}
-    engine = EngineBackend(**_kv_options(args)).load(str(random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)))
+    engine = EngineBackend(**_load_options(args)).load(str(random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)))
     with engine:
         stats = engine.kv_stats()
         assert (stats["kv_bits"], stats["block_size"]) == (8, 32)

@@ -74,7 +74,8 @@ def serve(
     print(f"roofline: serving {server_state.model_id} (also 'default') on http://{shown}:{bound_port}/v1 "
           f"- max {max_concurrency or 'unlimited'} running, {max_queue} waiting, then 429"
           f"{'; API key required' if api_key else ''}"
-          f"{f'; speculative={speculative} unless a request says otherwise' if speculative else ''}",
+          f"{f'; speculative={speculative} unless a request says otherwise' if speculative else ''}"
+          f"{f'; draft model {engine.info.draft_model}' if engine.info.draft_model else ''}",
           file=sys.stderr, flush=True)
     uv_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s,
                                lifespan="on", access_log=log_level == "debug")

@@ -129,7 +129,8 @@ class RooflineApp(App):
         if gen is not None:
             gen.cancel()
         self.engine, self.model_ref, self.loading_ref = engine, ref, None
-        self.sub_title = engine.info.name
+        draft = engine.info.draft_model
+        self.sub_title = engine.info.name + (f" · draft {draft}" if draft else "")
         self.chat_screen.set_loading(None)
         for warning in engine.info.warnings:
             self.notify(warning, title="About this model", severity="warning", timeout=12)

@@ -10,6 +10,7 @@ saves and restores it as JSON files (`kv_calls` records each call).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import re
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_engine.api import (
+    NO_DRAFT_MODEL,
     GenerationEvent,
     GenerationRequest,
     ModelInfo,
@@ -122,6 +124,9 @@ class FakeStream:
     close = cancel
 
 
+FAKE_DRAFT_NAME = "FakeDraft-100K (test)"
+
+
 def fake_info(name: str = "FakeLM-1M (test)", context_length: int = 2048) -> ModelInfo:
     return ModelInfo(name=name, path="/fake/" + name, model_type="llama", source_format="gguf",
                      num_parameters=1_000_000, quantization="Q4_1", context_length=context_length,
@@ -140,6 +145,8 @@ class FakeEngine:
         self.tokens_per_s = tokens_per_s
         self.ttft_s = ttft_s
         self.info = info or fake_info()
+        if draft_model:  # as Engine.load names its draft model
+            self.info = dataclasses.replace(self.info, draft_model=FAKE_DRAFT_NAME)
         self.tokenizer = tokenizer or FakeTokenizer()
         self.requests: list[GenerationRequest] = []
         self._next = 0
@@ -159,8 +166,7 @@ class FakeEngine:
         if len(prompt_ids) >= self.info.context_length:
             raise RequestError(f"prompt is {len(prompt_ids)} tokens, longer than the context ({self.info.context_length})")
         if request.sampling.speculative == "draft" and not self.draft_model:
-            raise RequestError("speculative='draft' needs a draft model: load the engine with "
-                               "Engine.load(model, draft_model=PATH), or use 'prompt-lookup' or 'self'")
+            raise RequestError(NO_DRAFT_MODEL)
         self.requests.append(request)
         reply = self.script[min(self._next, len(self.script) - 1)]
         self._next += 1

@@ -31,8 +31,8 @@ from mlx_engine.backends.torch.sampling import sample_rows
 from mlx_engine.runner import (
     NoTokenizer,
     Runner,
+    attach_draft,
     cap_context,
-    check_same_vocabulary,
     model_fingerprint,
 )
 
@@ -154,6 +154,7 @@ class TorchRunner(Runner):
         self_draft_layers: int | None = None,
         cuda_graphs: bool | None = None,
         draft_bits: int | None = None,
+        draft_optional: bool = False,
         *,
         with_cache: bool = True,
         **kv_options: Any,
@@ -227,15 +228,18 @@ class TorchRunner(Runner):
                 runner.graphs = DecodeGraphs(tmodel, runner.cache.storage)
         runner.self_draft_layers = runner._check_self_draft_layers(self_draft_layers)
         if draft_model is not None:
-            draft = cls.load(draft_model, device=dev.type, dtype=dtype, prefill_chunk_size=prefill_chunk_size,
-                             with_cache=False)
-            if draft_bits is not None:
-                from mlx_engine.backends.torch.model import quantize_int8
+            def load_draft() -> TorchRunner:
+                draft = cls.load(draft_model, device=dev.type, dtype=dtype, prefill_chunk_size=prefill_chunk_size,
+                                 with_cache=False)
+                if draft_bits is not None:
+                    from mlx_engine.backends.torch.model import quantize_int8
 
-                quantize_int8(draft.model)
-                draft.info = dataclasses.replace(draft.info, quantization=f"{draft.info.quantization}, int8 draft",
-                                                 weight_bytes=draft.model.weight_bytes)
-            runner.draft = check_same_vocabulary(runner, draft)
+                    quantize_int8(draft.model)
+                    draft.info = dataclasses.replace(draft.info, quantization=f"{draft.info.quantization}, int8 draft",
+                                                     weight_bytes=draft.model.weight_bytes)
+                return draft
+
+            attach_draft(runner, load_draft, draft_optional)
         return runner
 
     # --- forwards (engine thread) ---
