@@ -1,7 +1,7 @@
 """Speculative decoding on this backend: the verify-cost curve, then plain decoding against each proposer.
 
     uv run python bench/speculative.py [--model M] [--backend mlx|torch] [--tokens 48] [--temperatures 0 0.7]
-                                       [--modes ...] [--kinds ...] [--seed S] [--repeats N]
+                                       [--modes ...] [--kinds ...] [--seed S] [--repeats N] [--vary-seed]
 
 1. The cost curve T(k+1)/T(1): a target forward over k+1 new tokens (logits at every position, as a
    verification computes) against a plain decode step (one token, logits at one position), k = 1..8,
@@ -10,7 +10,9 @@
    temperature: plain decoding and each proposer. Per run: tokens per target forward (decode phase),
    acceptance rate, mean accepted tokens per verification, decode tokens/s, and the speedup over plain
    predicted from the forwards actually made (their widths, through the cost curve, plus the drafting
-   cost) beside the measured one.
+   cost) beside the measured one. With `--vary-seed`, repeat r samples with seed S + r: at temperature > 0
+   each repeat is another reply, and a row sums its counts over the replies (one reply's speedup moved by
+   20-50% from seed to seed on code at 0.7, so one seed's row says little about a proposer).
 
 The "draft" proposer is the same model at another precision (`Engine.load(draft_bits=...)`):
 - MLX: the target's weights (the embedded Q4_1 GGUF: 4-bit, groups of 32) quantized again to affine 4-bit
@@ -145,7 +147,7 @@ def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int,
     widths = [d + 1 for d, _ in history] + [1] * (decode_forwards - len(history))
     spec = seq.spec
     # "auto": the proposers it drafted with (prompt lookup, a draft model or both)
-    used = [p.name for p, (_, drafted) in zip(spec.proposers, spec.tallies) if drafted] if spec is not None else []
+    used = [p.name for p, (_, drafted, _) in zip(spec.proposers, spec.tallies) if drafted] if spec is not None else []
     proposer = "+".join(used) or "plain"
     draft_proposals = None  # a draft model's proposals (catch-ups and drafts); prompt lookup's cost nothing
     if spec is not None and any(hasattr(p, "proposals") for p in spec.proposers):
@@ -203,6 +205,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each mode, in rotation; tok/s and the measured speedup are medians (of each "
                          "rotation's ratio to plain)")
+    ap.add_argument("--vary-seed", action="store_true",
+                    help="repeat r samples with seed + r (at temperature > 0 another reply each repeat); a row "
+                         "then counts over all repeats, and the measured speedup shows the mean beside the median")
     args = ap.parse_args()
 
     from mlx_engine.loading import resolve
@@ -248,24 +253,31 @@ def main() -> None:
     for kind in args.kinds:
         for temp in args.temperatures:
             runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
-            for _ in range(args.repeats):  # in rotation, so the machine's drift falls on every mode alike
+            for i in range(args.repeats):  # in rotation, so the machine's drift falls on every mode alike
+                seed = args.seed + i if args.vary_seed else args.seed
                 for mode in args.modes:
-                    runs[mode].append(run(engine, PROMPTS[kind], mode, temp, args.tokens, args.seed))
+                    runs[mode].append(run(engine, PROMPTS[kind], mode, temp, args.tokens, seed))
             base = [r["stats"].decode_tps for r in runs["plain"]] if "plain" in runs else None
+            costs = {"plain": 0.0, "prompt-lookup": 0.0, "self": self_cost, "draft": step_costs[temp]}
             for mode in args.modes:
-                r = runs[mode][-1]  # the same tokens every repeat: the curve, prompt and seed are fixed
-                s = r["stats"]
+                # without --vary-seed the same tokens every repeat (the curve, prompt and seed are fixed): the last
+                rs = runs[mode] if args.vary_seed else runs[mode][-1:]
                 tps = statistics.median(x["stats"].decode_tps for x in runs[mode])
-                tpf = (r["n"] - 1) / max(s.target_forwards - 1, 1)
-                measured = (statistics.median(x["stats"].decode_tps / b for x, b in zip(runs[mode], base))
-                            if base else float("nan"))
-                costs = {"plain": 0.0, "prompt-lookup": 0.0, "self": self_cost, "draft": step_costs[temp]}
-                pred = predicted(r, curve, costs, draft_curve)
-                acc = f"{s.acceptance_rate:.2f}" if s.acceptance_rate is not None else "-"
-                mean = f"{s.mean_accepted_tokens:.2f}" if s.mean_accepted_tokens is not None else "-"
-                label = f"auto ({r['proposer']})" if mode == "auto" and r["proposer"] != "plain" else mode
+                tpf = sum(r["n"] - 1 for r in rs) / max(sum(r["stats"].target_forwards - 1 for r in rs), 1)
+                ratios = [x["stats"].decode_tps / b for x, b in zip(runs[mode], base)] if base else [float("nan")]
+                measured = f"{statistics.median(ratios):.2f}x"
+                if args.vary_seed:
+                    measured += f" (mean {statistics.fmean(ratios):.2f}x)"
+                pred = statistics.fmean(predicted(r, curve, costs, draft_curve) for r in rs)
+                drafted = sum(d for r in rs for d, _ in r["history"])
+                accepted = sum(a for r in rs for _, a in r["history"])
+                verifies = sum(len(r["history"]) for r in rs)
+                acc = f"{accepted / drafted:.2f}" if drafted else "-"
+                mean = f"{accepted / verifies:.2f}" if verifies else "-"
+                used = {p for r in rs for p in r["proposer"].split("+")} - {"plain"}
+                label = f"auto ({'+'.join(sorted(used, reverse=True))})" if mode == "auto" and used else mode
                 print(f"| {kind} | {temp:g} | {label} | {tpf:.2f} | {acc} | {mean} | {tps:.2f} | "
-                      f"{measured:.2f}x | {pred:.2f}x |", flush=True)
+                      f"{measured} | {pred:.2f}x |", flush=True)
     engine.close()
 
 

@@ -102,7 +102,8 @@ class Scheduler:
         self.num_steps = 0
         self.trace: list[tuple[int, int]] | None = None  # set to [] to record (decode rows, prefill tokens) per step
         self.cost_curve: Any = None  # speculative.CostCurve, measured at the first "auto" request
-        self.acceptance: dict[str, list[int]] = {}  # proposer -> [accepted, drafted] over finished requests
+        # proposer -> [accepted, tested] draft tokens over finished requests ("auto"'s priors; `tested_tokens`)
+        self.acceptance: dict[str, list[int]] = {}
 
     def add(self, prompt: list[int], params: SamplingParams, stream: Any, constraint: Any = None) -> None:
         self._counter += 1
@@ -184,9 +185,9 @@ class Scheduler:
                 proposer = sp.PromptLookup()
             if curve is not None and curve.best_k(1.0, params.num_draft_tokens, proposer.draft_cost) == 0:
                 continue  # "auto": not even perfect drafts from it would pay on this backend
-            acc, drafted = self.acceptance.get(kind, [0, 0])
+            acc, tested = self.acceptance.get(kind, [0, 0])
             proposers.append(proposer)
-            priors.append((acc + sp.PRIOR_WEIGHT * sp.AUTO_PRIOR_ACCEPTANCE) / (drafted + sp.PRIOR_WEIGHT))
+            priors.append((acc + sp.PRIOR_WEIGHT * sp.AUTO_PRIOR_ACCEPTANCE) / (tested + sp.PRIOR_WEIGHT))
         if not proposers:
             return None
         state = sp.SpecState(mode, proposers[-1], params.num_draft_tokens, proposers=proposers, priors=priors)
@@ -480,10 +481,10 @@ class Scheduler:
             self.running.remove(seq)
             if seq.spec is not None:
                 seq.spec.close()
-                for p, (accepted, drafted) in zip(seq.spec.proposers, seq.spec.tallies):
+                for p, (accepted, _, tested) in zip(seq.spec.proposers, seq.spec.tallies):
                     tally = self.acceptance.setdefault(p.name, [0, 0])
                     tally[0] += accepted
-                    tally[1] += drafted
+                    tally[1] += tested
             if error is None:
                 self.runner.cache.finish(seq.req_id, seq.cached_tokens())
             else:

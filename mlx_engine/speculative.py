@@ -288,6 +288,17 @@ class SelfDraft:
 # --- the cost of a wider forward, and when speculation pays ------------------------------------------
 
 
+def tested_tokens(drafted: int, accepted: int) -> int:
+    """The drafts a verification tested: the accepted ones and the first rejected one. Rejection sampling stops at
+    the first rejection, so the drafts after it say nothing about acceptance. With per-token acceptance alpha
+    (`expected_tokens`' model) the likelihood of a verification is alpha^accepted (1 - alpha)^(rejected?), so
+    accepted / tested over verifications is its maximum-likelihood estimate. accepted / drafted (the reported
+    acceptance rate) counted the untested drafts as rejected: on the torch CPU backend the draft model's drafts
+    in open chat at 0.7 read 0.74, "auto" predicted no gain from them (1.09x, under its margin) and never drafted,
+    while the named draft measured 1.35x over the same eight replies."""
+    return accepted + (accepted < drafted)
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens per verification with k drafts each accepted with probability alpha (i.i.d.), bonus included."""
     return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
@@ -337,15 +348,20 @@ class CostCurve:
 
 
 def probe_allowance(curve: CostCurve, prior: float, k_max: int, draft_cost: float) -> float:
-    """"auto"'s fixed loss allowance for a proposer: AUTO_LOSS_ALLOWANCE, or the worst case of the verification
-    it would make first (at the prior acceptance) where that is larger. Prompt lookup drafts for free, so its
+    """"auto"'s fixed loss allowance for a proposer: AUTO_LOSS_ALLOWANCE, or where that is larger the worst case
+    of the cheapest verification predicted to pay at the prior acceptance. Prompt lookup drafts for free, so its
     worst case is the wider forward alone. A draft model's rejected drafts cost their own forwards too: on the
-    torch CPU backend (an int8 draft at 0.3 T(1), a verification of 4 at 1.36 T(1)) its best first
-    verification risks 1.26 T(1), which the fixed allowance would never admit. Either way a reply whose drafts
-    keep failing loses at most the allowance plus AUTO_LOSS_SHARE of its tokens."""
-    k = curve.best_k(prior, k_max, draft_cost)
-    worst = curve.cost(k + 1) + k * draft_cost - 1.0 if k else 0.0
-    return max(AUTO_LOSS_ALLOWANCE, worst) if draft_cost > 0 else AUTO_LOSS_ALLOWANCE
+    torch CPU backend (an int8 draft at 0.3 T(1), a verification of 4 at 1.36 T(1)) a verification of 3 drafts
+    risks 1.26 T(1), which the fixed allowance would never admit. The cheapest, not the best: at a prior of 0.94
+    the best is 7 drafts, whose worst case (4.9 T(1) with the draft at 0.47) cost one 48-token chat reply 12%
+    when its first drafts failed; 3 drafts risk 1.8. Once verifications pass, what they save funds wider ones.
+    Either way a reply whose drafts keep failing loses at most the allowance plus AUTO_LOSS_SHARE of its
+    tokens."""
+    if draft_cost <= 0:
+        return AUTO_LOSS_ALLOWANCE
+    worst = [cost - 1.0 for k in range(1, k_max + 1)
+             if expected_tokens(prior, k) / (cost := curve.cost(k + 1) + k * draft_cost) > 1.0 + AUTO_MARGIN]
+    return max(AUTO_LOSS_ALLOWANCE, min(worst, default=0.0))
 
 
 def time_forward(runner: Any, width: int, context: int = 32, repeats: int = 2, first_layers: int | None = None,
@@ -486,12 +502,13 @@ class SpecState:
     num_verifies: int = 0  # verifications with at least one drafted token
     num_forwards: int = 0  # target forwards that sampled tokens
     history: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per verification
-    # per proposer: [accepted, drafted] in this request (`num_accepted`, `num_drafted`: all of them)
+    # per proposer in this request: [accepted, drafted, tested] (`num_accepted`, `num_drafted`: all of them;
+    # `tested`: `tested_tokens`)
     tallies: list[list[int]] = field(default_factory=list)
     # "auto"'s acceptance estimate weighs recent verifications more: text moves between quoted and new
     # spans. It drifts back to the prior only over plain steps where the proposer has a candidate
     # (`age`): drifting on every plain step was tried, and on chat, where prompt lookup never matches,
-    # the probes cost 8-11% against plain decoding on the torch CPU backend. [drafted, accepted] per proposer
+    # the probes cost 8-11% against plain decoding on the torch CPU backend. [tested, accepted] per proposer
     # and context: whether the text recurs (prompt lookup has a candidate), where a draft model drafts another
     # text than elsewhere (`prior_of`)
     recent: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
@@ -506,15 +523,15 @@ class SpecState:
         self.k = self.k or self.k_max
         self.proposers = self.proposers or [self.proposer]
         self.priors = self.priors or [self.prior] * len(self.proposers)
-        self.tallies = [[0, 0] for _ in self.proposers]
+        self.tallies = [[0, 0, 0] for _ in self.proposers]
 
     @property
     def num_drafted(self) -> int:
-        return sum(drafted for _, drafted in self.tallies)
+        return sum(drafted for _, drafted, _ in self.tallies)
 
     @property
     def num_accepted(self) -> int:
-        return sum(accepted for accepted, _ in self.tallies)
+        return sum(accepted for accepted, _, _ in self.tallies)
 
     def _index(self, proposer: Any) -> int:
         return next(i for i, p in enumerate(self.proposers) if p is proposer)
@@ -535,10 +552,10 @@ class SpecState:
 
     def alpha_of(self, i: int, recurs: bool | None = None) -> float:
         """Proposer i's per-token acceptance in a context (default: this step's), recency-weighted, starting from
-        its prior."""
+        its prior: accepted over tested tokens (`tested_tokens`)."""
         recurs = self.recurs if recurs is None else recurs
-        drafted, accepted = self.recent.get((i, recurs), (0.0, 0.0))
-        return (accepted + PRIOR_WEIGHT * self.prior_of(i, recurs)) / (drafted + PRIOR_WEIGHT)
+        tested, accepted = self.recent.get((i, recurs), (0.0, 0.0))
+        return (accepted + PRIOR_WEIGHT * self.prior_of(i, recurs)) / (tested + PRIOR_WEIGHT)
 
     @property
     def alpha(self) -> float:
@@ -599,11 +616,12 @@ class SpecState:
         self.num_forwards += 1
         if not drafted:
             return
-        i = self._index(self.proposer)
+        i, tested = self._index(self.proposer), tested_tokens(drafted, accepted)
         self.tallies[i][0] += accepted
         self.tallies[i][1] += drafted
+        self.tallies[i][2] += tested
         recent = self.recent.setdefault((i, self.recurs), [0.0, 0.0])
-        recent[0] = recent[0] * VERIFY_DECAY + drafted
+        recent[0] = recent[0] * VERIFY_DECAY + tested
         recent[1] = recent[1] * VERIFY_DECAY + accepted
         self.num_verifies += 1
         self.history.append((drafted, accepted))

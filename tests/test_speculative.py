@@ -410,39 +410,44 @@ def test_cost_curve_believes_a_measured_dip() -> None:
 
 def test_auto_acceptance_weighs_recent_verifications() -> None:
     """An edit reply: a preamble whose drafts fail, then a quote whose drafts all pass. The estimate
-    follows the quote within a few verifications; the request's own counts keep every draft."""
-    from mlx_engine.speculative import PRIOR_WEIGHT, VERIFY_DECAY, PromptLookup, SpecState
+    follows the quote within a few verifications; the request's own counts keep every draft. A rejection
+    counts once: the drafts after it were never tested."""
+    from mlx_engine.speculative import PRIOR_WEIGHT, VERIFY_DECAY, PromptLookup, SpecState, tested_tokens
 
+    assert [tested_tokens(4, a) for a in range(5)] == [1, 2, 3, 4, 4]
     st = SpecState("auto", PromptLookup(), 8, prior=0.7)
     assert st.alpha == pytest.approx(0.7)
     for _ in range(3):
         st.record(4, 0)
     low = st.alpha
+    assert low == pytest.approx(PRIOR_WEIGHT * 0.7 / (1 + VERIFY_DECAY + VERIFY_DECAY ** 2 + PRIOR_WEIGHT))
     for _ in range(3):
         st.record(4, 4)
-    d = 4 * (VERIFY_DECAY ** 5 + VERIFY_DECAY ** 4 + VERIFY_DECAY ** 3 + VERIFY_DECAY ** 2 + VERIFY_DECAY + 1)
+    d = VERIFY_DECAY ** 5 + VERIFY_DECAY ** 4 + VERIFY_DECAY ** 3 + 4 * (VERIFY_DECAY ** 2 + VERIFY_DECAY + 1)
     a = 4 * (VERIFY_DECAY ** 2 + VERIFY_DECAY + 1)
     assert st.alpha == pytest.approx((a + PRIOR_WEIGHT * 0.7) / (d + PRIOR_WEIGHT))
-    assert low < 0.3 and st.alpha > 0.66  # plain counts would give (12 + 2.8) / (24 + 4) = 0.53
-    assert (st.num_drafted, st.num_accepted) == (24, 12)
+    assert low < 0.45 and st.alpha > 0.83  # plain counts would give (12 + 2.8) / (15 + 4) = 0.78
+    assert (st.num_drafted, st.num_accepted) == (24, 12) and st.tallies == [[12, 24, 15]]
 
 
 def test_auto_estimate_recovers_over_declined_candidates() -> None:
-    """One rejected 8-token draft puts "auto"'s estimate below what pays on MLX's CPU curve; the plain
-    steps it then takes while prompt lookup still has candidates let that rejection fade (IDLE_DECAY),
-    so it verifies again within 8 steps; with no candidate it would never have aged."""
-    from mlx_engine.speculative import IDLE_DECAY, PRIOR_WEIGHT, PromptLookup, SpecState
+    """Three drafts rejected at their first token put "auto"'s estimate below what pays on MLX's CPU curve; the
+    plain steps it then takes while prompt lookup still has candidates let those rejections fade (IDLE_DECAY),
+    so it verifies again after one; with no candidate it would never have aged."""
+    from mlx_engine.speculative import IDLE_DECAY, PRIOR_WEIGHT, VERIFY_DECAY, PromptLookup, SpecState
 
     curve = CostCurve({1: 1.0, 2: 1.32, 3: 1.62, 4: 1.87, 5: 1.96, 9: 3.09})  # measured, float32 host weights
     st = SpecState("auto", PromptLookup(), 8, prior=0.7)
-    st.record(8, 0)
-    assert st.alpha == pytest.approx(PRIOR_WEIGHT * 0.7 / (8 + PRIOR_WEIGHT)) and curve.best_k(st.alpha, 8) == 0
+    for _ in range(3):
+        st.record(8, 0)
+    failed = 1 + VERIFY_DECAY + VERIFY_DECAY ** 2  # one tested token each
+    assert st.alpha == pytest.approx(PRIOR_WEIGHT * 0.7 / (failed + PRIOR_WEIGHT)) and curve.best_k(st.alpha, 8) == 0
     steps = 0
     while curve.best_k(st.alpha, 8) == 0:
         st.age()
         steps += 1
-    assert steps == 8 and st.alpha == pytest.approx(PRIOR_WEIGHT * 0.7 / (8 * IDLE_DECAY ** 8 + PRIOR_WEIGHT))
-    assert (st.num_drafted, st.num_accepted, st.num_verifies) == (8, 0, 1)  # the request's counts stay
+    assert steps == 1 and st.alpha == pytest.approx(PRIOR_WEIGHT * 0.7 / (failed * IDLE_DECAY + PRIOR_WEIGHT))
+    assert (st.num_drafted, st.num_accepted, st.num_verifies) == (24, 0, 3)  # the request's counts stay
 
 
 def _auto_reply(curve: CostCurve, accept: Callable[[int], int], length: int,
@@ -516,18 +521,19 @@ def test_auto_drafts_by_prompt_lookup_where_the_text_recurs_and_by_the_draft_mod
     assert st.proposer is model and not st.recurs and k_model == TORCH_CPU_CURVE.best_k(0.7, 8, 0.3) == 3
     for _ in range(4):  # the model's drafts of new text fail: that estimate falls, the others stay
         st.record(3, 0)
-    assert st.alpha_of(1, False) < 0.3 < 0.7 < st.alpha_of(0, True)
+    assert st.alpha_of(1, False) < 0.45 < 0.7 < st.alpha_of(0, True)
     assert st.alpha_of(1, True) == COPY_CONTEXT_PRIOR == 1.0
     assert st.auto_k(TORCH_CPU_CURVE, 8, 0, new) == 0  # not worth it: a plain step, the model's evidence fades
     assert st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting) > 0 and st.proposer is lookup  # copies pass: they stay
-    assert st.tallies == [[k_copy, k_copy], [0, 12]] and (st.num_drafted, st.num_accepted) == (k_copy + 12, k_copy)
+    assert st.tallies == [[k_copy, k_copy, k_copy], [0, 12, 4]]
+    assert (st.num_drafted, st.num_accepted) == (k_copy + 12, k_copy)
     # copies that fail: the model, optimistic where the text recurs once prompt lookup was tried, takes over,
     # and keeps it while its drafts pass
     st = SpecState("auto", model, 8, proposers=[lookup, model], priors=[0.7, 0.7])
     st.allowance = probe_allowance(TORCH_CPU_CURVE, 0.7, 8, 0.3)
     assert st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting) > 0 and st.proposer is lookup
     st.record(3, 1)
-    assert st.alpha_of(0, True) == pytest.approx(3.8 / 7) and st.alpha_of(1, True) == 1.0
+    assert st.alpha_of(0, True) == pytest.approx(3.8 / 6) and st.alpha_of(1, True) == 1.0  # 1 of 2 tested passed
     k = st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting)
     assert st.proposer is model and k == TORCH_CPU_CURVE.best_k(1.0, 8, 0.3, max_loss=st.allowance)
     st.record(k, k)
@@ -547,6 +553,10 @@ def test_auto_allowance_admits_a_draft_models_first_verification(monkeypatch) ->
     assert sp.probe_allowance(TORCH_CPU_CURVE, 0.7, 8, 0.3) == pytest.approx(1.26)
     assert sp.probe_allowance(TORCH_CPU_CURVE, 0.7, 8, 0.0) == sp.AUTO_LOSS_ALLOWANCE == 0.5
     assert sp.probe_allowance(TORCH_CPU_CURVE, 0.7, 8, 1.0) == 0.5  # nothing worth verifying: no probe
+    # a high prior: 8 drafts would gain most (worst case 1.74 + 2.4 - 1 = 3.14 T(1)), but the cheapest
+    # verification predicted to pay (3 drafts) sets the allowance; passing drafts then fund wider ones
+    assert TORCH_CPU_CURVE.best_k(0.94, 8, 0.3) == 8
+    assert sp.probe_allowance(TORCH_CPU_CURVE, 0.94, 8, 0.3) == pytest.approx(1.26)
 
     # perfect drafts: verifying from the first token, 48 tokens in 10 forwards, predicted 1.89x plain
     cost, forwards, over = _auto_reply(TORCH_CPU_CURVE, lambda k: k, 48, draft_cost=0.3)
