@@ -41,10 +41,11 @@ def _parser() -> argparse.ArgumentParser:
         sp = parser.add_argument_group("speculative decoding")
         if speculative is not None:
             sp.add_argument("--speculative", choices=SPECULATIVE_CHOICES,
-                            help=f"how {speculative} drafts tokens for the model to verify several in one forward: "
-                            "'auto' where the backend's cost curve and the acceptance say it pays (prompt lookup, "
-                            "and the draft model where one is loaded), 'prompt-lookup', 'self' (the model's first "
-                            "layers), 'draft' (--draft-model) or 'off' (default: auto with --draft-model, else off)")
+                            help=f"speculative decoding for {speculative}, drafted tokens verified several in one "
+                            "forward: 'auto' where the backend's cost curve and the acceptance say it pays (prompt "
+                            "lookup, and the draft model where one is loaded), 'prompt-lookup', 'self' (the model's "
+                            "first layers), 'draft' (--draft-model) or 'off' (default: auto with --draft-model, "
+                            "else off)")
         sp.add_argument("--draft-model", metavar="MODEL",
                         help="a small model with the model's tokenizer that drafts tokens for it to verify (GGUF file, "
                         "model folder or HF repo id), e.g. SmolLM2-135M beside SmolLM2-1.7B")
@@ -78,8 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     template_arg(g)
     kv_args(g)
     draft_args(g, "the reply")
-    g.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
-                   help="most draft tokens per verification, 1-16 (default 4; adapted per step)")
+    g.add_argument("--num-draft-tokens", type=int, default=SamplingParams.num_draft_tokens, metavar="K",
+                   help=f"most draft tokens per verification, 1-16 (default {SamplingParams.num_draft_tokens}; "
+                   "adapted per step)")
 
     c = sub.add_parser("chat", help="open the chat app (the default when run with no arguments in a terminal)")
     c.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")

@@ -17,7 +17,8 @@ import time
 from typing import Any
 
 import uvicorn
-from mlx_engine.api import NO_DRAFT_MODEL, GenerationEvent, GenerationRequest, ModelInfo, RequestError, Stats, TokenLogprob, Usage
+from mlx_engine.api import (NO_DRAFT_MODEL, GenerationEvent, GenerationRequest, ModelInfo, RequestError, Stats,
+                            TokenLogprob, Usage)
 
 VOCAB = 1000
 CONTEXT = 64

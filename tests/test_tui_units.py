@@ -273,7 +273,8 @@ def test_engine_backend_loads_every_model_with_the_cli_load_options(tmp_path) ->
     for command in (["serve"], ["generate", "-p", "hi"]):  # the server and one-shot replies take the same options
         assert _load_options(_parser().parse_args([*command, "--kv-bits", "4", "--block-size", "32"])) == \
             {"kv_bits": 4, "block_size": 32}
-    engine = EngineBackend(**_load_options(args)).load(str(random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)))
+    folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
+    engine = EngineBackend(**_load_options(args)).load(str(folder))
     with engine:
         stats = engine.kv_stats()
         assert (stats["kv_bits"], stats["block_size"]) == (8, 32)
