@@ -176,14 +176,14 @@ def draft_step_cost(engine: Engine, temperature: float, k: int = 8) -> float:
 
 def predicted(r: dict, curve: CostCurve, costs: dict[str, float], draft_curve: CostCurve | None) -> float:
     """Decode tokens over the predicted cost of the forwards made, in plain decode steps: each target forward's
-    width through the curve; a draft model's drafted tokens at its step cost (`costs`, forward and sampling), and
-    its catch-ups through its own curve (a catch-up riding the first draft's forward: the rows beyond one); a
-    self draft's drafted tokens at its cost per token (prompt lookup's cost nothing)."""
+    width through the curve; a draft model's forwards (catch-ups, the first draft's forward with the rows it
+    caught up and guessed, one row a draft after) through its own curve, and each draft's sampling (its step cost
+    in `costs`, forward and sampling, less the forward of one row); a self draft's drafted tokens at its cost per
+    token (prompt lookup's cost nothing)."""
     if r["draft_proposals"] is not None:
         drafting = 0.0
-        for chunks, tail, k in r["draft_proposals"]:
-            drafting += sum(draft_curve.cost(w) for w in chunks) + draft_curve.cost(tail) - draft_curve.cost(1)
-            drafting += k * costs["draft"]
+        for widths, k in r["draft_proposals"]:
+            drafting += sum(draft_curve.cost(w) for w in widths) + k * (costs["draft"] - draft_curve.cost(1))
     else:
         drafting = sum(w - 1 for w in r["widths"]) * costs[r["proposer"]]
     cost = sum(curve.cost(w) for w in r["widths"]) + drafting

@@ -189,9 +189,8 @@ class DraftModel:
         self.draft_cost = draft_cost
         self.layers: list[Any] | None = None
         self.tokens: list[int] = []
-        # per proposal: (rows of each forward that only caught up, rows of the forward that gave the first draft,
-        # drafts); the prefill apart
-        self.proposals: list[tuple[list[int], int, int]] = []
+        # per proposal: (rows of each forward it made, drafts drawn); the prefill apart
+        self.proposals: list[tuple[list[int], int]] = []
         # the last proposal: (seconds, drafted tokens, whether its catch-up was the usual one: at most
         # CATCH_UP_IN_ONE tokens, inside the first draft's forward)
         self.last_spent: tuple[float, int, bool] | None = None
@@ -210,17 +209,26 @@ class DraftModel:
         self._feed(prompt[len(self.tokens):])
 
     def propose(self, inp: DraftInput) -> tuple[list[int] | mx.array, mx.array | None]:
+        """k drafts, each drawn from the draft model's distribution after the ones before it. Where the text
+        recurs, prompt lookup's copy guesses what the draft will write: the first forward also reads the guess,
+        so each draft that equals its guessed token has the next row's logits already (one forward of 1 + m rows
+        instead of m + 1 forwards of one). Each draft is still drawn from the draft model's distribution after the
+        drafts before it (up to the rounding of a wider forward): a guess only saves forwards. From the first
+        draft that differs from it, the rows after are dropped and drafting goes on token by token."""
         r = self.runner
         start = time.perf_counter()
         # catch up: the tokens since the last proposal (its last draft when all passed, plain steps' tokens)
         feed = inp.tokens[len(self.tokens):]
         tail = len(feed) if len(feed) <= CATCH_UP_IN_ONE else 1  # a short catch-up rides the first draft's forward
         chunk = self.runner.prefill_chunk_size
-        self.proposals.append(([min(chunk, len(feed) - tail - a) for a in range(0, len(feed) - tail, chunk)], tail,
-                               inp.k))
+        widths = [min(chunk, len(feed) - tail - a) for a in range(0, len(feed) - tail, chunk)]
         self._feed(feed[:-tail])
-        logits = r.last_logits(mx.array([feed[-tail:]], dtype=mx.int32), self.layers)  # (1, V)
-        self.tokens = list(inp.tokens)
+        guess = (prompt_lookup(inp.tokens, inp.k - 1) if inp.k > 1 and suffix_recurs(inp.tokens, PromptLookup.AUTO_MIN_NGRAM)
+                 else [])
+        rows = r.all_logits(mx.array([feed[-tail:] + guess], dtype=mx.int32), self.layers)  # (tail + m, V)
+        widths.append(tail + len(guess))
+        self.tokens = list(inp.tokens) + guess  # what its KV holds now
+        logits, guessed = rows[tail - 1: tail], 0  # guessed: drafts so far that equal the guess
         drafts, qs = [], []
         for i in range(inp.k):
             _mask_next(inp, drafts)
@@ -228,12 +236,22 @@ class DraftModel:
             x = _draw(inp.sampler, q)  # (1,)
             drafts.append(x)
             qs.append(q)
-            if i < inp.k - 1:
-                logits = r.last_logits(x.reshape(1, 1), self.layers)
+            if i == inp.k - 1:
+                break
+            if guessed == i < len(guess) and int(x.item()) == guess[i]:  # its row after this draft was computed
+                guessed += 1
+                logits = rows[tail + i: tail + i + 1]
+                continue
+            if guessed == i:  # the first draft off the guess: drop the rows the guess wrote after it
+                self.rollback(len(inp.tokens) + i)
+            logits = r.last_logits(x.reshape(1, 1), self.layers)
+            widths.append(1)
         draft = mx.concatenate(drafts)  # (k,), lazy
         mx.eval(draft, qs)
-        self.tokens += draft.tolist()[:-1]  # x_k is not fed
-        self.last_spent = (time.perf_counter() - start, inp.k, tail == len(feed))
+        self.tokens = list(inp.tokens) + draft.tolist()[:-1]  # x_k is not fed
+        self.proposals.append((widths, inp.k))
+        # the usual proposal (`SpecState.settle`): its catch-up rode the first forward, token by token
+        self.last_spent = (time.perf_counter() - start, inp.k, tail == len(feed) and not guess)
         return draft, mx.concatenate(qs)
 
     def rollback(self, num_tokens: int) -> None:

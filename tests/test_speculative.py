@@ -615,6 +615,44 @@ def test_draft_bits_quantizes_the_draft_and_greedy_is_unchanged(models, bits: in
     assert tokens == plain and sum(from_draft) > 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_models_guess_saves_forwards_and_changes_no_draft(models, monkeypatch, temperature: float) -> None:
+    """Where the text recurs, the draft model's first forward also reads prompt lookup's copy as a guess of its
+    own drafts. A right guess makes the k drafts in one forward; one right for two tokens, in one forward and three
+    of one row; a wrong one, as without a guess. The drafts, their distributions, the draft's KV and the sampling
+    keys used are the same every way."""
+    import mlx_engine.speculative as sp
+    from mlx_engine.runner import Runner
+    from mlx_engine.sampling import Sampler
+
+    runner = Runner.load(str(models[1]), paged_kv=False)
+    tokens, k = PROMPT + [5, 6, 7], 6  # the last 3 tokens recur
+    assert sp.suffix_recurs(tokens, sp.PromptLookup.AUTO_MIN_NGRAM)
+
+    def propose(guess: list[int] | None):
+        monkeypatch.setattr(sp, "prompt_lookup", lambda t, n: guess)
+        monkeypatch.setattr(sp, "suffix_recurs", lambda t, n: guess is not None)
+        d = sp.DraftModel(runner)
+        d.prefill(tokens[:-1])
+        sampler = Sampler(SamplingParams(temperature=temperature, seed=3), runner.vocab_size)
+        x, q = d.propose(sp.DraftInput(tokens, k, sampler, lambda a, b: []))
+        x.tolist()
+        d.rollback(len(tokens) + 3)  # as after a verification that took 3: the KV holds what was fed
+        layers = [np.array(c.state[0][..., : c.offset, :]) for c in d.layers]
+        return x.tolist(), np.array(q), d.proposals, d.tokens, layers, int(sampler.next_key()[0].item())
+
+    plain = propose(None)
+    drafts = plain[0]
+    wrong = [(t + 1) % 64 for t in drafts[: k - 1]]
+    for guess, widths in ((drafts[: k - 1], [1 + 5]), (drafts[:2] + wrong[2:], [1 + 5, 1, 1, 1]),
+                          (wrong, [1 + 5, 1, 1, 1, 1, 1]), (None, [1, 1, 1, 1, 1, 1])):
+        got = propose(guess)
+        assert got[0] == drafts and np.allclose(got[1], plain[1], atol=1e-5)
+        assert got[2] == [(widths, k)] and got[3] == plain[3] == tokens + drafts[:3]
+        assert all(np.allclose(a, b, atol=1e-4) for a, b in zip(got[4], plain[4]))
+        assert got[5] == plain[5]  # one key a draft, as before
+
+
 def test_draft_cost_is_timed_beside_a_target_step(models, monkeypatch) -> None:
     """A draft model's cost is its step over a target step timed with it, not over the curve's T(1) timed
     earlier: a slow spell of the machine then slows both."""
