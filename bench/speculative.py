@@ -103,11 +103,13 @@ def _draft_label(engine: Engine) -> str:
 
 
 DRAFT_WIDTHS = (1, 2, 4, 5, 8, 16, 32, 33, 64)  # a draft model's forwards: a draft step, catch-ups, long catch-ups
+FIRST_WIDTHS = (1, 2, 4, 8, 12)  # its first forward of a proposal: the catch-up's last rows and the guess
 
 
-def cost_curve(engine: Engine, k_max: int = 8) -> tuple[CostCurve, float, CostCurve | None]:
-    """The target's verify cost curve T(w)/T(1); the self draft's step; the draft model's forward over w rows
-    (a catch-up over the tokens prompt lookup copied or plain steps took), also over T(1)."""
+def cost_curve(engine: Engine, k_max: int = 8) -> tuple[CostCurve, float, tuple[CostCurve, CostCurve] | None]:
+    """The target's verify cost curve T(w)/T(1); the self draft's step; the draft model's forward over w rows,
+    also over T(1): with the last row's logits (a catch-up over the tokens prompt lookup copied or plain steps took,
+    a draft step), and with every row's (a proposal's first forward, which reads the guess of its drafts)."""
     runner = engine._runner
     t1 = time_forward(runner, 1, context=64, repeats=3, logits_at="last")
     ratios = {1: 1.0}
@@ -116,12 +118,18 @@ def cost_curve(engine: Engine, k_max: int = 8) -> tuple[CostCurve, float, CostCu
     self_cost = time_forward(runner, 1, context=64, repeats=3, first_layers=runner.self_draft_layers) / t1
     draft = None
     if runner.draft is not None:
-        draft = CostCurve({w: time_forward(runner.draft, w, context=64, repeats=3, logits_at="last") / t1
-                           for w in DRAFT_WIDTHS})
+        draft = (CostCurve({w: time_forward(runner.draft, w, context=64, repeats=3, logits_at="last") / t1
+                            for w in DRAFT_WIDTHS}),
+                 CostCurve({w: time_forward(runner.draft, w, context=64, repeats=3) / t1 for w in FIRST_WIDTHS}))
     return CostCurve(ratios, t1), self_cost, draft
 
 
 def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int, seed: int = 0) -> dict:
+    """One request in `mode`: "plain" or a speculative mode; "draft:noguess" and "auto:noguess" run the draft
+    model without guessing its drafts from prompt lookup's copy (`DraftModel.guesses`), for a side-by-side."""
+    from mlx_engine.speculative import DraftModel
+
+    mode, _, variant = mode.partition(":")
     sched = engine._scheduler
     finished = []
     retire = sched._retire
@@ -131,6 +139,7 @@ def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int,
         return retire(seq, reason, error)
 
     sched._retire = spy
+    DraftModel.guesses = variant != "noguess"
     try:
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=tokens, ignore_eos=True,
                                 speculative=None if mode == "plain" else mode, num_draft_tokens=8)
@@ -140,6 +149,7 @@ def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int,
         wall = time.perf_counter() - t
     finally:
         sched._retire = retire
+        DraftModel.guesses = True
     final = events[-1]
     seq = finished[0]
     history = seq.spec.history if seq.spec is not None else []
@@ -174,16 +184,19 @@ def draft_step_cost(engine: Engine, temperature: float, k: int = 8) -> float:
     return best / k / engine._scheduler.cost_curve.t1_s
 
 
-def predicted(r: dict, curve: CostCurve, costs: dict[str, float], draft_curve: CostCurve | None) -> float:
+def predicted(r: dict, curve: CostCurve, costs: dict[str, float],
+              draft_curves: tuple[CostCurve, CostCurve] | None) -> float:
     """Decode tokens over the predicted cost of the forwards made, in plain decode steps: each target forward's
-    width through the curve; a draft model's forwards (catch-ups, the first draft's forward with the rows it
-    caught up and guessed, one row a draft after) through its own curve, and each draft's sampling (its step cost
-    in `costs`, forward and sampling, less the forward of one row); a self draft's drafted tokens at its cost per
-    token (prompt lookup's cost nothing)."""
+    width through the curve; a draft model's forwards through its own curves (catch-ups; the first draft's
+    forward, over the rows it caught up and guessed, logits at each; one row a draft after) and each draft's
+    sampling (its step cost in `costs`, forward and sampling, less the forward of one row); a self draft's
+    drafted tokens at its cost per token (prompt lookup's cost nothing)."""
     if r["draft_proposals"] is not None:
+        last, every = draft_curves
         drafting = 0.0
-        for widths, k in r["draft_proposals"]:
-            drafting += sum(draft_curve.cost(w) for w in widths) + k * (costs["draft"] - draft_curve.cost(1))
+        for catch_ups, first, singles, k in r["draft_proposals"]:
+            drafting += sum(last.cost(w) for w in catch_ups) + every.cost(first) + singles * last.cost(1)
+            drafting += k * (costs["draft"] - last.cost(1))
     else:
         drafting = sum(w - 1 for w in r["widths"]) * costs[r["proposer"]]
     cost = sum(curve.cost(w) for w in r["widths"]) + drafting
@@ -227,7 +240,7 @@ def main() -> None:
         versions = f"torch {torch.__version__} on {engine.info.device}"
     print(f"# {engine.info.name}, backend {args.backend}, {platform.platform()}, nproc "
           f"{subprocess.getoutput('nproc')}, {versions}, {datetime.date.today()}")
-    curve, self_cost, draft_curve = engine._thread.call(lambda: cost_curve(engine))
+    curve, self_cost, draft_curves = engine._thread.call(lambda: cost_curve(engine))
     engine._scheduler.cost_curve = curve
     print(f"\nT(1) = {curve.t1_s * 1000:.1f} ms (one decode step, 64 tokens cached)\n")
     print("| k | k+1 | T(k+1)/T(1) | best case k+1 tokens / cost |")
@@ -236,15 +249,17 @@ def main() -> None:
         c = curve.cost(k + 1)
         print(f"| {k} | {k + 1} | {c:.2f} | {(k + 1) / c:.2f} |")
     step_costs = {t: float("nan") for t in args.temperatures}  # the draft model's, by temperature
-    if draft_curve is not None:
+    if draft_curves is not None:
         step_costs = {t: engine._thread.call(lambda t=t: draft_step_cost(engine, t)) for t in args.temperatures}
     steps = ", ".join(f"{step_costs[t]:.2f} at temperature {t:g}" for t in args.temperatures)
     print(f"\nDrafting cost per token, in T(1): self ({engine._runner.self_draft_layers} of "
           f"{len(engine._runner.model.layers)} layers + head) {self_cost:.2f}, draft ({_draft_label(engine)}) "
           f"{steps} (forward and sampling), prompt lookup 0")
-    if draft_curve is not None:
+    if draft_curves is not None:
         print("The draft model's forward over w rows (a catch-up), in T(1): " + ", ".join(
-            f"{w}: {draft_curve.cost(w):.2f}" for w in DRAFT_WIDTHS))
+            f"{w}: {draft_curves[0].cost(w):.2f}" for w in DRAFT_WIDTHS))
+        print("... with logits at every row (a proposal's first forward, the guess of its drafts), in T(1): "
+              + ", ".join(f"{w}: {draft_curves[1].cost(w):.2f}" for w in FIRST_WIDTHS))
     print()
 
     print("| prompt | temp | mode | tokens/forward | acceptance | mean accepted | decode tok/s | "
@@ -268,14 +283,14 @@ def main() -> None:
                 measured = f"{statistics.median(ratios):.2f}x"
                 if args.vary_seed:
                     measured += f" (mean {statistics.fmean(ratios):.2f}x)"
-                pred = statistics.fmean(predicted(r, curve, costs, draft_curve) for r in rs)
+                pred = statistics.fmean(predicted(r, curve, costs, draft_curves) for r in rs)
                 drafted = sum(d for r in rs for d, _ in r["history"])
                 accepted = sum(a for r in rs for _, a in r["history"])
                 verifies = sum(len(r["history"]) for r in rs)
                 acc = f"{accepted / drafted:.2f}" if drafted else "-"
                 mean = f"{accepted / verifies:.2f}" if verifies else "-"
                 used = {p for r in rs for p in r["proposer"].split("+")} - {"plain"}
-                label = f"auto ({'+'.join(sorted(used, reverse=True))})" if mode == "auto" and used else mode
+                label = f"{mode} ({'+'.join(sorted(used, reverse=True))})" if mode.startswith("auto") and used else mode
                 print(f"| {kind} | {temp:g} | {label} | {tpf:.2f} | {acc} | {mean} | {tps:.2f} | "
                       f"{measured} | {pred:.2f}x |", flush=True)
     engine.close()

@@ -183,14 +183,17 @@ class DraftModel:
     holds `tokens`, kept a prefix of the sequence's accepted tokens."""
 
     name = "draft"
+    guesses = True  # where the text recurs, guess its drafts from prompt lookup's copy (`propose`)
 
     def __init__(self, runner: Any, draft_cost: float = 0.0):
         self.runner = runner
         self.draft_cost = draft_cost
         self.layers: list[Any] | None = None
         self.tokens: list[int] = []
-        # per proposal: (rows of each forward it made, drafts drawn); the prefill apart
-        self.proposals: list[tuple[list[int], int]] = []
+        # per proposal: (rows of each forward that only caught up, rows of the forward that gave the first draft
+        # (the rest of the catch-up and the guess: logits at each), forwards of one row after it, drafts drawn);
+        # the prefill apart
+        self.proposals: list[tuple[list[int], int, int, int]] = []
         # the last proposal: (seconds, drafted tokens, whether its catch-up was the usual one: at most
         # CATCH_UP_IN_ONE tokens, inside the first draft's forward)
         self.last_spent: tuple[float, int, bool] | None = None
@@ -221,14 +224,13 @@ class DraftModel:
         feed = inp.tokens[len(self.tokens):]
         tail = len(feed) if len(feed) <= CATCH_UP_IN_ONE else 1  # a short catch-up rides the first draft's forward
         chunk = self.runner.prefill_chunk_size
-        widths = [min(chunk, len(feed) - tail - a) for a in range(0, len(feed) - tail, chunk)]
+        catch_ups = [min(chunk, len(feed) - tail - a) for a in range(0, len(feed) - tail, chunk)]
         self._feed(feed[:-tail])
-        guess = (prompt_lookup(inp.tokens, inp.k - 1) if inp.k > 1 and suffix_recurs(inp.tokens, PromptLookup.AUTO_MIN_NGRAM)
-                 else [])
+        guess = (prompt_lookup(inp.tokens, inp.k - 1) if self.guesses and inp.k > 1
+                 and suffix_recurs(inp.tokens, PromptLookup.AUTO_MIN_NGRAM) else [])
         rows = r.all_logits(mx.array([feed[-tail:] + guess], dtype=mx.int32), self.layers)  # (tail + m, V)
-        widths.append(tail + len(guess))
         self.tokens = list(inp.tokens) + guess  # what its KV holds now
-        logits, guessed = rows[tail - 1: tail], 0  # guessed: drafts so far that equal the guess
+        logits, guessed, singles = rows[tail - 1: tail], 0, 0  # guessed: drafts so far that equal the guess
         drafts, qs = [], []
         for i in range(inp.k):
             _mask_next(inp, drafts)
@@ -245,11 +247,11 @@ class DraftModel:
             if guessed == i:  # the first draft off the guess: drop the rows the guess wrote after it
                 self.rollback(len(inp.tokens) + i)
             logits = r.last_logits(x.reshape(1, 1), self.layers)
-            widths.append(1)
+            singles += 1
         draft = mx.concatenate(drafts)  # (k,), lazy
         mx.eval(draft, qs)
         self.tokens = list(inp.tokens) + draft.tolist()[:-1]  # x_k is not fed
-        self.proposals.append((widths, inp.k))
+        self.proposals.append((catch_ups, tail + len(guess), singles, inp.k))
         # the usual proposal (`SpecState.settle`): its catch-up rode the first forward, token by token
         self.last_spent = (time.perf_counter() - start, inp.k, tail == len(feed) and not guess)
         return draft, mx.concatenate(qs)
