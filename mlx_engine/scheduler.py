@@ -178,7 +178,7 @@ class Scheduler:
         proposers, priors = [], []
         for kind in kinds:
             if kind == "draft":
-                proposer: Any = sp.DraftModel(runner.draft, *(self._draft_costs() if curve else (0.0, None)))
+                proposer: Any = sp.DraftModel(runner.draft, self._draft_cost() if curve else 0.0)
             elif kind == "self":
                 proposer = sp.SelfDraft(runner, runner.self_draft_layers)
             else:
@@ -203,22 +203,19 @@ class Scheduler:
             self.cost_curve = cached_cost_curve(self.runner)  # measured once per model and machine
         return self.cost_curve
 
-    def _draft_costs(self) -> tuple[float, float]:
-        """A draft model's cost per drafted token in target decode steps: T_draft(1) / T(1), timed beside a target
-        step; and where it guesses its drafts (the text recurs), its forward over GUESS_ROWS rows (logits at each)
-        per row. Divided by the curve's T(1), timed minutes or runs before, a slow spell of the machine made the
-        draft look dearer: on the build VM one such reading (0.47 T(1), against 0.30-0.33) kept "auto" from
-        drafting for the rest of a run, since only the proposals it makes correct the figure."""
-        from mlx_engine.speculative import GUESS_ROWS, time_forward
-
+    def _draft_cost(self) -> float:
+        """T_draft(1) / T(1): a draft model's step in target decode steps, timed beside a target step. Divided by
+        the curve's T(1), timed minutes or runs before, a slow spell of the machine made the draft look dearer: on
+        the build VM one such reading (0.47 T(1), against 0.30-0.33) kept "auto" from drafting for the rest of a
+        run, since only the proposals it makes correct the figure."""
         curve = self._cost_curve()
         if "draft" not in curve.draft_costs:
+            from mlx_engine.speculative import time_forward
+
             t = time_forward(self.runner.draft, 1, logits_at="last")
-            guess = time_forward(self.runner.draft, GUESS_ROWS) / GUESS_ROWS
             t1 = time_forward(self.runner, 1, logits_at="last")
             curve.draft_costs["draft"] = t / t1 if t1 > 0 else 0.0
-            curve.draft_costs["draft-guess"] = guess / t1 if t1 > 0 else 0.0
-        return curve.draft_costs["draft"], curve.draft_costs.get("draft-guess", curve.draft_costs["draft"])
+        return curve.draft_costs["draft"]
 
     def _spec_k(self, seq: Sequence) -> int | None:
         """Draft tokens for a speculative sequence this step (0: verify none, a plain step of its own), or

@@ -62,9 +62,6 @@ AUTO_LOSS_SHARE = 0.02
 CATCH_UP_IN_ONE = 4
 # weight of each timed proposal in a draft model's running cost per drafted token ("auto", `SpecState.settle`)
 DRAFT_COST_EMA = 0.3
-# rows of the forward whose time, per row, is a draft model's first estimate of its cost per drafted token where
-# it guesses its drafts from prompt lookup's copy (`DraftModel.guess_cost`)
-GUESS_ROWS = 8
 # "auto": a draft model's acceptance before any is measured where prompt lookup also has a candidate
 # (`SpecState.prior_of`)
 COPY_CONTEXT_PRIOR = 1.0
@@ -188,21 +185,18 @@ class DraftModel:
     name = "draft"
     guesses = True  # where the text recurs, guess its drafts from prompt lookup's copy (`propose`)
 
-    def __init__(self, runner: Any, draft_cost: float = 0.0, guess_cost: float | None = None):
+    def __init__(self, runner: Any, draft_cost: float = 0.0):
         self.runner = runner
         self.draft_cost = draft_cost
-        # the same where the text recurs and it guesses its drafts: "auto" compares its drafts there with prompt
-        # lookup's free copies at this cost (None: at draft_cost)
-        self.guess_cost = guess_cost
         self.layers: list[Any] | None = None
         self.tokens: list[int] = []
         # per proposal: (rows of each forward that only caught up, rows of the forward that gave the first draft
         # (the rest of the catch-up and the guess: logits at each), forwards of one row after it, drafts drawn);
         # the prefill apart
         self.proposals: list[tuple[list[int], int, int, int]] = []
-        # the last proposal: (seconds, drafted tokens, its kind: "usual" (a catch-up of at most CATCH_UP_IN_ONE
-        # tokens, inside the first draft's forward), "guess" (the same, with a guess) or "long" (a longer catch-up))
-        self.last_spent: tuple[float, int, str] | None = None
+        # the last proposal: (seconds, drafted tokens, whether its catch-up was the usual one: at most
+        # CATCH_UP_IN_ONE tokens, inside the first draft's forward)
+        self.last_spent: tuple[float, int, bool] | None = None
 
     def _feed(self, ids: list[int]) -> None:
         r = self.runner
@@ -258,8 +252,8 @@ class DraftModel:
         mx.eval(draft, qs)
         self.tokens = list(inp.tokens) + draft.tolist()[:-1]  # x_k is not fed
         self.proposals.append((catch_ups, tail + len(guess), singles, inp.k))
-        kind = "long" if tail < len(feed) else "guess" if guess else "usual"
-        self.last_spent = (time.perf_counter() - start, inp.k, kind)
+        # the usual proposal (`SpecState.settle`): its catch-up rode the first forward, token by token
+        self.last_spent = (time.perf_counter() - start, inp.k, tail == len(feed) and not guess)
         return draft, mx.concatenate(qs)
 
     def rollback(self, num_tokens: int) -> None:
@@ -604,20 +598,12 @@ class SpecState:
         self.recurs = any(hasattr(self.proposers[i], "worth_trying") for i in candidates)
         for i in candidates:
             p = self.proposers[i]
-            k, gain = curve.best(self.alpha_of(i), k_max, self.cost_of(p), max_loss=budget)
+            k, gain = curve.best(self.alpha_of(i), k_max, p.draft_cost, max_loss=budget)
             if k and gain > best_gain:
                 best, best_gain, self.proposer = k, gain, p
         if not best:
             self.age(candidates)
         return best
-
-    def cost_of(self, p: Any) -> float:
-        """p's drafting cost per token this step, in T(1): where the text recurs a draft model guesses its drafts
-        from prompt lookup's copy (`DraftModel.propose`), and its cost there is another. Priced token by token
-        there too, "auto" kept copying recurring code (copies passing at 0.45) while the named draft, guessing,
-        measured 1.86x against its 1.50x."""
-        guess = getattr(p, "guess_cost", None)
-        return guess if guess is not None and self.recurs and p.guesses else p.draft_cost
 
     def settle(self, curve: CostCurve, drafted: int, tokens: int) -> None:
         """After an "auto" verification of `drafted` drafts that gave `tokens` tokens: what it saved or lost.
@@ -627,18 +613,15 @@ class SpecState:
         (the tokens of plain steps taken since, or copied by prompt lookup) is charged but kept out of that cost:
         counted in, one such proposal on the torch CPU backend raised it from 0.35 to 0.55 T(1), after which
         "auto" stopped drafting, so its catch-ups grew longer still."""
-        p = self.proposer
-        spent = getattr(p, "last_spent", None)
-        drafting = drafted * self.cost_of(p)
+        spent = getattr(self.proposer, "last_spent", None)
+        drafting = drafted * self.proposer.draft_cost
         if spent is not None and spent[1] == drafted and curve.t1_s > 0:
             drafting = spent[0] / curve.t1_s
-            if spent[2] != "long":  # the cost it follows: token by token, or guessing
-                attr, key = ("guess_cost", f"{p.name}-guess") if spent[2] == "guess" else ("draft_cost", p.name)
-                c = getattr(p, attr)
-                c = p.draft_cost if c is None else c
-                setattr(p, attr, c + DRAFT_COST_EMA * (drafting / drafted - c))
-                curve.draft_costs[key] = getattr(p, attr)  # for the next requests too
-            p.last_spent = None
+            if spent[2]:
+                c = self.proposer.draft_cost
+                self.proposer.draft_cost = c + DRAFT_COST_EMA * (drafting / drafted - c)
+                curve.draft_costs[self.proposer.name] = self.proposer.draft_cost  # for the next requests too
+            self.proposer.last_spent = None
         self.balance += tokens - (curve.cost(drafted + 1) + drafting)
 
     def age(self, which: list[int] | None = None) -> None:

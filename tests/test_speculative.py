@@ -538,13 +538,6 @@ def test_auto_drafts_by_prompt_lookup_where_the_text_recurs_and_by_the_draft_mod
     assert st.proposer is model and k == TORCH_CPU_CURVE.best_k(1.0, 8, 0.3, max_loss=st.allowance)
     st.record(k, k)
     assert st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting) > 0 and st.proposer is model
-    # a draft model that guesses its drafts from the copy drafts cheaply where the text recurs (`guess_cost`):
-    # priced so, it beats free copies there at the same priors; priced token by token, it does not
-    for guess_cost, chosen in ((None, "prompt-lookup"), (0.05, "draft")):
-        model = SimpleNamespace(name="draft", draft_cost=0.3, guess_cost=guess_cost, guesses=True)
-        st = SpecState("auto", model, 8, proposers=[lookup, model], priors=[0.7, 0.9])
-        st.allowance = probe_allowance(TORCH_CPU_CURVE, 0.7, 8, 0.3)
-        assert st.auto_k(TORCH_CPU_CURVE, 8, 0, quoting) > 0 and st.proposer.name == chosen
 
 
 TORCH_CPU_CURVE = CostCurve({1: 1.0, 2: 1.59, 3: 1.95, 4: 1.36, 5: 1.58, 9: 1.74})  # measured, with its dip
@@ -586,8 +579,7 @@ def test_auto_charges_a_draft_model_what_its_proposals_took() -> None:
     from mlx_engine.speculative import DRAFT_COST_EMA, SpecState
 
     curve = CostCurve({1: 1.0, 2: 1.5, 9: 1.9}, t1_s=0.05)
-    draft = SimpleNamespace(name="draft", draft_cost=0.3, guess_cost=None, guesses=True,
-                            last_spent=(0.1, 4, "usual"))  # 4 drafts in 2 T(1)
+    draft = SimpleNamespace(name="draft", draft_cost=0.3, last_spent=(0.1, 4, True))  # 4 drafts in 2 T(1)
     st = SpecState("auto", draft, 8)
     st.settle(curve, 4, 3)  # 2 of 4 accepted, then the sampled token
     assert st.balance == pytest.approx(3 - (curve.cost(5) + 2.0))
@@ -596,21 +588,11 @@ def test_auto_charges_a_draft_model_what_its_proposals_took() -> None:
     balance, cost = st.balance, draft.draft_cost
     st.settle(curve, 2, 3)  # no timing kept: charged at the running cost
     assert st.balance == pytest.approx(balance + 3 - (curve.cost(3) + 2 * cost))
-    draft.last_spent = (0.25, 2, "long")  # a long catch-up first (plain steps' tokens): 5 T(1), charged ...
+    draft.last_spent = (0.25, 2, False)  # a long catch-up first (plain steps' tokens): 5 T(1), charged ...
     balance = st.balance
     st.settle(curve, 2, 1)
     assert st.balance == pytest.approx(balance + 1 - (curve.cost(3) + 5.0))
     assert draft.draft_cost == cost  # ... but not taken for the cost of drafting
-    # where the text recurs it guessed its drafts: 4 in 0.5 T(1). That cost is followed apart (from the token by
-    # token one), and "auto" prices its drafts there with it
-    st.recurs = True
-    assert st.cost_of(draft) == cost  # none measured yet
-    draft.last_spent = (0.025, 4, "guess")
-    st.settle(curve, 4, 5)
-    assert draft.guess_cost == pytest.approx(cost + DRAFT_COST_EMA * (0.125 - cost)) and draft.draft_cost == cost
-    assert curve.draft_costs["draft-guess"] == draft.guess_cost == st.cost_of(draft)
-    st.recurs = False
-    assert st.cost_of(draft) == cost
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -682,9 +664,8 @@ def test_draft_cost_is_timed_beside_a_target_step(models, monkeypatch) -> None:
         sched.cost_curve = CostCurve({1: 1.0, 2: 1.02, 9: 1.1}, t1_s=0.05)  # timed in a faster spell
         slow = {id(e._runner): 0.08, id(e._runner.draft): 0.02}
         monkeypatch.setattr(sp, "time_forward", lambda runner, width, **kw: slow[id(runner)])
-        assert e._thread.call(sched._draft_costs) == (pytest.approx(0.25), pytest.approx(0.02 / sp.GUESS_ROWS / 0.08))
-        assert sched.cost_curve.draft_costs == {"draft": pytest.approx(0.25),  # not 0.02 / 0.05
-                                                "draft-guess": pytest.approx(0.02 / sp.GUESS_ROWS / 0.08)}
+        assert e._thread.call(sched._draft_cost) == pytest.approx(0.25)  # not 0.02 / 0.05
+        assert sched.cost_curve.draft_costs == {"draft": pytest.approx(0.25)}
 
 
 def test_auto_verifications_fund_wider_ones_in_the_scheduler(models, monkeypatch) -> None:
