@@ -125,8 +125,8 @@ def cost_curve(engine: Engine, k_max: int = 8) -> tuple[CostCurve, float, tuple[
 
 
 def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int, seed: int = 0) -> dict:
-    """One request in `mode`: "plain" or a speculative mode; "draft:noguess" and "auto:noguess" run the draft
-    model without guessing its drafts from prompt lookup's copy (`DraftModel.guesses`), for a side-by-side."""
+    """One request in `mode`: "plain" or a speculative mode; "draft:noguess" runs the draft model without guessing
+    its drafts from prompt lookup's copy (`DraftModel.guesses`), for a side-by-side ("auto" never guesses)."""
     from mlx_engine.speculative import DraftModel
 
     mode, _, variant = mode.partition(":")

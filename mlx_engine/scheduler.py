@@ -179,6 +179,8 @@ class Scheduler:
         for kind in kinds:
             if kind == "draft":
                 proposer: Any = sp.DraftModel(runner.draft, self._draft_cost() if curve else 0.0)
+                if mode == "auto":
+                    proposer.guesses = False  # see DraftModel.guesses
             elif kind == "self":
                 proposer = sp.SelfDraft(runner, runner.self_draft_layers)
             else:

@@ -381,7 +381,9 @@ def test_auto_falls_back_to_prompt_lookup_when_the_draft_model_cannot_pay(models
         sched = e._scheduler
         sched.cost_curve = CostCurve({1: 1.0, 2: 1.02, 9: 1.1}, t1_s=1e9)  # bandwidth-bound: nearly flat
         sched.cost_curve.draft_costs["draft"] = 0.05  # a cheap draft: auto uses it
-        assert isinstance(sched._spec_state(SamplingParams(speculative="auto")).proposer, DraftModel)
+        auto = sched._spec_state(SamplingParams(speculative="auto")).proposer
+        named = sched._spec_state(SamplingParams(speculative="draft")).proposer
+        assert isinstance(auto, DraftModel) and not auto.guesses and named.guesses  # DraftModel.guesses
         sched.cost_curve.draft_costs["draft"] = 1.0  # as costly as the target: 9 tokens cost >= 9.1 steps
         assert isinstance(sched._spec_state(SamplingParams(speculative="auto")).proposer, PromptLookup)
         assert isinstance(sched._spec_state(SamplingParams(speculative="draft")).proposer, DraftModel)  # named
