@@ -188,14 +188,16 @@ def predicted(r: dict, curve: CostCurve, costs: dict[str, float],
               draft_curves: tuple[CostCurve, CostCurve] | None) -> float:
     """Decode tokens over the predicted cost of the forwards made, in plain decode steps: each target forward's
     width through the curve; a draft model's forwards through its own curves (catch-ups; the first draft's
-    forward, over the rows it caught up and guessed, logits at each; one row a draft after) and each draft's
+    forward, over the rows it caught up and guessed, with logits at each where it guessed; one row a draft after)
+    and each draft's
     sampling (its step cost in `costs`, forward and sampling, less the forward of one row); a self draft's
     drafted tokens at its cost per token (prompt lookup's cost nothing)."""
     if r["draft_proposals"] is not None:
         last, every = draft_curves
         drafting = 0.0
-        for catch_ups, first, singles, k in r["draft_proposals"]:
-            drafting += sum(last.cost(w) for w in catch_ups) + every.cost(first) + singles * last.cost(1)
+        for catch_ups, tail, guess, singles, k in r["draft_proposals"]:
+            first = every.cost(tail + guess) if guess else last.cost(tail)
+            drafting += sum(last.cost(w) for w in catch_ups) + first + singles * last.cost(1)
             drafting += k * (costs["draft"] - last.cost(1))
     else:
         drafting = sum(w - 1 for w in r["widths"]) * costs[r["proposer"]]

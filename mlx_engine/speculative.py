@@ -195,10 +195,10 @@ class DraftModel:
         self.draft_cost = draft_cost
         self.layers: list[Any] | None = None
         self.tokens: list[int] = []
-        # per proposal: (rows of each forward that only caught up, rows of the forward that gave the first draft
-        # (the rest of the catch-up and the guess: logits at each), forwards of one row after it, drafts drawn);
-        # the prefill apart
-        self.proposals: list[tuple[list[int], int, int, int]] = []
+        # per proposal: (rows of each forward that only caught up, rows of the catch-up in the forward that gave the
+        # first draft, rows of the guess in it (logits at every row where there is one), forwards of one row after
+        # it, drafts drawn); the prefill apart
+        self.proposals: list[tuple[list[int], int, int, int, int]] = []
         # the last proposal: (seconds, drafted tokens, whether its catch-up was the usual one: at most
         # CATCH_UP_IN_ONE tokens, inside the first draft's forward)
         self.last_spent: tuple[float, int, bool] | None = None
@@ -233,9 +233,11 @@ class DraftModel:
         self._feed(feed[:-tail])
         guess = (prompt_lookup(inp.tokens, inp.k - 1) if self.guesses and inp.k > 1
                  and suffix_recurs(inp.tokens, PromptLookup.AUTO_MIN_NGRAM) else [])
-        rows = r.all_logits(mx.array([feed[-tail:] + guess], dtype=mx.int32), self.layers)  # (tail + m, V)
+        ids = mx.array([feed[-tail:] + guess], dtype=mx.int32)
+        # row j: the logits after the known tokens and guess[:j]
+        rows = r.all_logits(ids, self.layers)[tail - 1:] if guess else r.last_logits(ids, self.layers)
         self.tokens = list(inp.tokens) + guess  # what its KV holds now
-        logits, guessed, singles = rows[tail - 1: tail], 0, 0  # guessed: drafts so far that equal the guess
+        logits, guessed, singles = rows[:1], 0, 0  # guessed: drafts so far that equal the guess
         drafts, qs = [], []
         for i in range(inp.k):
             _mask_next(inp, drafts)
@@ -247,7 +249,7 @@ class DraftModel:
                 break
             if guessed == i < len(guess) and int(x.item()) == guess[i]:  # its row after this draft was computed
                 guessed += 1
-                logits = rows[tail + i: tail + i + 1]
+                logits = rows[i + 1: i + 2]
                 continue
             if guessed == i:  # the first draft off the guess: drop the rows the guess wrote after it
                 self.rollback(len(inp.tokens) + i)
@@ -256,7 +258,7 @@ class DraftModel:
         draft = mx.concatenate(drafts)  # (k,), lazy
         mx.eval(draft, qs)
         self.tokens = list(inp.tokens) + draft.tolist()[:-1]  # x_k is not fed
-        self.proposals.append((catch_ups, tail + len(guess), singles, inp.k))
+        self.proposals.append((catch_ups, tail, len(guess), singles, inp.k))
         # the usual proposal (`SpecState.settle`): its catch-up rode the first forward, token by token
         self.last_spent = (time.perf_counter() - start, inp.k, tail == len(feed) and not guess)
         return draft, mx.concatenate(qs)

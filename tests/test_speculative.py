@@ -646,11 +646,11 @@ def test_a_draft_models_guess_saves_forwards_and_changes_no_draft(models, monkey
     plain = propose(None)
     drafts = plain[0]
     wrong = [(t + 1) % 64 for t in drafts[: k - 1]]
-    for guess, first, singles in ((drafts[: k - 1], 1 + 5, 0), (drafts[:2] + wrong[2:], 1 + 5, 3),
-                                  (wrong, 1 + 5, 5), (None, 1, 5)):
+    for guess, rows, singles in ((drafts[: k - 1], 5, 0), (drafts[:2] + wrong[2:], 5, 3), (wrong, 5, 5),
+                                 (None, 0, 5)):
         got = propose(guess)
         assert got[0] == drafts and np.allclose(got[1], plain[1], atol=1e-5)
-        assert got[2] == [([], first, singles, k)] and got[3] == plain[3] == tokens + drafts[:3]
+        assert got[2] == [([], 1, rows, singles, k)] and got[3] == plain[3] == tokens + drafts[:3]
         assert all(np.allclose(a, b, atol=1e-4) for a, b in zip(got[4], plain[4]))
         assert got[5] == plain[5]  # one key a draft, as before
 
