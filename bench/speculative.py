@@ -189,9 +189,8 @@ def predicted(r: dict, curve: CostCurve, costs: dict[str, float],
     """Decode tokens over the predicted cost of the forwards made, in plain decode steps: each target forward's
     width through the curve; a draft model's forwards through its own curves (catch-ups; the first draft's
     forward, over the rows it caught up and guessed, with logits at each where it guessed; one row a draft after)
-    and each draft's
-    sampling (its step cost in `costs`, forward and sampling, less the forward of one row); a self draft's
-    drafted tokens at its cost per token (prompt lookup's cost nothing)."""
+    and each draft's sampling (its step cost in `costs`, forward and sampling, less the forward of one row); a
+    self draft's drafted tokens at its cost per token (prompt lookup's cost nothing)."""
     if r["draft_proposals"] is not None:
         last, every = draft_curves
         drafting = 0.0
