@@ -323,7 +323,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"ttft {stats.ttft_s * 1000:.0f} ms | prefill {stats.prefill_tps:.1f} tok/s | "
             f"decode {stats.decode_tps:.1f} tok/s | peak {stats.peak_memory_bytes / 2**20:.0f} MiB"
             + (f" | drafts: {stats.acceptance_rate:.0%} accepted, {stats.mean_accepted_tokens:.1f} a verification, "
-               f"{usage.completion_tokens / max(stats.target_forwards, 1):.2f} tokens a forward"
+               # decode phase, as bench/speculative.py counts it: the prefill's forward gives the first token
+               f"{(usage.completion_tokens - 1) / max(stats.target_forwards - 1, 1):.2f} tokens a decode forward"
                if stats.acceptance_rate is not None else ""),
             file=sys.stderr,
         )

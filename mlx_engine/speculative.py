@@ -199,8 +199,8 @@ class DraftModel:
         # first draft, rows of the guess in it (logits at every row where there is one), forwards of one row after
         # it, drafts drawn); the prefill apart
         self.proposals: list[tuple[list[int], int, int, int, int]] = []
-        # the last proposal: (seconds, drafted tokens, whether its catch-up was the usual one: at most
-        # CATCH_UP_IN_ONE tokens, inside the first draft's forward)
+        # the last proposal: (seconds, drafted tokens, whether it was the usual one: a catch-up of at most
+        # CATCH_UP_IN_ONE tokens inside the first draft's forward, and no guess)
         self.last_spent: tuple[float, int, bool] | None = None
 
     def _feed(self, ids: list[int]) -> None:

@@ -254,6 +254,9 @@ def test_draft_flags_without_a_draft_model_are_one_clear_line(monkeypatch, capsy
             "tokenizer (or use prompt-lookup or self, which need no other model)")
         assert cli.main([*command, "--draft-bits", "4"]) == 2
         assert "--draft-bits 4 needs --draft-model MODEL" in capsys.readouterr().err
+    assert cli.main(["generate", "-p", "hi", "--speculative", "prompt-lookup", "--num-draft-tokens", "17"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "roofline: error: invalid sampling parameter num_draft_tokens=17: expected an integer in [1, 16]")
     seen: dict = {}
     monkeypatch.setattr(server_pkg, "serve", lambda factory, **kw: seen.update(kw) or 0)
     assert cli.main(["serve", "--draft-model", "small.gguf"]) == 0 and seen["speculative"] == "auto"
