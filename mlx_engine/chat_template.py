@@ -7,6 +7,7 @@ and filters transformers gives them (`raise_exception`, `strftime_now`, a JSON `
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -175,3 +176,90 @@ def render_chat_template(
         raise RequestError(f"chat template error: {e.message or e}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
         raise RequestError(f"chat template error: {type(e).__name__}: {e}") from None
+
+
+# Plane 16's private-use characters stand in for a conversation's look-alikes of special tokens while the template
+# renders: single characters, so `trim`, `split` and the like treat them as the text they replace.
+_PRIVATE_USE = range(0x100000, 0x10FFFE)
+
+
+def render_with_literals(
+    source: str,
+    messages: list[dict[str, Any]],
+    literal: re.Pattern[str] | None,
+    *,
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
+    special_tokens: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> tuple[str, list[tuple[int, int]]]:
+    """`render_chat_template`, and the spans of the rendered text where `literal` matched inside the conversation's
+    strings (messages, tools, documents): text from users and tools, which the tokenizer must not read as the special
+    tokens it spells. Each match is replaced by a placeholder character before rendering and put back after, so the
+    spans are exact whatever the template does around it."""
+    found: dict[str, str] = {}  # matched text -> its placeholder
+    data = (messages, tools, documents)
+    if literal is not None and _any_match(literal, data):
+        taken = set(source)
+        _collect_chars(data, taken)
+        free = (chr(c) for c in _PRIVATE_USE if chr(c) not in taken)
+
+        def mark(m: re.Match[str]) -> str:
+            if m.group(0) not in found:
+                found[m.group(0)] = next(free)
+            return found[m.group(0)]
+
+        messages, tools, documents = _substitute(data, lambda s: literal.sub(mark, s))
+    text = render_chat_template(source, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                documents=documents, special_tokens=special_tokens, **kwargs)
+    if not found:
+        return text, []
+    restore = {p: t for t, p in found.items()}
+    out: list[str] = []
+    spans: list[tuple[int, int]] = []
+    at = last = 0
+    for m in re.finditer("|".join(map(re.escape, restore)), text):
+        out.append(text[last:m.start()])
+        at += m.start() - last
+        original = restore[m.group(0)]
+        out.append(original)
+        spans.append((at, at + len(original)))
+        at += len(original)
+        last = m.end()
+    out.append(text[last:])
+    return "".join(out), spans
+
+
+def _any_match(pattern: re.Pattern[str], value: Any) -> bool:
+    if isinstance(value, str):
+        return pattern.search(value) is not None
+    if isinstance(value, dict):
+        return any(_any_match(pattern, v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_any_match(pattern, v) for v in value)
+    return False
+
+
+def _collect_chars(value: Any, into: set[str]) -> None:
+    if isinstance(value, str):
+        into.update(c for c in value if ord(c) >= _PRIVATE_USE.start)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect_chars(v, into)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _collect_chars(v, into)
+
+
+def _substitute(value: Any, fn: Any) -> Any:
+    """`value` with `fn` applied to every string in it (dict keys excepted)."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _substitute(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_substitute(v, fn) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_substitute(v, fn) for v in value)
+    return value

@@ -3,11 +3,18 @@
 One class for both sources: a Hugging Face model folder (tokenizer.json + configs) and GGUF metadata (rebuilt by
 `loading/gguf_tokenizer.py`). Behaviour follows transformers': `encode` adds BOS only where the model does, and
 `encode_chat` encodes the rendered template with `add_special_tokens=False` (templates write their own BOS).
+
+Text inside a conversation is text: where a user's or a tool's string spells a special token (`<|im_end|>`), those
+characters are tokenized as plain text, so a message cannot close its turn or open a system turn. Only the special
+tokens the template itself writes are special (transformers reads them anywhere in the rendered text).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +22,13 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from mlx_engine.api import ModelLoadError, RequestError
-from mlx_engine.chat_template import FALLBACK_TEMPLATE, render_chat_template
+from mlx_engine.chat_template import FALLBACK_TEMPLATE, render_chat_template, render_with_literals
 from mlx_engine.loading.gguf_tokenizer import bytes_to_unicode, template_processing, tokenizer_from_gguf
 
 _REPLACEMENT = "\ufffd"
+# Put before a look-alike's text when it is tokenized as plain text, so it is not the start of the input (where a
+# SentencePiece pre-tokenizer would prepend a "▁"): a non-special added token, which splits the input there.
+_SEPARATOR = "\U0010fffd"
 
 
 class Tokenizer:
@@ -41,9 +51,12 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens or {})  # bos_token, eos_token, unk_token, pad_token -> text
         self.add_bos_token = add_bos_token
         self._kind = _decoder_kind(backend)
-        self._special_ids = frozenset(
-            i for i, t in backend.get_added_tokens_decoder().items() if t.special
-        )
+        added = backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        texts = sorted({t.content for t in added.values() if t.special and t.content}, key=len, reverse=True)
+        self._special_pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
+        self._plain: tuple[HFTokenizer, int] | None = None  # the backend reading special tokens' strings as text
+        self._plain_lock = threading.Lock()
 
     # ---- construction ---------------------------------------------------------------------------------
 
@@ -188,9 +201,55 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **kwargs: Any) -> list[int]:
         """Token ids of the rendered conversation. A model's template writes its own BOS, so nothing is added
-        (transformers' `apply_chat_template(tokenize=True)`); the fallback format gets the model's BOS."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=not self.has_chat_template)
+        (transformers' `apply_chat_template(tokenize=True)`); the fallback format gets the model's BOS.
+
+        A special token's string inside the conversation's text (contents, tool calls, `tools`, `documents`) is
+        tokenized as plain text; elsewhere the ids are transformers'."""
+        text, spans = render_with_literals(
+            self.chat_template if self.chat_template is not None else FALLBACK_TEMPLATE,
+            messages,
+            self._special_pattern,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=self.special_tokens,
+            **kwargs,
+        )
+        add_special_tokens = not self.has_chat_template
+        if not spans:
+            return self.encode(text, add_special_tokens=add_special_tokens)
+        return self._encode_literal_spans(text, spans, add_special_tokens)
+
+    def _encode_literal_spans(self, text: str, spans: list[tuple[int, int]], add_special_tokens: bool) -> list[int]:
+        """`encode(text)`, but a special token matched where it begins inside one of `spans` (text from the
+        conversation) is replaced by the plain-text tokens of what it matched."""
+        enc = self.backend.encode(text, add_special_tokens=False)
+        starts = [s for s, _ in spans]  # in order, not overlapping
+        ids: list[int] = []
+        for token_id, (start, end) in zip(enc.ids, enc.offsets):
+            i = bisect.bisect_right(starts, start) - 1
+            if token_id in self._special_ids and i >= 0 and start < spans[i][1]:
+                ids += self._plain_ids(text[start:end])
+            else:
+                ids.append(token_id)
+        if add_special_tokens:  # the post-processor's BOS/EOS around the whole, as `encode` adds them
+            with_special = self.backend.encode(text, add_special_tokens=True).ids
+            core = enc.ids
+            for k in range(len(with_special) - len(core) + 1):
+                if with_special[k:k + len(core)] == core:
+                    return with_special[:k] + ids + with_special[k + len(core):]
+        return ids
+
+    def _plain_ids(self, text: str) -> list[int]:
+        """`text` tokenized with special tokens' strings read as plain text, as it would be inside other text."""
+        with self._plain_lock:
+            if self._plain is None:
+                plain = HFTokenizer.from_str(self.backend.to_str())
+                plain.encode_special_tokens = True
+                plain.add_tokens([AddedToken(_SEPARATOR, normalized=False, special=False)])
+                self._plain = plain, plain.token_to_id(_SEPARATOR)
+            plain, separator = self._plain
+        ids = plain.encode(_SEPARATOR + text, add_special_tokens=False).ids
+        assert ids[0] == separator and separator not in ids[1:], "a special token's text holds the separator"
+        return ids[1:]
 
     def detokenizer(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
         return StreamingDetokenizer(self, skip_special_tokens=skip_special_tokens)
