@@ -218,6 +218,32 @@ def test_structured_output_through_the_clients_parse_helper(client, model_id) ->
     assert e.value.param == "guided_regex" and "unclosed character class" in e.value.message
 
 
+def test_schemas_that_leave_objects_open_get_only_their_keys(client, model_id) -> None:
+    """instructor's JSON_SCHEMA mode sends a pydantic model's schema without additionalProperties (and without
+    strict); openai's `strict: true` promises every key. Both replies parse against the model and stop, where an open
+    object let the 135M model pad the reply with keys of its own until max_tokens."""
+    import json
+
+    import pydantic
+
+    class User(pydantic.BaseModel):
+        name: str
+        age: int
+        nickname: str | None = None
+
+    ask = [{"role": "user", "content": "Extract the user: Jason is 25 years old."}]
+    for strict in (False, True):
+        spec = {"name": "User", "schema": User.model_json_schema(), **({"strict": True} if strict else {})}
+        r = client.chat.completions.create(model=model_id, messages=ask, max_tokens=60, temperature=0,
+                                           response_format={"type": "json_schema", "json_schema": spec})
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        keys = list(json.loads(choice.message.content))
+        assert keys == (["name", "age", "nickname"] if strict else keys) and set(keys) <= {"name", "age", "nickname"}
+        assert {"name", "age"} <= set(keys)
+        User.model_validate_json(choice.message.content)
+
+
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},

@@ -209,12 +209,18 @@ def test_a_plain_tool_reply_streams_as_it_comes(full: str) -> None:
 
 
 def test_response_formats_map_to_the_engine_s() -> None:
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "object"}}}
     fmt = lambda body, endpoint="chat": job({"response_format": body}, endpoint).sampling.get("response_format")  # noqa: E731
     assert fmt({"type": "text"}) is None
     assert fmt({"type": "json_object"}) == ResponseFormat("json_object")
+    # objects are closed where the schema is silent (as llama.cpp and vLLM's xgrammar read it); strict, as OpenAI's
+    # strict mode, also requires every property
+    assert fmt({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}) == ResponseFormat(
+        "json_schema", schema={**schema, "properties": {"a": {"type": "integer"}, "b": {
+            "type": "object", "additionalProperties": False}}, "additionalProperties": False})
     assert fmt({"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}) == \
-        ResponseFormat("json_schema", schema=schema)
+        ResponseFormat("json_schema", schema={**schema, "properties": {"a": {"type": "integer"}, "b": {
+            "type": "object", "additionalProperties": False}}, "required": ["a", "b"], "additionalProperties": False})
     assert fmt({"type": "json_schema", "json_schema": {"name": "any"}}) == ResponseFormat("json_object")
     assert fmt({"type": "json_object"}, "completion") == ResponseFormat("json_object")  # as vLLM accepts
 
@@ -222,14 +228,32 @@ def test_response_formats_map_to_the_engine_s() -> None:
 def test_vllm_guided_fields_map_to_the_engine_s_formats() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     fmt = lambda body: job(body).sampling.get("response_format")  # noqa: E731
-    assert fmt({"guided_json": schema}) == ResponseFormat("json_schema", schema=schema)
-    assert fmt({"guided_json": '{"type": "object"}'}) == ResponseFormat("json_schema", schema={"type": "object"})
+    assert fmt({"guided_json": schema}) == ResponseFormat("json_schema", schema={**schema, "additionalProperties": False})
+    assert fmt({"guided_json": '{"type": "object"}'}) == ResponseFormat("json_schema", schema={
+        "type": "object", "additionalProperties": False})
     assert fmt({"structured_outputs": {"regex": "[0-9]+"}}) == ResponseFormat("regex", pattern="[0-9]+")
     assert fmt({"guided_choice": ["yes", 'no "way"']}) == ResponseFormat("lark", grammar='start: "yes" | "no \\"way\\""')
     lark = fmt({"guided_grammar": 'root ::= "a" | "b"'}).grammar
     assert 'start: "a"' in lark and '"b"' in lark
     assert fmt({"structured_outputs": {"grammar": "start: /[a-z]+/"}}) == ResponseFormat("lark", grammar="start: /[a-z]+/")
     assert job({"guided_regex": "x"}).format_param == "guided_regex"
+
+
+def test_a_bad_tool_schema_names_that_tool_s_parameters() -> None:
+    good = {"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}}
+    bad = {"type": "function", "function": {"name": "bad", "parameters": {
+        "type": "object", "properties": {"colour": {"type": "colour"}}}}}
+    e = error({"tools": [good, bad]})
+    assert (e.status, e.param, e.code) == (400, "tools[1].function.parameters", "invalid_schema")
+    assert "Invalid type: colour" in e.message
+    e = responses_error({"input": "x", "tools": [{"type": "function", "name": "bad",
+                                                  "parameters": bad["function"]["parameters"]}]})
+    assert (e.status, e.param) == (400, "tools[0].parameters") and "colour" in e.message
+    # a tool marked strict gets OpenAI's strict schema: closed, every property required
+    strict = {"type": "function", "function": {"name": "s", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}}}
+    [fn] = job({"tools": [strict]}).tools.functions
+    assert fn["parameters"]["required"] == ["a", "b"] and fn["parameters"]["additionalProperties"] is False
 
 
 def test_an_engine_format_error_names_response_format() -> None:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from mlx_engine.api import MAX_DRAFT_TOKENS, MAX_LOGPROBS, SPECULATIVE_MODES, ResponseFormat
 
 from app.server.errors import APIError, invalid
-from app.server.tools import Tools, calls_as_text, parse_tools, with_tools
+from app.server.tools import Tools, calls_as_text, closed, parse_tools, with_tools
 
 MAX_STOP = 4
 MAX_CHOICES = 64  # prompts x n in one request; each choice is one engine request
@@ -456,8 +456,9 @@ def _speculative(f: _Fields, s: dict[str, Any]) -> None:
 
 def _response_format(f: _Fields, s: dict[str, Any]) -> None:
     """OpenAI's `response_format`: text, json_object (JSON mode) or json_schema ({"name", "schema", "strict",
-    "description"}; a missing schema means any JSON object). The engine compiles the schema at submission, so a
-    schema it cannot use is a 400 there."""
+    "description"}; a missing schema means any JSON object). Objects that do not say are closed (`closed`), and with
+    `strict` every property is required, as OpenAI's strict replies carry every key. The engine compiles the schema
+    at submission, so a schema it cannot use is a 400 there."""
     v = f.get("response_format")
     if v is None:
         return
@@ -482,8 +483,8 @@ def _response_format(f: _Fields, s: dict[str, Any]) -> None:
             raise invalid(f"'response_format.json_schema.{name}' must be {expected}, got {_kind(spec[name])}",
                           f"response_format.json_schema.{name}")
     schema = spec.get("schema")
-    s["response_format"] = (ResponseFormat("json_schema", schema=schema) if schema is not None
-                            else ResponseFormat("json_object"))
+    s["response_format"] = (ResponseFormat("json_schema", schema=closed(schema, require_all=bool(spec.get("strict"))))
+                            if schema is not None else ResponseFormat("json_object"))
 
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -517,7 +518,7 @@ def _guided(f: _Fields, s: dict[str, Any], job: Job) -> None:
                 raise invalid(f"'{name}' is not valid JSON ({e})", name) from None
         if not isinstance(v, dict):
             raise invalid(f"'{name}' must be a JSON Schema object, got {_kind(v)}", name)
-        s["response_format"] = ResponseFormat("json_schema", schema=v)
+        s["response_format"] = ResponseFormat("json_schema", schema=closed(v))
     elif kind == "regex":
         if not isinstance(v, str):
             raise invalid(f"'{name}' must be a string, got {_kind(v)}", name)
@@ -557,5 +558,6 @@ def _tools(body: dict[str, Any], job: Job, s: dict[str, Any]) -> None:
         raise invalid("'logprobs' is not supported with 'tools' (the reply's tokens are the tool-call JSON)",
                       "logprobs", "unsupported_value")
     assert job.messages is not None
+    job.format_param = "tools"  # the grammar comes from their schemas
     job.messages = with_tools(job.messages, job.tools)
     s["response_format"] = ResponseFormat("json_schema", schema=job.tools.schema())

@@ -74,22 +74,41 @@ class Tools:
         return "\n".join(lines)
 
 
-def closed(schema: Any) -> Any:
-    """The schema with `additionalProperties: false` on every object that does not say (OpenAI's strict mode):
-    otherwise a small model pads a call with properties the function never declared, until max_tokens."""
+def closed(schema: Any, require_all: bool = False) -> Any:
+    """The schema with `additionalProperties: false` on every object that does not say, as llama.cpp's and xgrammar's
+    (vLLM's) schema converters read an unspecified one: otherwise a small model pads a reply with properties the
+    schema never declared, until max_tokens. `require_all`: every property required too (OpenAI's `strict: true`,
+    whose replies always carry every key). `allOf` branches are left open: closing each would refuse the others'
+    properties."""
     if isinstance(schema, list):
-        return [closed(s) for s in schema]
+        return [closed(s, require_all) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed(v) if k in ("items", "anyOf", "oneOf", "allOf", "prefixItems") else v for k, v in schema.items()}
+    out = {k: closed(v, require_all) if k in ("items", "anyOf", "oneOf", "prefixItems") else v
+           for k, v in schema.items()}
+    if isinstance(schema.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed(schema["additionalProperties"], require_all)
     if isinstance(schema.get("properties"), dict):
-        out["properties"] = {k: closed(v) for k, v in schema["properties"].items()}
+        out["properties"] = {k: closed(v, require_all) for k, v in schema["properties"].items()}
+        if require_all:
+            out["required"] = list(schema["properties"])
     for key in ("$defs", "definitions"):
         if isinstance(schema.get(key), dict):
-            out[key] = {k: closed(v) for k, v in schema[key].items()}
+            out[key] = {k: closed(v, require_all) for k, v in schema[key].items()}
     if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
         out["additionalProperties"] = False
     return out
+
+
+def schema_error(schema: dict[str, Any]) -> str | None:
+    """Why the JSON Schema cannot hold a reply (llguidance's reason, one line), or None when it can."""
+    from llguidance import LLMatcher
+
+    try:
+        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
+    except (ValueError, TypeError) as e:
+        error = str(e)
+    return error.strip().splitlines()[0] if error and error.strip() else None
 
 
 def parse_tools(body: dict[str, Any]) -> Tools | None:
@@ -126,8 +145,16 @@ def parse_tools(body: dict[str, Any]) -> Tools | None:
         parameters = fn.get("parameters", EMPTY_PARAMETERS)
         if not isinstance(parameters, dict):
             raise invalid(f"'{p}.function.parameters' must be a JSON Schema object", f"{p}.function.parameters")
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise invalid(f"'{p}.function.strict' must be a boolean", f"{p}.function.strict")
+        parameters = closed(parameters or EMPTY_PARAMETERS, require_all=bool(strict))
+        error = schema_error(parameters)
+        if error is not None:
+            raise invalid(f"'{p}.function.parameters' is not a JSON Schema a reply can be held to: {error}",
+                          f"{p}.function.parameters", "invalid_schema")
         functions.append({"name": name, **({"description": description} if description else {}),
-                          "parameters": closed(parameters or EMPTY_PARAMETERS)})
+                          "parameters": parameters})
     if choice is None or choice == "auto":
         mode = "auto"
     elif choice == "none":
