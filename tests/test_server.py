@@ -289,6 +289,9 @@ def test_tool_calls_as_an_agent_makes_them(client, engine, model_id) -> None:
                     8192, 49152)
     assert job.messages[2]["content"] == json.dumps({"tool_calls": [{"name": "get_weather", "arguments": args}]})
     assert follow.usage.prompt_tokens == len(engine.prompt_ids(GenerationRequest(messages=job.messages)))
+    # the result leads to an answer, not the same call again: the agent's loop ends
+    assert follow.choices[0].finish_reason == "stop" and follow.choices[0].message.tool_calls is None
+    assert follow.choices[0].message.content and not follow.choices[0].message.content.startswith("{")
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model_id, messages=ask, max_tokens=5, tools=[WEATHER_TOOL],
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
@@ -344,7 +347,8 @@ def test_responses_api_as_the_openai_client_uses_it(client, engine, model_id) ->
     follow = client.responses.create(model=model_id, tools=[tool], max_output_tokens=30, temperature=0, input=[
         {"role": "user", "content": ask}, call.model_dump(exclude_none=True),
         {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}])
-    assert follow.status in ("completed", "incomplete") and follow.usage.input_tokens > r.usage.input_tokens
+    assert follow.status == "completed" and follow.usage.input_tokens > r.usage.input_tokens
+    assert [o.type for o in follow.output] == ["message"] and follow.output_text  # an answer: the loop ends
     whole = client.responses.create(model=model_id, input="What is 2 plus 3?", tools=[tool], max_output_tokens=40,
                                     temperature=0)
     events = list(client.responses.create(model=model_id, input="What is 2 plus 3?", tools=[tool],

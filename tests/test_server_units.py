@@ -87,7 +87,28 @@ def test_a_conversation_s_tool_calls_go_back_as_the_json_the_model_writes() -> N
         {"role": "tool", "tool_call_id": "call_1", "content": "3 degrees"}]})
     assert j.messages[1] == {"role": "assistant",
                              "content": '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}'}
-    assert j.messages[2] == {"role": "tool", "content": "3 degrees"}
+    assert j.messages[2] == {"role": "tool", "content": "3 degrees"}  # no tools offered: as sent
+
+
+def test_after_tool_results_the_model_is_told_it_may_answer() -> None:
+    """Under "auto", the last result of each run of tool results ends with a line saying the model may now answer;
+    under "required" (or a named function) the model must call, so nothing is added."""
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    history = [{"role": "user", "content": "weather in Oslo and Rome?"},
+               {"role": "assistant", "content": None, "tool_calls": [call, call]},
+               {"role": "tool", "tool_call_id": "c", "content": "3 degrees"},
+               {"role": "tool", "tool_call_id": "c", "content": "20 degrees"},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c", "content": "4 degrees"}]
+    j = job({"tools": [WEATHER], "messages": history})
+    assert [m["content"] for m in j.messages if m["role"] == "tool"] == [
+        "3 degrees",
+        "20 degrees\n\nThe functions have answered. Tell the user the answer, or call another function if you still "
+        "need one.",
+        "4 degrees\n\nThe function has answered. Tell the user the answer, or call another function if you still "
+        "need one."]
+    required = job({"tools": [WEATHER], "tool_choice": "required", "messages": history})
+    assert [m["content"] for m in required.messages if m["role"] == "tool"] == ["3 degrees", "20 degrees", "4 degrees"]
 
 
 def test_closed_adds_no_extra_properties_where_the_schema_is_silent() -> None:

@@ -172,12 +172,28 @@ def parse_tools(body: dict[str, Any]) -> Tools | None:
     return Tools(tuple(functions), mode, bool(parallel))  # one call a reply unless asked (llama.cpp's default)
 
 
+# Follows the last of a run of tool results when the model may reply ("auto"). Without it a small model copies the
+# turn before, its call, at temperature 0, and an agent loop never ends (docs/server.md has the measurements).
+AFTER_RESULTS = "The function{s} {verb} answered. Tell the user the answer, or call another function if you still need one."
+
+
 def with_tools(messages: list[dict[str, str]], tools: Tools) -> list[dict[str, str]]:
-    """The conversation with the tools' instructions in its system message (added first where it has none)."""
+    """The conversation with the tools' instructions in its system message (added first where it has none), and
+    under "auto" a line after each run of tool results saying the model may now answer (`AFTER_RESULTS`)."""
     prompt = tools.system_prompt()
     if messages and messages[0]["role"] == "system":
-        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
-    return [{"role": "system", "content": prompt}, *messages]
+        out = [{"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
+    else:
+        out = [{"role": "system", "content": prompt}, *messages]
+    if tools.choice != "auto":
+        return out
+    run = 0
+    for i, m in enumerate(out):
+        run = run + 1 if m["role"] == "tool" else 0
+        if run and (i + 1 == len(out) or out[i + 1]["role"] != "tool"):
+            line = AFTER_RESULTS.format(s="s" if run > 1 else "", verb="have" if run > 1 else "has")
+            out[i] = {**m, "content": f"{m['content']}\n\n{line}"}
+    return out
 
 
 def calls_as_text(content: str, tool_calls: Any, param: str) -> str:
