@@ -115,6 +115,10 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                     help="a web site whose pages may call the API from a browser (CORS), as scheme://host[:port]; "
                     "repeat for more, or '*' for any. Pages on this machine (localhost, 127.0.0.1) always may")
+    sv.add_argument("--allow-host", action="append", default=[], metavar="HOST",
+                    help="a name clients may reach the server by (the Host header), beyond localhost, IP addresses, "
+                    "--host and this machine's name; repeat for more, or '*' for any. Others get 403, so a web page "
+                    "cannot reach the server through a DNS name of its own (DNS rebinding)")
     sv.add_argument("--max-concurrency", type=int, default=16,
                     help="requests generating at once (default 16); more wait in a queue of --max-queue, "
                     "beyond it they get 429")
@@ -240,13 +244,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if origin != "*" and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s?#]+/?", origin):
             raise RooflineError(f"--allow-origin {origin!r}: expected an origin like https://example.com "
                                 "(scheme://host[:port], no path), or '*'")
+    for host in args.allow_host:
+        if host != "*" and not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?\.?", host):
+            raise RooflineError(f"--allow-host {host!r}: expected a host name like roofline.lan (no scheme, port or "
+                                "path), or '*'")
     options, speculative = _load_options(args), _speculative(args)
     return serve(lambda: _load_engine(args.model, backend=args.backend, device=args.device, **options),
                  host=args.host, port=args.port, api_key=args.api_key or None,
                  max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                  drain_timeout_s=args.drain_timeout, default_max_tokens=args.default_max_tokens,
                  log_level=args.log_level, speculative=speculative,
-                 allow_origins=tuple(o.rstrip("/") for o in args.allow_origin))
+                 allow_origins=tuple(o.rstrip("/") for o in args.allow_origin), allow_hosts=tuple(args.allow_host))
 
 
 def _response_format(args: argparse.Namespace) -> ResponseFormat | None:

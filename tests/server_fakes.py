@@ -16,7 +16,6 @@ import threading
 import time
 from typing import Any
 
-import uvicorn
 from mlx_engine.api import (NO_DRAFT_MODEL, GenerationEvent, GenerationRequest, ModelInfo, RequestError, Stats,
                             TokenLogprob, Usage)
 
@@ -156,14 +155,16 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """uvicorn serving `app` on a free loopback port in a daemon thread."""
+    """`roofline serve`'s uvicorn serving `app` on a free loopback port in a daemon thread. `should_exit = True` is
+    what SIGTERM does: the drain begins."""
 
     def __init__(self, app: Any, drain_s: float = 2.0):
+        from app.server.listener import DrainingServer, uvicorn_config
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=drain_s, lifespan="on")
-        self.server = uvicorn.Server(config)
+        config = uvicorn_config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = DrainingServer(config, app.state.server, drain_s)
         self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
 
     def __enter__(self) -> LiveServer:

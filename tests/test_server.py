@@ -159,7 +159,11 @@ def test_a_batch_of_prompts_with_echo_scores_them_as_lm_eval_does(client, engine
     assert r.usage.prompt_tokens == only.usage.prompt_tokens and only.usage.completion_tokens == 0
     for ids, choice, scored in zip(prompts, only.choices, r.choices):
         assert choice.finish_reason == "length" and choice.text == engine.tokenizer.decode(ids)
-        assert choice.logprobs.token_logprobs == scored.logprobs.token_logprobs[:len(ids)]
+        # scored in other prefill batches than with a reply, so float32 sums differ in the last bits on some CPUs
+        # (2e-6 on an AMD EPYC): the same bound as against engine.score above
+        assert choice.logprobs.token_logprobs[0] is None
+        np.testing.assert_allclose(choice.logprobs.token_logprobs[1:], scored.logprobs.token_logprobs[1:len(ids)],
+                                   atol=1e-4)
     plain = client.completions.create(model=model_id, prompt="Hello there", echo=True, max_tokens=0)
     assert plain.choices[0].text == "Hello there" and plain.choices[0].logprobs is None
 

@@ -22,7 +22,7 @@ KEY = "test-key-123"
 def served():
     env = {**os.environ, "ROOFLINE_API_KEY": KEY}
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", "0", "--drain-timeout", "60",
-                             "--allow-origin", "https://my.app/"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+                             "--allow-origin", "https://my.app/", "--allow-host", "my.box"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
         line = proc.stderr.readline()
@@ -55,6 +55,9 @@ def test_api_key_from_the_environment(served) -> None:
     r = httpx.get(url + "/v1/models", headers={**auth, "Origin": "https://my.app"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://my.app"
     assert httpx.get(url + "/v1/models", headers={**auth, "Origin": "https://other.app"}).status_code == 403
+    # --allow-host my.box: that name is served; another name is refused, the key notwithstanding (DNS rebinding)
+    assert httpx.get(url + "/v1/models", headers={**auth, "Host": "my.box:80"}).status_code == 200
+    assert httpx.get(url + "/v1/models", headers={**auth, "Host": "other.box"}).status_code == 403
 
 
 def test_sigterm_drains_the_stream_in_flight_then_exits(served) -> None:
@@ -96,3 +99,11 @@ def test_a_malformed_allow_origin_is_one_clear_line(origin: str) -> None:
 
     r = roofline("serve", "--allow-origin", "https://fine.example", "--allow-origin", origin, "--port", "0")
     assert_one_line_error(r, f"--allow-origin {origin!r}", "scheme://host[:port], no path")
+
+
+@pytest.mark.parametrize("host", ["http://my.box", "my.box:8080", "my box", "my.box/x"])
+def test_a_malformed_allow_host_is_one_clear_line(host: str) -> None:
+    from tests.test_cli import assert_one_line_error, roofline
+
+    r = roofline("serve", "--allow-host", "fine.lan", "--allow-host", host, "--port", "0")
+    assert_one_line_error(r, f"--allow-host {host!r}", "expected a host name")

@@ -96,12 +96,16 @@ def test_any_body_is_a_job_or_a_4xx(case: tuple[str, dict]) -> None:
 
 @pytest.mark.parametrize("depth", [50, 450])
 def test_deeply_nested_tool_parameters_parse_or_refuse(depth: int) -> None:
-    """Nesting as deep as the body parser allows: the tool prompt and schema still build (the engine's compiler
-    then refuses what is too deep with a RequestError: tests/test_structured.py)."""
+    """Nesting as deep as the body parser allows: the tool prompt and schema build, or the schema compiler refuses
+    what is too deep with a 400 naming the tool's parameters."""
     from app.server.protocol import parse_body
 
     deep = '{"type":"object","properties":{"a":' * depth + "{}" + "}}" * depth
     raw = ('{"model":"fake","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":'
            '{"name":"f","parameters":%s}}]}' % deep).encode()
-    job = parse_job(parse_body(raw), "chat", {"fake"}, "fake", context_length=64, vocab_size=1000)
+    try:
+        job = parse_job(parse_body(raw), "chat", {"fake"}, "fake", context_length=64, vocab_size=1000)
+    except APIError as e:
+        assert (e.status, e.param) == (400, "tools[0].function.parameters") and depth > 50, e.message
+        return
     assert job.tools is not None and job.sampling["response_format"].type == "json_schema"

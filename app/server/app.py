@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import hmac
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,7 +22,6 @@ from mlx_engine.api import GenerationEvent, GenerationRequest, RequestError, Roo
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -38,6 +35,8 @@ from app.server.errors import (
     invalid,
     server_error_handler,
 )
+from app.server.guard import (AuthMiddleware, CountRequests, Drain, HostCheck, JSONCORSMiddleware, RequestGuard,
+                              origin_pattern)
 from app.server.metrics import KVStatsReader, Metrics
 from app.server.protocol import Endpoint, Job, model_slug, parse_body, parse_detokenize, parse_job, parse_tokenize
 from app.server.responses import DONE, Choice, Echo, Formatter, error_chunk, sse, token_bytes_fn, token_str
@@ -65,6 +64,10 @@ class ServerConfig:
     # web pages that may call the API from a browser, beyond this machine's own (http(s)://localhost, 127.0.0.1,
     # [::1], any port: always allowed): exact origins ("https://my.app"), or "*" for any page
     allow_origins: tuple[str, ...] = ()
+    # the Host names requests may carry beyond localhost, IP addresses, the bound host and this machine's hostname
+    # (DNS rebinding: guard.HostCheck); "*": any
+    host: str = "127.0.0.1"
+    allow_hosts: tuple[str, ...] = ()
 
 
 class Server:
@@ -85,6 +88,7 @@ class Server:
         self.kv = KVStatsReader(engine.kv_stats)
         self.token_bytes = token_bytes_fn(engine.tokenizer)
         self.generations: set[Generation] = set()
+        self.drain = Drain()
 
     # ---- routes ----------------------------------------------------------------------------------------
 
@@ -314,7 +318,7 @@ class Server:
         if any(f.finish_reason == "cancelled" for f in finals):
             if watch.gone:
                 return Response(status_code=499)
-            raise APIError(503, "the generation was cancelled (the server is shutting down)", None, "cancelled")
+            raise APIError(503, self.cancelled_message(), None, "cancelled", headers={"Retry-After": "1"})
         return JSONResponse(fmt.response([c for c, _ in results], total_usage(finals, fmt.job.n),
                                          accepted_draft_tokens(gens, finals)))
 
@@ -356,7 +360,7 @@ class Server:
                 finals[i] = event
                 if reason in ("error", "cancelled"):
                     message = (f"the generation failed: {event.error}" if reason == "error"
-                               else "the generation was cancelled (the server is shutting down)")
+                               else self.cancelled_message())
                     yield sse(error_chunk(message, "generation_failed" if reason == "error" else "cancelled"))
                     for gen in gens:
                         gen.cancel()
@@ -406,8 +410,7 @@ class Server:
         assert final is not None and final.finish_reason is not None
         reason = final.finish_reason
         if reason in ("error", "cancelled"):
-            message = (f"the generation failed: {final.error}" if reason == "error"
-                       else "the generation was cancelled (the server is shutting down)")
+            message = (f"the generation failed: {final.error}" if reason == "error" else self.cancelled_message())
             code = "generation_failed" if reason == "error" else "cancelled"
             failed = fmt.shell("failed")
             failed["error"] = {"code": code, "message": message}
@@ -436,6 +439,29 @@ class Server:
     def cancel_all(self) -> None:
         for gen in list(self.generations):
             gen.cancel()
+
+    def cancelled_message(self) -> str:
+        if self.drain.draining:
+            return (f"the server shut down before this reply was finished: its drain timeout of "
+                    f"{self.drain.timeout_s:g} s ran out")
+        return "the generation was cancelled (the server is shutting down)"
+
+    async def drain_requests(self, timeout_s: float, forced: Any = lambda: False) -> None:
+        """Shutdown's first part, while the socket still listens: new requests get 503 (`RequestGuard`) and those
+        running finish, for up to `timeout_s`; then the rest are cancelled, so a stream ends with an error chunk and
+        `[DONE]` and a waiting request gets 503, and they are given a moment to be sent. `forced()`: stop now."""
+        self.drain.start(timeout_s)
+        assert self.drain.deadline is not None
+        while self.drain.in_flight and time.monotonic() < self.drain.deadline and not forced():
+            await asyncio.sleep(0.05)
+        if not self.drain.in_flight:
+            return
+        self.cancel_all()
+        self.gate.fail_waiting(APIError(503, self.cancelled_message(), None, "server_shutting_down",
+                                        headers={"Retry-After": "1"}))
+        flushed = time.monotonic() + 5.0
+        while self.drain.in_flight and time.monotonic() < flushed and not forced():
+            await asyncio.sleep(0.05)
 
 
 def accepted_draft_tokens(gens: list[Generation], finals: list[GenerationEvent]) -> int | None:
@@ -520,77 +546,6 @@ class EventStreamResponse:
             self.cancel()
 
 
-LOCAL_ORIGIN_PATTERN = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
-
-
-def origin_pattern(allow_origins: tuple[str, ...]) -> str:
-    """The origins whose pages may call the API, as one regular expression: this machine's, and `allow_origins`
-    ("*": any)."""
-    if "*" in allow_origins:
-        return ".*"
-    return "|".join([LOCAL_ORIGIN_PATTERN, *(re.escape(o) for o in allow_origins)])
-
-
-class AuthMiddleware:
-    """With an API key, every route but /health needs `Authorization: Bearer KEY` (else 401, OpenAI's shape).
-
-    Always: a request from a web page of another site (an `Origin` header that is not this machine's, nor one
-    of `--allow-origin`) gets 403. Programs (the openai client, curl) send no Origin; a browser always does on a
-    cross-site POST, even one it will not let the page read, so a page cannot make a local server generate on a
-    visitor's machine. The pages that are allowed also get CORS headers (`CORSMiddleware`, outside this one, so
-    a preflight needs no key), so a web front end on localhost can read the replies."""
-
-    def __init__(self, app: Any, api_key: str | None, open_paths: tuple[str, ...] = ("/health",),
-                 allow_origins: tuple[str, ...] = ()):
-        self.app = app
-        self.key = api_key.encode() if api_key else None
-        self.open_paths = open_paths
-        self.origins = re.compile(f"^({origin_pattern(allow_origins)})$".encode())
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        origin = headers.get(b"origin")
-        if origin is not None and not self.origins.match(origin):  # "null" too: sandboxed frames send it
-            message = f"requests from web pages of other sites are refused (Origin: {origin.decode('latin-1')})"
-            return await APIError(403, message, None, "origin_not_allowed").response()(scope, receive, send)
-        if self.key is None or scope["path"] in self.open_paths:
-            return await self.app(scope, receive, send)
-        header = headers.get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
-            return await self.app(scope, receive, send)
-        message = ("Incorrect API key provided." if header else
-                   "You didn't provide an API key: send it as 'Authorization: Bearer KEY'.")
-        resp = APIError(401, message, None, "invalid_api_key").response()
-        resp.headers["WWW-Authenticate"] = "Bearer"
-        await resp(scope, receive, send)
-
-
-class CountRequests:
-    """Counts answered requests by route and status for /metrics (outermost, so 401s and 413s count)."""
-
-    def __init__(self, app: Any, metrics: Metrics, routes: set[str]):
-        self.app = app
-        self.metrics = metrics
-        self.routes = routes
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        endpoint = path if path in self.routes else ("/v1/models/{model}" if path.startswith("/v1/models/")
-                                                     else "other")
-
-        async def counting_send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                self.metrics.requests[(endpoint, message["status"])] += 1
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
-
-
 def create_app(engine: Any, config: ServerConfig | None = None) -> Starlette:
     """The ASGI app serving `engine` (a loaded Engine or anything with its surface)."""
     server = Server(engine, config or ServerConfig())
@@ -618,9 +573,12 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Starlette:
                             Exception: server_error_handler},
         lifespan=lifespan,
     )
-    app.add_middleware(AuthMiddleware, api_key=server.config.api_key, allow_origins=server.config.allow_origins)
-    app.add_middleware(CORSMiddleware, allow_origin_regex=origin_pattern(server.config.allow_origins),
+    config = server.config
+    app.add_middleware(AuthMiddleware, api_key=config.api_key)
+    app.add_middleware(JSONCORSMiddleware, allow_origin_regex=origin_pattern(config.allow_origins),
                        allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"], max_age=600)
+    app.add_middleware(RequestGuard, hosts=HostCheck(config.host, config.allow_hosts),
+                       allow_origins=config.allow_origins, drain=server.drain)
     app.add_middleware(CountRequests, metrics=server.metrics, routes={r.path for r in routes})
     app.state.server = server
     return app

@@ -111,6 +111,12 @@ class AdmissionGate:
             except ValueError:
                 pass
 
+    def fail_waiting(self, error: BaseException) -> None:
+        """Every request still waiting for a slot fails with `error` (the server is shutting down)."""
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(error)
+
     def release(self) -> None:
         while self._waiters:
             fut = self._waiters.popleft()

@@ -51,9 +51,11 @@ def serve(
     log_level: str = "info",
     speculative: str | None = None,
     allow_origins: tuple[str, ...] = (),
+    allow_hosts: tuple[str, ...] = (),
 ) -> int:
-    """Binds host:port, loads the engine (`engine_factory()`), serves until a signal. Returns an exit code."""
-    import uvicorn
+    """Binds host:port, loads the engine (`engine_factory()`), serves until a signal, drains, exits. Returns an exit
+    code."""
+    from app.server.listener import DrainingServer, uvicorn_config
 
     if not is_loopback(host) and not api_key:
         print(f"roofline: warning: serving on {host}, which is not a loopback address, without --api-key: anyone "
@@ -66,7 +68,7 @@ def serve(
     engine = engine_factory()
     config = ServerConfig(api_key=api_key, max_concurrency=max_concurrency, max_queue=max_queue,
                           default_max_tokens=default_max_tokens, speculative=speculative,
-                          allow_origins=allow_origins)
+                          allow_origins=allow_origins, host=host, allow_hosts=allow_hosts)
     app = create_app(engine, config)
     server_state = app.state.server
     bound_host, bound_port = sock.getsockname()[:2]
@@ -77,8 +79,6 @@ def serve(
           f"{f'; speculative={speculative} unless a request says otherwise' if speculative else ''}"
           f"{f'; draft model {engine.info.draft_model}' if engine.info.draft_model else ''}",
           file=sys.stderr, flush=True)
-    uv_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s,
-                               lifespan="on", access_log=log_level == "debug")
-    server = uvicorn.Server(uv_config)
-    server.run(sockets=[sock])
+    uv_config = uvicorn_config(app, log_level=log_level, lifespan="on", access_log=log_level == "debug")
+    DrainingServer(uv_config, server_state, drain_timeout_s).run(sockets=[sock])
     return 0
