@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -446,7 +446,7 @@ class Server:
                     f"{self.drain.timeout_s:g} s ran out")
         return "the generation was cancelled (the server is shutting down)"
 
-    async def drain_requests(self, timeout_s: float, forced: Any = lambda: False) -> None:
+    async def drain_requests(self, timeout_s: float, forced: Callable[[], bool] = lambda: False) -> None:
         """Shutdown's first part, while the socket still listens: new requests get 503 (`RequestGuard`) and those
         running finish, for up to `timeout_s`; then the rest are cancelled, so a stream ends with an error chunk and
         `[DONE]` and a waiting request gets 503, and they are given a moment to be sent. `forced()`: stop now."""

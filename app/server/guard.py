@@ -95,7 +95,12 @@ class RequestGuard:
     """Refuses, in OpenAI's error shape: a Host this server is not known by (403, `HostCheck`); a page of another
     site (an Origin that is not this machine's nor `--allow-origin`'s: 403, preflights included); and, while the
     server drains, every new request (503 with Retry-After; /health says "draining", /metrics still answers).
-    Counts the requests it lets through in `drain.in_flight`."""
+    Counts the requests it lets through in `drain.in_flight`.
+
+    Programs (the openai client, curl) send no Origin; a browser always does on a cross-site POST, even one it will
+    not let the page read, so a page cannot make a local server generate on a visitor's machine. The pages that are
+    allowed get CORS headers (`JSONCORSMiddleware`, inside this one), so a web front end on localhost can read the
+    replies."""
 
     def __init__(self, app: Any, hosts: HostCheck, allow_origins: tuple[str, ...], drain: Drain):
         self.app = app
