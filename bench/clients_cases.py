@@ -71,14 +71,12 @@ def openai_stream(base: str) -> dict:
     return result(ok, f"{len(chunks)} chunks, finish {finish}, usage {usage.completion_tokens if usage else None}", 1)
 
 
-def openai_tools_loop(base: str) -> dict:
-    """The agent loop by hand: call, run the tool, send the result back, until the model answers."""
-    client = openai_client(base)
+def chat_tools_loop(create: Any) -> dict:
+    """The agent loop by hand: call, run the tool, send the result back, until the model answers. `create(messages)`
+    is the client's chat call with the weather tool offered; it returns an OpenAI-shaped response."""
     messages: list[Any] = [{"role": "user", "content": WEATHER_Q}]
     for rounds in range(1, MAX_ROUNDS + 1):
-        r = client.chat.completions.create(model="default", messages=messages, tools=[WEATHER_TOOL], max_tokens=64,
-                                           temperature=0)
-        msg = r.choices[0].message
+        msg = create(messages).choices[0].message
         if not msg.tool_calls:
             return result(True, f"answered after {rounds - 1} call(s): {short(msg.content)}", rounds)
         messages.append(msg.model_dump(exclude_none=True))
@@ -86,6 +84,12 @@ def openai_tools_loop(base: str) -> dict:
             messages.append({"role": "tool", "tool_call_id": call.id,
                              "content": get_weather(**json.loads(call.function.arguments))})
     return result(False, f"still calling after {MAX_ROUNDS} rounds", MAX_ROUNDS)
+
+
+def openai_tools_loop(base: str) -> dict:
+    client = openai_client(base)
+    return chat_tools_loop(lambda messages: client.chat.completions.create(
+        model="default", messages=messages, tools=[WEATHER_TOOL], max_tokens=64, temperature=0))
 
 
 def openai_parse(base: str) -> dict:
@@ -184,17 +188,8 @@ def litellm_stream(base: str) -> dict:
 def litellm_tools_loop(base: str) -> dict:
     import litellm
 
-    messages: list[Any] = [{"role": "user", "content": WEATHER_Q}]
-    for rounds in range(1, MAX_ROUNDS + 1):
-        r = litellm.completion(messages=messages, tools=[WEATHER_TOOL], max_tokens=64, **litellm_kwargs(base))
-        msg = r.choices[0].message
-        if not msg.tool_calls:
-            return result(True, f"answered after {rounds - 1} call(s): {short(msg.content)}", rounds)
-        messages.append(msg.model_dump(exclude_none=True))
-        for call in msg.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": get_weather(**json.loads(call.function.arguments))})
-    return result(False, f"still calling after {MAX_ROUNDS} rounds", MAX_ROUNDS)
+    return chat_tools_loop(lambda messages: litellm.completion(messages=messages, tools=[WEATHER_TOOL], max_tokens=64,
+                                                               **litellm_kwargs(base)))
 
 
 # ---- langchain-openai ----------------------------------------------------------------------------------------
