@@ -37,7 +37,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from mlx_engine.api import MAX_DRAFT_TOKENS, RequestError
+from mlx_engine.api import MAX_DRAFT_TOKENS
 
 MAX_NGRAM = 3
 AUTO_MARGIN = 0.1  # "auto" speculates only where it predicts at least this gain over plain decoding
@@ -299,8 +299,8 @@ class SelfDraft:
             drafts.append(x)
             qs.append(q)
             token = x.reshape(1, 1)
-        if layers and not hasattr(layers[0], "attention"):  # contiguous buffers: back to n0 for the verify
-            for c in layers:
+        if not self.runner.cache.capabilities.paged:  # contiguous buffers: back to n0 for the verify (paged
+            for c in layers:  # slots: the verify forward rewrites them)
                 c.trim(inp.k)
         draft = mx.concatenate(drafts)
         return draft, mx.concatenate(qs)
@@ -679,17 +679,10 @@ def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.
     is known and not yet in the cache). Returns the new tokens (the accepted drafts, then one sampled
     token), how many of them are drafts, and their log-probability rows (n + 1, V) when asked for.
     Afterwards the cache (and the draft's) holds every token but the last new one."""
-    from mlx_lm.models.cache import trim_prompt_cache
-
     cache, sampler, state = runner.cache, seq.sampler, seq.spec
     tokens = seq.prompt + seq.generated
     n0, req = len(tokens) - 1, seq.req_id  # n0: tokens in the cache
-    paged = hasattr(cache, "manager")
-    if paged:  # slots for [last, x_1..x_k]; allocate with the known tokens only, so no draft gets hashed
-        if cache.manager.allocate_slots(req, tokens, k + 1) is None:
-            raise RequestError("the KV pool is full")
-        cache._grow(req)
-        cache._copy_pending()
+    cache.allocate(req, tokens, k + 1)  # slots for [last, x_1..x_k], with the known tokens: no draft gets hashed
 
     draft: list[int] | mx.array = []
     q = None
@@ -702,8 +695,8 @@ def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.
     if constraint is not None and q is None:  # a copied draft (point mass): cut where the grammar refuses it
         draft = list(draft)[:constraint.consumable(list(draft))]
     m = len(draft)
-    if paged and m < k:
-        cache.manager.trim(req, n0 + m + 1)
+    if m < k:
+        cache.trim(req, n0 + m + 1)
     d = mx.array(draft, dtype=mx.int32) if not isinstance(draft, mx.array) else draft  # (m,)
     layers = cache.prefill_layers(req, n0, n0 + m + 1)
     inputs = mx.concatenate([mx.array([tokens[-1]], dtype=mx.int32), d])[None]  # (1, m+1)
@@ -720,10 +713,7 @@ def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.
     new = d.tolist()[:n] + [int(nxt.item())]
 
     keep = n0 + 1 + n  # the cache keeps last and the accepted drafts
-    if paged:
-        cache.manager.trim(req, keep)
-    elif m - n:
-        trim_prompt_cache(layers, m - n)
+    cache.trim(req, keep)
     if m:
         state.rollback(keep)
     sampler.accept(mx.array([new], dtype=mx.int32))

@@ -153,6 +153,7 @@ class FakeEngine:
         self._hold = threading.Event()
         self.closed = False
         self.paged = paged
+        self.info = dataclasses.replace(self.info, kv_files=paged)  # the paged cache keeps KV files, as Engine's
         self.block_size = block_size
         self.cached: list[list[int]] = []  # token sequences whose full blocks the pretend prefix cache holds
         self.kv_calls: list[tuple[str, str, int]] = []  # ("save" | "restore", path, tokens)

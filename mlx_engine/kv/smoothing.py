@@ -72,6 +72,9 @@ class _Recorder:
     def __init__(self, out: list):
         self.out = out
 
+    def rope(self, rope: Any, q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
+        return rope(q, offset=0), rope(k, offset=0)
+
     def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         """q (1, Hq, T, D), k/v (1, Hkv, T, D) after rope."""
         _, Hq, T, D = q.shape
