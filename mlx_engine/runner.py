@@ -171,7 +171,7 @@ class Runner:
         """Why this model's KV cannot be rolled back past rejected draft tokens (None: it can)."""
         from mlx_engine.kv.contiguous import untrimmable_kinds
 
-        if self.cache.capabilities.rollback:
+        if self.native or self.cache.capabilities.rollback:  # our models' caches all roll back
             return None
         kinds = untrimmable_kinds(self.model, self.native)
         return f"its mlx-lm cache ({', '.join(kinds) or 'unknown'}) cannot be trimmed at every length"

@@ -109,8 +109,8 @@ class PagedKVStorage:
         self.smoothing: KVSmoothing | None = None  # offsets and key scales (`set_smoothing`), quantized KV only
         self._build_transforms()
         # Layout of every pool array: token-major (slots, Hkv, last) is what the Metal kernel reads;
-        # head-major (Hkv, slots, last) lets MLX's CPU SDPA read a sequence's run of slots in place
-        # (4K tokens of SmolLM2: 2.8 ms a layer, as a contiguous buffer, against 5.5 ms token-major).
+        # head-major (Hkv, slots, last) lets MLX's CPU SDPA read a sequence's run of slots in place, as fast as a
+        # contiguous buffer (docs/benchmarks.md, "Figures the code's comments used to carry").
         self.head_major = (not mx.metal.is_available()) if head_major is None else head_major
         self.slot_axis = 1 if self.head_major else 0
         # The pool is num_blocks blocks, but memory is committed as blocks are first used: the arrays hold
