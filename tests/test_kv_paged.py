@@ -483,9 +483,9 @@ def test_a_next_turn_in_two_runs_of_blocks_is_read_in_place_and_equals_contiguou
     not follow them: the CPU path attends to each run of blocks as a slice of the pool (no gather), with the
     same numbers as a contiguous cache."""
     import mlx_engine.kv.cache as kv_cache
-    from mlx_engine.models import layers
+    from mlx_engine.attention import host
 
-    monkeypatch.setattr(layers, "HOST_ATTENTION_MIN_PAIRS", 1)  # the numpy path even for this tiny model
+    monkeypatch.setattr(host, "HOST_ATTENTION_MIN_PAIRS", 1)  # the numpy path even for this tiny model
     seen: list = []
     slots = kv_cache.PagedCache._slots
     monkeypatch.setattr(kv_cache.PagedCache, "_slots", lambda self, r, n: seen.append(slots(self, r, n)) or seen[-1])
@@ -762,7 +762,7 @@ def test_attention_with_own_block_keys_host_and_mlx_paths_agree() -> None:
     columns replaced, computed naively."""
     import mlx.core as mx
 
-    from mlx_engine.models.layers import _sdpa_own_mlx, sdpa
+    from mlx_engine.attention.host import _sdpa_own_mlx, sdpa
 
     rng = np.random.default_rng(2)
     hq, hkv, d, L, S, bs = 6, 2, 32, 9, 21, 8  # queries at positions 12..20; own blocks of 8 columns

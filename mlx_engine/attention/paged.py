@@ -16,7 +16,8 @@ import numpy as np
 from kernels_metal import paged_decode_attention
 from kernels_metal import reference as kernel_reference
 from kernels_metal.reference import channel_codes
-from mlx_engine.attention.host import one_blas_thread, sdpa
+from mlx_engine.attention.host import sdpa
+from mlx_engine.backends.mlx.host_blas import one_blas_thread
 
 # --- decode ---
 

@@ -12,14 +12,14 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_engine.kv.block_pool import BlockPool
-from mlx_engine.kv.config import KVConfig, available_memory_bytes, blocks_in_budget, default_budget
+from mlx_engine.kv.config import KVConfig, blocks_in_budget, default_budget
 from mlx_engine.kv.manager import KVCacheManager
 from mlx_engine.kv.paged import PagedKVStorage, bytes_per_block
 from mlx_engine.kv.protocol import KVCapabilities
 from mlx_engine.kv.tables import BlockTables, KVBudgetError
 from mlx_engine.kv.views import DecodeStep, PackedView, PagedDecodeView, PagedPrefillView
 
-__all__ = ["KVBudgetError", "PagedCache", "available_memory_bytes"]
+__all__ = ["KVBudgetError", "PagedCache"]
 
 MAX_SLOT_RUNS = 8  # on the CPU, a sequence in at most this many runs of blocks is attended in place (`_slots`)
 
