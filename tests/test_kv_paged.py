@@ -665,7 +665,9 @@ def test_channel_keys_prefix_hits_read_the_same(tmp_path: Path) -> None:
         assert events[-1].usage.cached_prompt_tokens == 32
         second = steps(e, prompt, 5)
         assert first[0] == second[0]
-        assert float(np.abs(first[1][..., 1] - second[1][..., 1]).max()) <= 1e-5
+        # one 48-token prefill against a 16-token one after 32 cached: float32 sums in other orders (measured
+        # 2.0e-5 on an AMD EPYC build machine)
+        assert float(np.abs(first[1][..., 1] - second[1][..., 1]).max()) <= 1e-4
         longer = prompt + first[0] + [12]
         events = list(e.generate(GenerationRequest(prompt_token_ids=longer, sampling=SamplingParams(
             temperature=0.0, max_tokens=2, ignore_eos=True))))

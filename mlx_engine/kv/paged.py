@@ -2,9 +2,9 @@
 
 Slots are flat: slot = block_id * block_size + offset. A pool is stored as (num_slots, Hkv, D) (or packed
 uint32 (num_slots, Hkv, D * bits / 32) with per-group scales and biases; the keys may have other bits than the values,
-`key_bits`) and viewed as
-(num_blocks, block_size, Hkv, ...) for the decode kernel. Writes are scatters into the pool array, which
-MLX performs in place when the pool holds the only reference.
+`key_bits`), head-major (Hkv, num_slots, ..) on MLX's CPU backend, and handed to the decode kernel as
+(num_blocks, block_size, Hkv, ...) blocks (`pool`). Writes are scatters into the pool array, which MLX performs in
+place when the pool holds the only reference. Attention over the storage is `mlx_engine.attention`'s.
 
 Quantized K and V are stored transformed, exactly (`kv.smoothing`): keys as ((k - m_k) * s) @ H, read by queries
 (q / s) @ H (`queries`); values as (v - m_v) @ H, the attention output mapped back by `outputs`.

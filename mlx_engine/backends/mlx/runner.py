@@ -137,10 +137,12 @@ class Runner:
         runner.fingerprint = model_fingerprint(ckpt, act_dtype)
         runner.cache = runner._make_cache(kv_config, paged_kv, act_dtype)
         runner.cache.calibrate(runner.model, tokenizer, runner.vocab_size)  # quantized KV: `kv.smoothing`
-        from mlx_engine.kernel_checks import kernel_warnings
+        from mlx_engine.backends.mlx.kernel_checks import kernel_warnings
 
+        # a Metal kernel that fails its check on this machine: its reference runs, and the user is told once
+        fallbacks = kernel_warnings(runner.model, runner.cache, act_dtype)
         runner.info = dataclasses.replace(runner.info, kv_files=runner.cache.capabilities.kv_files,
-                                          warnings=runner.info.warnings + kernel_warnings(runner.model, runner.cache, act_dtype))
+                                          warnings=runner.info.warnings + fallbacks)
         runner.self_draft_layers = runner._check_self_draft_layers(self_draft_layers)
         if draft_model is not None:
             attach_draft(runner, lambda: cls.load(draft_model, dtype=dtype, prefill_chunk_size=prefill_chunk_size,
