@@ -4,7 +4,6 @@ new K/V into the pool and attend through the path the attention table picked for
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import mlx.core as mx
@@ -51,14 +50,17 @@ class DecodeStep:
         self.key_plan = key_plan  # per-channel keys: the step's `plan_key_writes`
         self.path = choose(storage_case("decode", storage, single=all_slots is not None,
                                         runs=isinstance(all_slots, list)))
+        self._host_tables: tuple[np.ndarray, np.ndarray] | None = None
 
-    @functools.cache  # noqa: B019 - one step, its layers share the result
     def host_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """The step's slots (B, T) and padding mask (B, T) in numpy, for the host path."""
-        bs = self.storage.block_size
-        tables, lens = np.asarray(self.block_tables), np.asarray(self.seq_lens)
-        slots = (tables[:, :, None] * bs + np.arange(bs)[None, None, :]).reshape(tables.shape[0], -1)
-        return slots, np.arange(slots.shape[1])[None, :] >= lens[:, None]
+        """The step's slots (B, T) and padding mask (B, T) in numpy, for the host path: made once, every layer's
+        view reads them."""
+        if self._host_tables is None:
+            bs = self.storage.block_size
+            tables, lens = np.asarray(self.block_tables), np.asarray(self.seq_lens)
+            slots = (tables[:, :, None] * bs + np.arange(bs)[None, None, :]).reshape(tables.shape[0], -1)
+            self._host_tables = (slots, np.arange(slots.shape[1])[None, :] >= lens[:, None])
+        return self._host_tables
 
 
 class PagedDecodeView:
