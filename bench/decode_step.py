@@ -102,8 +102,8 @@ def main() -> None:
         for figure in runs["before"][0]:
             b, a = ([x[figure][i] * scale for x in runs[k]] for k in ("before", "after"))
             mb, ma = statistics.median(b), statistics.median(a)
-            print(f"| {figure} | {mb:{fmt}} ({min(b):{fmt}}-{max(b):{fmt}}) | {ma:{fmt}} ({min(a):{fmt}}-{max(a):{fmt}}) | "
-                  f"{ma / mb:.3f} |")
+            spread = lambda xs: f"{min(xs):{fmt}}-{max(xs):{fmt}}"  # noqa: E731
+            print(f"| {figure} | {mb:{fmt}} ({spread(b)}) | {ma:{fmt}} ({spread(a)}) | {ma / mb:.3f} |")
         print()
 
 

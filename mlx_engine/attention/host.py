@@ -25,8 +25,9 @@ def sdpa(q: mx.array, k: mx.array | list[mx.array], v: mx.array | list[mx.array]
     elsewhere, and below HOST_ATTENTION_MIN_PAIRS, MLX's fused kernel.
 
     `own` (causal only): (cols (L, W) int32, keys (Hkv, L, W, D), width): query i reads keys[:, i, w] in place of
-    key cols[i, w] (per-channel quantized keys: a query's own block as quantized up to it, `attention.paged.prefill_channel`); columns
-    past the S keys, up to width - 1 (>= S), are allowed (masked, as the future)."""
+    key cols[i, w] (per-channel quantized keys: a query's own block as quantized up to it,
+    `attention.paged.prefill_channel`); columns past the S keys, up to width - 1 (>= S), are allowed (masked, as
+    the future)."""
     ks, vs = (k, v) if isinstance(k, list) else ([k], [v])
     s = sum(x.shape[2] for x in ks)
     if own is not None:

@@ -26,7 +26,8 @@ def _layout_meta(storage: PagedKVStorage) -> dict[str, str]:
     """How the stored K and V are transformed; a file must match this engine's to be read."""
     smoothing, per_channel = storage.smoothing, storage.key_per_channel
     return {"kv_key_grouping": "channel" if per_channel else "token",
-            "key_rotation": "none" if per_channel else _rotation_name(storage), "value_rotation": _rotation_name(storage),
+            "key_rotation": "none" if per_channel else _rotation_name(storage),
+            "value_rotation": _rotation_name(storage),
             # the per-model offsets and key scales (`kv.smoothing`), by fingerprint
             "kv_smoothing": smoothing.fingerprint() if smoothing is not None else "none"}
 

@@ -4,6 +4,11 @@ model layer may ask of its view, and what the block bookkeeping asks of the arra
 A cache declares what it can do (`KVCapabilities`); callers read the declaration, never probe the object. Every
 cache, contiguous included, hands each model layer a view with `attention(q, k, v, scale)`, so model code never
 asks what kind of cache it has (vLLM's `KVCacheBlocks` rule: the cache's insides stay behind its methods).
+
+Masks are the views' too: causal order, and a sliding window (`kv.contiguous.ContiguousLayer.window`), which a
+paged view gets the same way, per layer from its cache, with rows for it in the attention table
+(`mlx_engine.attention.Case.window`). A model family whose attention module is mlx-lm's calls the same two view
+methods through an adapter in place of mlx-lm's `update_and_fetch` and `scaled_dot_product_attention`.
 """
 
 from __future__ import annotations

@@ -108,9 +108,20 @@ class PackedView:
     def rope(self, rope: Any, q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
         """q (1, Hq, T, D), k (1, Hkv, T, D) -> each part roped at its own positions."""
         pairs = [view.rope(rope, qp, kp) for view, qp, kp in zip(self._views(), self._parts(q), self._parts(k))]
-        return self._join([a for a, _ in pairs]), self._join([b for _, b in pairs])
+        qs, ks = [a for a, _ in pairs], [b for _, b in pairs]
+        out = self._join(qs), self._join(ks)
+        self._roped = (*out, qs, ks)  # `attention` of these very arrays takes the parts as they are
+        return out
+
+    _roped: tuple[mx.array, mx.array, list[mx.array], list[mx.array]] | None = None
 
     def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         """q (1, Hq, T, D), k/v (1, Hkv, T, D) after rope -> (1, Hq, T, D); writes every row's k/v."""
-        parts = zip(self._views(), self._parts(q), self._parts(k), self._parts(v))
+        roped = self._roped
+        if roped is not None and roped[0] is q and roped[1] is k:
+            qs, ks = roped[2], roped[3]
+        else:
+            qs, ks = self._parts(q), self._parts(k)
+        self._roped = None
+        parts = zip(self._views(), qs, ks, self._parts(v))
         return self._join([view.attention(qp, kp, vp, scale) for view, qp, kp, vp in parts])
