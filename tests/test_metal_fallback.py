@@ -12,20 +12,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import kernels_metal.kquant as kq
 import kernels_metal.paged_attention as pa
 from kernels_metal import _backend
-from mlx_engine import Engine, GenerationRequest, SamplingParams
+from mlx_engine import Engine, SamplingParams
+from tests.test_mac_path import assert_same
+from tests.test_mac_path import together as together_with
 from tests.tiny_models import folder_with_weights, gguf_to_hf_names, kquant_llama_gguf, random_llama_folder
 
 pytestmark = [pytest.mark.skipif(not _backend.interpret_available(), reason="the Metal interpreter is not importable"),
               pytest.mark.skipif(mx.metal.is_available(), reason="a real Mac: its kernels run for real elsewhere")]
 
-PROMPTS = [[(7 * i + 3) % 120 + 5 for i in range(45)], [(11 * i + 5) % 120 + 5 for i in range(21)]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
+
+
+def together(engine: Engine) -> list:
+    """tests/test_mac_path.py's two prompts at once (their decode steps batch), greedy."""
+    return together_with(engine, GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -73,25 +78,6 @@ class WrongKernel:
     def __call__(self, **kwargs):
         self.calls += 1
         return [o + 1 for o in self.kernel(**kwargs)]
-
-
-def together(engine: Engine) -> list[tuple[list[int], np.ndarray]]:
-    """Both prompts at once (their decode steps batch): each one's tokens and top-5 (id, logprob) per step."""
-    streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=GREEDY)) for p in PROMPTS]
-    out = []
-    for s in streams:
-        events = list(s)
-        assert events[-1].finish_reason == "length", events[-1].error
-        lps = [lp for ev in events for lp in ev.logprobs]
-        out.append(([lp.token_id for lp in lps], np.array([[list(t) for t in lp.top] for lp in lps])))
-    return out
-
-
-def assert_same(got: list, want: list, atol: float) -> None:
-    for (tokens, top), (want_tokens, want_top) in zip(got, want, strict=True):
-        assert tokens == want_tokens
-        assert np.array_equal(top[..., 0], want_top[..., 0])
-        assert float(np.abs(top[..., 1] - want_top[..., 1]).max()) <= atol
 
 
 @pytest.mark.parametrize("failure", ["compile", "numbers"])

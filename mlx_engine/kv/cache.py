@@ -1,8 +1,9 @@
 """The MLX paged KV cache: one block pool for every running sequence (continuous batching, prefix caching across
 requests, quantized KV, a fixed memory budget, KV files), through the `kv.protocol.KVCache` contract.
 
-The block bookkeeping is `kv.tables.BlockTables`'s (shared with the torch cache); this class adds the MLX storage
-(`kv.paged`), the views a model layer attends through (`kv.views`) and the KV files (`kv.files`).
+The block bookkeeping is a `kv.tables.BlockTables` it holds (as the torch cache does), served through
+`BlockTableCache`'s methods; this class adds the MLX storage (`kv.paged`), the views a model layer attends through
+(`kv.views`) and the KV files (`kv.files`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from mlx_engine.kv.config import KVConfig, blocks_in_budget, default_budget
 from mlx_engine.kv.manager import KVCacheManager
 from mlx_engine.kv.paged import PagedKVStorage, bytes_per_block
 from mlx_engine.kv.protocol import KVCapabilities
-from mlx_engine.kv.tables import BlockTables, KVBudgetError
+from mlx_engine.kv.tables import BlockTableCache, BlockTables, KVBudgetError
 from mlx_engine.kv.views import DecodeStep, PackedView, PagedDecodeView, PagedPrefillView
 
 __all__ = ["KVBudgetError", "PagedCache"]
@@ -24,7 +25,7 @@ __all__ = ["KVBudgetError", "PagedCache"]
 MAX_SLOT_RUNS = 8  # on the CPU, a sequence in at most this many runs of blocks is attended in place (`_slots`)
 
 
-class PagedCache:
+class PagedCache(BlockTableCache):
     def __init__(self, storage: PagedKVStorage, manager: KVCacheManager, num_layers: int, bytes_per_block: int):
         self.storage, self.manager, self.num_layers = storage, manager, num_layers
         self.tables = BlockTables(manager, storage, bytes_per_block)
@@ -59,55 +60,6 @@ class PagedCache:
         from mlx_engine.kv.smoothing import calibrate
 
         self.storage.set_smoothing(calibrate(model, tokenizer, vocab_size))
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.tables.bytes_per_block
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.tables.capacity_tokens
-
-    # --- bookkeeping (`BlockTables`) ---
-
-    def check_fits(self, num_tokens: int) -> None:
-        self.tables.check_fits(num_tokens)
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return self.tables.blocks_for(num_tokens)
-
-    def num_free_blocks(self) -> int:
-        return self.tables.num_free_blocks()
-
-    def num_blocks_held(self, req_id: str) -> int:
-        return self.tables.num_blocks_held(req_id)
-
-    def start(self, req_id: str, prompt_ids: list[int], reuse: bool = True) -> int:
-        return self.tables.start(req_id, prompt_ids, reuse)
-
-    def allocate(self, req_id: str, token_ids: list[int], num_new_tokens: int) -> None:
-        self.tables.allocate(req_id, token_ids, num_new_tokens)
-
-    def trim(self, req_id: str, num_tokens: int) -> None:
-        self.tables.trim(req_id, num_tokens)
-
-    def record(self, req_id: str, known_ids: list[int]) -> None:
-        self.tables.record(req_id, known_ids)
-
-    def finish(self, req_id: str, fed_ids: list[int]) -> None:
-        self.tables.free(req_id)
-
-    def free(self, req_id: str) -> None:
-        self.tables.free(req_id)
-
-    def drop(self) -> None:
-        self.tables.drop()
-
-    def drop_request(self, req_id: str) -> None:
-        self.tables.drop_request(req_id)
-
-    def stats(self) -> dict[str, Any]:
-        return self.tables.stats()
 
     # --- views ---
 

@@ -118,3 +118,57 @@ class BlockTables:
                  bytes_budget=self.storage.num_blocks * self.bytes_per_block,
                  bytes_used=s["used"] * self.bytes_per_block, **self.storage.format_stats())
         return s
+
+
+class BlockTableCache:
+    """The `KVCache` methods a paged cache serves from its block bookkeeping (`self.tables`): the MLX and the torch
+    cache each hold a `BlockTables` over their storage and add their storage's views; neither overrides these."""
+
+    tables: BlockTables
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.tables.bytes_per_block
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.tables.capacity_tokens
+
+    def check_fits(self, num_tokens: int) -> None:
+        self.tables.check_fits(num_tokens)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return self.tables.blocks_for(num_tokens)
+
+    def num_free_blocks(self) -> int:
+        return self.tables.num_free_blocks()
+
+    def num_blocks_held(self, req_id: str) -> int:
+        return self.tables.num_blocks_held(req_id)
+
+    def start(self, req_id: str, prompt_ids: list[int], reuse: bool = True) -> int:
+        return self.tables.start(req_id, prompt_ids, reuse)
+
+    def allocate(self, req_id: str, token_ids: list[int], num_new_tokens: int) -> None:
+        self.tables.allocate(req_id, token_ids, num_new_tokens)
+
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        self.tables.trim(req_id, num_tokens)
+
+    def record(self, req_id: str, known_ids: list[int]) -> None:
+        self.tables.record(req_id, known_ids)
+
+    def finish(self, req_id: str, fed_ids: list[int]) -> None:
+        self.tables.free(req_id)
+
+    def free(self, req_id: str) -> None:
+        self.tables.free(req_id)
+
+    def drop(self) -> None:
+        self.tables.drop()
+
+    def drop_request(self, req_id: str) -> None:
+        self.tables.drop_request(req_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self.tables.stats()

@@ -23,7 +23,7 @@ from mlx_engine.kv.config import DEFAULT_MEMORY_FRACTION, KVConfig, blocks_in_bu
 from mlx_engine.kv.manager import KVCacheManager
 from mlx_engine.kv.paged import bytes_per_block
 from mlx_engine.kv.protocol import KVCapabilities
-from mlx_engine.kv.tables import BlockTables
+from mlx_engine.kv.tables import BlockTableCache, BlockTables
 
 INITIAL_BLOCKS = 8
 
@@ -247,8 +247,9 @@ def gpu_default_budget(free_bytes: int, context_length: int, block_size: int, pe
     return min(int(free_bytes * DEFAULT_MEMORY_FRACTION), contexts)
 
 
-class TorchPagedCache:
-    """The paged KV cache over torch storage: the shared block bookkeeping (`BlockTables`), torch views."""
+class TorchPagedCache(BlockTableCache):
+    """The paged KV cache over torch storage: the shared block bookkeeping (a `BlockTables` it holds, served through
+    `BlockTableCache`'s methods), torch views."""
 
     def __init__(self, storage: TorchKVStorage, manager: KVCacheManager, num_layers: int, bytes_per_block: int):
         self.storage, self.manager, self.num_layers = storage, manager, num_layers
@@ -278,53 +279,8 @@ class TorchPagedCache:
                                  extra_key=model_id)
         return cls(storage, manager, num_layers, per_block)
 
-    @property
-    def bytes_per_block(self) -> int:
-        return self.tables.bytes_per_block
-
-    # --- bookkeeping (`BlockTables`) ---
-
-    def check_fits(self, num_tokens: int) -> None:
-        self.tables.check_fits(num_tokens)
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return self.tables.blocks_for(num_tokens)
-
-    def num_free_blocks(self) -> int:
-        return self.tables.num_free_blocks()
-
-    def num_blocks_held(self, req_id: str) -> int:
-        return self.tables.num_blocks_held(req_id)
-
-    def start(self, req_id: str, prompt_ids: list[int], reuse: bool = True) -> int:
-        return self.tables.start(req_id, prompt_ids, reuse)
-
-    def allocate(self, req_id: str, token_ids: list[int], num_new_tokens: int) -> None:
-        self.tables.allocate(req_id, token_ids, num_new_tokens)
-
-    def trim(self, req_id: str, num_tokens: int) -> None:
-        self.tables.trim(req_id, num_tokens)
-
-    def record(self, req_id: str, known_ids: list[int]) -> None:
-        self.tables.record(req_id, known_ids)
-
-    def finish(self, req_id: str, fed_ids: list[int]) -> None:
-        self.tables.free(req_id)
-
-    def free(self, req_id: str) -> None:
-        self.tables.free(req_id)
-
-    def drop(self) -> None:
-        self.tables.drop()
-
-    def drop_request(self, req_id: str) -> None:
-        self.tables.drop_request(req_id)
-
     def calibrate(self, model: Any, tokenizer: Any, vocab_size: int) -> None:
         pass  # unquantized
-
-    def stats(self) -> dict[str, Any]:
-        return self.tables.stats()
 
     def save(self, path: str, token_ids: list[int], fingerprint: bytes) -> int:
         raise RooflineError("saving KV is not supported on the torch backend")
