@@ -16,6 +16,7 @@ when it fails; `kernel_warnings` runs the check at load and says so in the line 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -103,7 +104,12 @@ def contiguous_attention(q: mx.array, keys: mx.array, values: mx.array, scale: f
                          window: int | None) -> mx.array:
     """A contiguous buffer's attention through the table (the row depends on the chunk: chosen per call)."""
     long = window is not None and offset + q.shape[2] > window
-    return choose(Case("contiguous", long=long, window=window)).run(q, keys, values, scale, offset, window)
+    return _contiguous_path(long, window).run(q, keys, values, scale, offset, window)
+
+
+@functools.cache
+def _contiguous_path(long: bool, window: int | None) -> Path:
+    return choose(Case("contiguous", long=long, window=window))
 
 
 def kernel_warnings(storage: Any) -> tuple[str, ...]:

@@ -164,7 +164,8 @@ class ContiguousCache:
         """The buffers may hold one step more than was fed (a pipelined step): trim to `fed_ids`."""
         if req_id in self._side:
             return self.free(req_id)
-        offset = self._layers[0].offset if self._layers else 0
+        # mlx-lm's recurrent caches (its ArraysCache) keep no offset: nothing to trim there
+        offset = getattr(self._layers[0], "offset", len(fed_ids)) if self._layers else 0
         over = offset - len(fed_ids)
         if over > 0 and not self._trim(over):
             self._layers, self._tokens = None, []
