@@ -195,12 +195,22 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _load_engine(model: str | None, **options: Any) -> Any:
+def _load_engine(model: str | None, no_tokenizer: str = "fine", **options: Any) -> Any:
+    """Engine.load, its warnings on stderr. A model without a tokenizer: "error" where the command reads or writes
+    text, "warn" where text is what users mostly send (the server), "fine" where token ids are the input."""
     from mlx_engine import Engine
 
     engine = Engine.load(model, **options)
     for warning in engine.info.warnings:
         print(f"roofline: warning: {warning}", file=sys.stderr)
+    if not engine.info.has_tokenizer and no_tokenizer != "fine":
+        what = f"{engine.info.name} came without a tokenizer (no tokenizer.json or tokenizer.model beside its weights)"
+        if no_tokenizer == "error":
+            engine.close()
+            raise RooflineError(f"{what}, so it cannot read a prompt or write a reply: use a model folder with its "
+                                "tokenizer files (`roofline logits --token-ids` runs it on token ids)")
+        print(f"roofline: warning: {what}: requests must send token ids (prompt_token_ids) and replies carry token "
+              "ids, not text", file=sys.stderr)
     return engine
 
 
@@ -241,7 +251,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise RooflineError(f"--allow-origin {origin!r}: expected an origin like https://example.com "
                                 "(scheme://host[:port], no path), or '*'")
     options, speculative = _load_options(args), _speculative(args)
-    return serve(lambda: _load_engine(args.model, backend=args.backend, device=args.device, **options),
+    return serve(lambda: _load_engine(args.model, no_tokenizer="warn", backend=args.backend, device=args.device,
+                                      **options),
                  host=args.host, port=args.port, api_key=args.api_key or None,
                  max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                  drain_timeout_s=args.drain_timeout, default_max_tokens=args.default_max_tokens,
@@ -290,7 +301,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             {"role": "user", "content": args.prompt}
         ]
         request = GenerationRequest(messages=messages, sampling=sampling)
-    engine = _load_engine(args.model, **options)
+    engine = _load_engine(args.model, no_tokenizer="error", **options)
     parts: list[str] = []
     final = None
     for event in engine.generate(request):

@@ -136,6 +136,7 @@ class Runner:
             eos_token_ids=eos,
             notes=notes,
             warnings=warnings,
+            has_tokenizer=ckpt.tokenizer is not None,
         )
         runner = cls(built, tokenizer, info, prefill_chunk_size)
         runner._shape = _decode_shape(ckpt.config, params, act_dtype)

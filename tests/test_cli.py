@@ -112,6 +112,14 @@ def test_prompt_too_long_is_one_clear_line(tmp_path: Path) -> None:
     assert_one_line_error(r, "300 tokens", "context is 256 tokens")
 
 
+def test_generate_on_a_model_without_a_tokenizer_says_so_in_one_line() -> None:
+    """The tiny golden llama has weights and config only: generate says what is missing and what works instead,
+    not the API's "send prompt_token_ids"."""
+    r = roofline("generate", "--model", str(GOLDEN / "llama"), "-p", "hi", "-n", "2")
+    assert_one_line_error(r, "llama came without a tokenizer", "tokenizer.json", "roofline logits --token-ids")
+    assert "prompt_token_ids" not in r.stderr
+
+
 def test_tokens_on_vocabulary_only_gguf(tmp_path: Path) -> None:
     import gguf
 
