@@ -52,6 +52,17 @@ def test_generate_held_to_a_json_schema_and_a_regex(tmp_path: Path) -> None:
     assert json.loads(r.stdout)["text"] in ("yes", "no")
 
 
+def test_generate_cut_by_max_tokens_inside_a_character_ends_on_a_whole_one() -> None:
+    """🎉 is three of SmolLM2's tokens (<0xF0><0x9F>, <0x8E>, <0x89>): one token of it is no character, so the
+    reply's text is empty, not U+FFFD; four tokens are the emoji and half of the next."""
+    r = roofline("generate", "-p", "Reply with a party emoji.", "--regex", "🎉🎉", "-n", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["text"], out["finish_reason"], out["usage"]["completion_tokens"]) == ("", "length", 1)
+    r = roofline("generate", "-p", "Reply with a party emoji.", "--regex", "🎉🎉", "-n", "4", "--json")
+    assert json.loads(r.stdout)["text"] == "🎉"
+
+
 def test_generate_with_a_bad_schema_file_is_one_line(tmp_path: Path) -> None:
     assert_one_line_error(roofline("generate", "-p", "x", "--json-schema", str(tmp_path / "none.json")),
                           "none.json: cannot read it")
