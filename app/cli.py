@@ -102,8 +102,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the keys' bits, when not --kv-bits (needs --kv-bits)")
     k.add_argument("--block-size", type=int, choices=(16, 32), default=16,
                    help="tokens per KV block (default 16): 4-bit keys are grouped per channel over a block")
-    k.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
-                   help="KV dtype when not quantized (default float16, as on a Mac)")
+    k.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
+                   help="KV dtype when not quantized, and of the scales when quantized (default: what this "
+                   "machine's engine stores: float32 on MLX's CPU backend, the checkpoint's on a Mac)")
 
     sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     sv.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
@@ -368,6 +369,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
 def cmd_kv(args: argparse.Namespace) -> int:
     from mlx_engine.catalog import kv_bytes, kv_shape
+    from mlx_engine.roofline import kv_dtype_here
 
     if args.context < 1 or args.batch < 1:
         raise RooflineError("--context and --batch must be positive integers")
@@ -375,7 +377,8 @@ def cmd_kv(args: argparse.Namespace) -> int:
         raise RooflineError(f"--kv-key-bits {args.kv_key_bits} needs --kv-bits (4 or 8): it sets the keys' bits of "
                             "a quantized KV cache")
     shape = kv_shape(args.model)
-    itemsize = 4 if args.dtype == "float32" else 2
+    dtype, why = (args.dtype, "--dtype") if args.dtype else kv_dtype_here()
+    itemsize = 4 if dtype == "float32" else 2
     # as the engine stores them by default: 4-bit keys per channel over each block's tokens (KVConfig.key_per_channel)
     per_channel = (args.kv_key_bits or args.kv_bits) == 4 and shape.head_dim % args.block_size == 0
     key_group = args.block_size if per_channel else None
@@ -383,9 +386,10 @@ def cmd_kv(args: argparse.Namespace) -> int:
                      key_group_size=key_group)
     per_token = kv_bytes(shape, 1, 1, args.kv_bits, itemsize, key_bits=args.kv_key_bits, key_group_size=key_group)
     keys = f", keys per channel over {args.block_size}-token blocks" if per_channel else ""
-    kind = f"{args.kv_bits}-bit (g64{keys})" if args.kv_bits else args.dtype
+    kind = f"{args.kv_bits}-bit (g64{keys}, {dtype} scales)" if args.kv_bits else dtype
     if args.kv_key_bits not in (None, args.kv_bits):
-        kind = f"{args.kv_key_bits}-bit keys, {args.kv_bits}-bit values (g64{keys})"
+        kind = f"{args.kv_key_bits}-bit keys, {args.kv_bits}-bit values (g64{keys}, {dtype} scales)"
+    kind += f" ({why})" if not args.dtype else ""
     print(f"{total / 1e9:.1f} GB ({total:,} bytes) of KV for {args.batch} x {args.context:,} tokens in {kind}: "
           f"{shape.num_layers} layers x {shape.num_kv_heads} KV heads x head dim {shape.head_dim}, "
           f"{per_token:,} bytes per token")

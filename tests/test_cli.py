@@ -165,17 +165,35 @@ def test_kv_sizes_llama3_70b_from_config_alone(tmp_path: Path) -> None:
     config = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
               "num_key_value_heads": 8, "max_position_embeddings": 8192, "vocab_size": 128256}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    r = roofline("kv", "--model", str(tmp_path), "--context", "100000")
+    r = roofline("kv", "--model", str(tmp_path), "--context", "100000", "--dtype", "float16")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("32.8 GB (32,768,000,000 bytes) of KV for 1 x 100,000 tokens in float16")
     assert "327,680 bytes per token" in r.stdout
 
 
 def test_kv_on_embedded_gguf_with_quantized_kv() -> None:
-    r = roofline("kv", "--context", "8192", "--batch", "4", "--kv-bits", "8")
+    r = roofline("kv", "--context", "8192", "--batch", "4", "--kv-bits", "8", "--dtype", "float16")
     # 30 layers x 3 KV heads x (64 bytes + 2 x 2 bytes of scale and bias per group of 64) x 2 (K, V)
     assert r.returncode == 0 and "(401,080,320 bytes) of KV for 4 x 8,192 tokens in 8-bit" in r.stdout
     assert "12,240 bytes per token" in r.stdout
+
+
+def test_kv_defaults_to_what_this_machines_engine_stores_and_says_so(capsys) -> None:
+    """No --dtype: the bytes per token the engine itself allocates here (float32 on MLX's CPU backend, float32
+    scales for quantized KV), and the dtype named."""
+    from app.cli import main
+    from mlx_engine import Engine
+    from mlx_engine.roofline import kv_dtype_here
+
+    dtype, why = kv_dtype_here()
+    for extra, kv_bits in (((), None), (("--kv-bits", "8"), 8)):
+        assert main(["kv", "--context", "4096", *extra]) == 0
+        line = capsys.readouterr().out
+        assert f"{dtype}" in line and why in line
+        per_token = int(line.split(" bytes per token")[0].rsplit(", ", 1)[1].replace(",", ""))
+        with Engine.load(None, **({"kv_bits": kv_bits} if kv_bits else {})) as e:
+            stats = e.kv_stats()
+            assert per_token == stats["bytes_per_block"] // stats["block_size"], (line, stats)
 
 
 def test_kv_bad_model_is_one_clear_line(tmp_path: Path) -> None:
@@ -185,7 +203,8 @@ def test_kv_bad_model_is_one_clear_line(tmp_path: Path) -> None:
 
 
 def test_kv_with_8bit_keys_and_4bit_values() -> None:
-    r = roofline("kv", "--context", "8192", "--batch", "4", "--kv-bits", "4", "--kv-key-bits", "8")
+    r = roofline("kv", "--context", "8192", "--batch", "4", "--kv-bits", "4", "--kv-key-bits", "8", "--dtype",
+                 "float16")
     # 30 layers x 3 KV heads x (K: 64 + 4 bytes, V: 32 + 4 bytes of packed values, scale and bias per group)
     assert r.returncode == 0, r.stderr
     assert "(306,708,480 bytes) of KV for 4 x 8,192 tokens in 8-bit keys, 4-bit values" in r.stdout
@@ -196,12 +215,12 @@ def test_kv_with_8bit_keys_and_4bit_values() -> None:
 def test_kv_at_4_bits_counts_keys_per_channel() -> None:
     """4-bit keys are grouped per channel over each block (the engine's default): a scale and a bias per channel
     and block of 16 tokens."""
-    r = roofline("kv", "--context", "8192", "--kv-bits", "4")
+    r = roofline("kv", "--context", "8192", "--kv-bits", "4", "--dtype", "float16")
     # 30 layers x 3 KV heads x (K: 32 + 2 x 2 bytes x 64 / 16, V: 32 + 4 bytes of packed values, scale and bias)
     assert r.returncode == 0, r.stderr
     assert "(8,192 x 7,560 bytes" not in r.stdout and "7,560 bytes per token" in r.stdout
-    assert "4-bit (g64, keys per channel over 16-token blocks)" in r.stdout
-    r = roofline("kv", "--context", "8192", "--kv-bits", "4", "--block-size", "32")
+    assert "4-bit (g64, keys per channel over 16-token blocks, float16 scales)" in r.stdout
+    r = roofline("kv", "--context", "8192", "--kv-bits", "4", "--block-size", "32", "--dtype", "float16")
     assert r.returncode == 0 and "6,840 bytes per token" in r.stdout  # K: 32 + 2 x 2 x 64 / 32
 
 
