@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from mlx_engine.api import SPECULATIVE_MODES, GenerationRequest, ResponseFormat, RooflineError, SamplingParams
 
@@ -22,8 +23,60 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error instead of the usage: what was wrong, a "did you mean" for a mistyped
+    command, choice or option, and where the help is (subcommands' parsers are this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"roofline: error: {_usage_message(self, message)}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _did_you_mean(word: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _usage_message(parser: argparse.ArgumentParser, message: str) -> str:
+    """argparse's `message` as one line a person reads at a glance."""
+    help_hint = f"`{parser.prog} --help`"
+    m = re.fullmatch(r"argument (\S+?): invalid choice: '(.*)' \(choose from (.*)\)", message, re.S)
+    if m:
+        name, value = m.group(1), m.group(2)
+        choices = re.findall(r"'([^']*)'", m.group(3)) or [c.strip() for c in m.group(3).split(",")]
+        if name == "COMMAND":
+            return f"unknown command {value!r}{_did_you_mean(value, choices)}; {help_hint} lists the commands"
+        return f"{name} {value!r}: expected one of {', '.join(choices)}{_did_you_mean(value, choices)}"
+    m = re.fullmatch(r"argument (\S+?): invalid (int|float) value: '(.*)'", message, re.S)
+    if m:
+        kind = "an integer" if m.group(2) == "int" else "a number"
+        return f"{m.group(1).split('/')[0]} {m.group(3)!r}: expected {kind} ({help_hint})"
+    m = re.fullmatch(r"unrecognized arguments: (.*)", message, re.S)
+    if m:
+        first = m.group(1).split()[0]
+        if first.startswith("-"):
+            options = {o for a in _all_actions(parser) for o in a.option_strings}
+            return f"unknown option {first}{_did_you_mean(first.split('=')[0], sorted(options))} ({help_hint})"
+        return f"unexpected argument {first!r} ({help_hint})"
+    m = re.fullmatch(r"the following arguments are required: (.*)", message, re.S)
+    if m:
+        return f"{parser.prog} needs {m.group(1)} ({help_hint})"
+    return f"{message} ({help_hint})"
+
+
+def _all_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The parser's actions and its subcommands', for suggesting an option: argparse reports an unknown option
+    from the top parser, whichever command it was given to."""
+    out = list(parser._actions)
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                out += _all_actions(sub)
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="roofline",
         description="On-device LLM inference with MLX, every token measured against the memory-bandwidth roofline.",
     )
@@ -181,6 +234,12 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
     --draft-model / --draft-bits."""
     out: dict[str, Any] = {}
     if getattr(args, "draft_model", None) is not None:
+        from mlx_engine.loading import resolve
+
+        try:  # before the main model loads (seconds), not after
+            resolve(args.draft_model)
+        except RooflineError as e:
+            raise RooflineError(f"--draft-model: {e}") from None
         out["draft_model"] = args.draft_model
     if getattr(args, "draft_bits", None) is not None:
         if args.draft_model is None:
@@ -281,6 +340,11 @@ def _response_format(args: argparse.Namespace) -> ResponseFormat | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    fmt = _response_format(args)
+    if fmt is not None:  # a regex or schema llguidance cannot compile fails now, not after the model loads
+        from mlx_engine.structured import check_format
+
+        check_format(fmt)
     options = _load_options(args)
     sampling = SamplingParams(
         temperature=args.temp,
@@ -291,7 +355,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
-        response_format=_response_format(args),
+        response_format=fmt,
         speculative=_speculative(args),
         num_draft_tokens=args.num_draft_tokens,
     )

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.tiny_models import GOLDEN
 
@@ -28,6 +29,35 @@ def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None
 def test_no_arguments_prints_help() -> None:
     r = roofline()
     assert r.returncode == 0 and "generate" in r.stdout and "tokens" in r.stdout
+
+
+def test_a_typo_is_one_line_with_a_did_you_mean() -> None:
+    """Not the 12-line usage: the mistake, the nearest command, choice or option, and where the help is."""
+    assert_one_line_error(roofline("genrate", "-p", "x"), "unknown command 'genrate'", "did you mean generate?",
+                          "roofline --help")
+    assert_one_line_error(roofline("generate", "-p", "x", "--seed", "abc"), "--seed 'abc': expected an integer",
+                          "roofline generate --help")
+    assert_one_line_error(roofline("generate", "-p", "x", "--tmep", "0.5"), "unknown option --tmep",
+                          "did you mean --temp?")
+    assert_one_line_error(roofline("bench", "--backend", "trch"), "--backend 'trch': expected one of mlx, torch",
+                          "did you mean torch?")
+    assert_one_line_error(roofline("generate"), "roofline generate needs --prompt/-p")
+
+
+def test_a_bad_regex_or_draft_model_fails_before_the_model_loads(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Checked first: a load of the embedded model alone takes 6-7 s here."""
+    import mlx_engine
+    from app import cli
+
+    monkeypatch.setattr(mlx_engine.Engine, "load", lambda *a, **k: pytest.fail("the model was loaded first"))
+    (tmp_path / "colour.json").write_text('{"type": "colour"}')
+    for args, needles in ((("--regex", "(yes|no"), ("the regex cannot be used", "unclosed group")),
+                          (("--json-schema", str(tmp_path / "colour.json")), ("the JSON Schema cannot", "colour")),
+                          (("--draft-model", "/nowhere/draft.gguf"), ("--draft-model: model not found",))):
+        assert cli.main(["generate", "-p", "x", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("roofline: error: ") and len(err.strip().splitlines()) == 1
+        assert all(n in err for n in needles), err
 
 
 def test_generate_json_on_embedded_model_answers_paris() -> None:
@@ -297,9 +327,10 @@ def test_draft_flags_without_a_draft_model_are_one_clear_line(monkeypatch, capsy
         "roofline: error: invalid sampling parameter num_draft_tokens=17: expected an integer in [1, 16]")
     seen: dict = {}
     monkeypatch.setattr(server_pkg, "serve", lambda factory, **kw: seen.update(kw) or 0)
-    assert cli.main(["serve", "--draft-model", "small.gguf"]) == 0 and seen["speculative"] == "auto"
-    assert cli.main(["serve", "--draft-model", "small.gguf", "--speculative", "off"]) == 0
+    small = str(GOLDEN / "llama")  # a draft model must exist: it is looked up before anything loads
+    assert cli.main(["serve", "--draft-model", small]) == 0 and seen["speculative"] == "auto"
+    assert cli.main(["serve", "--draft-model", small, "--speculative", "off"]) == 0
     assert seen["speculative"] is None
     monkeypatch.setattr(tui_pkg, "run", lambda model, **options: seen.update(chat=(model, options)) or 0)
-    assert cli.main(["chat", "-m", "big.gguf", "--draft-model", "small.gguf", "--draft-bits", "8"]) == 0
-    assert seen["chat"] == ("big.gguf", {"draft_model": "small.gguf", "draft_bits": 8, "draft_optional": True})
+    assert cli.main(["chat", "-m", "big.gguf", "--draft-model", small, "--draft-bits", "8"]) == 0
+    assert seen["chat"] == ("big.gguf", {"draft_model": small, "draft_bits": 8, "draft_optional": True})
