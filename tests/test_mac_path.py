@@ -195,7 +195,7 @@ def test_speculation_on_a_mac_matches_the_cpu_path(llama: Path, request: pytest.
 def test_a_mac_keeps_the_recommended_working_set_wired(mac: Launches, llama: Path, monkeypatch) -> None:
     """As mlx-lm does: the wired limit is Metal's recommended working set, so weights and KV stay resident between
     requests; weights near that size get a note. Never on the CPU path."""
-    from mlx_engine.runner import wire_memory
+    from mlx_engine.backends.mlx.load import wire_memory
 
     with Engine.load(str(llama)) as e:
         assert mac.wired == [WORKING_SET]

@@ -100,7 +100,7 @@ def test_a_step_is_one_forward_over_decode_rows_and_prefill_chunks(folder: Path,
     """A decoding request and two new prompts: their step packs the decode row and both prompts' chunks
     into one forward of (1, 1 + 16 + 16) rows (the chunk size is 16), every step is one forward, and each
     request gets the tokens and log-probabilities it gets alone."""
-    from mlx_engine.runner import Runner
+    from mlx_engine.backends.mlx.runner import Runner
 
     shapes: list[tuple[int, ...]] = []
     forward = Runner.forward
@@ -245,7 +245,7 @@ def test_plain_rows_are_sampled_by_the_runner(folder: Path, monkeypatch, samplin
     """Requests without bias, penalties or log-probabilities get their tokens from the runner's `rows_sample`
     (where a GPU runner keeps its logits); asking for log-probabilities takes every row through the scheduler's
     own sampling. On the MLX runner the tokens are the same, seeded draws included."""
-    from mlx_engine.runner import Runner
+    from mlx_engine.backends.mlx.runner import Runner
     from mlx_engine.scheduler import Scheduler
 
     calls = {"runner": 0, "scheduler": 0}
@@ -277,7 +277,7 @@ def test_plain_rows_are_sampled_by_the_runner(folder: Path, monkeypatch, samplin
 def test_decode_step_timer_leaves_the_cache_as_it_found_it(folder: Path, backend: str) -> None:
     """bench/server.py times B-sequence decode steps on a live engine: its sequences' blocks and prefix hashes
     are gone afterwards, and the next request decodes exactly as before."""
-    from mlx_engine.bench import time_decode_step
+    from mlx_engine.speculative.timing import time_decode_step
 
     opts: dict = {}
     if backend == "torch":
