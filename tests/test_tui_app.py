@@ -274,15 +274,26 @@ async def test_a_missing_model_path_at_startup_is_a_notice_not_a_crash(tmp_path)
         assert app.model_ref == ""
 
 
-async def test_model_picker_lists_models_adds_a_path_and_switches(tmp_path) -> None:
+def a_gguf(tmp_path):
     gguf = tmp_path / "mine.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 100)
+    return gguf
+
+
+async def open_picker(pilot) -> ModelPicker:
+    """ctrl+l, then waits for the picker's rows."""
+    app = pilot.app
+    await pilot.press("ctrl+l")
+    await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker) and app.screen.rows, what="picker rows")
+    return app.screen
+
+
+async def test_model_picker_lists_models_adds_a_path_and_switches(tmp_path) -> None:
+    gguf = a_gguf(tmp_path)
     app, backend = make_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        await pilot.press("ctrl+l")
-        await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker) and app.screen.rows, what="picker rows")
-        picker = app.screen
+        picker = await open_picker(pilot)
         text = screen_text(app)
         assert "FakeLM-1M (test)" in text and "org/fake-big" in text and "600M" in text and "32,768" in text
         picker.query_one("#add-path").value = str(tmp_path / "missing.gguf")
@@ -304,21 +315,16 @@ async def test_ctrl_l_then_typing_a_path_adds_it_and_enter_never_reloads_the_cur
     """As a person does it: ctrl+l, type a path, Enter (it is added and highlighted), Enter (it loads). The arrows
     move the list from the path box; a character typed with the list focused lands in the box too; Enter on the
     model already loaded closes the picker without loading it again."""
-    gguf = tmp_path / "mine.gguf"
-    gguf.write_bytes(b"GGUF" + b"\0" * 100)
+    gguf = a_gguf(tmp_path)
     app, backend = make_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        await pilot.press("ctrl+l")
-        await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker) and app.screen.rows, what="picker rows")
-        picker = app.screen
+        picker = await open_picker(pilot)
         assert picker.query_one("#add-path").has_focus
         await pilot.press("enter")  # the highlighted row is the loaded model
         await wait_for(pilot, lambda: app.screen is app.chat_screen, what="picker closed")
         assert len(backend.engines) == 1 and any("already loaded" in n.message for n in app._notifications)
-        await pilot.press("ctrl+l")
-        await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker) and app.screen.rows, what="picker again")
-        picker = app.screen
+        picker = await open_picker(pilot)
         picker.query_one("DataTable").focus()  # even from the list, what one types goes to the path box
         await pilot.press(*str(gguf))
         assert picker.query_one("#add-path").value == str(gguf)
