@@ -218,14 +218,17 @@ def test_rows_print_as_they_finish_off_a_terminal_and_ctrl_c_keeps_them(tmp_path
 
     model = random_llama_folder(tmp_path / "tiny")
     out = tmp_path / "partial.json"
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "bench", "--model", str(model), "-p", "8", "-n", "32",
-                             "--batch", "1,2,3,4,5,6,7,8", "--context", "0,16,32,64", "--repeats", "3", "--json",
+    # a sweep of minutes, so that the signal lands inside it; SIGINT as a terminal delivers it (a test run in the
+    # background of a non-interactive shell ignores SIGINT, and a child would inherit that)
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "bench", "--model", str(model), "-p", "8", "-n", "200",
+                             "--batch", "1,2,3,4,5,6,7,8", "--context", "0,16,32,64", "--repeats", "5", "--json",
                              str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "ROOFLINE_HOME": str(home)})
+                            env={**os.environ, "ROOFLINE_HOME": str(home)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if " tg32 " in line:  # the first point is done: the sweep has 31 to go
+        if " tg200 " in line:  # the first point is done: the sweep has 31 to go
             proc.send_signal(signal.SIGINT)
             break
     rest, err = proc.communicate(timeout=120)
@@ -233,5 +236,5 @@ def test_rows_print_as_they_finish_off_a_terminal_and_ctrl_c_keeps_them(tmp_path
     assert "Traceback" not in err and "interrupted: kept the" in err
     data = validate(json.loads(out.read_text()))
     assert data["interrupted"] is True and 1 <= len(data["rows"]) < 32
-    printed = [x for x in (lines + rest.splitlines(keepends=True)) if " pp8 " in x or " tg32 " in x]
+    printed = [x for x in (lines + rest.splitlines(keepends=True)) if " pp8 " in x or " tg200 " in x]
     assert len(printed) == 2 * len(data["rows"])

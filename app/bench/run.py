@@ -38,8 +38,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                    help="auto (default), cpu or cuda (cuda: the torch backend only)")
     b.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help="torch on CUDA: launch each decode step's kernels one by one (default: replay a CUDA graph)")
-    # The defaults: a sweep of a few minutes on a laptop-class CPU (SmolLM2 on 2 x86 cores, quiet: ~3 min; the
-    # old 512/128, batches 1,4,8, depths 0,4096, 5 repeats ran past 8). llama-bench's own are -p 512 -n 128 -r 5.
+    # The defaults: a sweep of a few minutes on a small CPU (SmolLM2 on 2 x86 cores: ~4 min from the quiet
+    # machine's rates, 10 under load 10-12; the old 512/128, batches 1,4,8, depths 0,4096, 5 repeats ran past 8).
+    # llama-bench's own are -p 512 -n 128 -r 5.
     b.add_argument("-p", "--prompt-tokens", type=int, default=256, help="prompt tokens per prefill test (default 256)")
     b.add_argument("-n", "--gen-tokens", type=int, default=64, help="new tokens per decode test (default 64)")
     b.add_argument("--batch", "-b", default="1,4", help="concurrent sequences, comma-separated (default 1,4)")

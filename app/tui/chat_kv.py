@@ -77,7 +77,8 @@ class ChatKV:
         self._start(lambda: self._restore(engine, chat_id, epoch), f"restore KV of chat {chat_id}")
 
     def forget(self, chat_id: int) -> None:
-        """Deletes the chat's file (the chat was deleted, or its history changed); a save in flight is voided."""
+        """Deletes the chat's files, every model's (the chat was deleted, or its history changed); a save in flight
+        is voided."""
         with self._lock:
             self._epoch[chat_id] = self._epoch.get(chat_id, 0) + 1
             for path in self.files(chat_id):
