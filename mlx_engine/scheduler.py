@@ -501,7 +501,10 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         tail = ""
         if seq.stops is not None and not seq.stops.hit:
-            tail = seq.stops.flush(seq.detok.finalize())
+            held = seq.detok.finalize()
+            if reason == "length":  # max_tokens cut the last character's bytes: no character, not a U+FFFD
+                held = held.rstrip("\ufffd")
+            tail = seq.stops.flush(held)
         t_first = seq.t_first or time.perf_counter()
         stats = Stats(
             ttft_s=t_first - seq.stream.submitted_at,

@@ -130,6 +130,7 @@ class Runner:
             eos_token_ids=eos,
             notes=notes,
             warnings=warnings,
+            has_tokenizer=ckpt.tokenizer is not None,
         )
         runner = cls(built, tokenizer, info, prefill_chunk_size)
         runner._shape = decode_shape(ckpt.config, params, act_dtype)

@@ -204,7 +204,7 @@ class TorchRunner(Runner):
             num_parameters=tmodel.num_parameters, quantization=ckpt.quant_label, context_length=context,
             weight_bytes=tmodel.weight_bytes, vocab_size=int(ckpt.config.get("vocab_size") or tokenizer.vocab_size),
             native=True, dtype=dtype_name, eos_token_ids=tuple(tokenizer.eos_token_ids), backend="torch",
-            device=dev.type,
+            device=dev.type, has_tokenizer=ckpt.tokenizer is not None,
         )
         runner = cls(tmodel, tokenizer, info, prefill_chunk_size, dev)
         itemsize = torch.empty((), dtype=act_dtype).element_size()
