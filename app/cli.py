@@ -53,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="hold the draft model at 4 or 8 bits, so that it drafts cheaply (it may then be the "
                         "model itself; the torch backend on the CPU: 8)")
 
+    def distributed_arg(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--distributed", metavar="MODE",
+                            help="pipeline (layer ranges per rank) or tensor (heads and MLP columns split): the model "
+                            "across the ranks mlx.launch started; rank 0 runs the command, the others serve it "
+                            "(docs/distributed.md)")
+
     def template_arg(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--chat-template", metavar="FILE",
                             help="a Jinja chat template to use instead of the model's own (a .jinja file, or a "
@@ -78,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     fmt.add_argument("--regex", metavar="PATTERN", help="the reply is text this regular expression matches whole")
     template_arg(g)
     kv_args(g)
+    distributed_arg(g)
     draft_args(g, "the reply")
     g.add_argument("--num-draft-tokens", type=int, default=SamplingParams.num_draft_tokens, metavar="K",
                    help=f"most draft tokens per verification, 1-16 (default {SamplingParams.num_draft_tokens}; "
@@ -86,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="open the chat app (the default when run with no arguments in a terminal)")
     c.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
     kv_args(c)
+    distributed_arg(c)
     draft_args(c)
 
     lg = sub.add_parser("logits", help="write the float32 logits (T, vocab) of one forward pass to .npy")
@@ -131,6 +139,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="auto (default), cpu or cuda (cuda: the torch backend only)")
     template_arg(sv)
     kv_args(sv)
+    distributed_arg(sv)
     draft_args(sv, "a request that does not set 'speculative' itself (a speculating request verifies in a forward "
                "of its own, outside the batch)")
 
@@ -156,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        code = _serve_other_rank(args)
+        if code is not None:
+            return code
         return {"chat": cmd_chat, "generate": cmd_generate, "logits": cmd_logits, "tokens": cmd_tokens,
                 "kv": cmd_kv, "serve": cmd_serve, "bench": cmd_bench, "parity": cmd_parity}[args.command](args)
     except RooflineError as e:
@@ -175,6 +187,24 @@ def _speculative(args: argparse.Namespace) -> str | None:
     return None if mode == "off" else mode
 
 
+def _serve_other_rank(args: argparse.Namespace) -> int | None:
+    """--distributed: every rank but 0 serves rank 0's plans here (its exit status); rank 0 runs the command (None)."""
+    mode = getattr(args, "distributed", None)
+    if mode is None:
+        return None
+    from mlx_engine import distributed
+
+    distributed.check_mode(mode)
+    rank = distributed.launched_rank()
+    if rank is None:
+        raise RooflineError(distributed.NO_LAUNCHER)
+    if rank == 0:
+        distributed.stop_on_sigterm(0)
+        return None
+    options = {k: v for k, v in _load_options(args).items() if k != "distributed"}
+    return distributed.serve_rank(getattr(args, "model", None), mode, **options)
+
+
 def _load_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine.load's options from --kv-bits / --block-size (absent: the defaults), --chat-template and
     --draft-model / --draft-bits."""
@@ -192,6 +222,8 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         out["kv_bits"] = args.kv_bits
     if getattr(args, "block_size", 16) != 16:
         out["block_size"] = args.block_size
+    if getattr(args, "distributed", None) is not None:
+        out["distributed"] = args.distributed
     return out
 
 
