@@ -112,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens per KV block (default 16): 4-bit keys are grouped per channel over a block")
     k.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                    help="KV dtype when not quantized (default float16, as on a Mac)")
+    k.add_argument("--distributed", metavar="MODE",
+                   help="pipeline or tensor: also each rank's layers, weights and KV (as --distributed would split it)")
+    k.add_argument("--ranks", type=int, default=2, help="ranks for --distributed (default 2)")
 
     sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     sv.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
@@ -190,7 +193,7 @@ def _speculative(args: argparse.Namespace) -> str | None:
 def _serve_other_rank(args: argparse.Namespace) -> int | None:
     """--distributed: every rank but 0 serves rank 0's plans here (its exit status); rank 0 runs the command (None)."""
     mode = getattr(args, "distributed", None)
-    if mode is None:
+    if mode is None or args.command not in ("generate", "serve", "chat", "bench"):
         return None
     from mlx_engine import distributed
 
@@ -412,7 +415,35 @@ def cmd_kv(args: argparse.Namespace) -> int:
           f"{per_token:,} bytes per token")
     if shape.context_length and args.context > shape.context_length:
         print(f"note: the model's own context is {shape.context_length:,} tokens", file=sys.stderr)
+    if args.distributed is not None:
+        _kv_per_rank(args, shape, lambda s: kv_bytes(s, args.context, args.batch, args.kv_bits, itemsize,
+                                                     key_bits=args.kv_key_bits, key_group_size=key_group))
     return 0
+
+
+def _kv_per_rank(args: argparse.Namespace, shape: Any, kv_of: Any) -> None:
+    """`kv --distributed`: each rank's share on paper (the split a run makes, from the checkpoint's tensor sizes)."""
+    import dataclasses
+
+    from mlx_engine import distributed
+
+    mode = distributed.check_mode(args.distributed)
+    if args.ranks < 2:
+        raise RooflineError(f"--ranks {args.ranks}: expected 2 or more")
+    if mode == "tensor" and shape.num_kv_heads % args.ranks:
+        raise RooflineError(f"tensor parallel over {args.ranks} ranks splits the KV heads, and this model's "
+                            f"{shape.num_kv_heads} do not divide by {args.ranks}: use --distributed pipeline")
+    shares = distributed.shares_on_paper(distributed.file_tensor_sizes(args.model), shape.num_layers,
+                                         shape.num_kv_heads, mode, args.ranks)
+    for r in shares:
+        kv = kv_of(dataclasses.replace(shape, num_layers=r.num_layers, num_kv_heads=r.kv_heads))
+        held = ", ".join(x for x, on in (("embedding", r.embed), ("head", r.head)) if on)
+        print(f"rank {r.rank}: layers {r.layers[0]}-{r.layers[1] - 1} ({r.num_layers}) x {r.kv_heads} KV heads"
+              f"{'; ' + held if held else ''}: weights {_size(r.weight_bytes)} as stored, KV {_size(kv)}")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def cmd_tokens(args: argparse.Namespace) -> int:

@@ -46,6 +46,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--repeats", "-r", type=int, default=5, help="runs per test (default 5)")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON (schema roofline-bench-1)")
     b.add_argument("--markdown", action="store_true", help="print a Markdown table instead of the text table")
+    b.add_argument("--distributed", metavar="MODE",
+                   help="pipeline or tensor, under mlx.launch: also each rank's weights and KV, the link's measured "
+                   "bandwidth and its roof (bytes exchanged per token over that bandwidth)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -63,7 +66,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.cuda_graphs is not None and args.backend != "torch":
         raise RooflineError("--no-cuda-graphs needs --backend torch (CUDA graphs are the torch backend's)")
     result = run(args.model, spec, args.backend, args.device, command=" ".join(["roofline", *sys.argv[1:]]),
-                 cuda_graphs=args.cuda_graphs)
+                 cuda_graphs=args.cuda_graphs, distributed=args.distributed)
     if out is not None:
         out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {out}", file=sys.stderr)
@@ -72,7 +75,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def run(model: str | None, spec: Any, backend: str, device: str, command: str = "roofline bench",
-        cuda_graphs: bool | None = None) -> dict[str, Any]:
+        cuda_graphs: bool | None = None, distributed: str | None = None) -> dict[str, Any]:
     """Loads the model, measures `spec` with a progress bar on stderr, returns the bench JSON."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -81,7 +84,9 @@ def run(model: str | None, spec: Any, backend: str, device: str, command: str = 
     from app.tui.store import data_dir
     from mlx_engine import bench
 
-    options = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
+    options: dict[str, Any] = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
+    if distributed is not None:
+        options["distributed"] = distributed
     engine = bench.load_engine(model, spec, backend, device, **options)
     try:
         dev = bench.engine_device(engine, backend, device)
@@ -110,9 +115,24 @@ def run(model: str | None, spec: Any, backend: str, device: str, command: str = 
                          "batches": list(spec.batches), "contexts": list(spec.contexts)},
             "rows": [_row(engine, p, bw, flops) for p in points],
         }
+        if distributed is not None:
+            result["distributed"] = _distributed(engine, spec)
     finally:
         engine.close()
     return validate(result, "the bench result")
+
+
+def _distributed(engine: Any, spec: Any) -> dict[str, Any]:
+    """Each rank's figures, the measured link and its roof at each batch (`mlx_engine.distributed.link_roof`)."""
+    from mlx_engine.distributed import link_roof
+
+    stats = engine.kv_stats()
+    ranks, link = stats["ranks"], stats["link"]
+    r0 = ranks[0]
+    plan_per_step = r0["plan_bytes"] / max(1, r0["forwards"])
+    roofs = [{"batch": b, **link_roof(link, stats["mode"], len(ranks), r0["model_layers"], r0["hidden"],
+                                      r0["itemsize"], b, plan_per_step)} for b in spec.batches]
+    return {"mode": stats["mode"], "ranks": ranks, "link": link, "link_roof": roofs}
 
 
 def _stat(values: list[float]) -> dict[str, Any]:
@@ -168,6 +188,21 @@ def roofline_lines(result: dict[str, Any]) -> list[str]:
             "pp = 2 x parameters x tokens/s / peak FLOP/s"]
 
 
+def distributed_lines(result: dict[str, Any]) -> list[str]:
+    d = result.get("distributed")
+    if not d:
+        return []
+    link = d["link"]
+    lines = [f"{d['mode']} parallel over {len(d['ranks'])} ranks; link to rank 1: "
+             f"{link['bandwidth_bytes_s'] * 8 / 1e9:.2f} Gbit/s, {link['latency_s'] * 1e6:.0f} us one way (measured)"]
+    lines += [f"rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1] - 1}, {r['kv_heads']} KV heads: weights "
+              f"{r['weight_bytes'] / 2**20:.0f} MiB, KV {r['kv_budget_bytes'] / 2**20:.0f} MiB budget" for r in d["ranks"]]
+    lines += [f"link roof at batch {x['batch']}: {x['bytes_per_token']:,.0f} bytes/token -> "
+              f"{x['bandwidth_roof_tps']:,.0f} tok/s by bandwidth, {x['latency_roof_tps']:,.0f} with latency"
+              for x in d["link_roof"]]
+    return lines
+
+
 def text(result: dict[str, Any]) -> str:
     rows = [HEADER, *table_rows(result)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
@@ -175,7 +210,7 @@ def text(result: dict[str, Any]) -> str:
     lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(roofline_lines(result) + [""] + lines)
+    return "\n".join(roofline_lines(result) + distributed_lines(result) + [""] + lines)
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -12,7 +12,8 @@ from typing import Any
 
 from mlx_engine.distributed.launch import (EXIT_RANK_LOST, NO_LAUNCHER, TIMEOUT_ENV, DistributedError, RankLostError,
                                            detect_launch, stop_on_sigterm)
-from mlx_engine.distributed.plan import MODES, RankShare, check_mode, file_tensor_bytes, shares_on_paper
+from mlx_engine.distributed.plan import (MODES, RankShare, bytes_per_token, check_mode, file_tensor_sizes, link_roof,
+                                         shares_on_paper)
 
 _active: list[Any] = []  # rank 0's open DistributedRunner: one model at a time across the ranks
 
@@ -58,5 +59,5 @@ def serve_rank(model: str | None, mode: str, **options: Any) -> int:
     return serve_plans(load_node(model, mode, options))
 
 
-__all__ = ["EXIT_RANK_LOST", "MODES", "TIMEOUT_ENV", "DistributedError", "RankLostError", "RankShare", "check_mode",
-           "file_tensor_bytes", "launched_rank", "load_runner", "serve_rank", "shares_on_paper", "stop_on_sigterm"]
+__all__ = ["EXIT_RANK_LOST", "MODES", "TIMEOUT_ENV", "DistributedError", "RankLostError", "RankShare",
+           "bytes_per_token", "check_mode", "file_tensor_sizes", "link_roof", "launched_rank", "load_runner", "serve_rank", "shares_on_paper", "stop_on_sigterm"]

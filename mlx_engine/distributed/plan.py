@@ -13,6 +13,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mlx_engine.api import ModelLoadError, RooflineError
 
@@ -89,45 +90,91 @@ class RankShare:
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")
 
 
-def file_tensor_bytes(ref: str | None) -> dict[str, int]:
-    """Tensor name -> bytes as stored, from the GGUF tensor table or the safetensors headers (no weights read)."""
+def file_tensor_sizes(ref: str | None) -> dict[str, tuple[int, int]]:
+    """Tensor name -> (parameters, bytes as stored), from the GGUF tensor table or the safetensors headers (no
+    weights read). Packed MLX weights count their unpacked parameters; scales and biases count none."""
     from mlx_engine.loading import resolve
 
     path, kind = resolve(ref)
     if kind == "gguf":
         from mlx_engine.loading.gguf_file import read_gguf
 
-        return {t.name: t.nbytes for t in read_gguf(path).tensors}
-    out: dict[str, int] = {}
+        return {t.name: (_count(t.shape), t.nbytes) for t in read_gguf(path).tensors}
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    bits = int((config.get("quantization") or {}).get("bits", 32))
+    out: dict[str, tuple[int, int]] = {}
     for f in sorted(path.glob("*.safetensors")):
         with open(f, "rb") as fh:
             (size,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(size))
-        out.update({k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"})
+        for k, v in header.items():
+            if k == "__metadata__":
+                continue
+            n = 0 if k.endswith((".scales", ".biases")) else _count(v["shape"]) * (32 // bits if v["dtype"] == "U32"
+                                                                                    else 1)
+            out[k] = (n, v["data_offsets"][1] - v["data_offsets"][0])
     return out
 
 
-def shares_on_paper(tensor_bytes: dict[str, int], num_layers: int, num_kv_heads: int, mode: str,
+def _count(shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def shares_on_paper(sizes: dict[str, tuple[int, int]], num_layers: int, num_kv_heads: int, mode: str,
                     num_ranks: int) -> list[RankShare]:
-    """Each rank's share, from the checkpoint's tensor sizes (what `roofline kv --distributed` prints; a live run
-    balances the same way on the loaded parameters)."""
-    per_layer = [0] * num_layers
-    embed = rest = 0  # rest: the final norm and an untied head, on rank 0
-    for name, nbytes in tensor_bytes.items():
+    """Each rank's share, from the checkpoint's tensor sizes (`file_tensor_sizes`): split by parameters as a
+    live run splits its loaded model (`shard._weight`), each rank's weights in bytes as stored."""
+    params, stored = [0] * num_layers, [0] * num_layers
+    embed = rest = (0, 0)  # rest: the final norm and an untied head, on rank 0
+    for name, (n, nbytes) in sizes.items():
         m = _LAYER.search(name)
         if m and int(m.group(1)) < num_layers:
-            per_layer[int(m.group(1))] += nbytes
+            params[int(m.group(1))] += n
+            stored[int(m.group(1))] += nbytes
         elif "embed_tokens" in name or name.startswith("token_embd"):
-            embed += nbytes
+            embed = (embed[0] + n, embed[1] + nbytes)
         else:
-            rest += nbytes
+            rest = (rest[0] + n, rest[1] + nbytes)
     if mode == "pipeline":
-        ranges = pipeline_split(per_layer, embed + rest, num_ranks)
+        ranges = pipeline_split(params, embed[0] + rest[0], num_ranks)
         return [RankShare(r, (a, b), r == 0, r == 0, num_kv_heads,
-                          sum(per_layer[a:b]) + (embed + rest if r == 0 else 0)) for r, (a, b) in enumerate(ranges)]
-    layers = sum(per_layer) // num_ranks  # every rank embeds its tokens; rank 0 alone runs the head
+                          sum(stored[a:b]) + (embed[1] + rest[1] if r == 0 else 0)) for r, (a, b) in enumerate(ranges)]
+    layers = sum(stored) // num_ranks  # every rank embeds its tokens; rank 0 alone runs the head
     return [RankShare(r, (0, num_layers), True, r == 0, num_kv_heads // num_ranks,
-                      layers + embed + (rest if r == 0 else 0)) for r in range(num_ranks)]
+                      layers + embed[1] + (rest[1] if r == 0 else 0)) for r in range(num_ranks)]
+
+
+def bytes_per_token(mode: str, num_ranks: int, num_layers: int, hidden: int, itemsize: int, batch: int,
+                    plan_bytes_per_step: float) -> float:
+    """Bytes on the link per generated token at `batch` sequences a step. Pipeline: every hop of the ring (rank 0
+    to 1, ..., N-1 to 0) carries each token's hidden state once. Tensor: two all-sums a layer, each moving
+    2(N-1)/N of the hidden states per rank (a ring all-reduce). Both: the step's plan, shared by its tokens."""
+    row = hidden * itemsize
+    if mode == "pipeline":
+        per_token = num_ranks * row
+    else:
+        per_token = 2 * num_layers * 2 * (num_ranks - 1) / num_ranks * row
+    return per_token + plan_bytes_per_step / batch
+
+
+def messages_per_step(mode: str, num_ranks: int, num_layers: int) -> int:
+    """Messages one decode step waits on in turn: the plan (relayed along N - 1 hops), then the pipeline's N hops
+    or the 2 L all-sums of 2 (N - 1) hops each."""
+    plan = num_ranks - 1
+    return plan + (num_ranks if mode == "pipeline" else 2 * num_layers * 2 * (num_ranks - 1))
+
+
+def link_roof(link: dict[str, float], mode: str, num_ranks: int, num_layers: int, hidden: int, itemsize: int,
+              batch: int, plan_bytes_per_step: float) -> dict[str, float]:
+    """tokens/s the link allows at `batch`: by its bandwidth alone (bytes per token / bandwidth), and with each
+    message's latency counted (the step's messages go one after another)."""
+    per_token = bytes_per_token(mode, num_ranks, num_layers, hidden, itemsize, batch, plan_bytes_per_step)
+    bw, lat = link["bandwidth_bytes_s"], link["latency_s"]
+    step_s = messages_per_step(mode, num_ranks, num_layers) * lat + batch * per_token / bw
+    return {"bytes_per_token": per_token, "bandwidth_roof_tps": bw / per_token, "latency_roof_tps": batch / step_s}
 
 
 def read_hostfile_peers(text: str) -> list[str]:

@@ -45,6 +45,7 @@ class DistributedRunner:
         self.vocab_size, self.eos_ids, self.fingerprint = local.vocab_size, local.eos_ids, local.fingerprint
         self.draft, self.self_draft_layers = local.draft, 0
         self.closed = False
+        self._link: dict[str, float] | None = None
         atexit.register(self.release)  # the other ranks end when rank 0 does, even without Engine.close
 
     @property
@@ -71,6 +72,16 @@ class DistributedRunner:
         """Every rank's weights, KV pool and traffic (`Node.figures`), by rank."""
         self._send({"do": "gather"}, "asking the ranks for their figures")
         return self.node.channel.gather_json(self.node.figures())
+
+    def link(self) -> dict[str, float]:
+        """The link to rank 1, measured once (`link.measure_link`): latency_s, bandwidth_bytes_s, probe_bytes."""
+        if self._link is None:
+            from mlx_engine.distributed.link import measure_link
+
+            self._send({"do": "link"}, "asking the ranks to measure the link")
+            with self.node.channel.deadline.waiting(self.node.channel.peers, "measuring the link"):
+                self._link = measure_link(self.node.group, self.node.channel)
+        return self._link
 
     def release(self) -> None:
         if self.closed:
@@ -174,7 +185,7 @@ class DistributedRunner:
 
     def kv_stats(self) -> dict[str, Any]:
         stats = self.local.cache.stats()
-        stats["ranks"] = self.gather_figures()
+        stats.update(ranks=self.gather_figures(), link=self.link(), mode=self.node.mode)
         return stats
 
     def decode_bytes_per_token(self, context: int) -> int:

@@ -38,6 +38,10 @@ def serve_plans(node: Node) -> int:
                     node.channel.gather_json(node.figures())
                 elif kind == "forward":
                     _forward(node, replay, plan)
+                elif kind == "link":
+                    from mlx_engine.distributed.link import measure_link
+
+                    measure_link(node.group, node.channel)
         except RuntimeError as e:
             return _fail(rank, f"lost a peer during a step ({e})")
         except _OutOfStep as e:
