@@ -255,9 +255,26 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from app.tui import run
 
     options = _load_options(args)
+    if "distributed" in options:
+        _own_terminal()
     if "draft_model" in options:  # a model picked in the app need not suit the draft: then it loads without one
         options["draft_optional"] = True
     return run(args.model, **options)
+
+
+def _own_terminal() -> None:
+    """Rank 0 of `chat` under mlx.launch: its stdin and stdout are the launcher's pipes, so the app takes the
+    terminal itself (start mlx.launch with `< /dev/null`, so that the launcher does not read the keys too)."""
+    if sys.stdout.isatty():
+        return
+    try:
+        tty = os.open("/dev/tty", os.O_RDWR)
+    except OSError:
+        raise RooflineError("chat --distributed needs a terminal for rank 0: run it on the host you sit at, or use "
+                            "serve --distributed and a client") from None
+    for fd in (0, 1):
+        os.dup2(tty, fd)
+    os.close(tty)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -36,18 +36,33 @@ def rank_main(args: argparse.Namespace) -> int:
     options = {} if args.mode == "single" else {"distributed": args.mode}
     engine = Engine.load(args.model, **options)  # on a rank other than 0 this serves rank 0 and ends the process
     rng = random.Random(0)
+    vocab = engine.info.vocab_size
+    stats = engine.kv_stats()  # (measures the link, once)
+
+    def busy() -> list[float]:
+        return [r["busy_s"] for r in engine.kv_stats()["ranks"]] if args.mode != "single" else []
+
+    def timed(batch: int, prompt: int, new: int) -> tuple[list, float, list[float]]:
+        prompts = [[rng.randrange(3, vocab) for _ in range(prompt)] for _ in range(batch)]
+        sampling = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        before, t = busy(), time.perf_counter()
+        streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=sampling)) for p in prompts]
+        finals = [[e for e in s][-1] for s in streams]
+        wall = time.perf_counter() - t
+        return finals, wall, [(a - b) / wall for a, b in zip(busy(), before)]
+
     rows = []
     for batch in args.batches:
-        for _ in range(2):  # the first warms up
-            prompts = [[rng.randrange(3, engine.info.vocab_size) for _ in range(16)] for _ in range(batch)]
-            sampling = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-            streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=sampling)) for p in prompts]
-            finals = [[e for e in s][-1] for s in streams]
-        tps = sum(f.stats.decode_tps for f in finals)
-        rows.append({"batch": batch, "decode_tps": tps})
+        timed(batch, 16, 4)  # warm-up
+        finals, wall, util = timed(batch, 16, args.tokens)
+        rows.append({"test": f"tg{args.tokens}", "batch": batch, "tps": sum(f.stats.decode_tps for f in finals),
+                     "busy": util})
+    timed(3, args.prompt, 1)
+    finals, wall, util = timed(3, args.prompt, 1)  # three prompts in one packed forward: micro-batches apply
+    rows.append({"test": f"pp{args.prompt}", "batch": 3, "tps": 3 * args.prompt / wall, "busy": util})
     stats = engine.kv_stats()
-    out = {"mode": args.mode, "rows": rows, "weight_bytes": engine.info.weight_bytes,
-           "link": stats.get("link"), "ranks": stats.get("ranks"), "model": engine.info.name}
+    out = {"mode": args.mode, "rows": rows, "weight_bytes": engine.info.weight_bytes, "link": stats.get("link"),
+           "ranks": stats.get("ranks"), "model": engine.info.name}
     engine.close()
     Path(args.out).write_text(json.dumps(out))
     return 0
@@ -103,18 +118,21 @@ class Namespaces:
 
 
 def launch_in(ns: Namespaces, mode: str, model: str, out: Path, args: argparse.Namespace) -> dict:
+    """`mode`: pipeline, tensor, or pipeline:M (at most M micro-batches a forward)."""
     hostfile = out.with_suffix(".hosts.json")
     hostfile.write_text(json.dumps({"backend": "ring", "hosts": [{"ssh": "127.0.0.1", "ips": [ip]} for ip in ns.ips]}))
-    rank_cmd = " ".join([sys.executable, str(Path(__file__).resolve()), "rank", "--mode", mode, "--model", model,
-                         "--out", str(out), "--tokens", str(args.tokens), "--batches",
+    name, _, micro = mode.partition(":")
+    rank_cmd = " ".join([sys.executable, str(Path(__file__).resolve()), "rank", "--mode", name, "--model", model,
+                         "--out", str(out), "--tokens", str(args.tokens), "--prompt", str(args.prompt), "--batches",
                          ",".join(map(str, args.batches))])
     names = " ".join(ns.names)
     script = f"names=({names}); exec ip netns exec ${{names[$MLX_RANK]}} {rank_cmd}"
     launcher = Path(sys.executable).parent / "mlx.launch"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
     env["PYTHONPATH"] = str(ROOT)
-    p = subprocess.run([str(launcher), "--hostfile", str(hostfile), "-p", str(random.randrange(30000, 60000)), "--",
-                        "bash", "-c", script], capture_output=True, text=True, env=env, timeout=args.timeout)
+    extra = ["--env", f"ROOFLINE_PIPELINE_MICRO_BATCHES={micro}"] if micro else []
+    p = subprocess.run([str(launcher), "--hostfile", str(hostfile), "-p", str(random.randrange(30000, 60000)), *extra,
+                        "--", "bash", "-c", script], capture_output=True, text=True, env=env, timeout=args.timeout)
     if not out.exists():
         raise RuntimeError(f"{mode} at {ns.rate}: no result (rc {p.returncode})\n{p.stderr[-3000:]}")
     return json.loads(out.read_text())
@@ -134,40 +152,40 @@ def driver(args: argparse.Namespace) -> int:
     model = args.model or str(make_model(tmp / "model"))
     single = tmp / "single.json"
     subprocess.run([sys.executable, __file__, "rank", "--mode", "single", "--model", model, "--out", str(single),
-                    "--tokens", str(args.tokens), "--batches", ",".join(map(str, args.batches))], check=True,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=args.timeout)
+                    "--tokens", str(args.tokens), "--prompt", str(args.prompt), "--batches",
+                    ",".join(map(str, args.batches))], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                   timeout=args.timeout)
     base = json.loads(single.read_text())
     table = []
     for rate in args.rates:
         for mode in args.modes:
             with Namespaces(None if rate == "off" else rate, args.delay_ms) as ns:
-                res = launch_in(ns, mode, model, tmp / f"{mode}-{rate}.json", args)
-            config = json.loads((Path(model) / "config.json").read_text()) if Path(model).is_dir() else {}
-            ranks = res["ranks"]
-            forwards = max(1, ranks[0]["forwards"])
+                res = launch_in(ns, mode, model, tmp / f"{mode.replace(':', '-')}-{rate}.json", args)
+            r0 = res["ranks"][0]
             for row, ref in zip(res["rows"], base["rows"]):
-                roof = link_roof(res["link"], mode, len(ranks), config.get("num_hidden_layers", 0),
-                                 config.get("hidden_size", 0), 4, row["batch"], ranks[0]["plan_bytes"] / forwards)
-                table.append({"rate": rate, "mode": mode, "batch": row["batch"], "tps": row["decode_tps"],
-                              "single_tps": ref["decode_tps"], **res["link"], **roof,
-                              "weights": [r["weight_bytes"] for r in ranks]})
-            print(json.dumps(table[-1]), file=sys.stderr, flush=True)
+                roof = link_roof(res["link"], mode.partition(":")[0], len(res["ranks"]), r0["model_layers"],
+                                 r0["hidden"], r0["itemsize"], row["batch"], r0["plan_bytes"] / max(1, r0["forwards"]))
+                table.append({"rate": rate, "mode": mode, **row, "single_tps": ref["tps"], **res["link"], **roof,
+                              "weights": [r["weight_bytes"] for r in res["ranks"]]})
+                print(json.dumps(table[-1]), file=sys.stderr, flush=True)
     print(markdown(table, base, args))
     return 0
 
 
 def markdown(table: list[dict], base: dict, args: argparse.Namespace) -> str:
-    load = os.getloadavg()[0]
-    lines = [f"{base['model']}, greedy decode of {args.tokens} tokens, float32 on MLX's CPU backend; "
-             f"load average {load:.1f} at the end; {time.strftime('%Y-%m-%d')}", "",
-             "| link (tc rate) | mode | batch | measured bandwidth | latency | bytes/token | link roof (bandwidth) | "
-             "link roof (with latency) | decode tok/s | one process tok/s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    load = os.getloadavg()
+    lines = [f"{base['model']} float32 on MLX's CPU backend, greedy; load average {load[0]:.1f} / {load[1]:.1f} "
+             f"(1 / 5 min) at the end; {time.strftime('%Y-%m-%d')}", "",
+             "| link (tc rate) | mode | test | batch | measured link | latency (one way) | bytes/token | "
+             "link roof: bandwidth | link roof: with latency | tok/s | one process tok/s | ranks busy |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in table:
-        lines.append(f"| {r['rate']} | {r['mode']} | {r['batch']} | {r['bandwidth_bytes_s'] * 8 / 1e6:,.1f} Mbit/s | "
-                     f"{r['latency_s'] * 1e3:.2f} ms | {r['bytes_per_token']:,.0f} | "
-                     f"{r['bandwidth_roof_tps']:,.1f} | {r['latency_roof_tps']:,.1f} | {r['tps']:.1f} | "
-                     f"{r['single_tps']:.1f} |")
+        roof = (f"{r['bandwidth_roof_tps']:,.0f} | {r['latency_roof_tps']:,.0f}" if r["test"].startswith("tg")
+                else "- | -")
+        lines.append(f"| {r['rate']} | {r['mode']} | {r['test']} | {r['batch']} | "
+                     f"{r['bandwidth_bytes_s'] * 8 / 1e6:,.1f} Mbit/s | {r['latency_s'] * 1e3:.2f} ms | "
+                     f"{r['bytes_per_token']:,.0f} | {roof} | {r['tps']:.1f} | {r['single_tps']:.1f} | "
+                     f"{' / '.join(f'{b:.0%}' for b in r['busy'])} |")
     return "\n".join(lines)
 
 
@@ -181,8 +199,10 @@ def main() -> int:
     for q in (p, r):
         q.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default 32)")
         q.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+        q.add_argument("--prompt", type=int, default=128, help="tokens of each of the 3 prompts prefilled together")
     p.add_argument("--rates", type=lambda s: s.split(","), default=["1mbit", "10mbit", "100mbit", "off"])
-    p.add_argument("--modes", type=lambda s: s.split(","), default=["pipeline", "tensor"])
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["pipeline", "pipeline:1", "tensor"],
+                   help="pipeline, tensor, pipeline:M (at most M micro-batches a forward; pipeline:1 never cuts)")
     p.add_argument("--model")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added on each end (tc netem)")
     p.add_argument("--timeout", type=float, default=900)

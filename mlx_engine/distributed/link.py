@@ -1,10 +1,10 @@
-"""The link's second roof: bytes the ranks exchange per token, over the link's bandwidth measured between rank 0
-and rank 1 (ring neighbours: the hop every plan and activation crosses).
+"""The link between rank 0 and rank 1 (ring neighbours: the hop every plan and activation crosses), measured for the
+second roof beside memory bandwidth: bytes exchanged per token over this bandwidth (`plan.link_roof`).
 
-Measured by ping-pong of `mx.distributed.send`/`recv`: a small message gives the latency, a large one (256 KiB, then
-4 MiB where the link is fast enough to time it in a few milliseconds) the bandwidth, from the difference of the
-two round trips so the latency cancels. The large one must outlast a shaper's burst (a tc token bucket lets its
-burst through at the line's rate).
+Measured by ping-pong of `mx.distributed.send`/`recv`: a small message gives the latency, the largest of 64 KiB, 1 MiB
+and 8 MiB that a round trip moves within LONG_S the bandwidth, from the difference of the two round trips so the
+latency cancels. The large probe must outlast a shaper's burst (a tc token bucket lets its burst through at the
+line's rate) and a loaded machine's scheduling hiccups (milliseconds on the shared 2-core box).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import Any
 
 import mlx.core as mx
 
-SMALL, LARGE, HUGE = 8, 256 * 1024, 4 * 2**20
-ROUNDS = 5
+SMALL = 8
+PROBES = (64 * 1024, 2**20, 8 * 2**20)  # bytes, tried in turn until a round trip takes LONG_S
+LONG_S = 0.25
 
 
 def _round_trips(group: Any, nbytes: int, rounds: int) -> float:
@@ -37,15 +38,15 @@ def _round_trips(group: Any, nbytes: int, rounds: int) -> float:
 
 def measure_link(group: Any, channel: Any) -> dict[str, float]:
     """Every rank calls it together; rank 0 gets {latency_s, bandwidth_bytes_s, probe_bytes} (others {})."""
-    small = _round_trips(group, SMALL, ROUNDS)
-    large = _round_trips(group, LARGE, 2)
-    # a fast link moves 64 KiB in microseconds, below the timer's resolution for a difference: try 4 MiB
-    go_on = channel.broadcast(b"1" if group.rank() == 0 and large - small < 0.02 else
-                              (b"0" if group.rank() == 0 else None), "measuring the link")
-    size = LARGE
-    if go_on == b"1":
-        large, size = _round_trips(group, HUGE, 2), HUGE
+    small = _round_trips(group, SMALL, 7)
+    size, took = PROBES[0], 0.0
+    for i, size in enumerate(PROBES):
+        took = _round_trips(group, size, 3 if i < len(PROBES) - 1 else 2)
+        last = i == len(PROBES) - 1 or (group.rank() == 0 and took >= LONG_S)
+        # rank 0 tells the others whether a larger probe follows (a slow link: it would take seconds)
+        if channel.broadcast((b"1" if last else b"0") if group.rank() == 0 else None, "measuring the link") == b"1":
+            break
     if group.rank() != 0:
         return {}
-    spent = max(large - small, 1e-9)
-    return {"latency_s": small / 2, "bandwidth_bytes_s": 2 * (size - SMALL) / spent, "probe_bytes": size}
+    return {"latency_s": small / 2, "bandwidth_bytes_s": 2 * (size - SMALL) / max(took - small, 1e-9),
+            "probe_bytes": size}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
+import threading
 import zlib
 from typing import Any
 
@@ -26,6 +28,20 @@ def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
     from mlx_engine.backends.mlx.runner import _sample_rows as sample
 
     return sample(logits, samplers)
+
+
+MICRO_BATCHES_ENV = "ROOFLINE_PIPELINE_MICRO_BATCHES"
+
+
+def micro_batch_count(num_ranks: int) -> int:
+    """Micro-batches a pipelined forward may be cut into: one per rank, or $ROOFLINE_PIPELINE_MICRO_BATCHES (1: never
+    cut; for measuring what they gain)."""
+    raw = os.environ.get(MICRO_BATCHES_ENV, "")
+    if not raw:
+        return num_ranks
+    if not raw.isdigit() or int(raw) < 1:
+        raise RooflineError(f"{MICRO_BATCHES_ENV}={raw!r}: expected a whole number >= 1")
+    return int(raw)
 
 
 def tables_checksum(cache: Any, req_ids: list[str]) -> int:
@@ -45,8 +61,13 @@ class DistributedRunner:
         self.vocab_size, self.eos_ids, self.fingerprint = local.vocab_size, local.eos_ids, local.fingerprint
         self.draft, self.self_draft_layers = local.draft, 0
         self.closed = False
+        self._owner = threading.current_thread()  # the engine thread: the only one that may use the channel
         self._link: dict[str, float] | None = None
-        atexit.register(self.release)  # the other ranks end when rank 0 does, even without Engine.close
+        self.micro_batches = micro_batch_count(node.size)
+        # each rank's shard, for pricing a decode step from any thread (Engine.decode_bytes_per_token is called
+        # off the engine thread, where no collective may run)
+        self.shards = self.gather_figures()
+        atexit.register(self._at_exit)  # the other ranks end when rank 0 does, even without Engine.close
 
     @property
     def model(self) -> Any:
@@ -54,7 +75,22 @@ class DistributedRunner:
 
     # --- the plan ---
 
+    def _at_exit(self) -> None:
+        if self.closed:
+            return
+        if threading.current_thread() is self._owner:
+            self.release()
+            return
+        from mlx_engine.engine import engine_thread
+
+        try:  # between the engine's steps, as every collective of rank 0 runs
+            engine_thread().submit(self.release).result(timeout=30)
+        except Exception:  # noqa: BLE001 - exiting anyway; the other ranks then report rank 0 lost
+            pass
+
     def _send(self, plan: dict[str, Any], doing: str = "sending a step's plan") -> None:
+        if threading.current_thread() is not self._owner:
+            raise RooflineError("a distributed runner's collectives run on the engine thread only")
         plan["ops"] = self.log.take()
         self.node.channel.broadcast(json.dumps(plan, separators=(",", ":")).encode(), doing)
 
@@ -63,7 +99,7 @@ class DistributedRunner:
         if not isinstance(layers, PlannedLayers):
             raise RooflineError("a distributed forward needs views from the engine's cache (runner.cache)")
         tokens = np.array(inputs, dtype=np.int32)  # the step's ids go to every rank: read them now
-        groups = micro_batches(layers, self.node.size) if self.node.mode == "pipeline" else None
+        groups = micro_batches(layers, self.micro_batches) if self.node.mode == "pipeline" else None
         self._send({"do": "forward", "views": layers.op, "tokens": tokens.tolist(), "groups": groups,
                     "crc": tables_checksum(self.local.cache, self.log.view_reqs.get(layers.op, []))})
         return self.node.stage.forward(mx.array(tokens), layers, groups)
@@ -193,7 +229,7 @@ class DistributedRunner:
         from mlx_engine.roofline import decode_bytes_per_token
 
         total = 0
-        for f in self.gather_figures():
+        for f in self.shards:
             a = self.local._shape
             total += decode_bytes_per_token(f["weight_bytes"], 0, False, f["kv_layers"], f["kv_heads"], a["head_dim"],
                                             context, a["kv_itemsize"]).total

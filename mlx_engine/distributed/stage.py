@@ -11,6 +11,7 @@ two all-sums per layer (`shard.SumAcrossRanks`) keep them in step.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -87,13 +88,18 @@ class Stage:
         self.evaluate, self.state = evaluate, state
         self.bytes_exchanged = 0  # activation bytes this rank sent (pipeline) or all-summed (tensor)
         self.num_forwards = self.num_micro_batched = 0  # forwards, and those cut into micro-batches
+        self.busy_s = 0.0  # seconds spent computing this rank's layers (pipeline), not waiting for activations
 
     def forward(self, tokens: mx.array, layers: list[Any], groups: list[Any] | None) -> mx.array | None:
         """tokens (B, L) -> rank 0: final hidden states (B, L, hidden), evaluated; other ranks: None."""
         self.num_forwards += 1
         self.num_micro_batched += groups is not None
         if self.mode == "tensor":
-            return self._tensor(tokens, layers)
+            t = time.perf_counter()
+            try:
+                return self._tensor(tokens, layers)
+            finally:
+                self.busy_s += time.perf_counter() - t  # the all-sums' waits included
         return self._pipeline(tokens, layers, groups)
 
     def _tensor(self, tokens: mx.array, layers: list[Any]) -> mx.array | None:
@@ -112,22 +118,30 @@ class Stage:
             self._send(h, nxt, "sending the embedded rows to rank 1")
             outs = []
             for a, b, views in parts:  # each micro-batch evaluated in turn: rank 1 works on the next meanwhile
-                x = mx.distributed.recv((B, b - a, self.hidden), self.dtype, prv, group=self.group)
+                x = self._recv((B, b - a, self.hidden), prv)
+                t = time.perf_counter()
                 outs.append(run_layers(self.model, x, views or layers))
-                self.evaluate([outs[-1], *self.state(layers)], f"waiting for rank {prv}'s activations")
+                self.evaluate([outs[-1], *self.state(layers)], "running the last layers")
+                self.busy_s += time.perf_counter() - t
             h = self.model.model.norm(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
             mx.eval(h)
             return h
-        first = None
-        if self.rank == 1:  # rank 0 sent every row at once
-            first = mx.distributed.recv((B, L, self.hidden), self.dtype, prv, group=self.group)
+        first = self._recv((B, L, self.hidden), prv) if self.rank == 1 else None  # rank 0 sent every row at once
         for a, b, views in parts:
-            x = first[:, a:b] if first is not None else \
-                mx.distributed.recv((B, b - a, self.hidden), self.dtype, prv, group=self.group)
+            x = first[:, a:b] if first is not None else self._recv((B, b - a, self.hidden), prv)
+            t = time.perf_counter()
             x = run_layers(self.model, x, views or layers)
-            self._send(x, nxt, f"sending activations to rank {nxt}", extra=self.state(layers))
+            mx.eval(x, *self.state(layers))
+            self.busy_s += time.perf_counter() - t
+            self._send(x, nxt, f"sending activations to rank {nxt}")
         return None
 
-    def _send(self, x: mx.array, dst: int, doing: str, extra: list[mx.array] = ()) -> None:
+    def _recv(self, shape: tuple[int, ...], src: int) -> mx.array:
+        """The activations from `src`, evaluated: the wait is kept apart from the work (`busy_s`)."""
+        x = mx.distributed.recv(shape, self.dtype, src, group=self.group)
+        self.evaluate([x], f"waiting for rank {src}'s activations")
+        return x
+
+    def _send(self, x: mx.array, dst: int, doing: str) -> None:
         self.bytes_exchanged += x.nbytes
-        self.evaluate([mx.distributed.send(x, dst, group=self.group), *extra], doing)
+        self.evaluate([mx.distributed.send(x, dst, group=self.group)], doing)
