@@ -279,7 +279,8 @@ def test_serve_concurrent_requests_match_alone(tmp_path):
         except subprocess.TimeoutExpired:
             out = "(did not stop within 60 s)"
             kill_launch(proc)
-    assert proc.returncode == 0, out[-3000:]
+    # mlx.launch exits 0 whatever its ranks do, and warns for each rank that ends otherwise
+    assert proc.returncode == 0 and "[WARN]" not in out and "error" not in out, out[-3000:]
 
 
 def test_rank_killed_mid_generation_ends_the_run(tmp_path):
@@ -301,6 +302,7 @@ def test_rank_killed_mid_generation_ends_the_run(tmp_path):
     assert proc.returncode is not None
     errors = [line for line in err.splitlines() if "roofline: error" in line]
     assert errors and "rank 1" in errors[0] and ("lost" in errors[0] or "ended" in errors[0]), err
+    assert "Node with rank 0 exited with code 3" in err, err  # EXIT_RANK_LOST, not a crash or a signal
     assert rank_pid(proc.pid, 0) is None
 
 
