@@ -2,7 +2,8 @@
 
 argv: a JSON scenario file and an output file. The scenario: {"mode": "pipeline" | "tensor", "runs": [{"model":
 path | null, "options": {...}, "model_by_rank": {rank: path}, "batches": [[request, ...], ...]}]}, a request being
-{"ids": [...], "sampling": {SamplingParams fields}}. Each batch's requests are submitted together (they run as one
+{"ids": [...], "sampling": {SamplingParams fields}}; "started_file": a file rank 0 creates once the first batch's
+first token is out. Each batch's requests are submitted together (they run as one
 continuous batch); rank 0 writes, per run, each request's tokens, finish reason, error and usage, then the engine's
 kv_stats. The other ranks serve rank 0's plans, once per run.
 """
@@ -39,6 +40,9 @@ def main() -> int:
         for batch in run.get("batches", []):
             streams = [engine.generate(GenerationRequest(prompt_token_ids=r["ids"],
                                                          sampling=SamplingParams(**r["sampling"]))) for r in batch]
+            if run.get("started_file"):  # the test acts on the ranks mid-generation
+                next(streams[0])
+                open(run["started_file"], "w").close()
             for stream in streams:
                 events = list(stream)
                 last = events[-1]

@@ -306,6 +306,39 @@ def test_rank_killed_mid_generation_ends_the_run(tmp_path):
     assert rank_pid(proc.pid, 0) is None
 
 
+def test_silent_rank_ends_the_run_at_the_deadline(tmp_path):
+    """A rank that stops answering (SIGSTOP: no connection closes) is named once the deadline passes."""
+    started = tmp_path / "started"
+    spec, out = tmp_path / "silent.json", tmp_path / "silent-out.json"
+    spec.write_text(json.dumps({"mode": "tensor", "runs": [{"model": str(GOLDEN / "llama"), "started_file": str(started),
+                                                            "batches": [[greedy([1, 2, 3], 400)]]}]}))
+    proc = subprocess.Popen(launch_cmd(str(RANKS), str(spec), str(out)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env(ROOFLINE_DISTRIBUTED_TIMEOUT="4"))
+    victim = None
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        victim = rank_pid(proc.pid, 1)
+        assert started.exists() and victim is not None, proc.communicate(timeout=30)
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while rank_pid(proc.pid, 0) is not None and time.monotonic() - stopped < 30:
+            time.sleep(0.2)
+        took = time.monotonic() - stopped
+    finally:
+        if victim is not None:
+            os.kill(victim, signal.SIGKILL)  # stopped: the launcher's SIGTERM would wait for ever
+        try:
+            _, err = proc.communicate(timeout=60)
+        finally:
+            kill_launch(proc)
+    assert took < 15, took
+    line = [x for x in err.splitlines() if "roofline: error" in x]
+    assert line and "no answer from rank 1 (127.0.0.1:" in line[0] and "for 4 s" in line[0], err
+    assert "Node with rank 0 exited with code 3" in err, err
+
+
 def roofline(*args: str, **extra_env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, cwd=ROOT,
                           env=env(**extra_env), timeout=120)

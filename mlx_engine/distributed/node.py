@@ -3,6 +3,7 @@ shard, and agree on one KV pool size, so that block ids mean the same blocks eve
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +115,7 @@ def load_node(model: str | None, mode: str, options: dict[str, Any]) -> Node:
     local = Runner.load(model, shard=shard, **options)
     _agree_on_blocks(local, channel, options)
     stage = Stage(mode, local.model, group, local.model.args.hidden_size, getattr(mx, local.info.dtype),
-                  _evaluator(deadline, channel.peers), lambda layers: _kv_state(local, layers))
+                  _waiting(deadline, channel.peers), lambda layers: _kv_state(local, layers))
     return Node(mode, group, launch, local, stage, channel, where["layers"], where["num_layers"])
 
 
@@ -125,15 +126,11 @@ def _kv_state(local: Any, layers: list[Any]) -> list[mx.array]:
     return local.cache.storage.arrays()
 
 
-def _evaluator(deadline: Deadline | None, peers: str) -> Any:
-    def evaluate(arrays: list[mx.array], doing: str) -> None:
-        if deadline is None:
-            mx.eval(arrays)
-            return
-        with deadline.waiting(peers, doing):
-            mx.eval(arrays)
+def _waiting(deadline: Deadline | None, peers: str) -> Any:
+    def waiting(doing: str) -> Any:
+        return nullcontext() if deadline is None else deadline.waiting(peers, doing)
 
-    return evaluate
+    return waiting
 
 
 def _agree_on_blocks(local: Any, channel: PlanChannel, options: dict[str, Any]) -> None:

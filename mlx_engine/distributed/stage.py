@@ -78,14 +78,15 @@ def run_layers(model: Any, h: mx.array, layers: list[Any]) -> mx.array:
 
 
 class Stage:
-    """This rank's part of a forward. `evaluate(arrays, doing)` evaluates under the run's deadline (rank 0) or
-    without one; `state(layers)` is what a forward through `layers` writes (the KV to evaluate)."""
+    """This rank's part of a forward. `waiting(doing)`: a context that keeps the run's deadline on rank 0 (names the
+    peer and ends the run when it passes, or when the connection is lost), a no-op elsewhere; `state(layers)` is
+    what a forward through `layers` writes (the KV to evaluate)."""
 
-    def __init__(self, mode: str, model: Any, group: Any, hidden: int, dtype: mx.Dtype, evaluate: Any, state: Any):
+    def __init__(self, mode: str, model: Any, group: Any, hidden: int, dtype: mx.Dtype, waiting: Any, state: Any):
         self.mode, self.model, self.group = mode, model, group
         self.rank, self.size = group.rank(), group.size()
         self.hidden, self.dtype = hidden, dtype
-        self.evaluate, self.state = evaluate, state
+        self.waiting, self.state = waiting, state
         self.bytes_exchanged = 0  # activation bytes this rank sent (pipeline) or all-summed (tensor)
         self.num_forwards = self.num_micro_batched = 0  # forwards, and those cut into micro-batches
         self.busy_s = 0.0  # seconds spent computing this rank's layers (pipeline), not waiting for activations
@@ -103,10 +104,12 @@ class Stage:
         return self._pipeline(tokens, layers, groups)
 
     def _tensor(self, tokens: mx.array, layers: list[Any]) -> mx.array | None:
-        h = self.model(tokens, layers)  # two all-sums per layer
         B, L = tokens.shape
         self.bytes_exchanged += 2 * len(self.model.layers) * B * L * self.hidden * self.dtype.size
-        self.evaluate([h, *self.state(layers)], "running a forward with the other ranks")
+        # the all-sums run inside the forward too (the CPU backend's host BLAS evaluates each projection's input)
+        with self.waiting("running a forward with the other ranks"):
+            h = self.model(tokens, layers)  # two all-sums per layer
+            mx.eval(h, *self.state(layers))
         return h if self.rank == 0 else None
 
     def _pipeline(self, tokens: mx.array, layers: list[Any], groups: list[Any] | None) -> mx.array | None:
@@ -121,7 +124,7 @@ class Stage:
                 x = self._recv((B, b - a, self.hidden), prv)
                 t = time.perf_counter()
                 outs.append(run_layers(self.model, x, views or layers))
-                self.evaluate([outs[-1], *self.state(layers)], "running the last layers")
+                mx.eval(outs[-1], *self.state(layers))
                 self.busy_s += time.perf_counter() - t
             h = self.model.model.norm(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
             mx.eval(h)
@@ -139,9 +142,11 @@ class Stage:
     def _recv(self, shape: tuple[int, ...], src: int) -> mx.array:
         """The activations from `src`, evaluated: the wait is kept apart from the work (`busy_s`)."""
         x = mx.distributed.recv(shape, self.dtype, src, group=self.group)
-        self.evaluate([x], f"waiting for rank {src}'s activations")
+        with self.waiting(f"waiting for rank {src}'s activations"):
+            mx.eval(x)
         return x
 
     def _send(self, x: mx.array, dst: int, doing: str) -> None:
         self.bytes_exchanged += x.nbytes
-        self.evaluate([mx.distributed.send(x, dst, group=self.group)], doing)
+        with self.waiting(doing):
+            mx.eval(mx.distributed.send(x, dst, group=self.group))
