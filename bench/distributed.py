@@ -130,7 +130,9 @@ def launch_in(ns: Namespaces, mode: str, model: str, out: Path, args: argparse.N
     launcher = Path(sys.executable).parent / "mlx.launch"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
     env["PYTHONPATH"] = str(ROOT)
-    extra = ["--env", f"ROOFLINE_PIPELINE_MICRO_BATCHES={micro}"] if micro else []
+    # a forward's messages on a slow link outlast the default deadline (30 s): this bench waits for them
+    extra = ["--env", "ROOFLINE_DISTRIBUTED_TIMEOUT=600"]
+    extra += ["--env", f"ROOFLINE_PIPELINE_MICRO_BATCHES={micro}"] if micro else []
     p = subprocess.run([str(launcher), "--hostfile", str(hostfile), "-p", str(random.randrange(30000, 60000)), *extra,
                         "--", "bash", "-c", script], capture_output=True, text=True, env=env, timeout=args.timeout)
     if not out.exists():

@@ -154,6 +154,13 @@ class Deadline:
             with self._lock:
                 self._armed = None
 
+    def touch(self) -> None:
+        """Progress within one wait (tensor parallel's forward, an all-sum after another): the deadline starts
+        again, so it bounds each exchange rather than the whole forward."""
+        with self._lock:
+            if self._armed is not None:
+                self._armed = (time.monotonic() + self.seconds, *self._armed[1:])
+
     def _watch(self) -> None:
         while True:
             with self._lock:

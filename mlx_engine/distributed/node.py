@@ -113,6 +113,12 @@ def load_node(model: str | None, mode: str, options: dict[str, Any]) -> Node:
             where["layers"] = (0, where["num_layers"])
 
     local = Runner.load(model, shard=shard, **options)
+    if deadline is not None and mode == "tensor":
+        from mlx_engine.distributed.shard import SumAcrossRanks
+
+        for _, m in local.model.named_modules():
+            if isinstance(m, SumAcrossRanks):
+                m.progress = deadline.touch
     _agree_on_blocks(local, channel, options)
     stage = Stage(mode, local.model, group, local.model.args.hidden_size, getattr(mx, local.info.dtype),
                   _waiting(deadline, channel.peers), lambda layers: _kv_state(local, layers))
