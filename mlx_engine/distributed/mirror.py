@@ -2,8 +2,8 @@
 their own caches, which hold only their layers or heads.
 
 The block bookkeeping is deterministic pure Python, so the same calls in the same order give every rank the same
-block ids, tables and prefix-cache hits; each forward's plan carries the block tables rank 0 used, and a rank whose
-own differ stops with an error rather than compute on other blocks. A call is recorded before rank 0 makes it: one
+block ids, tables and prefix-cache hits; each forward's plan carries a checksum of what rank 0's cache holds for it
+(`lockstep_figures`), and a rank whose own differs stops with an error rather than compute on other blocks. A call is recorded before rank 0 makes it: one
 that raises there raises the same way on every rank. Token lists travel as the tail that is new since the request's
 last call (a decode step's plan is a few hundred bytes, not its whole context).
 """
@@ -13,11 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 VIEW_METHODS = frozenset({"prefill_layers", "decode_layers", "packed_layers"})
-CACHE_CALLS = VIEW_METHODS | {"start", "allocate", "trim", "record", "finish", "free", "drop_request", "drop",
-                              "_grow", "_copy_pending"}
-MANAGER_CALLS = frozenset({"allocate_slots", "trim", "free", "cache_full_blocks"})
+# the KVCache protocol's calls that change a cache (kv.protocol); its reads pass through
+CACHE_CALLS = VIEW_METHODS | {"start", "allocate", "trim", "record", "finish", "free", "drop_request", "drop"}
 # which argument holds the request's tokens (the list-of-lists ones hold one list per request of argument 0)
-_TOKEN_ARG = {"start": 1, "record": 1, "finish": 1, "allocate": 1, "allocate_slots": 1, "cache_full_blocks": 1}
+_TOKEN_ARG = {"start": 1, "record": 1, "finish": 1, "allocate": 1}
 _TOKEN_LISTS = {"decode_layers": 1, "packed_layers": 1}
 _ENDS = frozenset({"finish", "free", "drop_request"})
 MAX_KEPT_VIEWS = 8  # views a rank keeps for forwards to come (a timing's contiguous buffers serve several)
@@ -76,20 +75,21 @@ class PlanLog:
         return out
 
 
-class _Recorded:
-    def __init__(self, log: PlanLog, target: str, obj: Any, calls: frozenset[str]):
+class MirroredCache:
+    """Rank 0's cache: the local one (a `kv.protocol.KVCache`), its changing calls recorded for the other ranks;
+    reads (stats, state, capabilities, free blocks) pass through."""
+
+    def __init__(self, cache: Any, log: PlanLog):
         object.__setattr__(self, "_log", log)
-        object.__setattr__(self, "_target", target)
-        object.__setattr__(self, "_obj", obj)
-        object.__setattr__(self, "_calls", calls)
+        object.__setattr__(self, "local", cache)
 
     def __getattr__(self, name: str) -> Any:
-        value = getattr(self._obj, name)
-        if name not in self._calls:
+        value = getattr(self.local, name)
+        if name not in CACHE_CALLS:
             return value
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            op = self._log.add([self._target, name, self._log.encode(name, args), kwargs])
+            op = self._log.add(["c", name, self._log.encode(name, args), kwargs])
             result = value(*args, **kwargs)
             if name in VIEW_METHODS:
                 result = PlannedLayers(result)
@@ -98,19 +98,6 @@ class _Recorded:
             return result
 
         return call
-
-
-class MirroredCache(_Recorded):
-    """Rank 0's cache: the local one, its changing calls recorded for the other ranks (reads pass through)."""
-
-    def __init__(self, cache: Any, log: PlanLog):
-        super().__init__(log, "c", cache, CACHE_CALLS)
-        manager = getattr(cache, "manager", None)
-        object.__setattr__(self, "manager", None if manager is None else _Recorded(log, "m", manager, MANAGER_CALLS))
-
-    @property
-    def local(self) -> Any:
-        return self._obj
 
 
 class TrimRecorded:
@@ -162,9 +149,8 @@ class Replayer:
             args[i] = [self._decode(t) for t in args[i]]
             if method == "packed_layers":
                 args[2] = [tuple(c) for c in args[2]]
-        obj = self.cache if target == "c" else self.cache.manager
         try:
-            result = getattr(obj, method)(*args, **kwargs)
+            result = getattr(self.cache, method)(*args, **kwargs)
         except Exception:  # noqa: BLE001 - rank 0 raised the same from the same state, and handles it
             result = None
         if method in VIEW_METHODS and result is not None:
@@ -191,7 +177,7 @@ def view_reqs(method: str, args: list[Any]) -> list[str]:
     return list(args[0]) + [c[0] for c in args[2]]  # packed_layers
 
 
-def block_tables(cache: Any, req_ids: list[str]) -> list[list[int]]:
-    """The block tables a forward reads, to check the ranks agree."""
-    manager = getattr(cache, "manager", None)
-    return [] if manager is None else [list(manager.block_table(r)) for r in req_ids]
+def lockstep_figures(cache: Any, req_ids: list[str]) -> list[int]:
+    """What the ranks' caches must agree on before a forward, read through the KVCache protocol: the blocks each
+    request of the forward holds, and the blocks free."""
+    return [cache.num_blocks_held(r) for r in req_ids] + [cache.num_free_blocks()]

@@ -126,10 +126,11 @@ def load_node(model: str | None, mode: str, options: dict[str, Any]) -> Node:
 
 
 def _kv_state(local: Any, layers: list[Any]) -> list[mx.array]:
-    """What a forward through `layers` writes: the pool (paged views) or the buffers (contiguous, a timing's)."""
+    """What a forward through `layers` writes: the cache's (`KVCache.state`), or a timing's contiguous buffers
+    (`Runner._fresh_contiguous`, outside the cache)."""
     if hasattr(layers[0], "update_and_fetch"):
         return [c.state for c in layers]
-    return local.cache.storage.arrays()
+    return local.cache.state(layers)
 
 
 def _waiting(deadline: Deadline | None, peers: str) -> Any:
@@ -141,19 +142,19 @@ def _waiting(deadline: Deadline | None, peers: str) -> Any:
 
 def _agree_on_blocks(local: Any, channel: PlanChannel, options: dict[str, Any]) -> None:
     """Every rank's pool gets the smallest rank's block count: the same ids must exist everywhere."""
-    from mlx_engine.kv.cache import KVConfig, PagedCache
+    from mlx_engine.kv.cache import PagedCache
+    from mlx_engine.kv.config import KVConfig
 
-    cache = local.cache
-    counts = channel.gather_json(cache.storage.num_blocks, "agreeing on the KV pool's size", bounded=False)
-    fewest = min(counts)
-    if cache.storage.num_blocks == fewest:
+    stats = local.cache.stats()
+    mine = stats["num_blocks"]
+    fewest = min(channel.gather_json(mine, "agreeing on the KV pool's size", bounded=False))
+    if mine == fewest:
         return
     config = KVConfig(options.get("block_size", 16), None, options.get("kv_group_size", 64),
-                      fewest * cache.bytes_per_block, options.get("prefix_caching", True))
+                      fewest * stats["bytes_per_block"], options.get("prefix_caching", True))
     a = local.model.args
     local.cache = PagedCache.create(num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads,
                                     head_dim=a.head_dim, dtype=getattr(mx, local.info.dtype),
                                     context_length=local.context_length, weight_bytes=local.info.weight_bytes,
                                     config=config, model_id=local.fingerprint)
-    assert local.cache.storage.num_blocks == fewest, (local.cache.storage.num_blocks, fewest)
-
+    assert local.cache.stats()["num_blocks"] == fewest

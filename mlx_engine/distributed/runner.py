@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_engine.api import RequestError, RooflineError, SamplingParams
-from mlx_engine.distributed.mirror import MirroredCache, PlanLog, PlannedLayers, TrimRecorded, block_tables
+from mlx_engine.distributed.mirror import MirroredCache, PlanLog, PlannedLayers, TrimRecorded, lockstep_figures
 from mlx_engine.distributed.node import Node
 from mlx_engine.distributed.stage import micro_batches
 
@@ -45,7 +45,7 @@ def micro_batch_count(num_ranks: int) -> int:
 
 
 def tables_checksum(cache: Any, req_ids: list[str]) -> int:
-    return zlib.crc32(json.dumps(block_tables(cache, req_ids)).encode())
+    return zlib.crc32(json.dumps(lockstep_figures(cache, req_ids)).encode())
 
 
 class DistributedRunner:
@@ -157,9 +157,6 @@ class DistributedRunner:
     def all_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         return self.logits(self._forward(inputs, layers))[0]
 
-    def cache_state(self, layers: list[Any]) -> list[mx.array]:
-        return self.local.cache_state(layers)
-
     def _fresh_contiguous(self) -> list[Any]:
         """Contiguous buffers on every rank (the speculative cost curve's timing forwards)."""
         op = self.log.add(["k", "new", [], {}])
@@ -173,10 +170,7 @@ class DistributedRunner:
         req = f"scratch-{id(ids)}-{self.log.num_ops}"
         cache = self.cache
         cache.check_fits(len(ids))
-        if cache.manager.allocate_slots(req, ids, len(ids)) is None:
-            raise RequestError(f"no free KV blocks for {len(ids)} tokens")
-        cache._grow(req)
-        cache._copy_pending()
+        cache.allocate(req, ids, len(ids))  # KV of its own
         out = []
         try:
             for start in range(0, len(ids), self.prefill_chunk_size):
@@ -184,7 +178,7 @@ class DistributedRunner:
                 h = self._forward(mx.array([ids[start:end]], dtype=mx.int32), cache.prefill_layers(req, start, end))
                 out.append(np.array(self.logits(h[0] if rows == "all" else h[0, -1:])))
         finally:
-            cache.manager.free(req)
+            cache.free(req)
         return out
 
     def forward_logits(self, ids: list[int]) -> np.ndarray:

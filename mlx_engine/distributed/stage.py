@@ -71,9 +71,8 @@ def sub_views(layers: list[Any], part_first: int, part_end: int) -> list[Any]:
 
 def run_layers(model: Any, h: mx.array, layers: list[Any]) -> mx.array:
     """h (B, L, hidden) through this rank's decoder layers, each reading its view."""
-    mask = model._mask(h.shape[1], layers[0].offset if layers[0] is not None else 0)
     for layer, view in zip(model.layers, layers):
-        h = layer(h, mask, view)
+        h = layer(h, view)
     return h
 
 
