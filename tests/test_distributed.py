@@ -279,8 +279,11 @@ def test_serve_concurrent_requests_match_alone(tmp_path):
         except subprocess.TimeoutExpired:
             out = "(did not stop within 60 s)"
             kill_launch(proc)
-    # mlx.launch exits 0 whatever its ranks do, and warns for each rank that ends otherwise
-    assert proc.returncode == 0 and "[WARN]" not in out and "error" not in out, out[-3000:]
+    # mlx.launch exits 0 whatever its ranks do, and warns for each rank that ends otherwise: the server ends as
+    # SIGINT asks (status 130), rank 1 with 0 once rank 0 has stopped it
+    warnings = [line for line in out.splitlines() if "[WARN]" in line]
+    assert len(warnings) <= 1 and all("rank 0 exited with code 130" in w for w in warnings), out[-3000:]
+    assert "error" not in out, out[-3000:]
 
 
 def test_rank_killed_mid_generation_ends_the_run(tmp_path):

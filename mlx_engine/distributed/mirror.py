@@ -3,9 +3,10 @@ their own caches, which hold only their layers or heads.
 
 The block bookkeeping is deterministic pure Python, so the same calls in the same order give every rank the same
 block ids, tables and prefix-cache hits; each forward's plan carries a checksum of what rank 0's cache holds for it
-(`lockstep_figures`), and a rank whose own differs stops with an error rather than compute on other blocks. A call is recorded before rank 0 makes it: one
-that raises there raises the same way on every rank. Token lists travel as the tail that is new since the request's
-last call (a decode step's plan is a few hundred bytes, not its whole context).
+(`lockstep_figures`), and a rank whose own differs stops with an error rather than compute on other blocks. A call
+is recorded before rank 0 makes it: one that raises there raises the same way on every rank. Token lists travel as
+the tail that is new since the request's last call (a decode step's plan is a few hundred bytes, not its whole
+context).
 """
 
 from __future__ import annotations

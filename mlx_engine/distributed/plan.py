@@ -1,5 +1,6 @@
-"""Where each rank's share of a model lies, on paper: the pipeline's layer ranges balanced by bytes, tensor
-parallel's checks, and the weight and KV bytes each rank holds. No MLX, so `roofline kv` prints it too.
+"""Where each rank's share of a model lies, on paper: the pipeline's layer ranges balanced by parameters, tensor
+parallel's checks, the weight and KV bytes each rank holds, and the link's roof (bytes exchanged per token over the
+link's bandwidth). No MLX, so `roofline kv` and the bench's front end use it too.
 
 Pipeline order: rank 0 embeds the tokens and hands them to rank 1, which runs the first layer range, then rank 2 ...
 rank N-1, and rank 0 runs the last range, the final norm and the head. Every hop is between ring neighbours (MLX's
