@@ -122,7 +122,11 @@ class Replayer:
     """A rank's side: replays rank 0's calls on its own cache and keeps the views they made."""
 
     def __init__(self, cache: Any, fresh_contiguous: Any):
-        self.cache = cache
+        c = cache  # the KVCache protocol's changing calls, by name
+        self.calls = {"start": c.start, "allocate": c.allocate, "trim": c.trim, "record": c.record, "finish": c.finish,
+                      "free": c.free, "drop_request": c.drop_request, "drop": c.drop, "prefill_layers": c.prefill_layers,
+                      "decode_layers": c.decode_layers, "packed_layers": c.packed_layers}
+        assert set(self.calls) == CACHE_CALLS
         self.fresh_contiguous = fresh_contiguous  # () -> this rank's empty contiguous buffers
         self.tokens: dict[str, list[int]] = {}
         self.views: dict[int, list[Any]] = {}
@@ -151,7 +155,7 @@ class Replayer:
             if method == "packed_layers":
                 args[2] = [tuple(c) for c in args[2]]
         try:
-            result = getattr(self.cache, method)(*args, **kwargs)
+            result = self.calls[method](*args, **kwargs)
         except Exception:  # noqa: BLE001 - rank 0 raised the same from the same state, and handles it
             result = None
         if method in VIEW_METHODS and result is not None:
