@@ -313,8 +313,8 @@ def test_silent_rank_ends_the_run_at_the_deadline(tmp_path):
     """A rank that stops answering (SIGSTOP: no connection closes) is named once the deadline passes."""
     started = tmp_path / "started"
     spec, out = tmp_path / "silent.json", tmp_path / "silent-out.json"
-    spec.write_text(json.dumps({"mode": "tensor", "runs": [{"model": str(GOLDEN / "llama"), "started_file": str(started),
-                                                            "batches": [[greedy([1, 2, 3], 400)]]}]}))
+    run = {"model": str(GOLDEN / "llama"), "started_file": str(started), "batches": [[greedy([1, 2, 3], 400)]]}
+    spec.write_text(json.dumps({"mode": "tensor", "runs": [run]}))
     proc = subprocess.Popen(launch_cmd(str(RANKS), str(spec), str(out)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env(ROOFLINE_DISTRIBUTED_TIMEOUT="4"))
     victim = None

@@ -296,7 +296,8 @@ def distributed_lines(result: dict[str, Any]) -> list[str]:
     lines = [f"{d['mode']} parallel over {len(d['ranks'])} ranks; link to rank 1: "
              f"{link['bandwidth_bytes_s'] * 8 / 1e9:.2f} Gbit/s, {link['latency_s'] * 1e6:.0f} us one way (measured)"]
     lines += [f"rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1] - 1}, {r['kv_heads']} KV heads: weights "
-              f"{r['weight_bytes'] / 2**20:.0f} MiB, KV {r['kv_budget_bytes'] / 2**20:.0f} MiB budget" for r in d["ranks"]]
+              f"{r['weight_bytes'] / 2**20:.0f} MiB, KV {r['kv_budget_bytes'] / 2**20:.0f} MiB budget"
+              for r in d["ranks"]]
     lines += [f"link roof at batch {x['batch']}: {x['bytes_per_token']:,.0f} bytes/token -> "
               f"{x['bandwidth_roof_tps']:,.0f} tok/s by bandwidth, {x['latency_roof_tps']:,.0f} with latency"
               for x in d["link_roof"]]

@@ -60,4 +60,5 @@ def serve_rank(model: str | None, mode: str, **options: Any) -> int:
 
 
 __all__ = ["EXIT_RANK_LOST", "MODES", "TIMEOUT_ENV", "DistributedError", "RankLostError", "RankShare",
-           "bytes_per_token", "check_mode", "file_tensor_sizes", "link_roof", "launched_rank", "load_runner", "serve_rank", "shares_on_paper", "stop_on_sigterm"]
+           "bytes_per_token", "check_mode", "file_tensor_sizes", "link_roof", "launched_rank", "load_runner",
+           "serve_rank", "shares_on_paper", "stop_on_sigterm"]

@@ -123,9 +123,10 @@ class Replayer:
 
     def __init__(self, cache: Any, fresh_contiguous: Any):
         c = cache  # the KVCache protocol's changing calls, by name
-        self.calls = {"start": c.start, "allocate": c.allocate, "trim": c.trim, "record": c.record, "finish": c.finish,
-                      "free": c.free, "drop_request": c.drop_request, "drop": c.drop, "prefill_layers": c.prefill_layers,
-                      "decode_layers": c.decode_layers, "packed_layers": c.packed_layers}
+        self.calls = {"start": c.start, "allocate": c.allocate, "trim": c.trim, "record": c.record,
+                      "finish": c.finish, "free": c.free, "drop_request": c.drop_request, "drop": c.drop,
+                      "prefill_layers": c.prefill_layers, "decode_layers": c.decode_layers,
+                      "packed_layers": c.packed_layers}
         assert set(self.calls) == CACHE_CALLS
         self.fresh_contiguous = fresh_contiguous  # () -> this rank's empty contiguous buffers
         self.tokens: dict[str, list[int]] = {}

@@ -54,7 +54,8 @@ class Node:
                 "kv_layers": self.local.model.args.num_hidden_layers,
                 "bytes_exchanged": self.stage.bytes_exchanged, "plan_bytes": self.channel.bytes_sent,
                 "forwards": self.stage.num_forwards, "micro_batched_forwards": self.stage.num_micro_batched,
-                "busy_s": self.stage.busy_s, "hidden": self.stage.hidden, "itemsize": self.stage.dtype.size, "model_layers": self.num_layers,
+                "busy_s": self.stage.busy_s, "hidden": self.stage.hidden, "itemsize": self.stage.dtype.size,
+                "model_layers": self.num_layers,
                 "peak_memory_bytes": self.local.peak_memory_bytes()}
 
 
@@ -128,7 +129,10 @@ def load_node(model: str | None, mode: str, options: dict[str, Any]) -> Node:
 def _kv_state(local: Any, layers: list[Any]) -> list[mx.array]:
     """What a forward through `layers` writes: the cache's (`KVCache.state`), or a timing's contiguous buffers
     (`Runner._fresh_contiguous`, outside the cache)."""
-    if hasattr(layers[0], "update_and_fetch"):
+    from mlx_engine.distributed.mirror import TrimRecorded
+    from mlx_engine.kv.contiguous import ContiguousLayer
+
+    if isinstance(layers[0], (ContiguousLayer, TrimRecorded)):
         return [c.state for c in layers]
     return local.cache.state(layers)
 
