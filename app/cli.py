@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="hold the draft model at 4 or 8 bits, so that it drafts cheaply (it may then be the "
                         "model itself; the torch backend on the CPU: 8)")
 
+    def distributed_arg(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--distributed", metavar="MODE",
+                            help="pipeline (layer ranges per rank) or tensor (heads and MLP columns split): the model "
+                            "across the ranks mlx.launch started; rank 0 runs the command, the others serve it "
+                            "(docs/distributed.md)")
+
     def template_arg(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--chat-template", metavar="FILE",
                             help="a Jinja chat template to use instead of the model's own (a .jinja file, or a "
@@ -131,6 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     fmt.add_argument("--regex", metavar="PATTERN", help="the reply is text this regular expression matches whole")
     template_arg(g)
     kv_args(g)
+    distributed_arg(g)
     draft_args(g, "the reply")
     g.add_argument("--num-draft-tokens", type=int, default=SamplingParams.num_draft_tokens, metavar="K",
                    help=f"most draft tokens per verification, 1-16 (default {SamplingParams.num_draft_tokens}; "
@@ -139,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="open the chat app (the default when run with no arguments in a terminal)")
     c.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
     kv_args(c)
+    distributed_arg(c)
     draft_args(c)
 
     lg = sub.add_parser("logits", help="write the float32 logits (T, vocab) of one forward pass to .npy")
@@ -158,6 +166,9 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
                    help="KV dtype when not quantized, and of the scales when quantized (default: what this "
                    "machine's engine stores: float32 on MLX's CPU backend, the checkpoint's on a Mac)")
+    k.add_argument("--distributed", metavar="MODE",
+                   help="pipeline or tensor: also each rank's layers, weights and KV (as --distributed would split it)")
+    k.add_argument("--ranks", type=int, default=2, help="ranks for --distributed (default 2)")
 
     sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     sv.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
@@ -189,6 +200,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="auto (default), cpu or cuda (cuda: the torch backend only)")
     template_arg(sv)
     kv_args(sv)
+    distributed_arg(sv)
     draft_args(sv, "a request that does not set 'speculative' itself (a speculating request verifies in a forward "
                "of its own, outside the batch)")
 
@@ -214,6 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        code = _serve_other_rank(args)
+        if code is not None:
+            return code
         return {"chat": cmd_chat, "generate": cmd_generate, "logits": cmd_logits, "tokens": cmd_tokens,
                 "kv": cmd_kv, "serve": cmd_serve, "bench": cmd_bench, "parity": cmd_parity}[args.command](args)
     except RooflineError as e:
@@ -231,6 +246,24 @@ def _speculative(args: argparse.Namespace) -> str | None:
         raise RooflineError("--speculative draft needs --draft-model MODEL: a small model with the model's tokenizer "
                             "(or use prompt-lookup or self, which need no other model)")
     return None if mode == "off" else mode
+
+
+def _serve_other_rank(args: argparse.Namespace) -> int | None:
+    """--distributed: every rank but 0 serves rank 0's plans here (its exit status); rank 0 runs the command (None)."""
+    mode = getattr(args, "distributed", None)
+    if mode is None or args.command not in ("generate", "serve", "chat", "bench"):
+        return None
+    from mlx_engine import distributed
+
+    distributed.check_mode(mode)
+    rank = distributed.launched_rank()
+    if rank is None:
+        raise RooflineError(distributed.NO_LAUNCHER)
+    if rank == 0:
+        distributed.stop_on_sigterm(0)
+        return None
+    options = {k: v for k, v in _load_options(args).items() if k != "distributed"}
+    return distributed.serve_rank(getattr(args, "model", None), mode, **options)
 
 
 def _load_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -256,6 +289,8 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         out["kv_bits"] = args.kv_bits
     if getattr(args, "block_size", 16) != 16:
         out["block_size"] = args.block_size
+    if getattr(args, "distributed", None) is not None:
+        out["distributed"] = args.distributed
     return out
 
 
@@ -294,9 +329,26 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from app.tui import run
 
     options = _load_options(args)
+    if "distributed" in options:
+        _own_terminal()
     if "draft_model" in options:  # a model picked in the app need not suit the draft: then it loads without one
         options["draft_optional"] = True
     return run(args.model, **options)
+
+
+def _own_terminal() -> None:
+    """Rank 0 of `chat` under mlx.launch: its stdin and stdout are the launcher's pipes, so the app takes the
+    terminal itself (start mlx.launch with `< /dev/null`, so that the launcher does not read the keys too)."""
+    if sys.stdout.isatty():
+        return
+    try:
+        tty = os.open("/dev/tty", os.O_RDWR)
+    except OSError:
+        raise RooflineError("chat --distributed needs a terminal for rank 0: run it on the host you sit at, or use "
+                            "serve --distributed and a client") from None
+    for fd in (0, 1):
+        os.dup2(tty, fd)
+    os.close(tty)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -467,7 +519,35 @@ def cmd_kv(args: argparse.Namespace) -> int:
           f"{per_token:,} bytes per token")
     if shape.context_length and args.context > shape.context_length:
         print(f"note: the model's own context is {shape.context_length:,} tokens", file=sys.stderr)
+    if args.distributed is not None:
+        _kv_per_rank(args, shape, lambda s: kv_bytes(s, args.context, args.batch, args.kv_bits, itemsize,
+                                                     key_bits=args.kv_key_bits, key_group_size=key_group))
     return 0
+
+
+def _kv_per_rank(args: argparse.Namespace, shape: Any, kv_of: Any) -> None:
+    """`kv --distributed`: each rank's share on paper (the split a run makes, from the checkpoint's tensor sizes)."""
+    import dataclasses
+
+    from mlx_engine import distributed
+
+    mode = distributed.check_mode(args.distributed)
+    if args.ranks < 2:
+        raise RooflineError(f"--ranks {args.ranks}: expected 2 or more")
+    if mode == "tensor" and shape.num_kv_heads % args.ranks:
+        raise RooflineError(f"tensor parallel over {args.ranks} ranks splits the KV heads, and this model's "
+                            f"{shape.num_kv_heads} do not divide by {args.ranks}: use --distributed pipeline")
+    shares = distributed.shares_on_paper(distributed.file_tensor_sizes(args.model), shape.num_layers,
+                                         shape.num_kv_heads, mode, args.ranks)
+    for r in shares:
+        kv = kv_of(dataclasses.replace(shape, num_layers=r.num_layers, num_kv_heads=r.kv_heads))
+        held = ", ".join(x for x, on in (("embedding", r.embed), ("head", r.head)) if on)
+        print(f"rank {r.rank}: layers {r.layers[0]}-{r.layers[1] - 1} ({r.num_layers}) x {r.kv_heads} KV heads"
+              f"{'; ' + held if held else ''}: weights {_size(r.weight_bytes)} as stored, KV {_size(kv)}")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def cmd_tokens(args: argparse.Namespace) -> int:

@@ -81,6 +81,10 @@ def load_engine(model: str | None, spec: BenchSpec, backend: str = "mlx", device
     bs, per_block, budget = (stats.get(k) for k in ("block_size", "bytes_per_block", "bytes_budget"))
     if stats.get("kind") == "paged" and bs and per_block and budget is not None:
         need = -(-spec.kv_tokens(int(bs)) // int(bs)) * int(per_block)
+        if int(budget) < need and options.get("distributed"):  # the other ranks load once, with their own budget
+            engine.close()
+            raise RooflineError(f"the KV pool holds {int(budget) // int(per_block) * int(bs)} tokens and this bench "
+                                f"needs {need // int(per_block) * int(bs)}: lower --batch, --context or -p/-n")
         if int(budget) < need:
             engine.close()
             engine = Engine.load(model, kv_budget_bytes=need, **options)

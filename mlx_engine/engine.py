@@ -53,6 +53,8 @@ LOAD_OPTIONS = {
     "self_draft_layers": "layers of the model that speculative='self' drafts with (default: half)",
     "cuda_graphs": "backend='torch' on CUDA: replay each batched decode step as a CUDA graph (default True; "
     "False launches its kernels one by one)",
+    "distributed": "'pipeline' or 'tensor': the model across the ranks mlx.launch started, this process being rank 0 "
+    "(another rank serves rank 0 and ends with it; docs/distributed.md)",
     "chat_template": "a Jinja chat template to use instead of the model's own: its text, or a path (a .jinja file, "
     "or a tokenizer_config.json)",
 }

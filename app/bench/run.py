@@ -50,6 +50,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--repeats", "-r", type=int, default=3, help="runs per test (default 3)")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON (schema roofline-bench-1)")
     b.add_argument("--markdown", action="store_true", help="print a Markdown table instead of the text table")
+    b.add_argument("--distributed", metavar="MODE",
+                   help="pipeline or tensor, under mlx.launch: also each rank's weights and KV, the link's measured "
+                   "bandwidth and its roof (bytes exchanged per token over that bandwidth)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -79,7 +82,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         printed = len(lines)
 
     result = run(args.model, spec, args.backend, args.device, command=" ".join(["roofline", *sys.argv[1:]]),
-                 cuda_graphs=args.cuda_graphs, on_point=show, skipped_contexts=skipped)
+                 cuda_graphs=args.cuda_graphs, on_point=show, skipped_contexts=skipped,
+                 distributed=args.distributed)
+    for line in distributed_lines(result):
+        print(line, flush=True)
     if result.get("interrupted"):
         print(f"roofline: interrupted: kept the {len(result['rows'])} finished point(s) above", file=sys.stderr)
     if out is not None and result["rows"]:
@@ -112,7 +118,7 @@ def fit_contexts(model: str | None, spec: Any) -> tuple[Any, tuple[int, ...]]:
 
 def run(model: str | None, spec: Any, backend: str, device: str, command: str = "roofline bench",
         cuda_graphs: bool | None = None, on_point: Any = None,
-        skipped_contexts: tuple[int, ...] = ()) -> dict[str, Any]:
+        skipped_contexts: tuple[int, ...] = (), distributed: str | None = None) -> dict[str, Any]:
     """Loads the model and measures `spec` one (batch, depth) point at a time, a progress bar on stderr when it is a
     terminal; `on_point(result)` after the header is known and after each point (the rows so far). Ctrl+C stops at
     once: the result holds the finished points and "interrupted": true."""
@@ -125,7 +131,9 @@ def run(model: str | None, spec: Any, backend: str, device: str, command: str = 
     from app.tui.store import data_dir
     from mlx_engine import bench
 
-    options = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
+    options: dict[str, Any] = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
+    if distributed is not None:
+        options["distributed"] = distributed
     engine = bench.load_engine(model, spec, backend, device, **options)
     try:
         dev = bench.engine_device(engine, backend, device)
@@ -168,9 +176,24 @@ def run(model: str | None, spec: Any, backend: str, device: str, command: str = 
                         on_point(result)
             except KeyboardInterrupt:
                 result["interrupted"] = True
+        if distributed is not None and not result.get("interrupted"):
+            result["distributed"] = _distributed(engine, spec)
     finally:
         engine.close()
     return result
+
+
+def _distributed(engine: Any, spec: Any) -> dict[str, Any]:
+    """Each rank's figures, the measured link and its roof at each batch (`mlx_engine.distributed.link_roof`)."""
+    from mlx_engine.distributed import link_roof
+
+    stats = engine.kv_stats()
+    ranks, link = stats["ranks"], stats["link"]
+    r0 = ranks[0]
+    plan_per_step = r0["plan_bytes"] / max(1, r0["forwards"])
+    roofs = [{"batch": b, **link_roof(link, stats["mode"], len(ranks), r0["model_layers"], r0["hidden"],
+                                      r0["itemsize"], b, plan_per_step)} for b in spec.batches]
+    return {"mode": stats["mode"], "ranks": ranks, "link": link, "link_roof": roofs}
 
 
 def _stat(values: list[float]) -> dict[str, Any]:
@@ -263,6 +286,22 @@ def markdown_lines(result: dict[str, Any]) -> list[str]:
     return [*(f"{x}  " for x in roofline_lines(result)), "", "| " + " | ".join(HEADER) + " |",
             "| " + " | ".join("---:" if i in RIGHT else "---" for i in range(len(HEADER))) + " |",
             *("| " + " | ".join(r) + " |" for r in table_rows(result))]
+
+
+def distributed_lines(result: dict[str, Any]) -> list[str]:
+    d = result.get("distributed")
+    if not d:
+        return []
+    link = d["link"]
+    lines = [f"{d['mode']} parallel over {len(d['ranks'])} ranks; link to rank 1: "
+             f"{link['bandwidth_bytes_s'] * 8 / 1e9:.2f} Gbit/s, {link['latency_s'] * 1e6:.0f} us one way (measured)"]
+    lines += [f"rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1] - 1}, {r['kv_heads']} KV heads: weights "
+              f"{r['weight_bytes'] / 2**20:.0f} MiB, KV {r['kv_budget_bytes'] / 2**20:.0f} MiB budget"
+              for r in d["ranks"]]
+    lines += [f"link roof at batch {x['batch']}: {x['bytes_per_token']:,.0f} bytes/token -> "
+              f"{x['bandwidth_roof_tps']:,.0f} tok/s by bandwidth, {x['latency_roof_tps']:,.0f} with latency"
+              for x in d["link_roof"]]
+    return lines
 
 
 def text(result: dict[str, Any]) -> str:

@@ -38,6 +38,18 @@ def load_runner(model: str | None, backend: str = "mlx", device: str = "auto", *
     """The runner of `backend` on `device` (on the engine thread): backends.mlx's Runner or TorchRunner."""
     _check("backend", backend, BACKENDS)
     _check("device", device, DEVICES)
+    distributed = options.pop("distributed", None)
+    if distributed is not None:
+        if backend != "mlx":
+            raise RooflineError(f"distributed={distributed!r} runs on the mlx backend (mx.distributed), not {backend!r}")
+        from mlx_engine import distributed as dist
+
+        runner = dist.load_runner(model, distributed, **options)
+        import mlx.core as mx
+
+        runner.info = dataclasses.replace(runner.info, backend="mlx",
+                                          device="metal" if mx.metal.is_available() else "cpu")
+        return runner
     if backend == "torch":
         return import_torch_backend().TorchRunner.load(model, device=device, **options)
     import mlx.core as mx

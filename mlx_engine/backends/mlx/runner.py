@@ -72,9 +72,12 @@ class Runner:
         draft_optional: bool = False,
         *,
         weight_bits: int | None = None,
+        shard: Any = None,
     ) -> Runner:
         """`draft_bits`: hold the draft at 4 or 8 bits (`weight_bits` of its own load: `quantize_weights`).
-        `draft_optional`: a draft model that cannot serve this one is a warning, not an error (`attach_draft`)."""
+        `draft_optional`: a draft model that cannot serve this one is a warning, not an error (`attach_draft`).
+        `shard(built, checkpoint)`: keeps a rank's share of the built model before its weights are read
+        (`mlx_engine.distributed`)."""
         from mlx_engine.kv.config import KVConfig
 
         kv_config = KVConfig(block_size, kv_bits, kv_group_size, kv_budget_bytes, prefix_caching, kv_key_bits,
@@ -96,6 +99,8 @@ class Runner:
             from mlx_engine.loading.gguf_model import apply_freq_factors
 
             apply_freq_factors(built.model, ckpt.config)
+        if shard is not None:
+            shard(built, ckpt)
         quant_label = ckpt.quant_label
         if weight_bits is not None:
             quantize_weights(built.model, weight_bits)

@@ -1,0 +1,242 @@
+"""Rank 0's model runner: the scheduler's runner, whose every forward is one step of the rank plan.
+
+The scheduler, prefix caching, continuous batching, chunked prefill, sampling and speculative verification run on
+rank 0 unchanged: they reach the cache through `MirroredCache`, whose changing calls go to every rank with the next
+forward, and each forward (`_forward`) sends the step's token ids, the views it reads and the block tables' checksum
+before rank 0 runs its own part. Rank 0 samples; the other ranks never see logits. A draft model lives on rank 0.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+import zlib
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_engine.api import RequestError, RooflineError, SamplingParams
+from mlx_engine.distributed.mirror import MirroredCache, PlanLog, PlannedLayers, TrimRecorded, lockstep_figures
+from mlx_engine.distributed.node import Node
+from mlx_engine.distributed.stage import micro_batches
+
+
+def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
+    from mlx_engine.backends.mlx.runner import _sample_rows as sample
+
+    return sample(logits, samplers)
+
+
+MICRO_BATCHES_ENV = "ROOFLINE_PIPELINE_MICRO_BATCHES"
+
+
+def micro_batch_count(num_ranks: int) -> int:
+    """Micro-batches a pipelined forward may be cut into: one per rank, or $ROOFLINE_PIPELINE_MICRO_BATCHES (1: never
+    cut; for measuring what they gain)."""
+    raw = os.environ.get(MICRO_BATCHES_ENV, "")
+    if not raw:
+        return num_ranks
+    if not raw.isdigit() or int(raw) < 1:
+        raise RooflineError(f"{MICRO_BATCHES_ENV}={raw!r}: expected a whole number >= 1")
+    return int(raw)
+
+
+def tables_checksum(cache: Any, req_ids: list[str]) -> int:
+    return zlib.crc32(json.dumps(lockstep_figures(cache, req_ids)).encode())
+
+
+class DistributedRunner:
+    """Rank 0's side of a distributed engine (`Engine.load(..., distributed="pipeline" | "tensor")`)."""
+
+    def __init__(self, node: Node):
+        self.node = node
+        self.local = local = node.local
+        self.log = PlanLog()
+        self.cache = MirroredCache(local.cache, self.log)
+        self.tokenizer, self.info = local.tokenizer, local.info
+        self.prefill_chunk_size, self.context_length = local.prefill_chunk_size, local.context_length
+        self.vocab_size, self.eos_ids, self.fingerprint = local.vocab_size, local.eos_ids, local.fingerprint
+        self.draft, self.self_draft_layers = local.draft, 0
+        self.closed = False
+        self._owner = threading.current_thread()  # the engine thread: the only one that may use the channel
+        self._link: dict[str, float] | None = None
+        self.micro_batches = micro_batch_count(node.size)
+        # each rank's shard, for pricing a decode step from any thread (Engine.decode_bytes_per_token is called
+        # off the engine thread, where no collective may run)
+        self.shards = self.gather_figures()
+        atexit.register(self._at_exit)  # the other ranks end when rank 0 does, even without Engine.close
+
+    @property
+    def model(self) -> Any:
+        return self.local.model
+
+    # --- the plan ---
+
+    def _at_exit(self) -> None:
+        if self.closed:
+            return
+        if threading.current_thread() is self._owner:
+            self.release()
+            return
+        from mlx_engine.engine import engine_thread
+
+        try:  # between the engine's steps, as every collective of rank 0 runs
+            engine_thread().submit(self.release).result(timeout=30)
+        except Exception:  # noqa: BLE001 - exiting anyway; the other ranks then report rank 0 lost
+            pass
+
+    def _send(self, plan: dict[str, Any], doing: str = "sending a step's plan") -> None:
+        if threading.current_thread() is not self._owner:
+            raise RooflineError("a distributed runner's collectives run on the engine thread only")
+        plan["ops"] = self.log.take()
+        self.node.channel.broadcast(json.dumps(plan, separators=(",", ":")).encode(), doing)
+
+    def _forward(self, inputs: mx.array, layers: list[Any]) -> mx.array:
+        """inputs (B, L) -> final hidden states (B, L, hidden), evaluated, after every rank ran its part."""
+        if not isinstance(layers, PlannedLayers):
+            raise RooflineError("a distributed forward needs views from the engine's cache (runner.cache)")
+        tokens = np.array(inputs, dtype=np.int32)  # the step's ids go to every rank: read them now
+        groups = micro_batches(layers, self.micro_batches) if self.node.mode == "pipeline" else None
+        self._send({"do": "forward", "views": layers.op, "tokens": tokens.tolist(), "groups": groups,
+                    "crc": tables_checksum(self.local.cache, self.log.view_reqs.get(layers.op, []))})
+        return self.node.stage.forward(mx.array(tokens), layers, groups)
+
+    def gather_figures(self) -> list[dict[str, Any]]:
+        """Every rank's weights, KV pool and traffic (`Node.figures`), by rank."""
+        self._send({"do": "gather"}, "asking the ranks for their figures")
+        return self.node.channel.gather_json(self.node.figures())
+
+    def link(self) -> dict[str, float]:
+        """The link to rank 1, measured once (`link.measure_link`): latency_s, bandwidth_bytes_s, probe_bytes."""
+        if self._link is None:
+            from mlx_engine.distributed.link import measure_link
+
+            self._send({"do": "link"}, "asking the ranks to measure the link")
+            with self.node.channel.deadline.waiting(self.node.channel.peers, "measuring the link"):
+                self._link = measure_link(self.node.group, self.node.channel)
+        return self._link
+
+    def release(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._send({"do": "stop"}, "telling the ranks to stop")
+        except RooflineError:
+            pass  # they are gone already
+        if self.local.draft is not None:
+            self.local.draft.release()
+        self.cache = self.local.cache = None
+        mx.clear_cache()
+
+    # --- forwards, as backends.mlx.runner.Runner's ---
+
+    def forward(self, inputs: mx.array, layers: list[Any]) -> mx.array:
+        return self._forward(inputs, layers)
+
+    def logits(self, h: mx.array) -> mx.array:
+        return self.local.model.logits(h).astype(mx.float32)
+
+    def last_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
+        return self.logits(self._forward(inputs, layers)[:, -1, :])
+
+    def last_sample(self, inputs: mx.array, layers: list[Any], samplers: list[Any]) -> mx.array:
+        return _sample_rows(self.last_logits(inputs, layers), samplers)
+
+    def rows_logits(self, inputs: mx.array, layers: list[Any], rows: list[int]) -> mx.array | None:
+        out = self._forward(inputs, layers)
+        return self.logits(out[0, mx.array(rows, dtype=mx.int32)]) if rows else None
+
+    def rows_sample(self, inputs: mx.array, layers: list[Any], rows: list[int], samplers: list[Any]) -> mx.array | None:
+        logits = self.rows_logits(inputs, layers, rows)
+        return None if logits is None else _sample_rows(logits, samplers)
+
+    def all_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
+        return self.logits(self._forward(inputs, layers))[0]
+
+    def _fresh_contiguous(self) -> list[Any]:
+        """Contiguous buffers on every rank (the speculative cost curve's timing forwards)."""
+        op = self.log.add(["k", "new", [], {}])
+        out = PlannedLayers(TrimRecorded(self.log, op, i, c) for i, c in enumerate(self.local._fresh_contiguous()))
+        out.op = op
+        return out
+
+    def _scratch_logits(self, ids: list[int], rows: str) -> list[np.ndarray]:
+        """A forward over `ids` from an empty cache, in prefill chunks through the paged cache (every rank's):
+        each chunk's logits, all rows or the last."""
+        req = f"scratch-{id(ids)}-{self.log.num_ops}"
+        cache = self.cache
+        cache.check_fits(len(ids))
+        cache.allocate(req, ids, len(ids))  # KV of its own
+        out = []
+        try:
+            for start in range(0, len(ids), self.prefill_chunk_size):
+                end = min(start + self.prefill_chunk_size, len(ids))
+                h = self._forward(mx.array([ids[start:end]], dtype=mx.int32), cache.prefill_layers(req, start, end))
+                out.append(np.array(self.logits(h[0] if rows == "all" else h[0, -1:])))
+        finally:
+            cache.free(req)
+        return out
+
+    def forward_logits(self, ids: list[int]) -> np.ndarray:
+        return np.concatenate(self._scratch_logits(ids, "all"))
+
+    def score(self, ids: list[int]) -> np.ndarray:
+        from mlx_engine.sampling import target_logprobs
+
+        logits = mx.array(self.forward_logits(ids)[:-1])
+        return np.array(target_logprobs(logits, ids[1:], 0)[0]) if len(ids) > 1 else np.zeros(0, np.float32)
+
+    def hidden_states(self, ids: list[int]) -> list[np.ndarray]:
+        raise RooflineError("hidden states are not available with --distributed: each rank holds only its layers")
+
+    # --- what the engine asks besides forwards ---
+
+    def prompt_ids(self, request: Any) -> list[int]:
+        return self.local.prompt_ids(request)
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        return self.local.check_ids(ids)
+
+    def check_context(self, ids: list[int]) -> list[int]:
+        return self.local.check_context(ids)
+
+    def rollback_problem(self) -> str | None:
+        return None  # the paged cache trims to any length
+
+    def check_speculation(self, params: SamplingParams) -> None:
+        if params.speculative == "self":
+            raise RequestError("speculative='self' is not available with --distributed: the model's first layers "
+                               "are on another rank; use 'prompt-lookup' or 'draft'")
+        self.local.check_speculation(params)
+
+    def kv_stats(self) -> dict[str, Any]:
+        stats = self.local.cache.stats()
+        stats.update(ranks=self.gather_figures(), link=self.link(), mode=self.node.mode)
+        return stats
+
+    def decode_bytes_per_token(self, context: int) -> int:
+        """Bytes every rank together reads per decode step: each rank's weights and the KV of its layers or heads."""
+        from mlx_engine.roofline import decode_bytes_per_token
+
+        total = 0
+        for f in self.shards:
+            a = self.local._shape
+            total += decode_bytes_per_token(f["weight_bytes"], 0, False, f["kv_layers"], f["kv_heads"], a["head_dim"],
+                                            context, a["kv_itemsize"]).total
+        return total
+
+    def save_kv(self, path: str, token_ids: list[int]) -> int:
+        raise RooflineError("saving KV is not available with --distributed: each rank holds a part of it")
+
+    def restore_kv(self, path: str) -> list[int]:
+        raise RooflineError("restoring KV is not available with --distributed: each rank holds a part of it")
+
+    def reset_peak_memory(self) -> None:
+        self.local.reset_peak_memory()
+
+    def peak_memory_bytes(self) -> int:
+        return self.local.peak_memory_bytes()

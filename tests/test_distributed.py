@@ -1,0 +1,367 @@
+"""Two ranks on loopback with MLX's ring backend, started by mlx.launch: the engine's outputs against one process.
+
+Each launch starts two Python processes (about 3 s on the 2-core box before any model loads), so every test puts
+its models and requests into one or two launches (tests/distributed_ranks.py runs them on each rank). Ports: each
+launch picks a free pair (`free_port_base`), so runs of the suite side by side do not collide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.tiny_models import random_llama_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "data" / "golden"
+TINY = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists())
+MLX_LAUNCH = Path(sys.executable).parent / "mlx.launch"
+RANKS = ROOT / "tests" / "distributed_ranks.py"
+LAUNCH_TIMEOUT_S = 240
+
+pytestmark = pytest.mark.skipif(not MLX_LAUNCH.exists(), reason="mlx.launch is not installed beside python")
+
+
+def free_port_base() -> int:
+    """A port p with p and p + 1 free on 127.0.0.1 (mlx.launch's ring takes one per rank from -p)."""
+    rng = np.random.default_rng()
+    for _ in range(200):
+        base = int(rng.integers(20000, 60000))
+        socks = []
+        try:
+            for p in (base, base + 1):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no two consecutive free ports")
+
+
+def launch_cmd(*args: str) -> list[str]:
+    return [str(MLX_LAUNCH), "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1", "-p", str(free_port_base()),
+            "--", sys.executable, *args]
+
+
+def env(**extra: str) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
+    out.update(PYTHONPATH=str(ROOT), **extra)
+    return out
+
+
+def run_scenario(tmp_path: Path, mode: str, runs: list[dict]) -> list[dict]:
+    spec, out = tmp_path / f"scenario-{mode}.json", tmp_path / f"results-{mode}.json"
+    spec.write_text(json.dumps({"mode": mode, "runs": runs}))
+    p = subprocess.run(launch_cmd(str(RANKS), str(spec), str(out)), capture_output=True, text=True, cwd=ROOT,
+                       env=env(), timeout=LAUNCH_TIMEOUT_S)
+    assert out.exists(), f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
+    return json.loads(out.read_text())
+
+
+def one_process(model: str | None, batches: list[list[dict]], **options) -> list[dict]:
+    """The same batches through one process's engine (each batch submitted together, as on the ranks)."""
+    from mlx_engine import Engine, GenerationRequest, SamplingParams
+
+    out = []
+    with Engine.load(model, **options) as engine:
+        for batch in batches:
+            streams = [engine.generate(GenerationRequest(prompt_token_ids=r["ids"], sampling=SamplingParams(
+                **r["sampling"]))) for r in batch]
+            for stream in streams:
+                events = list(stream)
+                out.append({"tokens": [t for e in events for t in e.token_ids], "finish": events[-1].finish_reason,
+                            "cached": events[-1].usage.cached_prompt_tokens})
+        stats = engine.kv_stats()
+        out.append({"weight_bytes": engine.info.weight_bytes, "kv_budget_bytes": stats["bytes_budget"]})
+    return out
+
+
+def greedy(ids: list[int], n: int, **extra) -> dict:
+    return {"ids": ids, "sampling": {"temperature": 0.0, "max_tokens": n, "ignore_eos": True, **extra}}
+
+
+def golden_batches(name: str) -> list[list[dict]]:
+    gold = np.load(GOLDEN / name / "golden.npz")
+    return [[greedy(gold["input_ids"].tolist(), len(gold["greedy_tokens"]))]]
+
+
+PREFIX = [(7 * i) % 120 + 3 for i in range(70)]
+# the engine's work beyond one greedy request, each compared with one process: a long prompt in 16-token prefill
+# chunks; then two that share its first 64 tokens (a prefix-cache hit) with a seeded sampled one beside them in the
+# same continuous batch (a packed forward of decode rows and prefill chunks); then a repetitive prompt verified by
+# prompt lookup's drafts
+WORK = [
+    [greedy(PREFIX, 8)],
+    [greedy(PREFIX[:64] + [9, 9, 4], 10),
+     {"ids": PREFIX[:64] + [11, 2], "sampling": {"temperature": 0.9, "top_p": 0.95, "seed": 11, "max_tokens": 10,
+                                                 "ignore_eos": True}},
+     greedy([5, 17, 40, 8, 99, 23, 61, 7, 30, 3, 88, 12, 44, 6] * 3, 12)],
+    [greedy([5, 6, 7, 8, 9, 10, 11, 12] * 6, 16, speculative="prompt-lookup", num_draft_tokens=4)],
+]
+WORK_OPTIONS = {"prefill_chunk_size": 16}
+# three 70-token prompts prefilled in one packed forward of 210 rows: the pipeline cuts it into two micro-batches
+TOGETHER = [[greedy(PREFIX[i:] + PREFIX[:i], 6) for i in (1, 2, 3)]]
+
+
+@pytest.fixture(scope="module")
+def big_layers(tmp_path_factory) -> Path:
+    """A random llama whose decoder layers outweigh its embedding and head 12 to 1, for the bytes per rank."""
+    return random_llama_folder(tmp_path_factory.mktemp("big") / "llama8", num_heads=4, num_kv_heads=2, head_dim=32,
+                               hidden=128, layers=8, vocab=128)
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_two_ranks_match_one_process(tmp_path, mode, big_layers):
+    runs = [{"model": str(GOLDEN / name), "batches": golden_batches(name)} for name in TINY]
+    runs.append({"model": str(GOLDEN / "llama"), "options": WORK_OPTIONS, "batches": WORK})
+    runs.append({"model": str(GOLDEN / "llama"), "batches": TOGETHER})
+    runs.append({"model": str(big_layers), "batches": [[greedy([1, 2, 3], 2)]]})
+    results = run_scenario(tmp_path, mode, runs)
+    assert len(results) == len(runs), results
+    for name, got in zip(TINY, results):
+        want = np.load(GOLDEN / name / "golden.npz")["greedy_tokens"].tolist()
+        assert got["requests"][0]["tokens"] == want, f"{mode} {name}"
+    work, together, big = results[len(TINY):]
+    ref = one_process(str(GOLDEN / "llama"), TOGETHER)
+    assert [r["tokens"] for r in together["requests"]] == [r["tokens"] for r in ref[:3]], mode
+    cut = [r["micro_batched_forwards"] for r in together["kv"]["ranks"]]
+    assert cut == ([1, 1] if mode == "pipeline" else [0, 0]), cut
+    ref = one_process(str(GOLDEN / "llama"), WORK, **WORK_OPTIONS)
+    for i, (a, b) in enumerate(zip(work["requests"], ref)):
+        assert a["tokens"] == b["tokens"], f"{mode} request {i}: {a} != {b}"
+        assert a["finish"] == b["finish"] == "length"
+    assert work["requests"][1]["cached"] == ref[1]["cached"] == 64  # the prefix cache, on every rank's blocks
+    # weights and KV each rank holds: about half of one process's
+    single = one_process(str(big_layers), [])[-1]
+    ranks = big["kv"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert 0.4 <= r["weight_bytes"] / single["weight_bytes"] <= 0.6, (mode, r, single)
+        assert 0.4 <= r["kv_budget_bytes"] / single["kv_budget_bytes"] <= 0.6, (mode, r, single)
+    if mode == "pipeline":
+        assert [r["layers"] for r in ranks] == [[4, 8], [0, 4]]
+        assert [r["kv_layers"] for r in ranks] == [4, 4]
+    else:
+        assert [r["kv_heads"] for r in ranks] == [1, 1]
+
+
+def test_smollm2_pipeline_matches_one_process(tmp_path):
+    from mlx_engine.loading import load_tokenizer
+
+    tok = load_tokenizer(None)
+    ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
+    batches = [[greedy(ids, 10)]]
+    results = run_scenario(tmp_path, "pipeline", [{"model": None, "batches": batches}])
+    ref = one_process(None, batches)
+    assert results[0]["requests"][0]["tokens"] == ref[0]["tokens"], (results, ref)
+    ranks = results[0]["kv"]["ranks"]
+    assert [r["layers"] for r in ranks] == [[19, 30], [0, 19]]  # by parameters: the tied embedding sits on rank 0
+
+
+def test_refusals_at_start(tmp_path):
+    """A head count that does not divide (SmolLM2's 9 heads over 2 ranks) and ranks on different model files."""
+    tensor = run_scenario(tmp_path, "tensor", [{"model": None}])
+    assert "load_error" in tensor[0], tensor
+    line = tensor[0]["load_error"]
+    assert "9 query and 3 KV heads" in line and "use --distributed pipeline" in line and "\n" not in line
+    mixed = run_scenario(tmp_path, "pipeline", [{"model": str(GOLDEN / "llama"),
+                                                 "model_by_rank": {"1": str(GOLDEN / "mistral")}}])
+    line = mixed[0]["load_error"]
+    assert "rank 1 loaded" in line and "mistral" in line and "refused" in line and "\n" not in line
+
+
+def _parent(pid: int) -> int:
+    return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def descendants(launcher: int) -> list[int]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            pid = int(proc.name)
+            while pid > 1:
+                pid = _parent(pid)
+                if pid == launcher:
+                    out.append(int(proc.name))
+                    break
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of `rank` among the launcher's descendants (its MLX_RANK), or None."""
+    for pid in descendants(launcher):
+        try:
+            if f"MLX_RANK={rank}".encode() in (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def kill_launch(proc: subprocess.Popen) -> None:
+    """A launch the test gives up on: its ranks (by pid), then the launcher."""
+    if proc.poll() is None:
+        for pid in descendants(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        proc.kill()
+        proc.communicate()
+
+
+def test_serve_concurrent_requests_match_alone(tmp_path):
+    """Three requests at once through `roofline serve --distributed pipeline` reply as each does alone."""
+    import http.client
+    import threading
+
+    port = free_port_base()
+    proc = subprocess.Popen(launch_cmd("-m", "app.cli", "serve", "--distributed", "pipeline", "--port", str(port)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env())
+
+    def complete(prompt: str) -> str:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        c.request("POST", "/v1/completions", json.dumps({"model": "default", "prompt": prompt, "max_tokens": 8,
+                                                      "temperature": 0}),
+                  {"Content-Type": "application/json"})
+        r = c.getresponse()
+        body = json.loads(r.read())
+        assert r.status == 200, body
+        return body["choices"][0]["text"]
+
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        prompts = ["The capital of France is", "1, 2, 3, 4,", "Roses are red, violets"]
+        alone = [complete(p) for p in prompts]
+        together: list[str | None] = [None] * 3
+
+        def one(i: int) -> None:
+            together[i] = complete(prompts[i])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert together == alone and all(alone), (together, alone)
+    finally:
+        rank0 = rank_pid(proc.pid, 0)
+        if rank0 is not None:
+            os.kill(rank0, signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            out = "(did not stop within 60 s)"
+            kill_launch(proc)
+    # mlx.launch exits 0 whatever its ranks do, and warns for each rank that ends otherwise: the server ends as
+    # SIGINT asks (status 130), rank 1 with 0 once rank 0 has stopped it
+    warnings = [line for line in out.splitlines() if "[WARN]" in line]
+    assert len(warnings) <= 1 and all("rank 0 exited with code 130" in w for w in warnings), out[-3000:]
+    assert "error" not in out, out[-3000:]
+
+
+def test_rank_killed_mid_generation_ends_the_run(tmp_path):
+    proc = subprocess.Popen(launch_cmd("-m", "app.cli", "generate", "--distributed", "pipeline", "-n", "2000", "--raw",
+                                       "-p", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env())
+    try:
+        first = proc.stdout.read(40)  # some tokens are out: the ranks are mid-generation
+        assert first, proc.stderr.read()
+        victim = rank_pid(proc.pid, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        kill_launch(proc)
+    assert took < 30, took
+    assert proc.returncode is not None
+    errors = [line for line in err.splitlines() if "roofline: error" in line]
+    assert errors and "rank 1" in errors[0] and ("lost" in errors[0] or "ended" in errors[0]), err
+    assert "Node with rank 0 exited with code 3" in err, err  # EXIT_RANK_LOST, not a crash or a signal
+    assert rank_pid(proc.pid, 0) is None
+
+
+def test_silent_rank_ends_the_run_at_the_deadline(tmp_path):
+    """A rank that stops answering (SIGSTOP: no connection closes) is named once the deadline passes."""
+    started = tmp_path / "started"
+    spec, out = tmp_path / "silent.json", tmp_path / "silent-out.json"
+    run = {"model": str(GOLDEN / "llama"), "started_file": str(started), "batches": [[greedy([1, 2, 3], 400)]]}
+    spec.write_text(json.dumps({"mode": "tensor", "runs": [run]}))
+    proc = subprocess.Popen(launch_cmd(str(RANKS), str(spec), str(out)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env(ROOFLINE_DISTRIBUTED_TIMEOUT="4"))
+    victim = None
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        victim = rank_pid(proc.pid, 1)
+        assert started.exists() and victim is not None, proc.communicate(timeout=30)
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while rank_pid(proc.pid, 0) is not None and time.monotonic() - stopped < 30:
+            time.sleep(0.2)
+        took = time.monotonic() - stopped
+    finally:
+        if victim is not None:
+            os.kill(victim, signal.SIGKILL)  # stopped: the launcher's SIGTERM would wait for ever
+        try:
+            _, err = proc.communicate(timeout=60)
+        finally:
+            kill_launch(proc)
+    assert took < 15, took
+    line = [x for x in err.splitlines() if "roofline: error" in x]
+    assert line and "no answer from rank 1 (127.0.0.1:" in line[0] and "for 4 s" in line[0], err
+    assert "Node with rank 0 exited with code 3" in err, err
+
+
+def roofline(*args: str, **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env(**extra_env), timeout=120)
+
+
+def test_bad_input_is_one_line(tmp_path):
+    bad = roofline("generate", "--distributed", "sideways", "-p", "hi")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "--distributed 'sideways': expected pipeline" in bad.stderr
+    alone = roofline("generate", "--distributed", "pipeline", "-p", "hi")
+    assert alone.returncode == 2 and alone.stderr.count("\n") == 1, alone.stderr
+    assert "needs its ranks started by mlx.launch" in alone.stderr
+    # a hostfile naming a host that never answers (rank 1's port: nobody listens there)
+    base = free_port_base()
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
+    t = time.monotonic()
+    lone = roofline("generate", "--distributed", "pipeline", "-m", str(GOLDEN / "llama"), "-p", "hi",
+                    MLX_RANK="0", MLX_HOSTFILE=str(hostfile), ROOFLINE_DISTRIBUTED_TIMEOUT="3")
+    assert time.monotonic() - t < 30
+    assert lone.returncode != 0
+    lines = lone.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"rank 1 (127.0.0.1:{base + 1}) did not connect within 3 s" in lines[0], lone.stderr
