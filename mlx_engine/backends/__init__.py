@@ -35,6 +35,9 @@ def load_runner(model: str | None, backend: str = "mlx", device: str = "auto", *
     """The runner of `backend` on `device` (on the engine thread): mlx_engine.runner.Runner or TorchRunner."""
     _check("backend", backend, BACKENDS)
     _check("device", device, DEVICES)
+    from mlx_engine.memory import check_fit
+
+    check_fit(model, backend, options)  # refused before a weight is read, on every front end
     if backend == "torch":
         return import_torch_backend().TorchRunner.load(model, device=device, **options)
     import mlx.core as mx
