@@ -339,8 +339,9 @@ class ModelMemory:
 
 
 def model_memory(ref: str | None, kv_bits: int | None = None, key_bits: int | None = None,
-                 itemsize: int | None = None, metal: bool = False) -> ModelMemory:
-    """What `memory.check_fit` weighs for `ref`, from its header (resolving it, so pulling a missing repo)."""
+                 itemsize: int | None = None, metal: bool = False) -> ModelMemory | None:
+    """What `memory.check_fit` weighs for `ref`, from its header (resolving it, so pulling a missing repo);
+    None when the header cannot be read or sized, which the loader then names better."""
     from mlx_engine.loading import EMBEDDED_MODEL_NAME, resolve
     from mlx_engine.loading.sources import display_name, is_embedded
 
@@ -348,11 +349,11 @@ def model_memory(ref: str | None, kv_bits: int | None = None, key_bits: int | No
     cache = _HeaderCache()
     try:
         header = cache.header(path, "gguf" if kind == "gguf" else "folder")
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
-        raise ModelLoadError(f"{path}: cannot read the model's header: {e}") from None
+    except (OSError, ValueError, KeyError, TypeError, struct.error, ModelLoadError):
+        return None
     cache.save()
     if header.kv_error:
-        raise ModelLoadError(header.kv_error)
+        return None
     item = itemsize or _kv_itemsize(header, metal)
     per_token = kv_bytes(header.kv, 1, kv_bits=kv_bits, itemsize=item, key_bits=key_bits)
     name = EMBEDDED_MODEL_NAME if is_embedded(ref) else display_name(ref, path)

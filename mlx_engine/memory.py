@@ -219,10 +219,15 @@ def check_fit(model: str | None, backend: str, options: dict[str, Any]) -> None:
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(dtype if isinstance(dtype, str) else "", 0)
     mem = model_memory(model, kv_bits=option("kv_bits", (4, 8)), key_bits=option("kv_key_bits", (4, 8)),
                        itemsize=itemsize or None, metal=metal)
+    if mem is None:
+        return  # a header that cannot be read or sized: the loader says what is wrong with it
     extra = 0
     if isinstance(options.get("draft_model"), str) and options.get("draft_model") != model:
-        draft = model_memory(options["draft_model"], metal=metal)
-        extra = held_weight_bytes(draft.weights, backend, metal)[0]  # held beside the model
+        try:
+            draft = model_memory(options["draft_model"], metal=metal)
+        except ModelLoadError:
+            draft = None  # the loader says why (or, with draft_optional, warns and loads without it)
+        extra = held_weight_bytes(draft.weights, backend, metal)[0] if draft else 0  # held beside the model
     fit = estimate_fit(mem.weights, mem.kv_per_token, mem.context_length, context=option("max_context"),
                        kv_budget_bytes=option("kv_budget_bytes"), backend=backend, extra_bytes=extra, metal=metal)
     if not fit.fits:

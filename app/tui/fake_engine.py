@@ -397,8 +397,8 @@ class FakeBackend(EngineBackend):
         path = Path(ref).expanduser()
         if not path.exists():
             raise ModelLoadError(f"{ref}: no such file or folder")
-        return ModelSummary(str(path), path.name, "gguf" if path.suffix == ".gguf" else "folder",
-                            path.stat().st_size, 0, "?", 0, "?")
+        return ModelSummary(str(path), path.name, "path", path.stat().st_size, 0, "?", 0, "?",
+                            format="gguf" if path.suffix == ".gguf" else "safetensors")
 
     def load_tokenizer(self, ref: str | None) -> FakeTokenizer:
         key = ref or ""

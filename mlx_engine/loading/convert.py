@@ -109,9 +109,9 @@ def convert(src: str | None, out: str | Path, bits: int = 4, group_size: int = 6
         raise RooflineError(f"-o {out}: its folder {out.parent} does not exist")
 
     from mlx_engine._mlx_lm import bare_package
-    from mlx_engine.loading import load_checkpoint
+    from mlx_engine.loading import load_checkpoint, resolve
 
-    say(f"reading {src or 'the embedded model'}")
+    say(f"reading {resolve(src)[0]}")  # a ref that names nothing fails here, before a word of progress
     ckpt = load_checkpoint(src)
     config = _mlx_lm_config(ckpt.config, str(ckpt.path))
     weights = _dequantized(ckpt.weights, ckpt.quantization)

@@ -44,24 +44,29 @@ def fit_label(m: ModelSummary) -> str:
 
 
 class _PickerProgress:
-    """A pull's progress, from the pull's worker thread to the picker's bar (at most 20 updates a second)."""
+    """A pull's progress, from the pull's worker thread to the picker's bar: at each whole percent, or every 0.1 s.
+    The rate shows after the first half second."""
+
+    clock = staticmethod(time.monotonic)
 
     def __init__(self, picker: ModelPicker, ref: str):
-        self.picker, self.ref, self.last = picker, ref, 0.0
+        self.picker, self.ref, self.last, self.pct = picker, ref, 0.0, -1
 
     def start(self, plan, done_bytes: int) -> None:
-        self.total, self.done, self.first, self.t0 = plan.total_bytes, done_bytes, done_bytes, time.monotonic()
-        self.picker.app.call_from_thread(self.picker._pull_progress, self.done, self.total, pull_status(
-            self.ref, self.done, self.total, 0.0))
+        self.total, self.done, self.first, self.t0 = plan.total_bytes, done_bytes, done_bytes, self.clock()
+        self._post(self.t0)
 
     def advance(self, nbytes: int) -> None:
         self.done += nbytes
-        now = time.monotonic()
-        if now - self.last >= 0.05 or self.done >= self.total:
-            self.last = now
-            rate = (self.done - self.first) / max(now - self.t0, 1e-6)
-            self.picker.app.call_from_thread(self.picker._pull_progress, self.done, self.total,
-                                             pull_status(self.ref, self.done, self.total, rate))
+        now = self.clock()
+        if int(100 * self.done / max(self.total, 1)) != self.pct or now - self.last >= 0.1:
+            self._post(now)
+
+    def _post(self, now: float) -> None:
+        self.last, self.pct = now, int(100 * self.done / max(self.total, 1))
+        rate = (self.done - self.first) / (now - self.t0) if now - self.t0 >= 0.5 else 0.0
+        self.picker.app.call_from_thread(self.picker._pull_progress, self.done, self.total,
+                                         pull_status(self.ref, self.done, self.total, rate))
 
     def finish(self) -> None:
         pass
@@ -80,6 +85,7 @@ class ModelPicker(ModalScreen[str | None]):
     ModelPicker LoadingIndicator { height: 3; }
     ModelPicker #pull-box { height: auto; display: none; }
     ModelPicker #pull-box ProgressBar { width: 1fr; }
+    ModelPicker #pull-box Bar { width: 1fr; }
     ModelPicker #pull-box Button { min-width: 10; height: 1; border: none; }
     ModelPicker #picker-error { color: $error; height: auto; }
     """
@@ -115,6 +121,9 @@ class ModelPicker(ModalScreen[str | None]):
 
     def on_mount(self) -> None:
         self.list_models()
+
+    def on_unmount(self) -> None:
+        self.pull_cancel.set()  # the app closes mid-pull: the pull stops, its partial files kept for next time
 
     @work(thread=True, exclusive=True, group="picker")
     def list_models(self) -> None:
