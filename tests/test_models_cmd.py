@@ -80,6 +80,8 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (lms / "pub" / "tiny-GGUF").mkdir(parents=True)
     shutil.copy(q4, lms / "pub" / "tiny-GGUF" / "tiny-Q4_0.gguf")
     shutil.copytree(folder, lms / "pub" / "tiny-mlx")
+    (lms / "pub" / "bad-GGUF").mkdir()
+    (lms / "pub" / "bad-GGUF" / "bad-Q4_0.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64)  # corrupt
     added = src / "mine.gguf"
     shutil.copy(q8, added)
     code = ("import json, sys\nfrom app.tui.store import ChatStore\n"
@@ -118,6 +120,8 @@ def test_models_json_lists_every_source_from_headers(home: Path) -> None:
         "lmstudio:pub/tiny-mlx": ("lmstudio", "safetensors", "fp32"),
         str(src["added"]): ("path", "gguf", "Q8_0"),
     }
+    bad = rows.pop("lmstudio:pub/bad-GGUF/bad-Q4_0.gguf")  # listed, with what is wrong, never raised
+    assert bad["source"] == "lmstudio" and "corrupt or truncated GGUF file" in bad["error"]
     assert set(rows) == set(expected)
     for ref, (source, fmt, quant) in expected.items():
         m = rows[ref]
@@ -166,6 +170,7 @@ def test_each_ref_loads_and_generates_through_dash_m(home: Path) -> None:
     ("org/tiny-gguf:Q5_K_M", "no 'Q5_K_M' quantization (there: Q8_0)"),
     ("org/absent", "'org/absent' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"),
     ("./not/here.gguf", "model not found"),
+    ("lmstudio:pub/bad-GGUF", "corrupt or truncated GGUF file"),
 ])
 def test_a_bad_ref_is_one_line(home: Path, ref: str, words: str) -> None:
     line = one_line_error(roofline(home, "generate", "-m", ref, "-p", "hi"))
@@ -186,7 +191,8 @@ def test_rm_asks_and_removes_each_store_its_own_way(home: Path, tmp_path: Path) 
     q4 = hashlib.sha256(Path(json.loads((home / "sources.json").read_text())["q4"]).read_bytes()).hexdigest()
     assert {b.name for b in gone} == {f"sha256-{q4}"}  # the template, params and config blobs are shared
     assert not (ollama / "manifests" / "registry.ollama.ai" / "library" / "tiny" / "q4").exists()
-    for ref in ("org/tiny", "org/tiny-gguf:Q8_0", "lmstudio:pub/tiny-GGUF/tiny-Q4_0.gguf", "lmstudio:pub/tiny-mlx"):
+    for ref in ("org/tiny", "org/tiny-gguf:Q8_0", "lmstudio:pub/tiny-GGUF/tiny-Q4_0.gguf", "lmstudio:pub/tiny-mlx",
+                "lmstudio:pub/bad-GGUF/bad-Q4_0.gguf"):  # a corrupt file goes too
         r = roofline(mine, "rm", ref, "--yes")
         assert r.returncode == 0, r.stderr
     refs = {m["ref"] for m in json.loads(roofline(mine, "models", "--json").stdout)}

@@ -253,3 +253,71 @@ def test_disk_full_mid_file_is_one_line_and_keeps_what_it_has(hub: FakeHub, sour
     assert r.returncode == 0, r.stderr
     weights = (sources["folder"] / "model.safetensors").read_bytes()
     assert (snapshot(tmp_path, "org/tiny") / "model.safetensors").read_bytes() == weights
+
+
+def _run_in_a_terminal(env: dict[str, str], args: list[str], answer: str, prompt: str) -> tuple[int, str]:
+    """Runs the CLI on a pseudo-terminal, types `answer` once `prompt` shows; (exit code, what the terminal showed)."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))  # a 100x30 terminal
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], cwd=ROOT, env={**env, "COLUMNS": "100"},
+                            stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    seen, answered, deadline = b"", False, time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.1)
+        if ready:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            seen += chunk
+        if not answered and prompt.encode() in seen:
+            os.write(master, answer.encode())
+            answered = True
+        if proc.poll() is not None and not ready:
+            break
+    os.close(master)
+    return proc.wait(timeout=60), seen.decode(errors="replace")
+
+
+def test_on_a_terminal_it_asks_for_the_quantization_and_shows_a_bar(hub: FakeHub, tmp_path: Path) -> None:
+    env = env_for(tmp_path, hub)
+    rc, screen = _run_in_a_terminal(env, ["pull", "org/tiny-gguf"], "2\n", "which one?")
+    assert rc == 0, screen
+    assert "1. Q4_0" in screen and "2. Q8_0" in screen
+    assert "org/tiny-gguf:Q8_0: 100%" in screen and "B/s" in screen  # tqdm's bar: bytes, rate
+    rc, screen = _run_in_a_terminal(env, ["rm", "org/tiny-gguf:Q8_0"], "n\n", "[y/N]")
+    assert rc == 1 and "kept" in screen
+    rc, screen = _run_in_a_terminal(env, ["rm", "org/tiny-gguf:Q8_0"], "y\n", "[y/N]")
+    assert rc == 0 and "removed org/tiny-gguf:Q8_0" in screen
+    assert not (tmp_path / "hf" / "hub" / "models--org--tiny-gguf").exists()
+
+
+async def test_the_app_pulls_a_missing_repo_and_shows_its_progress(hub: FakeHub, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.tui.app import RooflineApp
+    from app.tui.backend import EngineBackend
+    from app.tui.chat_screen import ChatScreen
+    from tests.tui_helpers import wait_for
+
+    for k, v in env_for(tmp_path, hub).items():
+        if k.startswith("HF_"):
+            monkeypatch.setenv(k, v)
+    labels: list[str | None] = []
+    original = ChatScreen.set_loading
+    monkeypatch.setattr(ChatScreen, "set_loading", lambda self, label: (labels.append(label), original(self, label)))
+    app = RooflineApp(backend=EngineBackend(), model="org/tiny", home=tmp_path / "app")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None, what="loaded", timeout=120)
+        assert app.engine.info.name == "org/tiny"
+    shown = [label for label in labels if label]
+    assert shown[0] == "Loading org/tiny…" and any(label.startswith("Pulling org/tiny: ") for label in shown)
+    assert "Pulled org/tiny; loading…" in shown
