@@ -34,8 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     def kv_args(parser: argparse.ArgumentParser) -> None:
         kv = parser.add_argument_group("KV cache")
         kv.add_argument("--max-context", type=int, metavar="N",
-                        help="cap the context at N tokens (default: the model's own); the model must fit with KV for "
-                        "N tokens (for none: 4,096)")
+                        help="cap the context at N tokens (default: the model's own). A model loads when its weights "
+                        "and the KV of N tokens (4,096 without this flag) fit in this machine's memory")
         kv.add_argument("--kv-bits", type=int, choices=(4, 8),
                         help="quantize the KV cache (default: unquantized). 8: within 0.2%% of unquantized "
                         "perplexity at 53%% of fp16's bytes; 4: keys grouped per channel, under 3%% at about a third")

@@ -40,19 +40,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="float tensors and scales (default: the source's; float16 for a GGUF)")
 
 
-def _human(n: float) -> str:
+def human_size(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n:.0f} B"
 
 
-def _params(n: int) -> str:
+def human_params(n: int) -> str:
     if not n:
         return "?"
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
-            return f"{n / scale:.1f}{unit}"
+            return f"{n / scale:.1f}{unit}" if n < 10 * scale else f"{n / scale:.0f}{unit}"
     return str(n)
 
 
@@ -85,9 +85,9 @@ def cmd_models(args: argparse.Namespace) -> int:
             if m.error:
                 table.append((m.ref, m.source, "unreadable", "", "", "", "", m.error[:60]))
                 continue
-            table.append((m.ref or EMBEDDED_REF, m.source, m.format, m.quantization, _params(m.num_parameters),
-                          _human(m.size_bytes), f"{m.context_length:,}" if m.context_length else "?",
-                          "yes" if m.fits else f"no ({_human(m.need_bytes)})"))
+            table.append((m.ref or EMBEDDED_REF, m.source, m.format, m.quantization, human_params(m.num_parameters),
+                          human_size(m.size_bytes), f"{m.context_length:,}" if m.context_length else "?",
+                          "yes" if m.fits else f"no ({human_size(m.need_bytes)})"))
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
         for row in table:
             print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
@@ -100,7 +100,7 @@ def _choose_quant(options: list[tuple[str, int]]) -> str | None:
     """Asks on the terminal which quantization to pull (None: none chosen)."""
     print("this repo holds several quantizations:", file=sys.stderr)
     for i, (label, size) in enumerate(options, 1):
-        print(f"  {i:>2}. {label:<12} {_human(size)}", file=sys.stderr)
+        print(f"  {i:>2}. {label:<12} {human_size(size)}", file=sys.stderr)
     answer = input(f"which one? [1-{len(options)} or a name, Enter to stop] ").strip()
     if answer.isdigit() and 1 <= int(answer) <= len(options):
         return options[int(answer) - 1][0]
@@ -128,12 +128,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
     limit = available_memory()
     weights = sum(f.size for f in plan.files if f.name.endswith((".safetensors", ".gguf")))
     if weights > limit.bytes:
-        print(f"roofline: warning: {plan.ref} has {_human(weights)} of weights and this machine can give "
-              f"{_human(limit.bytes)} ({limit.source}): it will not load here", file=sys.stderr)
+        print(f"roofline: warning: {plan.ref} has {human_size(weights)} of weights and this machine can give "
+              f"{human_size(limit.bytes)} ({limit.source}): it will not load here", file=sys.stderr)
     try:
         path, _, plan = pull(repo_id, revision=args.revision, progress=StderrProgress(), plan=plan)
     except KeyboardInterrupt:
-        print(f"\nroofline: interrupted; {_human(bytes_on_disk(plan))} of {_human(plan.total_bytes)} kept: "
+        print(f"\nroofline: interrupted; {human_size(bytes_on_disk(plan))} of {human_size(plan.total_bytes)} kept: "
               f"`roofline pull {plan.ref}` resumes", file=sys.stderr)
         return 130
     print(plan.ref)
@@ -145,16 +145,16 @@ def cmd_rm(args: argparse.Namespace) -> int:
     from mlx_engine.loading.sources_rm import remove, removal
 
     r = removal(args.ref)
-    question = f"remove {r.ref} ({_human(r.size_bytes)}) from {r.where}? [y/N] "
+    question = f"remove {r.ref} ({human_size(r.size_bytes)}) from {r.where}? [y/N] "
     if not args.yes:
         if not sys.stdin.isatty():
-            raise RooflineError(f"rm asks before it deletes {r.ref} ({_human(r.size_bytes)}); not on a terminal, "
+            raise RooflineError(f"rm asks before it deletes {r.ref} ({human_size(r.size_bytes)}); not on a terminal, "
                                 "pass --yes to remove it without asking")
         if input(question).strip().lower() not in ("y", "yes"):
             print("kept", file=sys.stderr)
             return 1
     freed = remove(r)
-    print(f"removed {r.ref}: {_human(freed)} freed", file=sys.stderr)
+    print(f"removed {r.ref}: {human_size(freed)} freed", file=sys.stderr)
     return 0
 
 
@@ -163,7 +163,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     done = convert(args.src, args.output, bits=args.bits, group_size=args.group_size, dtype=args.dtype,
                    progress=lambda line: print(f"convert: {line}", file=sys.stderr))
-    print(f"wrote {done.path}: {_human(done.size_bytes)}, {done.bits_per_weight:.2f} bits per weight, "
+    print(f"wrote {done.path}: {human_size(done.size_bytes)}, {done.bits_per_weight:.2f} bits per weight, "
           f"{done.num_quantized} layers quantized; load it with -m {done.path} (mlx-lm and LM Studio read it too)",
           file=sys.stderr)
     return 0

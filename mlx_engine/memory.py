@@ -176,7 +176,8 @@ class Fit:
 
     def refusal(self, name: str) -> str:
         """One line: both figures, and what to try."""
-        tips = ["a smaller quantization"]
+        tips = ["a smaller quantization" + (" (on this CPU k-quants are dequantized; Q4_0, Q8_0 and MLX-quantized "
+                                            "weights stay packed)" if "k-quants" in self.how else "")]
         room = self.available.bytes - self.weight_bytes
         if room > 0 and self.kv_bytes and self.context > 256:
             per_token = self.kv_bytes / self.context

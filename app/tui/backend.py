@@ -40,13 +40,18 @@ class EngineBackend:
         return not Path(text).expanduser().exists() and parse_hf_ref(text) is not None
 
     def needs_pull(self, ref: str) -> bool:
-        from mlx_engine.loading.sources import parse_hf_ref, resolve_hf_cached
+        """Whether `ref` is a Hub repo that is not (wholly) in the cache; never when HF_HUB_OFFLINE is set."""
+        from mlx_engine.loading.sources import IncompleteModel, hf_offline, parse_hf_ref, resolve_hf_cached
 
         parsed = parse_hf_ref(ref) if self.is_repo_ref(ref) else None
+        if parsed is None or hf_offline():
+            return False
         try:
-            return parsed is not None and resolve_hf_cached(*parsed) is None
+            return resolve_hf_cached(*parsed) is None
+        except IncompleteModel:
+            return True  # an unfinished pull: finish it
         except RooflineError:
-            return False  # cached but broken: loading says why
+            return False  # cached but unusable: loading says why
 
     def pull(self, ref: str, progress: Any, cancel: threading.Event) -> str:
         """Pulls ORG/NAME[:QUANT] (progress: mlx_engine.loading.sources_hub.PullProgress); returns the ref that

@@ -77,10 +77,15 @@ def resolve(ref: str | None) -> tuple[Path, str]:
 
 def _from_hf(repo_id: str, tag: str | None) -> tuple[Path, str]:
     """A model in the Hugging Face cache, pulled (with progress on stderr, as `roofline pull`) when missing."""
-    from mlx_engine.loading.sources import hf_offline, resolve_hf_cached
+    from mlx_engine.loading.sources import IncompleteModel, hf_offline, resolve_hf_cached
     from mlx_engine.loading.sources_hub import StderrProgress, pull
 
-    cached = resolve_hf_cached(repo_id, tag)
+    try:
+        cached = resolve_hf_cached(repo_id, tag)
+    except IncompleteModel:
+        if hf_offline():
+            raise
+        cached = None  # an unfinished pull: this one resumes it
     if cached is not None:
         path, kind = cached
         return path, "hf-cache" if kind == "folder" else kind

@@ -121,7 +121,8 @@ class _Reader:
         raise self.fail(f"metadata {key!r} has unknown value type {vtype}")
 
     def skip_strings(self, n: int, key: str) -> SkippedStrings:
-        """Steps over n strings without decoding them: a 150K vocabulary and its merges in 0.1 s, not 1 s."""
+        """Steps over n strings without decoding them (SmolLM2's 98K vocabulary and merges: 0.065 s, against
+        0.48 s decoded)."""
         pos, end, data, unpack = self.pos, len(self.data), self.data, _U64.unpack_from
         for _ in range(n):
             if pos + 8 > end:

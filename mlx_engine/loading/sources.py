@@ -26,6 +26,10 @@ OLLAMA_REGISTRY, OLLAMA_NAMESPACE, OLLAMA_TAG = "registry.ollama.ai", "library",
 PULL_MARKER = ".roofline-pull.json"  # in a HF cache repo folder while a pull of it is unfinished
 
 
+class IncompleteModel(ModelLoadError):
+    """A repo in the Hugging Face cache that is only partly there (an unfinished pull): pulling again finishes it."""
+
+
 @dataclass(frozen=True)
 class LocalModel:
     """One model found in a store: what `-m` takes, where it is, and whether it is a GGUF file or a folder."""
@@ -211,8 +215,8 @@ def resolve_hf_cached(repo_id: str, tag: str | None) -> tuple[Path, str] | None:
         return None
     problem = snapshot_problem(snap)
     if problem:
-        raise ModelLoadError(f"{repo_id!r} in the Hugging Face cache is not a whole model: {problem}; "
-                             f"`roofline pull {repo_id}` finishes it")
+        raise IncompleteModel(f"{repo_id!r} in the Hugging Face cache is not a whole model: {problem}; "
+                              f"`roofline pull {repo_id}` finishes it")
     entries = hf_entries(snap, repo_id)
     if tag is None:
         folder = [e for e in entries if e[2] == "folder"]

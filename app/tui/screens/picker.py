@@ -17,24 +17,9 @@ from textual.widgets import Button, DataTable, Input, LoadingIndicator, Progress
 from mlx_engine.api import RooflineError
 from mlx_engine.catalog import ModelSummary
 
+from app.models_cmd import human_params, human_size
 from app.tui.backend import pull_status
 from app.tui.screens.dialogs import ConfirmScreen
-
-
-def human_size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
-def human_params(n: int) -> str:
-    if not n:
-        return "?"
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}" if n < 10 * scale else f"{n / scale:.0f}{unit}"
-    return str(n)
 
 
 def fit_label(m: ModelSummary) -> str:
