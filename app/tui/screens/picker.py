@@ -74,10 +74,14 @@ class ModelPicker(ModalScreen[str | None]):
     ModelPicker #pull-box Button { min-width: 10; height: 1; border: none; }
     ModelPicker #picker-error { color: $error; height: auto; }
     """
-    BINDINGS = [Binding("escape", "cancel", "Close"),
-                Binding("delete,ctrl+d", "remove", "Remove", tooltip="Remove the highlighted model (asks first)")]
+    # The path box has the focus, so that what one types lands in it; the arrows move the list's cursor from there
+    BINDINGS = [Binding("escape", "cancel", "Close"), Binding("up", "cursor(-1)", show=False),
+                Binding("down", "cursor(1)", show=False),
+                Binding("ctrl+r", "remove", "Remove", tooltip="Remove the highlighted model (asks first)"),
+                Binding("delete", "remove", show=False)]  # Delete where the list has the focus (the box keeps its own)
 
-    def __init__(self, backend, current_ref: str, extra_refs: list[str]) -> None:
+    def __init__(self, backend, current_ref: str | None, extra_refs: list[str]) -> None:
+        """current_ref: the loaded model's ref ("" the embedded one), None when none is loaded."""
         super().__init__()
         self.backend = backend
         self.current_ref = current_ref
@@ -89,15 +93,16 @@ class ModelPicker(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical():
             yield Static("Pick a model", classes="heading")
-            yield Static("Enter loads the highlighted model (the current one stays until the new one is ready); "
-                         "Delete removes it.", classes="hint")
+            yield Static("↑/↓ highlight a model, Enter loads it; the current one stays until the new one is ready. "
+                         "Type a path to add a model, or ORG/NAME[:QUANT] to pull one; ctrl+r removes one.",
+                         classes="hint")
             yield LoadingIndicator()
             table: DataTable = DataTable(cursor_type="row", zebra_stripes=True)
             table.add_columns("", "Model", "Source", "On disk", "Params", "Quant", "Context", "Fits")
             table.display = False
             yield table
             yield Input(placeholder="A GGUF file or model folder to add, or ORG/NAME[:QUANT] to pull from the Hub; "
-                        "then Enter", id="add-path")
+                        "then Enter", id="add-path", select_on_focus=False)
             with Horizontal(id="pull-box"):
                 yield ProgressBar(total=100, show_eta=False, id="pull-bar")
                 yield Button("Cancel", id="pull-cancel", variant="error")
@@ -105,6 +110,7 @@ class ModelPicker(ModalScreen[str | None]):
             yield Static("", id="picker-error", markup=False)
 
     def on_mount(self) -> None:
+        self.query_one("#add-path", Input).focus()
         self.list_models()
 
     def on_unmount(self) -> None:
@@ -145,14 +151,32 @@ class ModelPicker(ModalScreen[str | None]):
         for i, m in enumerate(rows):
             if m.ref == (select if select is not None else self.current_ref):
                 table.move_cursor(row=i)
-        if not self.query_one("#add-path", Input).has_focus:
-            table.focus()
         self.query_one("#picker-error", Static).update(error)
 
+    def action_cursor(self, step: int) -> None:
+        table = self.query_one(DataTable)
+        if table.row_count:
+            table.move_cursor(row=max(0, min(table.cursor_row + step, table.row_count - 1)))
+
+    def on_key(self, event) -> None:
+        """A character typed while the list has the focus goes to the path box (it would be lost otherwise)."""
+        box = self.query_one("#add-path", Input)
+        if event.is_printable and event.character and not box.has_focus:
+            box.focus()
+            box.insert_text_at_cursor(event.character)
+            event.stop()
+
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        m = self.rows[int(event.row_key.value)]
+        self.choose(int(event.row_key.value))
+
+    def choose(self, index: int) -> None:
+        m = self.rows[index]
         if m.error:
             self.query_one("#picker-error", Static).update(f"{m.name}: {m.error}")
+            return
+        if m.ref == self.current_ref:  # already loaded: nothing to reload
+            self.notify(f"{m.name} is already loaded.", timeout=3)
+            self.dismiss(None)
             return
         self.dismiss(m.ref)
 
@@ -161,6 +185,8 @@ class ModelPicker(ModalScreen[str | None]):
     def on_input_submitted(self, event: Input.Submitted) -> None:
         text = event.value.strip()
         if not text:
+            if self.rows:  # an empty box: Enter loads the highlighted model
+                self.choose(self.query_one(DataTable).cursor_row)
             return
         if self.backend.is_repo_ref(text):
             self.start_pull(text)
@@ -222,8 +248,7 @@ class ModelPicker(ModalScreen[str | None]):
         self.query_one("#pull-status", Static).update(f"Pulled {loaded_ref}: Enter loads it" if loaded_ref else "")
         self.query_one("#picker-error", Static).update(error)
         if loaded_ref:
-            self.query_one("#add-path", Input).value = ""
-            self.query_one(DataTable).focus()
+            self.query_one("#add-path", Input).value = ""  # so Enter loads it, highlighted
             self._refresh(select=loaded_ref)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
@@ -249,7 +274,7 @@ class ModelPicker(ModalScreen[str | None]):
 
     def action_remove(self) -> None:
         table = self.query_one(DataTable)
-        if not self.rows or not table.has_focus:
+        if not self.rows:
             return
         m = self.rows[table.cursor_row]
         if m.source == "path":
