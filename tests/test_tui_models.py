@@ -66,8 +66,8 @@ async def test_pull_shows_progress_cancels_and_then_completes(tmp_path) -> None:
         await wait_for(pilot, lambda: "org/new-model" in {m.ref for m in picker.rows}, what="listed")
         assert "Pulled org/new-model: Enter loads it" in status(picker)
         table = picker.query_one(DataTable)
-        assert picker.rows[table.cursor_row].ref == "org/new-model" and table.has_focus
-        await pilot.press("enter")
+        assert picker.rows[table.cursor_row].ref == "org/new-model" and picker.query_one("#add-path").value == ""
+        await pilot.press("enter")  # the box is empty: Enter loads the highlighted model
         await wait_for(pilot, lambda: app.model_ref == "org/new-model", what="loaded")
 
 
