@@ -15,6 +15,8 @@ from typing import Any, NoReturn
 from mlx_engine.api import SPECULATIVE_MODES, GenerationRequest, ResponseFormat, RooflineError, SamplingParams
 
 EXIT_USAGE = 2
+MODEL_HELP = ("GGUF file, model folder, ORG/NAME[:QUANT] (Hugging Face; pulled when missing), ollama:NAME[:TAG] or "
+              "lmstudio:PUBLISHER/REPO[/FILE] (default: the embedded SmolLM2; `roofline models` lists them)")
 SPECULATIVE_CHOICES = ("off", *SPECULATIVE_MODES)
 
 
@@ -84,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
 
     def kv_args(parser: argparse.ArgumentParser) -> None:
         kv = parser.add_argument_group("KV cache")
+        kv.add_argument("--max-context", type=int, metavar="N",
+                        help="cap the context at N tokens (default: the model's own). A model loads when its weights "
+                        "and the KV of N tokens (4,096 without this flag) fit in this machine's memory")
         kv.add_argument("--kv-bits", type=int, choices=(4, 8),
                         help="quantize the KV cache (default: unquantized). 8: within 0.2%% of unquantized "
                         "perplexity at 53%% of fp16's bytes; 4: keys grouped per channel, under 3%% at about a third")
@@ -118,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
                             "tokenizer_config.json with a chat_template field)")
 
     g = sub.add_parser("generate", help="stream a reply to one prompt and print the stats")
-    g.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
+    g.add_argument("--model", "-m", help=MODEL_HELP)
     g.add_argument("--prompt", "-p", required=True, help="the user message")
     g.add_argument("--system", "-s", help="a system message")
     g.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
@@ -144,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
                    "adapted per step)")
 
     c = sub.add_parser("chat", help="open the chat app (the default when run with no arguments in a terminal)")
-    c.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
+    c.add_argument("--model", "-m", help=MODEL_HELP)
     kv_args(c)
     distributed_arg(c)
     draft_args(c)
@@ -155,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
     lg.add_argument("--output", "-o", required=True, help="output .npy file")
 
     k = sub.add_parser("kv", help="the KV cache bytes a configuration needs (read from config.json or GGUF metadata)")
-    k.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
+    k.add_argument("--model", "-m", help=MODEL_HELP)
     k.add_argument("--context", "-c", type=int, required=True, help="tokens per sequence")
     k.add_argument("--batch", "-b", type=int, default=1, help="concurrent sequences")
     k.add_argument("--kv-bits", type=int, choices=(4, 8), help="quantized KV (group size 64)")
@@ -171,7 +176,7 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--ranks", type=int, default=2, help="ranks for --distributed (default 2)")
 
     sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    sv.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
+    sv.add_argument("--model", "-m", help=MODEL_HELP)
     sv.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1, this machine only)")
     sv.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
     sv.add_argument("--api-key", default=os.environ.get("ROOFLINE_API_KEY"),
@@ -209,6 +214,9 @@ def _parser() -> argparse.ArgumentParser:
 
     add_bench(sub)
     add_parity(sub)
+    from app.models_cmd import add_parsers as add_model_commands
+
+    add_model_commands(sub)  # models, pull, rm, convert
 
     t = sub.add_parser("tokens", help="show token pieces and ids of a text")
     t.add_argument("--tokenizer", "-t", help="model folder, tokenizer.json or GGUF file (default: embedded model)")
@@ -225,12 +233,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_chat(argparse.Namespace(model=None))
         parser.print_help()
         return 0
+    from app.models_cmd import COMMANDS as MODEL_COMMANDS
+
     try:
         code = _serve_other_rank(args)
         if code is not None:
             return code
         return {"chat": cmd_chat, "generate": cmd_generate, "logits": cmd_logits, "tokens": cmd_tokens,
-                "kv": cmd_kv, "serve": cmd_serve, "bench": cmd_bench, "parity": cmd_parity}[args.command](args)
+                "kv": cmd_kv, "serve": cmd_serve, "bench": cmd_bench, "parity": cmd_parity,
+                **MODEL_COMMANDS}[args.command](args)
     except RooflineError as e:
         return _fail(str(e))
     except KeyboardInterrupt:
@@ -291,6 +302,8 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         out["block_size"] = args.block_size
     if getattr(args, "distributed", None) is not None:
         out["distributed"] = args.distributed
+    if getattr(args, "max_context", None) is not None:
+        out["max_context"] = args.max_context
     return out
 
 

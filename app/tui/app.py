@@ -118,7 +118,8 @@ class RooflineApp(App):
     @work(thread=True, exclusive=True, group="load")
     def _load_worker(self, ref: str) -> None:
         try:
-            engine = self.backend.load(ref or None)
+            engine = self.backend.load(ref or None, status=lambda text: self.call_from_thread(
+                self.chat_screen.set_loading, text))  # a repo pulled first shows its progress
         except RooflineError as e:
             self.call_from_thread(self._load_failed, ref, str(e))
             return
@@ -165,6 +166,9 @@ class RooflineApp(App):
         paths = self.extra_model_paths()
         if ref not in paths:
             self.store.set_pref("model_paths", json.dumps([*paths, ref]))
+
+    def forget_model_path(self, ref: str) -> None:
+        self.store.set_pref("model_paths", json.dumps([p for p in self.extra_model_paths() if p != ref]))
 
     def extra_model_paths(self) -> list[str]:
         try:

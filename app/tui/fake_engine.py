@@ -307,9 +307,16 @@ class FakeBackend(EngineBackend):
     def __init__(self, script: list[str | FakeReply] | None = None, tokens_per_s: float | None = 200.0,
                  load_delay_s: float = 0.0, models: list[ModelSummary] | None = None, fail: dict[str, str] | None = None,
                  bandwidth: Bandwidth | None = None, ttft_s: float = 0.0, paged: bool = True, block_size: int = 16,
-                 draft_model: bool = False, no_tokenizer: tuple[str, ...] = ()):
+                 draft_model: bool = False, no_tokenizer: tuple[str, ...] = (), pull_bytes: int = 40 * 2**20,
+                 pull_hold_at: float | None = None):
         self.script = script
         self.no_tokenizer = no_tokenizer  # refs whose model comes without tokenizer files (token ids only)
+        # pulls: `pull_bytes` in 20 chunks; with `pull_hold_at` (a fraction) the pull waits there until
+        # `release_pull()` or a cancel; `pulls` records each pull's ref and how it ended
+        self.pull_bytes, self.pull_hold_at = pull_bytes, pull_hold_at
+        self.pull_gate = threading.Event()
+        self.pulls: list[tuple[str, str]] = []
+        self.removed: list[str] = []
         self.draft_model = draft_model
         self.tokens_per_s = tokens_per_s
         self.load_delay_s = load_delay_s
@@ -317,8 +324,10 @@ class FakeBackend(EngineBackend):
         self.paged = paged
         self.block_size = block_size
         self.models = models if models is not None else [
-            ModelSummary("", "FakeLM-1M (test)", "embedded", 52 * 2**20, 1_000_000, "Q4_1", 2048, "llama"),
-            ModelSummary("org/fake-big", "org/fake-big", "hf-cache", 1_200 * 2**20, 600_000_000, "bf16", 32768, "qwen2"),
+            ModelSummary("", "FakeLM-1M (test)", "embedded", 52 * 2**20, 1_000_000, "Q4_1", 2048, "llama",
+                         format="gguf", fits=True),
+            ModelSummary("org/fake-big", "org/fake-big", "hf-cache", 1_200 * 2**20, 600_000_000, "bf16", 32768, "qwen2",
+                         format="safetensors", fits=False, need_bytes=1_400 * 2**20),
         ]
         self.fail = fail or {}  # ref -> error message
         self._bandwidth = bandwidth or Bandwidth("Test chip", 100e9, measured=False)
@@ -329,7 +338,7 @@ class FakeBackend(EngineBackend):
     def engine(self) -> FakeEngine:
         return self.engines[-1]
 
-    def load(self, ref: str | None) -> FakeEngine:
+    def load(self, ref: str | None, status=None) -> FakeEngine:
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
         key = ref or ""
@@ -352,12 +361,59 @@ class FakeBackend(EngineBackend):
     def list_models(self) -> list[ModelSummary]:
         return list(self.models)
 
+    def is_repo_ref(self, text: str) -> bool:
+        return not Path(text).expanduser().exists() and re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.-]+)?", text) is not None
+
+    def needs_pull(self, ref: str) -> bool:
+        return False
+
+    def release_pull(self) -> None:
+        self.pull_gate.set()
+
+    def pull(self, ref: str, progress, cancel: threading.Event) -> str:
+        from mlx_engine.loading.sources_hub import PullCancelled, PullPlan, RemoteFile
+
+        if ref in self.fail:
+            self.pulls.append((ref, "failed"))
+            raise ModelLoadError(self.fail[ref])
+        plan = PullPlan(ref, "0" * 40, "folder", [RemoteFile("model.safetensors", self.pull_bytes, None, None)])
+        progress.start(plan, 0)
+        chunk = self.pull_bytes // 20
+        for i in range(20):
+            if self.pull_hold_at is not None and i == int(20 * self.pull_hold_at):
+                while not (self.pull_gate.wait(0.01) or cancel.is_set()):
+                    pass
+            if cancel.is_set():
+                self.pulls.append((ref, "cancelled"))
+                raise PullCancelled("pull cancelled; its partial files are kept, so pulling again resumes")
+            progress.advance(chunk)
+            time.sleep(0.005)
+        progress.finish()
+        self.pulls.append((ref, "done"))
+        self.models.append(ModelSummary(ref, ref, "hf-cache", self.pull_bytes, 360_000_000, "bf16", 8192, "llama",
+                                        format="safetensors", fits=True))
+        return ref
+
+    def removal(self, ref: str):
+        from mlx_engine.loading.sources_rm import Removal
+
+        m = next((m for m in self.models if m.ref == ref), None)
+        if m is None or m.source == "embedded":
+            raise ModelLoadError("the embedded model ships inside Roofline's package and cannot be removed"
+                                 if m is not None else f"{ref}: not a model here")
+        return Removal(ref, f"the fake {m.source} store", [], m.size_bytes)
+
+    def remove(self, removal) -> int:
+        self.models = [m for m in self.models if m.ref != removal.ref]
+        self.removed.append(removal.ref)
+        return removal.size_bytes
+
     def describe(self, ref: str) -> ModelSummary:
         path = Path(ref).expanduser()
         if not path.exists():
             raise ModelLoadError(f"{ref}: no such file or folder")
-        return ModelSummary(str(path), path.name, "gguf" if path.suffix == ".gguf" else "folder",
-                            path.stat().st_size, 0, "?", 0, "?")
+        return ModelSummary(str(path), path.name, "path", path.stat().st_size, 0, "?", 0, "?",
+                            format="gguf" if path.suffix == ".gguf" else "safetensors")
 
     def load_tokenizer(self, ref: str | None) -> FakeTokenizer:
         key = ref or ""

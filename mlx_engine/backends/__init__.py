@@ -50,6 +50,9 @@ def load_runner(model: str | None, backend: str = "mlx", device: str = "auto", *
         runner.info = dataclasses.replace(runner.info, backend="mlx",
                                           device="metal" if mx.metal.is_available() else "cpu")
         return runner
+    from mlx_engine.memory import check_fit
+
+    check_fit(model, backend, options)  # refused before a weight is read, on every front end
     if backend == "torch":
         return import_torch_backend().TorchRunner.load(model, device=device, **options)
     import mlx.core as mx

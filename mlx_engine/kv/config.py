@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -68,10 +67,9 @@ def available_memory_bytes(weight_bytes: int) -> int:
     the RAM not in use."""
     if mx.metal.is_available():
         return int(mx.metal.device_info()["max_recommended_working_set_size"]) - weight_bytes
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 4 * 2**30
+    from mlx_engine.memory import available_memory
+
+    return available_memory().bytes  # within ulimit -v and a cgroup's limit too
 
 
 def default_budget(context_length: int, block_size: int, per_block: int, weight_bytes: int) -> int:

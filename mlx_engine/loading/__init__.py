@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -40,21 +39,18 @@ def embedded_model_path() -> Path:
     return files[0]
 
 
-def _looks_like_repo_id(ref: str) -> bool:
-    parts = ref.split("/")
-    return (
-        len(parts) == 2
-        and all(parts)
-        and not ref.startswith((".", "~"))
-        and not any(c in ref for c in "\\:")
-        and not ref.endswith((".gguf", ".safetensors", ".json"))
-    )
-
-
 def resolve(ref: str | None) -> tuple[Path, str]:
-    """(local path, kind) where kind is 'gguf', 'folder' or 'hf-cache'."""
-    if ref is None:
+    """(local path, kind) where kind is 'gguf', 'folder' or 'hf-cache'. The one resolver of every `ref`
+    (`loading.sources`): a path, ORG/NAME[:QUANT] (pulled into the Hugging Face cache when missing), ollama:,
+    lmstudio:."""
+    from mlx_engine.loading import sources
+
+    if sources.is_embedded(ref):
         return embedded_model_path(), "gguf"
+    assert ref is not None
+    store = sources.resolve_store_ref(ref)
+    if store is not None:
+        return store
     path = Path(ref).expanduser()
     if path.is_file():
         if path.suffix.lower() == ".gguf":
@@ -72,41 +68,45 @@ def resolve(ref: str | None) -> tuple[Path, str]:
             names = ", ".join(g.name for g in ggufs)
             raise ModelLoadError(f"{path}: several GGUF files ({names}); name one of them")
         raise ModelLoadError(f"{path}: no config.json in this folder (and no .gguf file): not a model folder")
-    if _looks_like_repo_id(ref):
-        return _from_hf_cache(ref), "hf-cache"
-    raise ModelLoadError(f"model not found: {ref!r} is neither an existing file or folder nor a Hugging Face repo id "
-                         f"(looked for {path.resolve()})")
+    hf = sources.parse_hf_ref(ref)
+    if hf is not None:
+        return _from_hf(*hf)
+    raise ModelLoadError(f"model not found: {ref!r} is neither an existing file or folder nor a model ref (ORG/NAME "
+                         f"of the Hugging Face Hub, ollama:NAME, lmstudio:PUBLISHER/REPO; looked for {path.resolve()})")
 
 
-def _from_hf_cache(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+def _from_hf(repo_id: str, tag: str | None) -> tuple[Path, str]:
+    """A model in the Hugging Face cache, pulled (with progress on stderr, as `roofline pull`) when missing."""
+    from mlx_engine.loading.sources import IncompleteModel, hf_offline, resolve_hf_cached
+    from mlx_engine.loading.sources_hub import StderrProgress, pull
 
-    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=patterns))
-    except LocalEntryNotFoundError:
-        pass
-    except Exception as e:  # noqa: BLE001 - hub raises many kinds on a malformed id
-        raise ModelLoadError(f"{repo_id!r}: cannot use as a Hugging Face repo id: {e}") from None
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        cached = resolve_hf_cached(repo_id, tag)
+    except IncompleteModel:
+        if hf_offline():
+            raise
+        cached = None  # an unfinished pull: this one resumes it
+    if cached is not None:
+        path, kind = cached
+        return path, "hf-cache" if kind == "folder" else kind
+    if hf_offline():
         raise ModelLoadError(f"{repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set")
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))  # tqdm progress bars on stderr
-    except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(
-            f"{repo_id!r} is not in the local Hugging Face cache and could not be downloaded "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'})"
-        ) from None
+    gguf = tag is not None
+    path, kind, _ = pull(repo_id, quant=tag if gguf and not tag.lower().endswith(".gguf") else None,
+                         file=tag if gguf and tag.lower().endswith(".gguf") else None, progress=StderrProgress())
+    return path, "hf-cache" if kind == "folder" else kind
 
 
 def load_checkpoint(ref: str | None, kquant_blocks: bool = False) -> Checkpoint:
     """`kquant_blocks`: a GGUF's k-quant matrices stay as their raw blocks (uint8, quantization entry
     {"kquant": type}) for a runner that reads them itself, instead of being dequantized to float16."""
+    from mlx_engine.loading.sources import display_name, is_embedded
+
     path, kind = resolve(ref)
     if kind == "gguf":
-        return _load_gguf(path, name=EMBEDDED_MODEL_NAME if ref is None else path.name, kquant_blocks=kquant_blocks)
-    return _load_folder(path, hf_cache=kind == "hf-cache", name=ref if kind == "hf-cache" else path.name)
+        return _load_gguf(path, name=EMBEDDED_MODEL_NAME if is_embedded(ref) else display_name(ref, path),
+                          kquant_blocks=kquant_blocks)
+    return _load_folder(path, hf_cache=kind == "hf-cache", name=display_name(ref, path))
 
 
 def _load_gguf(path: Path, name: str, kquant_blocks: bool = False) -> Checkpoint:

@@ -59,9 +59,22 @@ class GGUFFile:
         return {t.ggml_type for t in self.tensors}
 
 
+class SkippedStrings:
+    """A string array `read_gguf(strings=False)` stepped over (a vocabulary, its merges): only its length."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+_U64 = struct.Struct("<Q")
+
+
 class _Reader:
-    def __init__(self, path: Path, data: bytes | memoryview):
-        self.path, self.data, self.pos = path, data, 0
+    def __init__(self, path: Path, data: bytes | memoryview, strings: bool = True):
+        self.path, self.data, self.pos, self.strings = path, data, 0, strings
 
     def fail(self, what: str) -> ModelLoadError:
         return ModelLoadError(
@@ -101,13 +114,30 @@ class _Reader:
             if etype == _STRING:
                 if n > len(self.data) // 8:
                     raise self.fail(f"array {key} claims {n} strings")
+                if not self.strings:
+                    return self.skip_strings(n, key)
                 return [self.string(f"array {key}") for _ in range(n)]
             raise self.fail(f"array {key} has unsupported element type {etype}")
         raise self.fail(f"metadata {key!r} has unknown value type {vtype}")
 
+    def skip_strings(self, n: int, key: str) -> SkippedStrings:
+        """Steps over n strings without decoding them (SmolLM2's 98K vocabulary and merges: 0.065 s, against
+        0.48 s decoded)."""
+        pos, end, data, unpack = self.pos, len(self.data), self.data, _U64.unpack_from
+        for _ in range(n):
+            if pos + 8 > end:
+                self.pos = pos
+                raise self.fail(f"array {key} extends past the end of the file")
+            pos += 8 + unpack(data, pos)[0]
+        if pos > end:
+            raise self.fail(f"array {key} extends past the end of the file")
+        self.pos = pos
+        return SkippedStrings(n)
 
-def read_gguf(path: str | Path) -> GGUFFile:
-    """Reads and validates a GGUF file's header; raises ModelLoadError naming the file and the problem."""
+
+def read_gguf(path: str | Path, strings: bool = True) -> GGUFFile:
+    """Reads and validates a GGUF file's header; raises ModelLoadError naming the file and the problem.
+    `strings=False`: string arrays (the vocabulary) are stepped over, as `SkippedStrings` (a catalog's read)."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -120,7 +150,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot read GGUF file: {e.strerror or e}") from None
     try:
-        return _parse(path, memoryview(mm))
+        return _parse(path, memoryview(mm), strings)
     finally:
         try:
             mm.close()
@@ -128,8 +158,8 @@ def read_gguf(path: str | Path) -> GGUFFile:
             pass
 
 
-def _parse(path: Path, data: memoryview) -> GGUFFile:
-    r = _Reader(path, data)
+def _parse(path: Path, data: memoryview, strings: bool = True) -> GGUFFile:
+    r = _Reader(path, data, strings)
     magic = bytes(r.take(4, "magic"))
     if magic != b"GGUF":
         raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")

@@ -118,7 +118,7 @@ def gguf_weights(g: GGUFFile, config: dict[str, Any],
     kquants: dict[str, str] = {}  # gguf tensor name -> type, of those kept as blocks
     try:
         raw = (read_tensors(g, kquants if kquant_blocks else None) if g.tensor_types() & set(KQUANT_TYPES)
-               else mx.load(str(g.path)))
+               else mx.load(str(g.path), format="gguf"))  # an Ollama blob has no .gguf suffix
     except (RuntimeError, ValueError) as e:
         raise ModelLoadError(f"{g.path}: could not read the GGUF tensors: {e}") from None
     unpermute = g.architecture == "llama"

@@ -1,0 +1,235 @@
+"""Will a model fit? The memory this machine can give a model, what the model's weights take once loaded (from
+headers alone), and the check every load makes before it reads a weight.
+
+"Can give": on a Mac the GPU's recommended working set (what Metal keeps resident without paging); elsewhere
+the RAM the kernel says is available, capped by whatever limit this process runs under — the address-space limit
+(`ulimit -v`), the data limit (`ulimit -d`) and a cgroup's memory limit (a container). Under `ulimit -v` the
+available RAM is not what a process can allocate: MLX's allocator fails inside a kernel and the process dies
+with SIGSEGV, so the limit is the figure, not the RAM.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlx_engine.api import ModelLoadError
+
+FIT_CONTEXT = 4096  # tokens of KV a model must have room for when no max_context is asked (LM Studio's default)
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    bytes: int
+    source: str  # in words: "available RAM", "the address-space limit, ulimit -v", ...
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _stat_field(path: str, key: str) -> int:
+    try:
+        for line in Path(path).read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def _proc_status_kb(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_headroom() -> int | None:
+    """Bytes this process's cgroup may still take (reclaimable page cache counted as free), or None: no limit."""
+    limit = _read_int("/sys/fs/cgroup/memory.max")  # v2 (its namespace root, as a container sees it)
+    if limit is not None:
+        used = _read_int("/sys/fs/cgroup/memory.current") or 0
+        return limit - used + _stat_field("/sys/fs/cgroup/memory.stat", "inactive_file")
+    limit = _read_int("/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v1
+    if limit is not None and limit < 2**62:  # v1 writes "no limit" as a huge page-aligned number
+        used = _read_int("/sys/fs/cgroup/memory/memory.usage_in_bytes") or 0
+        return limit - used + _stat_field("/sys/fs/cgroup/memory/memory.stat", "total_inactive_file")
+    return None
+
+
+def _rlimit_headroom(which: int, current: int | None) -> int | None:
+    soft, _ = resource.getrlimit(which)
+    if soft == resource.RLIM_INFINITY or current is None:
+        return None
+    return soft - current
+
+
+def metal_working_set() -> int | None:
+    """The GPU's recommended working set on a Mac (None elsewhere)."""
+    if sys.platform != "darwin":
+        return None
+    import mlx.core as mx
+
+    if not mx.metal.is_available():
+        return None
+    return int(mx.metal.device_info()["max_recommended_working_set_size"])
+
+
+def available_memory() -> MemoryLimit:
+    """What this process can still allocate for a model: the smallest of the figures that bind it."""
+    metal = metal_working_set()
+    if metal is not None:
+        import mlx.core as mx
+
+        return MemoryLimit(metal - int(mx.get_active_memory()), "the GPU's recommended working set")
+    ram = _meminfo_available()
+    if ram is None:
+        try:
+            ram = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            ram = 4 * 2**30
+    out = MemoryLimit(ram, "available RAM")
+    for value, source in (
+        (_rlimit_headroom(resource.RLIMIT_AS, _proc_status_kb("VmSize")), "the address-space limit, ulimit -v"),
+        (_rlimit_headroom(resource.RLIMIT_DATA, _proc_status_kb("VmData")), "the data-size limit, ulimit -d"),
+        (_cgroup_headroom(), "the cgroup memory limit"),
+    ):
+        if value is not None and value < out.bytes:
+            out = MemoryLimit(max(value, 0), source)
+    return out
+
+
+# ---- what the weights take once loaded -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WeightsHeader:
+    """A checkpoint's tensors by how a loader holds them, from its headers."""
+
+    float_params: int = 0  # unquantized tensors' elements (an MLX checkpoint's scales and biases among them)
+    float_bytes: int = 0  # as stored
+    packed_bytes: int = 0  # affine-quantized values kept packed: MLX's uint32, GGUF Q4_0 / Q4_1 / Q8_0's
+    packed_groups: int = 0  # GGUF Q4_0 / Q4_1 / Q8_0 groups: a scale and a bias each once in MLX
+    kquant_params: int = 0  # GGUF k-quant matrices' elements
+    kquant_bytes: int = 0  # as stored (blocks)
+    checkpoint_itemsize: int = 2  # bytes of the checkpoint's float dtype
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.float_bytes + self.packed_bytes + 2 * self.packed_groups + self.kquant_bytes
+
+
+def held_weight_bytes(w: WeightsHeader, backend: str = "mlx", metal: bool | None = None) -> tuple[int, str]:
+    """(bytes the weights take once loaded, how they are held). The MLX runner casts float weights to the
+    activation dtype (float32 on MLX's CPU backend, the checkpoint's on Metal) and keeps affine-quantized ones
+    packed; GGUF k-quants stay blocks on Metal and are dequantized (to that dtype) on the CPU. The torch backend
+    is counted at its stored size, the least it can take (its CPU packing is its own)."""
+    if backend != "mlx":
+        return w.stored_bytes, "as stored"
+    if metal is None:
+        metal = metal_working_set() is not None
+    if metal:
+        held = w.float_params * w.checkpoint_itemsize + w.packed_bytes + w.packed_groups * 4 + w.kquant_bytes
+        return held, "as stored"
+    held = (w.float_params + w.kquant_params) * 4 + w.packed_bytes + w.packed_groups * 8
+    how = "float32 on the CPU" + (", k-quants dequantized" if w.kquant_params else "")
+    return held, how
+
+
+# ---- the check before a load ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Fit:
+    fits: bool
+    weight_bytes: int
+    kv_bytes: int
+    context: int
+    available: MemoryLimit
+    how: str
+
+    @property
+    def need_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    def refusal(self, name: str) -> str:
+        """One line: both figures, and what to try."""
+        tips = ["a smaller quantization" + (" (on this CPU k-quants are dequantized; Q4_0, Q8_0 and MLX-quantized "
+                                            "weights stay packed)" if "k-quants" in self.how else "")]
+        room = self.available.bytes - self.weight_bytes
+        if room > 0 and self.kv_bytes and self.context > 256:
+            per_token = self.kv_bytes / self.context
+            tips.append(f"--max-context {max(256, int(room / per_token) // 256 * 256):,}".replace(",", ""))
+            tips.append("--kv-bits 8")
+        return (f"{name} does not fit: it needs {self.need_bytes / GB:.2f} GB ({self.weight_bytes / GB:.2f} GB of "
+                f"weights, {self.how}, and {self.kv_bytes / GB:.2f} GB of KV for {self.context:,} tokens) but this "
+                f"machine can give {self.available.bytes / GB:.2f} GB ({self.available.source}); try "
+                + ", ".join(tips[:-1]) + (" or " if len(tips) > 1 else "") + tips[-1])
+
+
+def estimate_fit(weights: WeightsHeader, kv_per_token: int, model_context: int, *, context: int | None = None,
+                 kv_budget_bytes: int | None = None, backend: str = "mlx", extra_bytes: int = 0,
+                 available: MemoryLimit | None = None, metal: bool | None = None) -> Fit:
+    """Weights plus the KV for `context` tokens (None: FIT_CONTEXT, within the model's own), or `kv_budget_bytes`
+    when that is set, against `available` (default: `available_memory()`)."""
+    held, how = held_weight_bytes(weights, backend, metal)
+    ctx = context or FIT_CONTEXT
+    if model_context:
+        ctx = min(ctx, model_context)
+    kv = kv_budget_bytes if kv_budget_bytes is not None else kv_per_token * ctx
+    available = available or available_memory()
+    return Fit(held + extra_bytes + kv <= available.bytes, held + extra_bytes, kv, ctx, available, how)
+
+
+def check_fit(model: str | None, backend: str, options: dict[str, Any]) -> None:
+    """Refuses (ModelLoadError, one line) a model whose weights and KV cannot fit, before any weight is read.
+    `options`: Engine.load's (max_context, kv_bits, kv_key_bits, kv_budget_bytes, dtype, draft_model)."""
+    from mlx_engine.catalog import model_memory
+
+    if os.environ.get("ROOFLINE_SKIP_MEMORY_CHECK", "").lower() in ("1", "true", "yes"):
+        return
+    def option(name: str, allowed: tuple[int, ...] | None = None) -> int | None:  # bad values: the loader's error
+        v = options.get(name)
+        ok = isinstance(v, int) and not isinstance(v, bool) and v > 0 and (allowed is None or v in allowed)
+        return v if ok else None
+
+    metal = metal_working_set() is not None
+    dtype = options.get("dtype")
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(dtype if isinstance(dtype, str) else "", 0)
+    mem = model_memory(model, kv_bits=option("kv_bits", (4, 8)), key_bits=option("kv_key_bits", (4, 8)),
+                       itemsize=itemsize or None, metal=metal)
+    if mem is None:
+        return  # a header that cannot be read or sized: the loader says what is wrong with it
+    extra = 0
+    if isinstance(options.get("draft_model"), str) and options.get("draft_model") != model:
+        try:
+            draft = model_memory(options["draft_model"], metal=metal)
+        except ModelLoadError:
+            draft = None  # the loader says why (or, with draft_optional, warns and loads without it)
+        extra = held_weight_bytes(draft.weights, backend, metal)[0] if draft else 0  # held beside the model
+    fit = estimate_fit(mem.weights, mem.kv_per_token, mem.context_length, context=option("max_context"),
+                       kv_budget_bytes=option("kv_budget_bytes"), backend=backend, extra_bytes=extra, metal=metal)
+    if not fit.fits:
+        raise ModelLoadError(fit.refusal(mem.name))
