@@ -8,8 +8,9 @@ checkpoints brought to one flat form (`normalize_config`) before any model class
 - `layer_types` (transformers 5) says which layers slide; mlx-lm's gemma3_text reads a period instead
   (`sliding_window_pattern`: layer i is full iff (i + 1) % P == 0), derived here or refused in one line.
 - A multimodal checkpoint (Gemma 3 4B and larger, Mistral 3, LLaVA-style) nests its language model's config in
-  `text_config`: that becomes the config, and `text_weights` keeps the language model's weights under their
-  text-only names (the vision tower and projector are not loaded).
+  `text_config`: where a text model class runs that (ours or mlx-lm's) it becomes the config, and `text_weights`
+  keeps the language model's weights under their text-only names (the vision tower and projector are not
+  loaded); else the nested config is normalized in place for the multimodal class.
 - Renamed fields: transformers 5 writes `num_local_experts` where mlx-lm's qwen3_moe reads `num_experts`.
 """
 
@@ -37,7 +38,10 @@ def normalize_config(config: dict[str, Any], source: str = "config.json") -> dic
     config = dict(config)
     text = config.get("text_config")
     if isinstance(text, dict) and "num_hidden_layers" not in config:
-        config = _lift_text_config(config, text)
+        if _runnable(text.get("model_type")):
+            config = _lift_text_config(config, text)
+        else:  # only the multimodal class runs it (mlx-lm's qwen2_vl, ...): normalized where it is
+            config["text_config"] = normalize_config(text, source)
     _lift_rope(config, source)
     _read_layer_types(config, source)
     for a, b in (("num_experts", "num_local_experts"), ("num_local_experts", "num_experts")):
@@ -46,12 +50,17 @@ def normalize_config(config: dict[str, Any], source: str = "config.json") -> dic
     return config
 
 
+def _runnable(model_type: str | None) -> bool:
+    from mlx_engine.models import NATIVE_MODEL_TYPES
+    from mlx_engine.models.mlx_lm_classes import mlx_lm_has
+
+    return bool(model_type) and (model_type in NATIVE_MODEL_TYPES or mlx_lm_has(model_type))
+
+
 def _lift_text_config(config: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]:
     out = {k: config[k] for k in _INHERITED if k in config}
     out.update(text)
     out["multimodal_model_type"] = config.get("model_type")  # what the checkpoint is; model_type: what runs
-    if not out.get("model_type"):
-        out["model_type"] = f"{config.get('model_type')}_text"
     if isinstance(config.get("quantization"), dict):  # mlx-lm's per-layer entries name the multimodal paths
         out["quantization"] = {_text_name(k): v for k, v in config["quantization"].items()}
     if "vocab_size" not in out and "vocab_size" in config:

@@ -17,6 +17,7 @@ the reference:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -30,14 +31,41 @@ def fallback_classes(model_type: str) -> tuple[type, type] | None:
     own; None when mlx-lm has no module for it."""
     if model_type in _FIXED:
         return _FIXED[model_type]()
+    name = model_type if _has_module(model_type) else _remapping().get(model_type, model_type)
+    if not _has_module(name):
+        return None
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    return module.Model, module.ModelArgs
+
+
+def mlx_lm_has(model_type: str) -> bool:
+    """Whether mlx-lm has a model class for `model_type` (without importing it)."""
+    return model_type in _FIXED or _has_module(model_type) or _has_module(_remapping().get(model_type, model_type))
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _remapping() -> dict[str, str]:
+    """mlx-lm's MODEL_REMAPPING (model types that run on another type's module), read from mlx_lm/utils.py's
+    source: importing that module imports transformers and torch (seconds), just to refuse an unknown type."""
+    import ast
+
+    spec = importlib.util.find_spec("mlx_lm.utils")
+    try:
+        tree = ast.parse(open(spec.origin, encoding="utf-8").read())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODEL_REMAPPING" for t in node.targets):
+                return dict(ast.literal_eval(node.value))
+    except (OSError, SyntaxError, ValueError, AttributeError, TypeError):
+        pass
     from mlx_lm.utils import MODEL_REMAPPING
 
-    name = MODEL_REMAPPING.get(model_type, model_type)
-    try:
-        module = importlib.import_module(f"mlx_lm.models.{name}")
-    except ImportError:
-        return None
-    return module.Model, module.ModelArgs
+    return dict(MODEL_REMAPPING)
 
 
 def sliding_layers(layer_types: list[str] | None, num_layers: int, window: int | None,
