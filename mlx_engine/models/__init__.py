@@ -27,6 +27,40 @@ class BuiltModel:
     context_length: int
 
 
+def instantiate(config: dict[str, Any], source: str) -> tuple[nn.Module, bool, str, int]:
+    """The model class for `config["model_type"]`, built (parameters lazy: none computed until loaded):
+    (model, native, model_type, context length). ModelLoadError, one line, for a config no class runs."""
+    config = normalize_config(config, source)  # a no-op on what load_checkpoint read; GGUF and direct callers
+    model_type = config.get("model_type")
+    if not model_type:
+        raise ModelLoadError(f"{source}: config.json has no 'model_type'")
+    if model_type in NATIVE_MODEL_TYPES:
+        family = importlib.import_module(f"mlx_engine.models.{model_type}")
+        check_fields(family.ModelArgs, {**config, "model_type": model_type}, source, f"the {model_type!r} model")
+        args = family.args_from_config(config)
+        return family.Model(args), True, model_type, args.max_position_embeddings
+    classes = fallback_classes(model_type)
+    if classes is None:
+        raise ModelLoadError(
+            f"{source}: unsupported architecture {model_type!r}. Supported natively: "
+            f"{', '.join(NATIVE_MODEL_TYPES)}; other types load when mlx-lm has a model class for them."
+        )
+    model_class, args_class = classes
+    check_fields(args_class, config, source, f"mlx-lm's {model_type!r} model")
+    try:
+        model = model_class(args_class.from_dict(config))
+    except Exception as e:  # noqa: BLE001 - mlx-lm raises anything on a config it cannot read
+        raise ModelLoadError(f"{source}: mlx-lm's {model_type!r} model rejected config.json: "
+                             f"{type(e).__name__}: {e}".splitlines()[0]) from None
+    return model, False, model_type, int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+
+
+def parameter_names(config: dict[str, Any], source: str) -> list[str]:
+    """The names `config`'s model class loads its weights under (after its own sanitize)."""
+    model, *_ = instantiate(config, source)
+    return [k for k, _ in nn.utils.tree_flatten(model.parameters())]
+
+
 def build_model(
     config: dict[str, Any],
     weights: dict[str, mx.array],
@@ -39,33 +73,7 @@ def build_model(
 
     `quantization`: {"group_size", "bits", "mode", <layer path>: {...} | False}; None when unquantized.
     """
-    config = normalize_config(config, source)  # a no-op on what load_checkpoint read; GGUF and direct callers
-    model_type = config.get("model_type")
-    if not model_type:
-        raise ModelLoadError(f"{source}: config.json has no 'model_type'")
-    if model_type in NATIVE_MODEL_TYPES:
-        family = importlib.import_module(f"mlx_engine.models.{model_type}")
-        check_fields(family.ModelArgs, {**config, "model_type": model_type}, source, f"the {model_type!r} model")
-        args = family.args_from_config(config)
-        model = family.Model(args)
-        native, context = True, args.max_position_embeddings
-    else:
-        classes = fallback_classes(model_type)
-        if classes is None:
-            raise ModelLoadError(
-                f"{source}: unsupported architecture {model_type!r}. Supported natively: "
-                f"{', '.join(NATIVE_MODEL_TYPES)}; other types load when mlx-lm has a model class for them."
-            )
-        model_class, args_class = classes
-        check_fields(args_class, config, source, f"mlx-lm's {model_type!r} model")
-        try:
-            model = model_class(args_class.from_dict(config))
-        except Exception as e:  # noqa: BLE001 - mlx-lm raises anything on a config it cannot read
-            raise ModelLoadError(f"{source}: mlx-lm's {model_type!r} model rejected config.json: "
-                                 f"{type(e).__name__}: {e}".splitlines()[0]) from None
-        native = False
-        context = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
-
+    model, native, model_type, context = instantiate(config, source)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     if quantization is not None:
