@@ -119,41 +119,64 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     context_length: int
+    sliding_window: int | None = None  # tokens a sliding layer attends to
+    num_sliding_layers: int = 0  # of num_layers
+    num_experts: int = 0  # MoE: experts per layer (0: dense)
+    num_experts_per_tok: int = 0
 
 
 def kv_shape(ref: str | None) -> KVShape:
-    """The attention shape that sizes the KV cache, from config.json or GGUF metadata (no weights read)."""
+    """The attention shape that sizes the KV cache, from config.json or GGUF metadata (no weights read), read as
+    the model classes read them (`models.config.normalize_config`): sliding layers and experts included."""
     from mlx_engine.loading import resolve
     from mlx_engine.loading.gguf_file import read_gguf
+    from mlx_engine.models.config import normalize_config, sliding_flags
 
     path, kind = resolve(ref)
+    where = path if kind == "gguf" else path / "config.json"
     if kind == "gguf":
-        m = read_gguf(path).metadata
-        arch = m.get("general.architecture", "")
-        heads = int(m.get(f"{arch}.attention.head_count", 0))
-        if not heads:
-            raise ModelLoadError(f"{path}: GGUF metadata has no {arch}.attention.head_count")
-        hidden = int(m.get(f"{arch}.embedding_length", 0))
-        return KVShape(int(m.get(f"{arch}.block_count", 0)), int(m.get(f"{arch}.attention.head_count_kv", heads)),
-                       int(m.get(f"{arch}.attention.key_length", hidden // heads)),
-                       int(m.get(f"{arch}.context_length", 0)))
+        from mlx_engine.loading.gguf_arch import gguf_config
+
+        g = read_gguf(path)
+        try:
+            config = gguf_config(g)
+        except ModelLoadError:  # an architecture Roofline does not run: the generic llama.cpp keys
+            config = _generic_gguf_config(g.metadata, path)
+    else:
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{where}: cannot read ({e})") from None
     try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path / 'config.json'}: cannot read ({e})") from None
-    config = config.get("text_config", config) if "num_hidden_layers" not in config else config
-    try:
+        config = normalize_config(config, str(where))
         heads = int(config["num_attention_heads"])
+        sliding = sliding_flags(config)
         return KVShape(int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or heads),
                        int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-                       int(config.get("max_position_embeddings") or 0))
+                       int(config.get("max_position_embeddings") or 0),
+                       int(config["sliding_window"]) if any(sliding) else None, sum(sliding),
+                       int(config.get("num_local_experts") or config.get("num_experts") or 0),
+                       int(config.get("num_experts_per_tok") or 0))
     except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(f"{path / 'config.json'}: missing or bad field {e} for sizing the KV cache") from None
+        raise ModelLoadError(f"{where}: missing or bad field {e} for sizing the KV cache") from None
+
+
+def _generic_gguf_config(m: dict, path: Path) -> dict:
+    arch = m.get("general.architecture", "")
+    heads = int(m.get(f"{arch}.attention.head_count", 0))
+    if not heads:
+        raise ModelLoadError(f"{path}: GGUF metadata has no {arch}.attention.head_count")
+    hidden = int(m.get(f"{arch}.embedding_length", 0))
+    return {"model_type": arch, "num_hidden_layers": int(m.get(f"{arch}.block_count", 0)),
+            "num_attention_heads": heads, "num_key_value_heads": int(m.get(f"{arch}.attention.head_count_kv", heads)),
+            "head_dim": int(m.get(f"{arch}.attention.key_length", hidden // heads)),
+            "max_position_embeddings": int(m.get(f"{arch}.context_length", 0))}
 
 
 def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None = None, itemsize: int = 2,
              group_size: int = 64, key_bits: int | None = None, key_group_size: int | None = None) -> int:
-    """K and V of every layer for `batch` sequences of `context` tokens (quantized: packed values plus a
+    """K and V of every layer for `batch` sequences of `context` tokens, a sliding layer's at most its window
+    (quantized: packed values plus a
     scale and a bias per group, in the activation dtype). `key_bits`: the keys' bits when they differ
     from the values' `kv_bits` (None: the same). `key_group_size`: the keys' when it differs (per-channel
     keys: a scale and bias per channel and block of that many tokens costs what per-token groups of that
@@ -166,4 +189,7 @@ def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None =
 
     k_bits = kv_bits if key_bits is None else key_bits
     per_token = per_vector(k_bits, key_group_size or group_size) + per_vector(kv_bits, group_size)
-    return per_token * shape.num_layers * shape.num_kv_heads * context * batch
+    # a sliding layer holds its window's tokens at most
+    window = min(context, shape.sliding_window) if shape.sliding_window else context
+    layer_tokens = (shape.num_layers - shape.num_sliding_layers) * context + shape.num_sliding_layers * window
+    return per_token * layer_tokens * shape.num_kv_heads * batch

@@ -137,3 +137,48 @@ def test_multimodal_checkpoint_runs_as_its_text_model() -> None:
     with Engine.load(str(GOLDEN / "gemma3_vlm")) as e:
         assert e.info.model_type == "gemma3_text" and e.info.vocab_size == 128
         assert float(np.abs(e.forward_logits(gold["input_ids"].tolist()) - gold["logits"]).max()) <= 1e-4
+
+
+# --- `roofline kv` for sliding-window and mixture-of-experts configs ------------------------------------------
+
+
+def test_kv_counts_gemma3_sliding_layers_at_their_window(tmp_path: Path) -> None:
+    """Gemma 3 12B as it ships (multimodal, text_config, a 5:1 sliding pattern of 1,024 tokens): at 100K tokens the
+    8 full layers hold every token, the 40 sliding ones 1,024 each: 6.9 GB, not the 39.3 GB of 48 full layers."""
+    text = {"model_type": "gemma3_text", "hidden_size": 3840, "num_hidden_layers": 48, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "head_dim": 256, "sliding_window": 1024, "sliding_window_pattern": 6,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "max_position_embeddings": 131072}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
+                                                      "vision_config": {"model_type": "siglip_vision_model"}}))
+    r = roofline("kv", "--model", str(tmp_path), "--context", "100000")
+    assert r.returncode == 0, r.stderr
+    # (8 x 100,000 + 40 x 1,024) layer-tokens x 8 KV heads x 256 x 2 bytes x (K, V)
+    assert r.stdout.startswith("6.9 GB (6,889,144,320 bytes) of KV for 1 x 100,000 tokens in float16: 48 layers")
+    assert "393,216 bytes per token" in r.stdout
+    assert "sliding window: 40 of 48 layers attend to the last 1,024 tokens" in r.stdout
+    assert "past the window a token adds 65,536 bytes" in r.stdout
+
+
+def test_kv_reads_a_moe_config_and_says_the_experts_add_none(tmp_path: Path) -> None:
+    """Qwen3-30B-A3B's config (transformers 5 names: num_local_experts, rope_parameters)."""
+    config = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+              "num_key_value_heads": 4, "head_dim": 128, "num_local_experts": 128, "num_experts_per_tok": 8,
+              "moe_intermediate_size": 768, "max_position_embeddings": 40960,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = roofline("kv", "--model", str(tmp_path), "--context", "32768", "--batch", "2")
+    assert r.returncode == 0, r.stderr
+    assert "(6,442,450,944 bytes) of KV for 2 x 32,768 tokens" in r.stdout and "98,304 bytes per token" in r.stdout
+    assert "mixture of experts: 128 experts, 8 per token" in r.stdout and "sliding" not in r.stdout
+
+
+def test_kv_of_a_gguf_reads_its_sliding_layers(tmp_path: Path) -> None:
+    from tests.gguf_writer import write_family_gguf
+
+    path = write_family_gguf(GOLDEN / "gpt_oss", tmp_path / "oss.gguf")
+    r = roofline("kv", "--model", str(path), "--context", "100")
+    assert r.returncode == 0, r.stderr
+    # one full layer of 100 tokens, one sliding layer of 8, 2 KV heads x 16 x 2 bytes x (K, V)
+    assert "(13,824 bytes) of KV for 1 x 100 tokens" in r.stdout
+    assert "sliding window: 1 of 2 layers attend to the last 8 tokens" in r.stdout
+    assert "mixture of experts: 4 experts, 2 per token" in r.stdout

@@ -1,5 +1,6 @@
-"""GGUF architectures as llama.cpp writes them: metadata -> config.json fields, and GGUF tensor names -> the
-names the model class loads, through gguf-py's own tables (`gguf.TensorNameMap`, `gguf.constants.Keys`).
+"""GGUF architectures as llama.cpp writes them: metadata -> config.json fields (`gguf_config`, no MLX), and GGUF
+tensor names -> the names the model class loads, through gguf-py's own tables (`gguf.TensorNameMap`,
+`gguf.constants.Keys`).
 
 llama.cpp's converter changes some values on the way; `restore` undoes them:
 - "normal" RoPE architectures (llama, granite: rotation of consecutive pairs) get their Q/K rows permuted from
@@ -18,6 +19,7 @@ from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, Keys
 from gguf.tensor_mapping import TensorNameMap
 
 from mlx_engine.api import ModelLoadError
+from mlx_engine.loading.gguf_file import GGUFFile
 
 # GGUF general.architecture -> the model_type that runs it (llama with experts: mixtral, `model_type_of`)
 ARCHITECTURES = {
@@ -54,6 +56,52 @@ class Meta:
         return self.get(template)
 
 
+def gguf_config(g: GGUFFile) -> dict[str, Any]:
+    """An HF-style config.json dict from GGUF metadata."""
+    arch = g.architecture
+    meta = Meta(g.metadata, arch, g.path)
+    model_type = model_type_of(arch, meta, g.path)
+    n_heads = int(meta.need(Keys.Attention.HEAD_COUNT))
+    hidden = int(meta.need(Keys.LLM.EMBEDDING_LENGTH))
+    embd = next((t for t in g.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ModelLoadError(f"{g.path}: GGUF file has no token_embd.weight tensor")
+    names = {t.name for t in g.tensors}
+    config: dict[str, Any] = {
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": int(meta.need(Keys.LLM.BLOCK_COUNT)),
+        "intermediate_size": int(meta.get(Keys.LLM.FEED_FORWARD_LENGTH) or meta.need(
+            Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(meta.get(Keys.Attention.HEAD_COUNT_KV, n_heads)),
+        "head_dim": int(meta.get(Keys.Attention.KEY_LENGTH, hidden // n_heads)),
+        "rms_norm_eps": float(meta.get(Keys.Attention.LAYERNORM_RMS_EPS, 1e-5)),
+        "rope_theta": float(meta.get(Keys.Rope.FREQ_BASE, 10000.0)),
+        "max_position_embeddings": int(meta.get(Keys.LLM.CONTEXT_LENGTH, 4096)),
+        "vocab_size": int(embd.shape[0]),
+        "tie_word_embeddings": "output.weight" not in names,
+    }
+    scaling_type = meta.get(Keys.Rope.SCALING_TYPE, "none")
+    if scaling_type == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.need(Keys.Rope.SCALING_FACTOR))}
+    elif scaling_type == "yarn":
+        config["rope_scaling"] = {
+            "rope_type": "yarn",
+            "factor": float(meta.need(Keys.Rope.SCALING_FACTOR)),
+            "original_max_position_embeddings": int(meta.need(Keys.Rope.SCALING_ORIG_CTX_LEN)),
+            "beta_fast": float(meta.get(Keys.Rope.SCALING_YARN_BETA_FAST, 32.0)),
+            "beta_slow": float(meta.get(Keys.Rope.SCALING_YARN_BETA_SLOW, 1.0)),
+        }
+    elif scaling_type not in ("none", None):
+        raise ModelLoadError(f"{g.path}: unsupported GGUF rope scaling {scaling_type!r} (supported: linear, yarn)")
+    window = meta.get(Keys.Attention.SLIDING_WINDOW, 0)
+    if window:
+        config["sliding_window"] = int(window)
+    family_config(arch, meta, config)
+    return config
+
+
 def model_type_of(arch: str, meta: Meta, path: Any) -> str:
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
@@ -62,7 +110,7 @@ def model_type_of(arch: str, meta: Meta, path: Any) -> str:
     return ARCHITECTURES[arch]
 
 
-def family_config(arch: str, meta: Meta, config: dict[str, Any], tensor_names: set[str]) -> None:
+def family_config(arch: str, meta: Meta, config: dict[str, Any]) -> None:
     """The fields beyond the common ones (`gguf_model.gguf_config`) that `arch`'s model class reads."""
     n_layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
     experts = meta.get(Keys.LLM.EXPERT_COUNT)

@@ -15,10 +15,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from gguf.constants import Keys
 
 from mlx_engine.api import ModelLoadError
-from mlx_engine.loading.gguf_arch import ARCHITECTURES, NORM_SHIFTED, PERMUTED_QK, Meta, family_config, model_type_of
+from mlx_engine.loading.gguf_arch import ARCHITECTURES, NORM_SHIFTED, PERMUTED_QK, gguf_config  # noqa: F401
 from mlx_engine.loading.gguf_file import GGUFFile
 
 LOADABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -27,52 +26,6 @@ MLX_READS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # what `mx.load` rea
 GGUF_ARCHITECTURES = ARCHITECTURES
 GGUF_GROUP_SIZE = 32
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # phi3's LongRoPE, as tensors
-
-
-def gguf_config(g: GGUFFile) -> dict[str, Any]:
-    """An HF-style config.json dict from GGUF metadata."""
-    arch = g.architecture
-    meta = Meta(g.metadata, arch, g.path)
-    model_type = model_type_of(arch, meta, g.path)
-    n_heads = int(meta.need(Keys.Attention.HEAD_COUNT))
-    hidden = int(meta.need(Keys.LLM.EMBEDDING_LENGTH))
-    embd = next((t for t in g.tensors if t.name == "token_embd.weight"), None)
-    if embd is None:
-        raise ModelLoadError(f"{g.path}: GGUF file has no token_embd.weight tensor")
-    names = {t.name for t in g.tensors}
-    config: dict[str, Any] = {
-        "model_type": model_type,
-        "hidden_size": hidden,
-        "num_hidden_layers": int(meta.need(Keys.LLM.BLOCK_COUNT)),
-        "intermediate_size": int(meta.get(Keys.LLM.FEED_FORWARD_LENGTH) or meta.need(
-            Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(meta.get(Keys.Attention.HEAD_COUNT_KV, n_heads)),
-        "head_dim": int(meta.get(Keys.Attention.KEY_LENGTH, hidden // n_heads)),
-        "rms_norm_eps": float(meta.get(Keys.Attention.LAYERNORM_RMS_EPS, 1e-5)),
-        "rope_theta": float(meta.get(Keys.Rope.FREQ_BASE, 10000.0)),
-        "max_position_embeddings": int(meta.get(Keys.LLM.CONTEXT_LENGTH, 4096)),
-        "vocab_size": int(embd.shape[0]),
-        "tie_word_embeddings": "output.weight" not in names,
-    }
-    scaling_type = meta.get(Keys.Rope.SCALING_TYPE, "none")
-    if scaling_type == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.need(Keys.Rope.SCALING_FACTOR))}
-    elif scaling_type == "yarn":
-        config["rope_scaling"] = {
-            "rope_type": "yarn",
-            "factor": float(meta.need(Keys.Rope.SCALING_FACTOR)),
-            "original_max_position_embeddings": int(meta.need(Keys.Rope.SCALING_ORIG_CTX_LEN)),
-            "beta_fast": float(meta.get(Keys.Rope.SCALING_YARN_BETA_FAST, 32.0)),
-            "beta_slow": float(meta.get(Keys.Rope.SCALING_YARN_BETA_SLOW, 1.0)),
-        }
-    elif scaling_type not in ("none", None):
-        raise ModelLoadError(f"{g.path}: unsupported GGUF rope scaling {scaling_type!r} (supported: linear, yarn)")
-    window = meta.get(Keys.Attention.SLIDING_WINDOW, 0)
-    if window:
-        config["sliding_window"] = int(window)
-    family_config(arch, meta, config, names)
-    return config
 
 
 def check_tensor_types(g: GGUFFile) -> None:

@@ -157,6 +157,34 @@ def _period(types: list[str], source: str) -> int:
                          "full-attention one, which is all gemma3_text runs")
 
 
+def sliding_layers(layer_types: list[str] | None, num_layers: int, window: int | None,
+                   default: str = "none") -> list[bool]:
+    """Which layers attend through a window: from `layer_types`, else `default` ("alternate": even layers, as
+    Gemma 2 and gpt-oss before transformers 5; "all"; "none"). No window: none."""
+    if not window:
+        return [False] * num_layers
+    if layer_types:
+        return [t == _SLIDING for t in layer_types[:num_layers]]
+    return [default == "all" or (default == "alternate" and i % 2 == 0) for i in range(num_layers)]
+
+
+# how a family without `layer_types` slides when it has a window (transformers' own defaults)
+_SLIDING_DEFAULT = {"gemma2": "alternate", "gpt_oss": "alternate", "qwen2": "none", "qwen3": "none",
+                    "qwen2_moe": "none", "qwen3_moe": "none"}
+
+
+def sliding_flags(config: dict[str, Any]) -> list[bool]:
+    """Per layer of a normalized config: whether it attends through `sliding_window` (what its KV needs)."""
+    n, window = int(config.get("num_hidden_layers") or 0), config.get("sliding_window")
+    if config.get("model_type") == "gemma3_text" and window and not config.get("layer_types"):
+        p = int(config.get("sliding_window_pattern") or 6)
+        return [(i + 1) % p != 0 for i in range(n)]
+    default = _SLIDING_DEFAULT.get(config.get("model_type"), "all")
+    if default == "none" and config.get("use_sliding_window"):
+        default = "all"
+    return sliding_layers(config.get("layer_types"), n, window, default)
+
+
 def check_fields(args_class: type, config: dict[str, Any], source: str, who: str) -> None:
     """One line naming the fields that `args_class` (a ModelArgs dataclass) requires and `config` lacks."""
     missing = [name for name, p in inspect.signature(args_class).parameters.items()

@@ -25,6 +25,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_engine.models.config import sliding_layers
+
 
 def fallback_classes(model_type: str) -> tuple[type, type] | None:
     """(Model, ModelArgs) for `model_type`: a fixed subclass of mlx-lm's where one is here, else mlx-lm's
@@ -66,17 +68,6 @@ def _remapping() -> dict[str, str]:
     from mlx_lm.utils import MODEL_REMAPPING
 
     return dict(MODEL_REMAPPING)
-
-
-def sliding_layers(layer_types: list[str] | None, num_layers: int, window: int | None,
-                   default: str = "none") -> list[bool]:
-    """Which layers attend through a window: from `layer_types`, else `default` ("alternate": even layers, as
-    Gemma 2 before transformers 5; "all"; "none"). No window: none."""
-    if not window:
-        return [False] * num_layers
-    if layer_types:
-        return [t == "sliding_attention" for t in layer_types[:num_layers]]
-    return [default == "all" or (default == "alternate" and i % 2 == 0) for i in range(num_layers)]
 
 
 def layer_masks(h: mx.array, cache: list[Any], sliding: list[bool], window: int | None,
