@@ -13,6 +13,7 @@ from mlx_engine.kv.paged import PagedKVStorage
 from mlx_engine.kv.smoothing import OFFSET_STEP, SCALE_STEPS, KVSmoothing, calibrate
 from tests.test_kv_paged import stored_scores
 from tests.tiny_models import random_llama_folder
+from tests.tolerance import assert_f32_close
 
 PROMPT = [(7 * i + 3) % 120 + 5 for i in range(45)]
 
@@ -52,8 +53,8 @@ def test_smoothing_changes_no_attention_output_before_quantization(d: int) -> No
     qs = np.array(st.queries(layer, mx.array(q)))[0]
     out = softmax_attention(qs.astype(np.float64), keys, values).astype(np.float32)
     got = np.array(st.outputs(layer, mx.array(out)[None]))[0]
-    maxdiff = float(np.abs(got - want).max())
-    assert maxdiff < 2e-5, maxdiff
+    # float32 floor: 10.1 units (tests/tolerance.py) on an AMD EPYC; x5 headroom
+    assert_f32_close(got, want, 48, "smoothed float32 vs float64")
     assert np.abs(keys - k.transpose(1, 0, 2)).max() > 1  # (sanity: what is stored is not the keys)
 
 

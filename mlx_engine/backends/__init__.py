@@ -32,14 +32,14 @@ def import_torch_backend() -> Any:
 
 
 def load_runner(model: str | None, backend: str = "mlx", device: str = "auto", **options: Any) -> Any:
-    """The runner of `backend` on `device` (on the engine thread): mlx_engine.runner.Runner or TorchRunner."""
+    """The runner of `backend` on `device` (on the engine thread): backends.mlx's Runner or TorchRunner."""
     _check("backend", backend, BACKENDS)
     _check("device", device, DEVICES)
     if backend == "torch":
         return import_torch_backend().TorchRunner.load(model, device=device, **options)
     import mlx.core as mx
 
-    from mlx_engine.runner import Runner
+    from mlx_engine.backends.mlx.runner import Runner
 
     if device == "cuda":
         raise RooflineError("device='cuda' needs backend='torch': the MLX backend runs on Metal or the CPU")

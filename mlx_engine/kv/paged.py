@@ -31,7 +31,8 @@ from kernels_metal import reference as kernel_reference
 from kernels_metal.reference import channel_codes, channel_params, quantize_channels, unpack_codes
 from kernels_metal.paged_attention import HEAD_DIMS as KERNEL_HEAD_DIMS
 from mlx_engine.kv.smoothing import KVSmoothing
-from mlx_engine.models.layers import one_blas_thread, sdpa
+from mlx_engine.backends.mlx.host_blas import one_blas_thread
+from mlx_engine.models.layers import sdpa
 
 SUPPORTED_KV_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64)

@@ -48,7 +48,7 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
-    fused_qkv: Any = None  # set on MLX's CPU backend: x -> (q, k, v) in one host GEMM (models.layers)
+    fused_qkv: Any = None  # set on MLX's CPU backend: x -> (q, k, v) in one host GEMM (backends.mlx.host_blas)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -96,7 +96,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    fused_gate_up: Any = None  # set on MLX's CPU backend: x -> (gate, up) in one host GEMM (models.layers)
+    fused_gate_up: Any = None  # set on MLX's CPU backend: x -> (gate, up) in one host GEMM (backends.mlx.host_blas)
 
     def __init__(self, args: ModelArgs):
         super().__init__()

@@ -28,13 +28,8 @@ from mlx_engine.backends.torch.kv import (
 )
 from mlx_engine.backends.torch.model import build_model
 from mlx_engine.backends.torch.sampling import sample_rows
-from mlx_engine.runner import (
-    NoTokenizer,
-    Runner,
-    attach_draft,
-    cap_context,
-    model_fingerprint,
-)
+from mlx_engine.backends.common import NoTokenizer, attach_draft, cap_context, model_fingerprint
+from mlx_engine.backends.mlx.runner import Runner
 
 TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DEVICES = ("auto", "cpu", "cuda")
@@ -285,30 +280,25 @@ class TorchRunner(Runner):
                           "continues with eager launches", RuntimeWarning, stacklevel=2)
             return None
 
-    @_torch_work
-    def time_graph_forward(self, width: int, context: int, repeats: int) -> float:
-        """Seconds of one graphed step of `width` rows after `context` cached tokens, logits to the host (min
-        over repeats, after a warm-up): what a decode step of `width` sequences or a verification of `width`
-        tokens costs here. Every row reads and writes the pool's scratch block only."""
-        import time
-
+    def graph_step(self, width: int, context: int) -> Callable[[], bool]:
+        """One graphed step of `width` rows after `context` cached tokens, logits to the host, as a call to time
+        (`speculative.timing.time_graph_forward`); it returns False once a capture failed (graphs are off).
+        Every row reads and writes the pool's scratch block only."""
         storage = self.cache.storage
         bs, scratch = storage.block_size, storage.scratch_block
         nblocks = -(-(context + width) // bs)
         step = DecodeStep(storage, [context + i for i in range(width)],
                           [scratch * bs + (context + i) % bs for i in range(width)], [[scratch] * nblocks] * width)
         ids = np.zeros(width, dtype=np.int64)
-        best = float("inf")
-        for _ in range(repeats + 1):
-            t = time.perf_counter()
-            logits = self._graph_logits(ids, step)
-            if logits is None:  # the capture failed and graphs are off: time what runs instead
-                from mlx_engine.speculative import time_forward
+        return lambda: self._graph_logits_to_host(ids, step)
 
-                return time_forward(self, width, context, repeats)
-            mx.eval(_mx(logits))
-            best = min(best, time.perf_counter() - t)
-        return best
+    @_torch_work
+    def _graph_logits_to_host(self, ids: np.ndarray, step: DecodeStep) -> bool:
+        logits = self._graph_logits(ids, step)
+        if logits is None:
+            return False
+        mx.eval(_mx(logits))
+        return True
 
     def _last_logits(self, inputs: Any, layers: list[Any]) -> torch.Tensor:
         step = self._graph_step(layers)
