@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from tests.tiny_models import byte_level_vocab, llama_permute
+from tests.tiny_models import add_byte_level_tokenizer, add_common_metadata, llama_permute
 
 # HF model_type -> GGUF architecture
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
@@ -35,19 +35,9 @@ def _rope(config: dict) -> dict:
 def _metadata(w, config: dict, arch: str) -> None:
     import gguf
 
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-5))
+    add_common_metadata(w, config)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     rope = _rope(config)
-    w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", "default")
     if rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -82,18 +72,6 @@ def _metadata(w, config: dict, arch: str) -> None:
         w.add_embedding_scale(config["embedding_multiplier"])
         w.add_residual_scale(config["residual_multiplier"])
         w.add_logit_scale(config["logits_scaling"])
-
-
-def _tokenizer(w, config: dict) -> None:
-    vocab = config["vocab_size"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(byte_level_vocab(vocab - 1) + ['!"'])
-    w.add_token_types([1] * vocab)
-    w.add_token_merges(['! "'])
-    w.add_bos_token_id(config.get("bos_token_id") or 1)
-    w.add_eos_token_id(config.get("eos_token_id") or 2)
-    w.add_add_bos_token(False)
 
 
 def _tensors(weights: dict[str, np.ndarray], config: dict, arch: str) -> dict[str, np.ndarray]:
@@ -154,7 +132,7 @@ def write_family_gguf(folder: Path, path: Path, qtype: str = "F32", quantize: tu
     weights = load_file(str(folder / "model.safetensors"))
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, {**json.loads((folder / "config.json").read_text()), **config}, arch)
-    _tokenizer(w, config)
+    add_byte_level_tokenizer(w, config)
     for gname, value in _tensors(weights, config, arch).items():
         if value.ndim >= 2 and gname.endswith(".weight") and any(k in gname for k in quantize):
             packed = gguf.quants.quantize(value, Q[qtype])

@@ -75,6 +75,37 @@ def random_blocks(rng: np.random.Generator, ggml_type: str, out_features: int, i
     return w
 
 
+def add_common_metadata(w, config: dict) -> None:
+    """The attention shape, norm epsilon and rope base every llama.cpp architecture writes."""
+    n_heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-5))
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    w.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def add_byte_level_tokenizer(w, config: dict) -> None:
+    """A GPT-2 style vocabulary of the config's size: byte-level tokens and one merge."""
+    vocab = config["vocab_size"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(byte_level_vocab(vocab - 1) + ['!"'])
+    w.add_token_types([1] * vocab)
+    w.add_token_merges(['! "'])
+    w.add_bos_token_id(config.get("bos_token_id") or 1)
+    w.add_eos_token_id(config.get("eos_token_id") or 2)
+    w.add_add_bos_token(False)
+
+
 def write_gguf_from_folder(folder: Path, out: Path, qtypes: dict[str, str], default_type: str = "Q8_0") -> dict:
     """Writes `folder`'s llama checkpoint as a GGUF file (Q/K permuted as llama.cpp does). `qtypes` maps a
     substring of the GGUF tensor name to a ggml type name; 2-D tensors default to `default_type`, 1-D to F32.
@@ -87,27 +118,8 @@ def write_gguf_from_folder(folder: Path, out: Path, qtypes: dict[str, str], defa
     arch = config["model_type"]
     w = gguf.GGUFWriter(str(out), arch)
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(n_heads)
-    w.add_head_count_kv(n_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    rope = config.get("rope_parameters") or {}
-    w.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    vocab = config["vocab_size"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(byte_level_vocab(vocab - 1) + ['!"'])
-    w.add_token_types([1] * vocab)
-    w.add_token_merges(['! "'])
-    w.add_bos_token_id(config.get("bos_token_id") or 1)
-    w.add_eos_token_id(config.get("eos_token_id") or 2)
-    w.add_add_bos_token(False)
+    add_common_metadata(w, config)
+    add_byte_level_tokenizer(w, config)
 
     dequantized: dict[str, np.ndarray] = {}
     for name, value in weights.items():
