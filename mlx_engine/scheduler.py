@@ -94,8 +94,7 @@ class Scheduler:
         self.runner = runner
         # default: DEFAULT_TOKEN_BUDGET, or one whole prefill chunk when the runner's chunks are larger
         self.token_budget = token_budget or max(DEFAULT_TOKEN_BUDGET, getattr(runner, "prefill_chunk_size", 0))
-        batches = hasattr(runner.cache, "manager")
-        self.max_seqs = max_seqs if batches else 1  # the contiguous cache holds one sequence
+        self.max_seqs = max_seqs if runner.cache.capabilities.batching else 1  # the contiguous cache holds one
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._counter = 0
@@ -122,9 +121,7 @@ class Scheduler:
     # --- admission --------------------------------------------------------------------------------
 
     def _blocks_for(self, seq: Sequence) -> int:
-        cache = self.runner.cache
-        bs = getattr(cache, "block_size", 0)
-        return -(-(len(seq.prompt) + seq.max_new) // bs) if bs else 0
+        return self.runner.cache.blocks_for(len(seq.prompt) + seq.max_new)
 
     def _admit(self) -> None:
         cache = self.runner.cache
@@ -134,11 +131,11 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             seq.max_new = min(seq.params.max_tokens, self.runner.context_length - len(seq.prompt))
-            if hasattr(cache, "manager"):
+            if cache.capabilities.paged:
                 # blocks still owed to running sequences must stay available to them
-                owed = sum(s.reserved_blocks - len(cache.manager.block_table(s.req_id)) for s in self.running)
+                owed = sum(s.reserved_blocks - cache.num_blocks_held(s.req_id) for s in self.running)
                 need = self._blocks_for(seq)
-                if need > cache.manager.pool.get_num_free_blocks() - owed:
+                if need > cache.num_free_blocks() - owed:
                     if not self.running:  # nothing will free blocks: unreachable after check_fits
                         self.waiting.popleft()
                         self._fail(seq, RooflineError("no free KV blocks for this request"))
@@ -289,7 +286,7 @@ class Scheduler:
             chunks.append((s, start, end))
 
         # more than one part (decode rows count as one each, as do prefill chunks): one packed forward
-        packed = len(decoding) + len(chunks) > 1 and hasattr(cache, "packed_layers")
+        packed = len(decoding) + len(chunks) > 1 and cache.capabilities.packed
         if packed:
             self._packed_forward(decoding, chunks, new)
         if decoding and not packed:
@@ -321,7 +318,7 @@ class Scheduler:
             else:
                 if logits is None:
                     runner.forward(inputs, layers)
-                mx.eval(runner.cache_state(layers))
+                mx.eval(cache.state(layers))
 
         if self.trace is not None:
             self.trace.append((len(decoding), self.token_budget - len(decoding) - budget))
@@ -504,7 +501,10 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         tail = ""
         if seq.stops is not None and not seq.stops.hit:
-            tail = seq.stops.flush(seq.detok.finalize())
+            held = seq.detok.finalize()
+            if reason == "length":  # max_tokens cut the last character's bytes: no character, not a U+FFFD
+                held = held.rstrip("\ufffd")
+            tail = seq.stops.flush(held)
         t_first = seq.t_first or time.perf_counter()
         stats = Stats(
             ttft_s=t_first - seq.stream.submitted_at,

@@ -17,8 +17,8 @@ import pytest
 from threadpoolctl import threadpool_info
 
 from mlx_engine import Engine, RooflineError
+from mlx_engine.attention import host
 from mlx_engine.backends.mlx import host_blas
-from mlx_engine.models import layers
 from mlx_engine.models.llama import Model, ModelArgs
 from tests.tiny_models import random_llama_folder, write_gguf_from_folder
 from tests.tolerance import assert_f32_close
@@ -195,24 +195,24 @@ def test_row_gemvs_over_column_slices_equal_one_gemm(rows: int, monkeypatch: pyt
 def test_host_attention_equals_mlx_sdpa(length: int, keys: int, causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """GQA (9 query heads over 3 KV heads), queries aligned with the last keys, and query slabs of 2 rows
     (HOST_ATTENTION_MAX_SCORES shrunk) so that the slab loop and its causal offsets are used."""
-    monkeypatch.setattr(layers, "HOST_ATTENTION_MAX_SCORES", 2 * 9 * keys)
-    monkeypatch.setattr(layers, "HOST_ATTENTION_MIN_PAIRS", 1)
+    monkeypatch.setattr(host, "HOST_ATTENTION_MAX_SCORES", 2 * 9 * keys)
+    monkeypatch.setattr(host, "HOST_ATTENTION_MIN_PAIRS", 1)
     mx.random.seed(length)
     q = mx.random.normal((1, 9, length, 32))
     k, v = mx.random.normal((1, 3, keys, 32)), mx.random.normal((1, 3, keys, 32))
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask="causal" if causal else None)
-    got = layers.sdpa(q, k, v, 0.3, causal)
+    got = host.sdpa(q, k, v, 0.3, causal)
     # float32 floor: 6.1 units (tests/tolerance.py) on an AMD EPYC; x4.6 headroom
     assert_f32_close(np.array(got), np.array(want), 28, "host vs MLX sdpa")
     cuts = [0, keys // 3, keys // 3 + 1, keys]  # three segments, one of a single key (a paged sequence's runs)
     parts = lambda x: [x[:, :, a:b] for a, b in zip(cuts[:-1], cuts[1:])]  # noqa: E731
     # float32 floor: 5.8 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
-    assert_f32_close(np.array(layers.sdpa(q, parts(k), parts(v), 0.3, causal)), np.array(want), 24, "segments")
-    monkeypatch.setattr(layers, "HOST_ATTENTION_MIN_PAIRS", 10**9)  # MLX's kernel over the segments joined
+    assert_f32_close(np.array(host.sdpa(q, parts(k), parts(v), 0.3, causal)), np.array(want), 24, "segments")
+    monkeypatch.setattr(host, "HOST_ATTENTION_MIN_PAIRS", 10**9)  # MLX's kernel over the segments joined
     # float32 floor: 0.0 units (tests/tolerance.py) on an AMD EPYC; the same allowance as its twin above
-    assert_f32_close(np.array(layers.sdpa(q, parts(k), parts(v), 0.3, causal)), np.array(want), 24, "joined")
-    monkeypatch.setattr(layers, "HOST_ATTENTION_MIN_PAIRS", 1)
+    assert_f32_close(np.array(host.sdpa(q, parts(k), parts(v), 0.3, causal)), np.array(want), 24, "joined")
+    monkeypatch.setattr(host, "HOST_ATTENTION_MIN_PAIRS", 1)
     if causal:  # the first query sees keys 0..keys-length only: changing a later key leaves it alone
         k2 = mx.concatenate([k[:, :, : keys - length + 1], k[:, :, keys - length + 1:] * 7], axis=2)
-        first = np.array(layers.sdpa(q, k2, v, 0.3, True))[:, :, 0]
+        first = np.array(host.sdpa(q, k2, v, 0.3, True))[:, :, 0]
         np.testing.assert_allclose(first, np.array(got)[:, :, 0], rtol=1e-6, atol=1e-7)

@@ -485,9 +485,9 @@ def test_a_next_turn_in_two_runs_of_blocks_is_read_in_place_and_equals_contiguou
     not follow them: the CPU path attends to each run of blocks as a slice of the pool (no gather), with the
     same numbers as a contiguous cache."""
     import mlx_engine.kv.cache as kv_cache
-    from mlx_engine.models import layers
+    from mlx_engine.attention import host
 
-    monkeypatch.setattr(layers, "HOST_ATTENTION_MIN_PAIRS", 1)  # the numpy path even for this tiny model
+    monkeypatch.setattr(host, "HOST_ATTENTION_MIN_PAIRS", 1)  # the numpy path even for this tiny model
     seen: list = []
     slots = kv_cache.PagedCache._slots
     monkeypatch.setattr(kv_cache.PagedCache, "_slots", lambda self, r, n: seen.append(slots(self, r, n)) or seen[-1])
@@ -517,6 +517,7 @@ def test_cpu_batched_decode_attention_equals_per_sequence_attention(bits: int | 
     import mlx.core as mx
 
     from mlx_engine.kv.paged import PagedKVStorage
+    from mlx_engine.kv.views import DecodeStep
 
     rng = np.random.default_rng(4)
     hq, hkv, d, bs = 6, 2, 32, 16
@@ -526,8 +527,10 @@ def test_cpu_batched_decode_attention_equals_per_sequence_attention(bits: int | 
              mx.array(rng.normal(size=(8 * bs, hkv, d)).astype(np.float32)))
     tables, lens = [[5, 1, 6], [2, 0, 0], [7, 3, 4]], [40, 9, 33]  # padded with block 0
     q = rng.normal(size=(3, hq, d)).astype(np.float32)
-    got = np.array(st.decode_attention(0, mx.array(q), mx.array(tables, dtype=mx.int32),
-                                       mx.array(lens, dtype=mx.int32), 0.2))
+    step = DecodeStep(st, mx.array(lens) - 1, mx.zeros(3, mx.int32), mx.array(tables, dtype=mx.int32),
+                      mx.array(lens, dtype=mx.int32), max(lens))
+    assert step.path.name == "decode-host"
+    got = np.array(step.path.run(step, 0, mx.array(q)[:, :, None], 0.2))[:, :, 0]
     for b, (table, n) in enumerate(zip(tables, lens)):
         ids = np.array([blk * bs + i for blk in table for i in range(bs)][:n])
         k, v = (np.array(x) for x in st.gather(0, mx.array(ids, dtype=mx.int32)))  # (Hkv, n, D)
@@ -767,7 +770,7 @@ def test_attention_with_own_block_keys_host_and_mlx_paths_agree() -> None:
     columns replaced, computed naively."""
     import mlx.core as mx
 
-    from mlx_engine.models.layers import _sdpa_own_mlx, sdpa
+    from mlx_engine.attention.host import _sdpa_own_mlx, sdpa
 
     rng = np.random.default_rng(2)
     hq, hkv, d, L, S, bs = 6, 2, 32, 9, 21, 8  # queries at positions 12..20; own blocks of 8 columns
@@ -867,13 +870,15 @@ def test_channel_keys_in_packed_steps_equal_solo_runs(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_single_sequence_decode_reads_codes_in_place(bits: int) -> None:
-    """`decode_runs_quantized` (quantized matmuls over the codes, per KV head and run of blocks) equals attention
+    """The decode path `attention.paged.decode_runs_quantized` (quantized matmuls over the codes, per KV head and
+    run of blocks) equals attention
     over the dequantized runs: per-token keys, GQA 9 over 3 heads, three runs out of order with a partial last
     block."""
     import mlx.core as mx
 
+    from mlx_engine.attention.host import sdpa
     from mlx_engine.kv.paged import PagedKVStorage
-    from mlx_engine.models.layers import sdpa
+    from mlx_engine.kv.views import DecodeStep
 
     rng = np.random.default_rng(bits)
     st = PagedKVStorage(1, 16, 16, 3, 64, mx.float32, bits=bits, group_size=64, head_major=True)
@@ -886,4 +891,6 @@ def test_quantized_single_sequence_decode_reads_codes_in_place(bits: int) -> Non
     q = mx.array(rng.normal(size=(1, 9, 1, 64)).astype(np.float32))
     keys, values = st.gather_runs(0, runs, mx.float32)
     want = np.array(sdpa(q, keys, values, 0.125, causal=False))
-    np.testing.assert_allclose(np.array(st.decode_runs_quantized(0, q, runs, 0.125)), want, atol=1e-6)
+    step = DecodeStep(st, n - 1, mx.zeros(1, mx.int32), mx.array([table], dtype=mx.int32), mx.array([n]), n, runs)
+    assert step.path.name == "decode-runs-quantized"
+    np.testing.assert_allclose(np.array(step.path.run(step, 0, q, 0.125)), want, atol=1e-6)

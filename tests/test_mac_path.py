@@ -123,7 +123,7 @@ def test_batched_decode_on_a_mac_matches_the_cpu_path(llama: Path, kv: dict, req
 
 
 def test_a_mac_budgets_kv_from_metals_working_set(mac: Launches, llama: Path) -> None:
-    from mlx_engine.kv.cache import available_memory_bytes
+    from mlx_engine.kv.config import available_memory_bytes
 
     assert available_memory_bytes(2**30) == WORKING_SET - 2**30
     with pytest.raises(RooflineError, match="device='cpu' with backend='mlx' on a Mac"):

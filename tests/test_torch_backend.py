@@ -377,8 +377,10 @@ def test_sliding_window_is_refused(tmp_path):
 
 def test_missing_torch_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
-    with pytest.raises(RooflineError, match=r"needs the optional extra: `uv sync --extra torch`"):
+    with pytest.raises(RooflineError, match=r"needs the optional extra: `uv sync --extra torch`") as e:
         Engine.load(str(GOLDEN / "llama"), backend="torch")
+    # PyPI's Linux wheel is the 3 GB CUDA build: the hint names the CPU route too
+    assert "CUDA build" in str(e.value) and "--index-url https://download.pytorch.org/whl/cpu" in str(e.value)
 
 
 def test_save_kv_is_refused(llama, tmp_path):

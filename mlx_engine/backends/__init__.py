@@ -10,7 +10,10 @@ from mlx_engine.api import RooflineError
 
 BACKENDS = ("mlx", "torch")
 DEVICES = ("auto", "cpu", "cuda")
-TORCH_EXTRA_HINT = "the torch backend needs the optional extra: `uv sync --extra torch` or `pip install 'roofline[torch]'`"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+TORCH_EXTRA_HINT = ("the torch backend needs the optional extra: `uv sync --extra torch` or `pip install "
+                    "'roofline[torch]'` (on Linux that is PyPI's CUDA build, ~3 GB; for the CPU only: "
+                    f"`uv pip install torch --index-url {TORCH_CPU_INDEX}`, about 200 MB)")
 
 
 def _check(name: str, value: Any, allowed: tuple[str, ...]) -> None:

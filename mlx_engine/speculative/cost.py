@@ -82,7 +82,7 @@ def cost_curve_key(runner: Any) -> str | None:
     if not fingerprint:
         return None
     info = runner.info
-    path = "-fp32-host-weights" if getattr(runner, "_host_bytes", 0) else ""  # models.layers: another cost curve
+    path = "-fp32-host-weights" if getattr(runner, "_host_bytes", 0) else ""  # backends.mlx.host_blas: another curve
     path += "-cuda-graphs" if getattr(runner, "graphs", None) is not None else ""  # graphed steps: another one
     return "|".join([fingerprint.hex(), f"{info.backend}-{info.device}{path}",
                      f"{platform.system()}-{platform.machine()}", f"mlx-{mx.__version__}"])

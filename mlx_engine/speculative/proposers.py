@@ -227,8 +227,8 @@ class SelfDraft:
             drafts.append(x)
             qs.append(q)
             token = x.reshape(1, 1)
-        if layers and not hasattr(layers[0], "attention"):  # contiguous buffers: back to n0 for the verify
-            for c in layers:
+        if not self.runner.cache.capabilities.paged:  # contiguous buffers: back to n0 for the verify (paged
+            for c in layers:  # slots: the verify forward rewrites them)
                 c.trim(inp.k)
         draft = mx.concatenate(drafts)
         return draft, mx.concatenate(qs)

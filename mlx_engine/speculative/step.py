@@ -6,7 +6,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_engine.api import RequestError
 from mlx_engine.speculative.accept import point_mass, rejection_sample
 from mlx_engine.speculative.proposers import DraftInput
 
@@ -16,17 +15,10 @@ def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.
     is known and not yet in the cache). Returns the new tokens (the accepted drafts, then one sampled
     token), how many of them are drafts, and their log-probability rows (n + 1, V) when asked for.
     Afterwards the cache (and the draft's) holds every token but the last new one."""
-    from mlx_lm.models.cache import trim_prompt_cache
-
     cache, sampler, state = runner.cache, seq.sampler, seq.spec
     tokens = seq.prompt + seq.generated
     n0, req = len(tokens) - 1, seq.req_id  # n0: tokens in the cache
-    paged = hasattr(cache, "manager")
-    if paged:  # slots for [last, x_1..x_k]; allocate with the known tokens only, so no draft gets hashed
-        if cache.manager.allocate_slots(req, tokens, k + 1) is None:
-            raise RequestError("the KV pool is full")
-        cache._grow(req)
-        cache._copy_pending()
+    cache.allocate(req, tokens, k + 1)  # slots for [last, x_1..x_k], with the known tokens: no draft gets hashed
 
     draft: list[int] | mx.array = []
     q = None
@@ -39,8 +31,8 @@ def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.
     if constraint is not None and q is None:  # a copied draft (point mass): cut where the grammar refuses it
         draft = list(draft)[:constraint.consumable(list(draft))]
     m = len(draft)
-    if paged and m < k:
-        cache.manager.trim(req, n0 + m + 1)
+    if m < k:
+        cache.trim(req, n0 + m + 1)
     d = mx.array(draft, dtype=mx.int32) if not isinstance(draft, mx.array) else draft  # (m,)
     layers = cache.prefill_layers(req, n0, n0 + m + 1)
     inputs = mx.concatenate([mx.array([tokens[-1]], dtype=mx.int32), d])[None]  # (1, m+1)
@@ -57,10 +49,7 @@ def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.
     new = d.tolist()[:n] + [int(nxt.item())]
 
     keep = n0 + 1 + n  # the cache keeps last and the accepted drafts
-    if paged:
-        cache.manager.trim(req, keep)
-    elif m - n:
-        trim_prompt_cache(layers, m - n)
+    cache.trim(req, keep)
     if m:
         state.rollback(keep)
     sampler.accept(mx.array([new], dtype=mx.int32))

@@ -91,7 +91,7 @@ def time_decode_step(runner: Any, batch: int, context: int = 64, repeats: int = 
             started.append(req)
             layers = cache.prefill_layers(req, 0, len(prompt))
             runner.forward(mx.array([prompt], dtype=mx.int32), layers)
-            mx.eval(runner.cache_state(layers))
+            mx.eval(cache.state(layers))
         nxt, best = [5] * batch, float("inf")
         for i in range(repeats + 1):
             t = time.perf_counter()

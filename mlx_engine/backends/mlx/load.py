@@ -45,7 +45,7 @@ def use_host_blas(model: Any, act_dtype: mx.Dtype) -> tuple[int, int, str]:
     host path stops reading, a note for ModelInfo)."""
     if mx.metal.is_available() or act_dtype != mx.float32:
         return 0, 0, ""
-    from mlx_engine.kv.cache import available_memory_bytes
+    from mlx_engine.kv.config import available_memory_bytes
     from mlx_engine.backends.mlx import host_blas
 
     fits, why = host_blas.host_weights_fit(host_blas.host_weights_bytes(model), available_memory_bytes(0))

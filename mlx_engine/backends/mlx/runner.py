@@ -3,6 +3,7 @@ MLX's CPU backend."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import mlx.core as mx
@@ -74,7 +75,7 @@ class Runner:
     ) -> Runner:
         """`draft_bits`: hold the draft at 4 or 8 bits (`weight_bits` of its own load: `quantize_weights`).
         `draft_optional`: a draft model that cannot serve this one is a warning, not an error (`attach_draft`)."""
-        from mlx_engine.kv.cache import KVConfig
+        from mlx_engine.kv.config import KVConfig
 
         kv_config = KVConfig(block_size, kv_bits, kv_group_size, kv_budget_bytes, prefix_caching, kv_key_bits,
                              kv_key_per_channel)
@@ -129,14 +130,20 @@ class Runner:
             eos_token_ids=eos,
             notes=notes,
             warnings=warnings,
+            has_tokenizer=ckpt.tokenizer is not None,
         )
         runner = cls(built, tokenizer, info, prefill_chunk_size)
         runner._shape = decode_shape(ckpt.config, params, act_dtype)
         runner._host_bytes, runner._shape["idle_bytes"] = host_bytes, idle_bytes
         runner.fingerprint = model_fingerprint(ckpt, act_dtype)
         runner.cache = runner._make_cache(kv_config, paged_kv, act_dtype)
-        if hasattr(runner.cache, "calibrate"):  # quantized paged KV: its offsets and key scales (`kv.smoothing`)
-            runner.cache.calibrate(runner.model, tokenizer, runner.vocab_size)
+        runner.cache.calibrate(runner.model, tokenizer, runner.vocab_size)  # quantized KV: `kv.smoothing`
+        from mlx_engine.backends.mlx.kernel_checks import kernel_warnings
+
+        # a Metal kernel that fails its check on this machine: its reference runs, and the user is told once
+        fallbacks = kernel_warnings(runner.model, runner.cache, act_dtype)
+        runner.info = dataclasses.replace(runner.info, kv_files=runner.cache.capabilities.kv_files,
+                                          warnings=runner.info.warnings + fallbacks)
         runner.self_draft_layers = runner._check_self_draft_layers(self_draft_layers)
         if draft_model is not None:
             attach_draft(runner, lambda: cls.load(draft_model, dtype=dtype, prefill_chunk_size=prefill_chunk_size,
@@ -159,14 +166,12 @@ class Runner:
 
     def rollback_problem(self) -> str | None:
         """Why this model's KV cannot be rolled back past rejected draft tokens (None: it can)."""
-        from mlx_lm.models.cache import KVCache
+        from mlx_engine.kv.contiguous import untrimmable_kinds
 
-        if hasattr(self.cache, "manager") or self.native:
+        if self.native or self.cache.capabilities.rollback:  # our models' caches all roll back
             return None
-        kinds = {type(c).__name__ for c in self._fresh_contiguous() if type(c) is not KVCache}
-        if kinds:
-            return f"its mlx-lm cache ({', '.join(sorted(kinds))}) cannot be trimmed at every length"
-        return None
+        kinds = untrimmable_kinds(self.model, self.native)
+        return f"its mlx-lm cache ({', '.join(kinds) or 'unknown'}) cannot be trimmed at every length"
 
     def check_speculation(self, params: SamplingParams) -> None:
         """Refuses a speculative mode this engine cannot serve (RequestError). "auto" is never refused: it
@@ -194,14 +199,12 @@ class Runner:
         """The self draft: inputs (1, L) through the first `num_layers` layers, the final norm and the head
         -> logits of the last position (1, V), float32. `layers`: the caches of those layers."""
         m = self.model
-        h = m.model.embed_tokens(inputs)
-        mask = m._mask(inputs.shape[1], layers[0].offset)
-        for layer, c in zip(m.layers[:num_layers], layers):
-            h = layer(h, mask, c)
+        h = m.hidden(inputs, layers, num_layers)
         return m.logits(m.model.norm(h[:, -1, :])).astype(mx.float32)
 
     def _make_cache(self, config: Any, paged: bool | None, dtype: mx.Dtype) -> Any:
-        from mlx_engine.kv.cache import ContiguousCache, PagedCache
+        from mlx_engine.kv.cache import PagedCache
+        from mlx_engine.kv.contiguous import ContiguousCache
 
         why_not = None
         if not self.native:
@@ -285,17 +288,13 @@ class Runner:
     # --- MLX work (engine thread) ---
 
     def _fresh_contiguous(self) -> list[Any]:
-        from mlx_engine.kv.cache import new_contiguous_layers
+        from mlx_engine.kv.contiguous import new_contiguous_layers
 
         return new_contiguous_layers(self.model, self.native)
 
     def forward(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         """inputs (B, L) -> hidden states (native) or logits (mlx-lm classes), lazily."""
         return self.model(inputs, layers) if self.native else self.model(inputs, cache=layers)
-
-    @staticmethod
-    def cache_state(layers: list[Any]) -> list[mx.array]:
-        return cache_state(layers)
 
     def last_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         """inputs (B, L) -> logits of each row's last position (B, V), float32."""
@@ -336,69 +335,33 @@ class Runner:
         if not self.native:
             raise RooflineError(f"hidden states need a natively implemented model; {self.info.name} "
                                 f"({self.info.model_type}) runs on an mlx-lm class")
-        m = self.model
-        inputs = mx.array([ids], dtype=mx.int32)  # (1, T)
-        h = m.model.embed_tokens(inputs)  # (1, T, hidden)
-        mask = m._mask(len(ids), 0)
-        out = [h]
-        for layer in m.layers:
-            h = layer(h, mask, None)
-            out.append(h)
+        out = self.model.layer_outputs(mx.array([ids], dtype=mx.int32))  # (1, T, hidden) each
         mx.eval(out)
         return [np.array(x[0].astype(mx.float32)) for x in out]
 
     def score(self, ids: list[int]) -> np.ndarray:
         """log p(ids[t+1] | ids[..t]) for every t, computed in prefill chunks through the engine's KV cache
         (so quantized KV counts, as it would in decoding) -> float32 (T - 1,)."""
-        from mlx_engine.kv.cache import KVBudgetError, PagedCache
-
         req = f"score-{id(ids)}"
-        paged = isinstance(self.cache, PagedCache)
-        if paged:
-            self.cache.check_fits(len(ids))
-            if self.cache.manager.allocate_slots(req, ids, len(ids)) is None:
-                raise KVBudgetError(f"no free KV blocks for {len(ids)} tokens")
-            self.cache._grow(req)
-            self.cache._copy_pending()
-        else:
-            contiguous = self._fresh_contiguous()
+        self.cache.check_fits(len(ids))
+        self.cache.allocate(req, ids, len(ids))  # KV of its own
         out = []
         try:
             for start in range(0, len(ids) - 1, self.prefill_chunk_size):
                 end = min(start + self.prefill_chunk_size, len(ids) - 1)
-                layers = self.cache.prefill_layers(req, start, end) if paged else contiguous
+                layers = self.cache.prefill_layers(req, start, end)
                 h = self.forward(mx.array([ids[start:end]], dtype=mx.int32), layers)
                 logits = (self.model.logits(h) if self.native else h)[0]  # (L, V)
                 out.append(np.array(target_logprobs(logits, ids[start + 1:end + 1], 0)[0]))
         finally:
-            if paged:
-                self.cache.manager.free(req)
+            self.cache.free(req)
         return np.concatenate(out) if out else np.zeros(0, np.float32)
 
     def kv_stats(self) -> dict[str, Any]:
         return self.cache.stats()
 
-    def _paged(self, what: str) -> Any:
-        from mlx_engine.kv.cache import PagedCache
-
-        if not isinstance(self.cache, PagedCache):
-            raise RooflineError(f"{what} needs the paged KV cache, which this model does not use")
-        return self.cache
-
     def save_kv(self, path: str, token_ids: list[int]) -> int:
-        from mlx_engine.kv.cache import save_blocks
-
-        return save_blocks(self._paged("saving KV"), path, token_ids, self.fingerprint)
+        return self.cache.save(path, token_ids, self.fingerprint)
 
     def restore_kv(self, path: str) -> list[int]:
-        from mlx_engine.kv.cache import restore_blocks
-
-        return restore_blocks(self._paged("restoring KV"), path, self.fingerprint)
-
-
-def cache_state(layers: list[Any]) -> list[mx.array]:
-    """What to evaluate after a prefill chunk: the pool (paged) or the layer buffers (contiguous)."""
-    first = layers[0]
-    if hasattr(first, "storage"):
-        return first.storage.arrays()
-    return [c.state for c in layers]
+        return self.cache.restore(path, self.fingerprint)

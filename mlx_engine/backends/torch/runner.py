@@ -160,7 +160,7 @@ class TorchRunner(Runner):
         8 holds the draft as int8 for the CPU's int8 matmul, its float projections dropped (`model.quantize_int8`)."""
         import importlib
 
-        from mlx_engine.kv.cache import KVConfig
+        from mlx_engine.kv.config import KVConfig
         from mlx_engine.loading import load_checkpoint
 
         dev = resolve_device(device)
@@ -204,7 +204,7 @@ class TorchRunner(Runner):
             num_parameters=tmodel.num_parameters, quantization=ckpt.quant_label, context_length=context,
             weight_bytes=tmodel.weight_bytes, vocab_size=int(ckpt.config.get("vocab_size") or tokenizer.vocab_size),
             native=True, dtype=dtype_name, eos_token_ids=tuple(tokenizer.eos_token_ids), backend="torch",
-            device=dev.type,
+            device=dev.type, has_tokenizer=ckpt.tokenizer is not None,
         )
         runner = cls(tmodel, tokenizer, info, prefill_chunk_size, dev)
         itemsize = torch.empty((), dtype=act_dtype).element_size()
@@ -246,10 +246,6 @@ class TorchRunner(Runner):
     def forward(self, inputs: Any, layers: list[Any]) -> torch.Tensor:
         """inputs (B, L) -> final hidden states (B, L, hidden), a torch tensor (K/V written to `layers`)."""
         return self.model(_ids(inputs, self.device), layers)
-
-    @staticmethod
-    def cache_state(layers: list[Any]) -> list[mx.array]:
-        return []  # torch work is eager: nothing for mx.eval
 
     def _graph_step(self, layers: list[Any]) -> DecodeStep | None:
         """The step a CUDA graph can replay, as rows of a decode step: `layers` are a decode step's views
@@ -372,12 +368,6 @@ class TorchRunner(Runner):
             target = _ids(ids[start + 1:end + 1], self.device)
             out.append(logp.gather(-1, target[:, None])[:, 0].cpu().numpy())
         return np.concatenate(out) if out else np.zeros(0, np.float32)
-
-    def save_kv(self, path: str, token_ids: list[int]) -> int:
-        raise RooflineError("saving KV is not supported on the torch backend")
-
-    def restore_kv(self, path: str) -> list[int]:
-        raise RooflineError("restoring KV is not supported on the torch backend")
 
     def _free_device_memory(self) -> None:
         if self.device.type == "cuda":

@@ -1,5 +1,6 @@
-"""Attention on the host: scaled dot-product attention in numpy's BLAS for MLX's CPU backend in float32, MLX's
-fused kernel elsewhere."""
+"""Attention on the host for MLX's CPU backend: `sdpa`, scaled dot-product attention in numpy's BLAS in float32
+(MLX's CPU SDPA is several times slower there), MLX's fused kernel elsewhere. The figures behind the thresholds:
+docs/benchmarks.md, "Figures the code's comments used to carry"."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from mlx_engine.backends.mlx.host_blas import one_blas_thread
 
 # Scores held at once by the host attention, in float32 elements: query rows are taken in slabs below it.
 HOST_ATTENTION_MAX_SCORES = 16 * 2**20
-# Query x key pairs from which the host attention pays for the evaluation it forces (~60 us): one decode
-# token over 128 keys took 0.11 ms in MLX, 0.02 ms in numpy plus that sync.
+# Query x key pairs from which the host attention pays for the evaluation it forces (~60 us), whose cost a single
+# decode token over fewer keys does not repay.
 HOST_ATTENTION_MIN_PAIRS = 256
 
 
@@ -20,13 +21,13 @@ def sdpa(q: mx.array, k: mx.array | list[mx.array], v: mx.array | list[mx.array]
     """Scaled dot-product attention, q (1, Hq, L, D), k/v (1, Hkv, S, D) -> (1, Hq, L, D); `causal` aligns
     the L queries with the last L keys. k and v may also be lists of segments (1, Hkv, S_i, D) that together
     are the S keys in order (a paged sequence's runs of blocks, read in place rather than gathered). On MLX's
-    CPU backend in float32 it runs in numpy (OpenBLAS): MLX's CPU SDPA measured 100 ms for one SmolLM2 layer
-    of a 128-token chunk over 1,152 keys against 9.2 ms, 0.80 ms against 0.19 ms for one decode token;
+    CPU backend in float32 it runs in numpy (OpenBLAS), several times faster than MLX's CPU SDPA there;
     elsewhere, and below HOST_ATTENTION_MIN_PAIRS, MLX's fused kernel.
 
     `own` (causal only): (cols (L, W) int32, keys (Hkv, L, W, D), width): query i reads keys[:, i, w] in place of
-    key cols[i, w] (per-channel quantized keys: a query's own block as quantized up to it, `kv.paged`); columns
-    past the S keys, up to width - 1 (>= S), are allowed (masked, as the future)."""
+    key cols[i, w] (per-channel quantized keys: a query's own block as quantized up to it,
+    `attention.paged.prefill_channel`); columns past the S keys, up to width - 1 (>= S), are allowed (masked, as
+    the future)."""
     ks, vs = (k, v) if isinstance(k, list) else ([k], [v])
     s = sum(x.shape[2] for x in ks)
     if own is not None:
