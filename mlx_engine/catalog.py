@@ -176,8 +176,7 @@ def _generic_gguf_config(m: dict, path: Path) -> dict:
 def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None = None, itemsize: int = 2,
              group_size: int = 64, key_bits: int | None = None, key_group_size: int | None = None) -> int:
     """K and V of every layer for `batch` sequences of `context` tokens, a sliding layer's at most its window
-    (quantized: packed values plus a
-    scale and a bias per group, in the activation dtype). `key_bits`: the keys' bits when they differ
+    (quantized: packed values plus a scale and a bias per group, in the activation dtype). `key_bits`: the keys' bits when they differ
     from the values' `kv_bits` (None: the same). `key_group_size`: the keys' when it differs (per-channel
     keys: a scale and bias per channel and block of that many tokens costs what per-token groups of that
     many channels cost)."""

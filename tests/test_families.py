@@ -150,7 +150,7 @@ def test_kv_counts_gemma3_sliding_layers_at_their_window(tmp_path: Path) -> None
             "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "max_position_embeddings": 131072}
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
                                                       "vision_config": {"model_type": "siglip_vision_model"}}))
-    r = roofline("kv", "--model", str(tmp_path), "--context", "100000")
+    r = roofline("kv", "--model", str(tmp_path), "--context", "100000", "--dtype", "float16")
     assert r.returncode == 0, r.stderr
     # (8 x 100,000 + 40 x 1,024) layer-tokens x 8 KV heads x 256 x 2 bytes x (K, V)
     assert r.stdout.startswith("6.9 GB (6,889,144,320 bytes) of KV for 1 x 100,000 tokens in float16: 48 layers")
@@ -166,7 +166,7 @@ def test_kv_reads_a_moe_config_and_says_the_experts_add_none(tmp_path: Path) -> 
               "moe_intermediate_size": 768, "max_position_embeddings": 40960,
               "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    r = roofline("kv", "--model", str(tmp_path), "--context", "32768", "--batch", "2")
+    r = roofline("kv", "--model", str(tmp_path), "--context", "32768", "--batch", "2", "--dtype", "float16")
     assert r.returncode == 0, r.stderr
     assert "(6,442,450,944 bytes) of KV for 2 x 32,768 tokens" in r.stdout and "98,304 bytes per token" in r.stdout
     assert "mixture of experts: 128 experts, 8 per token" in r.stdout and "sliding" not in r.stdout
@@ -176,7 +176,7 @@ def test_kv_of_a_gguf_reads_its_sliding_layers(tmp_path: Path) -> None:
     from tests.gguf_writer import write_family_gguf
 
     path = write_family_gguf(GOLDEN / "gpt_oss", tmp_path / "oss.gguf")
-    r = roofline("kv", "--model", str(path), "--context", "100")
+    r = roofline("kv", "--model", str(path), "--context", "100", "--dtype", "float16")
     assert r.returncode == 0, r.stderr
     # one full layer of 100 tokens, one sliding layer of 8, 2 KV heads x 16 x 2 bytes x (K, V)
     assert "(13,824 bytes) of KV for 1 x 100 tokens" in r.stdout
