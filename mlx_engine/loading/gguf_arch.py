@@ -111,7 +111,7 @@ def model_type_of(arch: str, meta: Meta, path: Any) -> str:
 
 
 def family_config(arch: str, meta: Meta, config: dict[str, Any]) -> None:
-    """The fields beyond the common ones (`gguf_model.gguf_config`) that `arch`'s model class reads."""
+    """The fields beyond the common ones (`gguf_config`) that `arch`'s model class reads."""
     n_layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
     experts = meta.get(Keys.LLM.EXPERT_COUNT)
     if experts:
@@ -130,7 +130,8 @@ def family_config(arch: str, meta: Meta, config: dict[str, Any]) -> None:
         config["hidden_activation"] = "gelu_pytorch_tanh"
         for k in (Keys.LLM.ATTN_LOGIT_SOFTCAPPING, Keys.LLM.FINAL_LOGIT_SOFTCAPPING):
             config[k.removeprefix("{arch}.")] = meta.get(k)
-        config["layer_types"] = _gemma_layer_types(arch, meta, n_layers)
+        if config.get("sliding_window"):  # llama.cpp's converter leaves the window out when nothing slides
+            config["layer_types"] = _gemma_layer_types(arch, meta, n_layers)
         if arch == "gemma3":
             config["rope_local_base_freq"] = float(meta.get(Keys.Rope.FREQ_BASE_SWA, 10000.0))
     elif arch == "phi3":
@@ -153,7 +154,8 @@ def family_config(arch: str, meta: Meta, config: dict[str, Any]) -> None:
         config.update(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True if norm is None else bool(norm))
     elif arch == "gpt-oss":
         # llama.cpp: layer i slides iff i is even; experts' width is the feed-forward length
-        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+        if config.get("sliding_window"):
+            config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
         config["intermediate_size"] = int(meta.get(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, config["intermediate_size"]))
         if isinstance(config.get("rope_scaling"), dict):  # transformers' gpt-oss YaRN keeps the ramp's ends
             config["rope_scaling"]["truncate"] = False
@@ -163,10 +165,10 @@ def _gemma_layer_types(arch: str, meta: Meta, n_layers: int) -> list[str]:
     pattern = meta.get(Keys.Attention.SLIDING_WINDOW_PATTERN)
     if pattern is None:
         pattern = _GEMMA_PERIOD[arch]
-    if isinstance(pattern, int):  # llama.cpp's set_swa_pattern(n): layer i slides iff i % n < n - 1
+    if type(pattern) is int:  # llama.cpp's set_swa_pattern(n): layer i slides iff i % n < n - 1
         sliding = [i % pattern < pattern - 1 for i in range(n_layers)]
-    else:
-        sliding = [bool(x) for x in list(pattern)[:n_layers]]
+    else:  # one flag per layer (a one-layer file's array reads as a scalar)
+        sliding = [bool(x) for x in (list(pattern) if hasattr(pattern, "__len__") else [pattern])[:n_layers]]
     return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
