@@ -530,6 +530,14 @@ def cmd_kv(args: argparse.Namespace) -> int:
     print(f"{total / 1e9:.1f} GB ({total:,} bytes) of KV for {args.batch} x {args.context:,} tokens in {kind}: "
           f"{shape.num_layers} layers x {shape.num_kv_heads} KV heads x head dim {shape.head_dim}, "
           f"{per_token:,} bytes per token")
+    if shape.num_sliding_layers:
+        full = shape.num_layers - shape.num_sliding_layers
+        print(f"sliding window: {shape.num_sliding_layers} of {shape.num_layers} layers attend to the last "
+              f"{shape.sliding_window:,} tokens and are counted at {min(args.context, shape.sliding_window):,} tokens "
+              f"each; past the window a token adds {per_token * full // shape.num_layers:,} bytes")
+    if shape.num_experts:
+        print(f"mixture of experts: {shape.num_experts} experts, {shape.num_experts_per_tok} per token "
+              "(KV is the attention's: the experts add none)")
     if shape.context_length and args.context > shape.context_length:
         print(f"note: the model's own context is {shape.context_length:,} tokens", file=sys.stderr)
     if args.distributed is not None:

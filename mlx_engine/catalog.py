@@ -19,9 +19,9 @@ from mlx_engine.api import ModelLoadError
 from mlx_engine.memory import FIT_CONTEXT, MemoryLimit, WeightsHeader, available_memory, estimate_fit
 
 HEADER_CACHE_FILE = "model_headers.json"
-HEADER_CACHE_FORMAT = 1
+HEADER_CACHE_FORMAT = 2  # 2: KV shapes with sliding layers and experts
 _FLOAT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
-_PACKED_GGUF = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32)}  # ggml type -> (bits, group) once in MLX
+_PACKED_GGUF = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q5_0": (5, 32), "Q5_1": (5, 32), "Q8_0": (8, 32)}  # ggml type -> (bits, group) once in MLX
 _KQUANT_GGUF = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
@@ -51,6 +51,10 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     context_length: int
+    sliding_window: int | None = None  # tokens a sliding layer attends to
+    num_sliding_layers: int = 0  # of num_layers
+    num_experts: int = 0  # MoE: experts per layer (0: dense)
+    num_experts_per_tok: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,19 @@ class Header:
 
 # ---- reading headers -------------------------------------------------------------------------------------
 
-def _gguf_kv_shape(m: dict[str, Any], path: Path) -> KVShape:
+def _gguf_kv_shape(g: Any, path: Path) -> KVShape:
+    """As the loader reads the file (`gguf_arch.gguf_config`): sliding layers and experts included; an
+    architecture Roofline does not run is sized from llama.cpp's generic keys."""
+    from mlx_engine.loading.gguf_arch import gguf_config
+
+    try:
+        config = gguf_config(g)
+    except ModelLoadError:
+        config = _generic_gguf_config(g.metadata, path)
+    return _config_kv_shape(config, path)
+
+
+def _generic_gguf_config(m: dict[str, Any], path: Path) -> dict[str, Any]:
     arch = m.get("general.architecture", "")
     heads = int(m.get(f"{arch}.attention.head_count", 0) or 0)
     if not heads:
@@ -76,8 +92,10 @@ def _gguf_kv_shape(m: dict[str, Any], path: Path) -> KVShape:
     hidden = int(m.get(f"{arch}.embedding_length", 0))
     kv_heads = m.get(f"{arch}.attention.head_count_kv", heads)
     kv_heads = int(max(kv_heads)) if hasattr(kv_heads, "__len__") else int(kv_heads)  # per-layer arrays
-    return KVShape(int(m.get(f"{arch}.block_count", 0)), kv_heads,
-                   int(m.get(f"{arch}.attention.key_length", hidden // heads)), int(m.get(f"{arch}.context_length", 0)))
+    return {"model_type": arch, "num_hidden_layers": int(m.get(f"{arch}.block_count", 0)),
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "head_dim": int(m.get(f"{arch}.attention.key_length", hidden // heads)),
+            "max_position_embeddings": int(m.get(f"{arch}.context_length", 0))}
 
 
 def _gguf_header(path: Path) -> Header:
@@ -103,19 +121,25 @@ def _gguf_header(path: Path) -> Header:
     weights = WeightsHeader(floats, fbytes, packed, groups, kq, kq_bytes, checkpoint_itemsize=2)
     quant = max(by_type, key=by_type.__getitem__) if by_type else "F32"
     try:
-        kv, kv_error = _gguf_kv_shape(g.metadata, path), None
+        kv, kv_error = _gguf_kv_shape(g, path), None
     except ModelLoadError as e:
         kv, kv_error = KVShape(0, 0, 0, 0), str(e)
     return Header("gguf", quant, n_params, g.architecture or "?", weights, kv, kv_error)
 
 
 def _config_kv_shape(config: dict[str, Any], where: Path) -> KVShape:
-    config = config.get("text_config", config) if "num_hidden_layers" not in config else config
+    from mlx_engine.models.config import normalize_config, sliding_flags
+
     try:
+        config = normalize_config(config, str(where))
         heads = int(config["num_attention_heads"])
+        sliding = sliding_flags(config)
         return KVShape(int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or heads),
                        int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-                       int(config.get("max_position_embeddings") or 0))
+                       int(config.get("max_position_embeddings") or 0),
+                       int(config["sliding_window"]) if any(sliding) else None, sum(sliding),
+                       int(config.get("num_local_experts") or config.get("num_experts") or 0),
+                       int(config.get("num_experts_per_tok") or 0))
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelLoadError(f"{where}: missing or bad field {e} for sizing the KV cache") from None
 
@@ -368,14 +392,14 @@ def kv_shape(ref: str | None) -> KVShape:
     if kind == "gguf":
         from mlx_engine.loading.gguf_file import read_gguf
 
-        return _gguf_kv_shape(read_gguf(path, strings=False).metadata, path)
+        return _gguf_kv_shape(read_gguf(path, strings=False), path)
     return _config_kv_shape(_read_config(path), path / "config.json")
 
 
 def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None = None, itemsize: int = 2,
              group_size: int = 64, key_bits: int | None = None, key_group_size: int | None = None) -> int:
-    """K and V of every layer for `batch` sequences of `context` tokens (quantized: packed values plus a
-    scale and a bias per group, in the activation dtype). `key_bits`: the keys' bits when they differ
+    """K and V of every layer for `batch` sequences of `context` tokens, a sliding layer's at most its window
+    (quantized: packed values plus a scale and a bias per group, in the activation dtype). `key_bits`: the keys' bits when they differ
     from the values' `kv_bits` (None: the same). `key_group_size`: the keys' when it differs (per-channel
     keys: a scale and bias per channel and block of that many tokens costs what per-token groups of that
     many channels cost)."""
@@ -387,8 +411,7 @@ def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None =
 
     k_bits = kv_bits if key_bits is None else key_bits
     per_token = per_vector(k_bits, key_group_size or group_size) + per_vector(kv_bits, group_size)
-    return per_token * shape.num_layers * shape.num_kv_heads * context * batch
-
-
-__all__ = ["FIT_CONTEXT", "KVShape", "ModelSummary", "describe_model", "kv_bytes", "kv_shape", "list_local_models",
-           "scan_local_models"]
+    # a sliding layer holds its window's tokens at most
+    window = min(context, shape.sliding_window) if shape.sliding_window else context
+    layer_tokens = (shape.num_layers - shape.num_sliding_layers) * context + shape.num_sliding_layers * window
+    return per_token * layer_tokens * shape.num_kv_heads * batch

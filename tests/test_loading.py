@@ -105,19 +105,19 @@ def test_own_reader_equals_mx_load_on_types_mlx_reads(tmp_path: Path) -> None:
 
 
 def test_gguf_type_still_unsupported_is_named(tmp_path: Path) -> None:
-    path = tmp_path / "q5.gguf"
+    path = tmp_path / "iq2.gguf"
     import gguf
     from gguf.constants import GGMLQuantizationType as Q
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
-    data = np.zeros((4, 22), dtype=np.uint8)  # 4 rows of one 32-wide Q5_0 block (22 bytes)
-    w.add_tensor("token_embd.weight", data, raw_dtype=Q.Q5_0)
+    data = np.zeros((4, 66), dtype=np.uint8)  # 4 rows of one 256-wide IQ2_XXS block (66 bytes)
+    w.add_tensor("token_embd.weight", data, raw_dtype=Q.IQ2_XXS)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match=r"Q5_0.*not loadable"):
+    with pytest.raises(ModelLoadError, match=r"IQ2_XXS is not loadable.*Q5_0, Q5_1.*IQ4_NL, IQ4_XS, MXFP4"):
         Engine.load(str(path))
 
 

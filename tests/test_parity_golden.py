@@ -2,7 +2,8 @@
 
 The golden files under tests/data/golden/ come from `tests/golden/make_golden.py` (torch 2.13.0,
 transformers 5.24.0, run by hand). Tiny random models: logits within 1e-4 in float32 and the same 32
-greedy tokens. The embedded SmolLM2 Q4_1 GGUF: chat-template ids, last-position logits and greedy
+greedy tokens; for every family, whether it runs on our class or mlx-lm's (mlx_engine.models.mlx_lm_classes
+fixes the ones that depart from transformers). The embedded SmolLM2 Q4_1 GGUF: chat-template ids, last-position logits and greedy
 replies against transformers' own GGUF loader.
 """
 
@@ -59,6 +60,9 @@ def tiny(request):
 def test_golden_folders_present():
     assert {"llama", "llama3_rope", "llama3_legacy_config", "mistral", "qwen2", "qwen3",
             "llama_sharded", "llama_bf16"} <= set(TINY)
+    # issue 23's families (sliding windows of 8, MoE with 4 experts and top-2, a multimodal Gemma 3)
+    assert {"phi3", "gemma2", "gemma3_text", "gemma3_vlm", "olmo2", "granite", "qwen3_moe", "mixtral", "starcoder2",
+            "gpt_oss"} <= set(TINY)
 
 
 def test_tiny_logits(tiny):

@@ -48,8 +48,10 @@ def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 # k-quants: bytes per super-block of 256 weights, and byte offsets of the fp16 super-block scales (d, and
 # dmin where the type has one). This gguf version implements no k-quant quantizer, so k-quant weights are
 # random bytes with those fields overwritten by finite values: every bit pattern of the other fields is valid.
-KQUANT_BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-FP16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# The i-quants IQ4_XS (one 256-weight block) and IQ4_NL (eight 32-weight blocks per 256) have none either.
+KQUANT_BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136, "IQ4_NL": 144}
+FP16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,),
+               "IQ4_NL": tuple(range(0, 144, 18))}
 
 
 def random_blocks(rng: np.random.Generator, ggml_type: str, out_features: int, in_features: int,
@@ -73,6 +75,37 @@ def random_blocks(rng: np.random.Generator, ggml_type: str, out_features: int, i
     return w
 
 
+def add_common_metadata(w, config: dict) -> None:
+    """The attention shape, norm epsilon and rope base every llama.cpp architecture writes."""
+    n_heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-5))
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    w.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def add_byte_level_tokenizer(w, config: dict) -> None:
+    """A GPT-2 style vocabulary of the config's size: byte-level tokens and one merge."""
+    vocab = config["vocab_size"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(byte_level_vocab(vocab - 1) + ['!"'])
+    w.add_token_types([1] * vocab)
+    w.add_token_merges(['! "'])
+    w.add_bos_token_id(config.get("bos_token_id") or 1)
+    w.add_eos_token_id(config.get("eos_token_id") or 2)
+    w.add_add_bos_token(False)
+
+
 def write_gguf_from_folder(folder: Path, out: Path, qtypes: dict[str, str], default_type: str = "Q8_0") -> dict:
     """Writes `folder`'s llama checkpoint as a GGUF file (Q/K permuted as llama.cpp does). `qtypes` maps a
     substring of the GGUF tensor name to a ggml type name; 2-D tensors default to `default_type`, 1-D to F32.
@@ -85,27 +118,8 @@ def write_gguf_from_folder(folder: Path, out: Path, qtypes: dict[str, str], defa
     arch = config["model_type"]
     w = gguf.GGUFWriter(str(out), arch)
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(n_heads)
-    w.add_head_count_kv(n_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    rope = config.get("rope_parameters") or {}
-    w.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    vocab = config["vocab_size"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(byte_level_vocab(vocab - 1) + ['!"'])
-    w.add_token_types([1] * vocab)
-    w.add_token_merges(['! "'])
-    w.add_bos_token_id(config.get("bos_token_id") or 1)
-    w.add_eos_token_id(config.get("eos_token_id") or 2)
-    w.add_add_bos_token(False)
+    add_common_metadata(w, config)
+    add_byte_level_tokenizer(w, config)
 
     dequantized: dict[str, np.ndarray] = {}
     for name, value in weights.items():
@@ -222,18 +236,25 @@ KQUANT_LAYOUT = {"attn_q": "Q4_K", "attn_k": "Q3_K", "attn_v": "Q5_K", "attn_out
                  "ffn_up": "Q4_K", "ffn_down": "Q4_1", "token_embd": "Q4_0", "output": "Q6_K"}
 
 
-def kquant_llama_gguf(tmp: Path) -> tuple[Path, Path, dict[str, np.ndarray]]:
-    """A random llama of hidden size 256 (one k-quant super-block) as a GGUF in KQUANT_LAYOUT: (the file, its
+# the other types common GGUF files hold: Q5_0 / Q5_1 (llama.cpp's choice for rows not a multiple of 256 in
+# Q3_K_M..Q5_K_M files), the i-quants IQ4_NL / IQ4_XS, and MXFP4 (gpt-oss)
+OTHER_LAYOUT = {"attn_q": "IQ4_XS", "attn_k": "IQ4_NL", "attn_v": "Q5_0", "attn_output": "Q5_1", "ffn_gate": "MXFP4",
+                "ffn_up": "IQ4_NL", "ffn_down": "Q5_1", "token_embd": "Q5_0", "output": "IQ4_XS"}
+DENSE_AT_LOAD = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")  # held as float16 on the CPU
+
+
+def kquant_llama_gguf(tmp: Path, layout: dict[str, str] = KQUANT_LAYOUT) -> tuple[Path, Path, dict[str, np.ndarray]]:
+    """A random llama of hidden size 256 (one k-quant super-block) as a GGUF in `layout`: (the file, its
     source folder, {gguf name: dequantized float32 weights in HF row order})."""
     src = random_llama_folder(tmp / "src", num_heads=4, num_kv_heads=2, head_dim=64, hidden=256)
     path = tmp / "k.gguf"
-    return path, src, write_gguf_from_folder(src, path, KQUANT_LAYOUT)
+    return path, src, write_gguf_from_folder(src, path, layout)
 
 
-def kquants_as_float16(deq: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The k-quant matrices of `kquant_llama_gguf` rounded to float16, as the loader keeps them dense."""
+def kquants_as_float16(deq: dict[str, np.ndarray], layout: dict[str, str] = KQUANT_LAYOUT) -> dict[str, np.ndarray]:
+    """The matrices of `kquant_llama_gguf` the loader keeps dense (k-quants, i-quants) rounded to float16."""
     def kind(gname: str) -> str:  # each matrix's type as the writer picks it
-        return next((t for key, t in KQUANT_LAYOUT.items() if key in gname), "Q8_0")
+        return next((t for key, t in layout.items() if key in gname), "Q8_0")
 
-    return {g: v.astype(np.float16).astype(np.float32) if v.ndim == 2 and kind(g).endswith("_K") else v
+    return {g: v.astype(np.float16).astype(np.float32) if v.ndim == 2 and kind(g) in DENSE_AT_LOAD else v
             for g, v in deq.items()}

@@ -137,12 +137,15 @@ def _load_folder(path: Path, hf_cache: bool, name: str) -> Checkpoint:
         raise ModelLoadError(f"{config_path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ModelLoadError(f"{config_path}: expected a JSON object")
+    from mlx_engine.models.config import normalize_config, text_weights
+
+    config = normalize_config(config, str(config_path))
     tokenizer = None
     if _has_tokenizer(path):
         from mlx_engine.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_folder(path)
-    weights = load_safetensors(path)
+    weights = text_weights(load_safetensors(path), config)
     quantization = config.get("quantization") or config.get("quantization_config")
     if quantization is not None and not (isinstance(quantization, dict) and "bits" in quantization):
         raise ModelLoadError(

@@ -1,95 +1,31 @@
-"""GGUF checkpoints: config from metadata, tensors renamed to HF names, llama.cpp's Q/K row permutation undone.
+"""GGUF checkpoints: config from metadata, tensors renamed to the model's names, llama.cpp's conversions undone
+(`gguf_arch`: which architectures, through gguf-py's tables).
 
 MLX reads F32/F16/BF16 tensors and maps Q4_0/Q4_1/Q8_0 to its affine quantization (group size 32), so
-these run natively without dequantizing. A file with k-quants (Q2_K..Q6_K) is read by `gguf_tensors`
-instead (MLX's own loader gets some of them wrong), which dequantizes them to float16 at load or keeps
-their blocks for kernels that read them (Metal, CUDA).
+these run natively without dequantizing. A file with other types (k-quants, Q5_0/Q5_1, IQ4_NL/IQ4_XS, MXFP4)
+or expert tensors is read by `gguf_tensors` instead (MLX's own loader gets some of them wrong), which repacks
+what MLX can hold exactly and dequantizes the rest to float16 at load (k-quants: or keeps their blocks for
+kernels that read them, Metal and CUDA).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlx_engine.api import ModelLoadError
+from mlx_engine.loading.gguf_arch import ARCHITECTURES, NORM_SHIFTED, PERMUTED_QK, gguf_config  # noqa: F401
 from mlx_engine.loading.gguf_file import GGUFFile
 
-LOADABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+LOADABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                  "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
+MLX_READS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # what `mx.load` reads right, in 2-D tensors
+GGUF_ARCHITECTURES = ARCHITECTURES
 GGUF_GROUP_SIZE = 32
-
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)$")
-_TOP = re.compile(r"^(\w+)\.(weight|bias|scales|biases)$")
-
-
-def gguf_config(g: GGUFFile) -> dict[str, Any]:
-    """An HF-style config.json dict from GGUF metadata."""
-    m, arch = g.metadata, g.architecture
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{g.path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})"
-        )
-
-    def get(key: str, default: Any = None, required: bool = True) -> Any:
-        full = f"{arch}.{key}"
-        if full in m:
-            v = m[full]
-            return v.item() if hasattr(v, "item") else v
-        if required and default is None:
-            raise ModelLoadError(f"{g.path}: GGUF metadata is missing {full!r}")
-        return default
-
-    n_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    embd = next((t for t in g.tensors if t.name == "token_embd.weight"), None)
-    if embd is None:
-        raise ModelLoadError(f"{g.path}: GGUF file has no token_embd.weight tensor")
-    config: dict[str, Any] = {
-        "model_type": GGUF_ARCHITECTURES[arch],
-        "hidden_size": hidden,
-        "num_hidden_layers": int(get("block_count")),
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
-        "head_dim": int(get("attention.key_length", hidden // n_heads)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 4096)),
-        "vocab_size": int(embd.shape[0]),
-        "tie_word_embeddings": not any(t.name == "output.weight" for t in g.tensors),
-    }
-    scaling_type = get("rope.scaling.type", "none", required=False)
-    if scaling_type == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling_type == "yarn":
-        config["rope_scaling"] = {
-            "rope_type": "yarn",
-            "factor": float(get("rope.scaling.factor")),
-            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
-        }
-    elif scaling_type not in ("none", None):
-        raise ModelLoadError(f"{g.path}: unsupported GGUF rope scaling {scaling_type!r} (supported: linear, yarn)")
-    window = get("attention.sliding_window", 0, required=False)
-    if window:
-        config["sliding_window"] = int(window)
-    return config
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # phi3's LongRoPE, as tensors
 
 
 def check_tensor_types(g: GGUFFile) -> None:
@@ -111,49 +47,66 @@ def _unpermute_rows(w: mx.array, n_head: int) -> mx.array:
 
 def gguf_weights(g: GGUFFile, config: dict[str, Any],
                  kquant_blocks: bool = False) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
-    """(weights under HF names, quantization spec for build_model or None). `kquant_blocks`: k-quant
+    """(weights under the model's names, quantization spec for build_model or None). `kquant_blocks`: k-quant
     matrices as their raw blocks, each path's quantization entry {"kquant": type} (`load_checkpoint`)."""
-    from mlx_engine.loading.gguf_tensors import KQUANT_TYPES, read_tensors
+    from mlx_engine.loading.gguf_arch import tensor_names
+    from mlx_engine.loading.gguf_tensors import read_tensors
+    from mlx_engine.models import parameter_names
 
     kquants: dict[str, str] = {}  # gguf tensor name -> type, of those kept as blocks
+    mlx_reads = g.tensor_types() <= set(MLX_READS) and all(len(t.shape) <= 2 for t in g.tensors)
     try:
-        raw = (read_tensors(g, kquants if kquant_blocks else None) if g.tensor_types() & set(KQUANT_TYPES)
-               else mx.load(str(g.path), format="gguf"))  # an Ollama blob has no .gguf suffix
+        raw = (mx.load(str(g.path), format="gguf") if mlx_reads  # an Ollama blob has no .gguf suffix
+               else read_tensors(g, kquants if kquant_blocks else None))
     except (RuntimeError, ValueError) as e:
         raise ModelLoadError(f"{g.path}: could not read the GGUF tensors: {e}") from None
-    unpermute = g.architecture == "llama"
+    arch = g.architecture
+    names = tensor_names(arch, config["num_hidden_layers"], parameter_names(config, str(g.path)))
     weights: dict[str, mx.array] = {}
-    renamed: dict[str, str] = {}  # HF name -> GGUF name
+    renamed: dict[str, str] = {}  # model name -> GGUF name
     freq_factors = raw.pop("rope_freqs.weight", None)
+    factors = {k: raw.pop(k) for k in _ROPE_FACTORS if k in raw}
     for name, value in raw.items():
-        if match := _BLK.match(name):
-            layer, part, leaf = match.groups()
-            if part not in _LAYER_NAMES:
-                raise ModelLoadError(f"{g.path}: unexpected GGUF tensor {name!r}")
-            if unpermute and part in ("attn_q", "attn_k"):
-                n = config["num_attention_heads"] if part == "attn_q" else config["num_key_value_heads"]
-                value = _unpermute_rows(value, n)
-            weights[key := f"model.layers.{layer}.{_LAYER_NAMES[part]}.{leaf}"] = value
-            renamed[key] = name
-        elif (match := _TOP.match(name)) and match.group(1) in _TOP_NAMES:
-            weights[key := f"{_TOP_NAMES[match.group(1)]}.{match.group(2)}"] = value
-            renamed[key] = name
-        else:
-            raise ModelLoadError(f"{g.path}: unexpected GGUF tensor {name!r}")
+        stem, _, leaf = name.rpartition(".")
+        target = names.get(name) or names.get(f"{stem}.weight")
+        if target is None:
+            raise ModelLoadError(f"{g.path}: unexpected GGUF tensor {name!r} for a {arch!r} model")
+        if not names.get(name):  # .scales / .biases of a quantized weight
+            target = f"{target.rpartition('.')[0]}.{leaf}"
+        weights[target] = restore(arch, stem, leaf, value, config)
+        renamed[target] = name
     if freq_factors is not None:
         config["_rope_freq_factors"] = freq_factors
+    if factors:  # LongRoPE: per-frequency factors for short and long contexts
+        config["rope_scaling"] = {"type": "longrope", "rope_type": "longrope",
+                                  **{k.split("_")[2].split(".")[0] + "_factor": np.array(v).tolist()
+                                     for k, v in factors.items()}}
 
     quantization: dict[str, Any] = {"group_size": GGUF_GROUP_SIZE, "bits": 4, "mode": "affine"}
-    hf_name = {value_name: key for key, value_name in renamed.items()}
-    for gname, ggml_type in kquants.items():
-        quantization[hf_name[gname].removesuffix(".weight")] = {"kquant": ggml_type}
+    for key, gname in renamed.items():
+        if gname in kquants:
+            quantization[key.removesuffix(".weight")] = {"kquant": kquants[gname]}
     for key, scales in weights.items():
         if key.endswith(".scales"):
             path = key[: -len(".scales")]
+            if scales.dtype == mx.uint8:  # MXFP4: E8M0 exponents, no biases
+                quantization[path] = {"group_size": GGUF_GROUP_SIZE, "bits": 4, "mode": "mxfp4"}
+                continue
             packed = weights[f"{path}.weight"].shape[-1]  # uint32 words per row
             in_features = scales.shape[-1] * GGUF_GROUP_SIZE
             quantization[path] = {"group_size": GGUF_GROUP_SIZE, "bits": packed * 32 // in_features}
     return weights, (quantization if len(quantization) > 3 else None)
+
+
+def restore(arch: str, stem: str, leaf: str, value: mx.array, config: dict[str, Any]) -> mx.array:
+    """Undoes what llama.cpp's converter did to one tensor (`gguf_arch`)."""
+    part = stem.rsplit(".", 1)[-1]
+    if arch in PERMUTED_QK and part in ("attn_q", "attn_k"):
+        n = config["num_attention_heads"] if part == "attn_q" else config["num_key_value_heads"]
+        return _unpermute_rows(value, n)
+    if arch in NORM_SHIFTED and part.endswith("norm") and leaf == "weight":
+        return value - 1
+    return value
 
 
 class FreqFactorRoPE(nn.Module):
@@ -180,7 +133,7 @@ def apply_freq_factors(model: nn.Module, config: dict[str, Any]) -> None:
 def describe_quantization(g: GGUFFile) -> str:
     counts: dict[str, int] = {}
     for t in g.tensors:
-        if len(t.shape) == 2:
+        if len(t.shape) >= 2:  # matrices and stacked experts
             counts[t.ggml_type] = counts.get(t.ggml_type, 0) + t.nbytes
     return max(counts, key=counts.__getitem__) if counts else "F32"
 

@@ -13,6 +13,12 @@ from the validated header's offsets (`gguf_file.read_gguf`):
   about 3.5x the bytes of their blocks. Or kept as their raw blocks (`load_checkpoint(kquant_blocks=True)`):
   on Metal for `models.kquant`'s layers, and for the torch backend, which packs them into affine groups for
   its Triton kernel on CUDA (`backends.torch.model.kquant_weight`).
+- Q5_0 / Q5_1: repacked, exactly, into MLX's affine 5-bit groups of 32 (`gguf_quants.affine_codes`).
+- MXFP4 (gpt-oss's experts): repacked, exactly, into MLX's "mxfp4" mode (E8M0 scales, groups of 32).
+- IQ4_NL / IQ4_XS: a codebook no MLX layout holds: dequantized at load (exact in float32) and stored as float16,
+  as the k-quants are.
+Expert tensors (E, out, in) are read as E * out rows of `in` weights; their k-quants are always dequantized
+(no k-quant kernel takes an expert index).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_engine.loading.gguf_file import GGUFFile
+from mlx_engine.loading.gguf_quants import affine_codes, dequantize_iq4, mxfp4_codes, pack_bits
 
 KQUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 _AFFINE_BLOCK = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8)}  # bytes per 32 weights, bits
@@ -58,31 +65,44 @@ def pack_words(q: np.ndarray, bits: int) -> np.ndarray:
 
 
 def read_tensors(g: GGUFFile, kquant_blocks: dict[str, str] | None = None) -> dict[str, mx.array]:
-    """Every tensor of `g` as `mx.load` names them (a quantized `X.weight` adds `X.scales`, `X.biases`).
-    With a `kquant_blocks` dict, k-quants stay as their raw blocks (uint8, (out, in / 256 * bytes per
-    block)), and the dict gets each one's name -> type."""
+    """Every tensor of `g` as `mx.load` names them (a quantized `X.weight` adds `X.scales`, `X.biases`; MXFP4 adds
+    `X.scales` only, uint8 exponents). With a `kquant_blocks` dict, 2-D k-quants stay as their raw blocks (uint8,
+    (out, in / 256 * bytes per block)), and the dict gets each one's name -> type."""
     from kernels_metal.reference import dequantize_kquant
 
     data = np.memmap(g.path, dtype=np.uint8, mode="r")
     out: dict[str, mx.array] = {}
     for t in g.tensors:
         raw = data[t.offset:t.offset + t.nbytes]
+        lead, in_features = t.shape[:-1], t.shape[-1]
+        rows = int(np.prod(lead)) if lead else 1
+        stem = t.name.removesuffix(".weight")
         if t.ggml_type in ("F32", "F16"):
             out[t.name] = mx.array(raw.view(np.float32 if t.ggml_type == "F32" else np.float16).reshape(t.shape))
         elif t.ggml_type == "BF16":
             out[t.name] = mx.array(raw.view(np.uint16).reshape(t.shape)).view(mx.bfloat16)
-        elif t.ggml_type in _AFFINE_BLOCK:
-            words, scales, biases, _ = affine_from_gguf(raw, t.ggml_type, t.shape)
-            stem = t.name.removesuffix(".weight")
-            out[t.name] = mx.array(words)
-            out[f"{stem}.scales"] = mx.array(scales.astype(np.float16))  # exact: fp16 d, -8d, -128d, fp16 m
-            out[f"{stem}.biases"] = mx.array(biases.astype(np.float16))
-        elif kquant_blocks is not None:  # a k-quant, kept as blocks
+        elif t.ggml_type in _AFFINE_BLOCK or t.ggml_type in ("Q5_0", "Q5_1"):
+            if t.ggml_type in _AFFINE_BLOCK:
+                words, scales, biases, _ = affine_from_gguf(raw, t.ggml_type, (rows, in_features))
+            else:
+                q, scales, biases = affine_codes(raw, t.ggml_type, (rows, in_features))
+                words = pack_bits(q, 5)
+            out[t.name] = mx.array(words.reshape(*lead, -1))
+            # exact in float16: fp16 d, -8d, -16d, -128d and fp16 m
+            out[f"{stem}.scales"] = mx.array(scales.astype(np.float16).reshape(*lead, -1))
+            out[f"{stem}.biases"] = mx.array(biases.astype(np.float16).reshape(*lead, -1))
+        elif t.ggml_type == "MXFP4":
+            q, e = mxfp4_codes(raw, (rows, in_features))
+            out[t.name] = mx.array(pack_bits(q, 4).reshape(*lead, -1))
+            out[f"{stem}.scales"] = mx.array(e.reshape(*lead, -1))
+        elif t.ggml_type in ("IQ4_NL", "IQ4_XS"):
+            out[t.name] = mx.array(dequantize_iq4(raw, t.ggml_type, (rows, in_features)).astype(np.float16)
+                                   .reshape(t.shape))
+        elif kquant_blocks is not None and len(t.shape) == 2:  # a k-quant, kept as blocks
             out[t.name] = mx.array(np.asarray(raw).reshape(t.shape[0], -1))
             kquant_blocks[t.name] = t.ggml_type
         else:  # a k-quant (check_tensor_types let nothing else through)
-            out_features, in_features = t.shape
-            w = dequantize_kquant(mx.array(np.asarray(raw)), t.ggml_type, out_features, in_features)
-            out[t.name] = w.astype(mx.float16)
+            w = dequantize_kquant(mx.array(np.asarray(raw)), t.ggml_type, rows, in_features)
+            out[t.name] = w.astype(mx.float16).reshape(t.shape)
             mx.eval(out[t.name])  # one tensor's float32 at a time
     return out

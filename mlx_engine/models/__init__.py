@@ -11,6 +11,8 @@ import mlx.nn as nn
 
 from mlx_engine._mlx_lm import bare_package
 from mlx_engine.api import ModelLoadError
+from mlx_engine.models.config import check_fields, normalize_config
+from mlx_engine.models.mlx_lm_classes import fallback_classes
 
 bare_package()  # before any model module imports mlx-lm's: without its __init__ (mlx_engine._mlx_lm)
 
@@ -25,15 +27,38 @@ class BuiltModel:
     context_length: int
 
 
-def _fallback_classes(model_type: str) -> tuple[type, type] | None:
-    from mlx_lm.utils import MODEL_REMAPPING
-
-    name = MODEL_REMAPPING.get(model_type, model_type)
+def instantiate(config: dict[str, Any], source: str) -> tuple[nn.Module, bool, str, int]:
+    """The model class for `config["model_type"]`, built (parameters lazy: none computed until loaded):
+    (model, native, model_type, context length). ModelLoadError, one line, for a config no class runs."""
+    config = normalize_config(config, source)  # a no-op on what load_checkpoint read; GGUF and direct callers
+    model_type = config.get("model_type")
+    if not model_type:
+        raise ModelLoadError(f"{source}: config.json has no 'model_type'")
+    if model_type in NATIVE_MODEL_TYPES:
+        family = importlib.import_module(f"mlx_engine.models.{model_type}")
+        check_fields(family.ModelArgs, {**config, "model_type": model_type}, source, f"the {model_type!r} model")
+        args = family.args_from_config(config)
+        return family.Model(args), True, model_type, args.max_position_embeddings
+    classes = fallback_classes(model_type)
+    if classes is None:
+        raise ModelLoadError(
+            f"{source}: unsupported architecture {model_type!r}. Supported natively: "
+            f"{', '.join(NATIVE_MODEL_TYPES)}; other types load when mlx-lm has a model class for them."
+        )
+    model_class, args_class = classes
+    check_fields(args_class, config, source, f"mlx-lm's {model_type!r} model")
     try:
-        module = importlib.import_module(f"mlx_lm.models.{name}")
-    except ImportError:
-        return None
-    return module.Model, module.ModelArgs
+        model = model_class(args_class.from_dict(config))
+    except Exception as e:  # noqa: BLE001 - mlx-lm raises anything on a config it cannot read
+        raise ModelLoadError(f"{source}: mlx-lm's {model_type!r} model rejected config.json: "
+                             f"{type(e).__name__}: {e}".splitlines()[0]) from None
+    return model, False, model_type, int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+
+
+def parameter_names(config: dict[str, Any], source: str) -> list[str]:
+    """The names `config`'s model class loads its weights under (after its own sanitize)."""
+    model, *_ = instantiate(config, source)
+    return [k for k, _ in nn.utils.tree_flatten(model.parameters())]
 
 
 def build_model(
@@ -48,29 +73,7 @@ def build_model(
 
     `quantization`: {"group_size", "bits", "mode", <layer path>: {...} | False}; None when unquantized.
     """
-    model_type = config.get("model_type")
-    if not model_type:
-        raise ModelLoadError(f"{source}: config.json has no 'model_type'")
-    if model_type in NATIVE_MODEL_TYPES:
-        family = importlib.import_module(f"mlx_engine.models.{model_type}")
-        args = family.args_from_config(config)
-        model = family.Model(args)
-        native, context = True, args.max_position_embeddings
-    else:
-        classes = _fallback_classes(model_type)
-        if classes is None:
-            raise ModelLoadError(
-                f"{source}: unsupported architecture {model_type!r}. Supported natively: "
-                f"{', '.join(NATIVE_MODEL_TYPES)}; other types load when mlx-lm has a model class for them."
-            )
-        model_class, args_class = classes
-        try:
-            model = model_class(args_class.from_dict(config))
-        except Exception as e:  # noqa: BLE001 - mlx-lm raises anything on a config it cannot read
-            raise ModelLoadError(f"{source}: mlx-lm's {model_type!r} model rejected config.json: {e}") from None
-        native = False
-        context = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
-
+    model, native, model_type, context = instantiate(config, source)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     if quantization is not None:
@@ -84,7 +87,8 @@ def build_model(
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise ModelLoadError(f"{source}: weights do not match the {model_type!r} architecture: {e}") from None
+        detail = " ".join(str(e).split())  # mlx lists the names one per line
+        raise ModelLoadError(f"{source}: weights do not match the {model_type!r} architecture: {detail}") from None
     _cast_floats(model, dtype)
     model.eval()
     return BuiltModel(model=model, native=native, model_type=model_type, context_length=context)

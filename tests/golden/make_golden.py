@@ -8,7 +8,9 @@ uv would fetch a CUDA torch); accelerate is needed by the GGUF loader:
     /tmp/goldenvenv/bin/python tests/golden/make_golden.py            # tiny random models
     /tmp/goldenvenv/bin/python tests/golden/make_golden.py --smollm2  # embedded SmolLM2 Q4_1 GGUF
 
-Made with torch 2.13.0+cpu and transformers 5.24.0.
+Made with torch 2.13.0+cpu and transformers 5.24.0 (issue 23's families in /work/venvs/hf5:
+`python3 -m venv`, `pip install transformers==5.* safetensors numpy gguf accelerate` and the torch wheel).
+`--only phi3,gemma2` remakes just those folders.
 
 Tiny models: each `tests/data/golden/<name>/` holds what `save_pretrained` wrote (config.json,
 model.safetensors or shards + index, generation_config.json) and `golden.npz`:
@@ -37,12 +39,20 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma3Config, Gemma3ForConditionalGeneration,
+                          Gemma3TextConfig, GgufConfig, GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig,
+                          MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+                          Starcoder2Config)
 
 ROOT = Path(__file__).resolve().parents[1] / "data" / "golden"
 NUM_PROMPT = 12
 NUM_GREEDY = 32
 MIN_MARGIN = 0.02  # greedy steps closer than this to a tie would make token parity flaky
+# issue 23's families also need a continuation that depends on its context: at least this many distinct
+# greedy tokens (a tiny random model often just repeats one, which a wrong window or cache would too)
+MIN_DISTINCT = 8
+ISSUE_23 = ("phi3", "gemma2", "gemma3_text", "olmo2", "granite", "qwen3_moe", "mixtral", "starcoder2", "gpt_oss",
+            "gemma3_vlm")
 
 COMMON = dict(
     hidden_size=64,
@@ -64,6 +74,11 @@ LLAMA3_ROPE = dict(
     original_max_position_embeddings=64,  # wavelengths 6.3 .. 6283 at head_dim 16: all three bands occur
 )
 
+# Gemma: hidden 80 (sqrt(80) is not a bfloat16 number: the embedding scale's rounding shows), head_dim 16 and a
+# query_pre_attn_scalar of 24 (the attention scale is not head_dim ** -0.5)
+GEMMA = dict(hidden_size=80, intermediate_size=64, query_pre_attn_scalar=24, tie_word_embeddings=True)
+COMMON_MOE = dict(intermediate_size=32)  # per expert; keeps 4 experts x 2 layers small
+
 # name -> (config class, config kwargs, base seed)
 TINY = {
     "llama": (LlamaConfig, dict(tie_word_embeddings=False, rms_norm_eps=1e-5), 1000),
@@ -72,16 +87,60 @@ TINY = {
                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6}), 3000),
     "qwen2": (Qwen2Config, dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}), 4000),
     "qwen3": (Qwen3Config, dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}), 5000),
+    # issue 23's families. Sliding windows of 8 tokens, shorter than prompt + continuation (44), so the
+    # window shows in both the prefill logits and the cached decode; settings away from their defaults
+    # (softcaps, multipliers, partial rotary, per-layer-type rope) so a model class ignoring one fails.
+    "phi3": (Phi3Config, dict(tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                               "partial_rotary_factor": 0.75}), 6000),
+    "gemma2": (Gemma2Config, dict(GEMMA, sliding_window=8, attn_logit_softcapping=5.0,
+                                  final_logit_softcapping=10.0), 7000),
+    "gemma3_text": (Gemma3TextConfig, dict(GEMMA, num_hidden_layers=4, sliding_window=8,
+                                           layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                        "sliding_attention"],
+                                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                            "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                               "rope_theta": 1e6}}), 8000),
+    "olmo2": (Olmo2Config, dict(tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2), 9000),
+    "granite": (GraniteConfig, dict(tie_word_embeddings=True, embedding_multiplier=2.0, attention_multiplier=0.1,
+                                    residual_multiplier=0.5, logits_scaling=2.0), 10000),
+    "qwen3_moe": (Qwen3MoeConfig, dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                                       mlp_only_layers=[]), 11000),
+    "mixtral": (MixtralConfig, dict(COMMON_MOE, tie_word_embeddings=False, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=None), 12000),
+    "starcoder2": (Starcoder2Config, dict(tie_word_embeddings=False, use_bias=True, sliding_window=8, bos_token_id=1,
+                                          eos_token_id=2, hidden_act="gelu_pytorch_tanh"), 13000),
+    "gpt_oss": (GptOssConfig, dict(COMMON_MOE, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                                   sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                   rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                    "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                    "original_max_position_embeddings": 64}), 14000),
 }
+# Gemma 3 4B and larger ship as Gemma3ForConditionalGeneration: a `text_config` inside a multimodal config and
+# language-model weights under `language_model.`; a vision tower (here a one-layer SigLIP) beside them.
+GEMMA3_VLM_TEXT = dict(GEMMA, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
+GEMMA3_VLM_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         image_size=28, patch_size=14)
 
 
 def randomize_(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
+    # Gemma's RMSNorms scale by (1 + weight): their weights are drawn around 0, so the scale is 1 + 0.2 N(0,1).
+    # Its embeddings are multiplied by sqrt(hidden): drawn at 0.3 / sqrt(hidden), so the tied head does not just
+    # repeat the current token (what an embedding that drowns the layers' outputs gives)
+    gemma = model.config.model_type.startswith("gemma")
+    norm_mean = 0.0 if gemma else 1.0
+    embed_std = 0.3 / model.config.get_text_config().hidden_size ** 0.5 if gemma else 0.2
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied lm_head is listed once, as embed_tokens
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if "norm" in name:
-                p.copy_(1.0 + 0.2 * noise)
+                p.copy_(norm_mean + 0.2 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(embed_std * noise)
             else:
                 p.copy_(0.2 * noise)  # weights and (qwen2 q/k/v) biases
 
@@ -117,22 +176,31 @@ def write(folder: Path, gold: dict[str, np.ndarray], seed: int) -> None:
           f"greedy {gold['greedy_tokens'][:8].tolist()}...")
 
 
-def make_tiny() -> None:
+def make_tiny(only: set[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     input_ids = rng.integers(0, COMMON["vocab_size"], NUM_PROMPT)
-    for name, (cls, extra, base_seed) in TINY.items():
+    tiny = {**TINY, "gemma3_vlm": (None, {}, 15000)}
+    for name, (cls, extra, base_seed) in tiny.items():
+        if only is not None and name not in only:
+            continue
         folder = ROOT / name
-        for seed in range(base_seed, base_seed + 50):  # first seed whose greedy steps are far from ties
+        distinct = MIN_DISTINCT if name in ISSUE_23 else 1
+        for seed in range(base_seed, base_seed + 200):  # first seed whose greedy steps are far from ties
             shutil.rmtree(folder, ignore_errors=True)
-            config = cls(**COMMON, **extra)
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+            if name == "gemma3_vlm":
+                config = Gemma3Config(text_config={**COMMON, **GEMMA3_VLM_TEXT}, vision_config=GEMMA3_VLM_VISION,
+                                      mm_tokens_per_image=4, tie_word_embeddings=True)
+                model = Gemma3ForConditionalGeneration(config)
+            else:
+                config = cls(**{**COMMON, **extra})
+                model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
             randomize_(model, seed)
             model.save_pretrained(folder)
             gold = golden_of(load(folder), input_ids)
-            if gold["greedy_margins"].min() >= MIN_MARGIN:
+            if gold["greedy_margins"].min() >= MIN_MARGIN and len(set(gold["greedy_tokens"].tolist())) >= distinct:
                 break
         else:
-            sys.exit(f"{name}: no seed with greedy margins >= {MIN_MARGIN}")
+            sys.exit(f"{name}: no seed with greedy margins >= {MIN_MARGIN} and {distinct} distinct greedy tokens")
         write(folder, gold, seed)
 
         if name == "llama":
@@ -252,7 +320,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smollm2", action="store_true", help="write the SmolLM2 GGUF golden instead")
     parser.add_argument("--gguf", type=Path, default=SMOLLM2_GGUF)
+    parser.add_argument("--only", help="comma-separated tiny model names (default: all)")
     args = parser.parse_args()
     ROOT.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(2)
-    make_smollm2(args.gguf) if args.smollm2 else make_tiny()
+    make_smollm2(args.gguf) if args.smollm2 else make_tiny(set(args.only.split(",")) if args.only else None)
