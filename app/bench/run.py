@@ -13,9 +13,6 @@ from typing import Any
 from app.bench.schema import SCHEMA, validate
 from mlx_engine.api import RooflineError
 
-BACKENDS = ("mlx", "torch")
-DEVICES = ("auto", "cpu", "cuda")
-
 
 def int_list(flag: str, text: str, minimum: int) -> tuple[int, ...]:
     """"1,4,8" -> (1, 4, 8); a clear RooflineError for anything else."""
@@ -33,9 +30,9 @@ def int_list(flag: str, text: str, minimum: int) -> tuple[int, ...]:
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
-    b.add_argument("--backend", choices=BACKENDS, default="mlx", help="model runner (default mlx)")
-    b.add_argument("--device", choices=DEVICES, default="auto",
-                   help="auto (default), cpu or cuda (cuda: the torch backend only)")
+    from app.cli import runner_args
+
+    runner_args(b)
     b.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help="torch on CUDA: launch each decode step's kernels one by one (default: replay a CUDA graph)")
     b.add_argument("-p", "--prompt-tokens", type=int, default=512, help="prompt tokens per prefill test (default 512)")
@@ -55,15 +52,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      batches=int_list("--batch", args.batch, 1), contexts=int_list("--context", args.context, 0),
                      repeats=args.repeats)
     spec.validate()
-    if args.backend == "mlx" and args.device == "cuda":
-        raise RooflineError("--device cuda needs --backend torch (the MLX backend runs on Metal or the CPU)")
+    from app.cli import runner_options
+
+    options = runner_options(args)
     out = Path(args.json) if args.json else None
     if out is not None and not out.parent.exists():
         raise RooflineError(f"--json {out}: folder {out.parent} does not exist")
     if args.cuda_graphs is not None and args.backend != "torch":
         raise RooflineError("--no-cuda-graphs needs --backend torch (CUDA graphs are the torch backend's)")
-    result = run(args.model, spec, args.backend, args.device, command=" ".join(["roofline", *sys.argv[1:]]),
-                 cuda_graphs=args.cuda_graphs)
+    options.update({} if args.cuda_graphs is None else {"cuda_graphs": args.cuda_graphs})
+    result = run(args.model, spec, options.pop("backend", "mlx"), options.pop("device", "auto"),
+                 command=" ".join(["roofline", *sys.argv[1:]]), **options)
     if out is not None:
         out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {out}", file=sys.stderr)
@@ -72,8 +71,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def run(model: str | None, spec: Any, backend: str, device: str, command: str = "roofline bench",
-        cuda_graphs: bool | None = None) -> dict[str, Any]:
-    """Loads the model, measures `spec` with a progress bar on stderr, returns the bench JSON."""
+        **options: Any) -> dict[str, Any]:
+    """Loads the model (`options`: more of Engine.load's: cuda_graphs, threads, compile), measures `spec` with a
+    progress bar on stderr, returns the bench JSON."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -81,7 +81,6 @@ def run(model: str | None, spec: Any, backend: str, device: str, command: str = 
     from app.tui.store import data_dir
     from mlx_engine import bench
 
-    options = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
     engine = bench.load_engine(model, spec, backend, device, **options)
     try:
         dev = bench.engine_device(engine, backend, device)

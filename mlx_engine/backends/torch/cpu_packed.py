@@ -158,19 +158,16 @@ class Int4Weight:
             c = np.pad(c, ((0, padded - n), (0, 0)))
             s, b = F.pad(s, (0, 0, 0, padded - n)), F.pad(b, (0, 0, 0, padded - n))
         plane_codes = c if planes == 1 else np.concatenate([c & 15, c >> 4], axis=1)  # (N, planes * in)
-        # Plane p adds (c - 8) * S'_p + Z_p for its part S_p * c of the weight, S'_p = S_p in bfloat16:
-        # Z_p = 8 S'_p - (S'_p - S_p) m_p leaves an error (S'_p - S_p)(c - m_p), centred on the middle m_p of
-        # the plane's codes (a top plane of 5-bit codes holds 0..1, where a scale's rounding times 8 would
-        # cost a quarter of a step)
-        zeros, plane_scales = [], []
-        for p in range(planes):
-            exact = s * 16**p
-            rounded = exact.to(KERNEL_DTYPE).float()
-            middle = (min(2 ** (bits - 4 * p), 16) - 1) / 2
-            plane_scales.append(rounded)
-            zeros.append(8 * rounded - (rounded - exact) * middle)
-        # each group's bias joins the plane whose zero then rounds least (Q4_0's -8d and Q8_0's -128d: exactly)
-        cands = torch.stack([z + b for z in zeros])  # (planes, N, groups)
+        # w = s q + b becomes S' q + b' with S' = s in bfloat16: plane p adds (c_p - 8) 16^p S' + Z_p, so the zeros
+        # sum to 8 S' (16^P - 1) / 15 + b'. A symmetric format (b = -2^(bits-1) s: Q4_0, Q8_0, Q5_0) keeps its
+        # signed codes, b' = -2^(bits-1) S': only its scale is rounded. Each group's b' joins the plane whose zero
+        # then rounds least in bfloat16 (Q4_0's and Q8_0's: none)
+        rounded = s.to(KERNEL_DTYPE).float()
+        offset = 2.0 ** (bits - 1)
+        bias = -offset * rounded if torch.equal(b, -offset * s) else b
+        plane_scales = [rounded * 16**p for p in range(planes)]
+        zeros = [8 * ps for ps in plane_scales]
+        cands = torch.stack([z + bias for z in zeros])  # (planes, N, groups)
         best = (cands.to(KERNEL_DTYPE).float() - cands).abs().argmin(0)
         zeros = [torch.where(best == p, cands[p], zeros[p]) for p in range(planes)]
         sz = torch.stack([torch.cat(plane_scales, 1), torch.cat(zeros, 1)], dim=-1)  # (N, planes * groups, 2)
@@ -230,13 +227,13 @@ class Int4Weight:
 
 
 class Int8Weight:
-    """A matrix rounded to int8 per output row (scale max|w| / 127) for `aten._weight_int8pack_mm`."""
+    """A matrix rounded to int8 per output row for `aten._weight_int8pack_mm`: its scale max|w| / 127 in
+    bfloat16 (rounded up, so that no code passes 127), then each weight to the nearest code of that scale."""
 
     def __init__(self, weight: torch.Tensor, source_bytes: int = 0):
         w = weight.float()
-        scale = (w.abs().amax(1) / 127).clamp_min(1e-30)
-        self.q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # (out, in)
-        self.scale = scale.to(KERNEL_DTYPE)  # (out,)
+        self.scale = (w.abs().amax(1) / 127 * (1 + 2**-7)).clamp_min(1e-30).to(KERNEL_DTYPE)  # (out,)
+        self.q = torch.round(w / self.scale.float()[:, None]).clamp(-127, 127).to(torch.int8)  # (out, in)
         self.out_features, self.in_features = self.q.shape
         self.source_bytes, self.source = source_bytes, "float"
 
@@ -283,26 +280,27 @@ def head_matmul(w: CPUWeight, x: torch.Tensor, top: int = HEAD_EXACT_TOP) -> tor
     return y
 
 
-def fuse(weights: list[CPUWeight]) -> CPUWeight | None:
+def fuse(weights: list[CPUWeight]) -> tuple[CPUWeight, list[int]] | None:
     """Projections of one input (q/k/v, gate/up) as one matrix whose outputs are theirs side by side (one
-    kernel call instead of three or two), when they share a format; else None."""
+    kernel call instead of three or two), when they share a format: (the matrix, each part's width in its
+    output, padding to a whole block included); else None."""
     first = weights[0]
     if isinstance(first, Int4Weight):
         if not all(isinstance(w, Int4Weight) and (w.planes, w.group_size, w.in_features) ==
-                   (first.planes, first.group_size, first.in_features) and w.out_features == w.packed.shape[0]
-                   for w in weights):
-            return None  # different formats, or a padded block inside
+                   (first.planes, first.group_size, first.in_features) for w in weights):
+            return None
+        widths = [w.packed.shape[0] for w in weights]
         fused = Int4Weight(torch.cat([w.packed for w in weights]), torch.cat([w.scale_zeros for w in weights], 1),
-                           sum(w.out_features for w in weights), first.in_features, first.planes, first.group_size,
-                           first.block_n, sum(w.source_bytes for w in weights))
+                           sum(widths), first.in_features, first.planes, first.group_size, first.block_n,
+                           sum(w.source_bytes for w in weights))
         fused.source = first.source
-        return fused
+        return fused, widths
     if all(isinstance(w, Int8Weight) and w.in_features == first.in_features for w in weights):
         fused = Int8Weight.__new__(Int8Weight)
         fused.q, fused.scale = torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights])
         fused.out_features, fused.in_features = fused.q.shape
         fused.source_bytes, fused.source = sum(w.source_bytes for w in weights), first.source
-        return fused
+        return fused, [w.out_features for w in weights]
     return None
 
 

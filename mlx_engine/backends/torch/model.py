@@ -206,12 +206,14 @@ class FusedLinear:
     """Projections of one input (q/k/v, gate/up) held packed as one matrix (`cpu_packed.fuse`): one kernel
     call, split after, each part with its bias."""
 
-    def __init__(self, weight: cpu_packed.CPUWeight, linears: tuple[Linear, ...]):
-        self.weight, self.sizes = weight, [lin.weight.out_features for lin in linears]
+    def __init__(self, weight: cpu_packed.CPUWeight, widths: list[int], linears: tuple[Linear, ...]):
+        self.weight, self.widths = weight, widths  # each part's columns in the output, its padding included
+        self.sizes = [lin.weight.out_features for lin in linears]
         self.biases = [lin.bias for lin in linears]
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        outs = self.weight.matmul(x).split(self.sizes, dim=-1)
+        outs = self.weight.matmul(x).split(self.widths, dim=-1)
+        outs = [y if y.shape[-1] == n else y[..., :n] for y, n in zip(outs, self.sizes)]
         return [y + b if b is not None else y for y, b in zip(outs, self.biases)]
 
 
@@ -226,7 +228,7 @@ def fuse_projections(model: Model) -> None:
                 continue
             fused = cpu_packed.fuse([lin.weight for lin in linears])
             if fused is not None:
-                setattr(owner, fused_name, FusedLinear(fused, linears))
+                setattr(owner, fused_name, FusedLinear(*fused, linears))
                 for n in names:
                     setattr(owner, n, None)
 
@@ -410,6 +412,23 @@ class TransformerBlock:
 # one graph each for every layer (the block is an argument, its tensors the graph's inputs).
 
 
+def attention_inputs(block: TransformerBlock, x: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return block.self_attn.project(block.input_layernorm(x), cos, sin)
+
+
+def attention_outputs(block: TransformerBlock, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    h = x + block.self_attn.output(out)
+    return h + block.mlp(block.post_attention_layernorm(h))
+
+
+def between_attentions(block: TransformerBlock, following: TransformerBlock, x: torch.Tensor, out: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A block's output half and the next block's input half: one graph call instead of two."""
+    h = attention_outputs(block, x, out)
+    return (h, *attention_inputs(following, h, cos, sin))
+
+
 def compile_errors() -> tuple[type[BaseException], ...]:
     """What a failed torch.compile raises: inductor's C++ build (no compiler, a failed build) and dynamo's
     backend errors."""
@@ -419,39 +438,52 @@ def compile_errors() -> tuple[type[BaseException], ...]:
 
 
 class CompiledHalves:
-    """`attention_inputs` and `attention_outputs` compiled by inductor: the norms, rope, residuals and SiLU as
-    fused C++ loops around the matmul kernels, in place of ~70 eager ops a layer. A graph serves every layer,
-    so each call's guards check the block's tensors again: once `warm` (the shapes a runner uses have been
-    compiled), calls skip all but the guards that pick between graphs (`skip_guard_eval_unsafe`); a call that
-    would need a new graph raises before it runs, and runs again with every guard, compiling it."""
+    """`attention_inputs`, `between_attentions` and `attention_outputs` compiled by inductor: the norms, rope,
+    residuals and SiLU as fused C++ loops around the matmul kernels, in place of ~70 eager ops a layer, one call
+    between two attentions. One graph serves every layer (the blocks are arguments), so each call's guards
+    would check those blocks' tensors again: once `warm`,
+    calls skip guards (`skip_guard_eval_unsafe`), which is sound because each compiled function holds one graph:
+    one row (a decode step of one sequence), or any 2..max_rows rows (`dynamic`: batched steps, verifications),
+    as copies of the functions with code objects of their own (dynamo keeps its graphs per code object). A
+    call that would need another graph raises before it runs and runs again with its guards, compiling it."""
 
     def __init__(self, max_rows: int):
-        opts = {"dynamic": None, "fullgraph": True}
-        self.fns = (torch.compile(attention_inputs, **opts), torch.compile(attention_outputs, **opts))
         self.max_rows, self.warm, self.recompiles = max_rows, False, 0
+        self.fns = {rows: tuple(torch.compile(_own_code(fn, rows), fullgraph=True)
+                                for fn in (attention_inputs, between_attentions, attention_outputs))
+                    for rows in (1, 2)}
 
-    def run(self, half: int, *args: Any) -> Any:
-        """Half 0 (attention_inputs) or 1 (attention_outputs) on `args`."""
-        fn = self.fns[half]
-        if self.warm:
-            try:
-                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    return fn(*args)
-            except RuntimeError as e:
-                if "skip_guard_eval_unsafe" not in str(e):
-                    raise
-                self.recompiles += 1
-        return fn(*args)
+    def run(self, part: int, rows: int, *args: Any) -> Any:
+        """Part 0 (attention_inputs), 1 (between_attentions) or 2 (attention_outputs) of a forward of `rows`
+        rows on `args`, inside `stance()`."""
+        fn = self.fns[min(rows, 2)][part]
+        if not self.warm:
+            if rows > 1:  # the rows' dim dynamic from the first compile; the weights' shapes stay static
+                for t in args:
+                    if isinstance(t, torch.Tensor):
+                        torch._dynamo.mark_dynamic(t, t.dim() - 2)
+            return fn(*args)
+        try:
+            return fn(*args)
+        except RuntimeError as e:
+            if "skip_guard_eval_unsafe" not in str(e):
+                raise
+        self.recompiles += 1
+        with torch.compiler.set_stance("default"):
+            return fn(*args)
+
+    def stance(self) -> Any:
+        """Around a forward's calls: guards skipped once warm (entered once a forward, not per call)."""
+        import contextlib
+
+        return torch.compiler.set_stance(skip_guard_eval_unsafe=True) if self.warm else contextlib.nullcontext()
 
 
-def attention_inputs(block: TransformerBlock, x: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return block.self_attn.project(block.input_layernorm(x), cos, sin)
+def _own_code(fn: Any, rows: int) -> Any:
+    import types
 
-
-def attention_outputs(block: TransformerBlock, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    h = x + block.self_attn.output(out)
-    return h + block.mlp(block.post_attention_layernorm(h))
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{rows}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def _under(w: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -489,14 +521,24 @@ class Model:
             return
         N = B * L  # the graphs see one row per token, (1, N, hidden): N = 1 and N > 1 are their two shapes
         h, cos, sin = h.reshape(1, N, -1), cos.reshape(1, 1, N, -1), sin.reshape(1, 1, N, -1)
-        for layer, c in zip(self.layers[:n], caches):
-            q, k, v = compiled.run(0, layer, h, cos, sin)  # (1, heads, N, hd)
+        layers = self.layers[:n]
+        with compiled.stance():
+            yield from self._compiled_layers(compiled, layers, caches, h, cos, sin, B, L)
+
+    def _compiled_layers(self, compiled: CompiledHalves, layers: list[TransformerBlock], caches: list[Any],
+                         h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int, L: int):
+        N = B * L
+        q, k, v = compiled.run(0, N, layers[0], h, cos, sin)  # (1, heads, N, hd)
+        for i, (layer, c) in enumerate(zip(layers, caches)):
             if B > 1:
                 q, k, v = (t.reshape(t.shape[1], B, L, -1).transpose(0, 1) for t in (q, k, v))  # (B, heads, L, hd)
             out = c.attention(q, k, v, layer.self_attn.scale)  # the cache writes k/v first
             if B > 1:
                 out = out.transpose(0, 1).reshape(1, out.shape[1], N, -1)
-            h = compiled.run(1, layer, h, out)
+            if i + 1 < len(layers):  # this layer's output half and the next one's input half
+                h, q, k, v = compiled.run(1, N, layer, layers[i + 1], h, out, cos, sin)
+            else:
+                h = compiled.run(2, N, layer, h, out)
             yield h.view(B, L, -1)
 
     compiled: CompiledHalves | None = None  # the blocks' halves as torch.compile graphs (compile_decode)

@@ -179,11 +179,13 @@ def cpu_pack_notes(model: Any) -> tuple[str, ...]:
         parts += [x.weight for x in (a.qkv, m.gate_up) if isinstance(x, FusedLinear)]
     for w in parts:
         if isinstance(w, cpu_packed.Int4Weight | cpu_packed.Int8Weight):
-            key = (w.source, cpu_packed.kind(w))
+            key = (cpu_packed.kind(w), w.source)
             counts[key] = counts.get(key, 0) + 1
     if not counts:
         return ()
-    held = "; ".join(f"{src} ({n}) as {cpu_packed.describe(kind)}" for (src, kind), n in sorted(counts.items()))
+    kinds = sorted({k for k, _ in counts}, key=["int4", "int4x2", "int8"].index)
+    held = "; ".join(f"{cpu_packed.describe(k)}: " + ", ".join(f"{src} x{n}" for (kk, src), n in sorted(counts.items())
+                                                             if kk == k) for k in kinds)
     return (f"quantized weights packed for torch's CPU kernels, read in bfloat16 rows: {held}",)
 
 
@@ -267,7 +269,7 @@ class TorchRunner(Runner):
         act_dtype = pick_dtype(dtype, ckpt.checkpoint_dtype, dev)
         freq_factors = ckpt.config.pop("_rope_freq_factors", None)  # GGUF llama3: per-frequency divisors
         kernels = use_kernels(dev)
-        cpu, pack_warnings = cpu_pack_plan(dev) if packed_cpu else (None, ())
+        cpu, pack_warnings = cpu_pack_plan(dev) if packed_cpu and not kernels else (None, ())
         weights, ckpt.weights = ckpt.weights, {}  # emptied as they convert: each source array freed once converted
         tmodel = build_model(args, weights, ckpt.quantization, act_dtype, dev, str(ckpt.path), freq_factors,
                              packed=kernels, cpu=cpu)
