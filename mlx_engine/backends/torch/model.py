@@ -31,7 +31,7 @@ from mlx_engine.backends.torch import cpu_packed
 from mlx_engine.backends.torch import triton_kernels as tk
 
 # The norms, rope and the MLP's gate as one Triton kernel each on CUDA (their torch references, op for op the
-# code they replace, elsewhere: on the CPU without the kernels' checks). ROOFLINE_TORCH_UNFUSED=1 runs the references everywhere: the A/B of
+# code they replace, elsewhere). ROOFLINE_TORCH_UNFUSED=1 runs the references everywhere: the A/B of
 # bench/device_check.sh, read when this module is imported.
 FUSED = os.environ.get("ROOFLINE_TORCH_UNFUSED", "0") in ("", "0")
 
@@ -253,7 +253,7 @@ class RMSNorm:
         self.weight, self.eps = weight, eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return (tk.rms_norm if FUSED and x.is_cuda else tk.rms_norm_ref)(x, self.weight, self.eps)
+        return (tk.rms_norm if FUSED else tk.rms_norm_ref)(x, self.weight, self.eps)
 
 
 class RoPE:
@@ -316,7 +316,7 @@ class RoPE:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (B, H, L, D) -> rotated, in float32 then back to x's dtype."""
-        return (tk.rope if FUSED and x.is_cuda else tk.rope_ref)(x, cos, sin, self.mscale, self.traditional)
+        return (tk.rope if FUSED else tk.rope_ref)(x, cos, sin, self.mscale, self.traditional)
 
 
 def _llama3_freqs(freqs: np.ndarray, s: dict[str, Any]) -> np.ndarray:
@@ -393,7 +393,7 @@ class MLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj((tk.silu_mul if FUSED and gate.is_cuda else tk.silu_mul_ref)(gate, up))
+        return self.down_proj((tk.silu_mul if FUSED else tk.silu_mul_ref)(gate, up))
 
 
 class TransformerBlock:
