@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from mlx_engine.api import SPECULATIVE_MODES, GenerationRequest, ResponseFormat, RooflineError, SamplingParams
 
@@ -57,8 +58,60 @@ def runner_options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v, default in chosen if v != default}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error instead of the usage: what was wrong, a "did you mean" for a mistyped
+    command, choice or option, and where the help is (subcommands' parsers are this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"roofline: error: {_usage_message(self, message)}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _did_you_mean(word: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _usage_message(parser: argparse.ArgumentParser, message: str) -> str:
+    """argparse's `message` as one line a person reads at a glance."""
+    help_hint = f"`{parser.prog} --help`"
+    m = re.fullmatch(r"argument (\S+?): invalid choice: '(.*)' \(choose from (.*)\)", message, re.S)
+    if m:
+        name, value = m.group(1), m.group(2)
+        choices = re.findall(r"'([^']*)'", m.group(3)) or [c.strip() for c in m.group(3).split(",")]
+        if name == "COMMAND":
+            return f"unknown command {value!r}{_did_you_mean(value, choices)}; {help_hint} lists the commands"
+        return f"{name} {value!r}: expected one of {', '.join(choices)}{_did_you_mean(value, choices)}"
+    m = re.fullmatch(r"argument (\S+?): invalid (int|float) value: '(.*)'", message, re.S)
+    if m:
+        kind = "an integer" if m.group(2) == "int" else "a number"
+        return f"{m.group(1).split('/')[0]} {m.group(3)!r}: expected {kind} ({help_hint})"
+    m = re.fullmatch(r"unrecognized arguments: (.*)", message, re.S)
+    if m:
+        first = m.group(1).split()[0]
+        if first.startswith("-"):
+            options = {o for a in _all_actions(parser) for o in a.option_strings}
+            return f"unknown option {first}{_did_you_mean(first.split('=')[0], sorted(options))} ({help_hint})"
+        return f"unexpected argument {first!r} ({help_hint})"
+    m = re.fullmatch(r"the following arguments are required: (.*)", message, re.S)
+    if m:
+        return f"{parser.prog} needs {m.group(1)} ({help_hint})"
+    return f"{message} ({help_hint})"
+
+
+def _all_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The parser's actions and its subcommands', for suggesting an option: argparse reports an unknown option
+    from the top parser, whichever command it was given to."""
+    out = list(parser._actions)
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                out += _all_actions(sub)
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="roofline",
         description="On-device LLM inference with MLX, every token measured against the memory-bandwidth roofline.",
     )
@@ -139,8 +192,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the keys' bits, when not --kv-bits (needs --kv-bits)")
     k.add_argument("--block-size", type=int, choices=(16, 32), default=16,
                    help="tokens per KV block (default 16): 4-bit keys are grouped per channel over a block")
-    k.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
-                   help="KV dtype when not quantized (default float16, as on a Mac)")
+    k.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
+                   help="KV dtype when not quantized, and of the scales when quantized (default: what this "
+                   "machine's engine stores: float32 on MLX's CPU backend, the checkpoint's on a Mac)")
 
     sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     sv.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
@@ -214,6 +268,12 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
     --draft-model / --draft-bits."""
     out: dict[str, Any] = {}
     if getattr(args, "draft_model", None) is not None:
+        from mlx_engine.loading import resolve
+
+        try:  # before the main model loads (seconds), not after
+            resolve(args.draft_model)
+        except RooflineError as e:
+            raise RooflineError(f"--draft-model: {e}") from None
         out["draft_model"] = args.draft_model
     if getattr(args, "draft_bits", None) is not None:
         if args.draft_model is None:
@@ -229,12 +289,22 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _load_engine(model: str | None, **options: Any) -> Any:
+def _load_engine(model: str | None, no_tokenizer: str = "fine", **options: Any) -> Any:
+    """Engine.load, its warnings on stderr. A model without a tokenizer: "error" where the command reads or writes
+    text, "warn" where text is what users mostly send (the server), "fine" where token ids are the input."""
     from mlx_engine import Engine
 
     engine = Engine.load(model, **options)
     for warning in engine.info.warnings:
         print(f"roofline: warning: {warning}", file=sys.stderr)
+    if not engine.info.has_tokenizer and no_tokenizer != "fine":
+        what = f"{engine.info.name} came without a tokenizer (no tokenizer.json or tokenizer.model beside its weights)"
+        if no_tokenizer == "error":
+            engine.close()
+            raise RooflineError(f"{what}, so it cannot read a prompt or write a reply: use a model folder with its "
+                                "tokenizer files (`roofline logits --token-ids` runs it on token ids)")
+        print(f"roofline: warning: {what}: requests must send token ids (prompt_token_ids) and replies carry token "
+              "ids, not text", file=sys.stderr)
     return engine
 
 
@@ -275,7 +345,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise RooflineError(f"--allow-origin {origin!r}: expected an origin like https://example.com "
                                 "(scheme://host[:port], no path), or '*'")
     options, speculative = {**_load_options(args), **runner_options(args)}, _speculative(args)
-    return serve(lambda: _load_engine(args.model, **options),
+    return serve(lambda: _load_engine(args.model, no_tokenizer="warn", **options),
                  host=args.host, port=args.port, api_key=args.api_key or None,
                  max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                  drain_timeout_s=args.drain_timeout, default_max_tokens=args.default_max_tokens,
@@ -303,6 +373,11 @@ def _response_format(args: argparse.Namespace) -> ResponseFormat | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    fmt = _response_format(args)
+    if fmt is not None:  # a regex or schema llguidance cannot compile fails now, not after the model loads
+        from mlx_engine.structured import check_format
+
+        check_format(fmt)
     options = {**_load_options(args), **runner_options(args)}
     sampling = SamplingParams(
         temperature=args.temp,
@@ -313,7 +388,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
-        response_format=_response_format(args),
+        response_format=fmt,
         speculative=_speculative(args),
         num_draft_tokens=args.num_draft_tokens,
     )
@@ -324,7 +399,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             {"role": "user", "content": args.prompt}
         ]
         request = GenerationRequest(messages=messages, sampling=sampling)
-    engine = _load_engine(args.model, **options)
+    engine = _load_engine(args.model, no_tokenizer="error", **options)
     parts: list[str] = []
     final = None
     for event in engine.generate(request):
@@ -391,6 +466,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
 def cmd_kv(args: argparse.Namespace) -> int:
     from mlx_engine.catalog import kv_bytes, kv_shape
+    from mlx_engine.roofline import kv_dtype_here
 
     if args.context < 1 or args.batch < 1:
         raise RooflineError("--context and --batch must be positive integers")
@@ -398,7 +474,8 @@ def cmd_kv(args: argparse.Namespace) -> int:
         raise RooflineError(f"--kv-key-bits {args.kv_key_bits} needs --kv-bits (4 or 8): it sets the keys' bits of "
                             "a quantized KV cache")
     shape = kv_shape(args.model)
-    itemsize = 4 if args.dtype == "float32" else 2
+    dtype, why = (args.dtype, "--dtype") if args.dtype else kv_dtype_here()
+    itemsize = 4 if dtype == "float32" else 2
     # as the engine stores them by default: 4-bit keys per channel over each block's tokens (KVConfig.key_per_channel)
     per_channel = (args.kv_key_bits or args.kv_bits) == 4 and shape.head_dim % args.block_size == 0
     key_group = args.block_size if per_channel else None
@@ -406,9 +483,10 @@ def cmd_kv(args: argparse.Namespace) -> int:
                      key_group_size=key_group)
     per_token = kv_bytes(shape, 1, 1, args.kv_bits, itemsize, key_bits=args.kv_key_bits, key_group_size=key_group)
     keys = f", keys per channel over {args.block_size}-token blocks" if per_channel else ""
-    kind = f"{args.kv_bits}-bit (g64{keys})" if args.kv_bits else args.dtype
+    kind = f"{args.kv_bits}-bit (g64{keys}, {dtype} scales)" if args.kv_bits else dtype
     if args.kv_key_bits not in (None, args.kv_bits):
-        kind = f"{args.kv_key_bits}-bit keys, {args.kv_bits}-bit values (g64{keys})"
+        kind = f"{args.kv_key_bits}-bit keys, {args.kv_bits}-bit values (g64{keys}, {dtype} scales)"
+    kind += f" ({why})" if not args.dtype else ""
     print(f"{total / 1e9:.1f} GB ({total:,} bytes) of KV for {args.batch} x {args.context:,} tokens in {kind}: "
           f"{shape.num_layers} layers x {shape.num_kv_heads} KV heads x head dim {shape.head_dim}, "
           f"{per_token:,} bytes per token")

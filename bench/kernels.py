@@ -28,6 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels_metal import (
+    KVPool,
     _backend,
     dequant_matmul_kquant,
     paged_decode_attention,
@@ -147,6 +148,16 @@ def attention_case(
     return case, nbytes
 
 
+POOL_FIELDS = {"k_pool": "k", "v_pool": "v", "k_scales": "k_scales", "k_biases": "k_biases", "v_scales": "v_scales",
+               "v_biases": "v_biases", "bits": "bits", "group_size": "group_size"}
+
+
+def pooled(case: dict) -> dict:
+    """An attention case as `paged_decode_attention`'s arguments: its pool fields as one `KVPool`."""
+    pool = KVPool(**{POOL_FIELDS[k]: v for k, v in case.items() if k in POOL_FIELDS})
+    return {"pool": pool, **{k: v for k, v in case.items() if k not in POOL_FIELDS}}
+
+
 def sdpa_on_gathered(case: dict) -> Callable[[], mx.array]:
     """The built-in baseline: gather KV through the tables (dequantize if packed), then SDPA."""
     B, _, D = case["q"].shape
@@ -202,7 +213,7 @@ def bench_metal(quick: bool, peak: float | None) -> None:
         for seq_len in lens:
             for bits in (None, 8, 4):
                 case, nbytes = attention_case(B, seq_len, 32, 8, 128, 32, mx.float16, bits)
-                t_k = timeit(lambda: paged_decode_attention(**case, backend="metal"), 20)
+                t_k = timeit(lambda: paged_decode_attention(**pooled(case), backend="metal"), 20)
                 t_b = timeit(sdpa_on_gathered(case), 20)
                 label = f"B {B} len {seq_len} {'fp16' if bits is None else f'{bits}-bit'} KV"
                 print(row(label + " kernel", t_k, nbytes, peak, f"{t_b / t_k:5.2f}x vs gather+SDPA"))
@@ -245,7 +256,7 @@ def bench_cpu(quick: bool, with_interpreter: bool) -> None:
     for B, seq_len in [(1, 2048), (8, 1024)] if quick else [(1, 512), (1, 4096), (8, 1024), (8, 4096)]:
         for dtype, bits in ((mx.float16, None), (mx.float16, 8), (mx.float16, 4)):
             case, nbytes = attention_case(B, seq_len, 32, 8, 128, 32, dtype, bits)
-            t = timeit(lambda: paged_decode_attention(**case, backend="reference"), 3, warmup=1)
+            t = timeit(lambda: paged_decode_attention(**pooled(case), backend="reference"), 3, warmup=1)
             label = f"B {B} len {seq_len} {'fp16' if bits is None else f'{bits}-bit'} KV"
             print(row(label, t, nbytes, copy))
 
@@ -276,8 +287,8 @@ def bench_cpu(quick: bool, with_interpreter: bool) -> None:
         ),
     ]
     for label, case, kw in cases:
-        t_i = timeit(lambda: paged_decode_attention(**case, backend="interpret", **kw), 3, warmup=1)
-        t_r = timeit(lambda: paged_decode_attention(**case, backend="reference", **kw), 5)
+        t_i = timeit(lambda: paged_decode_attention(**pooled(case), backend="interpret", **kw), 3, warmup=1)
+        t_r = timeit(lambda: paged_decode_attention(**pooled(case), backend="reference", **kw), 5)
         print(
             f"  {label:<48} interpreter {t_i * 1e3:9.1f} ms  reference {t_r * 1e3:7.2f} ms  ({t_i / t_r:7.0f}x)"
         )

@@ -13,7 +13,7 @@ over the level's wall time; TTFT is request sent -> first content chunk, as the 
 
 `--cost-curve` also times one batched decode forward of mlx-lm's llama class on these weights at widths B
 (context 64 per row), and our engine's forward of B tokens as `roofline serve` runs it (on MLX's CPU backend
-with float32 host weights, `mlx_engine/models/layers.py`): T(B)/T(1) bounds what batching can give on each
+with float32 host weights, `mlx_engine/backends/mlx/host_blas.py`): T(B)/T(1) bounds what batching can give on each
 (aggregate speedup <= B / (T(B)/T(1))).
 """
 
@@ -123,10 +123,9 @@ def engine_cost_curve(model: str | None, widths: list[int], backend: str = "mlx"
     - for `widths`, a forward over B new tokens of one sequence with logits at each: a batched decode step's
       matmul shapes with one sequence's attention (also what a packed prefill of B prompt rows costs);
     - for `decode_widths`, a decode step of B sequences, each reading its own K/V, with greedy sampling
-      (`mlx_engine.bench.time_decode_step`): what B requests decoding together cost the backend."""
+      (`mlx_engine.speculative.timing.time_decode_step`): what B requests decoding together cost the backend."""
     from mlx_engine import Engine
-    from mlx_engine.bench import time_decode_step
-    from mlx_engine.speculative import time_forward
+    from mlx_engine.speculative.timing import time_decode_step, time_forward
 
     engine = Engine.load(model, backend=backend, **({"device": device} if backend == "torch" else {}))
     try:

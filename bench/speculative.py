@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
-from mlx_engine.speculative import CostCurve, time_forward  # noqa: E402
+from mlx_engine.speculative.cost import CostCurve  # noqa: E402
+from mlx_engine.speculative.timing import time_forward  # noqa: E402
 
 EDIT_TEXT = ("Our team met on Tuesday to review the quarterly plan. We agreed to move the launch to May, hire "
              "two more engineers for the data platform, and cut the travel budget by ten percent. Maria will "
@@ -127,7 +128,7 @@ def cost_curve(engine: Engine, k_max: int = 8) -> tuple[CostCurve, float, tuple[
 def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int, seed: int = 0) -> dict:
     """One request in `mode`: "plain" or a speculative mode; "draft:noguess" runs the draft model without guessing
     its drafts from prompt lookup's copy (`DraftModel.guesses`), for a side-by-side ("auto" never guesses)."""
-    from mlx_engine.speculative import DraftModel
+    from mlx_engine.speculative.proposers import DraftModel
 
     mode, _, variant = mode.partition(":")
     sched = engine._scheduler
@@ -171,7 +172,7 @@ def draft_step_cost(engine: Engine, temperature: float, k: int = 8) -> float:
     """A draft model's cost per drafted token in T(1), as its proposals spend it: a forward and the sampling of
     each draft (`time_forward` times the forward alone), at the request's temperature, after a catch-up of one."""
     from mlx_engine.sampling import Sampler
-    from mlx_engine.speculative import DraftInput, DraftModel
+    from mlx_engine.speculative.proposers import DraftInput, DraftModel
 
     runner = engine._runner
     sampler = Sampler(SamplingParams(temperature=temperature, seed=0), runner.vocab_size)

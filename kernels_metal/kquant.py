@@ -90,8 +90,16 @@ def dequant_matmul_kquant(
     """
     _validate(x, w_blocks, ggml_type, out_features, in_features)
     which = _backend.resolve(backend)
+    if backend == "auto" and which != "reference" and self_check(which, x.dtype, ggml_type) is not None:
+        which = "reference"  # the kernel failed on this machine: its twin computes the same product
     if which == "reference":
         return reference.dequant_matmul_kquant(x, w_blocks, ggml_type, out_features, in_features)
+    return _launch(which, x, w_blocks, ggml_type, out_features, in_features)
+
+
+def _launch(which: str, x: mx.array, w_blocks: mx.array, ggml_type: str, out_features: int,
+            in_features: int) -> mx.array:
+    """The kernel on `which` ("metal" or "interpret"), arguments validated."""
     if which == "interpret":
         kernel = _interpret_kernel()
     elif isinstance(_METAL_KERNEL, Exception):
@@ -117,3 +125,45 @@ def dequant_matmul_kquant(
         output_dtypes=[out_dtype],
     )
     return y
+
+
+# The self-check's tolerance, as the tests' (tests/test_kernels_kquant.py) with 8x headroom for a GPU's fast math:
+# float32 accumulation in another order (1e-5 of the terms' scale) and half an ulp of a half-precision output.
+# A broken kernel is off by the scale itself.
+CHECK_HEADROOM = 8
+CHECK_OUT_REL = {mx.float32: 0.0, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
+CHECK_ROWS = 2  # one decode row would not exercise the kernel's loop over rows
+CHECK_OUT = 2 * NUM_SIMDGROUPS * ROWS_PER_SIMDGROUP + 3  # two full threadgroups and a partial one
+# where each super-block keeps its fp16 scales (d, dmin): random bytes there could be inf or NaN
+_FP16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def self_check(backend: str, dtype: mx.Dtype, ggml_type: str) -> str | None:
+    """Whether the kernel for this input dtype and k-quant type works on `backend` ("metal" or "interpret"): it
+    compiles and matches the reference on a small case. Once per process and variant; None when it passed, else
+    why not."""
+    return _backend.self_check("dequant_matmul_kquant", backend, (str(dtype), ggml_type),
+                               lambda: _probe(backend, dtype, ggml_type))
+
+
+def _probe(backend: str, dtype: mx.Dtype, ggml_type: str) -> str | None:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (CHECK_OUT, reference.KQUANT_BLOCK_BYTES[ggml_type]), dtype=np.uint8)
+    for off in _FP16_FIELDS[ggml_type]:
+        d = (rng.standard_normal(CHECK_OUT) * 0.02).astype(np.float16)
+        blocks[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+    w = mx.array(blocks)
+    x = mx.array(rng.standard_normal((CHECK_ROWS, reference.QK_K)).astype(np.float32)).astype(dtype)
+    got = _launch(backend, x, w, ggml_type, CHECK_OUT, reference.QK_K).astype(mx.float32)
+    want = reference.dequant_matmul_kquant(x, w, ggml_type, CHECK_OUT, reference.QK_K).astype(mx.float32)
+    weights = reference.dequantize_kquant(w, ggml_type, CHECK_OUT, reference.QK_K)
+    terms = mx.abs(x.astype(mx.float32)) @ mx.abs(weights).T  # the scale of the summed terms
+    allowed = CHECK_HEADROOM * (1e-5 * terms.max() + CHECK_OUT_REL[dtype] * mx.abs(want))
+    excess = mx.abs(got - want) - allowed
+    mx.eval(got, want, excess)  # compiled and run now, not inside a later step
+    if not float(excess.max()) <= 0:  # NaN fails too
+        err = float(mx.abs(got - want).max())
+        return f"its result differs from the reference by up to {err:.3g}, past the allowed rounding"
+    return None

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from kernels_metal.pool import KVPool
+
 QK_K = 256  # weights per k-quant super-block
 
 # ggml type name -> bytes per super-block of 256 weights (ggml's sizeof(block_qN_K))
@@ -22,56 +24,45 @@ KQUANT_BLOCK_BYTES: dict[str, int] = {
 
 def paged_decode_attention(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    pool: KVPool,
     block_tables: mx.array,
     seq_lens: mx.array,
     scale: float,
-    k_scales: mx.array | None = None,
-    k_biases: mx.array | None = None,
-    v_scales: mx.array | None = None,
-    v_biases: mx.array | None = None,
-    bits: int | None = None,
-    group_size: int = 64,
     max_seq_len: int | None = None,
-    k_bits: int | None = None,
-    k_per_channel: bool = False,
 ) -> mx.array:
     """Decode attention over a paged KV pool: gather through the block tables, then masked attention.
 
     Arguments as `kernels_metal.paged_decode_attention` (not validated here). `max_seq_len`, when
     known, bounds the gather to the blocks in use instead of the tables' full capacity. Computes in
-    float32; a sequence of length 0 yields zeros. `k_bits`: the keys' bits when they differ from the
-    values' `bits` (None: the same). `k_per_channel`: the keys are quantized per channel over each
-    block's tokens (KIVI), their scales and biases laid out as `channel_params` reads them.
+    float32; a sequence of length 0 yields zeros.
     """
     B, Hq, D = q.shape
-    _, block_size, Hkv, _ = k_pool.shape
+    _, block_size, Hkv, _ = pool.k.shape
     num_used = block_tables.shape[1]
     if max_seq_len is not None:
         num_used = max(1, min(num_used, -(-max_seq_len // block_size)))
     # Entries past a sequence's length may hold anything; clamp them to a valid id (masked below).
-    tables = mx.clip(block_tables[:, :num_used], 0, k_pool.shape[0] - 1)  # (B, nb)
+    tables = mx.clip(block_tables[:, :num_used], 0, pool.k.shape[0] - 1)  # (B, nb)
     T = num_used * block_size
 
-    def gather(pool: mx.array, scales: mx.array | None, biases: mx.array | None, nbits: int | None,
+    def gather(a: mx.array, scales: mx.array | None, biases: mx.array | None, nbits: int | None,
                per_channel: bool = False) -> mx.array:
-        x = pool[tables]  # (B, nb, block_size, Hkv, D or packed)
+        x = a[tables]  # (B, nb, block_size, Hkv, D or packed)
         if per_channel:  # one scale and bias per (block, head, channel)
             s, z = channel_params(scales[tables]), channel_params(biases[tables])  # (B, nb, Hkv, D)
             x = unpack_codes(x, nbits) * s[:, :, None] + z[:, :, None]
         elif nbits is not None:
             # float32 scales: K and V are not rounded to half precision before the float32 math
             x = mx.dequantize(x, scales[tables].astype(mx.float32), biases[tables].astype(mx.float32),
-                              group_size=group_size, bits=nbits)
+                              group_size=pool.group_size, bits=nbits)
         x = x.astype(mx.float32).reshape(B, T, Hkv, D)
         return x.transpose(0, 2, 1, 3)  # (B, Hkv, T, D)
 
-    k = gather(k_pool, k_scales, k_biases, bits if k_bits is None else k_bits, k_per_channel)
-    v = gather(v_pool, v_scales, v_biases, bits)
+    k = gather(pool.k, pool.k_scales, pool.k_biases, pool.key_bits, pool.k_per_channel)
+    v = gather(pool.v, pool.v_scales, pool.v_biases, pool.bits)
     valid = mx.arange(T)[None, :] < seq_lens[:, None]  # (B, T)
-    # GQA by grouping the q heads of each kv head, so K and V are never repeated; on the CPU this
-    # is 2-3x faster than mx.fast.scaled_dot_product_attention on the strided gather.
+    # GQA by grouping the q heads of each kv head, so K and V are never repeated (on the CPU faster than
+    # mx.fast.scaled_dot_product_attention on the strided gather).
     qg = q.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, D)  # (B, Hkv, G, D)
     scores = (qg @ k.swapaxes(-1, -2)) * scale  # (B, Hkv, G, T)
     scores = mx.where(valid[:, None, None, :], scores, -mx.inf)

@@ -245,3 +245,7 @@ class ModelInfo:
     backend: str = "mlx"  # the model runner: "mlx" or "torch"
     device: str = "cpu"  # where it runs: "metal", "cpu" or "cuda"
     draft_model: str | None = None  # the name of the draft model loaded beside it (Engine.load's draft_model)
+    kv_files: bool = False  # whether save_kv / restore_kv work here (the cache declares it: KVCapabilities.kv_files)
+    # False: no tokenizer files were found beside the weights, so the model takes and gives token ids only (no
+    # text, no chat template): front ends say so at load, in their users' words
+    has_tokenizer: bool = True

@@ -187,45 +187,6 @@ def decode_bytes_per_step(engine: Any, batch: int, context: float) -> float:
     return weights + batch * kv_per_token * context
 
 
-def time_decode_step(runner: Any, batch: int, context: int = 64, repeats: int = 5) -> float:
-    """Seconds of one batched decode step of `batch` sequences, each with `context` tokens of its own cached
-    (min over `repeats`, after a warm-up step): the block tables, forward and greedy sampling of the step the
-    scheduler runs when `batch` requests decode together, without emitting or detokenizing the tokens. Each
-    sequence reads its own K/V, which a forward over `batch` positions of one sequence
-    (`speculative.time_forward`) does not. Run it on the engine thread; the sequences' blocks are freed after."""
-    import mlx.core as mx
-
-    from mlx_engine.sampling import Sampler
-
-    cache = runner.cache
-    ids = [f"decode-step-timer-{batch}-{i}" for i in range(batch)]
-    vocab = min(runner.vocab_size, 1000) - 3
-    known = [[(7 * j + 31 * i) % vocab + 3 for j in range(context)] for i in range(batch)]  # distinct: no prefix hits
-    samplers = [Sampler(SamplingParams(temperature=0.0), runner.vocab_size) for _ in ids]
-    started: list[str] = []
-    try:
-        for req, prompt in zip(ids, known):
-            cache.start(req, prompt)
-            started.append(req)
-            layers = cache.prefill_layers(req, 0, len(prompt))
-            runner.forward(mx.array([prompt], dtype=mx.int32), layers)
-            mx.eval(runner.cache_state(layers))
-        nxt, best = [5] * batch, float("inf")
-        for i in range(repeats + 1):
-            t = time.perf_counter()
-            layers = cache.decode_layers(ids, known)
-            tokens = runner.last_sample(mx.array(nxt, dtype=mx.int32).reshape(batch, 1), layers, samplers)
-            nxt = [int(x) for x in tokens.tolist()]  # the host read a step ends with
-            if i:
-                best = min(best, time.perf_counter() - t)
-            for seq, token in zip(known, nxt):
-                seq.append(token)
-        return best
-    finally:
-        for req in started:
-            cache.drop_request(req)
-
-
 def engine_device(engine: Any, backend: str, requested: str) -> str:
     """The device the engine runs on: what it says, else MLX's (metal or cpu), else the request."""
     for holder in (engine, getattr(engine, "info", None)):

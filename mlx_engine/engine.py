@@ -19,7 +19,7 @@ from mlx_engine.api import (
     ModelLoadError,
     RooflineError,
 )
-from mlx_engine.models.layers import one_blas_thread
+from mlx_engine.backends.mlx.host_blas import one_blas_thread
 
 T = TypeVar("T")
 
@@ -113,7 +113,7 @@ class _EngineThread:
                     self._run(self._jobs.get_nowait())
                 except queue.Empty:
                     break
-            with one_blas_thread():  # once per step, not per host GEMM (models.layers)
+            with one_blas_thread():  # once per step, not per host GEMM (backends.mlx.host_blas)
                 for scheduler in busy:
                     scheduler.step()
 

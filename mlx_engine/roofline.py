@@ -39,14 +39,35 @@ def decode_bytes_per_token(
     return DecodeBytes(weights=weights, kv=kv)
 
 
+def kv_dtype_here() -> tuple[str, str]:
+    """(dtype, why) of an unquantized KV cache as the MLX engine stores it on this machine, by default: its
+    activation dtype (`runner.pick_dtype`), float32 on MLX's CPU backend, on Metal the checkpoint's (float16 for
+    GGUF and most checkpoints; `roofline kv --dtype bfloat16` for a bfloat16 one)."""
+    import mlx.core as mx
+
+    if not mx.metal.is_available():
+        return "float32", "what MLX's CPU backend stores here"
+    return "float16", "what Metal stores for a float16 or GGUF checkpoint"
+
+
 def measure_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Sustained read+write bandwidth in bytes/s: the best of `repeats` copies of an `nbytes` buffer
-    (counts the bytes read plus the bytes written, as STREAM's copy does)."""
+    """Sustained read+write bandwidth in bytes/s: the best of `bandwidth_readings(repeats, nbytes)`."""
+    return max(bandwidth_readings(repeats, nbytes))
+
+
+def bandwidth_readings(runs: int = 9, nbytes: int = 256 * 2**20, pause_s: float = 0.02) -> list[float]:
+    """`runs` timed copies of an `nbytes` buffer (far beyond any cache), each as bytes/s counting the bytes read
+    plus the bytes written (STREAM's copy), after an untimed first copy that faults the pages in. A short pause
+    between copies spreads them over time, so that a burst of another process's work spoils a few, not all: on a
+    shared 2-core VM single copies read 9 to 24 GB/s."""
     src = np.ones(nbytes // 8, dtype=np.float64)
     dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
+    np.copyto(dst, src)
+    out = []
+    for i in range(runs):
+        if i:
+            time.sleep(pause_s)
         t = time.perf_counter()
         np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.nbytes / best
+        out.append(2 * src.nbytes / (time.perf_counter() - t))
+    return out

@@ -7,7 +7,7 @@ never runs out of blocks and nothing is ever preempted.
 
 A speculative request (`SamplingParams.speculative`) leaves the batched decode: each step it reads its
 newest token, proposes k more and verifies them in its own forward over k + 1 positions
-(`speculative.speculative_step`), so its tokens are read synchronously. "auto" requests join the batched,
+(`speculative.step.speculative_step`), so its tokens are read synchronously. "auto" requests join the batched,
 pipelined decode on every step where the backend's cost curve and their acceptance say speculation does
 not pay.
 
@@ -70,7 +70,7 @@ class Sequence:
     t_first: float = 0.0
     t_last: float = 0.0
     num_forwards: int = 0  # target forwards that sampled a token for it
-    spec: Any = None  # speculative.SpecState when the request speculates
+    spec: Any = None  # speculative.policy.SpecState when the request speculates
     constraint: Any = None  # structured.Constraint when the request has a response format
     # SamplingParams.prompt_logprobs: per prefill chunk, (target log-probs (L,), top ids (L, k), top log-probs
     # (L, k)) as numpy, until the first event takes them
@@ -94,14 +94,13 @@ class Scheduler:
         self.runner = runner
         # default: DEFAULT_TOKEN_BUDGET, or one whole prefill chunk when the runner's chunks are larger
         self.token_budget = token_budget or max(DEFAULT_TOKEN_BUDGET, getattr(runner, "prefill_chunk_size", 0))
-        batches = hasattr(runner.cache, "manager")
-        self.max_seqs = max_seqs if batches else 1  # the contiguous cache holds one sequence
+        self.max_seqs = max_seqs if runner.cache.capabilities.batching else 1  # the contiguous cache holds one
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._counter = 0
         self.num_steps = 0
         self.trace: list[tuple[int, int]] | None = None  # set to [] to record (decode rows, prefill tokens) per step
-        self.cost_curve: Any = None  # speculative.CostCurve, measured at the first "auto" request
+        self.cost_curve: Any = None  # speculative.cost.CostCurve, measured at the first "auto" request
         # proposer -> [accepted, tested] draft tokens over finished requests ("auto"'s priors; `tested_tokens`)
         self.acceptance: dict[str, list[int]] = {}
 
@@ -122,9 +121,7 @@ class Scheduler:
     # --- admission --------------------------------------------------------------------------------
 
     def _blocks_for(self, seq: Sequence) -> int:
-        cache = self.runner.cache
-        bs = getattr(cache, "block_size", 0)
-        return -(-(len(seq.prompt) + seq.max_new) // bs) if bs else 0
+        return self.runner.cache.blocks_for(len(seq.prompt) + seq.max_new)
 
     def _admit(self) -> None:
         cache = self.runner.cache
@@ -134,11 +131,11 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             seq.max_new = min(seq.params.max_tokens, self.runner.context_length - len(seq.prompt))
-            if hasattr(cache, "manager"):
+            if cache.capabilities.paged:
                 # blocks still owed to running sequences must stay available to them
-                owed = sum(s.reserved_blocks - len(cache.manager.block_table(s.req_id)) for s in self.running)
+                owed = sum(s.reserved_blocks - cache.num_blocks_held(s.req_id) for s in self.running)
                 need = self._blocks_for(seq)
-                if need > cache.manager.pool.get_num_free_blocks() - owed:
+                if need > cache.num_free_blocks() - owed:
                     if not self.running:  # nothing will free blocks: unreachable after check_fits
                         self.waiting.popleft()
                         self._fail(seq, RooflineError("no free KV blocks for this request"))
@@ -165,7 +162,8 @@ class Scheduler:
         self.running.append(seq)
 
     def _spec_state(self, params: SamplingParams) -> Any:
-        from mlx_engine import speculative as sp
+        from mlx_engine.speculative import policy as sp
+        from mlx_engine.speculative.proposers import DraftModel, PromptLookup, SelfDraft
 
         mode, runner = params.speculative, self.runner
         if mode is None or (mode == "auto" and runner.rollback_problem()):
@@ -178,13 +176,13 @@ class Scheduler:
         proposers, priors = [], []
         for kind in kinds:
             if kind == "draft":
-                proposer: Any = sp.DraftModel(runner.draft, self._draft_cost() if curve else 0.0)
+                proposer: Any = DraftModel(runner.draft, self._draft_cost() if curve else 0.0)
                 if mode == "auto":
                     proposer.guesses = False  # see DraftModel.guesses
             elif kind == "self":
-                proposer = sp.SelfDraft(runner, runner.self_draft_layers)
+                proposer = SelfDraft(runner, runner.self_draft_layers)
             else:
-                proposer = sp.PromptLookup()
+                proposer = PromptLookup()
             if curve is not None and curve.best_k(1.0, params.num_draft_tokens, proposer.draft_cost) == 0:
                 continue  # "auto": not even perfect drafts from it would pay on this backend
             acc, tested = self.acceptance.get(kind, [0, 0])
@@ -200,7 +198,7 @@ class Scheduler:
 
     def _cost_curve(self) -> Any:
         if self.cost_curve is None:
-            from mlx_engine.speculative import cached_cost_curve
+            from mlx_engine.speculative.cost import cached_cost_curve
 
             self.cost_curve = cached_cost_curve(self.runner)  # measured once per model and machine
         return self.cost_curve
@@ -212,10 +210,10 @@ class Scheduler:
         run, since only the proposals it makes correct the figure."""
         curve = self._cost_curve()
         if "draft" not in curve.draft_costs:
-            from mlx_engine.speculative import time_forward
+            from mlx_engine.speculative import timing
 
-            t = time_forward(self.runner.draft, 1, logits_at="last")
-            t1 = time_forward(self.runner, 1, logits_at="last")
+            t = timing.time_forward(self.runner.draft, 1, logits_at="last")
+            t1 = timing.time_forward(self.runner, 1, logits_at="last")
             curve.draft_costs["draft"] = t / t1 if t1 > 0 else 0.0
         return curve.draft_costs["draft"]
 
@@ -288,7 +286,7 @@ class Scheduler:
             chunks.append((s, start, end))
 
         # more than one part (decode rows count as one each, as do prefill chunks): one packed forward
-        packed = len(decoding) + len(chunks) > 1 and hasattr(cache, "packed_layers")
+        packed = len(decoding) + len(chunks) > 1 and cache.capabilities.packed
         if packed:
             self._packed_forward(decoding, chunks, new)
         if decoding and not packed:
@@ -320,7 +318,7 @@ class Scheduler:
             else:
                 if logits is None:
                     runner.forward(inputs, layers)
-                mx.eval(runner.cache_state(layers))
+                mx.eval(cache.state(layers))
 
         if self.trace is not None:
             self.trace.append((len(decoding), self.token_budget - len(decoding) - budget))
@@ -375,7 +373,7 @@ class Scheduler:
 
     def _speculate(self, s: Sequence, k: int) -> None:
         """A speculative sequence's step: read its newest token, propose k more, verify, emit."""
-        from mlx_engine.speculative import speculative_step
+        from mlx_engine.speculative.step import speculative_step
 
         self._read_all(s)
         if s not in self.running:
@@ -503,7 +501,10 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         tail = ""
         if seq.stops is not None and not seq.stops.hit:
-            tail = seq.stops.flush(seq.detok.finalize())
+            held = seq.detok.finalize()
+            if reason == "length":  # max_tokens cut the last character's bytes: no character, not a U+FFFD
+                held = held.rstrip("\ufffd")
+            tail = seq.stops.flush(held)
         t_first = seq.t_first or time.perf_counter()
         stats = Stats(
             ttft_s=t_first - seq.stream.submitted_at,

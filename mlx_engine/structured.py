@@ -60,15 +60,25 @@ def grammar(fmt: ResponseFormat) -> str:
     return LLMatcher.grammar_from_lark(fmt.grammar or "")
 
 
+_WHAT = {"json_object": "JSON", "json_schema": "the JSON Schema", "regex": "the regex", "lark": "the Lark grammar"}
+
+
 def constrain(tokenizer: Any, vocab_size: int, fmt: ResponseFormat) -> Constraint:
     """A fresh matcher for one request. RequestError when the schema, regex or grammar is invalid or uses what
     llguidance does not support (its message says what and where)."""
     matcher = LLMatcher(_lltokenizer(tokenizer, vocab_size), grammar(fmt), log_level=0)
     if matcher.is_error():
-        what = {"json_object": "JSON", "json_schema": "the JSON Schema", "regex": "the regex",
-                "lark": "the Lark grammar"}[fmt.type]
-        raise RequestError(f"response format {fmt.type}: {what} cannot be used: {_one_line(matcher.get_error())}")
+        raise RequestError(f"response format {fmt.type}: {_WHAT[fmt.type]} cannot be used: "
+                           f"{_one_line(matcher.get_error())}")
     return Constraint(matcher, vocab_size, tuple(tokenizer.eos_token_ids))
+
+
+def check_format(fmt: ResponseFormat) -> None:
+    """RequestError, worded as `constrain`'s, for a schema, regex or grammar llguidance cannot compile; needs no
+    tokenizer, so a front end can check a format before the model loads."""
+    error = LLMatcher.validate_grammar(grammar(fmt), None)
+    if error:
+        raise RequestError(f"response format {fmt.type}: {_WHAT[fmt.type]} cannot be used: {_one_line(error)}")
 
 
 def _one_line(message: str) -> str:

@@ -17,12 +17,14 @@ from tests.tiny_models import random_llama_folder
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A data dir whose cached peaks spare the tests measuring this machine."""
+    """A data dir whose cached peaks spare the tests measuring this machine (the bandwidth's start-up check reads
+    3 copies; none reads above 1 TB/s, so the full measurement never runs)."""
     from app.bench.machine import flops_label
     from app.tui.chips import _cpu_name
 
     h = tmp_path_factory.mktemp("home")
-    (h / "bandwidth.json").write_text(json.dumps({"label": _cpu_name(), "bytes_per_s": 10e9}))
+    (h / "bandwidth.json").write_text(json.dumps({"label": _cpu_name(), "bytes_per_s": 1e12, "median": 1e12,
+                                                  "low": 1e12, "runs": 15}))
     (h / "peak_flops.json").write_text(json.dumps({"label": flops_label("cpu"), "flops": 1e11}))
     return h
 
@@ -61,7 +63,7 @@ def test_bench_writes_well_formed_json(bench_run: tuple[dict, str]) -> None:
     m = data["machine"]
     assert m["backend"] == "mlx" and m["device"] in ("cpu", "metal") and "mlx" in m["versions"]
     assert data["settings"] == {"prompt_tokens": 16, "gen_tokens": 4, "repeats": 2, "batches": [1, 2],
-                                "contexts": [0, 32]}
+                                "contexts": [0, 32], "skipped_contexts": []}
     assert [(r["batch"], r["context"]) for r in data["rows"]] == [(1, 0), (1, 32), (2, 0), (2, 32)]
     for r in data["rows"]:
         assert len(r["pp"]["values"]) == 2 and len(r["tg"]["values"]) == 2
@@ -86,7 +88,7 @@ def test_bench_markdown_table(bench_run: tuple[dict, str]) -> None:
     assert len(body) == 8  # 4 (batch, depth) points x (pp, tg)
     assert [x.split("|")[5].strip() for x in body[:4]] == ["pp16", "tg4", "pp16 @ d32", "tg4 @ d32"]
     assert all("±" in x and "%" in x for x in body)
-    assert "decode roofline: 10 GB/s" in out and "(measured" in out
+    assert "decode roofline: 1000 GB/s" in out and "(measured: numpy copy, read + write bytes: best of 15" in out
 
 
 def test_compare_prints_ratios_and_writes_png(bench_run: tuple[dict, str], tmp_path: Path) -> None:
@@ -188,3 +190,51 @@ def test_bench_on_the_torch_backend(tmp_path: Path, home: Path, capsys: pytest.C
     data = validate(json.loads(out.read_text()))
     assert (data["machine"]["backend"], data["machine"]["device"]) == ("torch", "cpu")
     assert [r["batch"] for r in data["rows"]] == [1, 2] and all(r["tg"]["mean"] > 0 for r in data["rows"])
+
+
+def test_depths_beyond_the_context_are_skipped_and_said(tmp_path: Path, home: Path, capsys: pytest.CaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default sweep's deeper contexts on a 512-token model: the depths that fit are measured, the others
+    named on stderr, in the table's header and in the JSON."""
+    monkeypatch.setenv("ROOFLINE_HOME", str(home))
+    model = random_llama_folder(tmp_path / "tiny")
+    out = tmp_path / "skip.json"
+    r = in_process(capsys, "bench", "--model", str(model), "-p", "8", "-n", "3", "--batch", "1", "--context",
+                   "0,32,600,4096", "--repeats", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "skipping --context 600: with -p 8 -n 3 it needs 609 tokens and the model's context is 512" in r.stderr
+    assert "skipping --context 4096" in r.stderr and "skipped: --context 600,4096" in r.stdout
+    data = validate(json.loads(out.read_text()))
+    assert data["settings"]["contexts"] == [0, 32] and data["settings"]["skipped_contexts"] == [600, 4096]
+    assert [(row["batch"], row["context"]) for row in data["rows"]] == [(1, 0), (1, 32)]
+
+
+def test_rows_print_as_they_finish_off_a_terminal_and_ctrl_c_keeps_them(tmp_path: Path, home: Path) -> None:
+    """stdout a pipe, as in `roofline bench | tee`: each point's rows arrive while the sweep runs, and SIGINT after
+    the first keeps what was measured (on stdout and in --json, marked interrupted), exit code 130."""
+    import os
+    import signal
+    import sys
+
+    model = random_llama_folder(tmp_path / "tiny")
+    out = tmp_path / "partial.json"
+    # a sweep of minutes, so that the signal lands inside it; SIGINT as a terminal delivers it (a test run in the
+    # background of a non-interactive shell ignores SIGINT, and a child would inherit that)
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "bench", "--model", str(model), "-p", "8", "-n", "200",
+                             "--batch", "1,2,3,4,5,6,7,8", "--context", "0,16,32,64", "--repeats", "5", "--json",
+                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "ROOFLINE_HOME": str(home)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if " tg200 " in line:  # the first point is done: the sweep has 31 to go
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted: kept the" in err
+    data = validate(json.loads(out.read_text()))
+    assert data["interrupted"] is True and 1 <= len(data["rows"]) < 32
+    printed = [x for x in (lines + rest.splitlines(keepends=True)) if " pp8 " in x or " tg200 " in x]
+    assert len(printed) == 2 * len(data["rows"])

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.tiny_models import GOLDEN
 
@@ -30,6 +31,35 @@ def test_no_arguments_prints_help() -> None:
     assert r.returncode == 0 and "generate" in r.stdout and "tokens" in r.stdout
 
 
+def test_a_typo_is_one_line_with_a_did_you_mean() -> None:
+    """Not the 12-line usage: the mistake, the nearest command, choice or option, and where the help is."""
+    assert_one_line_error(roofline("genrate", "-p", "x"), "unknown command 'genrate'", "did you mean generate?",
+                          "roofline --help")
+    assert_one_line_error(roofline("generate", "-p", "x", "--seed", "abc"), "--seed 'abc': expected an integer",
+                          "roofline generate --help")
+    assert_one_line_error(roofline("generate", "-p", "x", "--tmep", "0.5"), "unknown option --tmep",
+                          "did you mean --temp?")
+    assert_one_line_error(roofline("bench", "--backend", "trch"), "--backend 'trch': expected one of mlx, torch",
+                          "did you mean torch?")
+    assert_one_line_error(roofline("generate"), "roofline generate needs --prompt/-p")
+
+
+def test_a_bad_regex_or_draft_model_fails_before_the_model_loads(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Checked first: a load of the embedded model alone takes 6-7 s here."""
+    import mlx_engine
+    from app import cli
+
+    monkeypatch.setattr(mlx_engine.Engine, "load", lambda *a, **k: pytest.fail("the model was loaded first"))
+    (tmp_path / "colour.json").write_text('{"type": "colour"}')
+    for args, needles in ((("--regex", "(yes|no"), ("the regex cannot be used", "unclosed group")),
+                          (("--json-schema", str(tmp_path / "colour.json")), ("the JSON Schema cannot", "colour")),
+                          (("--draft-model", "/nowhere/draft.gguf"), ("--draft-model: model not found",))):
+        assert cli.main(["generate", "-p", "x", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("roofline: error: ") and len(err.strip().splitlines()) == 1
+        assert all(n in err for n in needles), err
+
+
 def test_generate_json_on_embedded_model_answers_paris() -> None:
     r = roofline("generate", "-p", "What is the capital of France?", "--max-tokens", "8", "--json")
     assert r.returncode == 0, r.stderr
@@ -50,6 +80,17 @@ def test_generate_held_to_a_json_schema_and_a_regex(tmp_path: Path) -> None:
     r = roofline("generate", "-p", "Is water wet? Answer yes or no.", "--regex", "(yes|no)", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["text"] in ("yes", "no")
+
+
+def test_generate_cut_by_max_tokens_inside_a_character_ends_on_a_whole_one() -> None:
+    """🎉 is three of SmolLM2's tokens (<0xF0><0x9F>, <0x8E>, <0x89>): one token of it is no character, so the
+    reply's text is empty, not U+FFFD; four tokens are the emoji and half of the next."""
+    r = roofline("generate", "-p", "Reply with a party emoji.", "--regex", "🎉🎉", "-n", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["text"], out["finish_reason"], out["usage"]["completion_tokens"]) == ("", "length", 1)
+    r = roofline("generate", "-p", "Reply with a party emoji.", "--regex", "🎉🎉", "-n", "4", "--json")
+    assert json.loads(r.stdout)["text"] == "🎉"
 
 
 def test_generate_with_a_bad_schema_file_is_one_line(tmp_path: Path) -> None:
@@ -112,6 +153,14 @@ def test_prompt_too_long_is_one_clear_line(tmp_path: Path) -> None:
     assert_one_line_error(r, "300 tokens", "context is 256 tokens")
 
 
+def test_generate_on_a_model_without_a_tokenizer_says_so_in_one_line() -> None:
+    """The tiny golden llama has weights and config only: generate says what is missing and what works instead,
+    not the API's "send prompt_token_ids"."""
+    r = roofline("generate", "--model", str(GOLDEN / "llama"), "-p", "hi", "-n", "2")
+    assert_one_line_error(r, "llama came without a tokenizer", "tokenizer.json", "roofline logits --token-ids")
+    assert "prompt_token_ids" not in r.stderr
+
+
 def test_tokens_on_vocabulary_only_gguf(tmp_path: Path) -> None:
     import gguf
 
@@ -146,17 +195,35 @@ def test_kv_sizes_llama3_70b_from_config_alone(tmp_path: Path) -> None:
     config = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
               "num_key_value_heads": 8, "max_position_embeddings": 8192, "vocab_size": 128256}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    r = roofline("kv", "--model", str(tmp_path), "--context", "100000")
+    r = roofline("kv", "--model", str(tmp_path), "--context", "100000", "--dtype", "float16")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("32.8 GB (32,768,000,000 bytes) of KV for 1 x 100,000 tokens in float16")
     assert "327,680 bytes per token" in r.stdout
 
 
 def test_kv_on_embedded_gguf_with_quantized_kv() -> None:
-    r = roofline("kv", "--context", "8192", "--batch", "4", "--kv-bits", "8")
+    r = roofline("kv", "--context", "8192", "--batch", "4", "--kv-bits", "8", "--dtype", "float16")
     # 30 layers x 3 KV heads x (64 bytes + 2 x 2 bytes of scale and bias per group of 64) x 2 (K, V)
     assert r.returncode == 0 and "(401,080,320 bytes) of KV for 4 x 8,192 tokens in 8-bit" in r.stdout
     assert "12,240 bytes per token" in r.stdout
+
+
+def test_kv_defaults_to_what_this_machines_engine_stores_and_says_so(capsys) -> None:
+    """No --dtype: the bytes per token the engine itself allocates here (float32 on MLX's CPU backend, float32
+    scales for quantized KV), and the dtype named."""
+    from app.cli import main
+    from mlx_engine import Engine
+    from mlx_engine.roofline import kv_dtype_here
+
+    dtype, why = kv_dtype_here()
+    for extra, kv_bits in (((), None), (("--kv-bits", "8"), 8)):
+        assert main(["kv", "--context", "4096", *extra]) == 0
+        line = capsys.readouterr().out
+        assert f"{dtype}" in line and why in line
+        per_token = int(line.split(" bytes per token")[0].rsplit(", ", 1)[1].replace(",", ""))
+        with Engine.load(None, **({"kv_bits": kv_bits} if kv_bits else {})) as e:
+            stats = e.kv_stats()
+            assert per_token == stats["bytes_per_block"] // stats["block_size"], (line, stats)
 
 
 def test_kv_bad_model_is_one_clear_line(tmp_path: Path) -> None:
@@ -166,7 +233,8 @@ def test_kv_bad_model_is_one_clear_line(tmp_path: Path) -> None:
 
 
 def test_kv_with_8bit_keys_and_4bit_values() -> None:
-    r = roofline("kv", "--context", "8192", "--batch", "4", "--kv-bits", "4", "--kv-key-bits", "8")
+    r = roofline("kv", "--context", "8192", "--batch", "4", "--kv-bits", "4", "--kv-key-bits", "8", "--dtype",
+                 "float16")
     # 30 layers x 3 KV heads x (K: 64 + 4 bytes, V: 32 + 4 bytes of packed values, scale and bias per group)
     assert r.returncode == 0, r.stderr
     assert "(306,708,480 bytes) of KV for 4 x 8,192 tokens in 8-bit keys, 4-bit values" in r.stdout
@@ -177,12 +245,12 @@ def test_kv_with_8bit_keys_and_4bit_values() -> None:
 def test_kv_at_4_bits_counts_keys_per_channel() -> None:
     """4-bit keys are grouped per channel over each block (the engine's default): a scale and a bias per channel
     and block of 16 tokens."""
-    r = roofline("kv", "--context", "8192", "--kv-bits", "4")
+    r = roofline("kv", "--context", "8192", "--kv-bits", "4", "--dtype", "float16")
     # 30 layers x 3 KV heads x (K: 32 + 2 x 2 bytes x 64 / 16, V: 32 + 4 bytes of packed values, scale and bias)
     assert r.returncode == 0, r.stderr
     assert "(8,192 x 7,560 bytes" not in r.stdout and "7,560 bytes per token" in r.stdout
-    assert "4-bit (g64, keys per channel over 16-token blocks)" in r.stdout
-    r = roofline("kv", "--context", "8192", "--kv-bits", "4", "--block-size", "32")
+    assert "4-bit (g64, keys per channel over 16-token blocks, float16 scales)" in r.stdout
+    r = roofline("kv", "--context", "8192", "--kv-bits", "4", "--block-size", "32", "--dtype", "float16")
     assert r.returncode == 0 and "6,840 bytes per token" in r.stdout  # K: 32 + 2 x 2 x 64 / 32
 
 
@@ -259,9 +327,10 @@ def test_draft_flags_without_a_draft_model_are_one_clear_line(monkeypatch, capsy
         "roofline: error: invalid sampling parameter num_draft_tokens=17: expected an integer in [1, 16]")
     seen: dict = {}
     monkeypatch.setattr(server_pkg, "serve", lambda factory, **kw: seen.update(kw) or 0)
-    assert cli.main(["serve", "--draft-model", "small.gguf"]) == 0 and seen["speculative"] == "auto"
-    assert cli.main(["serve", "--draft-model", "small.gguf", "--speculative", "off"]) == 0
+    small = str(GOLDEN / "llama")  # a draft model must exist: it is looked up before anything loads
+    assert cli.main(["serve", "--draft-model", small]) == 0 and seen["speculative"] == "auto"
+    assert cli.main(["serve", "--draft-model", small, "--speculative", "off"]) == 0
     assert seen["speculative"] is None
     monkeypatch.setattr(tui_pkg, "run", lambda model, **options: seen.update(chat=(model, options)) or 0)
-    assert cli.main(["chat", "-m", "big.gguf", "--draft-model", "small.gguf", "--draft-bits", "8"]) == 0
-    assert seen["chat"] == ("big.gguf", {"draft_model": "small.gguf", "draft_bits": 8, "draft_optional": True})
+    assert cli.main(["chat", "-m", "big.gguf", "--draft-model", small, "--draft-bits", "8"]) == 0
+    assert seen["chat"] == ("big.gguf", {"draft_model": small, "draft_bits": 8, "draft_optional": True})

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels_metal import _backend, paged_decode_attention, reference
+from kernels_metal import KVPool, _backend, reference
+from kernels_metal import paged_decode_attention as _paged_decode_attention
 from kernels_metal.paged_attention import HEAD_DIMS
 
 ATOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
@@ -30,6 +31,22 @@ needs_interpreter = pytest.mark.skipif(
 
 
 # ---------------------------------------------------------------- inputs
+
+# A case is a flat dict of the kernel's arguments with the pool's fields spelled out (k_pool, v_pool, k_scales, ...,
+# bits, group_size, k_bits, k_per_channel), so a test can replace any one of them; `call` builds the `KVPool`.
+POOL_FIELDS = {"k_pool": "k", "v_pool": "v", "k_scales": "k_scales", "k_biases": "k_biases", "v_scales": "v_scales",
+               "v_biases": "v_biases", "bits": "bits", "group_size": "group_size", "k_bits": "k_bits",
+               "k_per_channel": "k_per_channel"}
+
+
+def call(case: dict) -> dict:
+    """A case as `paged_decode_attention`'s keyword arguments."""
+    pool = KVPool(**{POOL_FIELDS[k]: v for k, v in case.items() if k in POOL_FIELDS})
+    return {"pool": pool, **{k: v for k, v in case.items() if k not in POOL_FIELDS}}
+
+
+def paged_decode_attention(**case) -> mx.array:
+    return _paged_decode_attention(**call(case))
 
 
 def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -339,10 +356,10 @@ def quant_case(**overrides) -> dict:
         (
             lambda: small_case(k_pool=mx.zeros((5, 16, 2, 64), dtype=mx.uint32)),
             TypeError,
-            ["k_pool", "uint32"],
+            ["pool.k", "uint32"],
         ),
-        (lambda: small_case(v_pool=mx.zeros((5, 16, 2, 64))), ValueError, ["v_pool", "shape"]),
-        (lambda: small_case(k_pool=mx.zeros((5, 16, 2, 32))), ValueError, ["k_pool", "last dim 64", "32"]),
+        (lambda: small_case(v_pool=mx.zeros((5, 16, 2, 64))), ValueError, ["pool.v", "shape"]),
+        (lambda: small_case(k_pool=mx.zeros((5, 16, 2, 32))), ValueError, ["pool.k", "last dim 64", "32"]),
         (
             lambda: small_case(block_tables=mx.zeros((2, 3), dtype=mx.int64)),
             TypeError,
@@ -372,11 +389,11 @@ def quant_case(**overrides) -> dict:
         (lambda: small_case(scale="0.1"), TypeError, ["scale", "str"]),
         (lambda: small_case(bits=3), ValueError, ["bits", "3"]),
         (lambda: small_case(k_scales=mx.zeros((1,))), ValueError, ["k_scales", "None"]),
-        (lambda: quant_case(bits=8), ValueError, ["k_pool", "last dim 16", "8"]),
+        (lambda: quant_case(bits=8), ValueError, ["pool.k", "last dim 16", "8"]),
         (lambda: quant_case(group_size=48), ValueError, ["group_size", "48"]),
         (lambda: quant_case(v_biases=None), ValueError, ["v_biases", "None"]),
         (lambda: quant_case(k_scales=mx.zeros((4, 16, 1, 4))), ValueError, ["k_scales", "shape"]),
-        (lambda: quant_case(k_pool=mx.zeros((4, 16, 1, 8))), TypeError, ["k_pool", "uint32", "float32"]),
+        (lambda: quant_case(k_pool=mx.zeros((4, 16, 1, 8))), TypeError, ["pool.k", "uint32", "float32"]),
         (lambda: small_case(partition_size=0), ValueError, ["partition_size", "0"]),
         (lambda: small_case(backend="cuda"), ValueError, ["backend", "cuda"]),
     ],
@@ -469,9 +486,9 @@ def mixed_case(**overrides) -> dict:
     [
         (lambda: mixed_case(k_bits=3), ["k_bits", "3", "(4, 8)"]),
         (lambda: small_case(k_bits=8), ["k_bits", "None when bits is None", "8"]),
-        (lambda: quant_case(k_bits=8), ["k_pool", "last dim 16", "k_bits", "8"]),  # 4-bit keys, k_bits=8
-        (lambda: mixed_case(k_bits=None), ["k_pool", "last dim 8", "bits"]),  # 8-bit keys read as 4-bit
-        (lambda: mixed_case(v_pool=mixed_case()["k_pool"]), ["v_pool", "last dim", "64 * 4 / 32"]),
+        (lambda: quant_case(k_bits=8), ["pool.k", "last dim 16", "k_bits", "8"]),  # 4-bit keys, k_bits=8
+        (lambda: mixed_case(k_bits=None), ["pool.k", "last dim 8", "bits"]),  # 8-bit keys read as 4-bit
+        (lambda: mixed_case(v_pool=mixed_case()["k_pool"]), ["pool.v", "last dim", "64 * 4 / 32"]),
     ],
 )
 def test_bad_mixed_bits_raise(make, words):
@@ -609,3 +626,80 @@ def test_bad_per_channel_input_raises(make, error, words):
         paged_decode_attention(**{"backend": "reference", **make()})
     for w in words:
         assert w in str(info.value), f"{w!r} not in {str(info.value)!r}"
+
+
+# ---------------------------------------------------------------- the self-check
+
+
+@pytest.fixture
+def fresh_checks():
+    """No check remembered, kernels built afresh (a test breaks them on purpose), before and after."""
+    from kernels_metal import paged_attention as pa
+
+    _backend.forget_checks()
+    pa._interpret_kernels.cache_clear()
+    yield
+    _backend.forget_checks()
+    pa._interpret_kernels.cache_clear()
+
+
+class WrongKernel:
+    """A kernel whose every output is off by one."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, **kwargs):
+        return [o + 1 for o in self.kernel(**kwargs)]
+
+
+def test_kernel_pool_argument_is_checked():
+    case = call(small_case())
+    with pytest.raises(TypeError, match="pool: expected a kernels_metal.KVPool, got dict"):
+        _paged_decode_attention(**{**case, "pool": {"k": case["pool"].k}}, backend="reference")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("failure", ["compile", "numbers"])
+def test_a_kernel_that_fails_its_check_gives_way_to_its_reference(failure, fresh_checks, monkeypatch):
+    """On "auto", a kernel variant that does not compile, or computes wrong numbers, fails its check once; the
+    reference then runs (the same result), and the failure is recorded once. Asked for by name, the kernel still
+    runs, so the tests above see a broken kernel."""
+    from kernels_metal import paged_attention as pa
+    from kernels_metal.interpret import MetalCompileError, compiler
+
+    monkeypatch.setenv(_backend.INTERPRET_ENV, "1")
+    if failure == "compile":
+        def no_compiler(*args, **kwargs):
+            raise MetalCompileError("simulated: error: use of undeclared identifier 'simd_sum'")
+
+        monkeypatch.setattr(compiler, "build_kernel", no_compiler)
+    else:
+        kernels = {key: WrongKernel(k) for key, k in pa._interpret_kernels().items()}
+        monkeypatch.setattr(pa, "_interpret_kernels", lambda: kernels)
+    case = quant_case()  # 4-bit KV, float16
+    want = run(case, "reference")
+    for _ in range(2):
+        assert np.array_equal(run(case, "auto"), want)
+    failures = _backend.failures("paged_decode_attention")
+    assert len(failures) == 1
+    ((kernel, backend, variant), why), = failures.items()
+    assert (kernel, backend) == ("paged_decode_attention", "interpret")
+    assert variant == ("mlx.core.float16", 64, 4, None, False)  # dtype, head dim, bits, key bits, keys per channel
+    assert ("MetalCompileError: simulated" in why) if failure == "compile" else ("differs from the reference" in why)
+    if failure == "compile":
+        with pytest.raises(MetalCompileError):
+            run(case, "interpret")
+    else:
+        assert float(np.abs(run(case, "interpret") - want).max()) > 0.5
+
+
+@needs_interpreter
+def test_a_sound_kernel_passes_its_check(fresh_checks, monkeypatch):
+    from kernels_metal import paged_attention as pa
+
+    monkeypatch.setenv(_backend.INTERPRET_ENV, "1")
+    for dtype in (mx.float32, mx.bfloat16):
+        for fmt in ({}, {"bits": 8}, {"bits": 4, "k_bits": 8}, {"bits": 4, "k_per_channel": True}):
+            assert pa.self_check("interpret", dtype, 128, **fmt) is None, (dtype, fmt)
+    assert _backend.failures() == {}

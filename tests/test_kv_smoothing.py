@@ -13,6 +13,7 @@ from mlx_engine.kv.paged import PagedKVStorage
 from mlx_engine.kv.smoothing import OFFSET_STEP, SCALE_STEPS, KVSmoothing, calibrate
 from tests.test_kv_paged import stored_scores
 from tests.tiny_models import random_llama_folder
+from tests.tolerance import assert_f32_close
 
 PROMPT = [(7 * i + 3) % 120 + 5 for i in range(45)]
 
@@ -52,8 +53,8 @@ def test_smoothing_changes_no_attention_output_before_quantization(d: int) -> No
     qs = np.array(st.queries(layer, mx.array(q)))[0]
     out = softmax_attention(qs.astype(np.float64), keys, values).astype(np.float32)
     got = np.array(st.outputs(layer, mx.array(out)[None]))[0]
-    maxdiff = float(np.abs(got - want).max())
-    assert maxdiff < 2e-5, maxdiff
+    # float32 floor: 10.1 units (tests/tolerance.py) on an AMD EPYC; x5 headroom
+    assert_f32_close(got, want, 48, "smoothed float32 vs float64")
     assert np.abs(keys - k.transpose(1, 0, 2)).max() > 1  # (sanity: what is stored is not the keys)
 
 
@@ -126,7 +127,7 @@ def test_views_attend_as_over_the_dequantized_keys_and_values(head_major: bool, 
     equals plain attention over the K and V the pool holds, mapped back to the model's basis by hand
     (K = stored @ H.T / s + m_k, V = stored @ H.T + m_v), to float32 rounding. So the quantization error
     is all there is."""
-    from mlx_engine.kv.paged import PagedDecodeView, PagedPrefillView
+    from mlx_engine.kv.views import DecodeStep, PagedDecodeView, PagedPrefillView
 
     rng = np.random.default_rng(2)
     hq, hkv, d, n, scale = 4, 2, 64, 20, 0.125
@@ -151,8 +152,8 @@ def test_views_attend_as_over_the_dequantized_keys_and_values(head_major: bool, 
     assert float(mx.abs(out - want).max()) < 1e-4
     last = [mx.array(x[:, :, n:]) for x in (q, k, v)]  # one decode token at position n
     for all_slots in (None, [slice(0, n + 1)], [slice(0, 7), slice(7, n + 1)], mx.arange(n + 1, dtype=mx.int32)):
-        view = PagedDecodeView(st, 0, n, mx.array([n], dtype=mx.int32), mx.array([[0, 1]], dtype=mx.int32),
-                               mx.array([n + 1], dtype=mx.int32), n + 1, all_slots)
+        view = PagedDecodeView(DecodeStep(st, n, mx.array([n], dtype=mx.int32), mx.array([[0, 1]], dtype=mx.int32),
+                                          mx.array([n + 1], dtype=mx.int32), n + 1, all_slots), 0)
         out = view.attention(*last, scale)
         want = mx.fast.scaled_dot_product_attention(last[0], *held(n + 1), scale=scale)
         assert float(mx.abs(out - want).max()) < 1e-4, all_slots

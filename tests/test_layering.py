@@ -22,7 +22,7 @@ def test_front_ends_import_no_mlx_or_torch() -> None:
     assert not {"mlx", "mlx_lm", "torch", "kernels_metal"} & mods
 
 
-@pytest.mark.parametrize("module", ["mlx_engine.engine", "mlx_engine.runner", "mlx_engine.loading",
+@pytest.mark.parametrize("module", ["mlx_engine.engine", "mlx_engine.backends.mlx.runner", "mlx_engine.loading",
                                     "mlx_engine.tokenizer", "mlx_engine.sampling", "mlx_engine.scheduler",
                                     "mlx_engine.speculative", "mlx_engine.backends"])
 def test_engine_never_imports_textual_or_app(module: str) -> None:

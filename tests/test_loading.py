@@ -22,6 +22,7 @@ from tests.tiny_models import (
     kquants_as_float16,
     write_gguf_from_folder,
 )
+from tests.tolerance import assert_f32_close
 
 IDS = [3, 17, 42, 99, 7, 64, 120, 5, 33, 81, 12, 2]
 
@@ -86,8 +87,8 @@ def test_torch_backend_reads_the_kquant_gguf_alike(kquant_gguf: tuple[Path, Path
     gguf_path, _ = kquant_gguf
     with Engine.load(str(gguf_path)) as mlx_side, Engine.load(str(gguf_path), backend="torch", device="cpu") as t:
         a, b = mlx_side.forward_logits(IDS), t.forward_logits(IDS)
-        # float32 both sides, summed in different orders: 1e-5 of the largest logit (measured 1.6e-4 on 18.3)
-        assert float(np.abs(a - b).max()) <= 1e-5 * float(np.abs(a).max()), float(np.abs(a).max())
+        # float32 floor: 72.8 units (tests/tolerance.py: 1.6e-4 on max |logit| 18.3) on an AMD EPYC; x4 headroom
+        assert_f32_close(b, a, 300, "torch vs MLX")
         assert greedy(mlx_side, IDS) == greedy(t, IDS)
 
 
@@ -353,7 +354,8 @@ def test_kquant_layers_read_the_blocks(tmp_path: Path, monkeypatch, embedding: s
         assert isinstance(got._runner.model.model.embed_tokens, KQuantEmbedding) == embedding.endswith("_K")
         assert got.info.num_parameters == want.info.num_parameters
         a, b = got.forward_logits(IDS), want.forward_logits(IDS)  # 12 rows: dequantized
-        assert float(np.abs(a - b).max()) <= 1e-5 * float(np.abs(b).max())
+        # float32 floor: 28.9 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+        assert_f32_close(a, b, 120, "k-quant layers vs dequantized")
         # decode rows, the kernel's path: the same tokens and log-probabilities
         runs = []
         for engine in (got, want):
@@ -361,7 +363,8 @@ def test_kquant_layers_read_the_blocks(tmp_path: Path, monkeypatch, embedding: s
                 temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0))))
             runs.append(([t for e in events for t in e.token_ids], [lp.logprob for e in events for lp in e.logprobs]))
         assert runs[0][0] == runs[1][0]
-        np.testing.assert_allclose(runs[0][1], runs[1][1], rtol=0, atol=1e-5)
+        # float32 floor: 59.1 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+        assert_f32_close(runs[0][1], runs[1][1], 240, "decode logprobs")
     assert 1 in calls
 
 

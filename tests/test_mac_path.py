@@ -21,6 +21,7 @@ import pytest
 from kernels_metal import _backend
 from mlx_engine import Engine, GenerationRequest, RooflineError, SamplingParams
 from tests.tiny_models import folder_with_weights, gguf_to_hf_names, kquant_llama_gguf, random_llama_folder
+from tests.tolerance import assert_f32_close
 
 PROMPTS = [[(7 * i + 3) % 120 + 5 for i in range(45)], [(11 * i + 5) % 120 + 5 for i in range(21)]]
 WORKING_SET = 6 * 2**30
@@ -79,11 +80,16 @@ def together(engine: Engine, params: SamplingParams) -> list[tuple[list[int], np
     return out
 
 
-def assert_same(got: list, want: list, atol: float) -> None:
+def assert_same(got: list, want: list, atol: float | None = None, units: float | None = None) -> None:
+    """Same tokens and top ids; log-probabilities within `atol` (half precision) or `units` (float32 both, in
+    tests/tolerance.py's units)."""
     for (tokens, top, _), (want_tokens, want_top, _) in zip(got, want, strict=True):
         assert tokens == want_tokens
         assert np.array_equal(top[..., 0], want_top[..., 0])
-        assert float(np.abs(top[..., 1] - want_top[..., 1]).max()) <= atol
+        if units is not None:
+            assert_f32_close(top[..., 1], want_top[..., 1], units, "log-probabilities")
+        else:
+            assert float(np.abs(top[..., 1] - want_top[..., 1]).max()) <= atol
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
@@ -109,11 +115,15 @@ def test_batched_decode_on_a_mac_matches_the_cpu_path(llama: Path, kv: dict, req
     assert launches.attention > 0
     # quantized KV: the two paths' projections (MLX's matmul here, numpy's BLAS on the CPU path) differ in the
     # last float bits, and now and then that moves a key across a rounding edge of its code (measured: 2e-3 at 8 bits)
-    assert_same(got, want, atol=1e-4 if not kv else 1e-2)
+    if kv:
+        assert_same(got, want, atol=1e-2)
+    else:
+        # float32 floor: 28.6 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+        assert_same(got, want, units=128)
 
 
 def test_a_mac_budgets_kv_from_metals_working_set(mac: Launches, llama: Path) -> None:
-    from mlx_engine.kv.cache import available_memory_bytes
+    from mlx_engine.kv.config import available_memory_bytes
 
     assert available_memory_bytes(2**30) == WORKING_SET - 2**30
     with pytest.raises(RooflineError, match="device='cpu' with backend='mlx' on a Mac"):
@@ -156,7 +166,8 @@ def test_kquant_blocks_on_a_mac_match_the_exact_weights(tmp_path: Path, request:
     with Engine.load(str(path), block_size=16, dtype="float32") as e:
         got = together(e, GREEDY)
     assert launches.kquant > 0 and launches.attention > 0
-    assert_same(got, want, atol=1e-4)
+    # float32 floor: 50.6 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+    assert_same(got, want, units=208)
 
 
 def test_speculation_on_a_mac_matches_the_cpu_path(llama: Path, request: pytest.FixtureRequest) -> None:
@@ -175,7 +186,8 @@ def test_speculation_on_a_mac_matches_the_cpu_path(llama: Path, request: pytest.
     for mode in ("draft", "prompt-lookup"):
         assert [r[0] for r in runs["mac"][mode]] == plain, mode
         assert [r[2] for r in runs["mac"][mode]] == [r[2] for r in runs["cpu"][mode]], mode
-        assert_same(runs["mac"][mode], runs["cpu"][mode], atol=1e-4)
+        # float32 floor: 17.0 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+        assert_same(runs["mac"][mode], runs["cpu"][mode], units=72)
     # 8 tokens: the prefill's, then verifications of 3 drafts (+ the bonus token) until the budget cuts one short
     assert [r[2] for r in runs["mac"]["draft"]] == [5, 5]
 
@@ -183,7 +195,7 @@ def test_speculation_on_a_mac_matches_the_cpu_path(llama: Path, request: pytest.
 def test_a_mac_keeps_the_recommended_working_set_wired(mac: Launches, llama: Path, monkeypatch) -> None:
     """As mlx-lm does: the wired limit is Metal's recommended working set, so weights and KV stay resident between
     requests; weights near that size get a note. Never on the CPU path."""
-    from mlx_engine.runner import wire_memory
+    from mlx_engine.backends.mlx.load import wire_memory
 
     with Engine.load(str(llama)) as e:
         assert mac.wired == [WORKING_SET]

@@ -10,6 +10,7 @@ import pytest
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams
 from tests.tiny_models import random_llama_folder
+from tests.tolerance import assert_f32_close
 
 PROMPTS = [[(5 * i + 7 * k) % 120 + 4 for i in range(n)] for k, n in enumerate([9, 40, 17, 70, 3, 33])]
 
@@ -59,8 +60,8 @@ def test_concurrent_requests_equal_sequential_runs(folder: Path, head_major: boo
     for (tokens, lps, final), (want_tokens, want_lps), p in zip(got, want, ps):
         assert tokens == want_tokens
         assert final.finish_reason == "length" and final.usage.completion_tokens == p.max_tokens
-        diff = max(abs(a.logprob - b.logprob) for a, b in zip(lps, want_lps))
-        assert diff <= 1e-5, diff
+        # float32 floor: 9.8 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+        assert_f32_close([a.logprob for a in lps], [b.logprob for b in want_lps[:len(lps)]], 40, "batched vs alone")
 
 
 def test_request_joins_while_others_decode(folder: Path) -> None:
@@ -99,7 +100,7 @@ def test_a_step_is_one_forward_over_decode_rows_and_prefill_chunks(folder: Path,
     """A decoding request and two new prompts: their step packs the decode row and both prompts' chunks
     into one forward of (1, 1 + 16 + 16) rows (the chunk size is 16), every step is one forward, and each
     request gets the tokens and log-probabilities it gets alone."""
-    from mlx_engine.runner import Runner
+    from mlx_engine.backends.mlx.runner import Runner
 
     shapes: list[tuple[int, ...]] = []
     forward = Runner.forward
@@ -120,7 +121,9 @@ def test_a_step_is_one_forward_over_decode_rows_and_prefill_chunks(folder: Path,
     for (tokens, lps, _), prompt, p, skip in zip(got, (PROMPTS[0], PROMPTS[1], PROMPTS[3]), ps, (1, 0, 0)):
         want_tokens, want_lps = alone(folder, prompt, p)
         assert tokens == want_tokens[skip:]
-        assert max(abs(x.logprob - y.logprob) for x, y in zip(lps, want_lps[skip:])) <= 1e-5
+        # float32 floor: 7.7 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+        want = [y.logprob for y in want_lps[skip:][:len(lps)]]
+        assert_f32_close([x.logprob for x in lps], want, 32, "packed vs alone")
     assert list(first.token_ids) == alone(folder, PROMPTS[0], ps[0])[0][:1]
 
 
@@ -242,7 +245,7 @@ def test_plain_rows_are_sampled_by_the_runner(folder: Path, monkeypatch, samplin
     """Requests without bias, penalties or log-probabilities get their tokens from the runner's `rows_sample`
     (where a GPU runner keeps its logits); asking for log-probabilities takes every row through the scheduler's
     own sampling. On the MLX runner the tokens are the same, seeded draws included."""
-    from mlx_engine.runner import Runner
+    from mlx_engine.backends.mlx.runner import Runner
     from mlx_engine.scheduler import Scheduler
 
     calls = {"runner": 0, "scheduler": 0}
@@ -274,7 +277,7 @@ def test_plain_rows_are_sampled_by_the_runner(folder: Path, monkeypatch, samplin
 def test_decode_step_timer_leaves_the_cache_as_it_found_it(folder: Path, backend: str) -> None:
     """bench/server.py times B-sequence decode steps on a live engine: its sequences' blocks and prefix hashes
     are gone afterwards, and the next request decodes exactly as before."""
-    from mlx_engine.bench import time_decode_step
+    from mlx_engine.speculative.timing import time_decode_step
 
     opts: dict = {}
     if backend == "torch":

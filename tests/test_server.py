@@ -15,6 +15,7 @@ from mlx_engine import Engine, GenerationRequest, SamplingParams
 
 from app.server import create_app
 from tests.server_fakes import LiveServer, wait_until
+from tests.tolerance import assert_f32_close
 
 HI = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -159,7 +160,11 @@ def test_a_batch_of_prompts_with_echo_scores_them_as_lm_eval_does(client, engine
     assert r.usage.prompt_tokens == only.usage.prompt_tokens and only.usage.completion_tokens == 0
     for ids, choice, scored in zip(prompts, only.choices, r.choices):
         assert choice.finish_reason == "length" and choice.text == engine.tokenizer.decode(ids)
-        assert choice.logprobs.token_logprobs == scored.logprobs.token_logprobs[:len(ids)]
+        got, want = choice.logprobs.token_logprobs, scored.logprobs.token_logprobs[:len(ids)]
+        assert got[0] is want[0] is None and len(got) == len(want)
+        # the second request scores from the first's blocks in the prefix cache: equal to float32 rounding, not bit
+        # for bit (here 1.4 units of tests/tolerance.py, on an AMD EPYC; x11 headroom)
+        assert_f32_close(got[1:], want[1:], 16, "echo scores, max_tokens 0 vs 1")
     plain = client.completions.create(model=model_id, prompt="Hello there", echo=True, max_tokens=0)
     assert plain.choices[0].text == "Hello there" and plain.choices[0].logprobs is None
 

@@ -17,7 +17,9 @@ import pytest
 
 from mlx_engine import Engine, GenerationRequest, RequestError, RooflineError, SamplingParams
 from mlx_engine.api import NO_DRAFT_MODEL, ModelLoadError
-from mlx_engine.speculative import CostCurve, prompt_lookup, rejection_sample
+from mlx_engine.speculative.accept import rejection_sample
+from mlx_engine.speculative.cost import CostCurve
+from mlx_engine.speculative.proposers import prompt_lookup
 from tests.tiny_models import GOLDEN, random_llama_folder
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 11, 12, 5, 6, 30, 31, 32, 33, 5, 6, 7, 8] * 2  # 42 tokens, repeats
@@ -266,7 +268,7 @@ def test_greedy_identical_with_keys_quantized_per_channel(tmp_path: Path) -> Non
 def test_rollback_leaves_the_kv_of_a_fresh_run(models, paged: bool, mode: str) -> None:
     """After rejections the target's KV (gathered through the block table, or the buffers) equals that of
     one fresh forward over the accepted tokens; the draft model's KV likewise."""
-    from mlx_engine.runner import Runner
+    from mlx_engine.backends.mlx.runner import Runner
 
     target, draft = models
     runner = Runner.load(str(target), paged_kv=paged, draft_model=str(draft), prefix_caching=False)
@@ -373,7 +375,7 @@ def test_auto_steps_aside_on_a_steep_cost_curve_and_speculates_on_a_flat_one(mod
 def test_auto_falls_back_to_prompt_lookup_when_the_draft_model_cannot_pay(models) -> None:
     """A loaded draft model as costly as the target never pays, whatever it proposes; "auto" then drafts
     by prompt lookup (free) instead of giving up on speculation."""
-    from mlx_engine.speculative import DraftModel, PromptLookup
+    from mlx_engine.speculative.proposers import DraftModel, PromptLookup
 
     target, _ = models
     with Engine.load(str(target), draft_model=str(target)) as e:
@@ -414,7 +416,9 @@ def test_auto_acceptance_weighs_recent_verifications() -> None:
     """An edit reply: a preamble whose drafts fail, then a quote whose drafts all pass. The estimate
     follows the quote within a few verifications; the request's own counts keep every draft. A rejection
     counts once: the drafts after it were never tested."""
-    from mlx_engine.speculative import PRIOR_WEIGHT, VERIFY_DECAY, PromptLookup, SpecState, tested_tokens
+    from mlx_engine.speculative.accept import tested_tokens
+    from mlx_engine.speculative.policy import PRIOR_WEIGHT, VERIFY_DECAY, SpecState
+    from mlx_engine.speculative.proposers import PromptLookup
 
     assert [tested_tokens(4, a) for a in range(5)] == [1, 2, 3, 4, 4]
     st = SpecState("auto", PromptLookup(), 8, prior=0.7)
@@ -436,7 +440,8 @@ def test_auto_estimate_recovers_over_declined_candidates() -> None:
     """Three drafts rejected at their first token put "auto"'s estimate below what pays on MLX's CPU curve; the
     plain steps it then takes while prompt lookup still has candidates let those rejections fade (IDLE_DECAY),
     so it verifies again after one; with no candidate it would never have aged."""
-    from mlx_engine.speculative import IDLE_DECAY, PRIOR_WEIGHT, VERIFY_DECAY, PromptLookup, SpecState
+    from mlx_engine.speculative.policy import IDLE_DECAY, PRIOR_WEIGHT, VERIFY_DECAY, SpecState
+    from mlx_engine.speculative.proposers import PromptLookup
 
     curve = CostCurve({1: 1.0, 2: 1.32, 3: 1.62, 4: 1.87, 5: 1.96, 9: 3.09})  # measured, float32 host weights
     st = SpecState("auto", PromptLookup(), 8, prior=0.7)
@@ -460,7 +465,8 @@ def _auto_reply(curve: CostCurve, accept: Callable[[int], int], length: int,
     budget)."""
     from types import SimpleNamespace
 
-    from mlx_engine.speculative import AUTO_LOSS_SHARE, PromptLookup, SpecState, probe_allowance
+    from mlx_engine.speculative.policy import AUTO_LOSS_SHARE, SpecState, probe_allowance
+    from mlx_engine.speculative.proposers import PromptLookup
 
     proposer = SimpleNamespace(draft_cost=draft_cost) if draft_cost else PromptLookup()
     st = SpecState("auto", proposer, 8, prior=0.7)
@@ -485,7 +491,7 @@ def test_auto_loses_at_most_its_budget_when_every_draft_fails(curve: CostCurve, 
     """A reply that keeps quoting just enough for prompt lookup to propose, and whose drafts all fail: "auto"
     still probes (the estimate recovers over declined candidates), but never beyond what its loss budget
     allows, ~2% here. Without the budget the same reply costs 10-12% more than plain decoding."""
-    import mlx_engine.speculative as sp
+    import mlx_engine.speculative.policy as sp
 
     cost, forwards, over = _auto_reply(curve, lambda k: 0, 200)
     assert over <= 1e-9 and cost <= 200 * 1.025
@@ -509,7 +515,8 @@ def test_auto_drafts_by_prompt_lookup_where_the_text_recurs_and_by_the_draft_mod
     context (the text recurs or not), so failed copies do not put the model off, and the other way round."""
     from types import SimpleNamespace
 
-    from mlx_engine.speculative import COPY_CONTEXT_PRIOR, PromptLookup, SpecState, probe_allowance
+    from mlx_engine.speculative.policy import COPY_CONTEXT_PRIOR, SpecState, probe_allowance
+    from mlx_engine.speculative.proposers import PromptLookup
 
     lookup, model = PromptLookup(), SimpleNamespace(name="draft", draft_cost=0.3)
     st = SpecState("auto", model, 8, proposers=[lookup, model], priors=[0.7, 0.7])
@@ -549,7 +556,7 @@ def test_auto_allowance_admits_a_draft_models_first_verification(monkeypatch) ->
     """A draft model's rejected drafts cost their forwards: on the torch CPU curve an int8 draft (0.3 T(1) a
     token) is worth verifying at k = 3 (predicted 1.12x at the prior acceptance 0.7), whose worst case loses
     1.36 + 0.9 - 1 = 1.26 T(1). The allowance admits that first verification; prompt lookup's stays 0.5."""
-    import mlx_engine.speculative as sp
+    import mlx_engine.speculative.policy as sp
 
     assert TORCH_CPU_CURVE.best_k(0.7, 8, 0.3) == 3
     assert sp.probe_allowance(TORCH_CPU_CURVE, 0.7, 8, 0.3) == pytest.approx(1.26)
@@ -578,7 +585,7 @@ def test_auto_charges_a_draft_model_what_its_proposals_took() -> None:
     "auto" books that time, and its cost per drafted token moves toward it, for later requests too."""
     from types import SimpleNamespace
 
-    from mlx_engine.speculative import DRAFT_COST_EMA, SpecState
+    from mlx_engine.speculative.policy import DRAFT_COST_EMA, SpecState
 
     curve = CostCurve({1: 1.0, 2: 1.5, 9: 1.9}, t1_s=0.05)
     draft = SimpleNamespace(name="draft", draft_cost=0.3, last_spent=(0.1, 4, True))  # 4 drafts in 2 T(1)
@@ -623,8 +630,8 @@ def test_a_draft_models_guess_saves_forwards_and_changes_no_draft(models, monkey
     own drafts. A right guess makes the k drafts in one forward; one right for two tokens, in one forward and three
     of one row; a wrong one, as without a guess. The drafts, their distributions, the draft's KV and the sampling
     keys used are the same every way."""
-    import mlx_engine.speculative as sp
-    from mlx_engine.runner import Runner
+    import mlx_engine.speculative.proposers as sp
+    from mlx_engine.backends.mlx.runner import Runner
     from mlx_engine.sampling import Sampler
 
     runner = Runner.load(str(models[1]), paged_kv=False)
@@ -658,7 +665,7 @@ def test_a_draft_models_guess_saves_forwards_and_changes_no_draft(models, monkey
 def test_draft_cost_is_timed_beside_a_target_step(models, monkeypatch) -> None:
     """A draft model's cost is its step over a target step timed with it, not over the curve's T(1) timed
     earlier: a slow spell of the machine then slows both."""
-    import mlx_engine.speculative as sp
+    import mlx_engine.speculative.timing as sp
 
     target, draft = models
     with Engine.load(str(target), draft_model=str(draft)) as e:
@@ -674,7 +681,7 @@ def test_auto_verifications_fund_wider_ones_in_the_scheduler(models, monkeypatch
     """Through the engine: a perfect draft (the target itself, timed as free) on MLX's CPU curve. The
     scheduler books each verification's saving, so "auto" widens its drafts within a few steps. (Prompt lookup
     is kept out: the random model's reply recurs, and its drafts would not all pass.)"""
-    from mlx_engine.speculative import PromptLookup
+    from mlx_engine.speculative.proposers import PromptLookup
 
     monkeypatch.setattr(PromptLookup, "worth_trying", lambda self, known: False)
     target, _ = models
@@ -771,7 +778,8 @@ def test_smollm2_prompt_lookup_greedy_identical() -> None:
 def test_cost_curve_is_kept_and_reused_by_the_next_engine(models, monkeypatch, tmp_path: Path) -> None:
     """The first "auto" request measures the curve and writes it under ROOFLINE_CACHE_DIR; a second engine on
     the same model reads it and measures nothing; another key (here another MLX version) measures again."""
-    import mlx_engine.speculative as sp
+    import mlx_engine.speculative.cost as sp
+    import mlx_engine.speculative.timing as timing
 
     monkeypatch.setenv("ROOFLINE_CACHE_DIR", str(tmp_path / "cache"))
     calls: list[object] = []
@@ -780,7 +788,7 @@ def test_cost_curve_is_kept_and_reused_by_the_next_engine(models, monkeypatch, t
         calls.append(runner)
         return CostCurve({1: 1.0, 2: 1.9, 3: 2.7}, t1_s=0.004)  # steep: "auto" steps aside
 
-    monkeypatch.setattr(sp, "measure_cost_curve", fake_measure)
+    monkeypatch.setattr(timing, "measure_cost_curve", fake_measure)
     target, _ = models
     with Engine.load(str(target)) as e:
         plain, _, _ = run(e, max_tokens=6)
@@ -814,11 +822,12 @@ def test_cost_curve_is_kept_and_reused_by_the_next_engine(models, monkeypatch, t
                                      '{"format": 1, "curves": {"KEY": {"ratios": {"1": 1.0, "2": 1.5}, "t1_s": 1}}}'])
 def test_corrupt_cost_curve_file_is_measured_again_and_overwritten(models, monkeypatch, tmp_path: Path,
                                                                    content: str) -> None:
-    import mlx_engine.speculative as sp
+    import mlx_engine.speculative.cost as sp
+    import mlx_engine.speculative.timing as timing
 
     monkeypatch.setenv("ROOFLINE_CACHE_DIR", str(tmp_path))
     calls = []
-    monkeypatch.setattr(sp, "measure_cost_curve", lambda runner: calls.append(1) or CostCurve({1: 1.0, 2: 1.5}, 0.01))
+    monkeypatch.setattr(timing, "measure_cost_curve", lambda runner: calls.append(1) or CostCurve({1: 1.0, 2: 1.5}, 0.01))
     target, _ = models
     with Engine.load(str(target)) as e:
         key = sp.cost_curve_key(e._runner)
@@ -831,7 +840,7 @@ def test_corrupt_cost_curve_file_is_measured_again_and_overwritten(models, monke
 
 
 def test_suffix_recurs_gates_auto_prompt_lookup() -> None:
-    from mlx_engine.speculative import PromptLookup, suffix_recurs
+    from mlx_engine.speculative.proposers import PromptLookup, suffix_recurs
 
     quote = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
     assert suffix_recurs(quote, 3) and suffix_recurs(quote, 2) and not suffix_recurs(quote, 4)

@@ -21,13 +21,17 @@ torch = require("torch")
 from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
 from mlx_engine.api import RequestError, RooflineError  # noqa: E402
 from tests.tiny_models import GOLDEN  # noqa: E402
+from tests.tolerance import assert_f32_close  # noqa: E402
 
 TINY = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists())
-LOGITS_TOL = 1e-4  # float32 torch vs transformers' float32 goldens; measured <= 4.3e-6
-# SmolLM2: torch vs MLX over the whole vocabulary (max |logit| 37.6): measured 7.0e-5 since MLX's CPU
-# backend multiplies float32 copies of the weights as torch does (1.1e-4 against MLX's quantized matmuls);
-# the two float32 engines are each ~3.5e-5 from transformers' float64 on the top logits
-SMOLLM2_VS_MLX_TOL = LOGITS_TOL
+LOGITS_TOL = 1e-4  # float32 torch vs transformers' float32 goldens (max |logit| ~5.3): measured <= 4.3e-6, 23x
+# SmolLM2 in units of eps32 x max |logit| (tests/tolerance.py). Torch vs MLX over the whole vocabulary (max |logit|
+# 36.8): 18.7 on an AMD EPYC (8.2e-5), 23.8 on an Intel Xeon with AVX-512 (1.04e-4), 20.7 against MLX's quantized
+# matmuls (ROOFLINE_CPU_FP32_WEIGHTS=off); each engine alone is 15.4 (torch) and 18.7 (MLX) from a float64 run of
+# the same weights (tests/golden/measure_float_floor.py), so up to ~34 apart is still rounding. HEADROOM x the
+# worst seen: 96. The top 512 logits against transformers' float64 (max 25.3): 11.6 here (3.5e-5), x4: 48.
+SMOLLM2_VS_MLX_UNITS = 96
+SMOLLM2_VS_FLOAT64_UNITS = 48
 PROMPT = [3, 17, 42, 99, 7, 64, 120, 5] * 3  # 24 tokens: one full block of 16
 
 
@@ -244,7 +248,7 @@ def smollm2():
     gold = json.loads((GOLDEN / "smollm2_gguf.json").read_text())
     prompts = [p["prompt_ids"][-20:] for p in gold["prompts"][:2]]  # short: two suffixes of chat prompts
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ROOFLINE_CPU_FP32_WEIGHTS", "on")  # what SMOLLM2_VS_MLX_TOL was measured with
+        mp.setenv("ROOFLINE_CPU_FP32_WEIGHTS", "on")  # what SMOLLM2_VS_MLX_UNITS was measured with (off: 20.7)
         with Engine.load(None) as mlx_engine:
             ref = {"tokens": [run(mlx_engine, p)[0] for p in prompts],
                    "logits": mlx_engine.forward_logits(prompts[0])}
@@ -260,9 +264,8 @@ def test_smollm2_logits(smollm2):
     gold = np.load(GOLDEN / "smollm2_gguf_logits.npz")
     last = engine.forward_logits(gold["prompt_ids"].tolist())[-1].astype(np.float64)
     top = gold["top_ids"]
-    assert float(np.abs(last[top] - gold["top_logits_f64"]).max()) <= LOGITS_TOL
-    maxdiff = float(np.abs(engine.forward_logits(prompts[0]) - ref["logits"]).max())
-    assert maxdiff <= SMOLLM2_VS_MLX_TOL, f"vs MLX: maxdiff {maxdiff:.3e}"
+    assert_f32_close(last[top], gold["top_logits_f64"], SMOLLM2_VS_FLOAT64_UNITS, "top logits vs transformers float64")
+    assert_f32_close(engine.forward_logits(prompts[0]), ref["logits"], SMOLLM2_VS_MLX_UNITS, "vs MLX")
 
 
 def test_smollm2_greedy_matches_mlx_batched_and_cached(smollm2):
@@ -379,8 +382,10 @@ def test_sliding_window_is_refused(tmp_path):
 
 def test_missing_torch_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
-    with pytest.raises(RooflineError, match=r"needs the optional extra: `uv sync --extra torch`"):
+    with pytest.raises(RooflineError, match=r"needs the optional extra: `uv sync --extra torch`") as e:
         Engine.load(str(GOLDEN / "llama"), backend="torch")
+    # PyPI's Linux wheel is the 3 GB CUDA build: the hint names the CPU route too
+    assert "CUDA build" in str(e.value) and "--index-url https://download.pytorch.org/whl/cpu" in str(e.value)
 
 
 def test_save_kv_is_refused(llama, tmp_path):

@@ -17,6 +17,7 @@ from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
 from mlx_engine.api import RooflineError  # noqa: E402
 from mlx_engine.backends.torch.graphs import DecodeGraphs, batch_bucket, width_bucket  # noqa: E402
 from mlx_engine.backends.torch.kv import DecodeStep  # noqa: E402
+from mlx_engine.speculative.timing import time_graph_forward  # noqa: E402
 from tests.tiny_models import GOLDEN  # noqa: E402
 
 PROMPTS = [[3, 17, 42, 99, 7], [(7 * i + 1) % 120 + 3 for i in range(21)], [(5 * i + 2) % 120 + 3 for i in range(40)]]
@@ -168,11 +169,12 @@ def test_time_graph_forward_touches_only_the_scratch_block():
         runner.graphs = DecodeGraphs(runner.model, storage, capture=False)
         bs, scratch = storage.block_size, storage.scratch_block
         before = [t[:scratch * bs].clone() for t in storage.k + storage.v]
-        seconds = runner.time_graph_forward(5, 40, 1)
+        seconds = time_graph_forward(runner, 5, 40, 1)
         assert 0 < seconds < 10
         assert all(torch.equal(a, t[:scratch * bs]) for a, t in zip(before, storage.k + storage.v))
         assert (8, 8, storage.capacity) in runner.graphs.graphs  # 5 rows pad to 8; 45 tokens in 3 blocks: width 8
-        from mlx_engine.speculative import cost_curve_key, time_forward
+        from mlx_engine.speculative.cost import cost_curve_key
+        from mlx_engine.speculative.timing import time_forward
 
         assert time_forward(runner, 5, 40, 1) > 0  # through the graph path
         assert cost_curve_key(runner).split("|")[1] == "torch-cpu-cuda-graphs"

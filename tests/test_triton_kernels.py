@@ -26,6 +26,7 @@ torch = require("torch")
 require("triton")
 
 from mlx_engine.backends.torch import triton_kernels as tk  # noqa: E402
+from tests.tolerance import assert_f32_close  # noqa: E402
 
 mx = pytest.importorskip("mlx.core")
 
@@ -393,4 +394,5 @@ def test_model_through_the_fused_kernels_equals_the_references(monkeypatch):
             fused = engine.forward_logits(ids)
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         ref = engine.forward_logits(ids)
-    assert float(np.abs(fused - ref).max()) <= 1e-5
+    # float32 floor: 5.7 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+    assert_f32_close(fused, ref, 24, "fused vs references")

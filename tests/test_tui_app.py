@@ -274,15 +274,26 @@ async def test_a_missing_model_path_at_startup_is_a_notice_not_a_crash(tmp_path)
         assert app.model_ref == ""
 
 
-async def test_model_picker_lists_models_adds_a_path_and_switches(tmp_path) -> None:
+def a_gguf(tmp_path):
     gguf = tmp_path / "mine.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 100)
+    return gguf
+
+
+async def open_picker(pilot) -> ModelPicker:
+    """ctrl+l, then waits for the picker's rows."""
+    app = pilot.app
+    await pilot.press("ctrl+l")
+    await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker) and app.screen.rows, what="picker rows")
+    return app.screen
+
+
+async def test_model_picker_lists_models_adds_a_path_and_switches(tmp_path) -> None:
+    gguf = a_gguf(tmp_path)
     app, backend = make_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        await pilot.press("ctrl+l")
-        await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker) and app.screen.rows, what="picker rows")
-        picker = app.screen
+        picker = await open_picker(pilot)
         text = screen_text(app)
         assert "FakeLM-1M (test)" in text and "org/fake-big" in text and "600M" in text and "32,768" in text
         picker.query_one("#add-path").value = str(tmp_path / "missing.gguf")
@@ -298,6 +309,71 @@ async def test_model_picker_lists_models_adds_a_path_and_switches(tmp_path) -> N
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.model_ref == "org/fake-big", what="switched")
         assert app.sub_title == "org/fake-big" and backend.engines[0].closed
+
+
+async def test_ctrl_l_then_typing_a_path_adds_it_and_enter_never_reloads_the_current_model(tmp_path) -> None:
+    """As a person does it: ctrl+l, type a path, Enter (it is added and highlighted), Enter (it loads). The arrows
+    move the list from the path box; a character typed with the list focused lands in the box too; Enter on the
+    model already loaded closes the picker without loading it again."""
+    gguf = a_gguf(tmp_path)
+    app, backend = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        picker = await open_picker(pilot)
+        assert picker.query_one("#add-path").has_focus
+        await pilot.press("enter")  # the highlighted row is the loaded model
+        await wait_for(pilot, lambda: app.screen is app.chat_screen, what="picker closed")
+        assert len(backend.engines) == 1 and any("already loaded" in n.message for n in app._notifications)
+        picker = await open_picker(pilot)
+        picker.query_one("DataTable").focus()  # even from the list, what one types goes to the path box
+        await pilot.press(*str(gguf))
+        assert picker.query_one("#add-path").value == str(gguf)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(picker.rows) == 3, what="path added")
+        assert len(backend.engines) == 1 and picker.query_one("DataTable").cursor_row == 2
+        await pilot.press("up", "down")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.model_ref == str(gguf), what="the added model loaded")
+        assert len(backend.engines) == 2
+
+
+async def test_a_model_without_a_tokenizer_is_said_at_load_and_nothing_is_saved_into_the_chat(tmp_path) -> None:
+    app, backend = make_app(tmp_path, no_tokenizer=("org/fake-big",))
+    app.requested_model = "org/fake-big"
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None, what="model loaded")
+        await wait_for(pilot, lambda: any("without a tokenizer" in n.message and "cannot chat" in n.message
+                                          for n in app._notifications), what="the notice at load")
+        assert all("prompt_token_ids" not in n.message for n in app._notifications)
+        prompt = app.chat_screen.query_one(PromptInput)
+        assert prompt.disabled and "no tokenizer" in str(prompt.placeholder)
+        prompt.disabled = False  # even if a message gets through, it is refused before the chat is touched
+        await send(pilot, "hi")
+        await pilot.pause(0.2)
+        assert app.store.list_chats() == [] and transcript(app) == [] and backend.engine.requests == []
+        assert prompt.text == "hi"  # the text stays in the box
+
+
+async def test_after_a_switch_the_stats_bar_shows_no_figures_of_the_other_model(tmp_path) -> None:
+    """Speed, TTFT and cache hits belong to the model that made the reply: after a switch (and when a chat whose
+    last reply another model made is opened) the bar is blank beside the new model's size, not the old figures."""
+    app, backend = make_app(tmp_path, script=["Paris is the capital of France, on the Seine."], tokens_per_s=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "What is the capital of France?")
+        await idle(pilot)
+        assert app.chat_screen.stats.decode_tps > 0 and app.chat_screen.stats.ttft_s is not None
+        app.load_model("org/fake-big")
+        await wait_for(pilot, lambda: app.model_ref == "org/fake-big", what="switch")
+        await pilot.pause()
+        s = app.chat_screen.stats
+        assert (s.decode_tps, s.ttft_s, s.reply_tokens, s.cached_tokens) == (0.0, None, 0, 0)
+        assert "TTFT –" in screen_text(app) and "0.0 tok/s" in screen_text(app)
+        chat = app.chat_screen.chat
+        await app.chat_screen.open_chat(None)
+        await app.chat_screen.open_chat(chat)  # reopened: its last reply is the other model's
+        assert app.chat_screen.stats.decode_tps == 0.0 and "TTFT –" in screen_text(app)
+        assert app.store.messages(chat.id)[-1].stats["model"] == "FakeLM-1M (test)"
 
 
 async def test_engine_error_mid_reply_is_shown_and_the_chat_stays_usable(tmp_path) -> None:
@@ -387,6 +463,51 @@ async def test_token_inspector_shows_pieces_ids_and_counts_per_tokenizer(tmp_pat
         assert app.screen is app.chat_screen
 
 
+async def test_ctrl_o_goes_to_the_chat_list_and_the_settings_open_on_their_first_field(tmp_path) -> None:
+    from app.tui.screens.settings import SettingsScreen
+
+    app, _ = make_app(tmp_path, script=["One.", "Two."])
+    async with app.run_test(size=(80, 24)) as pilot:  # narrow: the sidebar starts hidden
+        await ready(pilot)
+        await send(pilot, "first")
+        await idle(pilot)
+        await pilot.press("ctrl+n")
+        await send(pilot, "second")
+        await idle(pilot)
+        assert not app.chat_screen.query_one("#sidebar").display
+        await pilot.press("ctrl+o")
+        chat_list = app.chat_screen.query_one(ChatList)
+        assert chat_list.has_focus and app.chat_screen.query_one("#sidebar").display
+        await pilot.press("down", "enter")  # the older chat
+        await wait_for(pilot, lambda: transcript(app)[:1] == [("user", "done", "first")], what="chat opened")
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")
+        await pilot.pause()
+        assert app.focused is app.screen.query_one("#system_prompt")
+        await pilot.press(*"Be brief.")
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is app.chat_screen, what="saved")
+        assert app.chat_screen.chat.settings.system_prompt == "Be brief."
+
+
+async def test_the_help_screen_explains_the_stats_bar_and_the_tint_of_drafted_text(tmp_path) -> None:
+    app, _ = make_app(tmp_path)
+    async with app.run_test(size=(100, 80)) as pilot:
+        await ready(pilot)
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), what="help")
+        app.screen.query_one("VerticalScroll").scroll_end(animate=False)  # the last section
+        await pilot.pause(0.1)
+        text = screen_text(app)
+        assert "Stats bar" in text and "drafted (tinted)" in text and "N% accepted: speculative" in text
+        assert "N per verify" in text and "N forwards" in text and "% of roofline" in text
+        legend = dict(dict(app.key_sections())["Stats bar"])
+        assert "accepted drafted text is tinted in the reply" in legend["drafted (tinted)"]
+        assert "forward passes of the model" in legend["N forwards"]
+        tooltip = str(app.chat_screen.query_one("#stats").tooltip)
+        assert "N per verify: draft tokens accepted per verification forward" in tooltip
+
+
 async def test_help_lists_every_binding_and_the_palette_has_every_action(tmp_path) -> None:
     app, _ = make_app(tmp_path)
     async with app.run_test(size=(100, 60)) as pilot:
@@ -394,14 +515,14 @@ async def test_help_lists_every_binding_and_the_palette_has_every_action(tmp_pat
         await pilot.press("f1")
         assert isinstance(app.screen, HelpScreen)
         text = screen_text(app)
-        for key in ("f1", "ctrl+n", "ctrl+l", "ctrl+s", "ctrl+t", "ctrl+b", "f4", "escape", "ctrl+r", "f3", "f2",
-                    "enter", "ctrl+j", "ctrl+p", "ctrl+q", "f5", "f8"):
+        for key in ("f1", "ctrl+n", "ctrl+l", "ctrl+s", "ctrl+t", "ctrl+b", "ctrl+o", "f4", "escape", "ctrl+r", "f3",
+                    "f2", "enter", "ctrl+j", "ctrl+p", "ctrl+q", "f5", "f8"):
             assert key in text, key
         await pilot.press("escape")
         titles = {c.title for c in app.get_system_commands(app.chat_screen)}
         assert {"New chat", "Pick model", "Chat settings", "Token inspector", "Regenerate reply", "Stop reply",
-                "Copy last reply", "Rename chat", "Delete chat", "Toggle sidebar", "Toggle dark/light",
-                "Help"} <= titles
+                "Copy last reply", "Rename chat", "Delete chat", "Toggle sidebar", "Go to the chat list",
+                "Toggle dark/light", "Help"} <= titles
 
 
 async def test_theme_toggle_persists_and_80x24_is_usable(tmp_path) -> None:

@@ -45,7 +45,7 @@ async def test_embedded_model_reopened_chat_restores_its_kv(tmp_path) -> None:
             await send(pilot, text)
             await wait_for(pilot, lambda: app.chat_screen.gen is None, timeout=60, what="reply")
         chat_id = app.chat_screen.chat.id
-        path = tmp_path / "kv" / f"{chat_id}.safetensors"
+        path = app.chat_kv.path(chat_id, app.engine)  # one file per chat and model
         await wait_for(pilot, lambda: path.exists() and app.chat_kv._pending == 0, timeout=30, what="KV saved")
     app2 = app_at(tmp_path)
     async with app2.run_test(size=(100, 30)) as pilot:

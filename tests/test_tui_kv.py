@@ -1,4 +1,4 @@
-"""A chat's KV on disk (ROOFLINE_HOME/kv/<chat_id>.safetensors) with the fake engine's pretend prefix cache:
+"""A chat's KV on disk (ROOFLINE_HOME/kv/<chat_id>-<model key>.safetensors, one file per chat and model) with the fake engine's pretend prefix cache:
 saved after each reply, restored when a chat is opened (the next reply's cached prompt tokens show the hit),
 refused files deleted, the file removed with the chat or when its history changes."""
 
@@ -18,8 +18,13 @@ SIZE = (100, 30)
 REPLY = "Paris is the capital of France, and it sits on the Seine river in the north of the country."
 
 
-def kv_file(home, chat_id: int):
-    return home / "kv" / f"{chat_id}.safetensors"
+def kv_file(home, chat_id: int, model: str = "FakeLM-1M (test)"):
+    from types import SimpleNamespace
+
+    from app.tui.chat_kv import model_key
+    from app.tui.fake_engine import fake_info
+
+    return home / "kv" / f"{chat_id}-{model_key(SimpleNamespace(info=fake_info(model)))}.safetensors"
 
 
 async def saved(pilot, path) -> None:
@@ -45,7 +50,7 @@ async def test_a_reply_saves_the_conversation_kv_in_whole_blocks(tmp_path) -> No
         assert path != str(kv_file(tmp_path, chat_id))  # written aside, then renamed into place
         pieces = json.loads(kv_file(tmp_path, chat_id).read_text())["pieces"]
         assert len(pieces) == n and " France" in pieces and "Paris" in pieces  # the reply is part of it
-        assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == [f"{chat_id}.safetensors"]
+        assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == [kv_file(tmp_path, chat_id).name]
 
 
 async def test_a_chat_shorter_than_one_block_saves_nothing_silently(tmp_path) -> None:
@@ -162,3 +167,26 @@ async def test_an_engine_without_a_paged_cache_saves_and_restores_nothing(tmp_pa
         await wait_for(pilot, lambda: app.chat_kv._pending == 0, what="save attempt")
         assert backend.engine.kv_calls == [] and not (tmp_path / "kv").exists()
         assert not app._notifications
+
+
+async def test_switching_models_keeps_each_models_file_and_switching_back_restores_it(tmp_path) -> None:
+    """One file per chat and model: a switch neither deletes the chat's file of the other model nor needs it; back
+    on the first model its file is restored (no re-prefill), and deleting the chat removes both."""
+    app, backend = make_app(tmp_path, script=[REPLY])
+    async with app.run_test(size=SIZE) as pilot:
+        chat_id, first = await first_reply_saved(pilot, tmp_path)
+        app.load_model("org/fake-big")
+        await wait_for(pilot, lambda: app.model_ref == "org/fake-big" and app.chat_kv._pending == 0, what="switch")
+        assert first.exists() and backend.engine.kv_calls == []  # nothing of the other model's was tried
+        await send(pilot, "And its population?")
+        await idle(pilot)
+        second = kv_file(tmp_path, chat_id, "org/fake-big")
+        await saved(pilot, second)
+        assert first.exists() and first != second
+        app.load_model("")
+        await wait_for(pilot, lambda: app.model_ref == "" and app.chat_kv.restored.get(chat_id), what="back")
+        assert backend.engine.kv_calls == [("restore", str(first), len(json.loads(first.read_text())["pieces"]))]
+        app.chat_screen.delete_chat()
+        await pilot.press("y")
+        await wait_for(pilot, lambda: app.store.list_chats() == [], what="chat deleted")
+        assert list((tmp_path / "kv").iterdir()) == []

@@ -128,8 +128,8 @@ async def test_drafted_tokens_are_shown_apart_and_the_stats_bar_shows_acceptance
                         (" Paris", plain), (".", draft)]
 
         line = app.chat_screen.stats.render_line().splitlines()[0]
-        assert line.endswith("│ prompt 15 · reply 27 │ ctx 42/2,048 │ drafts 75% · 2.5/verify · 16 fwd")
-        assert "drafts 75% · 2.5/verify · 16 fwd" in str(app.chat_screen.query_one(StatsBar).render())
+        assert line.endswith("│ prompt 15 · reply 27 │ ctx 42/2,048 │ drafted (tinted) 75% accepted · 2.5 per verify · 16 forwards")
+        assert "drafted (tinted) 75% accepted · 2.5 per verify · 16 forwards" in str(app.chat_screen.query_one(StatsBar).render())
         (chat,) = app.store.list_chats()
         stats = app.store.messages(chat.id)[-1].stats
         assert (stats["acceptance_rate"], stats["mean_accepted_tokens"], stats["target_forwards"]) == (0.75, 2.5, 16)
@@ -250,8 +250,8 @@ def test_stats_line_without_and_with_speculation() -> None:
         "41.3 tok/s │ TTFT 0.18 s │ prompt 31 · reply 64 │ ctx 95/8,192"
     line = LiveStats(**base, acceptance_rate=0.6667, mean_accepted_tokens=2.0, target_forwards=1234).render_line()
     assert line.splitlines()[0] == \
-        "41.3 tok/s │ TTFT 0.18 s │ prompt 31 · reply 64 │ ctx 95/8,192 │ drafts 67% · 2.0/verify · 1,234 fwd"
+        "41.3 tok/s │ TTFT 0.18 s │ prompt 31 · reply 64 │ ctx 95/8,192 │ drafted (tinted) 67% accepted · 2.0 per verify · 1,234 forwards"
     stats = Stats(0.1, 1.0, 1.0, 0, acceptance_rate=0.0, mean_accepted_tokens=0.0, target_forwards=3)
     assert stats.acceptance_rate == 0.0 and Usage(1, 3).total_tokens == 4
     zero = LiveStats(**base, acceptance_rate=0.0, mean_accepted_tokens=0.0, target_forwards=3).render_line()
-    assert zero.splitlines()[0].endswith("│ drafts 0% · 0.0/verify · 3 fwd")  # drafts were tried, none accepted
+    assert zero.splitlines()[0].endswith("│ drafted (tinted) 0% accepted · 0.0 per verify · 3 forwards")  # drafts were tried, none accepted

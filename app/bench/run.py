@@ -35,12 +35,16 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     runner_args(b)
     b.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help="torch on CUDA: launch each decode step's kernels one by one (default: replay a CUDA graph)")
-    b.add_argument("-p", "--prompt-tokens", type=int, default=512, help="prompt tokens per prefill test (default 512)")
-    b.add_argument("-n", "--gen-tokens", type=int, default=128, help="new tokens per decode test (default 128)")
-    b.add_argument("--batch", "-b", default="1,4,8", help="concurrent sequences, comma-separated (default 1,4,8)")
-    b.add_argument("--context", "-d", default="0,4096",
-                   help="tokens already in the KV cache before each test, comma-separated (default 0,4096)")
-    b.add_argument("--repeats", "-r", type=int, default=5, help="runs per test (default 5)")
+    # The defaults: a sweep of a few minutes on a small CPU (SmolLM2 on 2 x86 cores: ~4 min from the quiet
+    # machine's rates, 10 under load 10-12; the old 512/128, batches 1,4,8, depths 0,4096, 5 repeats ran past 8).
+    # llama-bench's own are -p 512 -n 128 -r 5.
+    b.add_argument("-p", "--prompt-tokens", type=int, default=256, help="prompt tokens per prefill test (default 256)")
+    b.add_argument("-n", "--gen-tokens", type=int, default=64, help="new tokens per decode test (default 64)")
+    b.add_argument("--batch", "-b", default="1,4", help="concurrent sequences, comma-separated (default 1,4)")
+    b.add_argument("--context", "-d", default="0,1024",
+                   help="tokens already in the KV cache before each test, comma-separated (default 0,1024; depths "
+                   "beyond the model's context are skipped, and said)")
+    b.add_argument("--repeats", "-r", type=int, default=3, help="runs per test (default 3)")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON (schema roofline-bench-1)")
     b.add_argument("--markdown", action="store_true", help="print a Markdown table instead of the text table")
 
@@ -60,20 +64,59 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise RooflineError(f"--json {out}: folder {out.parent} does not exist")
     if args.cuda_graphs is not None and args.backend != "torch":
         raise RooflineError("--no-cuda-graphs needs --backend torch (CUDA graphs are the torch backend's)")
+    spec, skipped = fit_contexts(args.model, spec)
+    fmt = markdown_lines if args.markdown else text_lines
+    printed = 0
+
+    def show(partial: dict[str, Any]) -> None:
+        """Prints what is new since the last call: the header once, then each finished point's rows."""
+        nonlocal printed
+        lines = fmt(partial)
+        for line in lines[printed:]:
+            print(line, flush=True)
+        printed = len(lines)
+
     options.update({} if args.cuda_graphs is None else {"cuda_graphs": args.cuda_graphs})
     result = run(args.model, spec, options.pop("backend", "mlx"), options.pop("device", "auto"),
-                 command=" ".join(["roofline", *sys.argv[1:]]), **options)
-    if out is not None:
-        out.write_text(json.dumps(result, indent=1) + "\n")
+                 command=" ".join(["roofline", *sys.argv[1:]]), on_point=show, skipped_contexts=skipped, **options)
+    if result.get("interrupted"):
+        print(f"roofline: interrupted: kept the {len(result['rows'])} finished point(s) above", file=sys.stderr)
+    if out is not None and result["rows"]:
+        out.write_text(json.dumps(validate(result, "the bench result"), indent=1) + "\n")
         print(f"wrote {out}", file=sys.stderr)
-    print(markdown(result) if args.markdown else text(result))
-    return 0
+    return 130 if result.get("interrupted") else 0
+
+
+def fit_contexts(model: str | None, spec: Any) -> tuple[Any, tuple[int, ...]]:
+    """(`spec` without the depths the model's context cannot hold, those depths), each said on stderr; the spec
+    itself when the context is unknown before loading, or when no depth fits (the load then says why in one line)."""
+    import dataclasses
+
+    from mlx_engine.catalog import kv_shape
+
+    try:
+        context = kv_shape(model).context_length
+    except RooflineError:
+        return spec, ()
+    need = max(spec.prompt_tokens + 1, spec.gen_tokens + 1)
+    fits = tuple(d for d in spec.contexts if d + need <= context) if context else spec.contexts
+    if not fits or fits == spec.contexts:
+        return spec, ()
+    for d in spec.contexts:
+        if d not in fits:
+            print(f"roofline: note: skipping --context {d}: with -p {spec.prompt_tokens} -n {spec.gen_tokens} it needs "
+                  f"{d + need} tokens and the model's context is {context}", file=sys.stderr)
+    return dataclasses.replace(spec, contexts=fits), tuple(d for d in spec.contexts if d not in fits)
 
 
 def run(model: str | None, spec: Any, backend: str, device: str, command: str = "roofline bench",
-        **options: Any) -> dict[str, Any]:
-    """Loads the model (`options`: more of Engine.load's: cuda_graphs, threads, compile), measures `spec` with a
-    progress bar on stderr, returns the bench JSON."""
+        on_point: Any = None, skipped_contexts: tuple[int, ...] = (), **options: Any) -> dict[str, Any]:
+    """Loads the model (`options`: more of Engine.load's: cuda_graphs, threads, compile) and measures `spec` one
+    (batch, depth) point at a time, a progress bar on stderr when it is a terminal; `on_point(result)` after the
+    header is known and after each point (the rows so far). Ctrl+C stops at once: the result holds the finished
+    points and "interrupted": true."""
+    import dataclasses
+
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -87,12 +130,6 @@ def run(model: str | None, spec: Any, backend: str, device: str, command: str = 
         home = data_dir()
         bw = peak_bandwidth(dev, home)
         flops = peak_flops(dev, home, lambda: bench.measure_matmul_flops(engine, dev))
-        console = Console(stderr=True)
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
-            task = progress.add_task(f"bench {engine.info.name}", total=bench.num_runs(spec))
-            points = bench.run_bench(engine, spec, lambda label: progress.update(
-                task, advance=1, description=f"bench {engine.info.name} {label}"))
         info = engine.info
         machine = machine_info(backend, dev, bench.versions())
         machine.update(peak_bandwidth=bw, peak_flops=flops)
@@ -106,12 +143,32 @@ def run(model: str | None, spec: Any, backend: str, device: str, command: str = 
                       "context_length": info.context_length,
                       "decode_bytes_per_token": engine.decode_bytes_per_token(0)},
             "settings": {"prompt_tokens": spec.prompt_tokens, "gen_tokens": spec.gen_tokens, "repeats": spec.repeats,
-                         "batches": list(spec.batches), "contexts": list(spec.contexts)},
-            "rows": [_row(engine, p, bw, flops) for p in points],
+                         "batches": list(spec.batches), "contexts": list(spec.contexts),
+                         "skipped_contexts": list(skipped_contexts)},
+            "rows": [],
         }
+        if on_point is not None:
+            on_point(result)
+        console = Console(stderr=True)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            task = progress.add_task(f"bench {info.name}", total=bench.num_runs(spec))
+            try:
+                # one point per call, so that each is shown (and kept) as soon as it is measured; a seed of its own,
+                # so that no point's prompts are another's (prefix caching would fake their prefill)
+                points = [(b, d) for b in spec.batches for d in spec.contexts]
+                for i, (b, d) in enumerate(points):
+                    one = dataclasses.replace(spec, batches=(b,), contexts=(d,), seed=spec.seed + i)
+                    (p,) = bench.run_bench(engine, one, lambda label: progress.update(
+                        task, advance=1, description=f"bench {info.name} {label}"))
+                    result["rows"].append(_row(engine, p, bw, flops))
+                    if on_point is not None:
+                        on_point(result)
+            except KeyboardInterrupt:
+                result["interrupted"] = True
     finally:
         engine.close()
-    return validate(result, "the bench result")
+    return result
 
 
 def _stat(values: list[float]) -> dict[str, Any]:
@@ -156,29 +213,59 @@ def table_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
 
 
 def roofline_lines(result: dict[str, Any]) -> list[str]:
-    m = result["machine"]
+    m, settings = result["machine"], result["settings"]
     bw, fl = m["peak_bandwidth"], m["peak_flops"]
-    bw_text = f"{bw['gbs']:.0f} GB/s {bw['label']} ({bw['source']})" if bw["gbs"] else f"unknown ({bw.get('note', '')})"
+    bw_text = (f"{bw['gbs']:.0f} GB/s {bw['label']} ({bw['source']}{': ' + bw['note'] if bw.get('note') else ''})"
+               if bw["gbs"] else f"unknown ({bw.get('note', '')})")
     fl_text = (f"{fl['tflops']:.2f} TFLOP/s {fl['label']} ({fl['source']}: {fl.get('note', '')})" if fl["tflops"]
                else f"unknown ({fl.get('note', '')})")
-    return [f"machine: {m['chip']} | {m['platform']} | {m['backend']} on {m['device']} | {m['date']}",
-            f"decode roofline: {bw_text}; prefill roofline: {fl_text}",
-            "% roofline: tg = bytes per decode step (weights once + each sequence's KV) x steps/s / peak bandwidth; "
-            "pp = 2 x parameters x tokens/s / peak FLOP/s"]
+    lines = [f"machine: {m['chip']} | {m['platform']} | {m['backend']} on {m['device']} | {m['date']}",
+             f"decode roofline: {bw_text}", f"prefill roofline: {fl_text}",
+             "% roofline: tg = bytes per decode step (weights once + each sequence's KV) x steps/s / peak bandwidth; "
+             "pp = 2 x parameters x tokens/s / peak FLOP/s"]
+    skipped = settings.get("skipped_contexts") or []
+    if skipped:
+        lines.append(f"skipped: --context {','.join(map(str, skipped))} (beyond the model's "
+                     f"{result['model'].get('context_length', '?')}-token context)")
+    return lines
+
+
+RIGHT = {3, 5, 6, 7}
+
+
+def _widths(result: dict[str, Any]) -> list[int]:
+    """Column widths from the settings alone (every point's label is known before the first is measured), so
+    that rows printed as they finish line up."""
+    s = result["settings"]
+    first = table_rows({**result, "rows": [{"batch": 1, "context": 0, "pp": {"mean": 0, "stddev": 0},
+                                             "tg": {"mean": 0, "stddev": 0}, "peak_memory_bytes": 0}]})[0]
+    tests = [f"{t}{n}{f' @ d{d}' if d else ''}" for t, n in (("pp", s["prompt_tokens"]), ("tg", s["gen_tokens"]))
+             for d in s["contexts"]]
+    cells = [len(first[0]), len(first[1]), len(first[2]), max(len(str(b)) for b in s["batches"]),
+             max(map(len, tests)), len("1234.56 ± 123.45"), len("100.0%"), len("1234 MiB")]
+    return [max(c, len(h)) for c, h in zip(cells, HEADER)]
+
+
+def text_lines(result: dict[str, Any]) -> list[str]:
+    """The text table as lines: the rooflines and header first, then two rows per finished point."""
+    widths = _widths(result)
+
+    def line(r: tuple[str, ...]) -> str:
+        return "  ".join(c.rjust(w) if i in RIGHT else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    return [*roofline_lines(result), "", line(HEADER), "  ".join("-" * w for w in widths),
+            *map(line, table_rows(result))]
+
+
+def markdown_lines(result: dict[str, Any]) -> list[str]:
+    return [*(f"{x}  " for x in roofline_lines(result)), "", "| " + " | ".join(HEADER) + " |",
+            "| " + " | ".join("---:" if i in RIGHT else "---" for i in range(len(HEADER))) + " |",
+            *("| " + " | ".join(r) + " |" for r in table_rows(result))]
 
 
 def text(result: dict[str, Any]) -> str:
-    rows = [HEADER, *table_rows(result)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-    right = {3, 5, 6, 7}
-    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(roofline_lines(result) + [""] + lines)
+    return "\n".join(text_lines(result))
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "| " + " | ".join("---:" if i in {3, 5, 6, 7} else "---"
-                                                               for i in range(len(HEADER))) + " |"]
-    lines += ["| " + " | ".join(r) + " |" for r in table_rows(result)]
-    return "\n".join([f"{x}  " for x in roofline_lines(result)] + [""] + lines)
+    return "\n".join(markdown_lines(result))

@@ -5,11 +5,15 @@
      "command": str,
      "machine": {"platform", "python", "cpu", "cpu_count", "chip", "backend", "device", "versions": {pkg: ver},
                  "date",
-                 "peak_bandwidth": {"gbs": float | null, "label", "source": "table"|"measured"|"unknown", "note"},
+                 "peak_bandwidth": {"gbs": float | null, "label", "source": "table"|"measured"|"unknown", "note",
+                                    # measured: the best of `runs` copies; their median and low
+                                    "median_gbs"?, "low_gbs"?, "runs"?, "measured_at"?},
                  "peak_flops": {"tflops": float | null, "label", "source", "note"}},
      "model": {"name", "path", "model_type", "source_format", "quantization", "dtype", "num_parameters",
                "weight_bytes", "context_length", "decode_bytes_per_token"},
-     "settings": {"prompt_tokens", "gen_tokens", "repeats", "batches": [int], "contexts": [int]},
+     "settings": {"prompt_tokens", "gen_tokens", "repeats", "batches": [int], "contexts": [int],
+                  "skipped_contexts"?: [int]},                  # depths the model's context cannot hold
+     "interrupted"?: true,                                       # Ctrl+C: the rows are the points finished
      "rows": [{"batch", "context",
                "pp": {"mean", "stddev", "values": [float]},   # tokens/s, all sequences together
                "tg": {"mean", "stddev", "values": [float]},

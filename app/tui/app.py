@@ -18,6 +18,7 @@ from app.tui.backend import EngineBackend
 from app.tui.chat_kv import ChatKV
 from app.tui.chat_screen import ChatScreen
 from app.tui.chips import Bandwidth
+from app.tui.reply import no_tokenizer_notice
 from app.tui.screens.help import HelpScreen
 from app.tui.screens.inspector import TokenInspector
 from app.tui.screens.picker import ModelPicker
@@ -25,10 +26,11 @@ from app.tui.store import ChatSettings, ChatStore, data_dir
 from app.tui.widgets.messages import MessageView
 from app.tui.widgets.prompt import NEWLINE_KEYS, PromptInput
 from app.tui.widgets.sidebar import ChatList
+from app.tui.widgets.stats import LEGEND
 
 THEMES = ("textual-dark", "textual-light")
-CHAT_ACTIONS = {"new_chat", "pick_model", "settings", "inspect", "toggle_sidebar", "delete_chat", "rename_chat",
-                "regenerate", "stop", "copy_last"}
+CHAT_ACTIONS = {"new_chat", "pick_model", "settings", "inspect", "toggle_sidebar", "focus_chats", "delete_chat",
+                "rename_chat", "regenerate", "stop", "copy_last"}
 
 
 class RooflineApp(App):
@@ -43,6 +45,8 @@ class RooflineApp(App):
         Binding("ctrl+s", "settings", "Settings", tooltip="This chat's system prompt and sampling"),
         Binding("ctrl+t", "inspect", "Tokens", tooltip="Token inspector for the input (or a focused message)"),
         Binding("ctrl+b", "toggle_sidebar", "Chats", show=False, tooltip="Show or hide the chat list"),
+        Binding("ctrl+o", "focus_chats", "Open chat", show=False,
+                tooltip="Move to the chat list (showing it if hidden): arrows pick a chat, Enter opens it"),
         Binding("f4", "toggle_theme", "Dark/light", show=False, tooltip="Switch between dark and light themes"),
     ]
 
@@ -134,6 +138,9 @@ class RooflineApp(App):
         self.chat_screen.set_loading(None)
         for warning in engine.info.warnings:
             self.notify(warning, title="About this model", severity="warning", timeout=12)
+        if not engine.info.has_tokenizer:
+            self.notify(no_tokenizer_notice(engine.info.name), title="This model cannot chat", severity="error",
+                        timeout=20)
         if self.chat_screen.chat is not None:
             self.chat_kv.restore(engine, self.chat_screen.chat.id)
         if old is not None:  # a switch: say so (the first load shows in the title bar)
@@ -199,7 +206,7 @@ class RooflineApp(App):
             if ref is not None:
                 self.load_model(ref)
 
-        self.push_screen(ModelPicker(self.backend, self.model_ref or "", self.extra_model_paths()), chosen)
+        self.push_screen(ModelPicker(self.backend, self.model_ref, self.extra_model_paths()), chosen)
 
     def action_settings(self) -> None:
         self.chat_screen.open_settings()
@@ -225,6 +232,13 @@ class RooflineApp(App):
             self.chat_screen.query_one(ChatList).focus()
         else:
             self.chat_screen.query_one(PromptInput).focus()
+
+    def action_focus_chats(self) -> None:
+        sidebar = self.chat_screen.query_one("#sidebar")
+        if not sidebar.display:
+            sidebar.display = True
+            self.chat_screen.sidebar_choice = True
+        self.chat_screen.query_one(ChatList).focus()
 
     def action_delete_chat(self) -> None:
         self.chat_screen.delete_chat()
@@ -253,6 +267,7 @@ class RooflineApp(App):
             ("Focused message", rows(MessageView.BINDINGS)),
             ("Chat list", [("enter", "Open the highlighted chat")] + rows(ChatList.BINDINGS)),
             ("Token inspector", rows(TokenInspector.BINDINGS)),
+            ("Stats bar", LEGEND),
         ]
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
@@ -271,6 +286,8 @@ class RooflineApp(App):
         yield SystemCommand("Rename chat", "Rename this chat (F2)", self.action_rename_chat)
         yield SystemCommand("Delete chat", "Delete this chat after confirming", self.action_delete_chat)
         yield SystemCommand("Toggle sidebar", "Show or hide the chat list (ctrl+b)", self.action_toggle_sidebar)
+        yield SystemCommand("Go to the chat list", "Pick a chat with the arrows, Enter opens it (ctrl+o)",
+                            self.action_focus_chats)
         yield SystemCommand("Toggle dark/light", "Switch between the dark and light theme (F4)",
                             self.action_toggle_theme)
         yield SystemCommand("Help", "Every key binding (F1)", self.action_help)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mlx_engine.api import GenerationRequest, RooflineError, SamplingParams
+from mlx_engine.api import GenerationRequest, SamplingParams
 
 from app.tui.chips import Bandwidth, machine_bandwidth
 
@@ -41,11 +41,8 @@ class EngineBackend:
     # ---- a chat's KV on disk (called from workers) ----------------------------------------------------
 
     def kv_persistence(self, engine: Any) -> bool:
-        """Whether `engine` can save and restore a chat's KV (it keeps the paged, prefix-cached KV)."""
-        try:
-            return engine.kv_stats().get("kind") == "paged"
-        except RooflineError:
-            return False
+        """Whether `engine` can save and restore a chat's KV (its cache declares KV files: `ModelInfo.kv_files`)."""
+        return engine.info.kv_files
 
     def save_kv(self, engine: Any, path: Path, messages: list[dict[str, str]]) -> int:
         """Saves the cached KV of the conversation `messages` (ending with a reply, so no generation prompt);

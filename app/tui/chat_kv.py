@@ -1,5 +1,7 @@
-"""Each chat's KV cache on disk, `ROOFLINE_HOME/kv/<chat_id>.safetensors`: saved after every reply, restored
-into the engine's prefix cache when the chat is opened, so reopening a long chat needs no re-prefill.
+"""Each chat's KV cache on disk, one file per chat and model, `ROOFLINE_HOME/kv/<chat_id>-<model key>.safetensors`:
+saved after every reply, restored into the engine's prefix cache when the chat is opened, so reopening a long
+chat needs no re-prefill, and switching models and back needs none either (each model keeps its own file; a
+chat keeps the files of its MAX_MODELS_PER_CHAT most recently saved models).
 
 All engine work runs in thread workers (the engine may be busy with a reply for seconds); the UI thread only
 ever deletes files. Failures are logged, never shown: without the file a chat simply prefills. A refused
@@ -8,6 +10,7 @@ file (another model, corrupt) is deleted, with a short notice.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -19,6 +22,15 @@ from typing import Any
 from mlx_engine.api import RooflineError
 
 log = logging.getLogger(__name__)
+
+MAX_MODELS_PER_CHAT = 4
+
+
+def model_key(engine: Any) -> str:
+    """A short name for the model an engine runs and how (a file is only ever restored into the same)."""
+    i = engine.info
+    ident = "\0".join(str(x) for x in (i.name, i.path, i.backend, i.device, i.dtype, i.quantization))
+    return hashlib.sha256(ident.encode()).hexdigest()[:12]
 
 
 class ChatKV:
@@ -36,8 +48,14 @@ class ChatKV:
         self._idle = threading.Condition()
         self._names = itertools.count()
 
-    def path(self, chat_id: int) -> Path:
-        return self.folder / f"{chat_id}.safetensors"
+    def path(self, chat_id: int, engine: Any) -> Path:
+        return self.folder / f"{chat_id}-{model_key(engine)}.safetensors"
+
+    def files(self, chat_id: int) -> list[Path]:
+        """Every model's file of the chat, and the one file per chat of earlier versions (`<chat_id>.safetensors`)."""
+        if not self.folder.is_dir():
+            return []
+        return [*self.folder.glob(f"{chat_id}-*.safetensors"), *self.folder.glob(f"{chat_id}.safetensors")]
 
     # ---- UI thread -----------------------------------------------------------------------------------
 
@@ -52,17 +70,19 @@ class ChatKV:
         restored with this engine has its blocks cached)."""
         if engine is not self._warm_engine:
             self._warm_engine, self._warm = engine, set()
-        if chat_id in self._warm or not self.path(chat_id).exists():
+        if chat_id in self._warm or not self.path(chat_id, engine).exists():
             return
         self._warm.add(chat_id)
         epoch = self._epoch.get(chat_id, 0)
         self._start(lambda: self._restore(engine, chat_id, epoch), f"restore KV of chat {chat_id}")
 
     def forget(self, chat_id: int) -> None:
-        """Deletes the chat's file (the chat was deleted, or its history changed); a save in flight is voided."""
+        """Deletes the chat's files, every model's (the chat was deleted, or its history changed); a save in flight
+        is voided."""
         with self._lock:
             self._epoch[chat_id] = self._epoch.get(chat_id, 0) + 1
-            self._unlink(self.path(chat_id))
+            for path in self.files(chat_id):
+                self._unlink(path)
         self.restored.pop(chat_id, None)
 
     def flush(self, timeout: float) -> bool:
@@ -117,17 +137,27 @@ class ChatKV:
                 self._unlink(tmp)
                 return
             try:
-                os.replace(tmp, self.path(chat_id))
+                os.replace(tmp, self.path(chat_id, engine))
             except OSError as e:
                 log.warning("KV of chat %s not saved: %s", chat_id, e)
                 self._unlink(tmp)
                 return
+            self._prune(chat_id)
         log.info("saved KV of chat %s: %d tokens", chat_id, n)
+
+    def _prune(self, chat_id: int) -> None:
+        """Keeps the chat's MAX_MODELS_PER_CHAT newest files (under the lock)."""
+        try:
+            files = sorted(self.files(chat_id), key=lambda p: p.stat().st_mtime, reverse=True)
+        except OSError:
+            return
+        for path in files[MAX_MODELS_PER_CHAT:]:
+            self._unlink(path)
 
     def _restore(self, engine: Any, chat_id: int, epoch: int) -> None:
         if not self._supports(engine):
             return
-        path = self.path(chat_id)
+        path = self.path(chat_id, engine)
         try:
             n = self.backend.restore_kv(engine, path)
         except RooflineError as e:  # another model, another KV layout, a corrupt file

@@ -11,7 +11,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, ProgressBar, Static
 
 from app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
-from app.tui.reply import Generation, ReplyRunner, model_messages
+from app.tui.reply import Generation, ReplyRunner, model_messages, no_tokenizer_notice
 from app.tui.screens.settings import SettingsScreen
 from app.tui.store import Chat, ChatSettings
 from app.tui.widgets.messages import MessageView
@@ -80,12 +80,16 @@ class ChatScreen(ReplyRunner, Screen):
         if label is not None:
             self.query_one("#loading-label", Static).update(label)
         prompt = self.query_one(PromptInput)
-        ready = self.rapp.engine is not None and label is None
+        engine = self.rapp.engine
+        mute = engine is not None and not engine.info.has_tokenizer
+        ready = engine is not None and label is None and not mute
         prompt.disabled = not ready
         if ready:
             prompt.placeholder = "Message (Enter sends, ctrl+j newline)"
         elif label is not None:
             prompt.placeholder = label
+        elif mute:
+            prompt.placeholder = f"{engine.info.name} has no tokenizer, so it cannot chat: ctrl+l picks another model"
         else:
             prompt.placeholder = "No model loaded: ctrl+l picks one"
         if ready and self.app.screen is self:
@@ -96,6 +100,8 @@ class ChatScreen(ReplyRunner, Screen):
         engine = self.rapp.engine
         bw = self.rapp.bandwidth
         s = self.stats
+        if engine is not None and s.model and s.model != engine.info.name and not s.streaming:
+            s = self.stats = LiveStats()  # another model's speed and cache, not this one's: start blank
         if engine is not None:
             s.context_length = engine.info.context_length
             s.weight_bytes = engine.info.weight_bytes
@@ -229,6 +235,9 @@ class ChatScreen(ReplyRunner, Screen):
             return
         if self.rapp.engine is None:
             self.notify("No model is loaded: ctrl+l picks one.", severity="error")
+            return
+        if not self.rapp.engine.info.has_tokenizer:
+            self.notify(no_tokenizer_notice(self.rapp.engine.info.name), severity="error")
             return
         if self.editing is not None:
             await self.truncate_from(self.editing)

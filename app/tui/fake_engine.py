@@ -88,6 +88,15 @@ class FakeTokenizer:
         return [0] + self.encode(text, add_special_tokens=False)
 
 
+class NoFakeTokenizer(FakeTokenizer):
+    """A model without tokenizer files: text is refused as the engine refuses it."""
+
+    def _refuse(self, *args, **kwargs) -> list[int]:
+        raise RequestError(f"{self.name} has no tokenizer (tokenizer.json): send prompt_token_ids instead of text")
+
+    encode = encode_chat = _refuse
+
+
 @dataclass
 class FakeReply:
     text: str
@@ -153,6 +162,7 @@ class FakeEngine:
         self._hold = threading.Event()
         self.closed = False
         self.paged = paged
+        self.info = dataclasses.replace(self.info, kv_files=paged)  # the paged cache keeps KV files, as Engine's
         self.block_size = block_size
         self.cached: list[list[int]] = []  # token sequences whose full blocks the pretend prefix cache holds
         self.kv_calls: list[tuple[str, str, int]] = []  # ("save" | "restore", path, tokens)
@@ -297,8 +307,9 @@ class FakeBackend(EngineBackend):
     def __init__(self, script: list[str | FakeReply] | None = None, tokens_per_s: float | None = 200.0,
                  load_delay_s: float = 0.0, models: list[ModelSummary] | None = None, fail: dict[str, str] | None = None,
                  bandwidth: Bandwidth | None = None, ttft_s: float = 0.0, paged: bool = True, block_size: int = 16,
-                 draft_model: bool = False):
+                 draft_model: bool = False, no_tokenizer: tuple[str, ...] = ()):
         self.script = script
+        self.no_tokenizer = no_tokenizer  # refs whose model comes without tokenizer files (token ids only)
         self.draft_model = draft_model
         self.tokens_per_s = tokens_per_s
         self.load_delay_s = load_delay_s
@@ -329,9 +340,12 @@ class FakeBackend(EngineBackend):
             if not Path(key).exists():
                 raise ModelLoadError(f"{key}: no such file or folder, and not a model in the Hugging Face cache")
             name = Path(key).name
-        engine = FakeEngine(self.script, self.tokens_per_s, fake_info(name), ttft_s=self.ttft_s,
-                            tokenizer=self.load_tokenizer(ref), paged=self.paged,
-                            block_size=self.block_size, draft_model=self.draft_model)
+        info = fake_info(name)
+        tokenizer = self.load_tokenizer(ref)
+        if key in self.no_tokenizer:
+            info, tokenizer = dataclasses.replace(info, has_tokenizer=False), NoFakeTokenizer(name)
+        engine = FakeEngine(self.script, self.tokens_per_s, info, ttft_s=self.ttft_s, tokenizer=tokenizer,
+                            paged=self.paged, block_size=self.block_size, draft_model=self.draft_model)
         self.engines.append(engine)
         return engine
 

@@ -41,6 +41,12 @@ def model_messages(system_prompt: str, turns: Iterable[tuple[str, str, str]]) ->
     return msgs
 
 
+def no_tokenizer_notice(name: str) -> str:
+    """What the app says of a model without tokenizer files (the engine's own message is for API callers)."""
+    return (f"{name} came without a tokenizer (no tokenizer.json or tokenizer.model beside its weights), so it "
+            "cannot read or write text and cannot chat. Pick a model with its tokenizer files: ctrl+l.")
+
+
 @dataclass
 class Generation:
     """One reply in flight."""
@@ -99,6 +105,9 @@ class ReplyRunner:
         if engine is None:
             self.notify("No model is loaded: ctrl+l picks one.", severity="error")  # type: ignore[attr-defined]
             return
+        if not engine.info.has_tokenizer:  # said at load; nothing is saved into the chat
+            self.notify(no_tokenizer_notice(engine.info.name), severity="error")  # type: ignore[attr-defined]
+            return
         try:
             sampling = sampling_params(self.chat.settings)
         except RooflineError as e:
@@ -112,7 +121,7 @@ class ReplyRunner:
         transcript.anchor()
         self.gen = Generation(self.chat.id, row.id, view, engine)
         self.refresh_bindings()  # type: ignore[attr-defined]
-        self.stats = LiveStats(streaming=True)
+        self.stats = LiveStats(streaming=True, model=engine.info.name)
         self.show_stats()  # type: ignore[attr-defined]
         self.run_generation(self.gen, GenerationRequest(messages=messages, sampling=sampling))
 

@@ -10,7 +10,10 @@ from mlx_engine.api import RooflineError
 
 BACKENDS = ("mlx", "torch")
 DEVICES = ("auto", "cpu", "cuda")
-TORCH_EXTRA_HINT = "the torch backend needs the optional extra: `uv sync --extra torch` or `pip install 'roofline[torch]'`"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+TORCH_EXTRA_HINT = ("the torch backend needs the optional extra: `uv sync --extra torch` or `pip install "
+                    "'roofline[torch]'` (on Linux that is PyPI's CUDA build, ~3 GB; for the CPU only: "
+                    f"`uv pip install torch --index-url {TORCH_CPU_INDEX}`, about 200 MB)")
 
 
 def _check(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -32,14 +35,14 @@ def import_torch_backend() -> Any:
 
 
 def load_runner(model: str | None, backend: str = "mlx", device: str = "auto", **options: Any) -> Any:
-    """The runner of `backend` on `device` (on the engine thread): mlx_engine.runner.Runner or TorchRunner."""
+    """The runner of `backend` on `device` (on the engine thread): backends.mlx's Runner or TorchRunner."""
     _check("backend", backend, BACKENDS)
     _check("device", device, DEVICES)
     if backend == "torch":
         return import_torch_backend().TorchRunner.load(model, device=device, **options)
     import mlx.core as mx
 
-    from mlx_engine.runner import Runner
+    from mlx_engine.backends.mlx.runner import Runner
 
     if device == "cuda":
         raise RooflineError("device='cuda' needs backend='torch': the MLX backend runs on Metal or the CPU")

@@ -129,13 +129,14 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_block_queue.popleft()
-            self._maybe_evict_cached_block(block)
+            self.evict_cached_block(block)
             assert block.ref_cnt == 0
             block.ref_cnt = 1
             out.append(block)
         return out
 
-    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+    def evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Forgets the block's prefix hash, if it has one (vLLM's `_maybe_evict_cached_block`)."""
         if block.block_hash is None:
             return False
         if self.cached_block_hash_to_block.get(block.block_hash) is block:

@@ -2,9 +2,9 @@
 
 Slots are flat: slot = block_id * block_size + offset. A pool is stored as (num_slots, Hkv, D) (or packed
 uint32 (num_slots, Hkv, D * bits / 32) with per-group scales and biases; the keys may have other bits than the values,
-`key_bits`) and viewed as
-(num_blocks, block_size, Hkv, ...) for the decode kernel. Writes are scatters into the pool array, which
-MLX performs in place when the pool holds the only reference.
+`key_bits`), head-major (Hkv, num_slots, ..) on MLX's CPU backend, and handed to the decode kernel as
+(num_blocks, block_size, Hkv, ...) blocks (`pool`). Writes are scatters into the pool array, which MLX performs in
+place when the pool holds the only reference. Attention over the storage is `mlx_engine.attention`'s.
 
 Quantized K and V are stored transformed, exactly (`kv.smoothing`): keys as ((k - m_k) * s) @ H, read by queries
 (q / s) @ H (`queries`); values as (v - m_v) @ H, the attention output mapped back by `outputs`.
@@ -24,14 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
-from kernels_metal import paged_decode_attention
-from kernels_metal import reference as kernel_reference
+from kernels_metal import KVPool
 from kernels_metal.reference import channel_codes, channel_params, quantize_channels, unpack_codes
-from kernels_metal.paged_attention import HEAD_DIMS as KERNEL_HEAD_DIMS
 from mlx_engine.kv.smoothing import KVSmoothing
-from mlx_engine.models.layers import one_blas_thread, sdpa
 
 SUPPORTED_KV_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64)
@@ -111,11 +107,10 @@ class PagedKVStorage:
         self.key_rotation = (hadamard(head_dim).astype(dtype)
                              if rotation and bits is not None and head_dim & (head_dim - 1) == 0 else None)
         self.smoothing: KVSmoothing | None = None  # offsets and key scales (`set_smoothing`), quantized KV only
-        self._tables_memo: tuple[mx.array, np.ndarray, np.ndarray] | None = None  # `_host_tables`
         self._build_transforms()
         # Layout of every pool array: token-major (slots, Hkv, last) is what the Metal kernel reads;
-        # head-major (Hkv, slots, last) lets MLX's CPU SDPA read a sequence's run of slots in place
-        # (4K tokens of SmolLM2: 2.8 ms a layer, as a contiguous buffer, against 5.5 ms token-major).
+        # head-major (Hkv, slots, last) lets MLX's CPU SDPA read a sequence's run of slots in place, as fast as a
+        # contiguous buffer (docs/benchmarks.md, "Figures the code's comments used to carry").
         self.head_major = (not mx.metal.is_available()) if head_major is None else head_major
         self.slot_axis = 1 if self.head_major else 0
         # The pool is num_blocks blocks, but memory is committed as blocks are first used: the arrays hold
@@ -178,7 +173,7 @@ class PagedKVStorage:
         """A pool array's entries at `slots`, token-major (S, Hkv, last)."""
         return a[:, slots].swapaxes(0, 1) if self.head_major else a[slots]
 
-    def _put(self, arrays: list[mx.array], layer: int, slots: mx.array | slice, x: mx.array) -> None:
+    def write_slots(self, arrays: list[mx.array], layer: int, slots: mx.array | slice, x: mx.array) -> None:
         """x token-major (S, Hkv, last) into the pool array at `slots`."""
         if self.head_major:
             arrays[layer][:, slots] = x.swapaxes(0, 1)
@@ -258,8 +253,8 @@ class PagedKVStorage:
               key_plan: KeyWritePlan | None = None) -> None:
         """slots (N,) int32; k, v (N, Hkv, D). Per-channel keys need the step's `plan_key_writes`."""
         if self.bits is None:
-            self._put(self.k, layer, slots, k.astype(self.dtype))
-            self._put(self.v, layer, slots, v.astype(self.dtype))
+            self.write_slots(self.k, layer, slots, k.astype(self.dtype))
+            self.write_slots(self.v, layer, slots, v.astype(self.dtype))
             return
         vq, vs, vb = self._quantize(self.stored_values(layer, v), self.bits)
         if self.key_per_channel:
@@ -272,7 +267,7 @@ class PagedKVStorage:
             pairs = ((self.k, kq), (self.k_scales, ks), (self.k_biases, kb), (self.v, vq), (self.v_scales, vs),
                      (self.v_biases, vb))
         for arrays, x in pairs:
-            self._put(arrays, layer, slots, x)
+            self.write_slots(arrays, layer, slots, x)
 
     # --- per-channel keys: staging ---
 
@@ -311,6 +306,16 @@ class PagedKVStorage:
                             mx.array([b * bs + i for b in blocks for i in range(bs)], dtype=mx.int32),
                             mx.array([span[b][1] + 1 for b in blocks], dtype=mx.int32))
 
+    def release(self, req_id: str | None) -> None:
+        """What a request keeps beyond its blocks: per-channel keys' staging (None: every request's)."""
+        self.release_key_stages(req_id)
+
+    def format_stats(self) -> dict[str, Any]:
+        return {"kv_bits": self.bits, "kv_key_bits": self.key_bits, "kv_key_per_channel": self.key_per_channel,
+                # per-channel keys: float copies of the blocks being written (one per running sequence), outside
+                # the budget
+                "bytes_staging": sum(a.nbytes for a in self.key_stage)}
+
     def release_key_stages(self, owner: str | None = None) -> None:
         """Drops the staging of `owner`'s blocks (a finished request), or of every block."""
         for block, entry in list(self._stages.items()):
@@ -348,7 +353,7 @@ class PagedKVStorage:
         packed, scales, biases = quantize_channels(x, plan.valid, self.key_bits)
         n = nb * self.block_size
         for arrays, a in ((self.k, packed), (self.k_scales, scales), (self.k_biases, biases)):
-            self._put(arrays, layer, plan.block_slots, a.reshape(n, self.num_kv_heads, -1))
+            self.write_slots(arrays, layer, plan.block_slots, a.reshape(n, self.num_kv_heads, -1))
 
     def _channel_keys(self, layer: int, slots: slice | mx.array, num_blocks: int) -> mx.array:
         """Per-channel keys of `num_blocks` whole blocks (a slice of slots from a block's start, or (nb * bs,) ids
@@ -373,7 +378,7 @@ class PagedKVStorage:
             if arrays is None:
                 continue
             for layer in range(self.num_layers):
-                self._put(arrays, layer, dst, self.read_slots(arrays[layer], src))
+                self.write_slots(arrays, layer, dst, self.read_slots(arrays[layer], src))
 
     # --- reads ---
 
@@ -424,214 +429,16 @@ class PagedKVStorage:
         pairs = [self.gather(layer, r) for r in runs]
         return [k[None].astype(dtype) for k, _ in pairs], [v[None].astype(dtype) for _, v in pairs]
 
-    def decode_runs_quantized(self, layer: int, q: mx.array, runs: list[slice], scale: float) -> mx.array:
-        """One query per head, q (1, Hq, 1, D) as `queries` maps it, over one sequence's runs of a head-major pool
-        with per-token quantized K and V -> (1, Hq, 1, D) (stored values: map with `outputs`). `mx.quantized_matmul`
-        reads the codes in place, per KV head and run: one SmolLM2 layer over 4K tokens took 2.9 ms against 3.5 ms
-        dequantizing the runs for the numpy `sdpa` (1K: 0.90 against 0.99 ms). Per-channel keys stay on that path:
-        their per-block dequantization with numpy took 3.0 ms, with quantized values here 5.5."""
-        Hq, D = q.shape[1], q.shape[3]
-        Hkv = self.num_kv_heads
-        G = Hq // Hkv
-        qg = q.reshape(Hkv, G, D).astype(mx.float32)
-        gs = self.group_size
-        outs = []
-        for h in range(Hkv):
-            scores = [mx.quantized_matmul(qg[h], self.k[layer][h, r], self.k_scales[layer][h, r].astype(mx.float32),
-                                          self.k_biases[layer][h, r].astype(mx.float32), transpose=True,
-                                          group_size=gs, bits=self.key_bits) for r in runs]  # (G, S_r) each
-            p = mx.softmax(mx.concatenate(scores, axis=-1) * scale, axis=-1)  # (G, S)
-            out, start = None, 0
-            for r, sc in zip(runs, scores):
-                n = sc.shape[-1]
-                part = mx.quantized_matmul(p[:, start:start + n], self.v[layer][h, r],
-                                           self.v_scales[layer][h, r].astype(mx.float32),
-                                           self.v_biases[layer][h, r].astype(mx.float32), transpose=False,
-                                           group_size=gs, bits=self.bits)  # (G, D)
-                out = part if out is None else out + part
-                start += n
-            outs.append(out)
-        return mx.stack(outs).reshape(1, Hq, 1, D).astype(q.dtype)
+    def pool(self, layer: int) -> KVPool:
+        """One layer's pools as the decode kernel reads them: token-major blocks (capacity, block_size, Hkv, ..)
+        (a head-major pool is copied into that layout: for references and tests, not a hot path)."""
 
-    def _blocked(self, a: mx.array | None) -> mx.array | None:
-        return None if a is None else a.reshape(self.capacity, self.block_size, *a.shape[1:])
+        def blocked(xs: list[mx.array] | None) -> mx.array | None:
+            if xs is None:
+                return None
+            a = xs[layer].swapaxes(0, 1) if self.head_major else xs[layer]
+            return a.reshape(self.capacity, self.block_size, *a.shape[1:])
 
-    def decode_attention(self, layer: int, q: mx.array, block_tables: mx.array, seq_lens: mx.array,
-                         scale: float, max_seq_len: int | None = None) -> mx.array:
-        """q (B, Hq, D), one new token per sequence, whose K/V are already written -> (B, Hq, D)."""
-        if self.head_major:
-            return self._decode_head_major(layer, q, block_tables, seq_lens, scale)
-        pick = (lambda xs: None if xs is None else self._blocked(xs[layer]))  # noqa: E731
-        kwargs: dict[str, Any] = {}
-        if self.bits is not None:
-            kwargs = dict(k_scales=pick(self.k_scales), k_biases=pick(self.k_biases), v_scales=pick(self.v_scales),
-                          v_biases=pick(self.v_biases), bits=self.bits, group_size=self.group_size,
-                          k_bits=self.key_bits, k_per_channel=self.key_per_channel)
-        k, v = self._blocked(self.k[layer]), self._blocked(self.v[layer])
-        if self.head_dim not in KERNEL_HEAD_DIMS:  # tiny test models: the kernels' reference math, unvalidated
-            return kernel_reference.paged_decode_attention(q, k, v, block_tables, seq_lens, scale,
-                                                           max_seq_len=max_seq_len, **kwargs)
-        # the block manager built the tables: skip the kernel's host-side data checks (a sync per layer)
-        return paged_decode_attention(q, k, v, block_tables, seq_lens, scale, check_data=False, **kwargs)
-
-    def _decode_head_major(self, layer: int, q: mx.array, block_tables: mx.array, seq_lens: mx.array,
-                           scale: float) -> mx.array:
-        """The kernels' reference math (gather through the tables, grouped-query masked softmax in float32)
-        on head-major pools."""
-        if q.dtype == mx.float32 and not mx.metal.is_available():
-            return self._decode_host(layer, q, block_tables, seq_lens, scale)
-        B, Hq, D = q.shape
-        Hkv, bs = self.num_kv_heads, self.block_size
-        T = block_tables.shape[1] * bs
-        slots = (block_tables[:, :, None] * bs + mx.arange(bs)[None, None, :]).reshape(-1)  # (B * T,)
-        k, v = self.gather(layer, slots, whole_blocks=True)  # (Hkv, B * T, D)
-        k = k.reshape(Hkv, B, T, D).swapaxes(0, 1).astype(mx.float32)  # (B, Hkv, T, D)
-        v = v.reshape(Hkv, B, T, D).swapaxes(0, 1).astype(mx.float32)
-        qg = q.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, D)  # (B, Hkv, G, D)
-        scores = (qg @ k.swapaxes(-1, -2)) * scale  # (B, Hkv, G, T)
-        valid = mx.arange(T)[None, :] < seq_lens[:, None]  # (B, T)
-        scores = mx.where(valid[:, None, None, :], scores, -mx.inf)
-        return (mx.softmax(scores, axis=-1) @ v).reshape(B, Hq, D).astype(q.dtype)
-
-
-    def _host_tables(self, block_tables: mx.array, seq_lens: mx.array) -> tuple[np.ndarray, np.ndarray]:
-        """A decode step's slots (B, T) and padding mask (B, T) in numpy, computed once per step: every layer's
-        view passes the same `block_tables` array, so the last step's result is kept by its identity."""
-        memo = self._tables_memo
-        if memo is None or memo[0] is not block_tables:
-            bs = self.block_size
-            tables, lens = np.asarray(block_tables), np.asarray(seq_lens)
-            slots = (tables[:, :, None] * bs + np.arange(bs)[None, None, :]).reshape(tables.shape[0], -1)
-            memo = self._tables_memo = (block_tables, slots, np.arange(slots.shape[1])[None, :] >= lens[:, None])
-        return memo[1], memo[2]
-
-    def _decode_host(self, layer: int, q: mx.array, block_tables: mx.array, seq_lens: mx.array,
-                     scale: float) -> mx.array:
-        """`_decode_head_major`'s math in numpy (OpenBLAS) for float32 on MLX's CPU backend: MLX's batched
-        small matmuls there measured 68 ms of a 16-sequence SmolLM2 decode step's 218 (30 layers)."""
-        B, Hq, D = q.shape
-        Hkv = self.num_kv_heads
-        slots, padding = self._host_tables(block_tables, seq_lens)  # (B, T) each
-        T = slots.shape[1]
-        if self.bits is None:
-            mx.eval(q, self.k[layer], self.v[layer])
-            k, v = np.asarray(self.k[layer])[:, slots], np.asarray(self.v[layer])[:, slots]  # (Hkv, B, T, D)
-        else:
-            kd, vd = self.gather(layer, mx.array(slots.reshape(-1)), whole_blocks=True)  # dequantized (Hkv, B * T, D)
-            mx.eval(q, kd, vd)
-            k, v = (np.asarray(x.astype(mx.float32)).reshape(Hkv, B, T, D) for x in (kd, vd))
-        qn = np.asarray(q).reshape(B, Hkv, Hq // Hkv, D).transpose(1, 0, 2, 3)  # (Hkv, B, G, D)
-        with one_blas_thread():
-            scores = (qn @ k.transpose(0, 1, 3, 2)) * np.float32(scale)  # (Hkv, B, G, T)
-            scores[np.broadcast_to(padding[None, :, None, :], scores.shape)] = -np.inf
-            scores -= scores.max(-1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(-1, keepdims=True)
-            out = scores @ v  # (Hkv, B, G, D)
-        return mx.array(np.ascontiguousarray(out.transpose(1, 0, 2, 3)).reshape(B, Hq, D))
-
-
-class PagedPrefillView:
-    """What a model layer sees of the paged cache during a prefill chunk of one sequence."""
-
-    def __init__(self, storage: PagedKVStorage, layer: int, offset: int, new_slots: mx.array,
-                 all_slots: mx.array | list[slice], key_plan: KeyWritePlan | None = None):
-        self.storage, self.layer, self.offset = storage, layer, offset
-        self.new_slots, self.all_slots = new_slots, all_slots  # (L,), (offset + L,) ids or runs of slots
-        self.key_plan = key_plan  # per-channel keys: the chunk's `plan_key_writes`
-
-    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        """q (1, Hq, L, D), k/v (1, Hkv, L, D) after rope -> (1, Hq, L, D); writes k/v to the pool."""
-        self.storage.write(self.layer, self.new_slots, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2),
-                           self.key_plan)
-        if self.key_plan is not None:
-            return self._channel_attention(q, scale)
-        keys, values = self.storage.gather_runs(self.layer, self.all_slots, q.dtype)  # (1, Hkv, S_i, D) each
-        # causal: the L queries align with the last L of the S keys
-        out = sdpa(self.storage.queries(self.layer, q), keys, values, scale, causal=True)
-        return self.storage.outputs(self.layer, out)
-
-    def _channel_attention(self, q: mx.array, scale: float) -> mx.array:
-        """Causal attention over per-channel keys as one-token decode steps would have read them: query i reads
-        the blocks before its own as stored (full), and its own block's keys up to i quantized over exactly those
-        (from the float staging, the range of rows 0..t by a running min and max), never over later tokens of
-        the chunk. So prefill chunks, verifications and decode steps read the same numbers, and no query sees a
-        quantization grid shaped by keys after it."""
-        st, plan = self.storage, self.key_plan
-        L = q.shape[2]
-        Hkv, D, bs = st.num_kv_heads, st.head_dim, st.block_size
-        first = self.offset // bs  # the chunk's first block, in the sequence's blocks
-        nb = plan.valid.shape[0]
-        x = st.key_stage[self.layer][plan.block_stage_rows].astype(mx.float32).reshape(nb, bs, Hkv, D)
-        pos = mx.arange(self.offset, self.offset + L)  # (L,)
-        blk, t = pos // bs - first, pos % bs
-        lo, hi = mx.cummin(x, axis=1)[blk, t][:, None], mx.cummax(x, axis=1)[blk, t][:, None]  # (L, 1, Hkv, D)
-        codes, step = channel_codes(x[blk], lo, hi, st.key_bits)  # (L, bs, Hkv, D): as the stored blocks went
-        # dequantized with the scale and bias rounded to the storage dtype, as the pool keeps them
-        own = codes * step.astype(st.dtype).astype(mx.float32) + lo.astype(st.dtype).astype(mx.float32)
-        cols = ((blk + first) * bs)[:, None] + mx.arange(bs)[None, :]  # (L, bs): the own block's positions
-        keys, values = st.gather_runs(self.layer, self.all_slots, q.dtype)  # (1, Hkv, S_i, D) each
-        width = (first + nb) * bs  # the last own block's end
-        out = sdpa(q, keys, values, scale, causal=True, own=(cols, own.transpose(2, 0, 1, 3).astype(q.dtype), width))
-        return st.outputs(self.layer, out)
-
-
-class PackedView:
-    """One layer's view of a forward over packed rows (1, T) of several sequences, vLLM's mixed batch: first
-    one decode row per decoding sequence, then each prefill chunk's rows. The projections and the MLP run
-    once over all T rows (one GEMM each, rather than one forward per prefill chunk); rope and attention go
-    per part, through the decode view and each prefill chunk's view."""
-
-    offset = 0  # what the model's mask reads: unused, each part attends on its own
-
-    def __init__(self, decode: PagedDecodeView | None, num_decode: int, prefills: list[PagedPrefillView],
-                 lengths: list[int]):
-        self.decode, self.num_decode, self.prefills = decode, num_decode, prefills
-        starts = [num_decode + sum(lengths[:i]) for i in range(len(lengths))]
-        self.spans = [(a, a + n) for a, n in zip(starts, lengths)]
-
-    def rope_and_attend(self, rope: Any, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        """q (1, Hq, T, D), k/v (1, Hkv, T, D) before rope -> (1, Hq, T, D); writes every row's k/v."""
-        outs = []
-        b = self.num_decode
-        if self.decode is not None:
-            qd, kd, vd = (x[0, :, :b].swapaxes(0, 1)[:, :, None, :] for x in (q, k, v))  # (B, H, 1, D)
-            off = self.decode.offset
-            out = self.decode.attention(rope(qd, offset=off), rope(kd, offset=off), vd, scale)  # (B, Hq, 1, D)
-            outs.append(out[:, :, 0, :].swapaxes(0, 1)[None])  # (1, Hq, B, D)
-        for view, (lo, hi) in zip(self.prefills, self.spans):
-            qp, kp = (rope(x[:, :, lo:hi], offset=view.offset) for x in (q, k))
-            outs.append(view.attention(qp, kp, v[:, :, lo:hi], scale))
-        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-
-
-class PagedDecodeView:
-    """What a model layer sees of the paged cache during one decode step of B sequences (one token each)."""
-
-    def __init__(self, storage: PagedKVStorage, layer: int, offset: mx.array | int, new_slots: mx.array,
-                 block_tables: mx.array, seq_lens: mx.array, max_seq_len: int,
-                 all_slots: mx.array | list[slice] | None = None, key_plan: KeyWritePlan | None = None):
-        self.storage, self.layer, self.offset = storage, layer, offset  # offset: (B,) positions of the new tokens
-        self.new_slots, self.block_tables, self.seq_lens = new_slots, block_tables, seq_lens  # (B,), (B, nb), (B,)
-        self.max_seq_len = max_seq_len
-        self.all_slots = all_slots  # (S,) every slot of a single sequence, for the CPU path below
-        self.key_plan = key_plan  # per-channel keys: the step's `plan_key_writes`
-
-    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        """q (B, Hq, 1, D), k/v (B, Hkv, 1, D) after rope -> (B, Hq, 1, D); writes k/v to the pool."""
-        B, Hq, _, D = q.shape
-        self.storage.write(self.layer, self.new_slots, k[:, :, 0, :], v[:, :, 0, :], self.key_plan)
-        q = self.storage.queries(self.layer, q)
-        if self.all_slots is not None:
-            # one sequence on MLX's CPU backend: its slots straight into SDPA, slices of the head-major pool
-            # for its runs of blocks (read in place, as mlx-lm's contiguous buffer)
-            st = self.storage
-            if st.bits is not None and not st.key_per_channel and st.head_major and isinstance(self.all_slots, list):
-                out = st.decode_runs_quantized(self.layer, q, self.all_slots, scale)
-            else:
-                keys, values = st.gather_runs(self.layer, self.all_slots, q.dtype)  # (1, Hkv, S_i, D) each
-                out = sdpa(q, keys, values, scale, causal=False)
-            return st.outputs(self.layer, out)
-        out = self.storage.decode_attention(self.layer, q[:, :, 0, :], self.block_tables, self.seq_lens, scale,
-                                            max_seq_len=self.max_seq_len)
-        return self.storage.outputs(self.layer, out.reshape(B, Hq, 1, D))
+        return KVPool(blocked(self.k), blocked(self.v), blocked(self.k_scales), blocked(self.k_biases),
+                      blocked(self.v_scales), blocked(self.v_biases), self.bits, self.group_size,
+                      None if self.key_bits == self.bits else self.key_bits, self.key_per_channel)

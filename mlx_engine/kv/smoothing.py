@@ -7,7 +7,7 @@ Both are removed before quantizing, in ways that change no attention output in e
 - keys are stored as ((k - m_k) * s) @ H and queries attend as (q / s) @ H (H: the Hadamard rotation of
   `paged.hadamard`, s: a per-channel scale): the score is q . k - q . m_k, and q . m_k is the same for
   every key a query sees, so the softmax drops it (SageAttention's "smooth K", with SmoothQuant's per-channel
-  scale moved between key and query; s on a grid of 2 ** (i / 16), for SmolLM2 91% within 1.4x of 1).
+  scale moved between key and query; s on a grid of 2 ** (i / 16), near 1 for most channels).
 - values are stored as (v - m_v) @ H and the attention output gets @ H.T + m_v back: softmax weights sum to 1.
 
 m_k and m_v are the attention-weighted mean key and value of each (layer, KV head) over a short built-in text
@@ -71,6 +71,9 @@ class _Recorder:
 
     def __init__(self, out: list):
         self.out = out
+
+    def rope(self, rope: Any, q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
+        return rope(q, offset=0), rope(k, offset=0)
 
     def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         """q (1, Hq, T, D), k/v (1, Hkv, T, D) after rope."""

@@ -5,7 +5,7 @@ On Metal a k-quant model would otherwise run from float16 copies (`loading.gguf_
 bytes of the blocks on every decode step, which is bandwidth-bound there. Up to `MAX_M` rows (decode,
 short verifications) go through the kernel; wider inputs (prefill) dequantize the blocks and multiply.
 MLX's CPU backend keeps the float16 copies (its own fast path reads float32 host weights,
-`models.layers`); `blocks_here()` says which.
+`backends.mlx.host_blas`); `blocks_here()` says which.
 """
 
 from __future__ import annotations

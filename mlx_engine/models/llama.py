@@ -1,7 +1,9 @@
 """The Llama family: llama (incl. llama3 rope scaling), and the shared block used by mistral, qwen2, qwen3.
 
-Pure math: state (the KV cache) is passed in. `Model.__call__` returns final hidden states; the engine
-applies `Model.logits` only to the positions it samples from (prefill needs just the last one).
+Pure math: state (the KV cache) is passed in, one view per layer (`kv.protocol.MLXLayerView`): the view ropes
+q and k at its positions and attends (writing k and v first), whatever cache it belongs to, so a layer never
+asks what kind of cache it has. `Model.__call__` returns final hidden states; the engine applies `Model.logits`
+only to the positions it samples from (prefill needs just the last one).
 """
 
 from __future__ import annotations
@@ -11,10 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.rope_utils import initialize_rope
-
-from mlx_engine.models.layers import sdpa
 
 
 @dataclass
@@ -48,7 +47,7 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
-    fused_qkv: Any = None  # set on MLX's CPU backend: x -> (q, k, v) in one host GEMM (models.layers)
+    fused_qkv: Any = None  # set on MLX's CPU backend: x -> (q, k, v) in one host GEMM (backends.mlx.host_blas)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -68,7 +67,7 @@ class Attention(nn.Module):
             hd, args.rope_theta, args.rope_traditional, args.rope_scaling, args.max_position_embeddings
         )
 
-    def __call__(self, x: mx.array, mask: mx.array | str | None, cache: Any) -> mx.array:
+    def __call__(self, x: mx.array, cache: Any) -> mx.array:
         B, L, _ = x.shape
         q, k, v = self.fused_qkv(x) if self.fused_qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = q.reshape(B, L, self.n_heads, -1)  # (B, L, nh, hd)
@@ -77,26 +76,13 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, nh, L, hd)
-        if hasattr(cache, "rope_and_attend"):  # packed rows of several sequences: rope and attention per part
-            out = cache.rope_and_attend(self.rope, q, k, v, self.scale)
-            return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-        offset = cache.offset if cache is not None else 0
-        q = self.rope(q, offset=offset)
-        k = self.rope(k, offset=offset)
-        if hasattr(cache, "attention"):  # paged KV: the cache writes k/v to its blocks and attends
-            out = cache.attention(q, k, v, self.scale)
-        else:
-            if cache is not None:
-                k, v = cache.update_and_fetch(k, v)  # (B, nkv, S, hd)
-            if mask is None or isinstance(mask, str):  # numpy on MLX's CPU backend where it pays
-                out = sdpa(q, k, v, self.scale, causal=mask == "causal")
-            else:
-                out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        q, k = cache.rope(self.rope, q, k)
+        out = cache.attention(q, k, v, self.scale)  # (B, nh, L, hd)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class MLP(nn.Module):
-    fused_gate_up: Any = None  # set on MLX's CPU backend: x -> (gate, up) in one host GEMM (models.layers)
+    fused_gate_up: Any = None  # set on MLX's CPU backend: x -> (gate, up) in one host GEMM (backends.mlx.host_blas)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -117,8 +103,8 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, mask: mx.array | str | None, cache: Any) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+    def __call__(self, x: mx.array, cache: Any) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -143,24 +129,31 @@ class Model(nn.Module):
     def layers(self) -> list[TransformerBlock]:
         return self.model.layers
 
-    def _mask(self, L: int, offset: int | mx.array) -> mx.array | str | None:
-        if L == 1:
-            return None
-        window = self.args.sliding_window
-        if window is not None and offset + L > window:
-            return create_causal_mask(L, offset, window_size=window)
-        return "causal"
-
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
-        """inputs (B, L) token ids -> final hidden states (B, L, hidden)."""
+        """inputs (B, L) token ids -> final hidden states (B, L, hidden). `cache`: a view per layer; None: a
+        forward from position 0 that keeps nothing."""
+        return self.model.norm(self.hidden(inputs, cache))
+
+    def hidden(self, inputs: mx.array, cache: list[Any] | None = None, num_layers: int | None = None) -> mx.array:
+        """inputs (B, L) -> the output of the first `num_layers` decoder layers (all: None), before the final
+        norm (the self draft reads the target's early layers)."""
         h = self.model.embed_tokens(inputs)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        offset = cache[0].offset if cache[0] is not None else 0
-        mask = self._mask(inputs.shape[1], offset)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.model.norm(h)
+        for layer, c in zip(self.layers[:num_layers], cache or self._uncached()):
+            h = layer(h, c)
+        return h
+
+    def layer_outputs(self, inputs: mx.array) -> list[mx.array]:
+        """[embedding output, output of decoder layer 0, ..., layer N-1], each (B, L, hidden), from position 0
+        without a cache (`Engine.hidden_states`)."""
+        out = [self.model.embed_tokens(inputs)]
+        for layer, c in zip(self.layers, self._uncached()):
+            out.append(layer(out[-1], c))
+        return out
+
+    def _uncached(self) -> list[Any]:
+        from mlx_engine.kv.contiguous import Uncached
+
+        return [Uncached(self.args.sliding_window)] * len(self.layers)
 
     def logits(self, h: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:

@@ -42,9 +42,12 @@ class ModelPicker(ModalScreen[str | None]):
     ModelPicker LoadingIndicator { height: 3; }
     ModelPicker #picker-error { color: $error; height: auto; }
     """
-    BINDINGS = [Binding("escape", "cancel", "Close")]
+    # The path box has the focus, so that what one types lands in it; the arrows move the list's cursor from there
+    BINDINGS = [Binding("escape", "cancel", "Close"), Binding("up", "cursor(-1)", show=False),
+                Binding("down", "cursor(1)", show=False)]
 
-    def __init__(self, backend, current_ref: str, extra_refs: list[str]) -> None:
+    def __init__(self, backend, current_ref: str | None, extra_refs: list[str]) -> None:
+        """current_ref: the loaded model's ref ("" the embedded one), None when none is loaded."""
         super().__init__()
         self.backend = backend
         self.current_ref = current_ref
@@ -54,17 +57,19 @@ class ModelPicker(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical():
             yield Static("Pick a model", classes="heading")
-            yield Static("Enter loads the highlighted model; the current one stays until the new one is ready.",
-                         classes="hint")
+            yield Static("↑/↓ highlight a model, Enter loads it; the current one stays until the new one is ready. "
+                         "Type a path to add a model.", classes="hint")
             yield LoadingIndicator()
             table: DataTable = DataTable(cursor_type="row", zebra_stripes=True)
             table.add_columns("", "Model", "Source", "On disk", "Params", "Quant", "Context")
             table.display = False
             yield table
-            yield Input(placeholder="Add a GGUF file or model folder by path, then Enter", id="add-path")
+            yield Input(placeholder="Add a GGUF file or model folder by path, then Enter", id="add-path",
+                        select_on_focus=False)
             yield Static("", id="picker-error", markup=False)
 
     def on_mount(self) -> None:
+        self.query_one("#add-path", Input).focus()
         self.list_models()
 
     @work(thread=True, exclusive=True, group="picker")
@@ -98,14 +103,32 @@ class ModelPicker(ModalScreen[str | None]):
         for i, m in enumerate(rows):
             if m.ref == self.current_ref:
                 table.move_cursor(row=i)
-        if not self.query_one("#add-path", Input).has_focus:
-            table.focus()
         self.query_one("#picker-error", Static).update(error)
 
+    def action_cursor(self, step: int) -> None:
+        table = self.query_one(DataTable)
+        if table.row_count:
+            table.move_cursor(row=max(0, min(table.cursor_row + step, table.row_count - 1)))
+
+    def on_key(self, event) -> None:
+        """A character typed while the list has the focus goes to the path box (it would be lost otherwise)."""
+        box = self.query_one("#add-path", Input)
+        if event.is_printable and event.character and not box.has_focus:
+            box.focus()
+            box.insert_text_at_cursor(event.character)
+            event.stop()
+
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        m = self.rows[int(event.row_key.value)]
+        self.choose(int(event.row_key.value))
+
+    def choose(self, index: int) -> None:
+        m = self.rows[index]
         if m.error:
             self.query_one("#picker-error", Static).update(f"{m.name}: {m.error}")
+            return
+        if m.ref == self.current_ref:  # already loaded: nothing to reload
+            self.notify(f"{m.name} is already loaded.", timeout=3)
+            self.dismiss(None)
             return
         self.dismiss(m.ref)
 
@@ -113,6 +136,8 @@ class ModelPicker(ModalScreen[str | None]):
         path = event.value.strip()
         if path:
             self.add_path(path)
+        elif self.rows:  # an empty box: Enter loads the highlighted model
+            self.choose(self.query_one(DataTable).cursor_row)
 
     @work(thread=True, exclusive=True, group="picker-add")
     def add_path(self, path: str) -> None:

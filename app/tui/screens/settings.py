@@ -55,6 +55,7 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
     SettingsScreen Button { margin-left: 2; }
     """
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save", priority=True)]
+    AUTO_FOCUS = "#system_prompt"  # the first field (the default would focus the scrolling frame, nothing visible)
 
     def __init__(self, settings: ChatSettings, chat_title: str = "") -> None:
         super().__init__()

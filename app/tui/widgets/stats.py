@@ -36,6 +36,7 @@ class LiveStats:
     acceptance_rate: float | None = None  # accepted / drafted
     mean_accepted_tokens: float | None = None  # accepted draft tokens per verification
     target_forwards: int = 0
+    model: str = ""  # the model whose reply these figures are ("": not known, a reply saved by an older version)
 
     def to_saved(self) -> dict[str, Any]:
         """A finished reply's figures as the chat store keeps them with the message (`ReplyRunner.finish`); the
@@ -46,6 +47,8 @@ class LiveStats:
         if self.acceptance_rate is not None:
             saved.update(acceptance_rate=self.acceptance_rate, mean_accepted_tokens=self.mean_accepted_tokens,
                          target_forwards=self.target_forwards)
+        if self.model:
+            saved["model"] = self.model
         return saved
 
     @classmethod
@@ -64,7 +67,8 @@ class LiveStats:
         return cls(decode_tps=num("decode_tps") or 0.0, ttft_s=num("ttft_s"), prompt_tokens=count("prompt_tokens"),
                    reply_tokens=count("completion_tokens"), cached_tokens=count("cached_prompt_tokens"),
                    acceptance_rate=num("acceptance_rate"), mean_accepted_tokens=num("mean_accepted_tokens"),
-                   target_forwards=count("target_forwards"))
+                   target_forwards=count("target_forwards"),
+                   model=saved["model"] if isinstance(saved.get("model"), str) else "")
 
     @property
     def roofline_fraction(self) -> float | None:
@@ -83,8 +87,8 @@ class LiveStats:
             f"ctx {used:,}/{self.context_length:,}",
         ])
         if self.acceptance_rate is not None:
-            speed += (f" │ drafts {self.acceptance_rate * 100:.0f}% · {self.mean_accepted_tokens or 0:.1f}/verify"
-                      f" · {self.target_forwards:,} fwd")
+            speed += (f" │ drafted (tinted) {self.acceptance_rate * 100:.0f}% accepted · "
+                      f"{self.mean_accepted_tokens or 0:.1f} per verify · {self.target_forwards:,} forwards")
         frac = self.roofline_fraction
         roof = f"{frac * 100:.1f}% of roofline" if frac is not None else "–% of roofline"
         memory = " │ ".join([
@@ -94,15 +98,36 @@ class LiveStats:
         return speed + "\n" + memory
 
 
+# What each figure of the bar means: the help screen's "Stats bar" section and the bar's tooltip
+LEGEND = [
+    ("tok/s", "decode speed of the reply (▶ while it streams)"),
+    ("TTFT", "time to the first token: prompt processing (prefill) and the first step"),
+    ("prompt N (M cached)", "prompt tokens, M of them read from the prefix cache or the chat's saved KV"),
+    ("ctx", "tokens in the context (prompt + reply) / the model's context length"),
+    ("drafted (tinted)", "N% accepted: speculative decoding's share of drafted tokens the model accepted; "
+                         "accepted drafted text is tinted in the reply"),
+    ("N per verify", "draft tokens accepted per verification forward (each also yields one token of its own)"),
+    ("N forwards", "forward passes of the model for the reply, the prompt's included: fewer than reply tokens "
+                   "means drafting paid"),
+    ("model · KV", "bytes of the weights and of this chat's KV cache"),
+    ("% of roofline", "bytes read per decode step x tokens/s / this machine's memory bandwidth (and where that "
+                      "figure comes from)"),
+]
+
+
 class StatsBar(Static):
     """Two fixed lines under the input (cut with an ellipsis when narrow): an update never changes the layout,
-    so refreshing it every frame while streaming costs a repaint of two lines, not a reflow of the screen."""
+    so refreshing it every frame while streaming costs a repaint of two lines, not a reflow of the screen.
+    Its tooltip (and F1) says what each figure means."""
 
     DEFAULT_CSS = """
     StatsBar { height: 2; padding: 0 1; background: $panel; color: $text-muted;
                text-wrap: nowrap; text-overflow: ellipsis; }
     StatsBar.-streaming { color: $text; }
     """
+
+    def on_mount(self) -> None:
+        self.tooltip = "\n".join(f"{term}: {meaning}" for term, meaning in LEGEND)
 
     def show(self, stats: LiveStats) -> None:
         self.set_class(stats.streaming, "-streaming")

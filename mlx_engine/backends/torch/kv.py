@@ -1,4 +1,5 @@
-"""Paged KV in torch tensors under the shared block bookkeeping (`KVCacheManager`, `BlockPool`, unchanged).
+"""Paged KV in torch tensors under the shared block bookkeeping (`kv.tables.BlockTables`), through the
+`kv.protocol.KVCache` contract.
 
 Every layer's K and V are token-major pools (num_slots, Hkv, D), slot = block_id * block_size + offset,
 the layout `triton_kernels.paged_decode_attention` reads. Views are what a model layer sees of the cache
@@ -15,18 +16,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mlx_engine.api import RooflineError
 from mlx_engine.backends.torch.model import causal_attention
-from mlx_engine.kv import paged
 from mlx_engine.kv.block_pool import BlockPool
-from mlx_engine.kv.cache import (
-    DEFAULT_MEMORY_FRACTION,
-    KVBudgetError,
-    KVConfig,
-    PagedCache,
-    blocks_in_budget,
-    default_budget,
-)
+from mlx_engine.kv.config import DEFAULT_MEMORY_FRACTION, KVConfig, blocks_in_budget, default_budget
 from mlx_engine.kv.manager import KVCacheManager
+from mlx_engine.kv.paged import bytes_per_block
+from mlx_engine.kv.protocol import KVCapabilities
+from mlx_engine.kv.tables import BlockTableCache, BlockTables
 
 INITIAL_BLOCKS = 8
 
@@ -69,6 +66,12 @@ class TorchKVStorage:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def release(self, req_id: str | None) -> None:
+        pass  # nothing kept beside the blocks
+
+    def format_stats(self) -> dict[str, Any]:
+        return {"kv_bits": None, "kv_key_bits": None, "kv_key_per_channel": False, "bytes_staging": 0}
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots (N,) int64; k, v (N, Hkv, D)."""
@@ -208,9 +211,15 @@ class DecodeView:
                                               scale=scale, enable_gqa=True)
 
 
-class PackedView(paged.PackedView):
-    """`kv.paged.PackedView`'s packed rows for the torch model, which ropes from per-row positions (asked of
-    layer 0's view, once a forward) and then calls `attention`."""
+class PackedView:
+    """One layer's view of a forward over packed rows (1, T) of several sequences (`kv.views.PackedView`'s rows:
+    one decode row per decoding sequence, then each prefill chunk's), for the torch model, which ropes from
+    per-row positions (asked of layer 0's view, once a forward) and then calls `attention`."""
+
+    def __init__(self, decode: DecodeView | None, num_decode: int, prefills: list[PrefillView], lengths: list[int]):
+        self.decode, self.num_decode, self.prefills = decode, num_decode, prefills
+        starts = [num_decode + sum(lengths[:i]) for i in range(len(lengths))]
+        self.spans = [(a, a + n) for a, n in zip(starts, lengths)]
 
     def positions(self, B: int, L: int, device: torch.device) -> torch.Tensor:
         parts = [self.decode.step.positions[:, 0]] if self.decode is not None else []
@@ -241,18 +250,21 @@ def gpu_default_budget(free_bytes: int, context_length: int, block_size: int, pe
     return min(int(free_bytes * DEFAULT_MEMORY_FRACTION), contexts)
 
 
-class TorchPagedCache(PagedCache):
-    """PagedCache's bookkeeping (start, record, finish, drop, stats, copy-on-write, packing) over torch
-    storage."""
+class TorchPagedCache(BlockTableCache):
+    """The paged KV cache over torch storage: the shared block bookkeeping (a `BlockTables` it holds, served through
+    `BlockTableCache`'s methods), torch views."""
 
-    packed_view = PackedView
+    def __init__(self, storage: TorchKVStorage, manager: KVCacheManager, num_layers: int, bytes_per_block: int):
+        self.storage, self.manager, self.num_layers = storage, manager, num_layers
+        self.tables = BlockTables(manager, storage, bytes_per_block)
+        self.block_size = manager.block_size
+        self.capabilities = KVCapabilities(paged=True, batching=True, packed=True, rollback=True, kv_files=False,
+                                           prefix_caching=manager.pool.enable_caching, quantized=False)
 
     @classmethod
     def create_torch(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                      device: torch.device, context_length: int, weight_bytes: int, config: KVConfig,
                      model_id: bytes, use_kernel: bool = False) -> TorchPagedCache:
-        from mlx_engine.kv.paged import bytes_per_block
-
         config.validate(head_dim)
         itemsize = torch.empty((), dtype=dtype).element_size()
         per_block = bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim, itemsize)
@@ -268,9 +280,18 @@ class TorchPagedCache(PagedCache):
                                  use_kernel)
         manager = KVCacheManager(BlockPool(num_blocks, enable_caching=config.prefix_caching), config.block_size,
                                  extra_key=model_id)
-        cache = cls(storage, manager, num_layers)
-        cache.bytes_per_block = per_block
-        return cache
+        return cls(storage, manager, num_layers, per_block)
+
+    def calibrate(self, model: Any, tokenizer: Any, vocab_size: int) -> None:
+        pass  # unquantized
+
+    def save(self, path: str, token_ids: list[int], fingerprint: bytes) -> int:
+        raise RooflineError("saving KV is not supported on the torch backend")
+
+    def restore(self, path: str, fingerprint: bytes) -> list[int]:
+        raise RooflineError("restoring KV is not supported on the torch backend")
+
+    # --- views ---
 
     def prefill_layers(self, req_id: str, start: int, end: int) -> list[PrefillView]:
         mgr = self.manager
@@ -280,16 +301,27 @@ class TorchPagedCache(PagedCache):
 
     def decode_layers(self, req_ids: list[str], known_ids: list[list[int]]) -> list[DecodeView]:
         """Sequence b's next token goes at position num_tokens(b), allocated here."""
-        mgr, positions = self.manager, [self.manager.num_tokens(r) for r in req_ids]
-        for req, known in zip(req_ids, known_ids):
-            if mgr.allocate_slots(req, known, 1) is None:
-                raise KVBudgetError(f"the KV pool is full ({self.storage.num_blocks} blocks of {self.block_size})")
-            self._grow(req)
-        self._copy_pending()
+        mgr = self.manager
+        positions = self.tables.decode_positions(req_ids, known_ids)
         step = DecodeStep(self.storage, positions, [mgr.slot_mapping(r, p, p + 1)[0] for r, p in zip(req_ids, positions)],
                           [mgr.block_table(r) for r in req_ids])
         return [DecodeView(step, i) for i in range(self.num_layers)]
 
+    def packed_layers(self, decode_ids: list[str], known_ids: list[list[int]],
+                      chunks: list[tuple[str, int, int]]) -> list[PackedView]:
+        """Views for one forward over packed rows: a decode step of `decode_ids` (may be empty), then each
+        (req_id, start, end) prefill chunk."""
+        decode = self.decode_layers(decode_ids, known_ids) if decode_ids else [None] * self.num_layers
+        prefills = [self.prefill_layers(r, a, b) for r, a, b in chunks]
+        lengths = [b - a for _, a, b in chunks]
+        return [PackedView(decode[i], len(decode_ids), [p[i] for p in prefills], lengths)
+                for i in range(self.num_layers)]
+
+    def state(self, layers: list[Any]) -> list[Any]:
+        return []  # torch work is eager: nothing for mx.eval
+
+    def check_kernels(self) -> tuple[str, ...]:
+        return ()  # no Metal kernel (the Triton kernel's fallback is `triton_kernels`' own)
 
 
 class ContiguousLayer:

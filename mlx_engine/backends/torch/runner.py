@@ -29,13 +29,8 @@ from mlx_engine.backends.torch.kv import (
 )
 from mlx_engine.backends.torch.model import build_model
 from mlx_engine.backends.torch.sampling import sample_rows
-from mlx_engine.runner import (
-    NoTokenizer,
-    Runner,
-    attach_draft,
-    cap_context,
-    model_fingerprint,
-)
+from mlx_engine.backends.common import NoTokenizer, attach_draft, cap_context, model_fingerprint
+from mlx_engine.backends.mlx.runner import Runner
 
 TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DEVICES = ("auto", "cpu", "cuda")
@@ -236,7 +231,7 @@ class TorchRunner(Runner):
         (default: on the CPU with packed weights, unless ROOFLINE_TORCH_COMPILE=0)."""
         import importlib
 
-        from mlx_engine.kv.cache import KVConfig
+        from mlx_engine.kv.config import KVConfig
         from mlx_engine.loading import load_checkpoint
 
         dev = resolve_device(device)
@@ -283,8 +278,8 @@ class TorchRunner(Runner):
             num_parameters=tmodel.num_parameters, quantization=ckpt.quant_label, context_length=context,
             weight_bytes=tmodel.weight_bytes, vocab_size=int(ckpt.config.get("vocab_size") or tokenizer.vocab_size),
             native=True, dtype=dtype_name, eos_token_ids=tuple(tokenizer.eos_token_ids), backend="torch",
-            device=dev.type, notes=cpu_pack_notes(tmodel) + ((f"{num_threads} CPU threads",) if dev.type == "cpu"
-                                                            else ()),
+            device=dev.type, has_tokenizer=ckpt.tokenizer is not None,
+            notes=cpu_pack_notes(tmodel) + ((f"{num_threads} CPU threads",) if dev.type == "cpu" else ()),
             warnings=pack_warnings if ckpt.quantization else (),
         )
         runner = cls(tmodel, tokenizer, info, prefill_chunk_size, dev)
@@ -360,10 +355,6 @@ class TorchRunner(Runner):
         """inputs (B, L) -> final hidden states (B, L, hidden), a torch tensor (K/V written to `layers`)."""
         return self.model(_ids(inputs, self.device), layers)
 
-    @staticmethod
-    def cache_state(layers: list[Any]) -> list[mx.array]:
-        return []  # torch work is eager: nothing for mx.eval
-
     def _graph_step(self, layers: list[Any]) -> DecodeStep | None:
         """The step a CUDA graph can replay, as rows of a decode step: `layers` are a decode step's views
         (`decode_layers`), packed views holding only decode rows (`packed_layers`), or one sequence's prefill
@@ -393,30 +384,25 @@ class TorchRunner(Runner):
                           "continues with eager launches", RuntimeWarning, stacklevel=2)
             return None
 
-    @_torch_work
-    def time_graph_forward(self, width: int, context: int, repeats: int) -> float:
-        """Seconds of one graphed step of `width` rows after `context` cached tokens, logits to the host (min
-        over repeats, after a warm-up): what a decode step of `width` sequences or a verification of `width`
-        tokens costs here. Every row reads and writes the pool's scratch block only."""
-        import time
-
+    def graph_step(self, width: int, context: int) -> Callable[[], bool]:
+        """One graphed step of `width` rows after `context` cached tokens, logits to the host, as a call to time
+        (`speculative.timing.time_graph_forward`); it returns False once a capture failed (graphs are off).
+        Every row reads and writes the pool's scratch block only."""
         storage = self.cache.storage
         bs, scratch = storage.block_size, storage.scratch_block
         nblocks = -(-(context + width) // bs)
         step = DecodeStep(storage, [context + i for i in range(width)],
                           [scratch * bs + (context + i) % bs for i in range(width)], [[scratch] * nblocks] * width)
         ids = np.zeros(width, dtype=np.int64)
-        best = float("inf")
-        for _ in range(repeats + 1):
-            t = time.perf_counter()
-            logits = self._graph_logits(ids, step)
-            if logits is None:  # the capture failed and graphs are off: time what runs instead
-                from mlx_engine.speculative import time_forward
+        return lambda: self._graph_logits_to_host(ids, step)
 
-                return time_forward(self, width, context, repeats)
-            mx.eval(_mx(logits))
-            best = min(best, time.perf_counter() - t)
-        return best
+    @_torch_work
+    def _graph_logits_to_host(self, ids: np.ndarray, step: DecodeStep) -> bool:
+        logits = self._graph_logits(ids, step)
+        if logits is None:
+            return False
+        mx.eval(_mx(logits))
+        return True
 
     def _last_logits(self, inputs: Any, layers: list[Any]) -> torch.Tensor:
         step = self._graph_step(layers)
@@ -490,12 +476,6 @@ class TorchRunner(Runner):
             target = _ids(ids[start + 1:end + 1], self.device)
             out.append(logp.gather(-1, target[:, None])[:, 0].cpu().numpy())
         return np.concatenate(out) if out else np.zeros(0, np.float32)
-
-    def save_kv(self, path: str, token_ids: list[int]) -> int:
-        raise RooflineError("saving KV is not supported on the torch backend")
-
-    def restore_kv(self, path: str) -> list[int]:
-        raise RooflineError("restoring KV is not supported on the torch backend")
 
     def _free_device_memory(self) -> None:
         if self.device.type == "cuda":

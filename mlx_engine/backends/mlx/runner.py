@@ -1,9 +1,9 @@
-"""The model runner: lives on the engine thread and does all MLX work (prefill, decode, logits)."""
+"""The MLX model runner: lives on the engine thread and does all MLX work (prefill, decode, logits), on Metal or
+MLX's CPU backend."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -14,28 +14,22 @@ from mlx_engine.api import (
     NO_DRAFT_MODEL,
     GenerationRequest,
     ModelInfo,
-    ModelLoadError,
     RequestError,
     RooflineError,
     SamplingParams,
 )
+from mlx_engine.backends.common import NoTokenizer, attach_draft, cap_context, model_fingerprint
+from mlx_engine.backends.mlx.load import (
+    DRAFT_GROUP_SIZE,
+    decode_shape,
+    pick_dtype,
+    quantize_weights,
+    use_host_blas,
+    wire_memory,
+)
 from mlx_engine.loading import load_checkpoint
 from mlx_engine.models import BuiltModel, build_model, count_parameters
 from mlx_engine.sampling import target_logprobs
-
-_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
-def pick_dtype(requested: str | None, checkpoint_dtype: str) -> mx.Dtype:
-    """On MLX's CPU backend activations stay float32: its quantized matvec is ~35x slower with float16
-    activations and ~8x with bfloat16 (2-core x86-64, 4096x4096). On Metal the checkpoint's dtype."""
-    if requested is not None:
-        if requested not in _DTYPES:
-            raise RooflineError(f"dtype={requested!r}: expected one of {', '.join(_DTYPES)}")
-        return _DTYPES[requested]
-    if not mx.metal.is_available():
-        return mx.float32
-    return _DTYPES.get(checkpoint_dtype, mx.float16)
 
 
 def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
@@ -81,7 +75,7 @@ class Runner:
     ) -> Runner:
         """`draft_bits`: hold the draft at 4 or 8 bits (`weight_bits` of its own load: `quantize_weights`).
         `draft_optional`: a draft model that cannot serve this one is a warning, not an error (`attach_draft`)."""
-        from mlx_engine.kv.cache import KVConfig
+        from mlx_engine.kv.config import KVConfig
 
         kv_config = KVConfig(block_size, kv_bits, kv_group_size, kv_budget_bytes, prefix_caching, kv_key_bits,
                              kv_key_per_channel)
@@ -108,7 +102,7 @@ class Runner:
             quant_label = f"{weight_bits}-bit affine g{DRAFT_GROUP_SIZE}, from {quant_label}"
         mx.eval(built.model.parameters())
         del ckpt.weights
-        host_bytes, idle_bytes, host_note = _use_host_blas(built.model, act_dtype)
+        host_bytes, idle_bytes, host_note = use_host_blas(built.model, act_dtype)
         tokenizer = ckpt.tokenizer or NoTokenizer(ckpt.path, ckpt.config)
         context = built.context_length
         context = cap_context(context, max_context)
@@ -136,14 +130,20 @@ class Runner:
             eos_token_ids=eos,
             notes=notes,
             warnings=warnings,
+            has_tokenizer=ckpt.tokenizer is not None,
         )
         runner = cls(built, tokenizer, info, prefill_chunk_size)
-        runner._shape = _decode_shape(ckpt.config, params, act_dtype)
+        runner._shape = decode_shape(ckpt.config, params, act_dtype)
         runner._host_bytes, runner._shape["idle_bytes"] = host_bytes, idle_bytes
         runner.fingerprint = model_fingerprint(ckpt, act_dtype)
         runner.cache = runner._make_cache(kv_config, paged_kv, act_dtype)
-        if hasattr(runner.cache, "calibrate"):  # quantized paged KV: its offsets and key scales (`kv.smoothing`)
-            runner.cache.calibrate(runner.model, tokenizer, runner.vocab_size)
+        runner.cache.calibrate(runner.model, tokenizer, runner.vocab_size)  # quantized KV: `kv.smoothing`
+        from mlx_engine.backends.mlx.kernel_checks import kernel_warnings
+
+        # a Metal kernel that fails its check on this machine: its reference runs, and the user is told once
+        fallbacks = kernel_warnings(runner.model, runner.cache, act_dtype)
+        runner.info = dataclasses.replace(runner.info, kv_files=runner.cache.capabilities.kv_files,
+                                          warnings=runner.info.warnings + fallbacks)
         runner.self_draft_layers = runner._check_self_draft_layers(self_draft_layers)
         if draft_model is not None:
             attach_draft(runner, lambda: cls.load(draft_model, dtype=dtype, prefill_chunk_size=prefill_chunk_size,
@@ -166,14 +166,12 @@ class Runner:
 
     def rollback_problem(self) -> str | None:
         """Why this model's KV cannot be rolled back past rejected draft tokens (None: it can)."""
-        from mlx_lm.models.cache import KVCache
+        from mlx_engine.kv.contiguous import untrimmable_kinds
 
-        if hasattr(self.cache, "manager") or self.native:
+        if self.native or self.cache.capabilities.rollback:  # our models' caches all roll back
             return None
-        kinds = {type(c).__name__ for c in self._fresh_contiguous() if type(c) is not KVCache}
-        if kinds:
-            return f"its mlx-lm cache ({', '.join(sorted(kinds))}) cannot be trimmed at every length"
-        return None
+        kinds = untrimmable_kinds(self.model, self.native)
+        return f"its mlx-lm cache ({', '.join(kinds) or 'unknown'}) cannot be trimmed at every length"
 
     def check_speculation(self, params: SamplingParams) -> None:
         """Refuses a speculative mode this engine cannot serve (RequestError). "auto" is never refused: it
@@ -201,14 +199,12 @@ class Runner:
         """The self draft: inputs (1, L) through the first `num_layers` layers, the final norm and the head
         -> logits of the last position (1, V), float32. `layers`: the caches of those layers."""
         m = self.model
-        h = m.model.embed_tokens(inputs)
-        mask = m._mask(inputs.shape[1], layers[0].offset)
-        for layer, c in zip(m.layers[:num_layers], layers):
-            h = layer(h, mask, c)
+        h = m.hidden(inputs, layers, num_layers)
         return m.logits(m.model.norm(h[:, -1, :])).astype(mx.float32)
 
     def _make_cache(self, config: Any, paged: bool | None, dtype: mx.Dtype) -> Any:
-        from mlx_engine.kv.cache import ContiguousCache, PagedCache
+        from mlx_engine.kv.cache import PagedCache
+        from mlx_engine.kv.contiguous import ContiguousCache
 
         why_not = None
         if not self.native:
@@ -292,17 +288,13 @@ class Runner:
     # --- MLX work (engine thread) ---
 
     def _fresh_contiguous(self) -> list[Any]:
-        from mlx_engine.kv.cache import new_contiguous_layers
+        from mlx_engine.kv.contiguous import new_contiguous_layers
 
         return new_contiguous_layers(self.model, self.native)
 
     def forward(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         """inputs (B, L) -> hidden states (native) or logits (mlx-lm classes), lazily."""
         return self.model(inputs, layers) if self.native else self.model(inputs, cache=layers)
-
-    @staticmethod
-    def cache_state(layers: list[Any]) -> list[mx.array]:
-        return cache_state(layers)
 
     def last_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         """inputs (B, L) -> logits of each row's last position (B, V), float32."""
@@ -343,237 +335,33 @@ class Runner:
         if not self.native:
             raise RooflineError(f"hidden states need a natively implemented model; {self.info.name} "
                                 f"({self.info.model_type}) runs on an mlx-lm class")
-        m = self.model
-        inputs = mx.array([ids], dtype=mx.int32)  # (1, T)
-        h = m.model.embed_tokens(inputs)  # (1, T, hidden)
-        mask = m._mask(len(ids), 0)
-        out = [h]
-        for layer in m.layers:
-            h = layer(h, mask, None)
-            out.append(h)
+        out = self.model.layer_outputs(mx.array([ids], dtype=mx.int32))  # (1, T, hidden) each
         mx.eval(out)
         return [np.array(x[0].astype(mx.float32)) for x in out]
 
     def score(self, ids: list[int]) -> np.ndarray:
         """log p(ids[t+1] | ids[..t]) for every t, computed in prefill chunks through the engine's KV cache
         (so quantized KV counts, as it would in decoding) -> float32 (T - 1,)."""
-        from mlx_engine.kv.cache import KVBudgetError, PagedCache
-
         req = f"score-{id(ids)}"
-        paged = isinstance(self.cache, PagedCache)
-        if paged:
-            self.cache.check_fits(len(ids))
-            if self.cache.manager.allocate_slots(req, ids, len(ids)) is None:
-                raise KVBudgetError(f"no free KV blocks for {len(ids)} tokens")
-            self.cache._grow(req)
-            self.cache._copy_pending()
-        else:
-            contiguous = self._fresh_contiguous()
+        self.cache.check_fits(len(ids))
+        self.cache.allocate(req, ids, len(ids))  # KV of its own
         out = []
         try:
             for start in range(0, len(ids) - 1, self.prefill_chunk_size):
                 end = min(start + self.prefill_chunk_size, len(ids) - 1)
-                layers = self.cache.prefill_layers(req, start, end) if paged else contiguous
+                layers = self.cache.prefill_layers(req, start, end)
                 h = self.forward(mx.array([ids[start:end]], dtype=mx.int32), layers)
                 logits = (self.model.logits(h) if self.native else h)[0]  # (L, V)
                 out.append(np.array(target_logprobs(logits, ids[start + 1:end + 1], 0)[0]))
         finally:
-            if paged:
-                self.cache.manager.free(req)
+            self.cache.free(req)
         return np.concatenate(out) if out else np.zeros(0, np.float32)
 
     def kv_stats(self) -> dict[str, Any]:
         return self.cache.stats()
 
-    def _paged(self, what: str) -> Any:
-        from mlx_engine.kv.cache import PagedCache
-
-        if not isinstance(self.cache, PagedCache):
-            raise RooflineError(f"{what} needs the paged KV cache, which this model does not use")
-        return self.cache
-
     def save_kv(self, path: str, token_ids: list[int]) -> int:
-        from mlx_engine.kv.cache import save_blocks
-
-        return save_blocks(self._paged("saving KV"), path, token_ids, self.fingerprint)
+        return self.cache.save(path, token_ids, self.fingerprint)
 
     def restore_kv(self, path: str) -> list[int]:
-        from mlx_engine.kv.cache import restore_blocks
-
-        return restore_blocks(self._paged("restoring KV"), path, self.fingerprint)
-
-
-def wire_memory(weight_bytes: int) -> str:
-    """On Metal, keeps up to the recommended working set resident (`mx.set_wired_limit`), as mlx-lm does for each
-    of its generations: the weights and KV are not paged out between requests, so an idle chat's next reply or
-    a server's next request runs at full speed. Process-wide, for as long as the process runs. Returns a note
-    when the weights alone come near that limit (then generation may page and be slow), else ""."""
-    if not mx.metal.is_available():
-        return ""
-    limit = int(mx.metal.device_info()["max_recommended_working_set_size"])
-    mx.set_wired_limit(limit)
-    if weight_bytes > 0.9 * limit:
-        return (f"the weights take {weight_bytes / 2**30:.1f} GiB of the {limit / 2**30:.1f} GiB Metal keeps "
-                "resident: generation may be slow (a smaller quantization would fit)")
-    return ""
-
-
-def _use_host_blas(model: Any, act_dtype: mx.Dtype) -> tuple[int, int, str]:
-    """On MLX's CPU backend, routes projections to numpy's BLAS (models.layers): with resident float32
-    weights when they fit, else only prefill-sized ones. Returns (host bytes allocated, MLX bytes the
-    host path stops reading, a note for ModelInfo)."""
-    if mx.metal.is_available() or act_dtype != mx.float32:
-        return 0, 0, ""
-    from mlx_engine.kv.cache import available_memory_bytes
-    from mlx_engine.models import layers
-
-    fits, why = layers.host_weights_fit(layers.host_weights_bytes(model), available_memory_bytes(0))
-    if not fits:
-        layers.use_host_gemm_for_prefill(model)
-        return 0, 0, f"CPU: quantized weights stay packed ({why}); decode uses MLX's quantized matvec"
-    allocated, idle = layers.use_host_weights(model)
-    return allocated, idle, (f"CPU: projections run on float32 copies of the weights in numpy's BLAS "
-                             f"({allocated / 2**20:.0f} MiB, {why})")
-
-
-DRAFT_GROUP_SIZE = 64
-
-
-def quantize_weights(model: Any, bits: int, group_size: int = DRAFT_GROUP_SIZE) -> None:
-    """Every linear layer and embedding of `model` as affine `bits`-bit groups of `group_size` (a draft held at
-    lower precision than its target: `draft_bits`): quantized ones are dequantized and quantized again, float
-    ones go through mlx.nn.quantize (those whose rows do not split into groups stay float)."""
-    import mlx.nn as nn
-
-    for _, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits,
-                              mode=getattr(m, "mode", "affine"))
-            q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
-            m.weight, m.scales, m.biases = q, scales.astype(w.dtype), biases.astype(w.dtype)
-            m.group_size, m.bits, m.mode = group_size, bits, "affine"
-    nn.quantize(model, group_size, bits, class_predicate=lambda _, m: type(m) in (nn.Linear, nn.Embedding)
-                and m.weight.shape[-1] % group_size == 0)
-
-
-def cap_context(context: int, max_context: int | None) -> int:
-    """The model's context length, capped by the max_context load option."""
-    if max_context is None:
-        return context
-    if not isinstance(max_context, int) or max_context < 2:
-        raise RooflineError(f"max_context={max_context!r}: expected an integer >= 2")
-    return min(context, max_context)
-
-
-def attach_draft(target: Any, load: Callable[[], Any], optional: bool = False) -> None:
-    """Loads the draft model (`load`) and, where it shares the target's tokenizer (`check_same_vocabulary`),
-    makes it the target's draft. An error names the draft model. `optional`: the error becomes one of the
-    target's warnings and the target goes on without a draft (the chat app, where a model picked in the app need
-    not suit the draft named on its command line, and a missing draft should not keep the model from loading)."""
-    try:
-        try:
-            draft = load()
-        except RooflineError as e:
-            raise ModelLoadError(f"draft model: {e}") from None  # the loader's errors name the path
-        target.draft = check_same_vocabulary(target, draft)
-    except RooflineError as e:
-        if not optional:
-            raise
-        note = f"{e}. Loaded without a draft model: speculative='draft' is unavailable, 'auto' drafts by prompt lookup"
-        target.info = dataclasses.replace(target.info, warnings=(*target.info.warnings, note))
-        return
-    target.info = dataclasses.replace(target.info, draft_model=draft.info.name)
-
-
-def check_same_vocabulary(target: Runner, draft: Runner) -> Runner:
-    """The draft must propose token ids the target reads the same way: same vocabulary size (model and
-    tokenizer), same EOS, and the same pieces at a spread sample of ids. Returns the draft."""
-    why = draft.rollback_problem()
-    if why:
-        raise RooflineError(f"draft model {draft.info.name}: {why}")
-    t, d = target.tokenizer, draft.tokenizer
-    problem = None
-    if target.vocab_size != draft.vocab_size:
-        problem = f"vocabulary sizes differ ({target.vocab_size} vs {draft.vocab_size})"
-    elif t.vocab_size != d.vocab_size:
-        problem = f"tokenizer vocabulary sizes differ ({t.vocab_size} vs {d.vocab_size})"
-    elif set(t.eos_token_ids) != set(d.eos_token_ids):
-        problem = f"end-of-sequence ids differ ({sorted(t.eos_token_ids)} vs {sorted(d.eos_token_ids)})"
-    elif t.vocab_size:
-        for i in sorted({*range(0, t.vocab_size, max(1, t.vocab_size // 257)), t.vocab_size - 1}):
-            a, b = t.backend.id_to_token(i), d.backend.id_to_token(i)
-            if a != b:
-                problem = f"token {i} is {a!r} in one and {b!r} in the other"
-                break
-    if problem:
-        raise RooflineError(f"draft model {draft.info.name} ({draft.info.path}) does not share the tokenizer of "
-                            f"{target.info.name} ({target.info.path}): {problem}")
-    return draft
-
-
-class NoTokenizer:
-    """For a model folder without tokenizer files: token ids in, token ids out, no text."""
-
-    vocab_size = 0
-    bos_token_id = None
-
-    def __init__(self, path: Any, config: dict[str, Any]):
-        self.path = path
-        eos = config.get("eos_token_id")
-        self.eos_token_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> list[int]:
-        raise RequestError(f"{self.path} has no tokenizer (tokenizer.json): send prompt_token_ids instead of text")
-
-    encode = encode_chat = _refuse
-
-    def detokenizer(self) -> Any:
-        class _Silent:
-            def add_token(self, token: int) -> str:
-                return ""
-
-            def finalize(self) -> str:
-                return ""
-
-        return _Silent()
-
-
-def model_fingerprint(ckpt: Any, dtype: mx.Dtype) -> bytes:
-    """Identity of the weights and activation dtype: the prefix-cache hash key and the guard on saved KV."""
-    import hashlib
-    import json
-
-    h = hashlib.sha256()
-    h.update(json.dumps(ckpt.config, sort_keys=True, default=str).encode())
-    path = ckpt.path
-    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf"))
-    for f in files:  # name, size and three 64 KiB samples: two fine-tunes of one base differ, cheaply
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            for at in (0, size // 2, max(0, size - 65536)):
-                fh.seek(at)
-                h.update(fh.read(65536))
-    h.update(str(dtype).encode())
-    return h.digest()
-
-
-def cache_state(layers: list[Any]) -> list[mx.array]:
-    """What to evaluate after a prefill chunk: the pool (paged) or the layer buffers (contiguous)."""
-    first = layers[0]
-    if hasattr(first, "storage"):
-        return first.storage.arrays()
-    return [c.state for c in layers]
-
-
-def _decode_shape(config: dict[str, Any], params: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, Any]:
-    heads = int(config.get("num_attention_heads") or 1)
-    embed = [v for k, v in params.items() if "embed_tokens" in k]
-    return {
-        "embed_bytes": sum(v.nbytes for v in embed),
-        "tied": not any("lm_head" in k for k in params),
-        "layers": int(config.get("num_hidden_layers") or 0),
-        "kv_heads": int(config.get("num_key_value_heads") or heads),
-        "head_dim": int(config.get("head_dim") or int(config.get("hidden_size") or 0) // heads),
-        "kv_itemsize": dtype.size,
-    }
+        return self.cache.restore(path, self.fingerprint)

@@ -1,0 +1,112 @@
+"""What every backend's load shares: the context cap, the draft model's attachment and vocabulary check, a
+tokenizer stand-in for folders without one, and the weights' fingerprint. No MLX, no torch."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from mlx_engine.api import ModelLoadError, RequestError, RooflineError
+
+
+def cap_context(context: int, max_context: int | None) -> int:
+    """The model's context length, capped by the max_context load option."""
+    if max_context is None:
+        return context
+    if not isinstance(max_context, int) or max_context < 2:
+        raise RooflineError(f"max_context={max_context!r}: expected an integer >= 2")
+    return min(context, max_context)
+
+
+def attach_draft(target: Any, load: Callable[[], Any], optional: bool = False) -> None:
+    """Loads the draft model (`load`) and, where it shares the target's tokenizer (`check_same_vocabulary`),
+    makes it the target's draft. An error names the draft model. `optional`: the error becomes one of the
+    target's warnings and the target goes on without a draft (the chat app, where a model picked in the app need
+    not suit the draft named on its command line, and a missing draft should not keep the model from loading)."""
+    try:
+        try:
+            draft = load()
+        except RooflineError as e:
+            raise ModelLoadError(f"draft model: {e}") from None  # the loader's errors name the path
+        target.draft = check_same_vocabulary(target, draft)
+    except RooflineError as e:
+        if not optional:
+            raise
+        note = f"{e}. Loaded without a draft model: speculative='draft' is unavailable, 'auto' drafts by prompt lookup"
+        target.info = dataclasses.replace(target.info, warnings=(*target.info.warnings, note))
+        return
+    target.info = dataclasses.replace(target.info, draft_model=draft.info.name)
+
+
+def check_same_vocabulary(target: Any, draft: Any) -> Any:
+    """The draft must propose token ids the target reads the same way: same vocabulary size (model and
+    tokenizer), same EOS, and the same pieces at a spread sample of ids. Returns the draft."""
+    why = draft.rollback_problem()
+    if why:
+        raise RooflineError(f"draft model {draft.info.name}: {why}")
+    t, d = target.tokenizer, draft.tokenizer
+    problem = None
+    if target.vocab_size != draft.vocab_size:
+        problem = f"vocabulary sizes differ ({target.vocab_size} vs {draft.vocab_size})"
+    elif t.vocab_size != d.vocab_size:
+        problem = f"tokenizer vocabulary sizes differ ({t.vocab_size} vs {d.vocab_size})"
+    elif set(t.eos_token_ids) != set(d.eos_token_ids):
+        problem = f"end-of-sequence ids differ ({sorted(t.eos_token_ids)} vs {sorted(d.eos_token_ids)})"
+    elif t.vocab_size:
+        for i in sorted({*range(0, t.vocab_size, max(1, t.vocab_size // 257)), t.vocab_size - 1}):
+            a, b = t.backend.id_to_token(i), d.backend.id_to_token(i)
+            if a != b:
+                problem = f"token {i} is {a!r} in one and {b!r} in the other"
+                break
+    if problem:
+        raise RooflineError(f"draft model {draft.info.name} ({draft.info.path}) does not share the tokenizer of "
+                            f"{target.info.name} ({target.info.path}): {problem}")
+    return draft
+
+
+class NoTokenizer:
+    """For a model folder without tokenizer files: token ids in, token ids out, no text."""
+
+    vocab_size = 0
+    bos_token_id = None
+
+    def __init__(self, path: Any, config: dict[str, Any]):
+        self.path = path
+        eos = config.get("eos_token_id")
+        self.eos_token_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> list[int]:
+        raise RequestError(f"{self.path} has no tokenizer (tokenizer.json): send prompt_token_ids instead of text")
+
+    encode = encode_chat = _refuse
+
+    def detokenizer(self) -> Any:
+        class _Silent:
+            def add_token(self, token: int) -> str:
+                return ""
+
+            def finalize(self) -> str:
+                return ""
+
+        return _Silent()
+
+
+def model_fingerprint(ckpt: Any, dtype: Any) -> bytes:
+    """Identity of the weights and activation dtype: the prefix-cache hash key and the guard on saved KV."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    h.update(json.dumps(ckpt.config, sort_keys=True, default=str).encode())
+    path = ckpt.path
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf"))
+    for f in files:  # name, size and three 64 KiB samples: two fine-tunes of one base differ, cheaply
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            for at in (0, size // 2, max(0, size - 65536)):
+                fh.seek(at)
+                h.update(fh.read(65536))
+    h.update(str(dtype).encode())
+    return h.digest()

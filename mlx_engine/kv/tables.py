@@ -1,0 +1,174 @@
+"""A paged cache's block bookkeeping over its storage, shared by the MLX and torch caches (each holds one).
+
+The manager (`kv.manager.KVCacheManager`, pure Python) keeps the block tables; this class asks it for room, and
+makes the storage (`kv.protocol.KVStorage`) follow: grow to the block ids handed out, perform the copy-on-write
+copies the manager queued, release what a request kept beside its blocks. The caches build their views on the
+tables kept here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mlx_engine.api import RequestError
+from mlx_engine.kv.manager import KVCacheManager, cdiv
+from mlx_engine.kv.protocol import KVStorage
+
+
+class KVBudgetError(RequestError):
+    """A request whose KV cannot fit the pool."""
+
+
+class BlockTables:
+    def __init__(self, manager: KVCacheManager, storage: KVStorage, bytes_per_block: int):
+        self.manager, self.storage, self.bytes_per_block = manager, storage, bytes_per_block
+        self.block_size = manager.block_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.storage.num_blocks * self.block_size
+
+    def check_fits(self, num_tokens: int) -> None:
+        need = cdiv(num_tokens, self.block_size)
+        if need > self.storage.num_blocks:
+            raise KVBudgetError(
+                f"this request needs KV for {num_tokens} tokens ({need * self.bytes_per_block:,} bytes) but the KV "
+                f"budget holds {self.capacity_tokens} tokens ({self.storage.num_blocks * self.bytes_per_block:,} "
+                "bytes); raise kv_budget_bytes, use kv_bits=8, or shorten the prompt"
+            )
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def num_free_blocks(self) -> int:
+        return self.manager.pool.get_num_free_blocks()
+
+    def num_blocks_held(self, req_id: str) -> int:
+        return len(self.manager.req_to_blocks.get(req_id, ()))
+
+    # --- allocation ---
+
+    def start(self, req_id: str, prompt_ids: list[int], reuse: bool = True) -> int:
+        """Allocates a new sequence's prompt blocks, the cached prefix's (prefix caching) shared unless
+        `reuse` is False; returns the number of prompt tokens already cached."""
+        computed, num_cached = self.manager.get_computed_blocks(prompt_ids) if reuse else ([], 0)
+        if self.manager.allocate_slots(req_id, prompt_ids, len(prompt_ids) - num_cached, computed) is None:
+            raise KVBudgetError(f"no free KV blocks for a {len(prompt_ids)}-token prompt")
+        self._grow(req_id)
+        self._copy_pending()
+        return num_cached
+
+    def allocate(self, req_id: str, token_ids: Sequence[int], num_new_tokens: int) -> None:
+        self._allocate(req_id, token_ids, num_new_tokens)
+        self._copy_pending()
+
+    def _allocate(self, req_id: str, token_ids: Sequence[int], num_new_tokens: int) -> None:
+        if self.manager.allocate_slots(req_id, token_ids, num_new_tokens) is None:
+            raise KVBudgetError(f"the KV pool is full ({self.storage.num_blocks} blocks of {self.block_size})")
+        self._grow(req_id)
+
+    def decode_positions(self, req_ids: list[str], known_ids: list[list[int]]) -> list[int]:
+        """One slot more for each sequence (a decode step); returns the positions of their new tokens."""
+        positions = [self.manager.num_tokens(r) for r in req_ids]
+        for req, known in zip(req_ids, known_ids):
+            self._allocate(req, known, 1)
+        self._copy_pending()
+        return positions
+
+    def _grow(self, req_id: str) -> None:
+        table = self.manager.block_table(req_id)
+        if table:
+            self.storage.ensure_capacity(max(table) + 1)
+
+    def _copy_pending(self) -> None:
+        if self.manager.pending_copies:
+            self.storage.ensure_capacity(max(max(p) for p in self.manager.pending_copies) + 1)
+            self.storage.copy_blocks(self.manager.pending_copies)
+            self.manager.pending_copies.clear()
+
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        self.manager.trim(req_id, num_tokens)
+
+    # --- leaving ---
+
+    def record(self, req_id: str, known_ids: list[int]) -> None:
+        self.manager.cache_full_blocks(req_id, known_ids)
+
+    def free(self, req_id: str) -> None:
+        self.manager.free(req_id)
+        self.storage.release(req_id)
+
+    def drop(self) -> None:
+        for req in list(self.manager.req_to_blocks):
+            self.manager.free(req)
+        self.storage.release(None)
+
+    def drop_request(self, req_id: str) -> None:
+        """After a failed step: free the request's blocks and forget the prefix hashes they carried."""
+        blocks = list(self.manager.req_to_blocks.get(req_id, []))
+        self.free(req_id)
+        for block in blocks:
+            if block.ref_cnt == 0 and block.block_hash is not None:
+                self.manager.pool.evict_cached_block(block)
+
+    def stats(self) -> dict[str, Any]:
+        s = self.manager.stats()
+        s.update(kind="paged", bytes_per_block=self.bytes_per_block, bytes_total=self.storage.nbytes,
+                 bytes_budget=self.storage.num_blocks * self.bytes_per_block,
+                 bytes_used=s["used"] * self.bytes_per_block, **self.storage.format_stats())
+        return s
+
+
+class BlockTableCache:
+    """The `KVCache` methods a paged cache serves from its block bookkeeping (`self.tables`): the MLX and the torch
+    cache each hold a `BlockTables` over their storage and add their storage's views; neither overrides these."""
+
+    tables: BlockTables
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.tables.bytes_per_block
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.tables.capacity_tokens
+
+    def check_fits(self, num_tokens: int) -> None:
+        self.tables.check_fits(num_tokens)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return self.tables.blocks_for(num_tokens)
+
+    def num_free_blocks(self) -> int:
+        return self.tables.num_free_blocks()
+
+    def num_blocks_held(self, req_id: str) -> int:
+        return self.tables.num_blocks_held(req_id)
+
+    def start(self, req_id: str, prompt_ids: list[int], reuse: bool = True) -> int:
+        return self.tables.start(req_id, prompt_ids, reuse)
+
+    def allocate(self, req_id: str, token_ids: list[int], num_new_tokens: int) -> None:
+        self.tables.allocate(req_id, token_ids, num_new_tokens)
+
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        self.tables.trim(req_id, num_tokens)
+
+    def record(self, req_id: str, known_ids: list[int]) -> None:
+        self.tables.record(req_id, known_ids)
+
+    def finish(self, req_id: str, fed_ids: list[int]) -> None:
+        self.tables.free(req_id)
+
+    def free(self, req_id: str) -> None:
+        self.tables.free(req_id)
+
+    def drop(self) -> None:
+        self.tables.drop()
+
+    def drop_request(self, req_id: str) -> None:
+        self.tables.drop_request(req_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self.tables.stats()

@@ -1,0 +1,57 @@
+"""One speculative step: propose, verify in one target forward, accept by rejection sampling, roll back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_engine.speculative.accept import point_mass, rejection_sample
+from mlx_engine.speculative.proposers import DraftInput
+
+
+def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.array | None]:
+    """One proposal and verification for `seq` (a scheduler Sequence whose newest token, generated[-1],
+    is known and not yet in the cache). Returns the new tokens (the accepted drafts, then one sampled
+    token), how many of them are drafts, and their log-probability rows (n + 1, V) when asked for.
+    Afterwards the cache (and the draft's) holds every token but the last new one."""
+    cache, sampler, state = runner.cache, seq.sampler, seq.spec
+    tokens = seq.prompt + seq.generated
+    n0, req = len(tokens) - 1, seq.req_id  # n0: tokens in the cache
+    cache.allocate(req, tokens, k + 1)  # slots for [last, x_1..x_k], with the known tokens: no draft gets hashed
+
+    draft: list[int] | mx.array = []
+    q = None
+    constraint = getattr(seq, "constraint", None)  # a response format: drafts and rows held to its grammar
+    allowed_after = None if constraint is None else (lambda ds: mx.array(constraint.allowed_along(ds)[-1:]))
+    if k:
+        draft, q = state.proposer.propose(DraftInput(tokens, k, sampler, lambda a, b: cache.prefill_layers(req, a, b),
+                                                     allowed_after))
+    sampler.allowed = None
+    if constraint is not None and q is None:  # a copied draft (point mass): cut where the grammar refuses it
+        draft = list(draft)[:constraint.consumable(list(draft))]
+    m = len(draft)
+    if m < k:
+        cache.trim(req, n0 + m + 1)
+    d = mx.array(draft, dtype=mx.int32) if not isinstance(draft, mx.array) else draft  # (m,)
+    layers = cache.prefill_layers(req, n0, n0 + m + 1)
+    inputs = mx.concatenate([mx.array([tokens[-1]], dtype=mx.int32), d])[None]  # (1, m+1)
+    logits = runner.all_logits(inputs, layers)  # (m+1, V)
+    if constraint is not None:  # row i: what the grammar allows after the drafts before it
+        sampler.allowed = mx.array(constraint.allowed_along(d.tolist()))
+    p = sampler.probs_along(logits, d)  # (m+1, V)
+    if q is None:
+        q = point_mass(d, p.shape[-1])
+    num, nxt = rejection_sample(p[None], q[None], d[None], sampler.next_key())
+    lps = sampler.logprobs_along(logits, d) if seq.params.logprobs is not None else None
+    mx.eval(num, nxt, d)
+    n = int(num.item())
+    new = d.tolist()[:n] + [int(nxt.item())]
+
+    keep = n0 + 1 + n  # the cache keeps last and the accepted drafts
+    cache.trim(req, keep)
+    if m:
+        state.rollback(keep)
+    sampler.accept(mx.array([new], dtype=mx.int32))
+    state.record(m, n)
+    return new, n, (lps[: n + 1] if lps is not None else None)

@@ -1,0 +1,116 @@
+"""Every row of the attention table (`mlx_engine.attention.TABLE`) against its slow twin, on the row's own example.
+
+The twins compute with `kernels_metal.reference.paged_decode_attention`, the kernels' MLX-ops reference; a row added
+without a twin, or whose example its condition does not pick, fails here. Tolerances (max abs error; outputs are
+O(1), V standard normal): float32 1e-4 (float32 math on both sides, other summation orders; measured floor 2e-6),
+float16 4e-3 (both round the output to float16: half an ulp at 1-2 is 1e-3, either side of a tie).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kernels_metal.reference as kernel_reference
+from kernels_metal import _backend
+from mlx_engine.attention import TABLE, Case, Path, choose
+from mlx_engine.kv.paged import PagedKVStorage
+from mlx_engine.kv.views import DecodeStep, PagedPrefillView
+
+ATOL = {mx.float32: 1e-4, mx.float16: 4e-3}
+HQ, HKV, BS = 4, 2, 16
+SCALE = 0.25
+
+
+@pytest.fixture
+def reference_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the twins' calls of the kernels' reference."""
+    calls: list[int] = []
+    ref = kernel_reference.paged_decode_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return ref(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_reference, "paged_decode_attention", counted)
+    return calls
+
+
+def storage(case: Case, rng: np.random.Generator) -> PagedKVStorage:
+    """Eight blocks, every slot written with random K/V (per-channel keys: through a write plan)."""
+    st = PagedKVStorage(1, 8, BS, HKV, case.head_dim, case.dtype, bits=case.bits, group_size=32 if case.bits else 64,
+                        head_major=case.head_major, key_per_channel=case.key_per_channel)
+    st.ensure_capacity(8)
+    slots = list(range(8 * BS))
+    plan = st.plan_key_writes([("old", s) for s in slots])
+    k, v = (mx.array(rng.normal(size=(8 * BS, HKV, case.head_dim)).astype(np.float32)) for _ in range(2))
+    st.write(0, mx.array(slots, dtype=mx.int32), k, v, plan)
+    st.release_key_stages("old")
+    return st
+
+
+def run_decode(path: Path, rng: np.random.Generator) -> tuple[mx.array, mx.array]:
+    case = path.example
+    st = storage(case, rng)
+    if case.single:  # one sequence in two runs of blocks: 3, 4 then 1
+        tables, lens = [[3, 4, 1]], [40]
+        all_slots = ([slice(3 * BS, 5 * BS), slice(BS, BS + 8)] if case.runs
+                     else mx.array([b * BS + i for b in (3, 4, 1) for i in range(BS)][:40], dtype=mx.int32))
+    else:  # three sequences over scattered blocks, padded tables
+        tables, lens, all_slots = [[5, 1, 6], [2, 0, 0], [7, 3, 4]], [40, 9, 33], None
+    B = len(lens)
+    step = DecodeStep(st, mx.array(lens) - 1 if B > 1 else lens[0] - 1, mx.zeros(B, mx.int32),
+                      mx.array(tables, dtype=mx.int32), mx.array(lens, dtype=mx.int32), max(lens), all_slots)
+    q = mx.array(rng.normal(size=(B, HQ, 1, case.head_dim)).astype(np.float32)).astype(case.dtype)
+    return path.run(step, 0, q, SCALE), path.twin(step, 0, q, SCALE)
+
+
+def run_prefill(path: Path, rng: np.random.Generator) -> tuple[mx.array, mx.array]:
+    """A chunk of 15 tokens at positions 20..34 of a sequence in blocks 3, 4, 1, written as the engine writes it."""
+    case = path.example
+    st = storage(case, rng)
+    table, offset, L = [3, 4, 1], 20, 15
+    slots = [table[p // BS] * BS + p % BS for p in range(offset + L)]
+    head = st.plan_key_writes([("seq", s) for s in slots[:offset]])
+    k, v = (mx.array(rng.normal(size=(offset + L, HKV, case.head_dim)).astype(np.float32)) for _ in range(2))
+    st.write(0, mx.array(slots[:offset], dtype=mx.int32), k[:offset], v[:offset], head)
+    plan = st.plan_key_writes([("seq", s) for s in slots[offset:]])
+    new = mx.array(slots[offset:], dtype=mx.int32)
+    st.write(0, new, k[offset:], v[offset:], plan)
+    view = PagedPrefillView(st, 0, offset, new, [slice(3 * BS, 5 * BS), slice(BS, BS + 3)], plan, table)
+    q = mx.array(rng.normal(size=(1, HQ, L, case.head_dim)).astype(np.float32)).astype(case.dtype)
+    return path.run(view, q, SCALE), path.twin(view, q, SCALE)
+
+
+def run_contiguous(path: Path, rng: np.random.Generator) -> tuple[mx.array, mx.array]:
+    """Four queries after 16 cached tokens (past a window of 8 where the example has one)."""
+    case = path.example
+    S, L = 20, 4
+    q = mx.array(rng.normal(size=(1, HQ, L, case.head_dim)).astype(np.float32)).astype(case.dtype)
+    keys, values = (mx.array(rng.normal(size=(1, HKV, S, case.head_dim)).astype(np.float32)).astype(case.dtype)
+                    for _ in range(2))
+    args = (q, keys, values, SCALE, S - L, case.window)
+    return path.run(*args), path.twin(*args)
+
+
+RUN = {"decode": run_decode, "prefill": run_prefill, "contiguous": run_contiguous}
+
+
+@pytest.mark.parametrize("path", TABLE, ids=[p.name for p in TABLE])
+def test_every_path_matches_its_twin(path: Path, reference_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert path.twin is not None and path.twin is not path.run, f"{path.name}: a path needs a slow twin"
+    assert choose(path.example) is path, f"{path.name}: its example is served by {choose(path.example).name}"
+    if path.name == "decode-kernel" and _backend.interpret_available():
+        monkeypatch.setenv(_backend.INTERPRET_ENV, "1")  # the kernel's Metal source, run by the interpreter
+    got, want = RUN[path.phase](path, np.random.default_rng(len(path.name)))
+    assert reference_calls, f"{path.name}: its twin does not compute with kernels_metal.reference"
+    assert got.shape == want.shape and got.dtype == want.dtype
+    err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
+    assert err <= ATOL[path.example.dtype], f"{path.name}: maxdiff {err:.3g}"
+
+
+def test_every_phase_ends_with_a_row_for_any_case() -> None:
+    for phase in RUN:
+        rows = [p for p in TABLE if p.phase == phase]
+        assert rows and rows[-1].when(Case(phase, dtype=mx.bfloat16, head_dim=24, window=3)), phase
