@@ -422,70 +422,6 @@ def attention_outputs(block: TransformerBlock, x: torch.Tensor, out: torch.Tenso
     return h + block.mlp(block.post_attention_layernorm(h))
 
 
-def between_attentions(block: TransformerBlock, following: TransformerBlock, x: torch.Tensor, out: torch.Tensor,
-                       cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A block's output half and the next block's input half: one graph call instead of two."""
-    h = attention_outputs(block, x, out)
-    return (h, *attention_inputs(following, h, cos, sin))
-
-
-def compile_errors() -> tuple[type[BaseException], ...]:
-    """What a failed torch.compile raises: inductor's C++ build (no compiler, a failed build) and dynamo's
-    backend errors."""
-    from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
-
-    return (BackendCompilerFailed, TorchRuntimeError, OSError, RuntimeError)
-
-
-class CompiledHalves:
-    """`attention_inputs`, `between_attentions` and `attention_outputs` compiled by inductor: the norms, rope,
-    residuals and SiLU as fused C++ loops around the matmul kernels, in place of ~70 eager ops a layer, one call
-    between two attentions. One graph serves every layer (the blocks are arguments), so each call's guards
-    would check those blocks' tensors again: once `warm`,
-    calls skip guards (`skip_guard_eval_unsafe`), which is sound because each compiled function holds one graph:
-    one row (a decode step of one sequence), or any 2..max_rows rows (`dynamic`: batched steps, verifications),
-    as copies of the functions with code objects of their own (dynamo keeps its graphs per code object). A
-    call that would need another graph raises before it runs and runs again with its guards, compiling it."""
-
-    def __init__(self, max_rows: int):
-        self.max_rows, self.warm, self.recompiles = max_rows, False, 0
-        self.fns = {rows: tuple(torch.compile(_own_code(fn, rows), fullgraph=True)
-                                for fn in (attention_inputs, between_attentions, attention_outputs))
-                    for rows in (1, 2)}
-
-    def run(self, part: int, rows: int, *args: Any) -> Any:
-        """Part 0 (attention_inputs), 1 (between_attentions) or 2 (attention_outputs) of a forward of `rows`
-        rows on `args`, inside `stance()`."""
-        fn = self.fns[min(rows, 2)][part]
-        if not self.warm:
-            if rows > 1:  # the rows' dim dynamic from the first compile; the weights' shapes stay static
-                for t in args:
-                    if isinstance(t, torch.Tensor):
-                        torch._dynamo.mark_dynamic(t, t.dim() - 2)
-            return fn(*args)
-        try:
-            return fn(*args)
-        except RuntimeError as e:
-            if "skip_guard_eval_unsafe" not in str(e):
-                raise
-        self.recompiles += 1
-        with torch.compiler.set_stance("default"):
-            return fn(*args)
-
-    def stance(self) -> Any:
-        """Around a forward's calls: guards skipped once warm (entered once a forward, not per call)."""
-        import contextlib
-
-        return torch.compiler.set_stance(skip_guard_eval_unsafe=True) if self.warm else contextlib.nullcontext()
-
-
-def _own_code(fn: Any, rows: int) -> Any:
-    import types
-
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{rows}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-
-
 def _under(w: dict[str, Any], prefix: str) -> dict[str, Any]:
     return {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}
 
@@ -525,7 +461,7 @@ class Model:
         with compiled.stance():
             yield from self._compiled_layers(compiled, layers, caches, h, cos, sin, B, L)
 
-    def _compiled_layers(self, compiled: CompiledHalves, layers: list[TransformerBlock], caches: list[Any],
+    def _compiled_layers(self, compiled: Any, layers: list[TransformerBlock], caches: list[Any],
                          h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int, L: int):
         N = B * L
         q, k, v = compiled.run(0, N, layers[0], h, cos, sin)  # (1, heads, N, hd)
@@ -541,11 +477,13 @@ class Model:
                 h = compiled.run(2, N, layer, h, out)
             yield h.view(B, L, -1)
 
-    compiled: CompiledHalves | None = None  # the blocks' halves as torch.compile graphs (compile_decode)
+    compiled: Any = None  # compiled.CompiledHalves: the blocks' halves as torch.compile graphs (compile_decode)
 
     def compile_decode(self, max_rows: int) -> None:
         """Forwards of at most `max_rows` rows (decode steps, batched or not, short speculative verifications)
         run each block's halves around its attention as torch.compile graphs; longer ones stay eager."""
+        from mlx_engine.backends.torch.compiled import CompiledHalves
+
         self.compiled = CompiledHalves(max_rows)
 
     def __call__(self, ids: torch.Tensor, caches: list[Any] | None = None, num_layers: int | None = None) -> torch.Tensor:

@@ -227,7 +227,7 @@ class TorchRunner(Runner):
         8 holds the draft as int8 for the CPU's int8 matmul, its float projections dropped (`model.quantize_int8`).
         `threads`: torch's CPU threads (default: all cores torch sees). `packed_cpu=False` (an int8 draft, made from
         float32 weights): quantized weights dequantized to float32 even where the CPU kernels could hold them.
-        `compile`: decode-sized forwards through torch.compile graphs (`model.CompiledHalves`), compiled at load
+        `compile`: decode-sized forwards through torch.compile graphs (`compiled.CompiledHalves`), compiled at load
         (default: on the CPU with packed weights, unless ROOFLINE_TORCH_COMPILE=0)."""
         import importlib
 
@@ -331,7 +331,7 @@ class TorchRunner(Runner):
         scratch caches. Returns the note to show, or the warning when compiling failed (then all runs eager)."""
         import time
 
-        from mlx_engine.backends.torch.model import compile_errors
+        from mlx_engine.backends.torch.compiled import compile_errors
 
         start = time.perf_counter()
         self.model.compile_decode(COMPILE_MAX_ROWS)
