@@ -18,11 +18,46 @@ EXIT_USAGE = 2
 MODEL_HELP = ("GGUF file, model folder, ORG/NAME[:QUANT] (Hugging Face; pulled when missing), ollama:NAME[:TAG] or "
               "lmstudio:PUBLISHER/REPO[/FILE] (default: the embedded SmolLM2; `roofline models` lists them)")
 SPECULATIVE_CHOICES = ("off", *SPECULATIVE_MODES)
+BACKENDS = ("mlx", "torch")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def _fail(message: str) -> int:
     print(f"roofline: error: {message}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def runner_args(parser: argparse.ArgumentParser, backend: bool = True) -> None:
+    """The model runner's options, one definition for every command that runs a model (chat, generate, serve,
+    bench, parity: parity names its two sides with --backends instead of --backend)."""
+    r = parser.add_argument_group("model runner")
+    if backend:
+        r.add_argument("--backend", choices=BACKENDS, default="mlx",
+                       help="mlx (default: Metal on a Mac, MLX's CPU backend elsewhere) or torch (CUDA or the CPU: "
+                       "the fast path on Linux, where it reads quantized weights packed; the optional extra)")
+    r.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto (default), cpu or cuda (cuda and cpu pick the torch backend's device)")
+    r.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads of the torch backend on the CPU (default: all the cores torch sees)")
+    r.add_argument("--no-compile", dest="compile", action="store_const", const=False, default=None,
+                   help="the torch backend on the CPU: run decode steps eagerly instead of compiling them at load")
+
+
+def runner_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine.load's runner options from `runner_args` (those left at their defaults omitted), checked before
+    any model loads."""
+    backend = getattr(args, "backend", "mlx")
+    torch_side = backend == "torch" or "torch" in getattr(args, "backends", "")
+    if args.device == "cuda" and not torch_side:
+        raise RooflineError("--device cuda needs --backend torch (the MLX backend runs on Metal or the CPU)")
+    if args.threads is not None and args.threads < 1:
+        raise RooflineError(f"--threads {args.threads}: expected an integer >= 1")
+    for flag, value in (("--threads", args.threads), ("--no-compile", args.compile)):
+        if value is not None and not torch_side:
+            raise RooflineError(f"{flag} needs --backend torch (it sets the torch backend's CPU work)")
+    chosen = (("backend", backend, "mlx"), ("device", args.device, "auto"), ("threads", args.threads, None),
+              ("compile", args.compile, None))
+    return {k: v for k, v, default in chosen if v != default}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -141,6 +176,7 @@ def _parser() -> argparse.ArgumentParser:
     fmt.add_argument("--json-object", action="store_true", help="the reply is one JSON object (JSON mode)")
     fmt.add_argument("--regex", metavar="PATTERN", help="the reply is text this regular expression matches whole")
     template_arg(g)
+    runner_args(g)
     kv_args(g)
     distributed_arg(g)
     draft_args(g, "the reply")
@@ -150,6 +186,7 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="open the chat app (the default when run with no arguments in a terminal)")
     c.add_argument("--model", "-m", help=MODEL_HELP)
+    runner_args(c)
     kv_args(c)
     distributed_arg(c)
     draft_args(c)
@@ -199,10 +236,7 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGINT/SIGTERM, seconds to let running requests finish (default 30)")
     sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    sv.add_argument("--backend", choices=("mlx", "torch"), default="mlx",
-                    help="model runner: mlx (default) or torch (the optional extra; CUDA or CPU)")
-    sv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                    help="auto (default), cpu or cuda (cuda: the torch backend only)")
+    runner_args(sv)
     template_arg(sv)
     kv_args(sv)
     distributed_arg(sv)
@@ -230,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         if sys.stdin.isatty() and sys.stdout.isatty():
-            return cmd_chat(argparse.Namespace(model=None))
+            return cmd_chat(argparse.Namespace(model=None, device="auto", threads=None, compile=None))
         parser.print_help()
         return 0
     from app.models_cmd import COMMANDS as MODEL_COMMANDS
@@ -341,7 +375,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from app.tui import run
 
-    options = _load_options(args)
+    options = {**_load_options(args), **runner_options(args)}
     if "distributed" in options:
         _own_terminal()
     if "draft_model" in options:  # a model picked in the app need not suit the draft: then it loads without one
@@ -383,9 +417,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if host != "*" and not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?\.?", host):
             raise RooflineError(f"--allow-host {host!r}: expected a host name like roofline.lan (no scheme, port or "
                                 "path), or '*'")
-    options, speculative = _load_options(args), _speculative(args)
-    return serve(lambda: _load_engine(args.model, no_tokenizer="warn", backend=args.backend, device=args.device,
-                                      **options),
+    options, speculative = {**_load_options(args), **runner_options(args)}, _speculative(args)
+    return serve(lambda: _load_engine(args.model, no_tokenizer="warn", **options),
                  host=args.host, port=args.port, api_key=args.api_key or None,
                  max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                  drain_timeout_s=args.drain_timeout, default_max_tokens=args.default_max_tokens,
@@ -418,7 +451,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from mlx_engine.structured import check_format
 
         check_format(fmt)
-    options = _load_options(args)
+    options = {**_load_options(args), **runner_options(args)}
     sampling = SamplingParams(
         temperature=args.temp,
         top_p=args.top_p,

@@ -26,8 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
     p.add_argument("--model-b", help="a different checkpoint for the second side (default: --model); same tokenizer")
     p.add_argument("--backends", default="mlx,torch", help="the two sides, A,B (default mlx,torch)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="device of the non-MLX side(s) (default auto); MLX runs where MLX runs")
+    from app.cli import runner_args
+
+    runner_args(p, backend=False)  # --device, --threads, --no-compile: of the non-MLX side(s); MLX runs where MLX runs
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
                    help="activation dtype of the non-MLX side(s) (default: the backend's; float16 on CUDA)")
     p.add_argument("--prompts", metavar="FILE",
@@ -80,12 +81,14 @@ def read_prompts(path: str | None) -> list[str | list[int]]:
     return out
 
 
-def load_side(model: str | None, backend: str, device: str, dtype: str | None = None) -> Any:
+def load_side(model: str | None, backend: str, device: str, dtype: str | None = None, **options: Any) -> Any:
+    """One side: MLX where MLX runs; torch on `device` with `dtype` and the runner `options` (threads,
+    compile)."""
     from mlx_engine import Engine
 
     if backend == "mlx":
         return Engine.load(model, backend=backend, device="auto")
-    return Engine.load(model, backend=backend, device=device, **({"dtype": dtype} if dtype else {}))
+    return Engine.load(model, backend=backend, device=device, **({"dtype": dtype} if dtype else {}), **options)
 
 
 def prompt_ids(a: Any, b: Any, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -216,14 +219,18 @@ def cmd_parity(args: argparse.Namespace) -> int:
         raise RooflineError("--device cuda needs a torch side (--backends mlx,torch)")
     if "torch" not in backends and args.dtype is not None:
         raise RooflineError(f"--dtype {args.dtype} sets the torch side's activations: it needs --backends mlx,torch")
+    from app.cli import runner_options
+
+    options = runner_options(args)
+    options.pop("device", None)
     out = Path(args.json) if args.json else None
     if out is not None and not out.parent.exists():
         raise RooflineError(f"--json {out}: folder {out.parent} does not exist")
     prompts = read_prompts(args.prompts)
     model_b = args.model_b if args.model_b is not None else args.model
-    a = load_side(args.model, backends[0], args.device, args.dtype)
+    a = load_side(args.model, backends[0], args.device, args.dtype, **options)
     try:
-        b = load_side(model_b, backends[1], args.device, args.dtype)
+        b = load_side(model_b, backends[1], args.device, args.dtype, **options)
         try:
             report = run(a, b, prompts, backends, args)
         finally:

@@ -51,6 +51,9 @@ LOAD_OPTIONS = {
     "model's warnings (ModelInfo.warnings) rather than an error, and the model loads without it (default False; "
     "the chat app, where a model picked in the app need not suit the draft named on its command line)",
     "self_draft_layers": "layers of the model that speculative='self' drafts with (default: half)",
+    "threads": "backend='torch' on the CPU: torch's CPU threads (default: all the cores torch sees)",
+    "compile": "backend='torch' on the CPU: run decode steps as torch.compile graphs, compiled at load (default: "
+    "on with packed quantized weights; ROOFLINE_TORCH_COMPILE=0 turns the default off)",
     "cuda_graphs": "backend='torch' on CUDA: replay each batched decode step as a CUDA graph (default True; "
     "False launches its kernels one by one)",
     "distributed": "'pipeline' or 'tensor': the model across the ranks mlx.launch started, this process being rank 0 "

@@ -78,10 +78,12 @@ def test_gguf_with_kquants_matches_its_dequantized_folder(kquant_gguf: tuple[Pat
         assert greedy(got, IDS) == greedy(ref, IDS)
 
 
-def test_torch_backend_reads_the_kquant_gguf_alike(kquant_gguf: tuple[Path, Path]) -> None:
+def test_torch_backend_reads_the_kquant_gguf_alike(kquant_gguf: tuple[Path, Path],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.torch_support import require
 
     require("torch")
+    monkeypatch.setenv("ROOFLINE_TORCH_CPU_PACKED", "0")  # float32 weights, as MLX's (the packed path: its own tests)
     gguf_path, _ = kquant_gguf
     with Engine.load(str(gguf_path)) as mlx_side, Engine.load(str(gguf_path), backend="torch", device="cpu") as t:
         a, b = mlx_side.forward_logits(IDS), t.forward_logits(IDS)

@@ -255,7 +255,10 @@ def smollm2():
         with Engine.load(None) as mlx_engine:
             ref = {"tokens": [run(mlx_engine, p)[0] for p in prompts],
                    "logits": mlx_engine.forward_logits(prompts[0])}
-    with Engine.load(None, backend="torch", device="cpu") as engine:
+        # the float32 twin of the packed CPU path (tests/test_torch_cpu_packed.py tests the packed one)
+        mp.setenv("ROOFLINE_TORCH_CPU_PACKED", "0")
+        engine = Engine.load(None, backend="torch", device="cpu")
+    with engine:
         yield engine, prompts, ref
 
 
@@ -309,13 +312,15 @@ def tiny_gguf(tmp_path_factory):
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["dequantized", "packed"])
 def test_quantized_gguf_matches_mlx(tiny_gguf, kernels, monkeypatch):
-    """Dequantized at load (the CPU path), and packed (what CUDA runs: `dequant_matmul` on the packed words,
-    `paged_decode_attention` for decode, here through the kernels' torch references)."""
+    """Dequantized at load (the CPU's portable path, ROOFLINE_TORCH_CPU_PACKED=0), and packed (what CUDA runs:
+    `dequant_matmul` on the packed words, `paged_decode_attention` for decode, here through the kernels' torch
+    references). The packed CPU path: tests/test_torch_cpu_packed.py."""
     from mlx_engine.backends.torch import runner as torch_runner
     from mlx_engine.backends.torch.model import QuantizedWeight
 
     path, ref = tiny_gguf
     monkeypatch.setattr(torch_runner, "use_kernels", lambda device: kernels)
+    monkeypatch.setenv("ROOFLINE_TORCH_CPU_PACKED", "0")  # unpacked: the float32 twin of the packed CPU path
     with Engine.load(path, backend="torch", device="cpu") as engine:
         model = engine._runner.model
         for w in (model.embed_tokens.weight, model.layers[0].self_attn.q_proj.weight, model.lm_head.weight):
@@ -400,8 +405,8 @@ def test_long_prompt_is_a_request_error(llama):
 def test_kquant_gguf(tmp_path, kernels, monkeypatch):
     """GGUF k-quants on the torch backend. Packed (CUDA's path; here through the kernels' torch references):
     each sub-block an affine group of 32 (Q4_K, Q5_K) or 16 (Q2_K, Q3_K, Q6_K) with float32 scales, so the
-    logits are those of the exact dequantized weights. Dequantized (the CPU's path): rounded to float16, as
-    the MLX backend keeps them."""
+    logits are those of the exact dequantized weights. Dequantized (the CPU's portable path): rounded to float16,
+    as the MLX backend keeps them."""
     from mlx_engine.backends.torch import runner as torch_runner
     from mlx_engine.backends.torch.model import QuantizedWeight
     from tests.tiny_models import folder_with_weights, gguf_to_hf_names, kquant_llama_gguf, kquants_as_float16
@@ -409,6 +414,7 @@ def test_kquant_gguf(tmp_path, kernels, monkeypatch):
     path, src, deq = kquant_llama_gguf(tmp_path)
     ref = folder_with_weights(src, tmp_path / "ref", gguf_to_hf_names(deq if kernels else kquants_as_float16(deq)))
     monkeypatch.setattr(torch_runner, "use_kernels", lambda device: kernels)
+    monkeypatch.setenv("ROOFLINE_TORCH_CPU_PACKED", "0")  # unpacked: the float32 twin of the packed CPU path
     with Engine.load(str(path), backend="torch", device="cpu") as engine, \
             Engine.load(str(ref), backend="torch", device="cpu") as want:  # the float folder on this backend
         attn, mlp = engine._runner.model.layers[0].self_attn, engine._runner.model.layers[0].mlp

@@ -13,9 +13,6 @@ from typing import Any
 from app.bench.schema import SCHEMA, validate
 from mlx_engine.api import RooflineError
 
-BACKENDS = ("mlx", "torch")
-DEVICES = ("auto", "cpu", "cuda")
-
 
 def int_list(flag: str, text: str, minimum: int) -> tuple[int, ...]:
     """"1,4,8" -> (1, 4, 8); a clear RooflineError for anything else."""
@@ -33,9 +30,9 @@ def int_list(flag: str, text: str, minimum: int) -> tuple[int, ...]:
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
-    b.add_argument("--backend", choices=BACKENDS, default="mlx", help="model runner (default mlx)")
-    b.add_argument("--device", choices=DEVICES, default="auto",
-                   help="auto (default), cpu or cuda (cuda: the torch backend only)")
+    from app.cli import runner_args
+
+    runner_args(b)
     b.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help="torch on CUDA: launch each decode step's kernels one by one (default: replay a CUDA graph)")
     # The defaults: a sweep of a few minutes on a small CPU (SmolLM2 on 2 x86 cores: ~4 min from the quiet
@@ -62,8 +59,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      batches=int_list("--batch", args.batch, 1), contexts=int_list("--context", args.context, 0),
                      repeats=args.repeats)
     spec.validate()
-    if args.backend == "mlx" and args.device == "cuda":
-        raise RooflineError("--device cuda needs --backend torch (the MLX backend runs on Metal or the CPU)")
+    from app.cli import runner_options
+
+    options = runner_options(args)
     out = Path(args.json) if args.json else None
     if out is not None and not out.parent.exists():
         raise RooflineError(f"--json {out}: folder {out.parent} does not exist")
@@ -81,9 +79,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(line, flush=True)
         printed = len(lines)
 
-    result = run(args.model, spec, args.backend, args.device, command=" ".join(["roofline", *sys.argv[1:]]),
-                 cuda_graphs=args.cuda_graphs, on_point=show, skipped_contexts=skipped,
-                 distributed=args.distributed)
+    options.update({} if args.cuda_graphs is None else {"cuda_graphs": args.cuda_graphs})
+    if args.distributed is not None:
+        options["distributed"] = args.distributed
+    result = run(args.model, spec, options.pop("backend", "mlx"), options.pop("device", "auto"),
+                 command=" ".join(["roofline", *sys.argv[1:]]), on_point=show, skipped_contexts=skipped, **options)
     for line in distributed_lines(result):
         print(line, flush=True)
     if result.get("interrupted"):
@@ -117,11 +117,11 @@ def fit_contexts(model: str | None, spec: Any) -> tuple[Any, tuple[int, ...]]:
 
 
 def run(model: str | None, spec: Any, backend: str, device: str, command: str = "roofline bench",
-        cuda_graphs: bool | None = None, on_point: Any = None,
-        skipped_contexts: tuple[int, ...] = (), distributed: str | None = None) -> dict[str, Any]:
-    """Loads the model and measures `spec` one (batch, depth) point at a time, a progress bar on stderr when it is a
-    terminal; `on_point(result)` after the header is known and after each point (the rows so far). Ctrl+C stops at
-    once: the result holds the finished points and "interrupted": true."""
+        on_point: Any = None, skipped_contexts: tuple[int, ...] = (), **options: Any) -> dict[str, Any]:
+    """Loads the model (`options`: more of Engine.load's: cuda_graphs, threads, compile) and measures `spec` one
+    (batch, depth) point at a time, a progress bar on stderr when it is a terminal; `on_point(result)` after the
+    header is known and after each point (the rows so far). Ctrl+C stops at once: the result holds the finished
+    points and "interrupted": true."""
     import dataclasses
 
     from rich.console import Console
@@ -131,9 +131,7 @@ def run(model: str | None, spec: Any, backend: str, device: str, command: str = 
     from app.tui.store import data_dir
     from mlx_engine import bench
 
-    options: dict[str, Any] = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
-    if distributed is not None:
-        options["distributed"] = distributed
+    distributed = options.get("distributed")
     engine = bench.load_engine(model, spec, backend, device, **options)
     try:
         dev = bench.engine_device(engine, backend, device)

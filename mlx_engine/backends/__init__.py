@@ -61,6 +61,9 @@ def load_runner(model: str | None, backend: str = "mlx", device: str = "auto", *
 
     if device == "cuda":
         raise RooflineError("device='cuda' needs backend='torch': the MLX backend runs on Metal or the CPU")
+    for name in ("threads", "compile"):
+        if options.pop(name, None) is not None:
+            raise RooflineError(f"{name} needs backend='torch' (device='cpu'): the MLX backend has no such option")
     if options.pop("cuda_graphs", None) is not None:
         raise RooflineError("cuda_graphs needs backend='torch' (device='cuda'): the MLX backend has no CUDA graphs")
     metal = mx.metal.is_available()

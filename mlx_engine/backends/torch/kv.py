@@ -88,8 +88,11 @@ class TorchKVStorage:
                 pool[dst] = pool[src]
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slots (..., S) -> K, V (..., Hkv, S, D)."""
-        return self.k[layer][slots].transpose(-3, -2), self.v[layer][slots].transpose(-3, -2)
+        """slots (..., S) -> K, V (..., Hkv, S, D). index_select on the flat slots: on the CPU 2.5x faster than
+        advanced indexing (a decode step of SmolLM2 gathers 60 times)."""
+        flat = slots.reshape(-1)
+        return tuple(pool.index_select(0, flat).view(*slots.shape, *pool.shape[1:]).transpose(-3, -2)
+                     for pool in (self.k[layer], self.v[layer]))
 
 
 class PrefillSlots:

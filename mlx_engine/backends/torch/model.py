@@ -4,9 +4,10 @@ Pure math: state lives in the cache views passed in (`kv.py`). A view gives the 
 tokens (`positions(B, L)`) and does attention (`attention(q, k, v, scale)`, writing k/v to its storage).
 Weights come from the checkpoint's MLX arrays through numpy. MLX affine-quantized weights (uint32 words
 packed low bits first, per-group scales and biases) stay packed on CUDA, where `triton_kernels.dequant_matmul`
-reads them (bit widths and group sizes it supports; others are dequantized at load); on the CPU they are
-dequantized once at load with `mx.dequantize` itself. GGUF k-quants arrive as raw blocks (`kquant_weight`):
-packed as affine groups on CUDA, dequantized to float16 on the CPU.
+reads them (bit widths and group sizes it supports; others are dequantized at load), and on an x86-64 CPU
+with AVX2, where torch's int4 and int8 CPU kernels read them (`cpu_packed`). GGUF k-quants arrive as raw
+blocks (`kquant_weight`): packed as affine groups on CUDA and on the CPU. Elsewhere (a CPU without AVX2)
+quantized weights are dequantized once at load, to float32: the portable path.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from mlx_engine.api import ModelLoadError
+from mlx_engine.backends.torch import cpu_packed
 from mlx_engine.backends.torch import triton_kernels as tk
 
 # The norms, rope and the MLP's gate as one Triton kernel each on CUDA (their torch references, op for op the
@@ -178,13 +180,15 @@ def quantize_int8(model: Model) -> None:
     model.embed_bytes = embed.nbytes
 
 
-Weight = torch.Tensor | QuantizedWeight | Int8Weight
+Weight = torch.Tensor | QuantizedWeight | Int8Weight | cpu_packed.Int4Weight | cpu_packed.Int8Weight
+# weights with matmul(x) and rows(ids) of their own, rather than a float tensor
+PACKED = (QuantizedWeight, Int8Weight, cpu_packed.Int4Weight, cpu_packed.Int8Weight)
 
 
 def _nbytes(w: Weight | None) -> int:
     if w is None:
         return 0
-    return w.nbytes if isinstance(w, (QuantizedWeight, Int8Weight)) else w.numel() * w.element_size()
+    return w.nbytes if isinstance(w, PACKED) else w.numel() * w.element_size()
 
 
 class Linear:
@@ -192,10 +196,41 @@ class Linear:
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, (QuantizedWeight, Int8Weight)):
+        if isinstance(self.weight, PACKED):
             y = self.weight.matmul(x)
             return y + self.bias if self.bias is not None else y
         return F.linear(x, self.weight, self.bias)
+
+
+class FusedLinear:
+    """Projections of one input (q/k/v, gate/up) held packed as one matrix (`cpu_packed.fuse`): one kernel
+    call, split after, each part with its bias."""
+
+    def __init__(self, weight: cpu_packed.CPUWeight, widths: list[int], linears: tuple[Linear, ...]):
+        self.weight, self.widths = weight, widths  # each part's columns in the output, its padding included
+        self.sizes = [lin.weight.out_features for lin in linears]
+        self.biases = [lin.bias for lin in linears]
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs = self.weight.matmul(x).split(self.widths, dim=-1)
+        outs = [y if y.shape[-1] == n else y[..., :n] for y, n in zip(outs, self.sizes)]
+        return [y + b if b is not None else y for y, b in zip(outs, self.biases)]
+
+
+def fuse_projections(model: Model) -> None:
+    """q/k/v and gate/up as one packed matrix each, where they share a CPU format; the parts are dropped."""
+    for block in model.layers:
+        a, m = block.self_attn, block.mlp
+        for owner, names, fused_name in ((a, ("q_proj", "k_proj", "v_proj"), "qkv"), (m, ("gate_proj", "up_proj"),
+                                                                                      "gate_up")):
+            linears = tuple(getattr(owner, n) for n in names)
+            if not all(isinstance(lin.weight, cpu_packed.CPUWeight) for lin in linears):
+                continue
+            fused = cpu_packed.fuse([lin.weight for lin in linears])
+            if fused is not None:
+                setattr(owner, fused_name, FusedLinear(*fused, linears))
+                for n in names:
+                    setattr(owner, n, None)
 
 
 class Embedding:
@@ -204,7 +239,7 @@ class Embedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (B, L) -> (B, L, hidden)."""
-        if isinstance(self.weight, (QuantizedWeight, Int8Weight)):
+        if isinstance(self.weight, PACKED):
             return self.weight.rows(ids)
         return F.embedding(ids, self.weight)
 
@@ -326,9 +361,10 @@ class Attention:
         self.q_norm = RMSNorm(w["q_norm.weight"], args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(w["k_norm.weight"], args.rms_norm_eps) if args.qk_norm else None
         self.rope = rope
-        self.qkv: FusedInt8 | None = None  # q/k/v as one int8 matmul (quantize_int8)
+        self.qkv: FusedInt8 | FusedLinear | None = None  # q/k/v as one matmul (quantize_int8, fuse_projections)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (B, L, hidden) -> q (B, nh, L, hd), k, v (B, nkv, L, hd), q and k roped."""
         B, L, _ = x.shape
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = q.view(B, L, self.n_heads, self.head_dim)  # (B, L, nh, hd)
@@ -337,16 +373,23 @@ class Attention:
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, L, hd)
-        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
-        out = cache.attention(q, k, v, self.scale)  # (B, nh, L, hd); the cache writes k/v first
+        return self.rope(q, cos, sin), self.rope(k, cos, sin), v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's output (B, nh, L, hd) -> (B, L, hidden)."""
+        B, _, L, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        return self.output(cache.attention(q, k, v, self.scale))  # the cache writes k/v first
 
 
 class MLP:
     def __init__(self, w: dict[str, Any]):
         self.gate_proj, self.up_proj, self.down_proj = (
             Linear(w[f"{n}.weight"], w.get(f"{n}.bias")) for n in ("gate_proj", "up_proj", "down_proj"))
-        self.gate_up: FusedInt8 | None = None  # gate and up as one int8 matmul (quantize_int8)
+        self.gate_up: FusedInt8 | FusedLinear | None = None  # gate and up as one matmul
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
@@ -361,8 +404,22 @@ class TransformerBlock:
         self.post_attention_layernorm = RMSNorm(w["post_attention_layernorm.weight"], args.rms_norm_eps)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        q, k, v = attention_inputs(self, x, cos, sin)
+        return attention_outputs(self, x, cache.attention(q, k, v, self.self_attn.scale))
+
+
+# A block as the two halves around its attention (the cache's, eager): what `Model.compile_decode` compiles,
+# one graph each for every layer (the block is an argument, its tensors the graph's inputs).
+
+
+def attention_inputs(block: TransformerBlock, x: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return block.self_attn.project(block.input_layernorm(x), cos, sin)
+
+
+def attention_outputs(block: TransformerBlock, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    h = x + block.self_attn.output(out)
+    return h + block.mlp(block.post_attention_layernorm(h))
 
 
 def _under(w: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -381,8 +438,7 @@ class Model:
         self.lm_head = None if args.tie_word_embeddings else Linear(weights["lm_head.weight"])
         self.rope = rope
         self.weight_bytes = sum(_nbytes(w) for w in weights.values())
-        self.num_parameters = sum(w.num_parameters if isinstance(w, QuantizedWeight) else w.numel()
-                                  for w in weights.values())
+        self.num_parameters = sum(w.num_parameters if isinstance(w, PACKED) else w.numel() for w in weights.values())
         self.embed_bytes = _nbytes(weights["model.embed_tokens.weight"])
 
     def layer_outputs(self, ids: torch.Tensor, caches: list[Any] | None = None, num_layers: int | None = None):
@@ -393,9 +449,42 @@ class Model:
         cos, sin = self.rope.angles(caches[0].positions(B, L, ids.device))  # (B, 1, L, D/2)
         h = self.embed_tokens(ids)
         yield h
-        for layer, c in zip(self.layers[:n], caches):
-            h = layer(h, cos, sin, c)
-            yield h
+        compiled = self.compiled if self.compiled is not None and B * L <= self.compiled.max_rows else None
+        if compiled is None:
+            for layer, c in zip(self.layers[:n], caches):
+                h = layer(h, cos, sin, c)
+                yield h
+            return
+        N = B * L  # the graphs see one row per token, (1, N, hidden): N = 1 and N > 1 are their two shapes
+        h, cos, sin = h.reshape(1, N, -1), cos.reshape(1, 1, N, -1), sin.reshape(1, 1, N, -1)
+        layers = self.layers[:n]
+        with compiled.stance():
+            yield from self._compiled_layers(compiled, layers, caches, h, cos, sin, B, L)
+
+    def _compiled_layers(self, compiled: Any, layers: list[TransformerBlock], caches: list[Any],
+                         h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int, L: int):
+        N = B * L
+        q, k, v = compiled.run(0, N, layers[0], h, cos, sin)  # (1, heads, N, hd)
+        for i, (layer, c) in enumerate(zip(layers, caches)):
+            if B > 1:
+                q, k, v = (t.reshape(t.shape[1], B, L, -1).transpose(0, 1) for t in (q, k, v))  # (B, heads, L, hd)
+            out = c.attention(q, k, v, layer.self_attn.scale)  # the cache writes k/v first
+            if B > 1:
+                out = out.transpose(0, 1).reshape(1, out.shape[1], N, -1)
+            if i + 1 < len(layers):  # this layer's output half and the next one's input half
+                h, q, k, v = compiled.run(1, N, layer, layers[i + 1], h, out, cos, sin)
+            else:
+                h = compiled.run(2, N, layer, h, out)
+            yield h.view(B, L, -1)
+
+    compiled: Any = None  # compiled.CompiledHalves: the blocks' halves as torch.compile graphs (compile_decode)
+
+    def compile_decode(self, max_rows: int) -> None:
+        """Forwards of at most `max_rows` rows (decode steps, batched or not, short speculative verifications)
+        run each block's halves around its attention as torch.compile graphs; longer ones stay eager."""
+        from mlx_engine.backends.torch.compiled import CompiledHalves
+
+        self.compiled = CompiledHalves(max_rows)
 
     def __call__(self, ids: torch.Tensor, caches: list[Any] | None = None, num_layers: int | None = None) -> torch.Tensor:
         """ids (B, L) -> final hidden states (B, L, hidden), after the first `num_layers` layers (all: None)."""
@@ -405,6 +494,9 @@ class Model:
         return self.norm(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if isinstance(head, cpu_packed.CPUWeight):
+            return cpu_packed.head_matmul(head, h)
         return self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)
 
 
@@ -420,10 +512,12 @@ def _to_numpy(a: Any) -> np.ndarray:
 
 
 def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None, dtype: torch.dtype,
-                    device: torch.device, source: str, packed: bool) -> dict[str, Weight]:
+                    device: torch.device, source: str, packed: bool,
+                    cpu: cpu_packed.CPUSupport | None = None) -> dict[str, Weight]:
     """The checkpoint's MLX arrays -> torch: float tensors in `dtype` on `device`; each quantized layer
     (`<path>.weight/.scales/.biases`) as a QuantizedWeight when `packed` (the Triton kernel's bit widths and
-    group sizes), else dequantized to a float tensor by mx.dequantize."""
+    group sizes), held for torch's CPU kernels with `cpu` (`cpu_packed`), else dequantized to a float tensor by
+    mx.dequantize. `weights` is emptied as it goes, so that each source array is freed once converted."""
     import mlx.core as mx
 
     quantization = quantization or {}
@@ -433,18 +527,19 @@ def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None
     out: dict[str, Weight] = {}
     paths = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
     kquants = {p: spec["kquant"] for p, spec in quantization.items() if isinstance(spec, dict) and "kquant" in spec}
-    for key, value in weights.items():
-        path, _, leaf = key.rpartition(".")
-        if path in paths and leaf in ("scales", "biases"):
+    for key in [k for k in weights if k.rpartition(".")[2] == "weight"] + [k for k in weights]:
+        if key not in weights:
             continue
+        value = weights.pop(key)
+        path, _, leaf = key.rpartition(".")
         if path in kquants and leaf == "weight":
-            out[key] = kquant_weight(value, kquants[path], dtype, device, packed)
+            out[key] = kquant_weight(value, kquants[path], dtype, device, packed, cpu)
             continue
         if path in paths and leaf == "weight":
             spec = quantization.get(path) if isinstance(quantization.get(path), dict) else {}
             bits = int(spec.get("bits", quantization.get("bits", 4)))
             group = int(spec.get("group_size", quantization.get("group_size", 64)))
-            scales, biases = weights[f"{path}.scales"], weights.get(f"{path}.biases")
+            scales, biases = weights.pop(f"{path}.scales"), weights.pop(f"{path}.biases", None)
             if biases is None:
                 raise ModelLoadError(f"{source}: {path} is quantized without biases (only affine quantization "
                                      "is supported on the torch backend)")
@@ -455,6 +550,9 @@ def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None
                 words = torch.from_numpy(np.array(value).view(np.int32)).to(device)  # uint32 bits as int32
                 out[key] = QuantizedWeight(words, t(scales), t(biases), bits, group)
                 continue
+            if cpu is not None:
+                out[key] = cpu_affine_weight(value, scales, biases, bits, group, cpu.block_n)
+                continue
             value = mx.dequantize(value, scales.astype(mx.float32), biases.astype(mx.float32), group, bits)
         if not mx.issubdtype(value.dtype, mx.floating):
             raise ModelLoadError(f"{source}: tensor {key} has dtype {value.dtype} and is not a quantized weight")
@@ -462,17 +560,63 @@ def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None
     return out
 
 
-def kquant_weight(blocks: Any, ggml_type: str, dtype: torch.dtype, device: torch.device, packed: bool) -> Weight:
+def cpu_affine_weight(words: Any, scales: Any, biases: Any, bits: int, group: int, block_n: int) -> Weight:
+    """An MLX affine-quantized matrix -> int4 planes (`cpu_packed.Int4Weight`; its codes read by
+    mx.dequantize with unit scales and zero biases, exact in any of MLX's bit layouts), or int8 rows for a
+    group size the int4 kernel lacks."""
+    import mlx.core as mx
+
+    source_bytes = sum(a.nbytes for a in (words, scales, biases))
+    if group not in cpu_packed.INT4_GROUP_SIZES or bits > 8:
+        w = mx.dequantize(words, scales.astype(mx.float32), biases.astype(mx.float32), group, bits)
+        w8 = cpu_packed.Int8Weight(torch.from_numpy(np.array(w)), source_bytes)
+        w8.source = f"{bits}-bit g{group}"
+        return w8
+    n = words.shape[0]
+    if bits in (4, 8):  # little-endian words: a byte is two codes, low nibble first, or one
+        b = np.array(words).view(np.uint8)
+        codes = b if bits == 8 else np.stack([b & 15, b >> 4], axis=-1).reshape(n, -1)
+    else:
+        codes = np.empty((n, words.shape[1] * 32 // bits), np.uint8)
+        ones = mx.ones((1, scales.shape[1]), mx.float32)
+        step = max(1, 2**22 // codes.shape[1])  # rows a float32 transient of 16 MiB holds
+        for lo in range(0, n, step):
+            part = words[lo:lo + step]
+            unit, zero = mx.broadcast_to(ones, (part.shape[0], ones.shape[1])), mx.zeros((part.shape[0], ones.shape[1]))
+            codes[lo:lo + step] = np.array(mx.dequantize(part, unit, zero, group, bits))
+    w = cpu_packed.Int4Weight.from_affine(codes, _to_numpy(scales).astype(np.float32),
+                                          _to_numpy(biases).astype(np.float32), bits, group, block_n)
+    w.source_bytes, w.source = source_bytes, f"{bits}-bit g{group}"
+    return w
+
+
+# The bits of a k-quant's codes in `kquant_affine`'s affine form (which widens Q5_K to 8 for the Triton kernel)
+KQUANT_CODE_BITS = {"Q4_K": 4, "Q5_K": 5}
+
+
+def kquant_weight(blocks: Any, ggml_type: str, dtype: torch.dtype, device: torch.device, packed: bool,
+                  cpu: cpu_packed.CPUSupport | None = None) -> Weight:
     """A GGUF k-quant matrix's raw blocks (`load_checkpoint(kquant_blocks=True)`, uint8 (out, in / 256 *
     bytes per block)) -> packed for `dequant_matmul` (its sub-blocks as affine groups of 16 or 32, float32
-    scales: `kernels_metal.reference.kquant_affine`), or, unpacked, dequantized and rounded to float16 as the
-    MLX backend keeps them."""
+    scales: `kernels_metal.reference.kquant_affine`); for torch's CPU kernels with `cpu` (Q4_K and Q5_K as
+    int4 planes of groups of 32, Q2_K, Q3_K and Q6_K, whose groups are 16, as int8 rows); or, unpacked,
+    dequantized and rounded to float16 as the MLX backend keeps them."""
     import mlx.core as mx
 
     from kernels_metal.reference import KQUANT_BLOCK_BYTES, dequantize_kquant, kquant_affine
     from mlx_engine.loading.gguf_tensors import pack_words
 
     out_features, in_features = blocks.shape[0], blocks.shape[1] // KQUANT_BLOCK_BYTES[ggml_type] * 256
+    if cpu is not None:
+        if ggml_type in KQUANT_CODE_BITS:
+            q, scales, biases, _, group = kquant_affine(blocks, ggml_type, out_features, in_features)
+            w = cpu_packed.Int4Weight.from_affine(np.array(q), np.array(scales), np.array(biases),
+                                                  KQUANT_CODE_BITS[ggml_type], group, cpu.block_n)
+        else:
+            w = cpu_packed.Int8Weight(torch.from_numpy(np.array(dequantize_kquant(blocks, ggml_type, out_features,
+                                                                                  in_features))))
+        w.source_bytes, w.source = blocks.nbytes, ggml_type
+        return w
     if packed:
         q, scales, biases, bits, group = kquant_affine(blocks, ggml_type, out_features, in_features)
         words = pack_words(np.array(q), bits).view(np.int32)
@@ -486,16 +630,20 @@ def kquant_weight(blocks: Any, ggml_type: str, dtype: torch.dtype, device: torch
 
 
 def build_model(args: Any, weights: dict[str, Any], quantization: dict[str, Any] | None, dtype: torch.dtype,
-                device: torch.device, source: str, freq_factors: Any = None, packed: bool = False) -> Model:
-    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-    if args.tie_word_embeddings:
-        weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-    tensors = convert_weights(weights, quantization, dtype, device, source, packed)
+                device: torch.device, source: str, freq_factors: Any = None, packed: bool = False,
+                cpu: cpu_packed.CPUSupport | None = None) -> Model:
+    """`weights` is emptied as they convert (each source array freed once converted). `cpu`: quantized
+    weights held for torch's CPU kernels (`cpu_packed`), q/k/v and gate/up fused where they share a format."""
+    for k in [k for k in weights if "rotary_emb.inv_freq" in k or (args.tie_word_embeddings and k.startswith("lm_head."))]:
+        del weights[k]
+    tensors = convert_weights(weights, quantization, dtype, device, source, packed, cpu)
     rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
                 args.rope_traditional, None if freq_factors is None else _to_numpy(freq_factors)).to(device)
     _check_names(args, set(tensors), source)
     model = Model(args, tensors, rope, device)
     model.dtype = dtype
+    if cpu is not None:
+        fuse_projections(model)
     return model
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import types
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -35,11 +36,18 @@ TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DEVICES = ("auto", "cpu", "cuda")
 T = TypeVar("T")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# Torch threads of a CPU forward. OpenMP's fork/join per op costs more than it saves on small ops, and
-# a parallel region waits on any thread whose core is busy: on the loaded 2-core build box, SmolLM2 with
-# torch's default 2 threads decoded at 1.8-3 tokens/s (SDPA alone 13 ms a layer) and prefilled 22 tokens/s;
-# with one thread 13-15 and 162.
-CPU_THREADS = 1
+# Torch threads of a CPU forward by default: torch's own count at import (the physical cores it may use).
+# A parallel region waits on its slowest thread, so on a machine whose other processes keep a core busy,
+# `threads=1` can be the faster setting (bench/cpu_vs_llama_cpp.py measures both).
+DEFAULT_CPU_THREADS = torch.get_num_threads()
+# ROOFLINE_TORCH_CPU_PACKED=0: quantized weights dequantized to float32 on the CPU even where torch's int4/int8
+# kernels could read them packed (the exact float32 twin of the packed path, for parity checks)
+CPU_PACKED_ENV = "ROOFLINE_TORCH_CPU_PACKED"
+# ROOFLINE_TORCH_COMPILE=0: `compile` defaults to off (the test suite sets it: a compile costs tens of seconds)
+COMPILE_ENV = "ROOFLINE_TORCH_COMPILE"
+# Rows up to which a forward runs compiled (decode steps of up to this many sequences, speculative verifications):
+# below the rows where the packed matmuls switch to dequantizing (a guard inside the graph otherwise)
+COMPILE_MAX_ROWS = 47
 # A single sequence's prefill of at most this many positions (a speculative verification of k + 1 <= 17
 # tokens, a short prompt's last chunk) replays a CUDA graph as that many decode rows
 MAX_GRAPH_PREFILL = 17
@@ -104,21 +112,76 @@ def _ids(inputs: Any, device: torch.device) -> torch.Tensor:
 
 
 def _torch_work(method: Callable[..., T]) -> Callable[..., T]:
-    """A runner method's torch work: no autograd; on the CPU with CPU_THREADS threads (restored after)."""
+    """A runner method's torch work: no autograd; on the CPU with the runner's `threads` (restored after)."""
 
     @functools.wraps(method)
     def run(self: TorchRunner, *args: Any, **kwargs: Any) -> T:
         with torch.inference_mode():
-            if self.device.type != "cpu":
-                return method(self, *args, **kwargs)
             before = torch.get_num_threads()
-            torch.set_num_threads(CPU_THREADS)
+            if self.device.type != "cpu" or before == self.threads:
+                return method(self, *args, **kwargs)
+            torch.set_num_threads(self.threads)
             try:
                 return method(self, *args, **kwargs)
             finally:
                 torch.set_num_threads(before)
 
     return run
+
+
+def check_threads(threads: Any, device: torch.device) -> int:
+    """`threads`: torch's CPU threads for this runner (None: DEFAULT_CPU_THREADS)."""
+    if threads is None:
+        return DEFAULT_CPU_THREADS
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise RooflineError(f"threads={threads!r}: expected an integer >= 1 (CPU threads for torch's kernels)")
+    if device.type != "cpu":
+        raise RooflineError(f"threads={threads} is for device='cpu' (this runner is on {device.type}); leave it unset")
+    return threads
+
+
+def cpu_pack_plan(device: torch.device) -> tuple[Any, tuple[str, ...]]:
+    """(CPUSupport to pack quantized weights with, or None; warnings): packed on an x86-64 CPU with AVX2 whose
+    int4 kernel's layout `cpu_packed` reads; otherwise the portable path, said in a warning."""
+    if device.type != "cpu":
+        return None, ()
+    from mlx_engine.backends.torch import cpu_packed
+
+    if os.environ.get(CPU_PACKED_ENV, "1") in ("0", "off", "false"):
+        return None, ()
+    support = cpu_packed.cpu_support()
+    reason = support.reason
+    if support.packed and not cpu_packed.layout_ok(support.block_n):
+        reason = (f"torch {torch.__version__}'s packed int4 layout is not the one this version reads "
+                  f"({support.block_n}-row blocks)")
+    if reason:
+        return None, (f"quantized weights are dequantized to float32 at load (the portable path: about 4-8x "
+                      f"the bytes a token reads, and as much memory): {reason}",)
+    return support, ()
+
+
+def cpu_pack_notes(model: Any) -> tuple[str, ...]:
+    """One note on how the quantized weights are held for torch's CPU kernels, per source format."""
+    from mlx_engine.backends.torch import cpu_packed
+    from mlx_engine.backends.torch.model import FusedLinear
+
+    counts: dict[tuple[str, str], int] = {}
+    parts = [model.embed_tokens.weight, model.lm_head.weight if model.lm_head is not None else None]
+    for b in model.layers:
+        a, m = b.self_attn, b.mlp
+        parts += [x.weight for x in (a.qkv, a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_up, m.gate_proj,
+                                     m.up_proj, m.down_proj) if x is not None and not isinstance(x, FusedLinear)]
+        parts += [x.weight for x in (a.qkv, m.gate_up) if isinstance(x, FusedLinear)]
+    for w in parts:
+        if isinstance(w, cpu_packed.Int4Weight | cpu_packed.Int8Weight):
+            key = (cpu_packed.kind(w), w.source)
+            counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return ()
+    kinds = sorted({k for k, _ in counts}, key=["int4", "int4x2", "int8"].index)
+    held = "; ".join(f"{cpu_packed.describe(k)}: " + ", ".join(f"{src} x{n}" for (kk, src), n in sorted(counts.items())
+                                                             if kk == k) for k in kinds)
+    return (f"quantized weights packed for torch's CPU kernels, read in bfloat16 rows: {held}",)
 
 
 def _mx(t: torch.Tensor) -> mx.array:
@@ -135,6 +198,7 @@ class TorchRunner(Runner):
         self.device = device
         self.graphs: Any = None  # graphs.DecodeGraphs: the decode step as CUDA graphs (CUDA, cuda_graphs on)
         self.graphs_error: str | None = None  # why graphs went off, when a capture failed
+        self.threads = DEFAULT_CPU_THREADS  # torch's CPU threads in this runner's work (load's `threads`)
 
     @classmethod
     def load(
@@ -150,14 +214,21 @@ class TorchRunner(Runner):
         cuda_graphs: bool | None = None,
         draft_bits: int | None = None,
         draft_optional: bool = False,
+        threads: int | None = None,
+        compile: bool | None = None,
         *,
         with_cache: bool = True,
+        packed_cpu: bool = True,
         **kv_options: Any,
     ) -> TorchRunner:
         """`kv_options`: KVConfig's fields (block_size, kv_bits, kv_group_size, kv_budget_bytes,
         prefix_caching, kv_key_bits, kv_key_per_channel); the quantized-KV ones are refused (the torch KV is
         unquantized). `cuda_graphs`: replay batched decode steps as CUDA graphs (default: on CUDA). `draft_bits`:
-        8 holds the draft as int8 for the CPU's int8 matmul, its float projections dropped (`model.quantize_int8`)."""
+        8 holds the draft as int8 for the CPU's int8 matmul, its float projections dropped (`model.quantize_int8`).
+        `threads`: torch's CPU threads (default: all cores torch sees). `packed_cpu=False` (an int8 draft, made from
+        float32 weights): quantized weights dequantized to float32 even where the CPU kernels could hold them.
+        `compile`: decode-sized forwards through torch.compile graphs (`compiled.CompiledHalves`), compiled at load
+        (default: on the CPU with packed weights, unless ROOFLINE_TORCH_COMPILE=0)."""
         import importlib
 
         from mlx_engine.kv.config import KVConfig
@@ -175,6 +246,7 @@ class TorchRunner(Runner):
         if cuda_graphs and dev.type != "cuda":
             raise RooflineError(f"cuda_graphs=True needs device='cuda' (this runner is on {dev.type}); leave it unset")
         check_draft_bits(draft_bits, draft_model, dev, dtype)
+        num_threads = check_threads(threads, dev)
         if prefill_chunk_size is None:
             prefill_chunk_size = CUDA_PREFILL_CHUNK if dev.type == "cuda" else 512
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
@@ -192,9 +264,11 @@ class TorchRunner(Runner):
         act_dtype = pick_dtype(dtype, ckpt.checkpoint_dtype, dev)
         freq_factors = ckpt.config.pop("_rope_freq_factors", None)  # GGUF llama3: per-frequency divisors
         kernels = use_kernels(dev)
-        tmodel = build_model(args, ckpt.weights, ckpt.quantization, act_dtype, dev, str(ckpt.path), freq_factors,
-                             packed=kernels)
-        del ckpt.weights
+        cpu, pack_warnings = cpu_pack_plan(dev) if packed_cpu and not kernels else (None, ())
+        weights, ckpt.weights = ckpt.weights, {}  # emptied as they convert: each source array freed once converted
+        tmodel = build_model(args, weights, ckpt.quantization, act_dtype, dev, str(ckpt.path), freq_factors,
+                             packed=kernels, cpu=cpu)
+        del weights
         tokenizer = ckpt.tokenizer or NoTokenizer(ckpt.path, ckpt.config)
         context = args.max_position_embeddings
         context = cap_context(context, max_context)
@@ -205,8 +279,22 @@ class TorchRunner(Runner):
             weight_bytes=tmodel.weight_bytes, vocab_size=int(ckpt.config.get("vocab_size") or tokenizer.vocab_size),
             native=True, dtype=dtype_name, eos_token_ids=tuple(tokenizer.eos_token_ids), backend="torch",
             device=dev.type, has_tokenizer=ckpt.tokenizer is not None,
+            notes=cpu_pack_notes(tmodel) + ((f"{num_threads} CPU threads",) if dev.type == "cpu" else ()),
+            warnings=pack_warnings if ckpt.quantization else (),
         )
         runner = cls(tmodel, tokenizer, info, prefill_chunk_size, dev)
+        runner.threads = num_threads
+        if compile not in (None, True, False):
+            raise RooflineError(f"compile={compile!r}: expected True, False or None (default: on the CPU with packed "
+                                "weights)")
+        if compile is None:
+            compile = cpu is not None and os.environ.get(COMPILE_ENV, "1") not in ("0", "off", "false")
+        if compile:
+            note = runner.compile_decode()
+            runner.info = dataclasses.replace(runner.info, **{"warnings" if runner.model.compiled is None else "notes":
+                                                               (*getattr(runner.info, "warnings" if
+                                                                         runner.model.compiled is None else "notes"),
+                                                                note)})
         itemsize = torch.empty((), dtype=act_dtype).element_size()
         runner._shape = {"embed_bytes": tmodel.embed_bytes, "tied": args.tie_word_embeddings,
                          "layers": args.num_hidden_layers, "kv_heads": args.num_key_value_heads,
@@ -225,7 +313,7 @@ class TorchRunner(Runner):
         if draft_model is not None:
             def load_draft() -> TorchRunner:
                 draft = cls.load(draft_model, device=dev.type, dtype=dtype, prefill_chunk_size=prefill_chunk_size,
-                                 with_cache=False)
+                                 threads=threads, with_cache=False, packed_cpu=draft_bits is None)
                 if draft_bits is not None:
                     from mlx_engine.backends.torch.model import quantize_int8
 
@@ -236,6 +324,26 @@ class TorchRunner(Runner):
 
             attach_draft(runner, load_draft, draft_optional)
         return runner
+
+    @_torch_work
+    def compile_decode(self) -> str:
+        """Compiles the decode-sized forwards (one row, and several: two graphs a half) by running them once on
+        scratch caches. Returns the note to show, or the warning when compiling failed (then all runs eager)."""
+        import time
+
+        from mlx_engine.backends.torch.compiled import compile_errors
+
+        start = time.perf_counter()
+        self.model.compile_decode(COMPILE_MAX_ROWS)
+        try:
+            for rows in (1, 2):
+                self.model(torch.zeros(rows, 1, dtype=torch.long, device=self.device), self._fresh_contiguous())
+        except compile_errors() as e:
+            self.model.compiled = None
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return f"torch.compile failed here, so decode runs eagerly (slower): {first[:200]}"
+        self.model.compiled.warm = True
+        return f"decode steps compiled by torch.compile in {time.perf_counter() - start:.0f} s"
 
     # --- forwards (engine thread) ---
 

@@ -1,0 +1,316 @@
+"""Decode and prefill on the CPU, in one run: Roofline's torch backend (packed int4/int8 weights), Roofline's
+MLX CPU backend and llama.cpp (llama-cpp-python), on the same GGUF files at the same thread counts.
+
+    uv run python bench/cpu_vs_llama_cpp.py [--threads 1,2] [--rounds 3] [-p 512] [-n 128] [--markdown]
+
+Files: the embedded SmolLM2-135M-Instruct Q4_1, and Q4_0, Q8_0 and Q4_K_M requantized from it by llama.cpp's own
+quantizer (`llama_model_quantize`, allow_requantize) into --work-dir; a file a runner cannot load is a row
+saying so. llama.cpp runs in its own venv (never our dependency), built with GGML_NATIVE:
+
+    uv venv /work/venvs/llamacpp && CMAKE_ARGS="-DGGML_NATIVE=ON" \\
+        uv pip install --python /work/venvs/llamacpp/bin/python llama-cpp-python gguf numpy
+
+Each (file, runner, threads) is one worker process, loaded once; the rounds run every worker in turn, so that a
+burst of load on the machine falls on all of them, and the table gives medians over rounds. llama.cpp is loaded
+with use_extra_bufts=False for the main rows (its AMX path crashed on every evaluation of 2 or more tokens on a
+Xeon); --extra-bufts adds rows with them (the repacked Q4_0/IQ4 layouts, AMX where the CPU has it).
+
+Each row: prompt of -p tokens (prefill tok/s), then -n greedy tokens (decode tok/s); the decode's % of the
+roofline = bytes a token reads (packed weights and the KV at the mean decode context, as each runner holds
+them) x tok/s / the machine's copy bandwidth (`mlx_engine.roofline.measure_bandwidth`); memory = the worker's
+peak RSS less its RSS after imports, beside the target 1.3 x the file + the KV pool it allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_PYTHON = "/work/venvs/llamacpp/bin/python"
+FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}  # llama_ftype: LLAMA_FTYPE_MOSTLY_*
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# --- workers: one process each, JSON lines on stdin/stdout ---------------------------------------------
+
+
+def _serve(load, run) -> None:
+    """The worker loop: load, say ready (or why not), then one `run` per request line."""
+    out = sys.stdout
+    sys.stdout = sys.stderr  # libraries' prints must not corrupt the protocol
+    base = _rss_bytes()
+    try:
+        t = time.perf_counter()
+        info = load()
+        info.update(ok=True, load_s=time.perf_counter() - t)
+    except Exception as e:  # noqa: BLE001 - reported as the row's result
+        info = {"ok": False, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
+    out.write(json.dumps(info) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("cmd") == "exit":
+            break
+        result = run(req["prompt"], req["gen"])
+        result.update(peak_bytes=_peak_bytes() - base)
+        out.write(json.dumps(result) + "\n")
+        out.flush()
+
+
+def roofline_worker(path: str, backend: str, threads: int | None, context: int) -> None:
+    sys.path.insert(0, str(ROOT))
+    from mlx_engine import Engine, GenerationRequest, SamplingParams
+
+    state = {}
+
+    def load() -> dict:
+        options = {"threads": threads} if backend == "torch" else {}
+        e = state["engine"] = Engine.load(path, backend=backend, device="cpu", prefix_caching=False,
+                                          max_context=context, **options)
+        return {"name": e.info.name, "quantization": e.info.quantization, "weight_bytes": e.info.weight_bytes,
+                "notes": list(e.info.notes), "warnings": list(e.info.warnings)}
+
+    def run(prompt: list[int], gen: int) -> dict:
+        e = state["engine"]
+        params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+        final = list(e.generate(GenerationRequest(prompt_token_ids=prompt, sampling=params)))[-1]
+        return {"prefill_tps": final.stats.prefill_tps, "decode_tps": final.stats.decode_tps,
+                "bytes_per_token": e.decode_bytes_per_token(len(prompt) + gen // 2),
+                "kv_bytes": int(e.kv_stats().get("bytes_total") or 0)}
+
+    _serve(load, run)
+
+
+def llama_worker(path: str, threads: int, context: int, extra_bufts: bool) -> None:
+    import llama_cpp
+    import numpy as np
+    from gguf import GGUFReader
+
+    state = {}
+    defaults = llama_cpp.llama_model_default_params
+
+    def params():  # Llama() takes its model params from here; use_extra_bufts is not one of its arguments
+        p = defaults()
+        p.use_extra_bufts = extra_bufts
+        return p
+
+    def load() -> dict:
+        llama_cpp.llama_model_default_params = params
+        llm = state["llm"] = llama_cpp.Llama(path, n_ctx=context, n_batch=512, n_ubatch=512, n_threads=threads,
+                                             n_threads_batch=threads, verbose=False)
+        r = GGUFReader(path)
+        names = {t.name for t in r.tensors}
+        weights = sum(int(t.n_bytes) for t in r.tensors
+                      if not (t.name == "token_embd.weight" and "output.weight" in names))  # untied: a row lookup
+        field = lambda key: int(r.fields[key].parts[-1][0])  # noqa: E731
+        arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+        heads, kv_heads = field(f"{arch}.attention.head_count"), field(f"{arch}.attention.head_count_kv")
+        state["kv_per_token"] = 2 * field(f"{arch}.block_count") * kv_heads * (
+            field(f"{arch}.embedding_length") // heads) * 2  # f16 K and V
+        state["weights"] = weights
+        return {"name": Path(path).name, "quantization": "", "weight_bytes": weights, "notes": [], "warnings": [],
+                "system": llama_cpp.llama_print_system_info().decode()}
+
+    def run(prompt: list[int], gen: int) -> dict:
+        llm = state["llm"]
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(prompt)
+        prefill = time.perf_counter() - t
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t = time.perf_counter()
+        for _ in range(gen - 1):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        decode = time.perf_counter() - t
+        return {"prefill_tps": len(prompt) / prefill, "decode_tps": (gen - 1) / decode,
+                "bytes_per_token": state["weights"] + state["kv_per_token"] * (len(prompt) + gen // 2),
+                "kv_bytes": state["kv_per_token"] * context}
+
+    _serve(load, run)
+
+
+class Worker:
+    def __init__(self, label: dict, cmd: list[str]):
+        self.label, self.proc = label, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                        stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+        self.info: dict | None = None
+        self.results: list[dict] = []
+
+    def ready(self) -> dict:
+        if self.info is None:
+            line = self.proc.stdout.readline()
+            self.info = json.loads(line) if line else {"ok": False, "error": "the worker died while loading"}
+        return self.info
+
+    def run(self, prompt: list[int], gen: int) -> None:
+        if not self.ready().get("ok"):
+            return
+        self.proc.stdin.write(json.dumps({"cmd": "run", "prompt": prompt, "gen": gen}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            self.info = {"ok": False, "error": f"crashed while running (exit {self.proc.wait()})"}
+            return
+        self.results.append(json.loads(line))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+# --- the controller -----------------------------------------------------------------------------------
+
+
+def requantize(src: Path, ftype: str, work: Path, llama_python: str) -> Path:
+    dst = work / f"{src.stem.rsplit('.', 1)[0]}.{ftype}.gguf"
+    if dst.exists():
+        return dst
+    code = ("import ctypes, sys, llama_cpp\n"
+            "p = llama_cpp.llama_model_quantize_default_params()\n"
+            f"p.ftype, p.allow_requantize, p.nthread = {FTYPES[ftype]}, True, 2\n"
+            "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))\n")
+    r = subprocess.run([llama_python, "-c", code, str(src), str(dst)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"cpu_vs_llama_cpp: llama.cpp's quantizer failed on {ftype}: {r.stderr[-500:]}")
+    return dst
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, vocab) for _ in range(n)]  # no control tokens (the first ids of SmolLM2's vocab)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated (default 1,2)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3): the table's medians")
+    ap.add_argument("-p", "--prompt-tokens", type=int, default=512)
+    ap.add_argument("-n", "--gen-tokens", type=int, default=128)
+    ap.add_argument("--files", default="Q4_1,Q4_0,Q8_0,Q4_K_M", help="which files (default Q4_1,Q4_0,Q8_0,Q4_K_M)")
+    ap.add_argument("--runners", default="torch,mlx,llama", help="which runners (default torch,mlx,llama)")
+    ap.add_argument("--extra-bufts", action="store_true", help="also llama.cpp with its extra buffer types")
+    ap.add_argument("--llama-python", default=LLAMA_PYTHON, help=f"llama-cpp-python's interpreter ({LLAMA_PYTHON})")
+    ap.add_argument("--work-dir", default="/tmp/roofline-cpu-bench", help="where the requantized files go")
+    ap.add_argument("--json", metavar="FILE", help="also write every measurement as JSON")
+    ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        kind, path, threads, context = args.worker[:4]
+        if kind == "llama":
+            return llama_worker(path, int(threads), int(context), args.worker[4] == "1")
+        return roofline_worker(path, kind, None if threads == "-" else int(threads), int(context))
+
+    sys.path.insert(0, str(ROOT))
+    from mlx_engine.loading import embedded_model_path
+    from mlx_engine.roofline import measure_bandwidth
+
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    threads = [int(t) for t in args.threads.split(",")]
+    runners = args.runners.split(",")
+    src = embedded_model_path()
+    files = {name: src if name == "Q4_1" else requantize(src, name, work, args.llama_python)
+             for name in args.files.split(",")}
+    context = args.prompt_tokens + args.gen_tokens + 16
+    prompts = [prompt_ids(args.prompt_tokens, 49152, seed) for seed in range(args.rounds)]
+    started = {"date": time.strftime("%Y-%m-%d %H:%M"), "load_before": load_average(),
+               "bandwidth": max(measure_bandwidth() for _ in range(3))}
+    rows = []
+    for fname, path in files.items():
+        me = [sys.executable, str(Path(__file__).resolve()), "--worker"]
+        workers = []
+        for t in threads:
+            if "torch" in runners:
+                workers.append(Worker({"file": fname, "runner": "roofline torch", "threads": t},
+                                      me + ["torch", str(path), str(t), str(context)]))
+            if "llama" in runners:
+                for extra in ([False, True] if args.extra_bufts else [False]):
+                    workers.append(Worker({"file": fname, "runner": "llama.cpp" + (" +extra bufts" if extra else ""),
+                                           "threads": t}, [args.llama_python] + me[1:] + [
+                                               "llama", str(path), str(t), str(context), "1" if extra else "0"]))
+        if "mlx" in runners:
+            workers.append(Worker({"file": fname, "runner": "roofline mlx", "threads": "-"},
+                                  me + ["mlx", str(path), "-", str(context)]))
+        for w in workers:  # one at a time: a load (torch's compile) must not fall on another's timing
+            w.ready()
+            print(f"{fname} {w.label['runner']} {w.label['threads']}: "
+                  f"{'loaded in %.0f s' % w.info['load_s'] if w.info.get('ok') else w.info.get('error')}",
+                  file=sys.stderr)
+        for r in range(args.rounds):
+            for w in workers[r % len(workers):] + workers[:r % len(workers)]:
+                w.run(prompts[r], args.gen_tokens)
+        for w in workers:
+            w.close()
+            rows.append(summarize(w, path, started["bandwidth"]))
+    started["load_after"] = load_average()
+    print(markdown(rows, started, args))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": started, "rows": rows}, indent=1) + "\n")
+
+
+def summarize(w: Worker, path: Path, bandwidth: float) -> dict:
+    row = dict(w.label, ok=bool(w.info.get("ok")) and bool(w.results), error=w.info.get("error"),
+               notes=w.info.get("notes", []), warnings=w.info.get("warnings", []), runs=w.results)
+    if not row["ok"]:
+        return row
+    med = {k: statistics.median(x[k] for x in w.results) for k in ("prefill_tps", "decode_tps", "bytes_per_token")}
+    row.update(med, peak_bytes=max(x["peak_bytes"] for x in w.results), kv_bytes=w.results[-1]["kv_bytes"],
+               file_bytes=path.stat().st_size, roofline=med["bytes_per_token"] * med["decode_tps"] / bandwidth)
+    return row
+
+
+def markdown(rows: list[dict], machine: dict, args: argparse.Namespace) -> str:
+    by = {(r["file"], r["runner"], r["threads"]): r for r in rows}
+    out = [f"Machine: {os.uname().machine}, {os.cpu_count()} cores, copy bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s; "
+           f"{machine['date']}; load average (1/5/15 min) {machine['load_before']} before, {machine['load_after']} "
+           f"after; prompt {args.prompt_tokens} tokens, {args.gen_tokens} decoded, medians of {args.rounds} "
+           "interleaved rounds.", "",
+           "| file | runner | threads | decode tok/s | x llama.cpp | prefill tok/s | x llama.cpp | decode % roofline "
+           "| bytes/token | peak MB (target) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if not r["ok"]:
+            out.append(f"| {r['file']} | {r['runner']} | {r['threads']} | {r.get('error') or 'no result'} "
+                       "| | | | | | |")
+            continue
+        peer = by.get((r["file"], "llama.cpp", r["threads"] if r["threads"] != "-" else 1))
+        ratio = (lambda k: f"{r[k] / peer[k]:.2f}" if peer and peer["ok"] and peer is not r else "")  # noqa: E731
+        target = 1.3 * r["file_bytes"] + r["kv_bytes"]
+        out.append(f"| {r['file']} | {r['runner']} | {r['threads']} | {r['decode_tps']:.1f} | {ratio('decode_tps')} "
+                   f"| {r['prefill_tps']:.0f} | {ratio('prefill_tps')} | {100 * r['roofline']:.0f}% "
+                   f"| {r['bytes_per_token'] / 1e6:.0f} MB | {r['peak_bytes'] / 2**20:.0f} ({target / 2**20:.0f}) |")
+    notes = sorted({n for r in rows for n in r.get("notes", []) + r.get("warnings", [])})
+    if notes:
+        out += ["", "Load notes:"] + [f"- {n}" for n in notes]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
