@@ -273,14 +273,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = _serve_other_rank(args)
         if code is not None:
             return code
-        return {"chat": cmd_chat, "generate": cmd_generate, "logits": cmd_logits, "tokens": cmd_tokens,
+        code = {"chat": cmd_chat, "generate": cmd_generate, "logits": cmd_logits, "tokens": cmd_tokens,
                 "kv": cmd_kv, "serve": cmd_serve, "bench": cmd_bench, "parity": cmd_parity,
                 **MODEL_COMMANDS}[args.command](args)
     except RooflineError as e:
-        return _fail(str(e))
+        code = _fail(str(e))
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    if getattr(args, "distributed", None) is not None:
+        from mlx_engine import distributed
+
+        distributed.exit_if_lost()
+    return code
 
 
 def _speculative(args: argparse.Namespace) -> str | None:

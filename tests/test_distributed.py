@@ -23,7 +23,9 @@ from tests.tiny_models import random_llama_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "golden"
-TINY = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists())
+NATIVE = ("llama", "mistral", "qwen2", "qwen3")  # mlx_engine.models.NATIVE_MODEL_TYPES: what --distributed shards
+TINY = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists()
+              and json.loads((p / "config.json").read_text())["model_type"] in NATIVE)
 MLX_LAUNCH = Path(sys.executable).parent / "mlx.launch"
 RANKS = ROOT / "tests" / "distributed_ranks.py"
 LAUNCH_TIMEOUT_S = 240
@@ -177,6 +179,9 @@ def test_refusals_at_start(tmp_path):
     assert "load_error" in tensor[0], tensor
     line = tensor[0]["load_error"]
     assert "9 query and 3 KV heads" in line and "use --distributed pipeline" in line and "\n" not in line
+    other = run_scenario(tmp_path, "pipeline", [{"model": str(GOLDEN / "gemma2")}])
+    line = other[0]["load_error"]
+    assert "needs a natively implemented model" in line and "gemma2" in line and "\n" not in line
     mixed = run_scenario(tmp_path, "pipeline", [{"model": str(GOLDEN / "llama"),
                                                  "model_by_rank": {"1": str(GOLDEN / "mistral")}}])
     line = mixed[0]["load_error"]

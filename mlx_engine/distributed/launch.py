@@ -197,6 +197,15 @@ _stopping = threading.Event()
 _lost: str | None = None  # the peer this process lost, once it has
 
 
+def exit_if_lost() -> None:
+    """Ends this process now with EXIT_RANK_LOST once a peer is lost: a normal exit would run the interpreter's
+    shutdown, which puts SIGTERM back to its default, and the launcher's SIGTERM then ends the rank as a signal."""
+    if _lost is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_RANK_LOST)
+
+
 def stop_later(message: str, grace_s: float = 2.0) -> None:
     """Ends the process `grace_s` from now, with `message`, unless it ends before: the failed requests reach their
     front end first (generate prints the error and exits; the server answers its clients)."""
