@@ -14,6 +14,12 @@ copies every pending pair in list order (whole blocks), then clears the list.
 When blocks get hashed: at `allocate_slots`, as soon as the tokens it covers fill a block, that is,
 before the forward pass writes their KV (as vLLM). Run the step's forward before another sequence's
 `get_computed_blocks` can serve those blocks, or in the same batch.
+
+Sliding window (`window`, after vLLM v1's SlidingWindowManager): the query at position p reads keys p - window + 1
+.. p only, so at `allocate_slots` every block wholly before the window of the first new token is released
+(`free_blocks`: another sequence holding it keeps it, and a cached one stays hittable until evicted) and its
+table entry becomes `SKIPPED`; the table keeps its length (positions still index it). A sequence holds at most
+cdiv(window - 1 + new tokens, block_size) + 1 blocks. It cannot be rolled back into a released block.
 """
 
 from __future__ import annotations
@@ -27,12 +33,22 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# The table entry of a block released because it left the sliding window: no block of the pool. Its id, 0, names
+# a real block, so a table with it stays a valid kernel input; attention never reads the entries before its window.
+SKIPPED = KVCacheBlock(block_id=0)
+
+
 class KVCacheManager:
     """Block tables over one BlockPool, with prefix caching when the pool has it enabled."""
 
-    def __init__(self, pool: BlockPool, block_size: int, extra_key: bytes = b"") -> None:
+    def __init__(self, pool: BlockPool, block_size: int, extra_key: bytes = b"", window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size}: must be at least 1")
+        if window is not None and window < 1:
+            raise ValueError(f"window={window}: must be at least 1 token")
+        self.window = window
+        # sliding window: leading table entries released (`SKIPPED`), per sequence
+        self.req_to_num_skipped: dict[str, int] = {}
         self.pool = pool
         self.block_size = block_size
         self.extra_key = extra_key
@@ -112,10 +128,14 @@ class KVCacheManager:
                      and (tail.ref_cnt > 1 or tail.block_hash is not None))
         # A computed block with ref_cnt 0 is taken out of the free queue by touch(): count it.
         num_evictable_computed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + needs_cow > self.pool.get_num_free_blocks() - num_evictable_computed:
+        # blocks this call releases from the window before it takes new ones, and that no one else holds
+        released = sum(1 for b in table[self.req_to_num_skipped.get(req_id, 0):self.first_block(req_id, num_tokens)]
+                       if b.ref_cnt == 1)
+        if num_new_blocks + needs_cow > self.pool.get_num_free_blocks() + released - num_evictable_computed:
             return None
 
         self.pool.touch(new_computed_blocks)
+        self._skip_before_window(req_id, num_tokens)
         hashes = self.req_to_block_hashes.setdefault(req_id, [])
         if self.pool.enable_caching:
             hashes.extend(b.block_hash for b in new_computed_blocks)  # type: ignore[misc]
@@ -133,7 +153,29 @@ class KVCacheManager:
             table.extend(new_blocks)
         self.req_to_num_tokens[req_id] = total
         self._cache_full_blocks(req_id, token_ids, min(total, len(token_ids)))
+        self._skip_before_window(req_id, num_computed)  # the prefix hit's blocks the new tokens do not read
         return new_blocks
+
+    def first_block(self, req_id: str, position: int) -> int:
+        """The first table index a query at `position` (or later) reads: the block of position - window + 1
+        (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(0, position - self.window + 1) // self.block_size
+
+    def _skip_before_window(self, req_id: str, position: int) -> None:
+        """Releases req_id's blocks wholly before the window of a query at `position`."""
+        if self.window is None or req_id not in self.req_to_blocks:
+            return
+        table = self.req_to_blocks[req_id]
+        done = self.req_to_num_skipped.get(req_id, 0)
+        end = min(self.first_block(req_id, position), len(table))
+        if end <= done:
+            return
+        released = table[done:end]
+        table[done:end] = [SKIPPED] * (end - done)
+        self.req_to_num_skipped[req_id] = end
+        self.pool.free_blocks(released)  # oldest first: the first evicted
 
     def cache_full_blocks(self, req_id: str, token_ids: Sequence[int]) -> None:
         """Registers the blocks that `token_ids` (the sequence's known tokens, up to what its table holds)
@@ -149,7 +191,8 @@ class KVCacheManager:
             block_tokens = token_ids[i * bs:(i + 1) * bs]
             h = hash_block_tokens(hashes[-1] if hashes else None, block_tokens, self.extra_key)
             hashes.append(h)
-            self.pool.cache_full_block(table[i], h, block_tokens)
+            if table[i] is not SKIPPED:  # released before its tokens were known (a window shorter than a step)
+                self.pool.cache_full_block(table[i], h, block_tokens)
 
     # ---- sequences ---------------------------------------------------------------------------------
 
@@ -159,8 +202,10 @@ class KVCacheManager:
         if child_id in self.req_to_blocks:
             raise ValueError(f"fork: {child_id!r} already has a block table")
         blocks = self.req_to_blocks[parent_id]
-        self.pool.touch(blocks)
+        self.pool.touch(self._live(blocks))
         self.req_to_blocks[child_id] = list(blocks)
+        if parent_id in self.req_to_num_skipped:
+            self.req_to_num_skipped[child_id] = self.req_to_num_skipped[parent_id]
         self.req_to_num_tokens[child_id] = self.req_to_num_tokens[parent_id]
         self.req_to_block_hashes[child_id] = list(self.req_to_block_hashes.get(parent_id, []))
 
@@ -173,7 +218,14 @@ class KVCacheManager:
             raise ValueError(f"trim {req_id} to {num_tokens} tokens: it holds {current}")
         table = self.req_to_blocks[req_id]
         keep = cdiv(num_tokens, self.block_size)
-        self.pool.free_blocks(reversed(table[keep:]))
+        skipped = self.req_to_num_skipped.get(req_id, 0)
+        if 0 < num_tokens < current and self.first_block(req_id, num_tokens) < skipped:
+            raise ValueError(f"trim {req_id} to {num_tokens} tokens: the next token's sliding window "
+                             f"(window={self.window}) reaches block {self.first_block(req_id, num_tokens)}, "
+                             f"which left the window and was released")
+        if keep < skipped:  # trimmed to nothing before the window (0 tokens): the released entries go too
+            self.req_to_num_skipped[req_id] = keep
+        self.pool.free_blocks(reversed(self._live(table[keep:])))
         del table[keep:]
         del self.req_to_block_hashes[req_id][num_tokens // self.block_size:]
         self.req_to_num_tokens[req_id] = num_tokens
@@ -184,8 +236,17 @@ class KVCacheManager:
         table = self.req_to_blocks.pop(req_id, None)
         self.req_to_num_tokens.pop(req_id, None)
         self.req_to_block_hashes.pop(req_id, None)
+        self.req_to_num_skipped.pop(req_id, None)
         if table:
-            self.pool.free_blocks(reversed(table))
+            self.pool.free_blocks(reversed(self._live(table)))
+
+    @staticmethod
+    def _live(blocks: Sequence[KVCacheBlock]) -> list[KVCacheBlock]:
+        return [b for b in blocks if b is not SKIPPED]
+
+    def num_blocks_held(self, req_id: str) -> int:
+        """Blocks of the pool req_id holds (released ones, past its sliding window, not counted)."""
+        return len(self.req_to_blocks.get(req_id, ())) - self.req_to_num_skipped.get(req_id, 0)
 
     # ---- views for the storage ---------------------------------------------------------------------
 
@@ -195,9 +256,13 @@ class KVCacheManager:
             raise ValueError(f"slot_mapping({req_id}, {start}, {end}): it holds "
                              f"{self.req_to_num_tokens.get(req_id, 0)} tokens")
         bs, table = self.block_size, self.req_to_blocks.get(req_id, [])
+        if start < end and table[start // bs] is SKIPPED:
+            raise ValueError(f"slot_mapping({req_id}, {start}, {end}): position {start} left the sliding window "
+                             f"(window={self.window}) and its block was released")
         return [table[p // bs].block_id * bs + p % bs for p in range(start, end)]
 
     def block_table(self, req_id: str) -> list[int]:
+        """The block ids of req_id's table; entries released past the sliding window read 0 (`SKIPPED`)."""
         return [b.block_id for b in self.req_to_blocks.get(req_id, [])]
 
     def num_tokens(self, req_id: str) -> int:
@@ -209,6 +274,9 @@ class KVCacheManager:
         num_used = sum(1 for b in pool.blocks if b.ref_cnt > 0)
         num_slots = sum(len(t) for t in self.req_to_blocks.values()) * bs
         num_held = sum(self.req_to_num_tokens.values())
+        if self.window is not None:  # what the live blocks hold: tokens from each table's first live block on
+            num_slots = sum(self.num_blocks_held(r) for r in self.req_to_blocks) * bs
+            num_held -= sum(n * bs for n in self.req_to_num_skipped.values())
         return {
             "num_blocks": pool.num_blocks,
             "block_size": bs,

@@ -45,7 +45,7 @@ class BlockTables:
         return self.manager.pool.get_num_free_blocks()
 
     def num_blocks_held(self, req_id: str) -> int:
-        return len(self.manager.req_to_blocks.get(req_id, ()))
+        return self.manager.num_blocks_held(req_id)
 
     # --- allocation ---
 
