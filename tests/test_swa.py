@@ -7,7 +7,8 @@ sliding mask). Kernel tolerances are tests/test_kernels_attention.py's (the kern
 
 from __future__ import annotations
 
-import math
+import json
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -15,6 +16,9 @@ import pytest
 
 from kernels_metal import KVPool, _backend, reference
 from kernels_metal import paged_decode_attention
+from mlx_engine import Engine, GenerationRequest, SamplingParams
+from tests.tiny_models import random_llama_folder
+from tests.tolerance import assert_f32_close
 
 KERNEL_ATOL = {mx.float32: 1e-5, mx.float16: 2e-3}
 
@@ -119,3 +123,163 @@ def test_data_checks_skip_entries_before_the_window() -> None:
     bad[0, 4] = 999
     with pytest.raises(ValueError, match=r"block_tables\[0, 4\]"):
         paged_decode_attention(q, pool, mx.array(bad), seq_lens, 0.125, window=8)
+
+
+# ---------------------------------------------------------------- the engine: a tiny mistral with a window of 8
+
+WINDOW = 8
+BS = 16
+
+
+def mistral_folder(dst: Path, window: int | None = WINDOW, **shape) -> Path:
+    """tiny_models' random llama as a mistral with a sliding window (mistral's config field)."""
+    folder = random_llama_folder(dst, context=4096, **shape)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="mistral", sliding_window=window)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def greedy(engine: Engine, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and, per step, the top-20 (token id, logprob) pairs (n, 20, 2)."""
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=20)
+    events = list(engine.generate(GenerationRequest(prompt_token_ids=ids, sampling=params)))
+    lps = [lp for e in events for lp in e.logprobs]
+    return [lp.token_id for lp in lps], np.array([[list(t) for t in lp.top] for lp in lps])
+
+
+PROMPT = [(7 * i + 3) % 120 + 5 for i in range(45)]
+
+
+def test_mistral_with_a_window_runs_paged_and_matches_the_contiguous_window(tmp_path: Path) -> None:
+    """Paged (chunks of 7, blocks of 16, the window 8) against the contiguous cache, which masks with mlx-lm's
+    sliding-window mask: same greedy tokens, same top-20 logprobs, 45 prompt tokens and 30 decoded, all far past the
+    window. Without the window the model gives other numbers: the comparison does test the window."""
+    folder = mistral_folder(tmp_path / "m")
+    with Engine.load(str(folder), paged_kv=False) as ref:
+        want_tokens, want = greedy(ref, PROMPT, 30)
+    with Engine.load(str(folder), block_size=BS, prefill_chunk_size=7) as e:
+        assert e.kv_stats()["kind"] == "paged"
+        tokens, lps = greedy(e, PROMPT, 30)
+    assert tokens == want_tokens
+    assert np.array_equal(lps[..., 0], want[..., 0])
+    # float32 floor: tests/test_kv_paged.py's paged vs contiguous (11 units), x4 headroom
+    assert_f32_close(lps[..., 1], want[..., 1], 48, "windowed paged vs contiguous")
+    with Engine.load(str(mistral_folder(tmp_path / "full", window=None)), block_size=BS) as full:
+        _, unwindowed = greedy(full, PROMPT, 30)
+    assert float(np.abs(unwindowed[..., 1] - want[..., 1]).max()) > 1e-2
+
+
+def conversation(engine: Engine, turns: int, user: int, reply: int, probe=None) -> tuple[list[int], np.ndarray]:
+    """A chat of `turns` turns: each prompt is the history, then `user` new tokens; `reply` greedy tokens each.
+    Returns every reply's tokens and top-20 logprobs; `probe()` runs after every streamed event."""
+    history: list[int] = []
+    tokens, lps = [], []
+    params = SamplingParams(temperature=0.0, max_tokens=reply, ignore_eos=True, logprobs=20)
+    for t in range(turns):
+        history += [(11 * i + 5 * t) % 120 + 5 for i in range(user)]
+        for event in engine.generate(GenerationRequest(prompt_token_ids=list(history), sampling=params)):
+            for lp in event.logprobs:
+                tokens.append(lp.token_id)
+                lps.append([list(x) for x in lp.top])
+            if probe is not None:
+                probe()
+        history += tokens[-reply:]
+    return tokens, np.array(lps)
+
+
+def test_a_2000_token_chat_holds_a_window_of_blocks_and_matches_past_it(tmp_path: Path) -> None:
+    """Ten turns of 150 user tokens and 50 replies (2,000 tokens; prefill in chunks of 32, then decode) in a pool of
+    4 blocks (64 tokens): it runs only because blocks that left the window go back to the pool, and it never holds
+    more than cdiv(window - 1 + chunk, block_size) + 1 = 4 blocks (decode: cdiv(window, 16) + 1 = 2 at most).
+    Every reply equals the contiguous cache's, whose mask is mlx-lm's sliding window."""
+    folder = mistral_folder(tmp_path / "m")
+    with Engine.load(str(folder), block_size=BS) as probe_engine:
+        per_block = probe_engine.kv_stats()["bytes_per_block"]
+    with Engine.load(str(folder), paged_kv=False) as ref:
+        want_tokens, want = conversation(ref, 10, 150, 50)
+    used: list[int] = []
+    with Engine.load(str(folder), block_size=BS, prefill_chunk_size=32, kv_budget_bytes=4 * per_block) as e:
+        stats = e.kv_stats()
+        assert stats["num_blocks"] == 4
+        tokens, lps = conversation(e, 10, 150, 50, probe=lambda: used.append(e.kv_stats()["used"]))
+        assert e.kv_stats()["num_hit_tokens"] > 0  # later turns hit the previous turn's window
+    assert len(tokens) == 500 and tokens == want_tokens
+    assert np.array_equal(lps[..., 0], want[..., 0])
+    assert_f32_close(lps[..., 1], want[..., 1], 48, "2,000-token windowed chat vs contiguous")
+    # what the pool holds as each token streams: decode at position p holds blocks (p - 7) // 16 .. p // 16
+    assert max(used) == 2 and set(used) <= {0, 1, 2}
+
+
+def tiny_paged_cache(window: int | None, num_blocks: int, max_step_tokens: int | None = 32):
+    from mlx_engine.kv.block_pool import BlockPool
+    from mlx_engine.kv.cache import PagedCache
+    from mlx_engine.kv.manager import KVCacheManager
+    from mlx_engine.kv.paged import PagedKVStorage
+
+    storage = PagedKVStorage(2, num_blocks, BS, 2, 16, mx.float32, window=window)
+    manager = KVCacheManager(BlockPool(num_blocks, enable_caching=True), BS, window=window)
+    return PagedCache(storage, manager, 2, 1, max_step_tokens)
+
+
+def test_blocks_held_follow_the_window_exactly() -> None:
+    """Through the cache's public calls (no model): a 300-token prompt in chunks of 30, then 200 decode steps.
+    After each forward's views are made the request holds exactly the blocks from its window's first key
+    (position - 7) to its last token, never more than cdiv(7 + 32, 16) + 1 = 4; the pool has only 6."""
+    cache = tiny_paged_cache(WINDOW, 6)
+    ids = [(3 * i) % 100 for i in range(500)]
+    assert cache.blocks_for(500) == 4
+    cache.check_fits(500)  # the whole chat fits: it never holds more than 4 of the 6 blocks
+    cache.start("a", ids[:300])
+    assert cache.num_blocks_held("a") == 0  # a windowed prompt takes its slots per chunk
+    held = []
+    for s in range(0, 300, 30):
+        e = min(300, s + 30)
+        cache.prefill_layers("a", s, e)
+        assert cache.num_blocks_held("a") == -(-e // BS) - max(0, s - WINDOW + 1) // BS
+        held.append(cache.num_blocks_held("a"))
+    for p in range(300, 500):
+        cache.record("a", ids[:p])
+        cache.decode_layers(["a"], [ids[:p]])
+        assert cache.num_blocks_held("a") == -(-(p + 1) // BS) - max(0, p - WINDOW + 1) // BS
+        held.append(cache.num_blocks_held("a"))
+    assert max(held) == 4 and max(held[10:]) == 2
+    assert cache.stats()["used"] == 2 and cache.manager.num_tokens("a") == 500
+    table = cache.manager.block_table("a")
+    assert len(table) == 32 and table[:30] == [0] * 30  # released entries read 0, never attended
+
+
+def test_a_block_another_sequence_still_reads_stays() -> None:
+    """Two sequences share a 48-token prefix (a prefix hit). The first one runs on: its early blocks leave its
+    window, but the second, still inside its own window of them, keeps them held (ref counts); once it too moves on
+    they go back to the pool, cached."""
+    cache = tiny_paged_cache(WINDOW, 16)
+    ids = [(5 * i) % 100 for i in range(200)]
+    cache.start("a", ids[:49])
+    cache.prefill_layers("a", 0, 49)
+    cache.record("a", ids[:49])
+    shared = cache.manager.block_table("a")[:3]
+    assert cache.start("b", ids[:49]) == 48  # a hit: its next token (48) reads from 41 on, the third block only
+    assert cache.manager.block_table("b")[:3] == [0, 0, shared[2]]
+    pool = cache.manager.pool
+    for p in range(49, 100):
+        cache.decode_layers(["a"], [ids[:p]])
+        cache.record("a", ids[:p + 1])
+    assert cache.manager.block_table("a")[:3] == [0, 0, 0]  # a's window left them
+    assert [pool.blocks[i].ref_cnt for i in shared] == [0, 0, 1]  # b holds the one in its window
+    cache.prefill_layers("b", 48, 49)
+    for p in range(49, 80):
+        cache.decode_layers(["b"], [ids[:p]])
+    assert [pool.blocks[i].ref_cnt for i in shared] == [0, 0, 0]
+    assert all(pool.blocks[i].block_hash is not None for i in shared)  # free, still cached for the next hit
+
+
+def test_rolling_back_into_a_released_block_is_refused() -> None:
+    cache = tiny_paged_cache(WINDOW, 8)
+    ids = list(range(100))
+    cache.start("a", ids[:60])
+    cache.prefill_layers("a", 0, 60)
+    cache.decode_layers(["a"], [ids[:60]])  # position 60: blocks before (60 - 7) // 16 = 3 released
+    cache.trim("a", 57)  # a rollback inside the window is fine
+    with pytest.raises(ValueError, match="sliding window .*released"):
+        cache.trim("a", 40)

@@ -30,12 +30,13 @@ MAX_SLOT_RUNS = 8  # on the CPU, a sequence in at most this many runs of blocks 
 
 
 class PagedCache(BlockTableCache):
-    def __init__(self, storage: PagedKVStorage, manager: KVCacheManager, num_layers: int, bytes_per_block: int):
+    def __init__(self, storage: PagedKVStorage, manager: KVCacheManager, num_layers: int, bytes_per_block: int,
+                 max_step_tokens: int | None = None):
         if storage.window != manager.window:
             raise ValueError(f"the storage's window {storage.window} is not the block manager's {manager.window}")
         self.storage, self.manager, self.num_layers = storage, manager, num_layers
         self.window = storage.window
-        self.tables = BlockTables(manager, storage, bytes_per_block)
+        self.tables = BlockTables(manager, storage, bytes_per_block, max_step_tokens)
         self.block_size = manager.block_size
         self.capabilities = KVCapabilities(paged=True, batching=True, packed=True, rollback=True,
                                            kv_files=self.window is None,
@@ -44,9 +45,11 @@ class PagedCache(BlockTableCache):
 
     @classmethod
     def create(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype, context_length: int,
-               weight_bytes: int, config: KVConfig, model_id: bytes, window: int | None = None) -> PagedCache:
+               weight_bytes: int, config: KVConfig, model_id: bytes, window: int | None = None,
+               max_step_tokens: int | None = None) -> PagedCache:
         """A cache for `num_layers` layers of one kind: `window` the sliding window they all attend through (None:
-        full attention)."""
+        full attention). `max_step_tokens`: the most tokens one forward feeds a request (the scheduler's token
+        budget), which bounds a windowed request's blocks (`BlockTables.blocks_for`); None: not bounded."""
         config.validate(head_dim)
         per_block = bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim, dtype.size,
                                     config.kv_bits, config.kv_group_size, config.kv_key_bits,
@@ -60,7 +63,7 @@ class PagedCache(BlockTableCache):
                                  key_per_channel=config.key_per_channel(head_dim), window=window)
         manager = KVCacheManager(BlockPool(num_blocks, enable_caching=config.prefix_caching), config.block_size,
                                  extra_key=model_id, window=window)
-        return cls(storage, manager, num_layers, per_block)
+        return cls(storage, manager, num_layers, per_block, max_step_tokens)
 
     def calibrate(self, model: Any, tokenizer: Any, vocab_size: int) -> None:
         """Quantized KV only: measures the model's KV smoothing (`kv.smoothing`) on the built-in calibration
@@ -75,9 +78,10 @@ class PagedCache(BlockTableCache):
 
     def prefill_layers(self, req_id: str, start: int, end: int) -> list[PagedPrefillView]:
         """Views for a forward over positions [start, end) of a sequence whose slots are allocated."""
+        self.tables.take(req_id, end)
         slots = self.manager.slot_mapping(req_id, start, end)
         new_slots = mx.array(slots, dtype=mx.int32)
-        base = self.manager.first_block(req_id, start) * self.block_size  # 0 without a window
+        base = self.manager.first_block(start) * self.block_size  # 0 without a window
         all_slots = self._slots(req_id, end, base)
         plan = self.storage.plan_key_writes([(req_id, s) for s in slots])
         table = self.manager.block_table(req_id)
@@ -107,7 +111,7 @@ class PagedCache(BlockTableCache):
         mgr = self.manager
         positions = self.tables.decode_positions(req_ids, known_ids)
         # with a window, each row from the block of its window's first key on (those before may be released)
-        firsts = [mgr.first_block(r, p) for r, p in zip(req_ids, positions)]
+        firsts = [mgr.first_block(p) for p in positions]
         tables = [mgr.block_table(r)[f:] for r, f in zip(req_ids, firsts)]
         width = max(len(t) for t in tables)
         block_tables = mx.array([t + [0] * (width - len(t)) for t in tables], dtype=mx.int32)  # (B, nb)

@@ -73,10 +73,31 @@ class KVCacheManager:
         self.num_queried_tokens += len(token_ids)
         if not self.pool.enable_caching or not token_ids:
             return [], 0
-        computed = self.cached_prefix(token_ids, (len(token_ids) - 1) // self.block_size)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        if self.window is None:
+            computed = self.cached_prefix(token_ids, max_blocks)
+        else:
+            computed = self._window_prefix(token_ids, max_blocks)
         num_computed_tokens = len(computed) * self.block_size
         self.num_hit_tokens += num_computed_tokens
         return computed, num_computed_tokens
+
+    def _window_prefix(self, token_ids: Sequence[int], max_blocks: int) -> list[KVCacheBlock]:
+        """With a sliding window (after vLLM v1's SlidingWindowManager): the longest prefix of k full blocks whose
+        blocks inside the window of the next token (position k * block_size) are cached; the entries before that
+        window come back `SKIPPED` (they need not be cached: nothing reads them)."""
+        bs = self.block_size
+        found: list[KVCacheBlock | None] = []
+        parent: bytes | None = None
+        for i in range(min(max_blocks, len(token_ids) // bs)):
+            block_tokens = token_ids[i * bs:(i + 1) * bs]
+            parent = hash_block_tokens(parent, block_tokens, self.extra_key)
+            found.append(self.pool.get_cached_block(parent, block_tokens))
+        for k in range(len(found), 0, -1):
+            first = self.first_block(k * bs)
+            if all(b is not None for b in found[first:k]):
+                return [SKIPPED] * first + found[first:k]  # type: ignore[list-item]
+        return []
 
     def cached_prefix(self, token_ids: Sequence[int], max_blocks: int) -> list[KVCacheBlock]:
         """The cached full blocks matching token_ids' prefix, at most max_blocks (no hit counting)."""
@@ -116,6 +137,8 @@ class KVCacheManager:
                              f"but token_ids holds {len(token_ids)}")
         for i, block in enumerate(new_computed_blocks):
             j = len(table) + i
+            if block is SKIPPED:  # before the window of the first new token (`_window_prefix`): never read
+                continue
             if block.block_hash is None or block.token_ids != tuple(token_ids[j * bs:(j + 1) * bs]):
                 raise ValueError(f"{req_id}: computed block {block.block_id} was evicted or changed "
                                  "since get_computed_blocks")
@@ -127,18 +150,26 @@ class KVCacheManager:
         needs_cow = (num_new_tokens > 0 and num_computed % bs != 0 and tail is not None
                      and (tail.ref_cnt > 1 or tail.block_hash is not None))
         # A computed block with ref_cnt 0 is taken out of the free queue by touch(): count it.
-        num_evictable_computed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_evictable_computed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not SKIPPED)
         # blocks this call releases from the window before it takes new ones, and that no one else holds
-        released = sum(1 for b in table[self.req_to_num_skipped.get(req_id, 0):self.first_block(req_id, num_tokens)]
+        released = sum(1 for b in table[self.req_to_num_skipped.get(req_id, 0):self.first_block(num_tokens)]
                        if b.ref_cnt == 1)
         if num_new_blocks + needs_cow > self.pool.get_num_free_blocks() + released - num_evictable_computed:
             return None
 
-        self.pool.touch(new_computed_blocks)
+        self.pool.touch(self._live(new_computed_blocks))
         self._skip_before_window(req_id, num_tokens)
         hashes = self.req_to_block_hashes.setdefault(req_id, [])
         if self.pool.enable_caching:
-            hashes.extend(b.block_hash for b in new_computed_blocks)  # type: ignore[misc]
+            for i, b in enumerate(new_computed_blocks):  # a SKIPPED entry's hash from its tokens: the chain goes on
+                j = len(table) + i
+                hashes.append(b.block_hash if b is not SKIPPED else  # type: ignore[arg-type]
+                              hash_block_tokens(hashes[-1] if hashes else None, token_ids[j * bs:(j + 1) * bs],
+                                                self.extra_key))
+        if not table:  # a prefix hit's leading SKIPPED entries count as released
+            lead = next((i for i, b in enumerate(new_computed_blocks) if b is not SKIPPED), len(new_computed_blocks))
+            if lead:
+                self.req_to_num_skipped[req_id] = lead
         table = self.req_to_blocks.setdefault(req_id, table)
         table.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks + needs_cow)
@@ -156,7 +187,7 @@ class KVCacheManager:
         self._skip_before_window(req_id, num_computed)  # the prefix hit's blocks the new tokens do not read
         return new_blocks
 
-    def first_block(self, req_id: str, position: int) -> int:
+    def first_block(self, position: int) -> int:
         """The first table index a query at `position` (or later) reads: the block of position - window + 1
         (0 without a window)."""
         if self.window is None:
@@ -169,7 +200,7 @@ class KVCacheManager:
             return
         table = self.req_to_blocks[req_id]
         done = self.req_to_num_skipped.get(req_id, 0)
-        end = min(self.first_block(req_id, position), len(table))
+        end = min(self.first_block(position), len(table))
         if end <= done:
             return
         released = table[done:end]
@@ -219,9 +250,9 @@ class KVCacheManager:
         table = self.req_to_blocks[req_id]
         keep = cdiv(num_tokens, self.block_size)
         skipped = self.req_to_num_skipped.get(req_id, 0)
-        if 0 < num_tokens < current and self.first_block(req_id, num_tokens) < skipped:
+        if 0 < num_tokens < current and self.first_block(num_tokens) < skipped:
             raise ValueError(f"trim {req_id} to {num_tokens} tokens: the next token's sliding window "
-                             f"(window={self.window}) reaches block {self.first_block(req_id, num_tokens)}, "
+                             f"(window={self.window}) reaches block {self.first_block(num_tokens)}, "
                              f"which left the window and was released")
         if keep < skipped:  # trimmed to nothing before the window (0 tokens): the released entries go too
             self.req_to_num_skipped[req_id] = keep
