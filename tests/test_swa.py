@@ -283,3 +283,39 @@ def test_rolling_back_into_a_released_block_is_refused() -> None:
     cache.trim("a", 57)  # a rollback inside the window is fine
     with pytest.raises(ValueError, match="sliding window .*released"):
         cache.trim("a", 40)
+
+
+def test_a_prefix_hit_with_a_window_gives_a_fresh_run_s_tokens(tmp_path: Path) -> None:
+    """The same 100-token prompt twice: the second request reuses the blocks of the window before its last token
+    (96 tokens reported cached: the blocks before the window need not be there) and decodes what the first did."""
+    folder = mistral_folder(tmp_path / "m")
+    prompt = [(13 * i + 1) % 120 + 5 for i in range(100)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=20)
+    with Engine.load(str(folder), block_size=BS, prefill_chunk_size=32) as e:
+        first = list(e.generate(GenerationRequest(prompt_token_ids=prompt, sampling=params)))
+        second = list(e.generate(GenerationRequest(prompt_token_ids=prompt, sampling=params)))
+    assert first[-1].usage.cached_prompt_tokens == 0 and second[-1].usage.cached_prompt_tokens == 96
+    top = lambda events: np.array([[list(t) for t in lp.top] for ev in events for lp in ev.logprobs])  # noqa: E731
+    a, b = top(first), top(second)
+    assert np.array_equal(a[..., 0], b[..., 0])
+    assert_f32_close(b[..., 1], a[..., 1], 48, "windowed prefix hit vs fresh")
+
+
+def test_concurrent_windowed_requests_equal_each_alone(tmp_path: Path) -> None:
+    """Three requests of different lengths batched together (decode rows and prefill chunks packed, each table
+    from its own window on) give the tokens each gives alone."""
+    folder = mistral_folder(tmp_path / "m")
+    prompts = [[(k * 7 + 3 * i) % 120 + 5 for i in range(n)] for k, n in enumerate((30, 75, 140))]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with Engine.load(str(folder), block_size=BS, prefill_chunk_size=16, prefix_caching=False) as e:
+        alone = [[t for ev in e.generate(GenerationRequest(prompt_token_ids=p, sampling=params)) for t in ev.token_ids]
+                 for p in prompts]
+        streams = [e.generate(GenerationRequest(prompt_token_ids=p, sampling=params)) for p in prompts]
+        together, running = [[] for _ in streams], []
+        for ev in streams[0]:  # while the shortest runs, the others share its steps
+            together[0] += ev.token_ids
+            running.append(e.kv_stats()["num_sequences"])
+        for out, s in zip(together[1:], streams[1:]):
+            out += [t for ev in s for t in ev.token_ids]
+    assert together == alone and all(len(t) == 40 for t in alone)
+    assert max(running) == 3
