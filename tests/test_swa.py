@@ -319,3 +319,50 @@ def test_concurrent_windowed_requests_equal_each_alone(tmp_path: Path) -> None:
             out += [t for ev in s for t in ev.token_ids]
     assert together == alone and all(len(t) == 40 for t in alone)
     assert max(running) == 3
+
+
+def alternating_folder(dst: Path, layers: int = 4) -> Path:
+    """A tiny mistral whose layers alternate sliding (window 8) and full attention, as gemma's do."""
+    folder = mistral_folder(dst, layers=layers)
+    config = json.loads((folder / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_alternating_layers_keep_a_storage_per_kind_and_match_contiguous(tmp_path: Path) -> None:
+    """Sliding and full layers: one pool each; the full layers' blocks grow with the chat, the sliding layers'
+    stay at the window's. Tokens and logprobs equal the contiguous cache's, which windows layer by layer."""
+    folder = alternating_folder(tmp_path / "m")
+    with Engine.load(str(folder), paged_kv=False) as ref:
+        want_tokens, want = greedy(ref, PROMPT * 3, 40)
+    with Engine.load(str(folder), block_size=BS, prefill_chunk_size=16) as e:
+        kinds = e.kv_stats()["kinds"]
+        assert [(k["window"], k["layers"]) for k in kinds] == [(WINDOW, [0, 2]), (None, [1, 3])]
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=20)
+        held: list[tuple[int, int]] = []
+        tokens, lps = [], []
+        for ev in e.generate(GenerationRequest(prompt_token_ids=PROMPT * 3, sampling=params)):
+            tokens += [lp.token_id for lp in ev.logprobs]
+            lps += [[list(t) for t in lp.top] for lp in ev.logprobs]
+            held.append(tuple(k["used"] for k in e.kv_stats()["kinds"]))
+    assert tokens == want_tokens
+    lps = np.array(lps)
+    assert np.array_equal(lps[..., 0], want[..., 0])
+    assert_f32_close(lps[..., 1], want[..., 1], 48, "alternating windowed layers vs contiguous")
+    sliding, full = zip(*held[:-1])  # the last event comes once the request has given its blocks back
+    assert max(sliding) == 2  # a window of 8 in blocks of 16
+    assert max(full) == -(-(135 + 39) // BS)  # every position so far: 135 prompt tokens, 39 fed replies
+
+
+def test_qwen2_slides_from_max_window_layers_as_transformers_does() -> None:
+    from mlx_engine.models import qwen2
+
+    base = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 96,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "sliding_window": 8}
+    assert qwen2.args_from_config(base).layer_windows() == [None] * 4  # use_sliding_window unset: HF ignores it
+    on = {**base, "use_sliding_window": True}
+    assert qwen2.args_from_config({**on, "max_window_layers": 1}).layer_windows() == [None, 8, 8, 8]
+    assert qwen2.args_from_config(on).layer_windows() == [None] * 4  # transformers' default: from layer 28 on
+    types = ["sliding_attention", "full_attention"] * 2
+    assert qwen2.args_from_config({**on, "layer_types": types}).layer_windows() == [8, None, 8, None]

@@ -63,23 +63,29 @@ class KVCacheManager:
 
     # ---- prefix cache ------------------------------------------------------------------------------
 
-    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, token_ids: Sequence[int], max_tokens: int | None = None,
+                            count: bool = True) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks that matches token_ids' prefix, and the tokens it holds.
 
-        At most len(token_ids) - 1 tokens are reported computed: the last token must go through the model
-        to give logits. Pass the blocks to `allocate_slots` right away (no allocation in between), which
-        takes a reference to them; until then they may be evicted.
+        At most len(token_ids) - 1 tokens are reported computed (and at most `max_tokens`): the last token must go
+        through the model to give logits. Pass the blocks to `allocate_slots` right away (no allocation in
+        between), which takes a reference to them; until then they may be evicted. `count`: into the hit rate
+        (False: a look that a caller of several caches makes before it settles on a common hit).
         """
-        self.num_queried_tokens += len(token_ids)
+        if count:
+            self.num_queried_tokens += len(token_ids)
         if not self.pool.enable_caching or not token_ids:
             return [], 0
         max_blocks = (len(token_ids) - 1) // self.block_size
+        if max_tokens is not None:
+            max_blocks = min(max_blocks, max_tokens // self.block_size)
         if self.window is None:
             computed = self.cached_prefix(token_ids, max_blocks)
         else:
             computed = self._window_prefix(token_ids, max_blocks)
         num_computed_tokens = len(computed) * self.block_size
-        self.num_hit_tokens += num_computed_tokens
+        if count:
+            self.num_hit_tokens += num_computed_tokens
         return computed, num_computed_tokens
 
     def _window_prefix(self, token_ids: Sequence[int], max_blocks: int) -> list[KVCacheBlock]:

@@ -64,10 +64,14 @@ class BlockTables:
 
     # --- allocation ---
 
-    def start(self, req_id: str, prompt_ids: list[int], reuse: bool = True) -> int:
-        """Allocates a new sequence's prompt blocks, the cached prefix's (prefix caching) shared unless
-        `reuse` is False; returns the number of prompt tokens already cached."""
-        computed, num_cached = self.manager.get_computed_blocks(prompt_ids) if reuse else ([], 0)
+    def cached_tokens(self, prompt_ids: list[int], max_tokens: int | None = None) -> int:
+        """The prompt tokens `start` would find cached, at most `max_tokens` (nothing taken or counted)."""
+        return self.manager.get_computed_blocks(prompt_ids, max_tokens, count=False)[1]
+
+    def start(self, req_id: str, prompt_ids: list[int], reuse: bool = True, max_cached: int | None = None) -> int:
+        """Allocates a new sequence's prompt blocks, the cached prefix's (prefix caching, at most `max_cached`
+        tokens of it) shared unless `reuse` is False; returns the number of prompt tokens already cached."""
+        computed, num_cached = self.manager.get_computed_blocks(prompt_ids, max_cached) if reuse else ([], 0)
         now = 0 if self.manager.window is not None else len(prompt_ids) - num_cached  # windowed: at `take`
         if self.manager.allocate_slots(req_id, prompt_ids, now, computed) is None:
             raise KVBudgetError(f"no free KV blocks for a {len(prompt_ids)}-token prompt")

@@ -37,6 +37,7 @@ class ModelArgs:
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before rope (qwen3)
     sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per layer "sliding_attention" or "full_attention" (transformers 5)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -44,6 +45,16 @@ class ModelArgs:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: full attention): `layer_types` where the config lists them, else
+        `sliding_window` on every layer (mistral). The KV cache keeps one storage per kind (`kv.kinds`)."""
+        n, w = self.num_hidden_layers, self.sliding_window
+        if w is None:
+            return [None] * n
+        if self.layer_types:
+            return [w if t == "sliding_attention" else None for t in self.layer_types[:n]]
+        return [w] * n
 
 
 class Attention(nn.Module):
@@ -153,7 +164,7 @@ class Model(nn.Module):
     def _uncached(self) -> list[Any]:
         from mlx_engine.kv.contiguous import Uncached
 
-        return [Uncached(self.args.sliding_window)] * len(self.layers)
+        return [Uncached(w) for w in self.args.layer_windows()]
 
     def logits(self, h: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:
@@ -184,3 +195,13 @@ def make_args(config: dict[str, Any], **overrides: Any) -> ModelArgs:
 
 def args_from_config(config: dict[str, Any]) -> ModelArgs:
     return make_args(config, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+def qwen_layer_types(config: dict[str, Any], window: int | None) -> list[str] | None:
+    """Qwen2's and Qwen3's sliding layers as transformers reads them: `layer_types` where given, else with
+    use_sliding_window the layers from `max_window_layers` on (transformers' default 28), the first ones full."""
+    if window is None or config.get("layer_types"):
+        return config.get("layer_types")
+    first = config.get("max_window_layers")
+    first = 28 if first is None else int(first)
+    return ["sliding_attention" if i >= first else "full_attention" for i in range(int(config["num_hidden_layers"]))]
