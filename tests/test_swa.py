@@ -366,3 +366,21 @@ def test_qwen2_slides_from_max_window_layers_as_transformers_does() -> None:
     assert qwen2.args_from_config(on).layer_windows() == [None] * 4  # transformers' default: from layer 28 on
     types = ["sliding_attention", "full_attention"] * 2
     assert qwen2.args_from_config({**on, "layer_types": types}).layer_windows() == [8, None, 8, None]
+
+
+@pytest.mark.parametrize("mode", ["prompt-lookup", "self"])
+def test_speculative_rollback_with_a_window_gives_plain_decoding_s_tokens(tmp_path: Path, mode: str) -> None:
+    """Verifications of drafts and rollbacks of the rejected ones on windowed layers (verifications take their
+    slots per forward, trims stay inside the window): greedy tokens equal plain decoding's, and every block comes
+    back."""
+    folder = alternating_folder(tmp_path / "m")
+    prompt = [5, 6, 7, 8, 9] * 12
+    with Engine.load(str(folder), block_size=BS, prefill_chunk_size=16) as e:
+        def run(**spec) -> list[int]:
+            params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, **spec)
+            return [t for ev in e.generate(GenerationRequest(prompt_token_ids=prompt, sampling=params))
+                    for t in ev.token_ids]
+
+        plain = run()
+        assert run(speculative=mode, num_draft_tokens=6) == plain
+        assert e.kv_stats()["used"] == 0

@@ -100,7 +100,10 @@ class BlockTables:
         if end > target:
             raise ValueError(f"{req_id}: a forward up to position {end}, but it was allocated {target} tokens")
         if end > have:
-            self._allocate(req_id, token_ids, end - have)
+            # a promise with tokens still unknown (a verification's drafts) is taken whole: the slots of tokens
+            # nobody knows yet cannot be checked against them one forward at a time
+            upto = end if len(token_ids) >= target else target
+            self._allocate(req_id, token_ids, upto - have)
             self._copy_pending()
         if self.manager.num_tokens(req_id) >= target:
             del self._pending[req_id]
@@ -133,7 +136,14 @@ class BlockTables:
             self.manager.pending_copies.clear()
 
     def trim(self, req_id: str, num_tokens: int) -> None:
-        self._pending.pop(req_id, None)
+        pending = self._pending.pop(req_id, None)
+        have = self.manager.num_tokens(req_id)
+        if pending is not None and have <= num_tokens <= pending[1]:  # a promise not taken yet: shrink it
+            if num_tokens > have:
+                self._pending[req_id] = (pending[0], num_tokens)
+            return
+        if pending is not None and num_tokens > pending[1]:
+            raise ValueError(f"trim {req_id} to {num_tokens} tokens: it holds {pending[1]}")
         self.manager.trim(req_id, num_tokens)
 
     # --- leaving ---
