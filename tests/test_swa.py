@@ -384,3 +384,19 @@ def test_speculative_rollback_with_a_window_gives_plain_decoding_s_tokens(tmp_pa
         plain = run()
         assert run(speculative=mode, num_draft_tokens=6) == plain
         assert e.kv_stats()["used"] == 0
+
+
+def test_roofline_kv_counts_the_layers_the_engine_frees(tmp_path: Path) -> None:
+    """`roofline kv`'s shape (the catalog's) names as sliding exactly the layers the engine keeps in a windowed
+    pool, and counts them at the window: what such a layer holds in decode, to the block (at most
+    cdiv(window, block_size) + 1 blocks)."""
+    from mlx_engine.catalog import kv_bytes, kv_shape
+
+    folder = alternating_folder(tmp_path / "m")
+    shape = kv_shape(str(folder))
+    assert (shape.num_sliding_layers, shape.sliding_window) == (2, WINDOW)
+    with Engine.load(str(folder), block_size=BS) as e:
+        kinds = e.kv_stats()["kinds"]
+    assert [len(k["layers"]) for k in kinds if k["window"] == WINDOW] == [shape.num_sliding_layers]
+    per_token_layer = kv_bytes(shape, 1, itemsize=4) // shape.num_layers
+    assert kv_bytes(shape, 2000, itemsize=4) == per_token_layer * (2 * 2000 + 2 * WINDOW)

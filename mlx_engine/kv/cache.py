@@ -58,6 +58,17 @@ class PagedCache(BlockTableCache):
         if budget is None:
             budget = default_budget(context_length, config.block_size, per_block, weight_bytes)
         num_blocks = blocks_in_budget(budget, per_block, config.block_size, num_layers)
+        return cls.of_blocks(num_layers, num_blocks, num_kv_heads, head_dim, dtype, config, model_id, window,
+                             max_step_tokens)
+
+    @classmethod
+    def of_blocks(cls, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype,
+                  config: KVConfig, model_id: bytes, window: int | None = None,
+                  max_step_tokens: int | None = None) -> PagedCache:
+        """A cache of `num_blocks` blocks (`create` sizes them from a budget)."""
+        per_block = bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim, dtype.size,
+                                    config.kv_bits, config.kv_group_size, config.kv_key_bits,
+                                    config.key_per_channel(head_dim))
         storage = PagedKVStorage(num_layers, num_blocks, config.block_size, num_kv_heads, head_dim, dtype,
                                  config.kv_bits, config.kv_group_size, key_bits=config.kv_key_bits,
                                  key_per_channel=config.key_per_channel(head_dim), window=window)

@@ -21,11 +21,10 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_engine.api import RooflineError
-from mlx_engine.kv.block_pool import BlockPool
 from mlx_engine.kv.cache import PagedCache
 from mlx_engine.kv.config import DEFAULT_MEMORY_FRACTION, KVConfig, available_memory_bytes
-from mlx_engine.kv.manager import KVCacheManager, cdiv
-from mlx_engine.kv.paged import PagedKVStorage, bytes_per_block
+from mlx_engine.kv.manager import cdiv
+from mlx_engine.kv.paged import bytes_per_block
 from mlx_engine.kv.protocol import KVCapabilities
 from mlx_engine.kv.tables import KVBudgetError
 
@@ -84,12 +83,8 @@ class LayerKindsCache:
                 raise RooflineError(f"kv_budget_bytes={budget}: too small for one KV block of each kind of layer "
                                     f"({per_layer * len(group)} bytes for the {len(group)} layers with window "
                                     f"{window})")
-            storage = PagedKVStorage(len(group), num_blocks, config.block_size, num_kv_heads, head_dim, dtype,
-                                     config.kv_bits, config.kv_group_size, key_bits=config.kv_key_bits,
-                                     key_per_channel=config.key_per_channel(head_dim), window=window)
-            manager = KVCacheManager(BlockPool(num_blocks, enable_caching=config.prefix_caching), config.block_size,
-                                     extra_key=model_id + f"/window={window}".encode(), window=window)
-            kinds.append(PagedCache(storage, manager, len(group), per_layer * len(group), max_step_tokens))
+            kinds.append(PagedCache.of_blocks(len(group), num_blocks, num_kv_heads, head_dim, dtype, config, model_id,
+                                              window, max_step_tokens))
         return cls(kinds, layers)
 
     def _in_order(self, views: list[list[Any]]) -> list[Any]:

@@ -196,12 +196,3 @@ def make_args(config: dict[str, Any], **overrides: Any) -> ModelArgs:
 def args_from_config(config: dict[str, Any]) -> ModelArgs:
     return make_args(config, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
 
-
-def qwen_layer_types(config: dict[str, Any], window: int | None) -> list[str] | None:
-    """Qwen2's and Qwen3's sliding layers as transformers reads them: `layer_types` where given, else with
-    use_sliding_window the layers from `max_window_layers` on (transformers' default 28), the first ones full."""
-    if window is None or config.get("layer_types"):
-        return config.get("layer_types")
-    first = config.get("max_window_layers")
-    first = 28 if first is None else int(first)
-    return ["sliding_attention" if i >= first else "full_attention" for i in range(int(config["num_hidden_layers"]))]

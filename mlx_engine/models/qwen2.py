@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_engine.models.llama import Model, ModelArgs, make_args, qwen_layer_types
+from mlx_engine.models.config import qwen_layer_types
+from mlx_engine.models.llama import Model, ModelArgs, make_args
 
 __all__ = ["Model", "ModelArgs", "args_from_config"]
 
