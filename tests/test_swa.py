@@ -339,6 +339,9 @@ def test_alternating_layers_keep_a_storage_per_kind_and_match_contiguous(tmp_pat
     with Engine.load(str(folder), block_size=BS, prefill_chunk_size=16) as e:
         kinds = e.kv_stats()["kinds"]
         assert [(k["window"], k["layers"]) for k in kinds] == [(WINDOW, [0, 2]), (None, [1, 3])]
+        # the default budget: 16 requests' windows (cdiv(7 + 17, 16) + 1 = 3 blocks each, a step at most a chunk of
+        # 16 or a verification of 16 drafts) and a quarter; the full layers a context of 4096 and a quarter
+        assert [k["num_blocks"] for k in kinds] == [16 * 3 * 5 // 4, 4096 // BS * 5 // 4]
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=20)
         held: list[tuple[int, int]] = []
         tokens, lps = [], []

@@ -21,7 +21,7 @@ from mlx_engine.kv.config import KVConfig, blocks_in_budget, default_budget
 from mlx_engine.kv.manager import KVCacheManager
 from mlx_engine.kv.paged import PagedKVStorage, bytes_per_block
 from mlx_engine.kv.protocol import KVCapabilities
-from mlx_engine.kv.tables import BlockTableCache, BlockTables, KVBudgetError
+from mlx_engine.kv.tables import BlockTableCache, BlockTables, KVBudgetError, window_blocks
 from mlx_engine.kv.views import DecodeStep, PackedView, PagedDecodeView, PagedPrefillView
 
 __all__ = ["KVBudgetError", "PagedCache"]
@@ -56,7 +56,8 @@ class PagedCache(BlockTableCache):
                                     config.key_per_channel(head_dim))
         budget = config.kv_budget_bytes
         if budget is None:
-            budget = default_budget(context_length, config.block_size, per_block, weight_bytes)
+            budget = default_budget(context_length, config.block_size, per_block, weight_bytes,
+                                    window_blocks(window, max_step_tokens, config.block_size))
         num_blocks = blocks_in_budget(budget, per_block, config.block_size, num_layers)
         return cls.of_blocks(num_layers, num_blocks, num_kv_heads, head_dim, dtype, config, model_id, window,
                              max_step_tokens)

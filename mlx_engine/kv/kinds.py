@@ -5,8 +5,9 @@ Gemma 2/3 and gpt-oss alternate sliding and global layers, qwen2 slides from `ma
 layer's blocks go back to its pool once they left the window (`kv.manager`), a global layer's stay. Each kind's
 views come back in the model's layer order, so a layer attends through its own kind's view and never asks which.
 
-Sizing: a kind's pool gets blocks in proportion to what one request of the full context holds there (a sliding
-kind: its window's blocks and one step's, `BlockTables.blocks_for`). The scheduler's admission counts one number of
+Sizing: by default a kind's pool gets `kv.config.default_blocks` (a sliding kind: the windows of several requests,
+not a full context); a given budget is split in proportion to what one request of the full context holds in each
+kind (a sliding kind: its window's blocks and one step's, `BlockTables.blocks_for`). The scheduler's admission counts one number of
 blocks, so `blocks_for`, `num_free_blocks` and `num_blocks_held` report in units of the first kind's blocks, each
 kind's figure scaled by the pools' ratio, the tightest kind counting (needs rounded up, what is free rounded down).
 A prompt's cached prefix is the longest every kind holds (`start`).
@@ -22,11 +23,11 @@ import mlx.core as mx
 
 from mlx_engine.api import RooflineError
 from mlx_engine.kv.cache import PagedCache
-from mlx_engine.kv.config import DEFAULT_MEMORY_FRACTION, KVConfig, available_memory_bytes
+from mlx_engine.kv.config import DEFAULT_MEMORY_FRACTION, KVConfig, available_memory_bytes, default_blocks
 from mlx_engine.kv.manager import cdiv
 from mlx_engine.kv.paged import bytes_per_block
 from mlx_engine.kv.protocol import KVCapabilities
-from mlx_engine.kv.tables import KVBudgetError
+from mlx_engine.kv.tables import KVBudgetError, window_blocks
 
 
 class LayerKindsCache:
@@ -52,8 +53,7 @@ class LayerKindsCache:
                context_length: int, weight_bytes: int, config: KVConfig, model_id: bytes,
                max_step_tokens: int | None = None) -> LayerKindsCache | PagedCache:
         """Per layer its sliding window (None: full attention); one kind's layers alike get a plain `PagedCache`.
-        The budget (`config.kv_budget_bytes`, else one full context of every layer, within half the free memory)
-        is split across the kinds as one request of the full context holds blocks in each."""
+        Pools sized as the module docstring says."""
         config.validate(head_dim)
         windows = list(dict.fromkeys(layer_windows))  # first appearance: the model's order
         if len(windows) == 1:
@@ -65,24 +65,26 @@ class LayerKindsCache:
         per_layer = bytes_per_block(1, config.block_size, num_kv_heads, head_dim, dtype.size, config.kv_bits,
                                     config.kv_group_size, config.kv_key_bits, config.key_per_channel(head_dim))
         full = cdiv(context_length, config.block_size)
-
-        def need(window: int | None) -> int:  # blocks one request of the full context holds in that kind
-            if window is None or max_step_tokens is None:
-                return full
-            return min(full, cdiv(window - 1 + max_step_tokens, config.block_size) + 1)
-
-        per_request = sum(len(group) * need(w) * per_layer for group, w in zip(layers, windows))
+        # blocks one request of the full context holds in each kind
+        need = [min(full, window_blocks(w, max_step_tokens, config.block_size) or full) for w in windows]
+        bytes_of = [len(group) * per_layer for group in layers]  # a block of each kind, its layers
         budget = config.kv_budget_bytes
-        if budget is None:  # as `kv.config.default_budget`: a full context plus a quarter, within free memory
-            budget = min(per_request * 5 // 4, int(available_memory_bytes(weight_bytes) * DEFAULT_MEMORY_FRACTION))
-        requests = budget / per_request  # full-context requests the budget holds (a fraction: a shorter context)
+        if budget is None:  # `kv.config.default_blocks` per kind, within half the free memory
+            blocks = [default_blocks(context_length, config.block_size, window_blocks(w, max_step_tokens,
+                                                                                       config.block_size))
+                      for w in windows]
+            cap = int(available_memory_bytes(weight_bytes) * DEFAULT_MEMORY_FRACTION)
+            total = sum(n * b for n, b in zip(blocks, bytes_of))
+            blocks = [int(n * min(1.0, cap / total)) for n in blocks]
+        else:  # as one request of the full context holds blocks in each kind
+            requests = budget / sum(n * b for n, b in zip(need, bytes_of))
+            blocks = [int(requests * n) for n in need]
         kinds = []
-        for group, window in zip(layers, windows):
-            num_blocks = int(requests * need(window))
+        for group, window, num_blocks in zip(layers, windows, blocks):
             if num_blocks < 1:
-                raise RooflineError(f"kv_budget_bytes={budget}: too small for one KV block of each kind of layer "
-                                    f"({per_layer * len(group)} bytes for the {len(group)} layers with window "
-                                    f"{window})")
+                raise RooflineError(f"kv_budget_bytes={budget or 'default'}: too small for one KV block of each "
+                                    f"kind of layer ({per_layer * len(group)} bytes for the {len(group)} layers "
+                                    f"with window {window})")
             kinds.append(PagedCache.of_blocks(len(group), num_blocks, num_kv_heads, head_dim, dtype, config, model_id,
                                               window, max_step_tokens))
         return cls(kinds, layers)

@@ -25,6 +25,14 @@ class KVBudgetError(RequestError):
     """A request whose KV cannot fit the pool."""
 
 
+def window_blocks(window: int | None, max_step_tokens: int | None, block_size: int) -> int | None:
+    """The most blocks a request holds with a sliding window: its window's before one step, and the step's (None:
+    unbounded, without a window or a known largest step)."""
+    if window is None or max_step_tokens is None:
+        return None
+    return cdiv(window - 1 + max_step_tokens, block_size) + 1
+
+
 class BlockTables:
     def __init__(self, manager: KVCacheManager, storage: KVStorage, bytes_per_block: int,
                  max_step_tokens: int | None = None):
@@ -50,11 +58,9 @@ class BlockTables:
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks a request of `num_tokens` holds at its longest: with a sliding window and a known largest step,
         the blocks of a window before one step's tokens, and those tokens."""
-        full = cdiv(num_tokens, self.block_size)
-        window = self.manager.window
-        if window is None or self.max_step_tokens is None:
-            return full
-        return min(full, cdiv(window - 1 + self.max_step_tokens, self.block_size) + 1)
+        return min(cdiv(num_tokens, self.block_size),
+                   window_blocks(self.manager.window, self.max_step_tokens, self.block_size) or num_tokens)
+
 
     def num_free_blocks(self) -> int:
         return self.manager.pool.get_num_free_blocks()
