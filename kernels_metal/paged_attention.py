@@ -295,6 +295,7 @@ CHECK_ATOL = {mx.float32: 8e-5, mx.float16: 1.6e-2, mx.bfloat16: 1.3e-1}
 CHECK_BLOCK_SIZE = 16  # divides every head dim, as per-channel keys need
 CHECK_LENS = (5, 40)  # a partial block, and three blocks: split into partitions of CHECK_PARTITION below
 CHECK_PARTITION = 16
+CHECK_WINDOW = 21  # the 40-token sequence's window starts inside its second block and spans two partitions
 
 
 def self_check(backend: str, dtype: mx.Dtype, head_dim: int, pool: KVPool | None = None, *, bits: int | None = None,
@@ -338,9 +339,10 @@ def _probe(backend: str, dtype: mx.Dtype, D: int, bits: int | None, k_bits: int 
         vq, vs, vb = mx.quantize(v, group_size=group, bits=bits)
         pool = KVPool(kq, vq, ks, kb, vs, vb, bits, group, k_bits, k_per_channel)
     scale = D ** -0.5
-    want = reference.paged_decode_attention(q, pool, tables, seq_lens, scale)
-    for partition, what in ((PARTITION_SIZE, "single pass"), (CHECK_PARTITION, "split-K")):
-        got = _launch(backend, q, pool, tables, seq_lens, scale, partition, max(lens))
+    for partition, what, window in ((PARTITION_SIZE, "single pass", None), (CHECK_PARTITION, "split-K", None),
+                                    (CHECK_PARTITION, "sliding-window split-K", CHECK_WINDOW)):
+        want = reference.paged_decode_attention(q, pool, tables, seq_lens, scale, window=window)
+        got = _launch(backend, q, pool, tables, seq_lens, scale, partition, max(lens), window)
         mx.eval(got, want)  # compiled and run now, not inside a later step
         err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
         if not err <= CHECK_ATOL[dtype]:  # NaN fails too
