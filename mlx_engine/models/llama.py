@@ -195,4 +195,3 @@ def make_args(config: dict[str, Any], **overrides: Any) -> ModelArgs:
 
 def args_from_config(config: dict[str, Any]) -> ModelArgs:
     return make_args(config, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
-
