@@ -338,17 +338,17 @@ def test_alternating_layers_keep_a_storage_per_kind_and_match_contiguous(tmp_pat
         want_tokens, want = greedy(ref, PROMPT * 3, 40)
     with Engine.load(str(folder), block_size=BS, prefill_chunk_size=16) as e:
         kinds = e.kv_stats()["kinds"]
-        assert [(k["window"], k["layers"]) for k in kinds] == [(WINDOW, [0, 2]), (None, [1, 3])]
+        assert [(k["window"], k["layers"]) for k in kinds] == [(None, [1, 3]), (WINDOW, [0, 2])]
         # the default budget: 16 requests' windows (cdiv(7 + 17, 16) + 1 = 3 blocks each, a step at most a chunk of
         # 16 or a verification of 16 drafts) and a quarter; the full layers a context of 4096 and a quarter
-        assert [k["num_blocks"] for k in kinds] == [16 * 3 * 5 // 4, 4096 // BS * 5 // 4]
+        assert [k["num_blocks"] for k in kinds] == [4096 // BS * 5 // 4, 16 * 3 * 5 // 4]
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=20)
         held: list[tuple[int, int]] = []
         tokens, lps = [], []
         for ev in e.generate(GenerationRequest(prompt_token_ids=PROMPT * 3, sampling=params)):
             tokens += [lp.token_id for lp in ev.logprobs]
             lps += [[list(t) for t in lp.top] for lp in ev.logprobs]
-            held.append(tuple(k["used"] for k in e.kv_stats()["kinds"]))
+            held.append(tuple(k["used"] for k in e.kv_stats()["kinds"][::-1]))  # (sliding, full)
     assert tokens == want_tokens
     lps = np.array(lps)
     assert np.array_equal(lps[..., 0], want[..., 0])
@@ -403,3 +403,24 @@ def test_roofline_kv_counts_the_layers_the_engine_frees(tmp_path: Path) -> None:
     assert [len(k["layers"]) for k in kinds if k["window"] == WINDOW] == [shape.num_sliding_layers]
     per_token_layer = kv_bytes(shape, 1, itemsize=4) // shape.num_layers
     assert kv_bytes(shape, 2000, itemsize=4) == per_token_layer * (2 * 2000 + 2 * WINDOW)
+
+
+def test_the_per_kind_cache_implements_the_kv_contract() -> None:
+    from mlx_engine.kv.config import KVConfig
+    from mlx_engine.kv.kinds import LayerKindsCache
+    from mlx_engine.kv.protocol import KVCache
+
+    cache = LayerKindsCache.create(layer_windows=[WINDOW, None, WINDOW], num_kv_heads=2, head_dim=32,
+                                   dtype=mx.float32, context_length=256, weight_bytes=0,
+                                   config=KVConfig(kv_budget_bytes=2**20), model_id=b"test", max_step_tokens=32)
+    assert isinstance(cache, LayerKindsCache) and isinstance(cache, KVCache)
+    assert cache.capabilities.paged and not cache.capabilities.kv_files
+    assert cache.layers == [[1], [0, 2]] and cache.windows == [None, WINDOW]
+    # a budget split as one full-context request holds blocks: 4 in the two sliding layers, 16 in the full one,
+    # 8,192 bytes a block and layer: 2**20 / (24 * 8192) = 5.33 such requests
+    assert [c.stats()["num_blocks"] for c in cache.kinds] == [85, 21]
+    # admission in the full kind's blocks, each sliding block worth 85 / 21 of them: the sliding pool binds
+    assert cache.blocks_for(256) == 17 and cache.blocks_for(20) == 9 and cache.num_free_blocks() == 85
+    cache.start("a", list(range(40)))
+    views = cache.prefill_layers("a", 0, 40)
+    assert [v.storage.window for v in views] == [WINDOW, None, WINDOW] and [v.layer for v in views] == [0, 0, 1]

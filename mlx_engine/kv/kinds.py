@@ -55,7 +55,8 @@ class LayerKindsCache:
         """Per layer its sliding window (None: full attention); one kind's layers alike get a plain `PagedCache`.
         Pools sized as the module docstring says."""
         config.validate(head_dim)
-        windows = list(dict.fromkeys(layer_windows))  # first appearance: the model's order
+        # full attention first (admission counts in its blocks), then the windows as the layers have them
+        windows = sorted(dict.fromkeys(layer_windows), key=lambda w: w is not None)
         if len(windows) == 1:
             return PagedCache.create(num_layers=len(layer_windows), num_kv_heads=num_kv_heads, head_dim=head_dim,
                                      dtype=dtype, context_length=context_length, weight_bytes=weight_bytes,
