@@ -270,25 +270,30 @@ class MoERouting:
         if self._current is not None:
             self._current[self._index[id(block)]] = indices
 
-    def steps(self) -> list[list[list[int]]]:
-        """Each recorded decode step (oldest first): per MoE layer, the sorted experts routed to over its batch."""
+    def steps(self) -> list[list[list[list[int]]]]:
+        """Each recorded decode step (oldest first): per MoE layer, per row of its batch, the experts the router
+        chose for that row (sorted)."""
         out = []
         for step in self._steps:
             if any(i is None for i in step):
                 continue  # a step whose forward did not reach every layer (failed)
             mx.eval(step)
-            out.append([sorted({int(e) for e in i.reshape(-1).tolist()}) for i in step])
+            out.append([[sorted(row) for row in i.reshape(-1, i.shape[-1]).tolist()] for i in step])
         return out
 
     def report(self, weight_bytes: int) -> dict[str, Any]:
-        """The recorded steps with the bytes each reads (`weight_bytes`: every weight, as priced per token)."""
-        steps = self.steps()
+        """The recorded steps: each row's choices, their union per layer and the bytes the step reads
+        (`weight_bytes`: the weights a token reads, every expert included)."""
+        steps = []
+        for rows in self.steps():
+            union = [sorted({e for row in layer for e in row}) for layer in rows]
+            steps.append({"rows": rows, "experts": union, "bytes": moe_step_bytes(weight_bytes, self.shape, union)})
         return {
             "expert_bytes": list(self.shape.expert_bytes),
             "num_experts": list(self.shape.num_experts),
             "experts_per_token": self.shape.experts_per_token,
             "shared_bytes": weight_bytes - self.shape.all_experts_bytes,
-            "steps": [{"experts": s, "bytes": moe_step_bytes(weight_bytes, self.shape, s)} for s in steps],
+            "steps": steps,
         }
 
     def clear(self) -> None:
