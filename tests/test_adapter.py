@@ -97,8 +97,10 @@ PROMPTS = [[(5 * i + 7 * k) % 120 + 4 for i in range(n)] for k, n in enumerate([
 
 
 def test_concurrent_requests_equal_alone(family) -> None:
+    """Four requests at once: the 40-token prompt prefills in chunks of 8 packed with the others' decode rows
+    (`PackedView`, each part roped at its own positions), then all decode as one batch."""
     name, _ = family
-    with Engine.load(str(GOLDEN / name), prefix_caching=False) as e:
+    with Engine.load(str(GOLDEN / name), prefix_caching=False, prefill_chunk_size=8) as e:
         alone = [run(e, p, max_tokens=10)[0] for p in PROMPTS]
         streams = [e.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
             temperature=0.0, ignore_eos=True, max_tokens=10))) for p in PROMPTS]
@@ -135,27 +137,30 @@ def test_sliding_families_keep_mlx_lm_caches_and_say_why(name: str) -> None:
 # --- mixture of experts --------------------------------------------------------------------------------------
 
 
-def expert_bytes_from_file(name: str) -> tuple[list[int], int]:
-    """(bytes of one expert per layer, experts per layer) from the checkpoint's own tensors."""
+def expert_bytes_from_file(name: str) -> tuple[list[int], int, int]:
+    """(bytes of one expert per layer, experts per layer, bytes a token reads of everything but the experts)
+    from the checkpoint's own tensors (all float32)."""
     config = json.loads((GOLDEN / name / "config.json").read_text())
     num = config.get("num_local_experts") or config["num_experts"]
     per_layer = []
     with safe_open(str(GOLDEN / name / "model.safetensors"), "np") as f:
+        size = {k: int(np.prod(f.get_slice(k).get_shape())) * 4 for k in f.keys()}
+        embed = 0 if config.get("tie_word_embeddings") else size["model.embed_tokens.weight"]  # a row lookup
+        shared = sum(v for k, v in size.items() if ".experts." not in k) - embed
         for layer in range(config["num_hidden_layers"]):
             stem = f"model.layers.{layer}." + ("block_sparse_moe" if name == "mixtral" else "mlp") + ".experts.0."
             sizes = [int(np.prod(f.get_slice(k).get_shape())) * 4 for k in f.keys() if k.startswith(stem)]  # F32
             assert len(sizes) == 3, sizes
             per_layer.append(sum(sizes))
-    return per_layer, num
+    return per_layer, num, shared
 
 
-def routing_signatures(report: dict) -> list[tuple]:
-    """Every routed token of the recorded steps: its experts in each layer, as one hashable row."""
+def routing_signatures(steps: list[dict]) -> list[tuple]:
+    """Every decoded token of the recorded steps: its experts in each layer, as one hashable row."""
     out = []
-    for step in report["steps"]:
-        rows = step["rows"]
-        for r in range(len(rows[0])):
-            out.append(tuple(tuple(layer[r]) for layer in rows))
+    for step in steps:
+        for r in range(step["decode_rows"]):
+            out.append(tuple(tuple(layer[r]) for layer in step["rows"]))
     return sorted(out)
 
 
@@ -164,8 +169,9 @@ def test_moe_step_bytes_are_the_routed_experts(name: str) -> None:
     """Bytes per decode step = shared weights + each layer's union of routed experts over the batch, counted
     here from the router's recorded choices and the expert tensors' sizes in the file; each request's routing
     is the same batched as alone; alone (batch 1) a step reads top-k experts per layer, the roofline's figure."""
-    expert_bytes, num = expert_bytes_from_file(name)
-    with Engine.load(str(GOLDEN / name), prefix_caching=False) as e:
+    expert_bytes, num, shared = expert_bytes_from_file(name)
+    # chunks of 8: the 40-token prompt's prefill is packed with the others' decode rows (read in the same step)
+    with Engine.load(str(GOLDEN / name), prefix_caching=False, prefill_chunk_size=8) as e:
         k = e.moe_routing()["experts_per_token"]
         assert e.moe_routing()["expert_bytes"] == expert_bytes and e.moe_routing()["steps"] == []
         weights = e.decode_bytes_per_token(0)  # batch 1: shared + k experts per layer
@@ -177,21 +183,22 @@ def test_moe_step_bytes_are_the_routed_experts(name: str) -> None:
         for s in streams:
             list(s)
         both = e.moe_routing()
-    shared = alone["shared_bytes"]
-    assert weights == shared + k * sum(expert_bytes)
+    assert alone["shared_bytes"] == shared and weights == shared + k * sum(expert_bytes)
     alone_steps = alone["steps"]
     batched = both["steps"][len(alone_steps):]
     assert len(alone_steps) == 4 * 9  # the first token comes from the prefill
     for step in alone_steps:
+        assert step["decode_rows"] == len(step["rows"][0]) == 1
         assert [len(layer) for layer in step["experts"]] == [k] * len(expert_bytes)
         assert step["bytes"] == weights
-    assert max(len(s["rows"][0]) for s in batched) > 1  # really batched
+    assert max(s["decode_rows"] for s in batched) > 1  # really batched
+    assert any(len(s["rows"][0]) > s["decode_rows"] for s in batched)  # and packed with a prefill chunk
     for step in batched:
         union = [set(e for row in layer for e in row) for layer in step["rows"]]
         assert all(u <= set(range(num)) for u in union)
         assert step["bytes"] == shared + sum(len(u) * b for u, b in zip(union, expert_bytes))
     assert any(s["bytes"] > weights for s in batched)  # a batch's union reads more experts than one row
-    assert routing_signatures({"steps": batched}) == routing_signatures(alone)
+    assert routing_signatures(batched) == routing_signatures(alone_steps)
 
 
 def test_dense_model_has_no_routing() -> None:

@@ -29,6 +29,7 @@ class BuiltModel:
     # and mlx-lm's classes through models.adapter; False: mlx-lm's class on its own caches (returns logits)
     kv_note: str | None = None  # views False: why mlx-lm's caches stay (one line for the user)
     routing: Any = None  # mixture of experts through models.adapter: its MoERouting (experts routed per step)
+    packs: bool = True  # views: forwards of packed parts (`kv.views.PackedView`) rope each part at its positions
 
 
 def instantiate(config: dict[str, Any], source: str) -> tuple[nn.Module, bool, str, int]:
@@ -101,7 +102,8 @@ def build_model(
 
         model, why = adapt(model)
     return BuiltModel(model=model, native=native, model_type=model_type, context_length=context, views=why is None,
-                      kv_note=why, routing=model.routing if why is None and not native else None)
+                      kv_note=why, routing=model.routing if why is None and not native else None,
+                      packs=native or (why is None and model.packs))
 
 
 def _quantize(model: nn.Module, weights: dict[str, mx.array], quantization: dict[str, Any], source: str) -> None:

@@ -10,6 +10,11 @@ view, which writes k/v and attends at its own positions (any other cache goes to
 the view's: an int for a prefill chunk, (B,) positions for B sequences decoding together (mx.fast.rope takes an
 array offset). The view builds its own causal mask, so mlx-lm's is not made (`make_mask` gives None).
 
+A packed forward (`kv.views.PackedView`: decode rows and prefill chunks of several sequences in one (1, T) row)
+has no single offset, so each attention module's `rope` is wrapped (`ViewRoPE`): while a forward runs it ropes
+through the layer's view (`MLXLayerView.rope`), each part at its own positions. A family whose layers do not
+each hold one `rope` module is not packed (`AdaptedModel.packs`).
+
 What can be paged is found by a probe, one lazy forward of one token (nothing is evaluated): every layer must
 attend once through its cache with K and V of one shape. Families whose caches are not plain `KVCache`s (sliding
 windows: `RotatingKVCache`; linear attention and SSM state: `ArraysCache`, `MambaCache`) keep mlx-lm's caches,
@@ -146,6 +151,38 @@ def paging_problem(model: nn.Module) -> tuple[KVShape | None, str | None]:
     return KVShape(num_kv_heads=k[1], head_dim=k[3]), None
 
 
+class ViewRoPE(nn.Module):
+    """An attention module's rope, through the layer's view while the adapter runs a forward (else as it was)."""
+
+    def __init__(self, rope: nn.Module):
+        super().__init__()
+        self.rope = rope
+        self.view: Any = None  # not a parameter: a plain attribute
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        if self.view is None:
+            return self.rope(x, offset=offset)
+        return self.view.rope(self.rope, x, x)[0]  # q and k are roped in two calls here; the second output unused
+
+
+def _wrap_ropes(model: nn.Module) -> list[ViewRoPE] | None:
+    """One ViewRoPE per layer in place of its attention's `rope` (no parameters move), or None (nothing
+    changed) when a layer does not hold exactly one rope module."""
+    found = []
+    for layer in model.layers:
+        owners = [m for _, m in layer.named_modules() if isinstance(m.get("rope") if isinstance(m, dict) else None,
+                                                                    nn.Module)]
+        if len(owners) != 1:
+            return None
+        found.append(owners[0])
+    wrappers = []
+    for owner in found:
+        wrapper = owner["rope"] if isinstance(owner["rope"], ViewRoPE) else ViewRoPE(owner["rope"])
+        owner.rope = wrapper
+        wrappers.append(wrapper)
+    return wrappers
+
+
 class _Passthrough:
     """Stands in for a model's backbone inside its own `__call__`: returns the hidden states it is given, so the
     family's head (tied or not, its scaling, its soft cap) runs as mlx-lm wrote it."""
@@ -180,6 +217,8 @@ class AdaptedModel(nn.Module):
         self.model_type = getattr(inner, "model_type", None)
         self.args = EngineArgs(len(inner.layers), shape.num_kv_heads, shape.head_dim)
         self.routing = MoERouting.of(inner)
+        self._ropes = _wrap_ropes(inner)
+        self.packs = self._ropes is not None  # packed forwards (decode rows and prefill chunks in one)
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -190,10 +229,15 @@ class AdaptedModel(nn.Module):
             from mlx_engine.kv.contiguous import Uncached
 
             cache = [Uncached()] * len(self.layers)
-        decode = inputs.shape[1] == 1
         if self.routing is not None:
-            self.routing.begin(decode)
-        return getattr(self.inner, self.backbone)(inputs, [ViewCache(v) for v in cache])
+            self.routing.begin(_decode_rows(cache[0], inputs))
+        for rope, view in zip(self._ropes or (), cache):
+            rope.view = view
+        try:
+            return getattr(self.inner, self.backbone)(inputs, [ViewCache(v) for v in cache])
+        finally:  # the graph is built: the ropes' positions are in it
+            for rope in self._ropes or ():
+                rope.view = None
 
     def logits(self, h: mx.array) -> mx.array:
         return type(self.inner).__call__(_Passthrough(self.inner, self.backbone, h), h)
@@ -237,6 +281,7 @@ class MoERouting:
         self.blocks, self.shape = blocks, shape
         self._index = {id(b): i for i, b in enumerate(blocks)}
         self._steps: deque[list[mx.array | None]] = deque(maxlen=keep)
+        self._decode_rows: deque[int] = deque(maxlen=keep)
         self._current: list[mx.array | None] | None = None
         for b in blocks:
             object.__setattr__(b, "_routing_log", self._log)
@@ -260,34 +305,38 @@ class MoERouting:
                                                       else b.fc1.num_experts for b in blocks),
                                     experts_per_token=_top_k(model)))
 
-    def begin(self, decode: bool) -> None:
-        """A forward starts: a decode step's routing is recorded, a prefill's is not."""
-        self._current = [None] * len(self.blocks) if decode else None
-        if decode:
+    def begin(self, decode_rows: int) -> None:
+        """A forward starts whose first `decode_rows` rows (of its tokens in order) are decode rows: a
+        forward with any is a decode step and its routing is recorded; a prefill's is not."""
+        self._current = [None] * len(self.blocks) if decode_rows else None
+        if decode_rows:
             self._steps.append(self._current)
+            self._decode_rows.append(decode_rows)
 
     def _log(self, block: nn.Module, indices: mx.array) -> None:
         if self._current is not None:
             self._current[self._index[id(block)]] = indices
 
-    def steps(self) -> list[list[list[list[int]]]]:
-        """Each recorded decode step (oldest first): per MoE layer, per row of its batch, the experts the router
-        chose for that row (sorted)."""
+    def steps(self) -> list[tuple[int, list[list[list[int]]]]]:
+        """Each recorded decode step (oldest first): (its decode rows, per MoE layer per row of the forward the
+        experts the router chose for that row, sorted). The decode rows come first; a packed step's prefill
+        rows follow them (they are read in the same step)."""
         out = []
-        for step in self._steps:
+        for rows, step in zip(self._decode_rows, self._steps):
             if any(i is None for i in step):
                 continue  # a step whose forward did not reach every layer (failed)
             mx.eval(step)
-            out.append([[sorted(row) for row in i.reshape(-1, i.shape[-1]).tolist()] for i in step])
+            out.append((rows, [[sorted(row) for row in i.reshape(-1, i.shape[-1]).tolist()] for i in step]))
         return out
 
     def report(self, weight_bytes: int) -> dict[str, Any]:
         """The recorded steps: each row's choices, their union per layer and the bytes the step reads
         (`weight_bytes`: the weights a token reads, every expert included)."""
         steps = []
-        for rows in self.steps():
+        for decode_rows, rows in self.steps():
             union = [sorted({e for row in layer for e in row}) for layer in rows]
-            steps.append({"rows": rows, "experts": union, "bytes": moe_step_bytes(weight_bytes, self.shape, union)})
+            steps.append({"rows": rows, "decode_rows": decode_rows, "experts": union,
+                          "bytes": moe_step_bytes(weight_bytes, self.shape, union)})
         return {
             "expert_bytes": list(self.shape.expert_bytes),
             "num_experts": list(self.shape.num_experts),
@@ -298,6 +347,21 @@ class MoERouting:
 
     def clear(self) -> None:
         self._steps.clear()
+        self._decode_rows.clear()
+
+
+def _decode_rows(view: Any, inputs: mx.array) -> int:
+    """How many of a forward's rows (its tokens in order) decode: a decode step's all, a packed forward's
+    leading decode rows, a prefill chunk's none; on other views (contiguous), one token per row decodes."""
+    from mlx_engine.kv.views import PackedView, PagedDecodeView, PagedPrefillView
+
+    if isinstance(view, PackedView):
+        return view.num_decode if view.decode is not None else 0
+    if isinstance(view, PagedDecodeView):
+        return inputs.shape[0]
+    if isinstance(view, PagedPrefillView):
+        return 0
+    return inputs.shape[0] if inputs.shape[1] == 1 else 0
 
 
 def _layer_index(model: nn.Module, block: nn.Module) -> int:

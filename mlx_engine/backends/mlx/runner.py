@@ -142,7 +142,7 @@ class Runner:
         )
         runner = cls(built, tokenizer, info, prefill_chunk_size)
         runner._shape = decode_shape(ckpt.config, params, act_dtype)
-        runner._kv_note, runner.routing = built.kv_note, built.routing
+        runner._kv_note, runner.routing, runner._packs = built.kv_note, built.routing, built.packs
         if built.routing is not None:  # experts: a decode step reads only those routed (models.adapter)
             runner._shape["moe"] = built.routing.shape
         runner._host_bytes, runner._shape["idle_bytes"] = host_bytes, idle_bytes
@@ -166,6 +166,7 @@ class Runner:
     draft: Runner | None = None  # the draft model (Engine.load(..., draft_model=...))
     routing: Any = None  # a mixture-of-experts model's `models.adapter.MoERouting`
     _kv_note: str | None = None  # why an mlx-lm class keeps its own caches
+    _packs = True  # the model ropes packed parts each at its positions (BuiltModel.packs)
     self_draft_layers: int = 0
 
     def _check_self_draft_layers(self, n: int | None) -> int:
@@ -237,7 +238,7 @@ class Runner:
         cache = PagedCache.create(num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads,
                                   head_dim=a.head_dim, dtype=dtype, context_length=self.context_length,
                                   weight_bytes=self.info.weight_bytes, config=config, model_id=self.fingerprint)
-        if not self.native:  # mlx-lm's attention ropes a forward's rows at one offset: no packed parts
+        if not self._packs:  # its layers rope a forward's rows at one offset (models.adapter.ViewRoPE)
             cache.capabilities = dataclasses.replace(cache.capabilities, packed=False)
         return cache
 
