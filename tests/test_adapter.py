@@ -118,7 +118,7 @@ def test_prompt_lookup_rolls_back_to_plain_decoding(family) -> None:
     spec, events = run(e, ids, max_tokens=16, speculative="prompt-lookup")
     assert spec == plain
     stats = events[-1].stats
-    assert stats.acceptance_rate is not None  # drafts were verified
+    assert stats.acceptance_rate is not None and stats.acceptance_rate < 1  # drafts verified, some rejected
     with Engine.load(str(GOLDEN / name)) as fresh:
         assert run(fresh, ids, max_tokens=16)[0] == plain
 

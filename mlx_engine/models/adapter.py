@@ -165,9 +165,8 @@ class ViewRoPE(nn.Module):
         return self.view.rope(self.rope, x, x)[0]  # q and k are roped in two calls here; the second output unused
 
 
-def _wrap_ropes(model: nn.Module) -> list[ViewRoPE] | None:
-    """One ViewRoPE per layer in place of its attention's `rope` (no parameters move), or None (nothing
-    changed) when a layer does not hold exactly one rope module."""
+def _rope_owners(model: nn.Module) -> list[nn.Module] | None:
+    """Each layer's module holding its `rope`, or None when a layer does not hold exactly one."""
     found = []
     for layer in model.layers:
         owners = [m for _, m in layer.named_modules() if isinstance(m.get("rope") if isinstance(m, dict) else None,
@@ -175,12 +174,16 @@ def _wrap_ropes(model: nn.Module) -> list[ViewRoPE] | None:
         if len(owners) != 1:
             return None
         found.append(owners[0])
-    wrappers = []
-    for owner in found:
-        wrapper = owner["rope"] if isinstance(owner["rope"], ViewRoPE) else ViewRoPE(owner["rope"])
-        owner.rope = wrapper
-        wrappers.append(wrapper)
-    return wrappers
+    return found
+
+
+def _view_ropes(owners: list[nn.Module]) -> list[ViewRoPE]:
+    """Each owner's rope as a ViewRoPE (no parameters move), wrapped where it is not (yet, or any more: a loader
+    may set a rope after the model is built, as GGUF's frequency factors do)."""
+    for owner in owners:
+        if not isinstance(owner["rope"], ViewRoPE):
+            owner.rope = ViewRoPE(owner["rope"])
+    return [owner["rope"] for owner in owners]
 
 
 class _Passthrough:
@@ -217,8 +220,8 @@ class AdaptedModel(nn.Module):
         self.model_type = getattr(inner, "model_type", None)
         self.args = EngineArgs(len(inner.layers), shape.num_kv_heads, shape.head_dim)
         self.routing = MoERouting.of(inner)
-        self._ropes = _wrap_ropes(inner)
-        self.packs = self._ropes is not None  # packed forwards (decode rows and prefill chunks in one)
+        object.__setattr__(self, "_rope_owners", _rope_owners(inner))  # a plain attribute, not a child
+        self.packs = self._rope_owners is not None  # packed forwards (decode rows and prefill chunks in one)
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -231,12 +234,13 @@ class AdaptedModel(nn.Module):
             cache = [Uncached()] * len(self.layers)
         if self.routing is not None:
             self.routing.begin(_decode_rows(cache[0], inputs))
-        for rope, view in zip(self._ropes or (), cache):
+        ropes = _view_ropes(self._rope_owners) if self.packs else []
+        for rope, view in zip(ropes, cache):
             rope.view = view
         try:
             return getattr(self.inner, self.backbone)(inputs, [ViewCache(v) for v in cache])
         finally:  # the graph is built: the ropes' positions are in it
-            for rope in self._ropes or ():
+            for rope in ropes:
                 rope.view = None
 
     def logits(self, h: mx.array) -> mx.array:
