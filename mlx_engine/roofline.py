@@ -44,6 +44,15 @@ def moe_step_bytes(weight_bytes: int, moe: MoEShape, experts: list[list[int]]) -
     return weight_bytes - moe.all_experts_bytes + routed
 
 
+def moe_weights_per_step(report: dict | None, batch: int) -> float | None:
+    """Mean weight bytes of a mixture-of-experts model's recorded decode steps (`Engine.moe_routing`) of exactly
+    `batch` decode rows and nothing else (no prefill packed in); None for a dense model or without such steps."""
+    if not report:
+        return None
+    steps = [s["bytes"] for s in report["steps"] if s["decode_rows"] == batch == len(s["rows"][0])]
+    return sum(steps) / len(steps) if steps else None
+
+
 def decode_bytes_per_token(
     weight_bytes: int,
     embedding_bytes: int,

@@ -204,3 +204,22 @@ def test_moe_step_bytes_are_the_routed_experts(name: str) -> None:
 def test_dense_model_has_no_routing() -> None:
     with Engine.load(str(GOLDEN / "phi3")) as e:
         assert e.moe_routing() is None
+
+
+def test_bench_prices_a_batched_moe_step_by_its_routing() -> None:
+    """`roofline bench`'s bytes per decode step (roofline.moe_weights_per_step): a batch of 4 reads the union of
+    its rows' experts, measured; one sequence reads top-k experts per layer, the model's per-token figure."""
+    from mlx_engine.roofline import moe_weights_per_step
+
+    with Engine.load(str(GOLDEN / "qwen3_moe"), prefix_caching=False) as e:
+        prompts = [[(3 * i + 11 * k) % 120 + 4 for i in range(10)] for k in range(4)]
+        streams = [e.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
+            temperature=0.0, ignore_eos=True, max_tokens=8))) for p in prompts]
+        for s in streams:
+            list(s)
+        run(e, prompts[0], max_tokens=4)
+        report = e.moe_routing()
+        four = [s["bytes"] for s in report["steps"] if s["decode_rows"] == len(s["rows"][0]) == 4]
+        assert four and moe_weights_per_step(report, 4) == sum(four) / len(four) > e.decode_bytes_per_token(0)
+        assert moe_weights_per_step(report, 1) == e.decode_bytes_per_token(0)
+        assert moe_weights_per_step(report, 7) is None and moe_weights_per_step(None, 1) is None
