@@ -223,3 +223,58 @@ def test_bench_prices_a_batched_moe_step_by_its_routing() -> None:
         assert four and moe_weights_per_step(report, 4) == sum(four) / len(four) > e.decode_bytes_per_token(0)
         assert moe_weights_per_step(report, 1) == e.decode_bytes_per_token(0)
         assert moe_weights_per_step(report, 7) is None and moe_weights_per_step(None, 1) is None
+
+
+def test_routed_attention_leaves_mlx_lm_caches_to_mlx_lm() -> None:
+    """Once a family's module is routed (an engine loaded it), mlx-lm's own class on mlx-lm's own KVCache still
+    attends through mlx-lm's function: transformers' logits, prefill then one decode step."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_engine.models import instantiate
+
+    g = golden("phi3")
+    ids = g["input_ids"].ravel().tolist()
+    with Engine.load(str(GOLDEN / "phi3")):
+        config = json.loads((GOLDEN / "phi3" / "config.json").read_text())
+        model, *_ = instantiate(config, "phi3")
+        model.load_weights(str(GOLDEN / "phi3" / "model.safetensors"))
+        cache = make_prompt_cache(model)
+        head = np.array(model(mx.array([ids[:-1]]), cache=cache))
+        last = np.array(model(mx.array([ids[-1:]]), cache=cache))
+    got = np.concatenate([head[0], last[0]])
+    assert_f32_close(got, g["logits"].reshape(len(ids), -1), 66, "mlx-lm's own cache after routing")
+
+
+def test_attention_outside_the_seam_keeps_mlx_lm_caches() -> None:
+    """A family that writes its cache but attends by hand (not through the routed function) is not adapted."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlx_engine.models.adapter import adapt
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def __call__(self, x, cache):
+            k = self.proj(x).reshape(1, 1, -1, 8)
+            keys, values = cache.update_and_fetch(k, k)
+            return x + (keys @ values.swapaxes(-1, -2)).sum()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(4, 8)
+            self.layers = [Layer(), Layer()]
+
+        def __call__(self, inputs, cache=None):
+            h = self.embed(inputs)
+            for layer, c in zip(self.layers, cache):
+                h = layer(h, c)
+            return h
+
+    model = Model()
+    same, why = adapt(model)
+    assert same is model and why == "its attention is not mlx-lm's scaled_dot_product_attention on every layer"

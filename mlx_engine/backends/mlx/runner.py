@@ -319,7 +319,7 @@ class Runner:
         return new_contiguous_layers(self.model, self.views)
 
     def forward(self, inputs: mx.array, layers: list[Any]) -> mx.array:
-        """inputs (B, L) -> hidden states (native) or logits (mlx-lm classes), lazily."""
+        """inputs (B, L) -> hidden states (a model on our views) or logits (mlx-lm's class on its caches), lazily."""
         return self.model(inputs, layers) if self.views else self.model(inputs, cache=layers)
 
     def last_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
