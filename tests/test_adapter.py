@@ -278,3 +278,24 @@ def test_attention_outside_the_seam_keeps_mlx_lm_caches() -> None:
     model = Model()
     same, why = adapt(model)
     assert same is model and why == "its attention is not mlx-lm's scaled_dot_product_attention on every layer"
+
+
+def test_ssm_family_keeps_its_state_caches_and_says_what_is_unavailable(tmp_path: Path) -> None:
+    """mamba (state, not K/V): mlx-lm's ArraysCache stays, generation works, one line says what does not."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_engine.models import instantiate
+
+    config = dict(model_type="mamba", vocab_size=128, hidden_size=32, intermediate_size=64, state_size=8,
+                  num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4,
+                  tie_word_embeddings=True)
+    model, *_ = instantiate(config, "mamba")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    with Engine.load(str(tmp_path)) as e:
+        assert e.kv_stats()["kind"] == "contiguous"
+        (line,) = e.info.warnings
+        assert "ArraysCache" in line and "paged KV, prefix caching, batching and speculative decoding are " \
+            "unavailable" in line and "\n" not in line
+        assert len(run(e, [1, 2, 3], max_tokens=4)[0]) == 4
