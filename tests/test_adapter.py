@@ -51,7 +51,7 @@ def test_runs_paged_not_native(family) -> None:
     stats = e.kv_stats()
     assert not e.info.native and e.info.warnings == ()
     assert stats["kind"] == "paged" and stats["block_size"] == 16
-    assert any("through the engine's paged KV" in n for n in e.info.notes)
+    assert any("on the engine's KV cache" in n for n in e.info.notes)
 
 
 def test_paged_logits_match_transformers(family) -> None:
@@ -299,3 +299,19 @@ def test_ssm_family_keeps_its_state_caches_and_says_what_is_unavailable(tmp_path
         assert "ArraysCache" in line and "paged KV, prefix caching, batching and speculative decoding are " \
             "unavailable" in line and "\n" not in line
         assert len(run(e, [1, 2, 3], max_tokens=4)[0]) == 4
+
+
+def test_sliding_layers_map_to_windows_on_the_views(monkeypatch) -> None:
+    """With windows on the views (`SLIDING_ON_VIEWS`, on once the paged cache takes them), starcoder2's
+    RotatingKVCache(max_size=8) on every layer becomes a window of 8 on the engine's views: transformers'
+    logits and greedy tokens, 32 of them well past the window."""
+    import mlx_engine.models.adapter as adapter
+
+    monkeypatch.setattr(adapter, "SLIDING_ON_VIEWS", True)
+    g = golden("starcoder2")
+    ids = g["input_ids"].ravel().tolist()
+    with Engine.load(str(GOLDEN / "starcoder2")) as e:
+        assert e.info.warnings == () and any("on the engine's KV cache" in n for n in e.info.notes)
+        want = g["logits"].reshape(len(ids), -1)
+        assert_f32_close(e.forward_logits(ids), want, 66, "starcoder2 windowed views vs transformers")
+        assert run(e, ids, max_tokens=32)[0] == g["greedy_tokens"].ravel().tolist()

@@ -16,9 +16,11 @@ through the layer's view (`MLXLayerView.rope`), each part at its own positions. 
 each hold one `rope` module is not packed (`AdaptedModel.packs`).
 
 What can be paged is found by a probe, one lazy forward of one token (nothing is evaluated): every layer must
-attend once through its cache with K and V of one shape. Families whose caches are not plain `KVCache`s (sliding
-windows: `RotatingKVCache`; linear attention and SSM state: `ArraysCache`, `MambaCache`) keep mlx-lm's caches,
-and `paging_problem` says why in one line.
+attend once through its cache with K and V of one shape. Families whose caches are not `KVCache`s (linear
+attention and SSM state: `ArraysCache`, `MambaCache`) keep mlx-lm's caches, and `paging_problem` says why in one
+line. A sliding layer's `RotatingKVCache(max_size=W)` is a window of W keys (`EngineArgs.layer_windows`, the
+native families' contract); while the paged views take no window (`SLIDING_ON_VIEWS`), those families stay on
+mlx-lm's caches too.
 
 Mixture-of-experts layers (mlx-lm's `SwitchGLU`, given the router's `indices`) record each decode step's routing
 (`MoERouting`): the bytes a step reads are the shared weights plus the experts routed in it, over the batch their
@@ -65,6 +67,9 @@ class ViewCache:
         return self.view.attention(queries, keys, values, scale)
 
 
+SLIDING_ON_VIEWS = False  # True once the engine's caches take a window per layer (issue 23 item 2, branch swa:
+# `args.layer_windows()` -> kv.kinds); then sliding families run on the views as well
+
 _ROUTED: dict[str, Any] = {}  # module name -> mlx-lm's scaled_dot_product_attention it replaced
 
 
@@ -101,6 +106,7 @@ def _router(original: Any) -> Any:
 class KVShape:
     num_kv_heads: int
     head_dim: int
+    windows: tuple[int | None, ...] = ()  # per layer: its sliding window (None: full attention)
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,15 @@ class EngineArgs:
     num_hidden_layers: int
     num_key_value_heads: int
     head_dim: int
-    sliding_window: int | None = None
+    windows: tuple[int | None, ...] = ()
+
+    @property
+    def sliding_window(self) -> int | None:
+        return max((w for w in self.windows if w is not None), default=None)
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: full attention)."""
+        return list(self.windows) or [None] * self.num_hidden_layers
 
 
 class _ProbeView:
@@ -127,15 +141,26 @@ class _ProbeView:
 def paging_problem(model: nn.Module) -> tuple[KVShape | None, str | None]:
     """(the K/V shape every layer stores, None) when `model`'s attention runs on the engine's views, else
     (None, why not in a few words)."""
-    from mlx_lm.models.cache import KVCache
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    if hasattr(model, "make_cache"):
-        kinds = sorted({type(c).__name__ for c in model.make_cache() if type(c) is not KVCache})
-        if kinds:
-            return None, f"its layers keep {', '.join(kinds)} state"
     layers = getattr(model, "layers", None)
     if not layers:
         return None, "it does not list its layers"
+    caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
+
+    def window(c: Any) -> int | None | bool:  # False: not a K/V window the views can hold
+        if type(c) is KVCache:
+            return None
+        if type(c) is RotatingKVCache and SLIDING_ON_VIEWS and c.keep == 0:
+            return int(c.max_size)
+        return False
+
+    windows = [window(c) for c in caches]
+    kinds = sorted({type(c).__name__ for c, w in zip(caches, windows) if w is False})
+    if kinds:
+        return None, f"its layers keep {', '.join(kinds)} state"
+    if len(caches) != len(layers):
+        return None, f"it has {len(caches)} caches for {len(layers)} layers"
     route_attention(model)
     views = [_ProbeView() for _ in layers]
     try:
@@ -148,7 +173,7 @@ def paging_problem(model: nn.Module) -> tuple[KVShape | None, str | None]:
     (k, val), = shapes if len(shapes) == 1 else ((None, None),)
     if k is None or k != val or k[0] != 1 or k[2] != 1:
         return None, f"its layers store K/V of different shapes ({sorted(shapes)})"
-    return KVShape(num_kv_heads=k[1], head_dim=k[3]), None
+    return KVShape(num_kv_heads=k[1], head_dim=k[3], windows=tuple(windows)), None
 
 
 class ViewRoPE(nn.Module):
@@ -218,7 +243,7 @@ class AdaptedModel(nn.Module):
         self.inner = inner
         self.backbone = next(n for n in ("model", "transformer", "language_model", "backbone") if n in inner)
         self.model_type = getattr(inner, "model_type", None)
-        self.args = EngineArgs(len(inner.layers), shape.num_kv_heads, shape.head_dim)
+        self.args = EngineArgs(len(inner.layers), shape.num_kv_heads, shape.head_dim, shape.windows)
         self.routing = MoERouting.of(inner)
         object.__setattr__(self, "_rope_owners", _rope_owners(inner))  # a plain attribute, not a child
         self.packs = self._rope_owners is not None  # packed forwards (decode rows and prefill chunks in one)
@@ -231,7 +256,7 @@ class AdaptedModel(nn.Module):
         if cache is None:
             from mlx_engine.kv.contiguous import Uncached
 
-            cache = [Uncached()] * len(self.layers)
+            cache = [Uncached(w) for w in self.args.layer_windows()]
         if self.routing is not None:
             self.routing.begin(_decode_rows(cache[0], inputs))
         ropes = _view_ropes(self._rope_owners) if self.packs else []

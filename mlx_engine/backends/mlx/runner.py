@@ -119,7 +119,7 @@ class Runner:
             "works; paged KV, prefix caching, batching and speculative decoding are unavailable",
         )
         if built.views and not built.native:
-            notes += (f"{built.model_type!r} runs on mlx-lm's model class through the engine's paged KV",)
+            notes += (f"{built.model_type!r} runs on mlx-lm's model class on the engine's KV cache (models.adapter)",)
         wired_note = wire_memory(sum(v.nbytes for v in params.values()))
         warnings += (wired_note,) if wired_note else ()
         eos = tuple(tokenizer.eos_token_ids)
