@@ -98,6 +98,20 @@ def test_repeated_prompt_hits_the_prefix_cache(family) -> None:
     assert cached == 32 and again == first  # the full blocks of 16 before the last prompt token
 
 
+def test_kv_file_restores_into_a_fresh_engine(family, tmp_path: Path) -> None:
+    """A conversation's KV saved to a file and restored into a new engine: the prefix is not prefilled again and
+    the reply is the same."""
+    name, e = family
+    ids = [(11 * i + 5) % 120 + 2 for i in range(40)]
+    first, _ = run(e, ids, max_tokens=5)
+    path = str(tmp_path / "chat.kv.safetensors")  # mx.save_safetensors adds the suffix otherwise
+    assert e.save_kv(path, ids) == 32
+    with Engine.load(str(GOLDEN / name)) as other:
+        assert other.restore_kv(path) == 32
+        again, events = run(other, ids, max_tokens=5)
+    assert events[-1].usage.cached_prompt_tokens == 32 and again == first
+
+
 PROMPTS = [[(5 * i + 7 * k) % 120 + 4 for i in range(n)] for k, n in enumerate([9, 40, 3, 21])]
 
 
