@@ -128,6 +128,24 @@ def test_concurrent_requests_equal_alone(family) -> None:
     assert together == alone
 
 
+@pytest.mark.parametrize("name", ["phi3", "qwen3_moe"])
+def test_unpacked_batches_rope_at_per_sequence_offsets(name: str, monkeypatch) -> None:
+    """A family without one rope module per layer is not packed: B sequences decode as (B, 1) rows and mlx-lm's
+    own rope takes the view's (B,) positions (mx.fast.rope's array offset); each equals the request alone."""
+    import mlx_engine.models.adapter as adapter
+
+    monkeypatch.setattr(adapter, "_rope_owners", lambda model: None)
+    with Engine.load(str(GOLDEN / name), prefix_caching=False) as e:
+        alone = [run(e, p, max_tokens=10)[0] for p in PROMPTS]
+        streams = [e.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
+            temperature=0.0, ignore_eos=True, max_tokens=10))) for p in PROMPTS]
+        together = [[t for ev in s for t in ev.token_ids] for s in streams]
+        routing = e.moe_routing()
+    assert together == alone
+    if routing is not None:  # batched decode steps of (B, 1) rows were recorded as such
+        assert max(s["decode_rows"] for s in routing["steps"]) > 1
+
+
 def test_prompt_lookup_rolls_back_to_plain_decoding(family) -> None:
     """A repetitive prompt: prompt lookup drafts, the model rejects some drafts (the KV is trimmed back), and
     the reply is the plain one, token for token."""
