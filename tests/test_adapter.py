@@ -300,7 +300,7 @@ def test_attention_outside_the_seam_keeps_mlx_lm_caches() -> None:
             keys, values = cache.update_and_fetch(k, k)
             return x + (keys @ values.swapaxes(-1, -2)).sum()
 
-    class Model(nn.Module):
+    class Decoder(nn.Module):
         def __init__(self):
             super().__init__()
             self.embed = nn.Embedding(4, 8)
@@ -312,9 +312,24 @@ def test_attention_outside_the_seam_keeps_mlx_lm_caches() -> None:
                 h = layer(h, c)
             return h
 
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = Decoder()
+
+        @property
+        def layers(self):
+            return self.model.layers
+
+        def __call__(self, inputs, cache=None):
+            return self.model(inputs, cache)
+
     model = Model()
     same, why = adapt(model)
     assert same is model and why == "its attention is not mlx-lm's scaled_dot_product_attention on every layer"
+    flat = Decoder()  # layers but no decoder child for the head to follow
+    same, why = adapt(flat)
+    assert same is flat and why == "its decoder is none of model, transformer, language_model, backbone"
 
 
 def test_ssm_family_keeps_its_state_caches_and_says_what_is_unavailable(tmp_path: Path) -> None:

@@ -146,6 +146,8 @@ def paging_problem(model: nn.Module) -> tuple[KVShape | None, str | None]:
     layers = getattr(model, "layers", None)
     if not layers:
         return None, "it does not list its layers"
+    if backbone_name(model) is None:
+        return None, f"its decoder is none of {', '.join(_BACKBONES)}"
     caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
 
     def window(c: Any) -> int | None | bool:  # False: not a K/V window the views can hold
@@ -234,6 +236,14 @@ class _Backbone:
         return getattr(self._module, name)
 
 
+_BACKBONES = ("model", "transformer", "language_model", "backbone")  # where mlx-lm's classes keep the decoder
+
+
+def backbone_name(model: nn.Module) -> str | None:
+    """The child of `model` its `__call__` runs before the head (embeddings, layers, final norm)."""
+    return next((n for n in _BACKBONES if isinstance(model.get(n), nn.Module)), None)
+
+
 class AdaptedModel(nn.Module):
     """An mlx-lm model class behind the interface of ours (`models.llama.Model`): `model(inputs, views)` ->
     final hidden states, `logits(h)`, `args` with the KV shape."""
@@ -241,7 +251,7 @@ class AdaptedModel(nn.Module):
     def __init__(self, inner: nn.Module, shape: KVShape):
         super().__init__()
         self.inner = inner
-        self.backbone = next(n for n in ("model", "transformer", "language_model", "backbone") if n in inner)
+        self.backbone = backbone_name(inner)
         self.model_type = getattr(inner, "model_type", None)
         self.args = EngineArgs(len(inner.layers), shape.num_kv_heads, shape.head_dim, shape.windows)
         self.routing = MoERouting.of(inner)
