@@ -185,9 +185,14 @@ def num_runs(spec: BenchSpec) -> int:
 
 
 def decode_bytes_per_step(engine: Any, batch: int, context: float) -> float:
-    """Bytes one batched decode step reads: the weights once, and each sequence's own KV."""
+    """Bytes one batched decode step reads: the weights once, and each sequence's own KV. Mixture of experts:
+    the shared weights and the experts the batch's steps routed to (their union per step, measured)."""
+    from mlx_engine.roofline import moe_weights_per_step
+
     weights = engine.decode_bytes_per_token(0)
     kv_per_token = engine.decode_bytes_per_token(1) - weights  # K and V of every layer
+    routed = moe_weights_per_step(engine.moe_routing(), batch)
+    weights = weights if routed is None else routed
     return weights + batch * kv_per_token * context
 
 

@@ -256,6 +256,12 @@ class Engine:
         tied to the head) plus K and V of every layer. Times tokens/s over bandwidth is % of roofline."""
         return self._runner.decode_bytes_per_token(context_tokens)
 
+    def moe_routing(self) -> dict[str, Any] | None:
+        """A mixture-of-experts model's recent decode steps: per step, each row's routed experts per MoE layer,
+        their union and the weight bytes the step reads (shared weights plus the routed experts); with
+        expert_bytes, num_experts, experts_per_token and shared_bytes. None for a dense model."""
+        return self._thread.call(self._runner.moe_routing)
+
     def score(self, token_ids: list[int]) -> np.ndarray:
         """Log-probability of each token given those before it, float32 (T - 1,), through the engine's own
         KV cache and prefill chunks: perplexity = exp(-mean)."""

@@ -229,6 +229,9 @@ class DistributedRunner:
                                             context, a["kv_itemsize"]).total
         return total
 
+    def moe_routing(self) -> None:
+        return None  # sharded models are native families, all dense
+
     def save_kv(self, path: str, token_ids: list[int]) -> int:
         raise RooflineError("saving KV is not available with --distributed: each rank holds a part of it")
 

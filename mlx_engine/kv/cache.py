@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_engine.api import RooflineError
 from mlx_engine.kv.block_pool import BlockPool
 from mlx_engine.kv.config import KVConfig, blocks_in_budget, default_budget
 from mlx_engine.kv.manager import KVCacheManager
@@ -26,6 +27,8 @@ from mlx_engine.kv.views import DecodeStep, PackedView, PagedDecodeView, PagedPr
 
 __all__ = ["KVBudgetError", "PagedCache"]
 
+NO_WINDOWED_FILES = ("KV files are not available for a model with sliding-window layers: their blocks before the "
+                     "window are released")
 MAX_SLOT_RUNS = 8  # on the CPU, a sequence in at most this many runs of blocks is attended in place (`_slots`)
 
 
@@ -163,9 +166,13 @@ class PagedCache(BlockTableCache):
     def save(self, path: str, token_ids: list[int], fingerprint: bytes) -> int:
         from mlx_engine.kv.files import save_blocks
 
+        if self.window is not None:
+            raise RooflineError(NO_WINDOWED_FILES)
         return save_blocks(self.tables, self.storage, path, token_ids, fingerprint)
 
     def restore(self, path: str, fingerprint: bytes) -> list[int]:
         from mlx_engine.kv.files import restore_blocks
 
+        if self.window is not None:
+            raise RooflineError(NO_WINDOWED_FILES)
         return restore_blocks(self.tables, self.storage, path, fingerprint)

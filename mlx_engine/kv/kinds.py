@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_engine.api import RooflineError
-from mlx_engine.kv.cache import PagedCache
+from mlx_engine.kv.cache import NO_WINDOWED_FILES, PagedCache
 from mlx_engine.kv.config import DEFAULT_MEMORY_FRACTION, KVConfig, available_memory_bytes, default_blocks
 from mlx_engine.kv.manager import cdiv
 from mlx_engine.kv.paged import bytes_per_block
@@ -207,9 +207,7 @@ class LayerKindsCache:
         return out
 
     def save(self, path: str, token_ids: list[int], fingerprint: bytes) -> int:
-        raise RooflineError("KV files are not available for a model with sliding-window layers: their blocks "
-                            "before the window are released")
+        raise RooflineError(NO_WINDOWED_FILES)
 
     def restore(self, path: str, fingerprint: bytes) -> list[int]:
-        raise RooflineError("KV files are not available for a model with sliding-window layers: their blocks "
-                            "before the window are released")
+        raise RooflineError(NO_WINDOWED_FILES)

@@ -43,6 +43,7 @@ class Runner:
     def __init__(self, built: BuiltModel, tokenizer: Any, info: ModelInfo, prefill_chunk_size: int):
         self.model = built.model
         self.native = built.native
+        self.views = built.views  # the model takes the engine's KV views (ours, or mlx-lm's through models.adapter)
         self.tokenizer = tokenizer
         self.info = info
         self.prefill_chunk_size = prefill_chunk_size
@@ -113,10 +114,12 @@ class Runner:
         context = cap_context(context, max_context)
         params = dict(tree_flatten(built.model.parameters()))
         notes = (host_note,) if host_note else ()
-        warnings = () if built.native else (
-            f"{built.model_type!r} runs on mlx-lm's model class: generation works; paged KV, prefix caching "
-            "and speculative decoding may be unavailable",
+        warnings = () if built.views else (
+            f"{built.model_type!r} runs on mlx-lm's model class with its own caches ({built.kv_note}): generation "
+            "works; paged KV, prefix caching, batching and speculative decoding are unavailable",
         )
+        if built.views and not built.native:
+            notes += (f"{built.model_type!r} runs on mlx-lm's model class on the engine's KV cache (models.adapter)",)
         wired_note = wire_memory(sum(v.nbytes for v in params.values()))
         warnings += (wired_note,) if wired_note else ()
         eos = tuple(tokenizer.eos_token_ids)
@@ -139,6 +142,9 @@ class Runner:
         )
         runner = cls(built, tokenizer, info, prefill_chunk_size)
         runner._shape = decode_shape(ckpt.config, params, act_dtype)
+        runner._kv_note, runner.routing, runner._packs = built.kv_note, built.routing, built.packs
+        if built.routing is not None:  # experts: a decode step reads only those routed (models.adapter)
+            runner._shape["moe"] = built.routing.shape
         runner._host_bytes, runner._shape["idle_bytes"] = host_bytes, idle_bytes
         runner.fingerprint = model_fingerprint(ckpt, act_dtype)
         runner.cache = runner._make_cache(kv_config, paged_kv, act_dtype)
@@ -158,6 +164,9 @@ class Runner:
     # --- speculative decoding ---
 
     draft: Runner | None = None  # the draft model (Engine.load(..., draft_model=...))
+    routing: Any = None  # a mixture-of-experts model's `models.adapter.MoERouting`
+    _kv_note: str | None = None  # why an mlx-lm class keeps its own caches
+    _packs = True  # the model ropes packed parts each at its positions (BuiltModel.packs)
     self_draft_layers: int = 0
 
     def _check_self_draft_layers(self, n: int | None) -> int:
@@ -173,9 +182,9 @@ class Runner:
         """Why this model's KV cannot be rolled back past rejected draft tokens (None: it can)."""
         from mlx_engine.kv.contiguous import untrimmable_kinds
 
-        if self.native or self.cache.capabilities.rollback:  # our models' caches all roll back
+        if self.views or self.cache.capabilities.rollback:  # our models' caches all roll back
             return None
-        kinds = untrimmable_kinds(self.model, self.native)
+        kinds = untrimmable_kinds(self.model, self.views)
         return f"its mlx-lm cache ({', '.join(kinds) or 'unknown'}) cannot be trimmed at every length"
 
     def check_speculation(self, params: SamplingParams) -> None:
@@ -197,7 +206,7 @@ class Runner:
     def all_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         """inputs (1, L) -> logits of every position (L, V), float32, lazily (a verification)."""
         out = self.forward(inputs, layers)
-        logits = self.model.logits(out) if self.native else out
+        logits = self.model.logits(out) if self.views else out
         return logits[0].astype(mx.float32)
 
     def draft_logits(self, inputs: mx.array, layers: list[Any], num_layers: int) -> mx.array:
@@ -213,24 +222,27 @@ class Runner:
         from mlx_engine.kv.kinds import LayerKindsCache
 
         why_not = None
-        if not self.native:
-            why_not = "the model runs on an mlx-lm class"
+        if not self.views:
+            why_not = f"the model runs on mlx-lm's class with its own caches ({self.info.model_type}: {self._kv_note})"
         if paged is False or (paged is None and why_not):
             if config.kv_bits is not None or config.kv_key_bits is not None or config.kv_key_per_channel:
                 name = "kv_bits" if config.kv_bits is not None else \
                     "kv_key_bits" if config.kv_key_bits is not None else "kv_key_per_channel"
                 raise RooflineError(f"{name} needs the paged KV cache, which is off here "
                                     f"({why_not or 'paged_kv=False'})")
-            return ContiguousCache(self.model, self.native)
+            return ContiguousCache(self.model, self.views)
         if why_not:
             raise RooflineError(f"paged_kv=True is not available: {why_not}")
         a = self.model.args
         # one paged storage per kind of layer (sliding windows, full attention): a plain PagedCache for one kind
-        return LayerKindsCache.create(layer_windows=a.layer_windows(), num_kv_heads=a.num_key_value_heads,
-                                      head_dim=a.head_dim, dtype=dtype, context_length=self.context_length,
-                                      weight_bytes=self.info.weight_bytes, config=config, model_id=self.fingerprint,
-                                      # a forward feeds a request one prefill chunk, or a verification of its drafts
-                                      max_step_tokens=max(self.prefill_chunk_size, MAX_DRAFT_TOKENS + 1))
+        cache = LayerKindsCache.create(layer_windows=a.layer_windows(), num_kv_heads=a.num_key_value_heads,
+                                       head_dim=a.head_dim, dtype=dtype, context_length=self.context_length,
+                                       weight_bytes=self.info.weight_bytes, config=config, model_id=self.fingerprint,
+                                       # a forward feeds a request one prefill chunk, or a verification of its drafts
+                                       max_step_tokens=max(self.prefill_chunk_size, MAX_DRAFT_TOKENS + 1))
+        if not self._packs:  # its layers rope a forward's rows at one offset (models.adapter.ViewRoPE)
+            cache.capabilities = dataclasses.replace(cache.capabilities, packed=False)
+        return cache
 
     def decode_bytes_per_token(self, context: int) -> int:
         from mlx_engine.roofline import decode_bytes_per_token
@@ -238,7 +250,16 @@ class Runner:
         s = self._shape
         weights = self.info.weight_bytes - s.get("idle_bytes", 0)  # float32 host copies replace what they copy
         return decode_bytes_per_token(weights, s["embed_bytes"], s["tied"], s["layers"],
-                                      s["kv_heads"], s["head_dim"], context, s["kv_itemsize"]).total
+                                      s["kv_heads"], s["head_dim"], context, s["kv_itemsize"], s.get("moe")).total
+
+    def moe_routing(self) -> dict[str, Any] | None:
+        """A mixture-of-experts model's recorded decode steps (`models.adapter.MoERouting.report`); None for
+        a dense model."""
+        if self.routing is None:
+            return None
+        s = self._shape
+        weights = self.info.weight_bytes - s.get("idle_bytes", 0)
+        return self.routing.report(weights if s["tied"] else weights - s["embed_bytes"])
 
     def release(self) -> None:
         if self.draft is not None:
@@ -297,16 +318,16 @@ class Runner:
     def _fresh_contiguous(self) -> list[Any]:
         from mlx_engine.kv.contiguous import new_contiguous_layers
 
-        return new_contiguous_layers(self.model, self.native)
+        return new_contiguous_layers(self.model, self.views)
 
     def forward(self, inputs: mx.array, layers: list[Any]) -> mx.array:
-        """inputs (B, L) -> hidden states (native) or logits (mlx-lm classes), lazily."""
-        return self.model(inputs, layers) if self.native else self.model(inputs, cache=layers)
+        """inputs (B, L) -> hidden states (a model on our views) or logits (mlx-lm's class on its caches), lazily."""
+        return self.model(inputs, layers) if self.views else self.model(inputs, cache=layers)
 
     def last_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         """inputs (B, L) -> logits of each row's last position (B, V), float32."""
         out = self.forward(inputs, layers)
-        if self.native:
+        if self.views:
             return self.model.logits(out[:, -1, :]).astype(mx.float32)
         return out[:, -1, :].astype(mx.float32)
 
@@ -332,7 +353,7 @@ class Runner:
 
     def forward_logits(self, ids: list[int]) -> np.ndarray:
         out = self.forward(mx.array([ids], dtype=mx.int32), self._fresh_contiguous())
-        logits = self.model.logits(out) if self.native else out
+        logits = self.model.logits(out) if self.views else out
         return np.array(logits[0].astype(mx.float32))
 
     def hidden_states(self, ids: list[int]) -> list[np.ndarray]:
@@ -358,7 +379,7 @@ class Runner:
                 end = min(start + self.prefill_chunk_size, len(ids) - 1)
                 layers = self.cache.prefill_layers(req, start, end)
                 h = self.forward(mx.array([ids[start:end]], dtype=mx.int32), layers)
-                logits = (self.model.logits(h) if self.native else h)[0]  # (L, V)
+                logits = (self.model.logits(h) if self.views else h)[0]  # (L, V)
                 out.append(np.array(target_logprobs(logits, ids[start + 1:end + 1], 0)[0]))
         finally:
             self.cache.free(req)

@@ -194,7 +194,8 @@ def _tokens(t: torch.Tensor) -> mx.array:
 
 class TorchRunner(Runner):
     def __init__(self, model: Any, tokenizer: Any, info: ModelInfo, prefill_chunk_size: int, device: torch.device):
-        super().__init__(types.SimpleNamespace(model=model, native=True), tokenizer, info, prefill_chunk_size)
+        super().__init__(types.SimpleNamespace(model=model, native=True, views=True), tokenizer, info,
+                         prefill_chunk_size)
         self.device = device
         self.graphs: Any = None  # graphs.DecodeGraphs: the decode step as CUDA graphs (CUDA, cuda_graphs on)
         self.graphs_error: str | None = None  # why graphs went off, when a capture failed
