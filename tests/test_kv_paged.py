@@ -121,6 +121,18 @@ def test_request_that_cannot_fit_the_budget_states_bytes(tmp_path: Path) -> None
         assert events[-1].finish_reason == "length"
 
 
+def test_save_kv_writes_the_name_asked_for(tmp_path: Path) -> None:
+    """A name without ".safetensors" is the file written (MLX's writer appends the suffix), and restores."""
+    folder = random_llama_folder(tmp_path / "m")
+    path = tmp_path / "chat.kv"
+    with Engine.load(str(folder)) as a:
+        reply, _ = steps(a, PROMPT, 6)
+        assert a.save_kv(str(path), PROMPT + reply) == 48
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv", "m"]
+    with Engine.load(str(folder)) as b:
+        assert b.restore_kv(str(path)) == 48
+
+
 def test_save_restore_round_trips_bit_exactly(tmp_path: Path, layout: str) -> None:
     folder = random_llama_folder(tmp_path / "m")
     path = str(tmp_path / "chat.kv.safetensors")
