@@ -40,6 +40,7 @@ from mlx_engine.api import (
     TokenLogprob,
     Usage,
 )
+from mlx_engine.backends.base import ModelRunner
 from mlx_engine.stop import StopStringMatcher
 
 DEFAULT_TOKEN_BUDGET = 512  # tokens per step (decode rows + prefill chunk tokens)
@@ -90,11 +91,12 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, runner: Any, token_budget: int | None = None, max_seqs: int = DEFAULT_MAX_SEQS):
+    def __init__(self, runner: ModelRunner, token_budget: int | None = None, max_seqs: int = DEFAULT_MAX_SEQS):
         self.runner = runner
         # default: DEFAULT_TOKEN_BUDGET, or one whole prefill chunk when the runner's chunks are larger
-        self.token_budget = token_budget or max(DEFAULT_TOKEN_BUDGET, getattr(runner, "prefill_chunk_size", 0))
-        self.max_seqs = max_seqs if runner.cache.capabilities.batching else 1  # the contiguous cache holds one
+        self.token_budget = token_budget or max(DEFAULT_TOKEN_BUDGET, runner.prefill_chunk_size)
+        width = runner.capabilities.max_batch  # the contiguous cache holds one
+        self.max_seqs = max_seqs if width is None else min(max_seqs, width)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._counter = 0
@@ -166,7 +168,7 @@ class Scheduler:
         from mlx_engine.speculative.proposers import DraftModel, PromptLookup, SelfDraft
 
         mode, runner = params.speculative, self.runner
-        if mode is None or (mode == "auto" and runner.rollback_problem()):
+        if mode is None or (mode == "auto" and not runner.capabilities.rollback):
             return None
         if mode != "auto":
             kinds = [mode]
@@ -293,10 +295,10 @@ class Scheduler:
             layers = cache.decode_layers([s.req_id for s in decoding], [s.cached_tokens() for s in decoding])
             inputs = mx.stack([s.last for s in decoding]).reshape(len(decoding), 1)  # (B, 1), lazy
             if _plain(decoding):
-                tokens = runner.last_sample(inputs, layers, [s.sampler for s in decoding])  # (B,)
+                tokens = runner.decode_sample(inputs, layers, [s.sampler for s in decoding])  # (B,)
                 samples = [(tokens[i], None) for i in range(len(decoding))]
             else:
-                logits = runner.last_logits(inputs, layers)  # (B, V)
+                logits = runner.decode_logits(inputs, layers)  # (B, V)
                 samples = [self._sample(s, logits[i : i + 1]) for i, s in enumerate(decoding)]
             for s, sample in zip(decoding, samples):
                 s.num_fed_out += 1
@@ -308,16 +310,16 @@ class Scheduler:
             s.num_prefilled = end
             logits = None
             if s.scores_prompt:  # logits at every position: the chunk's rows score the prompt
-                logits = runner.rows_logits(inputs, layers, list(range(end - start)))
+                logits = runner.packed_logits(inputs, layers, list(range(end - start)))
                 self._score_chunk(s, start, end, logits)
             if end == len(s.prompt) and s.max_new:  # the last chunk: its last position gives the first token
-                last = logits[-1:] if logits is not None else runner.last_logits(inputs, layers)
+                last = logits[-1:] if logits is not None else runner.prefill_logits(inputs, layers)
                 new.append((s, *self._sample(s, last)))
                 if s.spec is not None:
                     s.spec.prefill(s.prompt)
             else:
                 if logits is None:
-                    runner.forward(inputs, layers)
+                    runner.prefill(inputs, layers)
                 mx.eval(cache.state(layers))
 
         if self.trace is not None:
@@ -360,10 +362,10 @@ class Scheduler:
                 rows = rows + list(range(row, row + b - a))
             row += b - a
         if _plain(sampling) and not scored:
-            tokens = runner.rows_sample(inputs, layers, rows, [s.sampler for s in sampling])  # or None: no rows
+            tokens = runner.packed_sample(inputs, layers, rows, [s.sampler for s in sampling])  # or None: no rows
             new.extend((s, tokens[i], None) for i, s in enumerate(sampling))
         else:
-            logits = runner.rows_logits(inputs, layers, rows)
+            logits = runner.packed_logits(inputs, layers, rows)
             new.extend((s, *self._sample(s, logits[i : i + 1])) for i, s in enumerate(sampling))
             for s, a, b, first in scored:
                 self._score_chunk(s, a, b, logits[first : first + b - a])
@@ -536,5 +538,5 @@ def _token_logprob(token: int, lp: mx.array, top: int) -> TokenLogprob:
 
 def _plain(seqs: list[Sequence]) -> bool:
     """Every one samples from its raw logits (`Sampler.plain`) and wants no log-probabilities: the runner samples
-    them where the logits are (`Runner.rows_sample`), rather than each row's logits going through the host."""
+    them where the logits are (`ModelRunner.packed_sample`), rather than each row's logits going through the host."""
     return all(s.sampler.plain and s.params.logprobs is None for s in seqs)

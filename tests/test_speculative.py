@@ -275,7 +275,7 @@ def test_rollback_leaves_the_kv_of_a_fresh_run(models, paged: bool, mode: str) -
     sched, seq = _drive_until_rejected(runner, mode)
     tokens = seq.cached_tokens()
     assert len(tokens) == len(PROMPT) + len(seq.generated) - 1  # every read token but the newest
-    fresh = runner._fresh_contiguous()
+    fresh = runner.scratch_layers()
     runner.forward(mx.array([tokens], dtype=mx.int32), fresh)
     cache = runner.cache
     if paged:
@@ -294,7 +294,7 @@ def test_rollback_leaves_the_kv_of_a_fresh_run(models, paged: bool, mode: str) -
     if mode == "draft":
         d = seq.spec.proposer
         assert d.tokens == tokens[: len(d.tokens)] and d.layers[0].offset == len(d.tokens) >= len(PROMPT)
-        fresh_d = runner.draft._fresh_contiguous()
+        fresh_d = runner.draft.scratch_layers()
         runner.draft.forward(mx.array([d.tokens], dtype=mx.int32), fresh_d)
         diff = mx.abs(fresh_d[0].keys[..., : len(d.tokens), :] - d.layers[0].keys[..., : len(d.tokens), :]).max()
         assert float(diff) <= 1e-5

@@ -10,6 +10,8 @@ from typing import Any, Callable, Protocol
 import mlx.core as mx
 import numpy as np
 
+from mlx_engine.backends.base import ModelRunner
+
 MAX_NGRAM = 3
 # a draft model's catch-up of at most this many tokens goes into the forward that gives its first draft: after a
 # fully accepted proposal it had not fed its last draft, so two forwards of one row became one of two
@@ -118,7 +120,7 @@ class DraftModel:
     # 2.38x to 2.27x and from 1.61x to 1.50x.
     guesses = True
 
-    def __init__(self, runner: Any, draft_cost: float = 0.0):
+    def __init__(self, runner: ModelRunner, draft_cost: float = 0.0):
         self.runner = runner
         self.draft_cost = draft_cost
         self.layers: list[Any] | None = None
@@ -134,9 +136,9 @@ class DraftModel:
     def _feed(self, ids: list[int]) -> None:
         r = self.runner
         if self.layers is None:
-            self.layers = r._fresh_contiguous()
+            self.layers = r.scratch_layers()
         for start in range(0, len(ids), r.prefill_chunk_size):
-            r.forward(mx.array([ids[start:start + r.prefill_chunk_size]], dtype=mx.int32), self.layers)
+            r.prefill(mx.array([ids[start:start + r.prefill_chunk_size]], dtype=mx.int32), self.layers)
             mx.eval([c.state for c in self.layers])
         self.tokens += ids
 
@@ -163,7 +165,7 @@ class DraftModel:
                  and suffix_recurs(inp.tokens, PromptLookup.AUTO_MIN_NGRAM) else [])
         ids = mx.array([feed[-tail:] + guess], dtype=mx.int32)
         # row j: the logits after the known tokens and guess[:j]
-        rows = r.all_logits(ids, self.layers)[tail - 1:] if guess else r.last_logits(ids, self.layers)
+        rows = r.verify_logits(ids, self.layers)[tail - 1:] if guess else r.decode_logits(ids, self.layers)
         self.tokens = list(inp.tokens) + guess  # what its KV holds now
         logits, guessed, singles = rows[:1], 0, 0  # guessed: drafts so far that equal the guess
         drafts, qs = [], []
@@ -181,7 +183,7 @@ class DraftModel:
                 continue
             if guessed == i:  # the first draft off the guess: drop the rows the guess wrote after it
                 self.rollback(len(inp.tokens) + i)
-            logits = r.last_logits(x.reshape(1, 1), self.layers)
+            logits = r.decode_logits(x.reshape(1, 1), self.layers)
             singles += 1
         draft = mx.concatenate(drafts)  # (k,), lazy
         mx.eval(draft, qs)
@@ -210,7 +212,7 @@ class SelfDraft:
 
     name = "self"
 
-    def __init__(self, runner: Any, num_layers: int, draft_cost: float = 0.0):
+    def __init__(self, runner: ModelRunner, num_layers: int, draft_cost: float = 0.0):
         self.runner, self.num_layers, self.draft_cost = runner, num_layers, draft_cost
 
     def propose(self, inp: DraftInput) -> tuple[list[int] | mx.array, mx.array | None]:

@@ -1,8 +1,8 @@
-"""The torch model runner: the MLX Runner's interface over a torch model and torch KV.
+"""The torch model runner: `backends.base.ModelRunner` over a torch model and torch KV.
 
 The scheduler, sampler and speculative code stay shared: token ids arrive as (possibly lazy) mx arrays and
-go to torch through numpy; logits come back as float32 mx arrays. Prompt handling, speculation checks and
-KV statistics are the MLX Runner's own (inherited).
+go to torch through numpy; logits come back as float32 mx arrays. What it shares with the MLX runner is in
+`backends.common`; prompt handling is the engine's.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -29,8 +28,9 @@ from mlx_engine.backends.torch.kv import (
 )
 from mlx_engine.backends.torch.model import build_model
 from mlx_engine.backends.torch.sampling import sample_rows
-from mlx_engine.backends.common import NoTokenizer, attach_draft, cap_context, model_fingerprint
-from mlx_engine.backends.mlx.runner import Runner
+from mlx_engine.backends.base import RunnerCapabilities
+from mlx_engine.backends.common import (NoTokenizer, attach_draft, cap_context, check_self_draft_layers, decode_bytes,
+                                        model_fingerprint)
 
 TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DEVICES = ("auto", "cpu", "cuda")
@@ -192,9 +192,23 @@ def _tokens(t: torch.Tensor) -> mx.array:
     return mx.array(t.to(torch.int32).cpu().numpy())
 
 
-class TorchRunner(Runner):
+class TorchRunner:
+    """The torch backend's `backends.base.ModelRunner`."""
+
+    draft: TorchRunner | None = None  # the draft model (Engine.load(..., draft_model=...))
+    self_draft_layers: int = 0
+
     def __init__(self, model: Any, tokenizer: Any, info: ModelInfo, prefill_chunk_size: int, device: torch.device):
-        super().__init__(types.SimpleNamespace(model=model, native=True), tokenizer, info, prefill_chunk_size)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.info = info
+        self.prefill_chunk_size = prefill_chunk_size
+        self.context_length = info.context_length
+        self.vocab_size = info.vocab_size
+        self.eos_ids = frozenset(info.eos_token_ids)
+        self.cache: Any = None  # TorchPagedCache, set by load() (none in a draft: it keeps KV of its own)
+        self.fingerprint = b""
+        self._shape: dict[str, Any] = {}  # what prices a decode step (`decode_bytes`), set by load()
         self.device = device
         self.graphs: Any = None  # graphs.DecodeGraphs: the decode step as CUDA graphs (CUDA, cuda_graphs on)
         self.graphs_error: str | None = None  # why graphs went off, when a capture failed
@@ -309,7 +323,11 @@ class TorchRunner(Runner):
                 from mlx_engine.backends.torch.graphs import DecodeGraphs
 
                 runner.graphs = DecodeGraphs(tmodel, runner.cache.storage)
-        runner.self_draft_layers = runner._check_self_draft_layers(self_draft_layers)
+        kv_files = runner.cache is not None and runner.cache.capabilities.kv_files
+        runner.capabilities = RunnerCapabilities(rollback=True, kv_files=kv_files, self_draft=True, hidden_states=True,
+                                                 max_batch=None, why_not={} if kv_files else {
+                                                     "kv_files": "KV files are not supported on the torch backend"})
+        runner.self_draft_layers = check_self_draft_layers(self_draft_layers, len(runner.model.layers))
         if draft_model is not None:
             def load_draft() -> TorchRunner:
                 draft = cls.load(draft_model, device=dev.type, dtype=dtype, prefill_chunk_size=prefill_chunk_size,
@@ -337,7 +355,7 @@ class TorchRunner(Runner):
         self.model.compile_decode(COMPILE_MAX_ROWS)
         try:
             for rows in (1, 2):
-                self.model(torch.zeros(rows, 1, dtype=torch.long, device=self.device), self._fresh_contiguous())
+                self.model(torch.zeros(rows, 1, dtype=torch.long, device=self.device), self.scratch_layers())
         except compile_errors() as e:
             self.model.compiled = None
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -347,13 +365,16 @@ class TorchRunner(Runner):
 
     # --- forwards (engine thread) ---
 
-    def _fresh_contiguous(self) -> list[ContiguousLayer]:
+    def scratch_layers(self) -> list[ContiguousLayer]:
         return [ContiguousLayer() for _ in self.model.layers]
 
     @_torch_work
     def forward(self, inputs: Any, layers: list[Any]) -> torch.Tensor:
         """inputs (B, L) -> final hidden states (B, L, hidden), a torch tensor (K/V written to `layers`)."""
         return self.model(_ids(inputs, self.device), layers)
+
+    def prefill(self, inputs: Any, layers: list[Any]) -> None:
+        self.forward(inputs, layers)
 
     def _graph_step(self, layers: list[Any]) -> DecodeStep | None:
         """The step a CUDA graph can replay, as rows of a decode step: `layers` are a decode step's views
@@ -384,10 +405,12 @@ class TorchRunner(Runner):
                           "continues with eager launches", RuntimeWarning, stacklevel=2)
             return None
 
-    def graph_step(self, width: int, context: int) -> Callable[[], bool]:
+    def graph_step(self, width: int, context: int) -> Callable[[], bool] | None:
         """One graphed step of `width` rows after `context` cached tokens, logits to the host, as a call to time
         (`speculative.timing.time_graph_forward`); it returns False once a capture failed (graphs are off).
-        Every row reads and writes the pool's scratch block only."""
+        Every row reads and writes the pool's scratch block only. None while graphs are off."""
+        if self.graphs is None:
+            return None
         storage = self.cache.storage
         bs, scratch = storage.block_size, storage.scratch_block
         nblocks = -(-(context + width) // bs)
@@ -420,28 +443,34 @@ class TorchRunner(Runner):
         h = self.forward(inputs, layers)  # eager: the K/V writes are done
         return self.model.logits(h[0, rows]) if rows else None
 
-    @_torch_work
-    def last_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
-        return _mx(self._last_logits(inputs, layers))
+    def timing_variant(self) -> str:
+        return "-cuda-graphs" if self.graphs is not None else ""  # graphed steps: another forward
 
     @_torch_work
-    def rows_logits(self, inputs: Any, layers: list[Any], rows: list[int]) -> mx.array | None:
+    def decode_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
+        return _mx(self._last_logits(inputs, layers))
+
+    prefill_logits = decode_logits
+
+    @_torch_work
+    def packed_logits(self, inputs: Any, layers: list[Any], rows: list[int]) -> mx.array | None:
         logits = self._rows_logits(inputs, layers, rows)
         return None if logits is None else _mx(logits)
 
     @_torch_work
-    def last_sample(self, inputs: Any, layers: list[Any], samplers: list[Any]) -> mx.array:
+    def decode_sample(self, inputs: Any, layers: list[Any], samplers: list[Any]) -> mx.array:
         """Tokens drawn on the device (`backends.torch.sampling`): B token ids to the host instead of B x V
         logits, and no per-row draw in MLX on the CPU."""
         return _tokens(sample_rows(self._last_logits(inputs, layers), samplers))
 
     @_torch_work
-    def rows_sample(self, inputs: Any, layers: list[Any], rows: list[int], samplers: list[Any]) -> mx.array | None:
+    def packed_sample(self, inputs: Any, layers: list[Any], rows: list[int],
+                      samplers: list[Any]) -> mx.array | None:
         logits = self._rows_logits(inputs, layers, rows)
         return None if logits is None else _tokens(sample_rows(logits, samplers))
 
     @_torch_work
-    def all_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
+    def verify_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
         step = self._graph_step(layers)
         logits = None if step is None or not isinstance(layers[0], PrefillView) else self._graph_logits(inputs, step)
         if logits is not None:
@@ -468,7 +497,7 @@ class TorchRunner(Runner):
     def score(self, ids: list[int]) -> np.ndarray:
         """log p(ids[t+1] | ids[..t]) for every t, in prefill chunks -> float32 (T - 1,). The KV is unquantized
         here, so buffers of its own give what the block pool would."""
-        layers, out = self._fresh_contiguous(), []
+        layers, out = self.scratch_layers(), []
         for start in range(0, len(ids) - 1, self.prefill_chunk_size):
             end = min(start + self.prefill_chunk_size, len(ids) - 1)
             h = self.model(_ids([ids[start:end]], self.device), layers)
@@ -477,7 +506,24 @@ class TorchRunner(Runner):
             out.append(logp.gather(-1, target[:, None])[:, 0].cpu().numpy())
         return np.concatenate(out) if out else np.zeros(0, np.float32)
 
-    def _free_device_memory(self) -> None:
+    def decode_bytes_per_token(self, context: int) -> int:
+        return decode_bytes(self._shape, self.info.weight_bytes, context)
+
+    def kv_stats(self) -> dict[str, Any]:
+        return self.cache.stats()
+
+    def save_kv(self, path: str, token_ids: list[int]) -> int:
+        return self.cache.save(path, token_ids, self.fingerprint)
+
+    def restore_kv(self, path: str) -> list[int]:
+        return self.cache.restore(path, self.fingerprint)
+
+    def release(self) -> None:
+        if self.draft is not None:
+            self.draft.release()
+            self.draft = None
+        self.cache = None
+        self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
