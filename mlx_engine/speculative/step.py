@@ -23,7 +23,7 @@ def speculative_step(runner: ModelRunner, seq: Any, k: int) -> tuple[list[int], 
 
     draft: list[int] | mx.array = []
     q = None
-    constraint = getattr(seq, "constraint", None)  # a response format: drafts and rows held to its grammar
+    constraint = seq.constraint  # a response format: drafts and rows held to its grammar
     allowed_after = None if constraint is None else (lambda ds: mx.array(constraint.allowed_along(ds)[-1:]))
     if k:
         draft, q = state.proposer.propose(DraftInput(tokens, k, sampler, lambda a, b: cache.prefill_layers(req, a, b),

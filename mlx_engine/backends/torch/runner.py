@@ -304,11 +304,9 @@ class TorchRunner:
         if compile is None:
             compile = cpu is not None and os.environ.get(COMPILE_ENV, "1") not in ("0", "off", "false")
         if compile:
-            note = runner.compile_decode()
-            runner.info = dataclasses.replace(runner.info, **{"warnings" if runner.model.compiled is None else "notes":
-                                                               (*getattr(runner.info, "warnings" if
-                                                                         runner.model.compiled is None else "notes"),
-                                                                note)})
+            note, info = runner.compile_decode(), runner.info
+            runner.info = (dataclasses.replace(info, warnings=(*info.warnings, note)) if runner.model.compiled is None
+                           else dataclasses.replace(info, notes=(*info.notes, note)))
         itemsize = torch.empty((), dtype=act_dtype).element_size()
         runner._shape = {"embed_bytes": tmodel.embed_bytes, "tied": args.tie_word_embeddings,
                          "layers": args.num_hidden_layers, "kv_heads": args.num_key_value_heads,
