@@ -22,72 +22,19 @@ max_tokens=0 it samples nothing and ends ("length") at the step that prefills it
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
-from mlx_engine.api import (
-    GenerationEvent,
-    RooflineError,
-    SamplingParams,
-    Stats,
-    TokenLogprob,
-    Usage,
-)
+from mlx_engine.api import RooflineError, SamplingParams
 from mlx_engine.backends.base import ModelRunner
+from mlx_engine.sequence import Sequence, plain
 from mlx_engine.stop import StopStringMatcher
 
 DEFAULT_TOKEN_BUDGET = 512  # tokens per step (decode rows + prefill chunk tokens)
 DEFAULT_MAX_SEQS = 16
-
-
-@dataclass(eq=False)
-class Sequence:
-    req_id: str
-    prompt: list[int]
-    params: SamplingParams
-    stream: Any  # engine.GenerationStream
-    sampler: Any = None
-    detok: Any = None
-    stops: StopStringMatcher | None = None
-    fed: list[int] = field(default_factory=list)  # known tokens whose K/V the cache holds (prompt, then read tokens)
-    num_cached: int = 0
-    max_new: int = 0
-    reserved_blocks: int = 0
-    num_prefilled: int = 0  # prompt tokens in the cache
-    last: mx.array | None = None  # the newest sampled token (lazy): the next decode step's input
-    unread: list[tuple[mx.array, mx.array | None]] = field(default_factory=list)  # sampled, not yet emitted
-    num_sampled: int = 0
-    num_fed_out: int = 0  # generated tokens fed back as inputs
-    generated: list[int] = field(default_factory=list)  # generated tokens read so far
-    n_out: int = 0
-    t_start: float = 0.0
-    t_first: float = 0.0
-    t_last: float = 0.0
-    num_forwards: int = 0  # target forwards that sampled a token for it
-    spec: Any = None  # speculative.policy.SpecState when the request speculates
-    constraint: Any = None  # structured.Constraint when the request has a response format
-    # SamplingParams.prompt_logprobs: per prefill chunk, (target log-probs (L,), top ids (L, k), top log-probs
-    # (L, k)) as numpy, until the first event takes them
-    prompt_scores: list[tuple[Any, Any, Any]] | None = None
-
-    @property
-    def scores_prompt(self) -> bool:
-        return self.params.prompt_logprobs is not None
-
-    @property
-    def prefilling(self) -> bool:
-        return self.num_prefilled < len(self.prompt)
-
-    def cached_tokens(self) -> list[int]:
-        """The tokens whose K/V the cache holds (all known: a fed token was read before it is recorded)."""
-        return self.prompt[: self.num_prefilled] + self.generated[: self.num_fed_out]
 
 
 class Scheduler:
@@ -294,7 +241,7 @@ class Scheduler:
         if decoding and not packed:
             layers = cache.decode_layers([s.req_id for s in decoding], [s.cached_tokens() for s in decoding])
             inputs = mx.stack([s.last for s in decoding]).reshape(len(decoding), 1)  # (B, 1), lazy
-            if _plain(decoding):
+            if plain(decoding):
                 tokens = runner.decode_sample(inputs, layers, [s.sampler for s in decoding])  # (B,)
                 samples = [(tokens[i], None) for i in range(len(decoding))]
             else:
@@ -311,7 +258,7 @@ class Scheduler:
             logits = None
             if s.scores_prompt:  # logits at every position: the chunk's rows score the prompt
                 logits = runner.packed_logits(inputs, layers, list(range(end - start)))
-                self._score_chunk(s, start, end, logits)
+                s.score_chunk(start, end, logits)
             if end == len(s.prompt) and s.max_new:  # the last chunk: its last position gives the first token
                 last = logits[-1:] if logits is not None else runner.prefill_logits(inputs, layers)
                 new.append((s, *self._sample(s, last)))
@@ -361,14 +308,14 @@ class Scheduler:
                 scored.append((s, a, b, len(rows)))
                 rows = rows + list(range(row, row + b - a))
             row += b - a
-        if _plain(sampling) and not scored:
+        if plain(sampling) and not scored:
             tokens = runner.packed_sample(inputs, layers, rows, [s.sampler for s in sampling])  # or None: no rows
             new.extend((s, tokens[i], None) for i, s in enumerate(sampling))
         else:
             logits = runner.packed_logits(inputs, layers, rows)
             new.extend((s, *self._sample(s, logits[i : i + 1])) for i, s in enumerate(sampling))
             for s, a, b, first in scored:
-                self._score_chunk(s, a, b, logits[first : first + b - a])
+                s.score_chunk(a, b, logits[first : first + b - a])
         for s in sampling[len(decoding):]:  # prefilled now
             if s.spec is not None:
                 s.spec.prefill(s.prompt)
@@ -420,28 +367,6 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - one request's failure (detokenizer, stops) is its own
                     self._retire(s, "error", error=e)
 
-    def _score_chunk(self, seq: Sequence, start: int, end: int, logits: mx.array) -> None:
-        """A scoring sequence's prefill chunk [start, end) and its logits (end - start, V): position p scores the
-        prompt's token p + 1 (the last position of the prompt predicts the reply, not a prompt token)."""
-        from mlx_engine.sampling import target_logprobs
-
-        m = min(end, len(seq.prompt) - 1) - start
-        if m <= 0:
-            return
-        scores = target_logprobs(logits[:m], seq.prompt[start + 1:start + 1 + m], seq.params.prompt_logprobs or 0)
-        mx.eval(scores)  # small: the (m, V) logits need not outlive the step
-        assert seq.prompt_scores is not None
-        seq.prompt_scores.append(tuple(np.array(a) for a in scores))  # type: ignore[arg-type]
-
-    def _take_prompt_logprobs(self, seq: Sequence) -> tuple[TokenLogprob, ...]:
-        """The prompt's scores as TokenLogprobs, once (on the first event); () after, or when not asked for."""
-        if not seq.prompt_scores:
-            return ()
-        chunks, seq.prompt_scores = seq.prompt_scores, []
-        lp, ids, vals = (np.concatenate([c[i] for c in chunks]) for i in range(3))
-        return tuple(TokenLogprob(token_id=t, logprob=float(v), top=tuple(zip(i.tolist(), w.tolist())))
-                     for t, v, i, w in zip(seq.prompt[1:], lp.tolist(), ids, vals))
-
     def _mask(self, seq: Sequence) -> None:
         """A constrained sequence's mask for this step, before any forward is built: a grammar that fails (a dead
         end, a resource limit) fails its own request, not the step's others."""
@@ -467,10 +392,8 @@ class Scheduler:
         if seq.constraint is not None and token not in self.runner.eos_ids:  # (EOS here: ignore_eos)
             seq.constraint.consume(token)
         seq.n_out += 1
-        logprobs = (_token_logprob(token, lp, seq.params.logprobs),) if lp is not None else ()
         text, hit = seq.stops.feed(seq.detok.add_token(token))
-        seq.stream.events.put(GenerationEvent(text=text, token_ids=(token,), from_draft=(from_draft,),
-                                              logprobs=logprobs, prompt_logprobs=self._take_prompt_logprobs(seq)))
+        seq.stream.events.put(seq.token_event(token, lp, text, from_draft))
         if hit or (seq.constraint is not None and seq.constraint.done):
             return self._retire(seq, "stop")
         if seq.n_out >= seq.max_new:
@@ -496,47 +419,7 @@ class Scheduler:
         self._finish(seq, reason)
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:
-        msg = str(error) if isinstance(error, RooflineError) else f"{type(error).__name__}: {error}"
-        seq.stream.events.put(GenerationEvent(finish_reason="error", error=msg,
-                                              usage=Usage(len(seq.prompt), seq.n_out, seq.num_cached)))
+        seq.stream.events.put(seq.error_event(error))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        tail = ""
-        if seq.stops is not None and not seq.stops.hit:
-            held = seq.detok.finalize()
-            if reason == "length":  # max_tokens cut the last character's bytes: no character, not a U+FFFD
-                held = held.rstrip("\ufffd")
-            tail = seq.stops.flush(held)
-        t_first = seq.t_first or time.perf_counter()
-        stats = Stats(
-            ttft_s=t_first - seq.stream.submitted_at,
-            prefill_tps=(len(seq.prompt) - seq.num_cached) / max(t_first - seq.t_start, 1e-9) if seq.t_start else 0.0,
-            decode_tps=(seq.n_out - 1) / (seq.t_last - t_first) if seq.n_out > 1 and seq.t_last > t_first else 0.0,
-            peak_memory_bytes=self.runner.peak_memory_bytes(),
-            target_forwards=seq.num_forwards,
-        )
-        st = seq.spec
-        if st is not None and st.num_drafted:
-            stats = dataclasses.replace(stats, acceptance_rate=st.num_accepted / st.num_drafted,
-                                        mean_accepted_tokens=st.num_accepted / st.num_verifies)
-        seq.stream.events.put(GenerationEvent(
-            text=tail,
-            prompt_logprobs=self._take_prompt_logprobs(seq),  # when no token event took them (EOS first)
-            finish_reason=reason,  # type: ignore[arg-type]
-            usage=Usage(prompt_tokens=len(seq.prompt), completion_tokens=seq.n_out, cached_prompt_tokens=seq.num_cached),
-            stats=stats,
-        ))
-
-
-def _token_logprob(token: int, lp: mx.array, top: int) -> TokenLogprob:
-    from mlx_engine.sampling import top_tokens
-
-    ids, vals = top_tokens(lp, top)
-    return TokenLogprob(token_id=token, logprob=float(lp[0, token].item()),  # a grammar's masked tokens: not top
-                        top=tuple((i, v) for i, v in zip(ids[0].tolist(), vals[0].tolist()) if v > -math.inf))
-
-
-def _plain(seqs: list[Sequence]) -> bool:
-    """Every one samples from its raw logits (`Sampler.plain`) and wants no log-probabilities: the runner samples
-    them where the logits are (`ModelRunner.packed_sample`), rather than each row's logits going through the host."""
-    return all(s.sampler.plain and s.params.logprobs is None for s in seqs)
+        seq.stream.events.put(seq.final_event(reason, self.runner.peak_memory_bytes))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -10,8 +10,11 @@ from mlx_engine.backends.base import ModelRunner
 from mlx_engine.speculative.accept import point_mass, rejection_sample
 from mlx_engine.speculative.proposers import DraftInput
 
+if TYPE_CHECKING:
+    from mlx_engine.sequence import Sequence
 
-def speculative_step(runner: ModelRunner, seq: Any, k: int) -> tuple[list[int], int, mx.array | None]:
+
+def speculative_step(runner: ModelRunner, seq: Sequence, k: int) -> tuple[list[int], int, mx.array | None]:
     """One proposal and verification for `seq` (a scheduler Sequence whose newest token, generated[-1],
     is known and not yet in the cache). Returns the new tokens (the accepted drafts, then one sampled
     token), how many of them are drafts, and their log-probability rows (n + 1, V) when asked for.
