@@ -213,7 +213,7 @@ class Engine:
         thread = engine_thread()
         runner = thread.call(lambda: load_runner(model, **options))
         if template is not None:
-            if getattr(runner.tokenizer, "backend", None) is None:
+            if not runner.info.has_tokenizer:
                 thread.call(runner.release)
                 raise ModelLoadError(f"{runner.info.path} has no tokenizer, so a chat template cannot be used")
             runner.tokenizer.chat_template = template
