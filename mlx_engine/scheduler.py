@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -32,6 +32,11 @@ from mlx_engine.api import RooflineError, SamplingParams
 from mlx_engine.backends.base import ModelRunner
 from mlx_engine.sequence import Sequence, plain
 from mlx_engine.stop import StopStringMatcher
+
+if TYPE_CHECKING:
+    from mlx_engine.speculative.cost import CostCurve
+    from mlx_engine.speculative.policy import SpecState
+    from mlx_engine.speculative.proposers import Proposer
 
 DEFAULT_TOKEN_BUDGET = 512  # tokens per step (decode rows + prefill chunk tokens)
 DEFAULT_MAX_SEQS = 16
@@ -49,7 +54,7 @@ class Scheduler:
         self._counter = 0
         self.num_steps = 0
         self.trace: list[tuple[int, int]] | None = None  # set to [] to record (decode rows, prefill tokens) per step
-        self.cost_curve: Any = None  # speculative.cost.CostCurve, measured at the first "auto" request
+        self.cost_curve: CostCurve | None = None  # measured at the first "auto" request
         # proposer -> [accepted, tested] draft tokens over finished requests ("auto"'s priors; `tested_tokens`)
         self.acceptance: dict[str, list[int]] = {}
 
@@ -110,7 +115,7 @@ class Scheduler:
         seq.spec = self._spec_state(seq.params)
         self.running.append(seq)
 
-    def _spec_state(self, params: SamplingParams) -> Any:
+    def _spec_state(self, params: SamplingParams) -> SpecState | None:
         from mlx_engine.speculative import policy as sp
         from mlx_engine.speculative.proposers import DraftModel, PromptLookup, SelfDraft
 
@@ -125,9 +130,10 @@ class Scheduler:
         proposers, priors = [], []
         for kind in kinds:
             if kind == "draft":
-                proposer: Any = DraftModel(runner.draft, self._draft_cost() if curve else 0.0)
+                model = DraftModel(runner.draft, self._draft_cost() if curve else 0.0)
                 if mode == "auto":
-                    proposer.guesses = False  # see DraftModel.guesses
+                    model.guesses = False  # see DraftModel.guesses
+                proposer: Proposer = model
             elif kind == "self":
                 proposer = SelfDraft(runner, runner.self_draft_layers)
             else:
@@ -145,7 +151,7 @@ class Scheduler:
                                   for p, prior in zip(proposers, priors))
         return state
 
-    def _cost_curve(self) -> Any:
+    def _cost_curve(self) -> CostCurve:
         if self.cost_curve is None:
             from mlx_engine.speculative.cost import cached_cost_curve
 

@@ -8,13 +8,17 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
 
 from mlx_engine.api import GenerationEvent, RooflineError, SamplingParams, Stats, TokenLogprob, Usage
 from mlx_engine.stop import StopStringMatcher
+
+if TYPE_CHECKING:
+    from mlx_engine.speculative.policy import SpecState
+    from mlx_engine.structured import Constraint
 
 
 @dataclass(eq=False)
@@ -41,8 +45,8 @@ class Sequence:
     t_first: float = 0.0
     t_last: float = 0.0
     num_forwards: int = 0  # target forwards that sampled a token for it
-    spec: Any = None  # speculative.policy.SpecState when the request speculates
-    constraint: Any = None  # structured.Constraint when the request has a response format
+    spec: SpecState | None = None  # when the request speculates
+    constraint: Constraint | None = None  # when the request has a response format
     # SamplingParams.prompt_logprobs: per prefill chunk, (target log-probs (L,), top ids (L, k), top log-probs
     # (L, k)) as numpy, until the first event takes them
     prompt_scores: list[tuple[Any, Any, Any]] | None = None

@@ -59,8 +59,12 @@ def test_every_runner_class_has_every_method(name: str) -> None:
 
 
 def test_the_torch_runner_does_not_inherit_the_mlx_runner() -> None:
+    """What they share is backend-free (`backends.common`): nothing of MLX's runner is in the torch one's bases."""
+    from mlx_engine.backends.common import CacheRunner
+
     cls = runner_class("TorchRunner")
-    assert cls.__mro__ == (cls, object)
+    assert cls.__mro__ == (cls, CacheRunner, object)
+    assert runner_class("Runner").__mro__[1:] == (CacheRunner, object)
 
 
 def check_instance(runner: object) -> None:

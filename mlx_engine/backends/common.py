@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from mlx_engine.api import ModelLoadError, RequestError, RooflineError
+from mlx_engine.api import ModelInfo, ModelLoadError, RequestError, RooflineError
 from mlx_engine.backends.base import ModelRunner
 
 
@@ -85,6 +85,49 @@ def check_same_vocabulary(target: ModelRunner, draft: ModelRunner) -> ModelRunne
         raise RooflineError(f"draft model {draft.info.name} ({draft.info.path}) does not share the tokenizer of "
                             f"{target.info.name} ({target.info.path}): {problem}")
     return draft
+
+
+class CacheRunner:
+    """What a runner over a KV cache of its own does alike on every backend: a decode step's bytes from its figures,
+    KV statistics and files through its cache, and its release (the draft's first). The backend frees its device
+    memory (`_free_device_memory`)."""
+
+    draft: Any = None
+
+    def __init__(self, model: Any, tokenizer: Any, info: ModelInfo, prefill_chunk_size: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.info = info
+        self.prefill_chunk_size = prefill_chunk_size
+        self.context_length = info.context_length
+        self.vocab_size = info.vocab_size
+        self.eos_ids = frozenset(info.eos_token_ids)
+        self.cache: Any = None  # the backend's KV cache, set at load (none in a draft that keeps KV of its own)
+        self.fingerprint = b""  # `model_fingerprint`, set at load
+        self._shape: dict[str, Any] = {}  # what prices a decode step (`decode_bytes`), set at load
+
+    def decode_bytes_per_token(self, context: int) -> int:
+        return decode_bytes(self._shape, self.info.weight_bytes, context)
+
+    def kv_stats(self) -> dict[str, Any]:
+        return self.cache.stats()
+
+    def save_kv(self, path: str, token_ids: list[int]) -> int:
+        return self.cache.save(path, token_ids, self.fingerprint)
+
+    def restore_kv(self, path: str) -> list[int]:
+        return self.cache.restore(path, self.fingerprint)
+
+    def release(self) -> None:
+        if self.draft is not None:
+            self.draft.release()
+            self.draft = None
+        self.cache = None
+        self.model = None
+        self._free_device_memory()
+
+    def _free_device_memory(self) -> None:
+        raise NotImplementedError
 
 
 class NoTokenizer:

@@ -12,7 +12,7 @@ import numpy as np
 
 from mlx_engine.api import ModelInfo, RooflineError
 from mlx_engine.backends.base import RunnerCapabilities
-from mlx_engine.backends.common import (NoTokenizer, attach_draft, cap_context, check_self_draft_layers, decode_bytes,
+from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers,
                                         model_fingerprint)
 from mlx_engine.backends.mlx.load import (
     DRAFT_GROUP_SIZE,
@@ -34,21 +34,13 @@ def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
     return mx.concatenate([s.sample(logits[i : i + 1]) for i, s in enumerate(samplers)])
 
 
-class Runner:
+class Runner(CacheRunner):
     """The MLX backend's `backends.base.ModelRunner`."""
 
     def __init__(self, built: BuiltModel, tokenizer: Any, info: ModelInfo, prefill_chunk_size: int):
-        self.model = built.model
+        super().__init__(built.model, tokenizer, info, prefill_chunk_size)  # cache: Paged or ContiguousCache
         self.native = built.native
-        self.tokenizer = tokenizer
-        self.info = info
-        self.prefill_chunk_size = prefill_chunk_size
-        self.context_length = info.context_length
-        self.vocab_size = info.vocab_size
-        self.eos_ids = frozenset(info.eos_token_ids)
-        self.cache: Any = None  # PagedCache or ContiguousCache, set by load()
         self.capabilities: RunnerCapabilities  # declared by load(), once the cache is made (`_declare`)
-        self.fingerprint = b""
 
     @classmethod
     def load(
@@ -221,17 +213,6 @@ class Runner:
         """The figures that price a decode step (`backends.mlx.load.decode_shape`, `backends.common.decode_bytes`)."""
         return self._shape
 
-    def decode_bytes_per_token(self, context: int) -> int:
-        return decode_bytes(self._shape, self.info.weight_bytes, context)
-
-    def release(self) -> None:
-        if self.draft is not None:
-            self.draft.release()
-            self.draft = None
-        self.cache = None
-        self.model = None
-        self._free_device_memory()
-
     def _free_device_memory(self) -> None:
         mx.clear_cache()
 
@@ -327,12 +308,3 @@ class Runner:
         finally:
             self.cache.free(req)
         return np.concatenate(out) if out else np.zeros(0, np.float32)
-
-    def kv_stats(self) -> dict[str, Any]:
-        return self.cache.stats()
-
-    def save_kv(self, path: str, token_ids: list[int]) -> int:
-        return self.cache.save(path, token_ids, self.fingerprint)
-
-    def restore_kv(self, path: str) -> list[int]:
-        return self.cache.restore(path, self.fingerprint)

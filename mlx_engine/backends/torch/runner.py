@@ -29,7 +29,7 @@ from mlx_engine.backends.torch.kv import (
 from mlx_engine.backends.torch.model import build_model
 from mlx_engine.backends.torch.sampling import sample_rows
 from mlx_engine.backends.base import RunnerCapabilities
-from mlx_engine.backends.common import (NoTokenizer, attach_draft, cap_context, check_self_draft_layers, decode_bytes,
+from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers,
                                         model_fingerprint)
 
 TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -192,23 +192,14 @@ def _tokens(t: torch.Tensor) -> mx.array:
     return mx.array(t.to(torch.int32).cpu().numpy())
 
 
-class TorchRunner:
+class TorchRunner(CacheRunner):
     """The torch backend's `backends.base.ModelRunner`."""
 
     draft: TorchRunner | None = None  # the draft model (Engine.load(..., draft_model=...))
     self_draft_layers: int = 0
 
     def __init__(self, model: Any, tokenizer: Any, info: ModelInfo, prefill_chunk_size: int, device: torch.device):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.info = info
-        self.prefill_chunk_size = prefill_chunk_size
-        self.context_length = info.context_length
-        self.vocab_size = info.vocab_size
-        self.eos_ids = frozenset(info.eos_token_ids)
-        self.cache: Any = None  # TorchPagedCache, set by load() (none in a draft: it keeps KV of its own)
-        self.fingerprint = b""
-        self._shape: dict[str, Any] = {}  # what prices a decode step (`decode_bytes`), set by load()
+        super().__init__(model, tokenizer, info, prefill_chunk_size)  # cache: a TorchPagedCache, set by load()
         self.device = device
         self.graphs: Any = None  # graphs.DecodeGraphs: the decode step as CUDA graphs (CUDA, cuda_graphs on)
         self.graphs_error: str | None = None  # why graphs went off, when a capture failed
@@ -504,24 +495,7 @@ class TorchRunner:
             out.append(logp.gather(-1, target[:, None])[:, 0].cpu().numpy())
         return np.concatenate(out) if out else np.zeros(0, np.float32)
 
-    def decode_bytes_per_token(self, context: int) -> int:
-        return decode_bytes(self._shape, self.info.weight_bytes, context)
-
-    def kv_stats(self) -> dict[str, Any]:
-        return self.cache.stats()
-
-    def save_kv(self, path: str, token_ids: list[int]) -> int:
-        return self.cache.save(path, token_ids, self.fingerprint)
-
-    def restore_kv(self, path: str) -> list[int]:
-        return self.cache.restore(path, self.fingerprint)
-
-    def release(self) -> None:
-        if self.draft is not None:
-            self.draft.release()
-            self.draft = None
-        self.cache = None
-        self.model = None
+    def _free_device_memory(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
