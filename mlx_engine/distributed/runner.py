@@ -9,6 +9,7 @@ before rank 0 runs its own part. Rank 0 samples; the other ranks never see logit
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import threading
@@ -57,7 +58,8 @@ class DistributedRunner:
         self.local = local = node.local
         self.log = PlanLog()
         self.cache = MirroredCache(local.cache, self.log)
-        self.tokenizer, self.info = local.tokenizer, local.info
+        # rank 0's paged cache holds a part of each block's KV: no files (`capabilities`, which front ends read here)
+        self.tokenizer, self.info = local.tokenizer, dataclasses.replace(local.info, kv_files=False)
         self.prefill_chunk_size, self.context_length = local.prefill_chunk_size, local.context_length
         self.vocab_size, self.eos_ids, self.fingerprint = local.vocab_size, local.eos_ids, local.fingerprint
         self.draft, self.self_draft_layers = local.draft, 0
