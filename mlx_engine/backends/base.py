@@ -23,9 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from mlx_engine.api import ModelInfo
+
+if TYPE_CHECKING:
+    from mlx_engine.kv.protocol import KVCache
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class RunnerCapabilities:
 class ModelRunner(Protocol):
     info: ModelInfo
     tokenizer: Any  # tokenizer.Tokenizer, or backends.common.NoTokenizer
-    cache: Any  # kv.protocol.KVCache (None once released, or in a draft model that keeps KV of its own)
+    cache: KVCache | None  # None once released, or in a draft model that keeps KV of its own
     capabilities: RunnerCapabilities
     vocab_size: int
     context_length: int
