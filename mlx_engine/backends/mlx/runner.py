@@ -148,7 +148,7 @@ class Runner(CacheRunner):
                                                   paged_kv=False, weight_bits=draft_bits), draft_optional)
         return runner
 
-    # --- speculative decoding ---
+    # --- what it can do, speculative decoding ---
 
     draft: Runner | None = None  # the draft model (Engine.load(..., draft_model=...))
     self_draft_layers: int = 0
