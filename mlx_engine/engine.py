@@ -13,12 +13,16 @@ from typing import Any, TypeVar
 import numpy as np
 
 from mlx_engine.api import (
+    NO_DRAFT_MODEL,
     GenerationEvent,
     GenerationRequest,
     ModelInfo,
     ModelLoadError,
+    RequestError,
     RooflineError,
+    SamplingParams,
 )
+from mlx_engine.backends.base import ModelRunner
 from mlx_engine.backends.mlx.host_blas import one_blas_thread
 
 T = TypeVar("T")
@@ -185,7 +189,7 @@ class Engine:
 
     info: ModelInfo
 
-    def __init__(self, thread: _EngineThread, runner: Any, info: ModelInfo):
+    def __init__(self, thread: _EngineThread, runner: ModelRunner, info: ModelInfo):
         self._thread = thread
         self._runner = runner
         self.info = info
@@ -209,7 +213,7 @@ class Engine:
         thread = engine_thread()
         runner = thread.call(lambda: load_runner(model, **options))
         if template is not None:
-            if getattr(runner.tokenizer, "backend", None) is None:
+            if not runner.info.has_tokenizer:
                 thread.call(runner.release)
                 raise ModelLoadError(f"{runner.info.path} has no tokenizer, so a chat template cannot be used")
             runner.tokenizer.chat_template = template
@@ -222,8 +226,8 @@ class Engine:
         """Starts a generation and returns its event stream. Errors in the request (a prompt longer than
         the context, token ids outside the vocabulary, a template error, a response format that does not compile)
         raise RequestError here."""
-        prompt_ids = self._runner.prompt_ids(request)
-        self._runner.check_speculation(request.sampling)
+        prompt_ids = _prompt_ids(self._runner, request)
+        _check_speculation(self._runner, request.sampling)
         constraint = None
         fmt = request.sampling.response_format
         if fmt is not None:  # compiled here: a bad schema fails this call, not the engine thread
@@ -238,17 +242,17 @@ class Engine:
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         """The token ids `generate` would run for this request (chat template applied), validated against
         the context and the KV budget."""
-        return self._runner.prompt_ids(request)
+        return _prompt_ids(self._runner, request)
 
     def forward_logits(self, token_ids: list[int]) -> np.ndarray:
         """float32 logits (T, vocab) of one forward pass over `token_ids` from an empty cache."""
-        ids = self._runner.check_context(self._runner.check_ids(list(token_ids)))
+        ids = _check_ids(self._runner, list(token_ids), whole=True)
         return self._thread.call(lambda: self._runner.forward_logits(ids))
 
     def hidden_states(self, token_ids: list[int]) -> list[np.ndarray]:
         """float32 hidden states of one forward pass over `token_ids` from an empty cache: the embedding
         output, then each decoder layer's output, each (T, hidden)."""
-        ids = self._runner.check_context(self._runner.check_ids(list(token_ids)))
+        ids = _check_ids(self._runner, list(token_ids), whole=True)
         return self._thread.call(lambda: self._runner.hidden_states(ids))
 
     def decode_bytes_per_token(self, context_tokens: int) -> int:
@@ -265,7 +269,7 @@ class Engine:
     def score(self, token_ids: list[int]) -> np.ndarray:
         """Log-probability of each token given those before it, float32 (T - 1,), through the engine's own
         KV cache and prefill chunks: perplexity = exp(-mean)."""
-        ids = self._runner.check_context(self._runner.check_ids(list(token_ids)))
+        ids = _check_ids(self._runner, list(token_ids), whole=True)
         return self._thread.call(lambda: self._runner.score(ids))
 
     def kv_stats(self) -> dict[str, Any]:
@@ -275,7 +279,7 @@ class Engine:
     def save_kv(self, path: str, request: GenerationRequest | list[int]) -> int:
         """Saves the cached KV of a conversation (a request's prompt, or token ids): every full block of
         its prefix still in the prefix cache, with the tokens and the model fingerprint. Returns tokens saved."""
-        ids = self._runner.prompt_ids(request) if isinstance(request, GenerationRequest) else list(request)
+        ids = _prompt_ids(self._runner, request) if isinstance(request, GenerationRequest) else list(request)
         return self._thread.call(lambda: self._runner.save_kv(path, ids))
 
     def restore_kv(self, path: str) -> int:
@@ -303,6 +307,53 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# --- prompt handling: on the caller's thread (tokenizers and the runner's declared figures only, no MLX) ---
+
+
+def _check_ids(runner: ModelRunner, ids: list[int], whole: bool = False) -> list[int]:
+    """Token ids inside the vocabulary; `whole`: a forward over them all, so within the context too."""
+    if not ids:
+        raise RequestError("the prompt is empty (0 tokens)")
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < runner.vocab_size]
+    if bad:
+        raise RequestError(f"token id {bad[0]!r} is outside the vocabulary (0..{runner.vocab_size - 1})")
+    if whole and len(ids) > runner.context_length:
+        raise RequestError(f"the input is {len(ids)} tokens but the model's context is {runner.context_length} tokens")
+    return ids
+
+
+def _prompt_ids(runner: ModelRunner, request: GenerationRequest) -> list[int]:
+    """The token ids a request runs (chat template applied), checked against the context and the KV budget."""
+    if request.messages is not None:
+        ids = runner.tokenizer.encode_chat(request.messages, add_generation_prompt=request.add_generation_prompt)
+    elif request.prompt is not None:
+        ids = runner.tokenizer.encode(request.prompt)
+    else:
+        ids = list(request.prompt_token_ids or [])
+    _check_ids(runner, ids)
+    context = runner.context_length
+    if len(ids) >= context:
+        raise RequestError(f"the prompt is {len(ids)} tokens but the model's context is {context} tokens "
+                           f"(at least 1 more is needed to generate)")
+    runner.cache.check_fits(len(ids) + min(request.sampling.max_tokens, context - len(ids)))
+    return ids
+
+
+def _check_speculation(runner: ModelRunner, params: SamplingParams) -> None:
+    """Refuses a speculative mode this runner cannot serve (RequestError). "auto" is never refused: it falls back
+    to plain decoding."""
+    mode, caps = params.speculative, runner.capabilities
+    if mode is None or mode == "auto":
+        return
+    if not caps.rollback:
+        raise RequestError(f"speculative={mode!r} is not available for {runner.info.name}: {caps.reason('rollback')}, "
+                           "so rejected draft tokens cannot be rolled back")
+    if mode == "draft" and runner.draft is None:
+        raise RequestError(NO_DRAFT_MODEL)
+    if mode == "self" and not caps.self_draft:
+        raise RequestError(f"speculative='self' {caps.reason('self_draft')}")
 
 
 class _Closed:

@@ -274,7 +274,7 @@ def test_rollback_leaves_the_kv_of_a_fresh_run(models, paged: bool, mode: str) -
     sched, seq = _drive_until_rejected(runner, mode)
     tokens = seq.cached_tokens()
     assert len(tokens) == len(PROMPT) + len(seq.generated) - 1  # every read token but the newest
-    fresh = runner._fresh_contiguous()
+    fresh = runner.scratch_layers()
     runner.forward(mx.array([tokens], dtype=mx.int32), fresh)
     cache = runner.cache
     if paged:
@@ -293,7 +293,7 @@ def test_rollback_leaves_the_kv_of_a_fresh_run(models, paged: bool, mode: str) -
     if mode == "draft":
         d = seq.spec.proposer
         assert d.tokens == tokens[: len(d.tokens)] and d.layers[0].offset == len(d.tokens) >= len(PROMPT)
-        fresh_d = runner.draft._fresh_contiguous()
+        fresh_d = runner.draft.scratch_layers()
         runner.draft.forward(mx.array([d.tokens], dtype=mx.int32), fresh_d)
         diff = mx.abs(fresh_d[0].keys[..., : len(d.tokens), :] - d.layers[0].keys[..., : len(d.tokens), :]).max()
         assert float(diff) <= 1e-5
@@ -462,12 +462,10 @@ def _auto_reply(curve: CostCurve, accept: Callable[[int], int], length: int,
     model costing that much a token) always has a candidate and `accept(k)` of each k drafts pass. Returns
     (predicted cost in T(1), target forwards, the most the cost ever exceeded plain decoding's beyond the loss
     budget)."""
-    from types import SimpleNamespace
-
     from mlx_engine.speculative.policy import AUTO_LOSS_SHARE, SpecState, probe_allowance
-    from mlx_engine.speculative.proposers import PromptLookup
+    from mlx_engine.speculative.proposers import DraftModel, PromptLookup
 
-    proposer = SimpleNamespace(draft_cost=draft_cost) if draft_cost else PromptLookup()
+    proposer = DraftModel(None, draft_cost) if draft_cost else PromptLookup()  # a draft model's figures alone
     st = SpecState("auto", proposer, 8, prior=0.7)
     st.allowance = probe_allowance(curve, 0.7, 8, draft_cost)  # as the scheduler sets it
     n, cost, forwards, over = 0, 0.0, 0, -float("inf")
@@ -512,12 +510,10 @@ def test_auto_drafts_by_prompt_lookup_where_the_text_recurs_and_by_the_draft_mod
     """"auto" with a draft model loaded: each step the proposer with a candidate and the best predicted speedup.
     Prompt lookup drafts for free, so it takes a quote; the model drafts the rest. Each keeps its own estimate per
     context (the text recurs or not), so failed copies do not put the model off, and the other way round."""
-    from types import SimpleNamespace
-
     from mlx_engine.speculative.policy import COPY_CONTEXT_PRIOR, SpecState, probe_allowance
-    from mlx_engine.speculative.proposers import PromptLookup
+    from mlx_engine.speculative.proposers import DraftModel, PromptLookup
 
-    lookup, model = PromptLookup(), SimpleNamespace(name="draft", draft_cost=0.3)
+    lookup, model = PromptLookup(), DraftModel(None, 0.3)
     st = SpecState("auto", model, 8, proposers=[lookup, model], priors=[0.7, 0.7])
     st.allowance = probe_allowance(TORCH_CPU_CURVE, 0.7, 8, 0.3)  # the larger of the two, as the scheduler sets
     quoting, new = [1, 2, 3, 4, 5, 9, 1, 2, 3], [1, 2, 3, 4, 5, 9, 8, 7, 6]
@@ -582,12 +578,12 @@ def test_auto_allowance_admits_a_draft_models_first_verification(monkeypatch) ->
 def test_auto_charges_a_draft_model_what_its_proposals_took() -> None:
     """A draft model times its proposals (catch-ups and sampling included, which `time_forward` leaves out):
     "auto" books that time, and its cost per drafted token moves toward it, for later requests too."""
-    from types import SimpleNamespace
-
     from mlx_engine.speculative.policy import DRAFT_COST_EMA, SpecState
+    from mlx_engine.speculative.proposers import DraftModel
 
     curve = CostCurve({1: 1.0, 2: 1.5, 9: 1.9}, t1_s=0.05)
-    draft = SimpleNamespace(name="draft", draft_cost=0.3, last_spent=(0.1, 4, True))  # 4 drafts in 2 T(1)
+    draft = DraftModel(None, 0.3)
+    draft.last_spent = (0.1, 4, True)  # 4 drafts in 2 T(1)
     st = SpecState("auto", draft, 8)
     st.settle(curve, 4, 3)  # 2 of 4 accepted, then the sampled token
     assert st.balance == pytest.approx(3 - (curve.cost(5) + 2.0))

@@ -9,10 +9,10 @@ import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 
+from mlx_engine.backends.base import ModelRunner
 from mlx_engine.speculative.accept import expected_tokens
 
 AUTO_MARGIN = 0.1  # "auto" speculates only where it predicts at least this gain over plain decoding
@@ -74,17 +74,14 @@ def cache_dir() -> Path:
     return Path(user_cache_dir("roofline", appauthor=False))
 
 
-def cost_curve_key(runner: Any) -> str | None:
+def cost_curve_key(runner: ModelRunner) -> str | None:
     """What a measured curve holds for: the weights (and activation dtype), the backend and device (and on
     MLX's CPU backend whether float32 host weights are resident), the machine and the MLX version. None: the runner
     has no fingerprint, so nothing is kept."""
-    fingerprint = getattr(runner, "fingerprint", None)
-    if not fingerprint:
+    if not runner.fingerprint:
         return None
-    info = runner.info
-    path = "-fp32-host-weights" if getattr(runner, "_host_bytes", 0) else ""  # backends.mlx.host_blas: another curve
-    path += "-cuda-graphs" if getattr(runner, "graphs", None) is not None else ""  # graphed steps: another one
-    return "|".join([fingerprint.hex(), f"{info.backend}-{info.device}{path}",
+    info = runner.info  # float32 host weights (MLX's CPU backend), CUDA graphs: another curve (`timing_variant`)
+    return "|".join([runner.fingerprint.hex(), f"{info.backend}-{info.device}{runner.timing_variant()}",
                      f"{platform.system()}-{platform.machine()}", f"mlx-{mx.__version__}"])
 
 
@@ -122,7 +119,7 @@ def save_cost_curve(key: str, curve: CostCurve) -> None:
         pass
 
 
-def cached_cost_curve(runner: Any) -> CostCurve:
+def cached_cost_curve(runner: ModelRunner) -> CostCurve:
     """The verify cost curve, measured once per model, backend and machine (~4 s) and kept in `cache_dir()`."""
     key = cost_curve_key(runner)
     curve = load_cost_curve(key) if key is not None else None
