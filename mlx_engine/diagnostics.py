@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    from mlx_engine.backends.base import ModelRunner
     from mlx_engine.engine import Engine
     from mlx_engine.kv.protocol import KVCache
     from mlx_engine.scheduler import Scheduler
@@ -29,8 +30,9 @@ class Diagnostics:
         self._engine = engine
 
     @property
-    def runner(self) -> Any:
-        """The model runner (`mlx_engine.backends`' Runner or TorchRunner, the distributed one under mlx.launch)."""
+    def runner(self) -> ModelRunner:
+        """The model runner (`backends.base.ModelRunner`: the MLX or torch runner, the distributed one under
+        mlx.launch); its other attributes are that backend's own, for tests of that backend."""
         return self._engine._runner
 
     @property
