@@ -300,7 +300,6 @@ LOAD_OPTIONS = {
 ENGINE_OPTIONS = ("chat_template", "max_seqs")
 
 
-
 @dataclass(frozen=True)
 class LoadOptions:
     """`Engine.load`'s keyword options, checked once, before anything loads: the names against `LOAD_OPTIONS`, the

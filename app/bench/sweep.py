@@ -94,10 +94,10 @@ def load_engine(model: str | None, spec: BenchSpec, backend: str = "mlx", device
 def _allow_batch(engine: Any, batch: int) -> None:
     if batch == 1:
         return
-    if not engine.diagnostics().cache.capabilities.batching:
+    allowed = engine.diagnostics().scheduler.max_seqs  # 1 where the cache holds one sequence
+    if allowed <= 1:
         raise RooflineError(f"--batch {batch}: {engine.info.name} runs with a contiguous KV cache here, which holds "
                             "one sequence at a time; only --batch 1 can be measured")
-    allowed = engine.diagnostics().scheduler.max_seqs
     if allowed < batch:
         raise RooflineError(f"--batch {batch}: this engine runs {allowed} sequences at once (Engine.load's "
                             f"max_seqs); load it with max_seqs={batch} to measure this batch")
