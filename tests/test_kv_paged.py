@@ -491,7 +491,8 @@ def test_a_next_turn_in_two_runs_of_blocks_is_read_in_place_and_equals_contiguou
     monkeypatch.setattr(host, "HOST_ATTENTION_MIN_PAIRS", 1)  # the numpy path even for this tiny model
     seen: list = []
     slots = kv_cache.PagedCache._slots
-    monkeypatch.setattr(kv_cache.PagedCache, "_slots", lambda self, r, n: seen.append(slots(self, r, n)) or seen[-1])
+    monkeypatch.setattr(kv_cache.PagedCache, "_slots",
+                        lambda self, r, n, start=0: seen.append(slots(self, r, n, start)) or seen[-1])
     folder = random_llama_folder(tmp_path / "m")
     with Engine.load(str(folder), block_size=16, prefill_chunk_size=7) as e:
         first, _ = steps(e, PROMPT, 8)  # 52 tokens fed: blocks 0-2 full and cached, block 3 partial

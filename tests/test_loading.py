@@ -377,3 +377,14 @@ def test_kquant_blocks_for_a_layer_that_cannot_hold_them_are_a_load_error() -> N
     config = json.loads((GOLDEN / "llama" / "config.json").read_text())
     with pytest.raises(ModelLoadError, match=r"m.gguf: k-quant blocks .* a RMSNorm cannot hold k-quant blocks"):
         build_model(config, {}, mx.float32, {"model.norm": {"kquant": "Q4_K"}}, "m.gguf")
+
+
+def test_resolve_takes_a_path_object_as_its_string():
+    """A pathlib.Path is a ref like its string (it crashed in the store-prefix check with an AttributeError)."""
+    from mlx_engine.catalog import kv_shape
+    from mlx_engine.loading import resolve
+
+    folder = Path(__file__).parent / "data" / "golden" / "gemma2"
+    assert resolve(folder) == resolve(str(folder))
+    assert kv_shape(folder) == kv_shape(str(folder))
+    assert kv_shape(folder).sliding_window == 8

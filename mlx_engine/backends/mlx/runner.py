@@ -208,14 +208,13 @@ class Runner:
         return m.logits(m.model.norm(h[:, -1, :])).astype(mx.float32)
 
     def _make_cache(self, config: Any, paged: bool | None, dtype: mx.Dtype) -> Any:
-        from mlx_engine.kv.cache import PagedCache
+        from mlx_engine.api import MAX_DRAFT_TOKENS
         from mlx_engine.kv.contiguous import ContiguousCache
+        from mlx_engine.kv.kinds import LayerKindsCache
 
         why_not = None
         if not self.native:
             why_not = "the model runs on an mlx-lm class"
-        elif self.model.args.sliding_window is not None:
-            why_not = "the model uses sliding-window attention"
         if paged is False or (paged is None and why_not):
             if config.kv_bits is not None or config.kv_key_bits is not None or config.kv_key_per_channel:
                 name = "kv_bits" if config.kv_bits is not None else \
@@ -226,9 +225,12 @@ class Runner:
         if why_not:
             raise RooflineError(f"paged_kv=True is not available: {why_not}")
         a = self.model.args
-        return PagedCache.create(num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads,
-                                 head_dim=a.head_dim, dtype=dtype, context_length=self.context_length,
-                                 weight_bytes=self.info.weight_bytes, config=config, model_id=self.fingerprint)
+        # one paged storage per kind of layer (sliding windows, full attention): a plain PagedCache for one kind
+        return LayerKindsCache.create(layer_windows=a.layer_windows(), num_kv_heads=a.num_key_value_heads,
+                                      head_dim=a.head_dim, dtype=dtype, context_length=self.context_length,
+                                      weight_bytes=self.info.weight_bytes, config=config, model_id=self.fingerprint,
+                                      # a forward feeds a request one prefill chunk, or a verification of its drafts
+                                      max_step_tokens=max(self.prefill_chunk_size, MAX_DRAFT_TOKENS + 1))
 
     def decode_bytes_per_token(self, context: int) -> int:
         from mlx_engine.roofline import decode_bytes_per_token
