@@ -13,9 +13,11 @@ from typing import Any, TypeVar
 import numpy as np
 
 from mlx_engine.api import (
+    LOAD_OPTIONS,
     NO_DRAFT_MODEL,
     GenerationEvent,
     GenerationRequest,
+    LoadOptions,
     ModelInfo,
     ModelLoadError,
     RequestError,
@@ -24,48 +26,9 @@ from mlx_engine.api import (
 )
 from mlx_engine.backends.base import ModelRunner
 from mlx_engine.backends.mlx.host_blas import one_blas_thread
+from mlx_engine.diagnostics import Diagnostics
 
 T = TypeVar("T")
-
-LOAD_OPTIONS = {
-    "backend": "the model runner: 'mlx' (default; Metal or MLX's CPU backend) or 'torch' (CUDA or CPU; the "
-    "optional extra `torch`)",
-    "device": "'auto' (default), 'cpu' or 'cuda' (cuda: backend='torch' only)",
-    "dtype": "activation dtype: 'float32', 'float16' or 'bfloat16' (default: float32 on MLX's CPU backend, "
-    "the checkpoint's on Metal)",
-    "prefill_chunk_size": "tokens per prefill step (default 512; 4096 for backend='torch' on CUDA)",
-    "max_context": "cap the context length below the model's own",
-    "block_size": "tokens per KV block: 16 (default) or 32",
-    "kv_bits": "quantize the KV cache: 8 or 4 bits (default: None, the activation dtype)",
-    "kv_key_bits": "the keys' bits when they differ from kv_bits: 8 or 4 (default: kv_bits; needs kv_bits)",
-    "kv_group_size": "group size of quantized KV: 64 (default) or 32",
-    "kv_key_per_channel": "quantize the keys per channel over each block's tokens (KIVI) rather than per token "
-    "(default: for 4-bit keys, where it takes SmolLM2's perplexity cost from 6-11% to under 3%, under 2% with "
-    "block_size=32; True needs kv_bits and a block size dividing the head dim)",
-    "kv_budget_bytes": "bytes for the KV block pool (default: one full context plus 25%, within half the "
-    "free memory)",
-    "prefix_caching": "reuse KV blocks across requests that share a prefix (default True)",
-    "paged_kv": "force the paged KV cache on or off (default: on where the model supports it)",
-    "draft_model": "a draft model for speculative='draft' (same tokenizer as the model; GGUF file, HF or MLX "
-    "folder, HF repo id)",
-    "draft_bits": "hold the draft model at fewer bits than it is stored in, so that it drafts cheaply (the model "
-    "itself may then be its own draft): 4 or 8 on MLX (affine groups of 64); 8 on backend='torch' on the CPU, "
-    "through the CPU's int8 matmul (about 0.3 of a float32 decode step for SmolLM2)",
-    "draft_optional": "a draft model that fails to load or does not share the model's tokenizer is one of the "
-    "model's warnings (ModelInfo.warnings) rather than an error, and the model loads without it (default False; "
-    "the chat app, where a model picked in the app need not suit the draft named on its command line)",
-    "self_draft_layers": "layers of the model that speculative='self' drafts with (default: half)",
-    "threads": "backend='torch' on the CPU: torch's CPU threads (default: all the cores torch sees)",
-    "compile": "backend='torch' on the CPU: run decode steps as torch.compile graphs, compiled at load (default: "
-    "on with packed quantized weights; ROOFLINE_TORCH_COMPILE=0 turns the default off)",
-    "cuda_graphs": "backend='torch' on CUDA: replay each batched decode step as a CUDA graph (default True; "
-    "False launches its kernels one by one)",
-    "distributed": "'pipeline' or 'tensor': the model across the ranks mlx.launch started, this process being rank 0 "
-    "(another rank serves rank 0 and ends with it; docs/distributed.md)",
-    "chat_template": "a Jinja chat template to use instead of the model's own: its text, or a path (a .jinja file, "
-    "or a tokenizer_config.json)",
-}
-
 
 class _EngineThread:
     """One thread owns all MLX work (MLX streams are per thread). Between scheduler steps it runs the
@@ -197,30 +160,32 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, **options: Any) -> Engine:
-        """Loads `model` (None: the embedded SmolLM2; a GGUF file; a HF or MLX folder; a HF repo id)."""
-        unknown = sorted(set(options) - set(LOAD_OPTIONS))
-        if unknown:
-            known = "; ".join(f"{k}: {v}" for k, v in LOAD_OPTIONS.items())
-            raise RooflineError(f"unknown Engine.load option(s) {', '.join(unknown)}. Known options: {known}")
+        """Loads `model` (None: the embedded SmolLM2; a GGUF file; a HF or MLX folder; a HF repo id); `options`:
+        `mlx_engine.api.LOAD_OPTIONS`."""
+        opts = LoadOptions.from_kwargs(options)
         from mlx_engine.backends import load_runner
         from mlx_engine.scheduler import Scheduler
 
-        template = options.pop("chat_template", None)
+        template = opts.chat_template
         if template is not None:  # checked before the model loads
             from mlx_engine.chat_template import read_chat_template
 
             template = read_chat_template(template)
         thread = engine_thread()
-        runner = thread.call(lambda: load_runner(model, **options))
+        runner = thread.call(lambda: load_runner(model, **opts.runner))
         if template is not None:
             if not runner.info.has_tokenizer:
                 thread.call(runner.release)
                 raise ModelLoadError(f"{runner.info.path} has no tokenizer, so a chat template cannot be used")
             runner.tokenizer.chat_template = template
         engine = cls(thread, runner, runner.info)
-        engine._scheduler = Scheduler(runner)
+        engine._scheduler = Scheduler(runner, max_seqs=opts.max_seqs)
         thread.register(engine._scheduler)
         return engine
+
+    def diagnostics(self) -> Diagnostics:
+        """The engine's insides for benchmarks and tests (`mlx_engine.diagnostics`); front ends need none of it."""
+        return Diagnostics(self)
 
     def generate(self, request: GenerationRequest) -> GenerationStream:
         """Starts a generation and returns its event stream. Errors in the request (a prompt longer than
@@ -364,4 +329,4 @@ class _Closed:
         pass
 
 
-__all__ = ["Engine", "GenerationStream"]
+__all__ = ["LOAD_OPTIONS", "Engine", "GenerationStream"]

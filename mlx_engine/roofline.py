@@ -93,8 +93,8 @@ def measure_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
 def bandwidth_readings(runs: int = 9, nbytes: int = 256 * 2**20, pause_s: float = 0.02) -> list[float]:
     """`runs` timed copies of an `nbytes` buffer (far beyond any cache), each as bytes/s counting the bytes read
     plus the bytes written (STREAM's copy), after an untimed first copy that faults the pages in. A short pause
-    between copies spreads them over time, so that a burst of another process's work spoils a few, not all: on a
-    shared 2-core VM single copies read 9 to 24 GB/s."""
+    between copies spreads them over time, so that a burst of another process's work spoils a few, not all (on a
+    shared VM single copies vary more than twofold)."""
     src = np.ones(nbytes // 8, dtype=np.float64)
     dst = np.empty_like(src)
     np.copyto(dst, src)

@@ -155,7 +155,7 @@ def test_mlx_quantized_folder_with_per_layer_override(tmp_path: Path) -> None:
     qdir, ddir = _quantized_folder(tmp_path, bits=4, group_size=32, override=override)
     with Engine.load(str(qdir)) as got, Engine.load(str(ddir)) as ref:
         assert got.info.source_format == "mlx-quantized" and got.info.quantization == "4-bit g32"
-        layer = got._runner.model.model.layers[0]
+        layer = got.diagnostics().runner.model.model.layers[0]
         assert layer.mlp.down_proj.bits == 8 and layer.mlp.up_proj.bits == 4
         a, b = got.forward_logits(IDS), ref.forward_logits(IDS)
         assert float(np.abs(a - b).max()) <= 1e-4
@@ -349,10 +349,11 @@ def test_kquant_layers_read_the_blocks(tmp_path: Path, monkeypatch, embedding: s
     monkeypatch.setattr(kquant, "dequant_matmul_kquant", lambda x, *a: calls.append(x.shape[0]) or original(x, *a))
     monkeypatch.setattr(kquant, "blocks_here", lambda: True)
     with Engine.load(str(path)) as got, Engine.load(str(exact)) as want:
-        attn = got._runner.model.layers[0].self_attn
+        attn = got.diagnostics().runner.model.layers[0].self_attn
         assert isinstance(attn.q_proj, KQuantLinear) and attn.q_proj.ggml_type == "Q4_K"
-        assert isinstance(got._runner.model.lm_head, KQuantLinear)
-        assert isinstance(got._runner.model.model.embed_tokens, KQuantEmbedding) == embedding.endswith("_K")
+        assert isinstance(got.diagnostics().runner.model.lm_head, KQuantLinear)
+        embed = got.diagnostics().runner.model.model.embed_tokens
+        assert isinstance(embed, KQuantEmbedding) == embedding.endswith("_K")
         assert got.info.num_parameters == want.info.num_parameters
         a, b = got.forward_logits(IDS), want.forward_logits(IDS)  # 12 rows: dequantized
         # float32 floor: 28.9 units (tests/tolerance.py) on an AMD EPYC; x4 headroom

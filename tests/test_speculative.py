@@ -259,7 +259,7 @@ def test_greedy_identical_with_keys_quantized_per_channel(tmp_path: Path) -> Non
         for mode in MODES:
             tokens, from_draft, _ = run(e, speculative=mode, num_draft_tokens=4)
             assert tokens == plain, mode
-        assert e.kv_stats()["used"] == 0 and e._runner.cache.storage._stages == {}
+        assert e.kv_stats()["used"] == 0 and e.diagnostics().cache.storage._stages == {}
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
@@ -357,7 +357,7 @@ def test_auto_steps_aside_on_a_steep_cost_curve_and_speculates_on_a_flat_one(mod
     target, _ = models
     with Engine.load(str(target), draft_model=str(target)) as e:
         plain, _, _ = run(e)
-        sched = e._scheduler
+        sched = e.diagnostics().scheduler
         sched.cost_curve = CostCurve({1: 1.0, 2: 1.9, 3: 2.7, 5: 4.3, 9: 7.5}, t1_s=1e9,  # this CPU backend's
                                      draft_costs={"draft": 0.0})
         tokens, from_draft, final = run(e, speculative="auto")
@@ -379,7 +379,7 @@ def test_auto_falls_back_to_prompt_lookup_when_the_draft_model_cannot_pay(models
     target, _ = models
     with Engine.load(str(target), draft_model=str(target)) as e:
         plain, _, _ = run(e)
-        sched = e._scheduler
+        sched = e.diagnostics().scheduler
         sched.cost_curve = CostCurve({1: 1.0, 2: 1.02, 9: 1.1}, t1_s=1e9)  # bandwidth-bound: nearly flat
         sched.cost_curve.draft_costs["draft"] = 0.05  # a cheap draft: auto uses it
         auto = sched._spec_state(SamplingParams(speculative="auto")).proposer
@@ -609,12 +609,12 @@ def test_draft_bits_quantizes_the_draft_and_greedy_is_unchanged(models, bits: in
     with Engine.load(str(target)) as e:
         plain, _, _ = run(e, max_tokens=30)
     with Engine.load(str(target), draft_model=str(target), draft_bits=bits) as e:
-        draft = e._runner.draft
+        draft = e.diagnostics().runner.draft
         q, down = draft.model.model.layers[0].self_attn.q_proj, draft.model.model.layers[0].mlp.down_proj
         assert isinstance(q, nn.QuantizedLinear) and (q.bits, q.group_size) == (bits, 64)
         assert not isinstance(down, nn.QuantizedLinear)  # 96 inputs: no groups of 64, so it stays float
         assert draft.info.quantization == f"{bits}-bit affine g64, from fp32"
-        assert not isinstance(e._runner.model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+        assert not isinstance(e.diagnostics().runner.model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
         tokens, from_draft, final = run(e, speculative="draft", num_draft_tokens=4, max_tokens=30)
     assert tokens == plain and sum(from_draft) > 0
 
@@ -664,11 +664,11 @@ def test_draft_cost_is_timed_beside_a_target_step(models, monkeypatch) -> None:
 
     target, draft = models
     with Engine.load(str(target), draft_model=str(draft)) as e:
-        sched = e._scheduler
+        sched = e.diagnostics().scheduler
         sched.cost_curve = CostCurve({1: 1.0, 2: 1.02, 9: 1.1}, t1_s=0.05)  # timed in a faster spell
-        slow = {id(e._runner): 0.08, id(e._runner.draft): 0.02}
+        slow = {id(e.diagnostics().runner): 0.08, id(e.diagnostics().runner.draft): 0.02}
         monkeypatch.setattr(sp, "time_forward", lambda runner, width, **kw: slow[id(runner)])
-        assert e._thread.call(sched._draft_cost) == pytest.approx(0.25)  # not 0.02 / 0.05
+        assert e.diagnostics().call(sched._draft_cost) == pytest.approx(0.25)  # not 0.02 / 0.05
         assert sched.cost_curve.draft_costs == {"draft": pytest.approx(0.25)}
 
 
@@ -682,8 +682,8 @@ def test_auto_verifications_fund_wider_ones_in_the_scheduler(models, monkeypatch
     target, _ = models
     with Engine.load(str(target), draft_model=str(target)) as e:
         plain, _, _ = run(e, max_tokens=32)
-        e._scheduler.cost_curve = CostCurve({1: 1.0, 2: 1.32, 3: 1.62, 4: 1.87, 5: 1.96, 9: 3.09}, t1_s=1e9,
-                                            draft_costs={"draft": 0.0})
+        curve = CostCurve({1: 1.0, 2: 1.32, 3: 1.62, 4: 1.87, 5: 1.96, 9: 3.09}, t1_s=1e9, draft_costs={"draft": 0.0})
+        e.diagnostics().scheduler.cost_curve = curve
         tokens, from_draft, final = run(e, speculative="auto", max_tokens=32)
     assert tokens == plain and final.stats.acceptance_rate == 1.0
     assert final.stats.target_forwards == 8  # as without the loss budget; 11 if the savings went unbooked
@@ -784,8 +784,8 @@ def test_cost_curve_is_kept_and_reused_by_the_next_engine(models, monkeypatch, t
         plain, _, _ = run(e, max_tokens=6)
         tokens, from_draft, _ = run(e, speculative="auto", max_tokens=6)
         run(e, speculative="auto", max_tokens=6)
-        key = sp.cost_curve_key(e._runner)
-        assert key == "|".join([e._runner.fingerprint.hex(), f"{e.info.backend}-{e.info.device}",
+        key = sp.cost_curve_key(e.diagnostics().runner)
+        assert key == "|".join([e.diagnostics().runner.fingerprint.hex(), f"{e.info.backend}-{e.info.device}",
                                 f"{platform.system()}-{platform.machine()}", f"mlx-{mx.__version__}"])
     assert tokens == plain and not any(from_draft)
     assert len(calls) == 1  # once per engine at most, as before
@@ -794,8 +794,8 @@ def test_cost_curve_is_kept_and_reused_by_the_next_engine(models, monkeypatch, t
 
     with Engine.load(str(target)) as e2:
         run(e2, speculative="auto", max_tokens=6)
-        assert e2._scheduler.cost_curve.ratios == {1: 1.0, 2: 1.9, 3: 2.7}
-        assert e2._scheduler.cost_curve.t1_s == 0.004
+        assert e2.diagnostics().scheduler.cost_curve.ratios == {1: 1.0, 2: 1.9, 3: 2.7}
+        assert e2.diagnostics().scheduler.cost_curve.t1_s == 0.004
     assert len(calls) == 1  # read from the file, not measured
 
     monkeypatch.setattr(mx, "__version__", "0.0.0-other")
@@ -820,7 +820,7 @@ def test_corrupt_cost_curve_file_is_measured_again_and_overwritten(models, monke
     monkeypatch.setattr(timing, "measure_cost_curve", lambda runner: calls.append(1) or CostCurve({1: 1.0, 2: 1.5}, 0.01))
     target, _ = models
     with Engine.load(str(target)) as e:
-        key = sp.cost_curve_key(e._runner)
+        key = sp.cost_curve_key(e.diagnostics().runner)
         path = tmp_path / "cost_curves.json"
         path.write_bytes(content.replace("KEY", key).encode("utf-8", "surrogateescape"))
         run(e, speculative="auto", max_tokens=4)

@@ -11,8 +11,8 @@ from mlx_engine.backends.mlx.host_blas import one_blas_thread
 
 # Scores held at once by the host attention, in float32 elements: query rows are taken in slabs below it.
 HOST_ATTENTION_MAX_SCORES = 16 * 2**20
-# Query x key pairs from which the host attention pays for the evaluation it forces (~60 us), whose cost a single
-# decode token over fewer keys does not repay.
+# Query x key pairs from which the host attention pays for the evaluation of MLX's pending graph it forces, which
+# a single decode token over fewer keys does not repay.
 HOST_ATTENTION_MIN_PAIRS = 256
 
 

@@ -44,8 +44,8 @@ COMPILE_MAX_ROWS = 47
 # A single sequence's prefill of at most this many positions (a speculative verification of k + 1 <= 17
 # tokens, a short prompt's last chunk) replays a CUDA graph as that many decode rows
 MAX_GRAPH_PREFILL = 17
-# Prefill tokens per forward on CUDA. At 512 a forward of SmolLM2 on the H200 cost the same ~30 ms of eager
-# launches whatever its rows: 14.5-20K prefill tokens/s at every batch from 1 to 64 (docs/benchmarks.md).
+# Prefill tokens per forward on CUDA: at 512 a small model's forward is bound by its eager launches, whatever its
+# rows, so the chunk is large (docs/benchmarks.md, "Measurements moved out of the code").
 CUDA_PREFILL_CHUNK = 4096
 
 
