@@ -34,32 +34,40 @@ def rank_main(args: argparse.Namespace) -> int:
     from mlx_engine import Engine, GenerationRequest, SamplingParams
 
     options = {} if args.mode == "single" else {"distributed": args.mode}
-    engine = Engine.load(args.model, **options)  # on a rank other than 0 this serves rank 0 and ends the process
+    # every batch runs at once (max_seqs); on a rank other than 0 this serves rank 0 and ends the process
+    engine = Engine.load(args.model, max_seqs=max(args.batches), **options)
     rng = random.Random(0)
     vocab = engine.info.vocab_size
     stats = engine.kv_stats()  # (measures the link, once)
 
-    def busy() -> list[float]:
-        return [r["busy_s"] for r in engine.kv_stats()["ranks"]] if args.mode != "single" else []
+    def busy() -> tuple[list[float], int]:
+        """Each rank's busy seconds, and rank 0's forwards cut into micro-batches."""
+        if args.mode == "single":
+            return [], 0
+        ranks = engine.kv_stats()["ranks"]
+        return [r["busy_s"] for r in ranks], ranks[0]["micro_batched_forwards"]
 
-    def timed(batch: int, prompt: int, new: int) -> tuple[list, float, list[float]]:
+    def timed(batch: int, prompt: int, new: int) -> tuple[list, float, list[float], int]:
         prompts = [[rng.randrange(3, vocab) for _ in range(prompt)] for _ in range(batch)]
         sampling = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-        before, t = busy(), time.perf_counter()
+        (before, cut), t = busy(), time.perf_counter()
         streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=sampling)) for p in prompts]
         finals = [[e for e in s][-1] for s in streams]
         wall = time.perf_counter() - t
-        return finals, wall, [(a - b) / wall for a, b in zip(busy(), before)]
+        after, cut_after = busy()
+        return finals, wall, [(a - b) / wall for a, b in zip(after, before)], cut_after - cut
 
     rows = []
     for batch in args.batches:
         timed(batch, 16, 4)  # warm-up
-        finals, wall, util = timed(batch, 16, args.tokens)
-        rows.append({"test": f"tg{args.tokens}", "batch": batch, "tps": sum(f.stats.decode_tps for f in finals),
-                     "busy": util})
+        finals, wall, util, cut = timed(batch, 16, args.tokens)
+        tps = sum(f.stats.decode_tps for f in finals)
+        rows.append({"test": f"tg{args.tokens}", "batch": batch, "tps": tps, "busy": util, "micro_batched": cut,
+                     "step_ms": 1000 * batch / tps if tps else None})
     timed(3, args.prompt, 1)
-    finals, wall, util = timed(3, args.prompt, 1)  # three prompts in one packed forward: micro-batches apply
-    rows.append({"test": f"pp{args.prompt}", "batch": 3, "tps": 3 * args.prompt / wall, "busy": util})
+    finals, wall, util, cut = timed(3, args.prompt, 1)  # three prompts in one packed forward: micro-batches apply
+    rows.append({"test": f"pp{args.prompt}", "batch": 3, "tps": 3 * args.prompt / wall, "busy": util,
+                 "micro_batched": cut})
     stats = engine.kv_stats()
     out = {"mode": args.mode, "rows": rows, "weight_bytes": engine.info.weight_bytes, "link": stats.get("link"),
            "ranks": stats.get("ranks"), "model": engine.info.name}

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mlx_engine.distributed.stage import MIN_DECODE_ROWS_PER_MICRO_BATCH
 from tests.tiny_models import random_llama_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,8 +115,15 @@ WORK = [
     [greedy([5, 6, 7, 8, 9, 10, 11, 12] * 6, 16, speculative="prompt-lookup", num_draft_tokens=4)],
 ]
 WORK_OPTIONS = {"prefill_chunk_size": 16}
-# three 70-token prompts prefilled in one packed forward of 210 rows: the pipeline cuts it into two micro-batches
-TOGETHER = [[greedy(PREFIX[i:] + PREFIX[:i], 6) for i in (1, 2, 3)]]
+# three 70-token prompts prefilled in one packed forward of 210 rows: the pipeline cuts it into two micro-batches;
+# then enough sequences decoding together (greedy, every fourth seeded sampling) that the pipeline cuts each decode
+# step's rows into two groups of sequences (stage.MIN_DECODE_ROWS_PER_MICRO_BATCH each)
+MANY_DECODING = 2 * MIN_DECODE_ROWS_PER_MICRO_BATCH
+TOGETHER = [[greedy(PREFIX[i:] + PREFIX[:i], 6) for i in (1, 2, 3)],
+            [greedy(PREFIX[i:i + 3 + i % 3], 6) if i % 4 else
+             {"ids": PREFIX[i:i + 4], "sampling": {"temperature": 0.9, "top_p": 0.95, "seed": i, "max_tokens": 6,
+                                                   "ignore_eos": True}} for i in range(MANY_DECODING)]]
+TOGETHER_OPTIONS = {"max_seqs": MANY_DECODING}
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +137,7 @@ def big_layers(tmp_path_factory) -> Path:
 def test_two_ranks_match_one_process(tmp_path, mode, big_layers):
     runs = [{"model": str(GOLDEN / name), "batches": golden_batches(name)} for name in TINY]
     runs.append({"model": str(GOLDEN / "llama"), "options": WORK_OPTIONS, "batches": WORK})
-    runs.append({"model": str(GOLDEN / "llama"), "batches": TOGETHER})
+    runs.append({"model": str(GOLDEN / "llama"), "options": TOGETHER_OPTIONS, "batches": TOGETHER})
     runs.append({"model": str(big_layers), "batches": [[greedy([1, 2, 3], 2)]]})
     results = run_scenario(tmp_path, mode, runs)
     assert len(results) == len(runs), results
@@ -137,10 +145,16 @@ def test_two_ranks_match_one_process(tmp_path, mode, big_layers):
         want = np.load(GOLDEN / name / "golden.npz")["greedy_tokens"].tolist()
         assert got["requests"][0]["tokens"] == want, f"{mode} {name}"
     work, together, big = results[len(TINY):]
-    ref = one_process(str(GOLDEN / "llama"), TOGETHER)
-    assert [r["tokens"] for r in together["requests"]] == [r["tokens"] for r in ref[:3]], mode
-    cut = [r["micro_batched_forwards"] for r in together["kv"]["ranks"]]
-    assert cut == ([1, 1] if mode == "pipeline" else [0, 0]), cut
+    ref = one_process(str(GOLDEN / "llama"), TOGETHER, **TOGETHER_OPTIONS)
+    assert len(together["requests"]) == 3 + MANY_DECODING
+    for i, (a, b) in enumerate(zip(together["requests"], ref)):
+        assert a["tokens"] == b["tokens"], f"{mode} together {i}: {a} != {b}"
+    ranks = together["kv"]["ranks"]
+    cut = [(r["micro_batched_forwards"], r["micro_batched_decodes"]) for r in ranks]
+    if mode == "pipeline":  # the three prompts' prefill, and decode steps of the many (how many: the scheduler's)
+        assert cut[0] == cut[1] and cut[0][1] >= 1 and cut[0][0] >= 1 + cut[0][1], cut
+    else:
+        assert cut == [(0, 0), (0, 0)], cut
     ref = one_process(str(GOLDEN / "llama"), WORK, **WORK_OPTIONS)
     for i, (a, b) in enumerate(zip(work["requests"], ref)):
         assert a["tokens"] == b["tokens"], f"{mode} request {i}: {a} != {b}"

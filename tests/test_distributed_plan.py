@@ -102,3 +102,65 @@ def test_kv_per_rank_on_paper():
     bad = subprocess.run([sys.executable, "-m", "app.cli", "kv", "-c", "8192", "--distributed", "tensor"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert bad.returncode == 2 and "3 do not divide by 2: use --distributed pipeline" in bad.stderr
+
+
+def _decoding(cache, n: int, prompt: int = 5) -> tuple[list[str], list[list[int]]]:
+    """n sequences in `cache`, each prefilled with `prompt` tokens and about to decode its next."""
+    reqs, known = [f"r{i}" for i in range(n)], []
+    for i, r in enumerate(reqs):
+        ids = [(3 * i + j) % 100 + 1 for j in range(prompt)]
+        cache.start(r, ids)
+        cache.prefill_layers(r, 0, prompt)
+        known.append(ids)
+    return reqs, known
+
+
+def test_decode_rows_are_cut_by_sequence_only_where_the_cost_rule_allows():
+    from mlx_engine.distributed.stage import MIN_DECODE_ROWS_PER_MICRO_BATCH as MIN, cuts_decode, micro_batches
+    from tests.test_kv_contract import paged_cache
+
+    for n, want in [(1, None), (2 * MIN - 1, None), (2 * MIN, [(0, MIN), (MIN, 2 * MIN)]),
+                    (2 * MIN + 3, [(0, MIN + 1), (MIN + 1, 2 * MIN + 3)])]:
+        cache = paged_cache()
+        views = cache.decode_layers(*_decoding(cache, n))
+        assert micro_batches(views, 2) == want, n
+        assert micro_batches(views, 1) is None
+        assert cuts_decode(views, want) == (want is not None)
+    cache = paged_cache()
+    reqs, known = _decoding(cache, 6)
+    assert micro_batches(cache.decode_layers(reqs, known), 3, min_decode_rows=2) == [(0, 2), (2, 4), (4, 6)]
+    # packed forwards: a prefill chunk of 40 rows beside the decode rows goes on its own; one of 8 joins the
+    # second group of sequences
+    for rows, want in [(40, [(0, 2 * MIN), (2 * MIN, 2 * MIN + 40)]), (8, [(0, MIN), (MIN, 2 * MIN + 8)])]:
+        cache = paged_cache()
+        reqs, known = _decoding(cache, 2 * MIN)
+        cache.start("p", list(range(1, rows + 1)))
+        views = cache.packed_layers(reqs, known, [("p", 0, rows)])
+        groups = micro_batches(views, 2)
+        assert groups == want and cuts_decode(views, groups) == (rows == 8), rows
+
+
+def test_a_decode_micro_batch_attends_as_the_whole_step_does():
+    import mlx.core as mx
+
+    from mlx_engine.distributed.stage import sub_views
+    from tests.test_kv_contract import paged_cache
+
+    cache = paged_cache()
+    reqs, known = _decoding(cache, 7, prompt=19)  # two blocks each: the tables' padding is read too
+    views = cache.decode_layers(reqs, known)
+    H, D = 2, 32
+    q, k, v = (mx.random.normal((7, H, 1, D), key=mx.random.key(s)) for s in (1, 2, 3))
+    st = cache.storage  # the prompts' keys, at random
+    for layer in range(2):
+        for pos in range(19):
+            slots = mx.array([19 * i + pos for i in range(7)], dtype=mx.int32)
+            kk, vv = (mx.random.normal((7, H, D), key=mx.random.key(100 * layer + pos + s)) for s in (0, 50))
+            st.write(layer, slots, kk, vv, None)
+    whole = views[1].attention(q, k, v, 0.125)
+    parts = [sub_views(views, a, b)[1].attention(q[a:b], k[a:b], v[a:b], 0.125) for a, b in ((0, 3), (3, 7))]
+    assert mx.array_equal(mx.concatenate(parts, axis=0), whole).item()
+    subs = sub_views(views, 3, 7)
+    assert subs[0].step is subs[1].step and subs[0].step.num_rows == 4  # one step shared by the layers
+    with pytest.raises(ValueError, match="not a cut"):
+        views[0].step.rows(5, 9)

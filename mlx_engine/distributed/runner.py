@@ -23,7 +23,7 @@ from mlx_engine.api import RooflineError
 from mlx_engine.backends.base import RunnerCapabilities
 from mlx_engine.distributed.mirror import MirroredCache, PlanLog, PlannedLayers, TrimRecorded, lockstep_figures
 from mlx_engine.distributed.node import Node
-from mlx_engine.distributed.stage import micro_batches
+from mlx_engine.distributed.stage import MIN_DECODE_ROWS_PER_MICRO_BATCH, micro_batches
 
 
 def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
@@ -33,17 +33,28 @@ def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
 
 
 MICRO_BATCHES_ENV = "ROOFLINE_PIPELINE_MICRO_BATCHES"
+DECODE_ROWS_ENV = "ROOFLINE_PIPELINE_DECODE_ROWS"
+
+
+def _whole_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise RooflineError(f"{name}={raw!r}: expected a whole number >= 1")
+    return int(raw)
 
 
 def micro_batch_count(num_ranks: int) -> int:
     """Micro-batches a pipelined forward may be cut into: one per rank, or $ROOFLINE_PIPELINE_MICRO_BATCHES (1: never
     cut; for measuring what they gain)."""
-    raw = os.environ.get(MICRO_BATCHES_ENV, "")
-    if not raw:
-        return num_ranks
-    if not raw.isdigit() or int(raw) < 1:
-        raise RooflineError(f"{MICRO_BATCHES_ENV}={raw!r}: expected a whole number >= 1")
-    return int(raw)
+    return _whole_env(MICRO_BATCHES_ENV, num_ranks)
+
+
+def min_decode_rows() -> int:
+    """Sequences each micro-batch of a decode step needs: MIN_DECODE_ROWS_PER_MICRO_BATCH, or
+    $ROOFLINE_PIPELINE_DECODE_ROWS (for measuring where cutting pays)."""
+    return _whole_env(DECODE_ROWS_ENV, MIN_DECODE_ROWS_PER_MICRO_BATCH)
 
 
 def tables_checksum(cache: Any, req_ids: list[str]) -> int:
@@ -72,7 +83,7 @@ class DistributedRunner:
         self.closed = False
         self._owner = threading.current_thread()  # the engine thread: the only one that may use the channel
         self._link: dict[str, float] | None = None
-        self.micro_batches = micro_batch_count(node.size)
+        self.micro_batches, self.min_decode_rows = micro_batch_count(node.size), min_decode_rows()
         # each rank's shard, for pricing a decode step from any thread (Engine.decode_bytes_per_token is called
         # off the engine thread, where no collective may run)
         self.shards = self.gather_figures()
@@ -108,7 +119,8 @@ class DistributedRunner:
         if not isinstance(layers, PlannedLayers):
             raise RooflineError("a distributed forward needs views from the engine's cache (runner.cache)")
         tokens = np.array(inputs, dtype=np.int32)  # the step's ids go to every rank: read them now
-        groups = micro_batches(layers, self.micro_batches) if self.node.mode == "pipeline" else None
+        groups = micro_batches(layers, self.micro_batches, self.min_decode_rows) if self.node.mode == "pipeline" \
+            else None
         self._send({"do": "forward", "views": layers.op, "tokens": tokens.tolist(), "groups": groups,
                     "crc": tables_checksum(self.local.cache, self.log.view_reqs.get(layers.op, []))})
         return self.node.stage.forward(mx.array(tokens), layers, groups)

@@ -55,6 +55,22 @@ class DecodeStep:
                                         runs=isinstance(all_slots, list)))
         self._host_tables: tuple[np.ndarray, np.ndarray] | None = None
 
+    @property
+    def num_rows(self) -> int:
+        return int(self.new_slots.shape[0])
+
+    def rows(self, first: int, end: int) -> DecodeStep:
+        """The step of sequences [first, end) alone (a pipeline's micro-batch of decode rows). The block tables keep
+        the whole step's width and `max_seq_len`, so each row attends over the same padded keys as in the whole
+        step (the same numbers). A step of one sequence (`all_slots`) or with per-channel keys (one `key_plan`
+        for every row) is not cut."""
+        if self.all_slots is not None or self.key_plan is not None or not 0 <= first < end <= self.num_rows:
+            raise ValueError(f"decode rows [{first}, {end}) of a step of {self.num_rows} rows: not a cut this step "
+                             "allows (one sequence, or per-channel keys)")
+        offset = self.offset[first:end] if isinstance(self.offset, mx.array) else self.offset
+        return DecodeStep(self.storage, offset, self.new_slots[first:end], self.block_tables[first:end],
+                          self.seq_lens[first:end], self.max_seq_len)
+
     def host_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """The step's slots (B, T) and padding mask (B, T) in numpy, for the host path: made once, every layer's
         view reads them."""
