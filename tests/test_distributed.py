@@ -123,7 +123,7 @@ TOGETHER = [[greedy(PREFIX[i:] + PREFIX[:i], 6) for i in (1, 2, 3)],
             [greedy(PREFIX[i:i + 3 + i % 3], 6) if i % 4 else
              {"ids": PREFIX[i:i + 4], "sampling": {"temperature": 0.9, "top_p": 0.95, "seed": i, "max_tokens": 6,
                                                    "ignore_eos": True}} for i in range(MANY_DECODING)]]
-TOGETHER_OPTIONS = {"max_seqs": MANY_DECODING}
+TOGETHER_OPTIONS = {"max_seqs": MANY_DECODING, "kv_budget_bytes": 2**20}  # a block each and the three prompts
 
 
 @pytest.fixture(scope="module")

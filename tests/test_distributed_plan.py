@@ -104,6 +104,17 @@ def test_kv_per_rank_on_paper():
     assert bad.returncode == 2 and "3 do not divide by 2: use --distributed pipeline" in bad.stderr
 
 
+def paged_cache():
+    """A two-layer paged cache with room for a block each of 100 sequences."""
+    import mlx.core as mx
+
+    from mlx_engine.kv.cache import PagedCache
+    from mlx_engine.kv.config import KVConfig
+
+    return PagedCache.create(num_layers=2, num_kv_heads=2, head_dim=32, dtype=mx.float32, context_length=256,
+                             weight_bytes=0, config=KVConfig(kv_budget_bytes=2**23), model_id=b"test")
+
+
 def _decoding(cache, n: int, prompt: int = 5) -> tuple[list[str], list[list[int]]]:
     """n sequences in `cache`, each prefilled with `prompt` tokens and about to decode its next."""
     reqs, known = [f"r{i}" for i in range(n)], []
@@ -117,7 +128,6 @@ def _decoding(cache, n: int, prompt: int = 5) -> tuple[list[str], list[list[int]
 
 def test_decode_rows_are_cut_by_sequence_only_where_the_cost_rule_allows():
     from mlx_engine.distributed.stage import MIN_DECODE_ROWS_PER_MICRO_BATCH as MIN, cuts_decode, micro_batches
-    from tests.test_kv_contract import paged_cache
 
     for n, want in [(1, None), (2 * MIN - 1, None), (2 * MIN, [(0, MIN), (MIN, 2 * MIN)]),
                     (2 * MIN + 3, [(0, MIN + 1), (MIN + 1, 2 * MIN + 3)])]:
@@ -144,7 +154,6 @@ def test_a_decode_micro_batch_attends_as_the_whole_step_does():
     import mlx.core as mx
 
     from mlx_engine.distributed.stage import sub_views
-    from tests.test_kv_contract import paged_cache
 
     cache = paged_cache()
     reqs, known = _decoding(cache, 7, prompt=19)  # two blocks each: the tables' padding is read too

@@ -22,11 +22,12 @@ from mlx_engine.kv.views import PackedView, PagedDecodeView
 # micro-batches pay from here: below, splitting a forward costs each rank another pass over its weights (a decode
 # step reads them whatever its row count) for less overlap than that pass costs
 MIN_ROWS_PER_MICRO_BATCH = 32
-# decode rows are cut into groups of sequences only when each group has this many: a decode step is bandwidth-bound
-# below (each extra micro-batch is another pass over a rank's weights for little compute to overlap), compute-bound
-# above, where rank 1 running one group while rank 0 runs the next pays. Measured (docs/distributed.md): two ranks on
-# loopback, a 512-hidden 8-layer llama, decode step time split against unsplit at 8, 16, 32 and 64 sequences
-MIN_DECODE_ROWS_PER_MICRO_BATCH = 16
+# decode rows are cut into groups of sequences only when each group has this many: below, a rank's step time hardly
+# shrinks with its rows (a pass over its weights and each forward's fixed costs), so two micro-batches cost more than
+# the overlap gains; above, the step grows with its rows and rank 1 running one group while rank 0 runs the next pays.
+# Measured on two ranks on loopback (docs/distributed.md): cutting cost 1.21x at 8 sequences and 1.05x at 32, and
+# gained at 64 (0.69x) and 128 (0.54x)
+MIN_DECODE_ROWS_PER_MICRO_BATCH = 32
 
 
 def _even(first: int, end: int, count: int) -> list[tuple[int, int]]:
