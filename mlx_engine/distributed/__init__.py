@@ -55,7 +55,10 @@ def serve_rank(model: str | None, mode: str, **options: Any) -> int:
     from mlx_engine.distributed.worker import serve_plans
 
     check_mode(mode)
-    options = {k: v for k, v in options.items() if k not in ("backend", "device")}
+    from mlx_engine.api import ENGINE_OPTIONS
+
+    # the same options as rank 0's Engine.load: its engine's own (max_seqs, chat_template) are rank 0's alone
+    options = {k: v for k, v in options.items() if k not in ("backend", "device", *ENGINE_OPTIONS)}
     return serve_plans(load_node(model, mode, options))
 
 
