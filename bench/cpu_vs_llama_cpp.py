@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_PYTHON = "/work/venvs/llamacpp/bin/python"
-FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}  # llama_ftype: LLAMA_FTYPE_MOSTLY_*
+FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}  # llama_ftype: LLAMA_FTYPE_MOSTLY_*
 
 
 def _rss_bytes() -> int:
