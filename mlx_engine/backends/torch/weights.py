@@ -9,6 +9,7 @@ load, to float32: the portable path.
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,7 +209,22 @@ def build_model(args: Any, weights: dict[str, Any], quantization: dict[str, Any]
     model.dtype = dtype
     if cpu is not None:
         fuse_projections(model)
+    release_freed()
     return model
+
+
+def release_freed() -> None:
+    """The memory the conversion freed, handed back: MLX's buffer cache (the source arrays') and, under glibc,
+    the heap's free pages, which malloc otherwise keeps for the process (SmolLM2 Q4_1 on the CPU: RSS 277 MB
+    over the imports' after the build, 159 MB after a trim; the packed weights are 102 MB)."""
+    import ctypes
+    import ctypes.util
+
+    import mlx.core as mx
+
+    mx.clear_cache()
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
 
 
 def _check_names(args: Any, names: set[str], source: str) -> None:
