@@ -377,3 +377,19 @@ def test_smollm2_packed_greedy_against_mlx_and_batched_equals_solo():
             batched = [t for e in s for t in e.token_ids]
             assert greedy_agrees(packed, packed, p, LOGITS_REL_TOL["Q4_1"] * scale, 16, got=batched) >= 8
         assert greedy(packed, prompts[0], 16) == solo[0]  # its first block from the prefix cache
+
+
+def test_inductor_cache_under_the_app_cache_dir(monkeypatch, tmp_path):
+    """Compiled graphs cache under ROOFLINE_CACHE_DIR (a later load skips inductor's code generation and C++
+    builds); a TORCHINDUCTOR_CACHE_DIR the user set wins."""
+    from mlx_engine.backends.torch.compiled import CompiledHalves
+
+    monkeypatch.setenv("ROOFLINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    CompiledHalves(4)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    assert cache_dir() == str(tmp_path / "torchinductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    CompiledHalves(4)
+    assert cache_dir() == str(tmp_path / "mine")
