@@ -244,15 +244,9 @@ def cmd_parity(args: argparse.Namespace) -> int:
     return 1 if report["summary"]["diverged"] else 0
 
 
-def _device(engine: Any, backend: str, requested: str) -> str:
-    from mlx_engine.bench import engine_device
-
-    return engine_device(engine, backend, requested)
-
-
 def run(a: Any, b: Any, prompts: list[str | list[int]], backends: list[str], args: argparse.Namespace) -> dict[str, Any]:
     ids = prompt_ids(a, b, prompts)
-    sides = [{"backend": be, "device": _device(e, be, args.device if be != "mlx" else "auto"), "model": e.info.name,
+    sides = [{"backend": be, "device": e.info.device or (args.device if be != "mlx" else "auto"), "model": e.info.name,
               "path": e.info.path, "dtype": e.info.dtype} for be, e in zip(backends, (a, b))]
     rows = []
     for p, i in zip(prompts, ids):

@@ -53,7 +53,7 @@ def mlx_lm_benchmark(args: argparse.Namespace, batch: int) -> dict[str, float]:
     from mlx_engine import Engine
 
     engine = Engine.load(args.model)
-    model = engine._thread.call(lambda: mlx_lm_model(engine))
+    model = engine.diagnostics().call(lambda: mlx_lm_model(engine))
     tokenizer = TokenizerWrapper(hf_tokenizer(engine))  # what mlx_lm.load returns
     tokenizer.eos_token_ids = []  # as benchmark.py: no early stop
     vocab = engine.info.vocab_size
@@ -73,7 +73,7 @@ def mlx_lm_benchmark(args: argparse.Namespace, batch: int) -> dict[str, float]:
         once()  # warm-up
         return [once() for _ in range(args.repeats)]
 
-    runs = engine._thread.call(trials)
+    runs = engine.diagnostics().call(trials)
     # what mlx-lm's decode step reads: its packed weights (a tied embedding in full, as the head)
     from mlx.utils import tree_flatten
 

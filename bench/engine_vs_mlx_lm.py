@@ -33,7 +33,7 @@ def mlx_lm_model(engine: Engine):
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama as lm_llama
 
-    ours = engine._runner.model
+    ours = engine.diagnostics().runner.model
     a = ours.args
     args = lm_llama.ModelArgs(
         model_type="llama", hidden_size=a.hidden_size, num_hidden_layers=a.num_hidden_layers,
@@ -98,16 +98,16 @@ def main() -> None:
     ids = engine.tokenizer.encode(text, add_special_tokens=False)[: args.prompt_tokens]
 
     # mlx-lm's model and generation must run on the engine thread too (MLX streams are per thread)
-    thread = engine._thread
-    lm_model = thread.call(lambda: mlx_lm_model(engine))
+    diag = engine.diagnostics()
+    lm_model = diag.call(lambda: mlx_lm_model(engine))
     lm_tok = hf_tokenizer(engine)
 
     ours, theirs = [], []
-    thread.call(lambda: run_mlx_lm(lm_model, lm_tok, ids, 4))  # warm-up both
+    diag.call(lambda: run_mlx_lm(lm_model, lm_tok, ids, 4))  # warm-up both
     run_ours(engine, ids, 4)
     for _ in range(args.repeats):
         ours.append(run_ours(engine, ids, args.gen_tokens))
-        theirs.append(thread.call(lambda: run_mlx_lm(lm_model, lm_tok, ids, args.gen_tokens)))
+        theirs.append(diag.call(lambda: run_mlx_lm(lm_model, lm_tok, ids, args.gen_tokens)))
 
     memory = {side: peak_in_subprocess(side, args) for side in ("roofline", "mlx-lm")}
 
@@ -116,12 +116,12 @@ def main() -> None:
 
     bw = measure_bandwidth()
     info = engine.info
-    a = engine._runner.model.args
+    a = diag.runner.model.args
     context = args.prompt_tokens + args.gen_tokens // 2
     kv_bytes = decode_bytes_per_token(0, 0, True, a.num_hidden_layers, a.num_key_value_heads, a.head_dim, context,
                                       4 if info.dtype == "float32" else 2).kv
     # what our decode step reads: on MLX's CPU backend the float32 weight copies instead of the packed ones
-    per_token = DecodeBytes(weights=engine._runner.decode_bytes_per_token(context) - kv_bytes, kv=kv_bytes)
+    per_token = DecodeBytes(weights=diag.runner.decode_bytes_per_token(context) - kv_bytes, kv=kv_bytes)
     # mlx-lm reads the packed weights (a tied embedding in full, as the head)
     embed = lm_model.model.embed_tokens
     lm_weights = sum(v.nbytes for _, v in tree_flatten(lm_model.parameters()))
@@ -160,13 +160,13 @@ def memory_side(args: argparse.Namespace) -> None:
     engine = Engine.load(args.model, prefix_caching=False)
     ids = engine.tokenizer.encode("The roofline model bounds performance by memory bandwidth and compute. " * 40,
                                   add_special_tokens=False)[: args.prompt_tokens]
-    thread_call = engine._thread.call
+    thread_call = engine.diagnostics().call
     if args.memory_side == "roofline":
         thread_call(lambda: (mx.clear_cache(), mx.reset_peak_memory()))
         print(run_ours(engine, ids, args.gen_tokens)[2])  # MLX's peak plus resident host weights (CPU backend)
         return
     else:
-        model = engine._thread.call(lambda: mlx_lm_model(engine))
+        model = thread_call(lambda: mlx_lm_model(engine))
         tok = hf_tokenizer(engine)
         engine.close()  # frees our copy of the weights and our KV pool before mlx-lm runs
         del engine

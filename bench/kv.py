@@ -394,7 +394,7 @@ def split_kv_check(args, doc: list[int]) -> list[str]:
 
     engine = Engine.load(args.model, paged_kv=False)
     ids = doc[:min(args.ppl_tokens, 512) + 1]
-    runner = engine._runner  # one unchunked forward on the engine thread: a diagnostic, not the engine's path
+    runner = engine.diagnostics().runner  # one unchunked forward on the engine thread, not the engine's path
 
     def ppl(qk: bool, qv: bool) -> float:
         layers = [FakeQuantKVCache(qk, qv) for _ in runner.model.layers]
@@ -403,7 +403,7 @@ def split_kv_check(args, doc: list[int]) -> list[str]:
         lp = np.array(mx.take_along_axis(logp, mx.array(ids[1:], dtype=mx.int32)[:, None], axis=-1)[:, 0])
         return float(np.exp(-lp.astype(np.float64).mean()))
 
-    res = {(qk, qv): engine._thread.call(lambda qk=qk, qv=qv: ppl(qk, qv))
+    res = {(qk, qv): engine.diagnostics().call(lambda qk=qk, qv=qv: ppl(qk, qv))
            for qk, qv in ((False, False), (True, False), (False, True), (True, True))}
     engine.close()
     base = res[(False, False)]

@@ -57,7 +57,7 @@ def export_mlx_lm_folder(model: str | None, out: Path) -> dict:
     from mlx_engine import Engine
 
     engine = Engine.load(model)
-    runner = engine._runner
+    runner = engine.diagnostics().runner
     tok = engine.tokenizer
     a = runner.model.args
 
@@ -67,7 +67,7 @@ def export_mlx_lm_folder(model: str | None, out: Path) -> dict:
         bits = sorted({m.bits for _, m in runner.model.named_modules() if hasattr(m, "bits")})
         return {"bits": bits, "dtype": str(next(iter(params.values())).dtype)}
 
-    facts = engine._thread.call(write)
+    facts = engine.diagnostics().call(write)
     config = {
         "model_type": "llama", "hidden_size": a.hidden_size, "num_hidden_layers": a.num_hidden_layers,
         "intermediate_size": a.intermediate_size, "num_attention_heads": a.num_attention_heads,
@@ -129,9 +129,9 @@ def engine_cost_curve(model: str | None, widths: list[int], backend: str = "mlx"
 
     engine = Engine.load(model, backend=backend, **({"device": device} if backend == "torch" else {}))
     try:
-        rows = {b: engine._thread.call(lambda b=b: time_forward(engine._runner, b, context=64, repeats=5))
-                for b in widths}
-        steps = {b: engine._thread.call(lambda b=b: time_decode_step(engine._runner, b, context=64, repeats=5))
+        diag = engine.diagnostics()
+        rows = {b: diag.call(lambda b=b: time_forward(diag.runner, b, context=64, repeats=5)) for b in widths}
+        steps = {b: diag.call(lambda b=b: time_decode_step(diag.runner, b, context=64, repeats=5))
                  for b in decode_widths}
         return rows, steps
     finally:

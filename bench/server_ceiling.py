@@ -36,8 +36,8 @@ def serve(argv: list[str]) -> None:
     def constant(n: int) -> mx.array:
         return mx.array([TOKEN] * n, dtype=mx.int32)
 
-    runner.TorchRunner.last_sample = lambda self, inputs, layers, samplers: constant(len(samplers))
-    runner.TorchRunner.rows_sample = lambda self, inputs, layers, rows, samplers: constant(len(rows)) if rows else None
+    runner.TorchRunner.decode_sample = lambda self, inputs, layers, samplers: constant(len(samplers))
+    runner.TorchRunner.packed_sample = lambda self, inputs, layers, rows, samplers: constant(len(rows)) if rows else None
     from app.cli import main
 
     sys.argv = ["roofline", "serve", *argv]

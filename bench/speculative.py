@@ -99,7 +99,7 @@ def _cuda_available() -> bool:
 
 
 def _draft_label(engine: Engine) -> str:
-    draft = engine._runner.draft
+    draft = engine.diagnostics().runner.draft
     return "none" if draft is None else draft.info.quantization
 
 
@@ -111,7 +111,7 @@ def cost_curve(engine: Engine, k_max: int = 8) -> tuple[CostCurve, float, tuple[
     """The target's verify cost curve T(w)/T(1); the self draft's step; the draft model's forward over w rows,
     also over T(1): with the last row's logits (a catch-up over the tokens prompt lookup copied or plain steps took,
     a draft step), and with every row's (a proposal's first forward, which reads the guess of its drafts)."""
-    runner = engine._runner
+    runner = engine.diagnostics().runner
     t1 = time_forward(runner, 1, context=64, repeats=3, logits_at="last")
     ratios = {1: 1.0}
     for w in range(2, k_max + 2):
@@ -131,15 +131,8 @@ def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int,
     from mlx_engine.speculative.proposers import DraftModel
 
     mode, _, variant = mode.partition(":")
-    sched = engine._scheduler
-    finished = []
-    retire = sched._retire
-
-    def spy(seq, reason, error=None):
-        finished.append(seq)
-        return retire(seq, reason, error)
-
-    sched._retire = spy
+    sched = engine.diagnostics().scheduler
+    sched.retired = finished = []
     DraftModel.guesses = variant != "noguess"
     try:
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=tokens, ignore_eos=True,
@@ -149,7 +142,7 @@ def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int,
                                                         sampling=params)))
         wall = time.perf_counter() - t
     finally:
-        sched._retire = retire
+        sched.retired = None
         DraftModel.guesses = True
     final = events[-1]
     seq = finished[0]
@@ -174,7 +167,7 @@ def draft_step_cost(engine: Engine, temperature: float, k: int = 8) -> float:
     from mlx_engine.sampling import Sampler
     from mlx_engine.speculative.proposers import DraftInput, DraftModel
 
-    runner = engine._runner
+    runner = engine.diagnostics().runner
     sampler = Sampler(SamplingParams(temperature=temperature, seed=0), runner.vocab_size)
     best = float("inf")
     for _ in range(4):  # the first is a warm-up
@@ -182,7 +175,7 @@ def draft_step_cost(engine: Engine, temperature: float, k: int = 8) -> float:
         draft.prefill([(7 * i) % 97 + 3 for i in range(64)])
         draft.propose(DraftInput(draft.tokens + [5], k, sampler, lambda a, b: []))
         best = min(best, draft.last_spent[0])
-    return best / k / engine._scheduler.cost_curve.t1_s
+    return best / k / engine.diagnostics().scheduler.cost_curve.t1_s
 
 
 def predicted(r: dict, curve: CostCurve, costs: dict[str, float],
@@ -233,8 +226,9 @@ def main() -> None:
     torch_cuda = args.backend == "torch" and args.device != "cpu" and _cuda_available()
     bits = None if draft is None or torch_cuda else args.draft_bits or (8 if args.backend == "torch" else 4)
     engine = Engine.load(args.model, draft_model=draft, backend=args.backend, device=args.device, draft_bits=bits)
+    diag = engine.diagnostics()
     if draft is not None and torch_cuda:
-        engine._thread.call(lambda: requantize_torch(engine._runner.draft.model))
+        diag.call(lambda: requantize_torch(diag.runner.draft.model))
     versions = f"mlx {mx.__version__}, Metal {mx.metal.is_available()}"
     if args.backend == "torch":
         import torch
@@ -242,8 +236,8 @@ def main() -> None:
         versions = f"torch {torch.__version__} on {engine.info.device}"
     print(f"# {engine.info.name}, backend {args.backend}, {platform.platform()}, nproc "
           f"{subprocess.getoutput('nproc')}, {versions}, {datetime.date.today()}")
-    curve, self_cost, draft_curves = engine._thread.call(lambda: cost_curve(engine))
-    engine._scheduler.cost_curve = curve
+    curve, self_cost, draft_curves = diag.call(lambda: cost_curve(engine))
+    diag.scheduler.cost_curve = curve
     print(f"\nT(1) = {curve.t1_s * 1000:.1f} ms (one decode step, 64 tokens cached)\n")
     print("| k | k+1 | T(k+1)/T(1) | best case k+1 tokens / cost |")
     print("|---|---|---|---|")
@@ -252,10 +246,10 @@ def main() -> None:
         print(f"| {k} | {k + 1} | {c:.2f} | {(k + 1) / c:.2f} |")
     step_costs = {t: float("nan") for t in args.temperatures}  # the draft model's, by temperature
     if draft_curves is not None:
-        step_costs = {t: engine._thread.call(lambda t=t: draft_step_cost(engine, t)) for t in args.temperatures}
+        step_costs = {t: diag.call(lambda t=t: draft_step_cost(engine, t)) for t in args.temperatures}
     steps = ", ".join(f"{step_costs[t]:.2f} at temperature {t:g}" for t in args.temperatures)
-    print(f"\nDrafting cost per token, in T(1): self ({engine._runner.self_draft_layers} of "
-          f"{len(engine._runner.model.layers)} layers + head) {self_cost:.2f}, draft ({_draft_label(engine)}) "
+    print(f"\nDrafting cost per token, in T(1): self ({diag.runner.self_draft_layers} of "
+          f"{len(diag.runner.model.layers)} layers + head) {self_cost:.2f}, draft ({_draft_label(engine)}) "
           f"{steps} (forward and sampling), prompt lookup 0")
     if draft_curves is not None:
         print("The draft model's forward over w rows (a catch-up), in T(1): " + ", ".join(

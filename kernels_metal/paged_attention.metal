@@ -17,7 +17,9 @@
 // Template: T (q and out dtype), D (head dim, a multiple of 8, at most 128), NSG (simdgroups per
 // threadgroup, at least 4 so that NSG * 32 >= D).
 // params (int32): Hq, Hkv, block_size, max_blocks_per_seq, partition_size, num_partitions,
-// group_size. qscale (float32): softmax scale * log2(e), so the softmax runs in base 2.
+// group_size, window. window > 0: a sliding window, the query (at position seq_len - 1) reads only
+// the last `window` keys, positions >= seq_len - window; the partitions cover those (table entries
+// before them are never read: their blocks may have been freed). 0: every key. qscale (float32): softmax scale * log2(e), so the softmax runs in base 2.
 //
 // One threadgroup per (partition, q head, sequence). A key is read by L lanes of C = 8 contiguous
 // elements each (L = D / 8 rounded up to a power of two, so that the dot product reduces with an
@@ -45,6 +47,7 @@ const int max_blocks = params[3];
 const int partition_size = params[4];
 const int num_partitions = params[5];
 const int group_size = params[6];
+const int window = params[7];
 
 const int part = int(threadgroup_position_in_grid.x);
 const int hq = int(threadgroup_position_in_grid.y);
@@ -59,7 +62,8 @@ const bool active = d0 < D;
 const int hkv = hq / (Hq / Hkv);
 
 const int seq_len = seq_lens[b];
-const int t_begin = part * partition_size;
+const int t_first = (window > 0 && seq_len > window) ? seq_len - window : 0;  // the window's first key
+const int t_begin = t_first + part * partition_size;
 const int t_end = min(seq_len, t_begin + partition_size);
 const device int* table = block_tables + size_t(b) * max_blocks;
 

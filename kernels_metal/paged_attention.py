@@ -89,7 +89,7 @@ def _check_array(name: str, a: Any, ndim: int, dtypes: tuple[mx.Dtype, ...]) -> 
 
 
 def _validate(q: mx.array, pool: KVPool, block_tables: mx.array, seq_lens: mx.array, scale: float,
-              check_data: bool) -> int:
+              check_data: bool, window: int | None = None) -> int:
     """Shape and dtype checks, then (with check_data) the host-side checks of the tables and
     lengths; returns the longest sequence length, or the tables' capacity without check_data."""
     if not isinstance(pool, KVPool):
@@ -189,6 +189,8 @@ def _validate(q: mx.array, pool: KVPool, block_tables: mx.array, seq_lens: mx.ar
             f"{max_blocks} * {block_size} = {capacity}, got {int(lens[b])}"
         )
     used = np.arange(max_blocks)[None, :] < -(-lens[:, None] // block_size)  # (B, max_blocks)
+    if window is not None:  # blocks wholly before the window are never read (they may have been freed)
+        used &= np.arange(max_blocks)[None, :] >= np.maximum(lens[:, None] - window, 0) // block_size
     bad = np.argwhere(used & ((tables < 0) | (tables >= num_blocks)))
     if bad.size:
         b, j = (int(i) for i in bad[0])
@@ -209,6 +211,7 @@ def paged_decode_attention(
     partition_size: int = PARTITION_SIZE,
     check_data: bool = True,
     backend: _backend.Backend = "auto",
+    window: int | None = None,
 ) -> mx.array:
     """Attention of one new query token per sequence over a paged KV pool.
 
@@ -225,8 +228,14 @@ def paged_decode_attention(
     and every length fits its table, which reads `block_tables` and `seq_lens` back (a sync per
     call). A caller that keeps the tables itself (the engine's block manager) can pass
     check_data=False to skip the sync; partitions then cover the tables' capacity.
+
+    `window` (sliding-window attention): a sequence's query, at position seq_lens[b] - 1, reads only its last
+    `window` keys (keys at positions < seq_lens[b] - window are masked, and their table entries never read: the
+    engine frees blocks that left the window); partitions then cover at most `window` tokens. None: every key.
     """
-    max_len = _validate(q, pool, block_tables, seq_lens, scale, check_data)
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"window: expected None or a positive int (tokens), got {window!r}")
+    max_len = _validate(q, pool, block_tables, seq_lens, scale, check_data, window)
     if not isinstance(partition_size, int) or partition_size < 1:
         raise ValueError(f"partition_size: expected a positive int, got {partition_size!r}")
     which = _backend.resolve(backend)
@@ -234,21 +243,21 @@ def paged_decode_attention(
         which = "reference"  # the kernel failed on this machine: its twin computes the same attention
     if which == "reference":
         return reference.paged_decode_attention(q, pool, block_tables, seq_lens, scale,
-                                                max_seq_len=max_len if check_data else None)
-    return _launch(which, q, pool, block_tables, seq_lens, scale, partition_size, max_len)
+                                                max_seq_len=max_len if check_data else None, window=window)
+    return _launch(which, q, pool, block_tables, seq_lens, scale, partition_size, max_len, window)
 
 
 def _launch(which: str, q: mx.array, pool: KVPool, block_tables: mx.array, seq_lens: mx.array, scale: float,
-            partition_size: int, max_len: int) -> mx.array:
+            partition_size: int, max_len: int, window: int | None = None) -> mx.array:
     """The kernel on `which` ("metal" or "interpret"), arguments validated."""
     kernels = _kernels(which)
     B, Hq, D = q.shape
     if B == 0:
         return mx.zeros((0, Hq, D), dtype=q.dtype)
     _, block_size, Hkv, _ = pool.k.shape
-    P = max(1, math.ceil(max_len / partition_size))
+    P = max(1, math.ceil((max_len if window is None else min(max_len, window)) / partition_size))
     params = mx.array(
-        [Hq, Hkv, block_size, block_tables.shape[1], partition_size, P, pool.group_size], dtype=mx.int32
+        [Hq, Hkv, block_size, block_tables.shape[1], partition_size, P, pool.group_size, window or 0], dtype=mx.int32
     )
     qscale = mx.array([scale * math.log2(math.e)], dtype=mx.float32)  # softmax in base 2
     inputs = [q, pool.k, pool.v, block_tables, seq_lens, params, qscale]
@@ -286,6 +295,7 @@ CHECK_ATOL = {mx.float32: 8e-5, mx.float16: 1.6e-2, mx.bfloat16: 1.3e-1}
 CHECK_BLOCK_SIZE = 16  # divides every head dim, as per-channel keys need
 CHECK_LENS = (5, 40)  # a partial block, and three blocks: split into partitions of CHECK_PARTITION below
 CHECK_PARTITION = 16
+CHECK_WINDOW = 21  # the 40-token sequence's window starts inside its second block and spans two partitions
 
 
 def self_check(backend: str, dtype: mx.Dtype, head_dim: int, pool: KVPool | None = None, *, bits: int | None = None,
@@ -329,9 +339,10 @@ def _probe(backend: str, dtype: mx.Dtype, D: int, bits: int | None, k_bits: int 
         vq, vs, vb = mx.quantize(v, group_size=group, bits=bits)
         pool = KVPool(kq, vq, ks, kb, vs, vb, bits, group, k_bits, k_per_channel)
     scale = D ** -0.5
-    want = reference.paged_decode_attention(q, pool, tables, seq_lens, scale)
-    for partition, what in ((PARTITION_SIZE, "single pass"), (CHECK_PARTITION, "split-K")):
-        got = _launch(backend, q, pool, tables, seq_lens, scale, partition, max(lens))
+    for partition, what, window in ((PARTITION_SIZE, "single pass", None), (CHECK_PARTITION, "split-K", None),
+                                    (CHECK_PARTITION, "sliding-window split-K", CHECK_WINDOW)):
+        want = reference.paged_decode_attention(q, pool, tables, seq_lens, scale, window=window)
+        got = _launch(backend, q, pool, tables, seq_lens, scale, partition, max(lens), window)
         mx.eval(got, want)  # compiled and run now, not inside a later step
         err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
         if not err <= CHECK_ATOL[dtype]:  # NaN fails too

@@ -29,10 +29,12 @@ def paged_decode_attention(
     seq_lens: mx.array,
     scale: float,
     max_seq_len: int | None = None,
+    window: int | None = None,
 ) -> mx.array:
     """Decode attention over a paged KV pool: gather through the block tables, then masked attention.
 
-    Arguments as `kernels_metal.paged_decode_attention` (not validated here). `max_seq_len`, when
+    Arguments as `kernels_metal.paged_decode_attention` (not validated here; `window`: the query at position
+    seq_lens[b] - 1 reads keys at positions >= seq_lens[b] - window only). `max_seq_len`, when
     known, bounds the gather to the blocks in use instead of the tables' full capacity. Computes in
     float32; a sequence of length 0 yields zeros.
     """
@@ -61,6 +63,8 @@ def paged_decode_attention(
     k = gather(pool.k, pool.k_scales, pool.k_biases, pool.key_bits, pool.k_per_channel)
     v = gather(pool.v, pool.v_scales, pool.v_biases, pool.bits)
     valid = mx.arange(T)[None, :] < seq_lens[:, None]  # (B, T)
+    if window is not None:
+        valid = valid & (mx.arange(T)[None, :] >= seq_lens[:, None] - window)
     # GQA by grouping the q heads of each kv head, so K and V are never repeated (on the CPU faster than
     # mx.fast.scaled_dot_product_attention on the strided gather).
     qg = q.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, D)  # (B, Hkv, G, D)

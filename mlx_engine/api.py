@@ -8,8 +8,10 @@ scripted fake engine.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 SPECULATIVE_MODES = ("draft", "prompt-lookup", "self", "auto")
@@ -20,6 +22,7 @@ NO_DRAFT_MODEL = ("speculative='draft' needs a draft model: load one beside the 
                   "or 'self'")
 MAX_LOGPROBS = 20  # top alternatives per token, at most (OpenAI's limit)
 RESPONSE_FORMATS = ("json_object", "json_schema", "regex", "lark")
+DEFAULT_MAX_SEQS = 16  # sequences the scheduler runs at once unless Engine.load(max_seqs=...) says otherwise
 
 
 class RooflineError(Exception):
@@ -249,3 +252,118 @@ class ModelInfo:
     # False: no tokenizer files were found beside the weights, so the model takes and gives token ids only (no
     # text, no chat template): front ends say so at load, in their users' words
     has_tokenizer: bool = True
+
+
+# --- loading ----------------------------------------------------------------------------------------------
+
+LOAD_OPTIONS = {
+    "backend": "the model runner: 'mlx' (default; Metal or MLX's CPU backend) or 'torch' (CUDA or CPU; the "
+    "optional extra `torch`)",
+    "device": "'auto' (default), 'cpu' or 'cuda' (cuda: backend='torch' only)",
+    "dtype": "activation dtype: 'float32', 'float16' or 'bfloat16' (default: float32 on MLX's CPU backend, "
+    "the checkpoint's on Metal)",
+    "prefill_chunk_size": "tokens per prefill step (default 512; 4096 for backend='torch' on CUDA)",
+    "max_context": "cap the context length below the model's own",
+    "block_size": "tokens per KV block: 16 (default) or 32",
+    "kv_bits": "quantize the KV cache: 8 or 4 bits (default: None, the activation dtype)",
+    "kv_key_bits": "the keys' bits when they differ from kv_bits: 8 or 4 (default: kv_bits; needs kv_bits)",
+    "kv_group_size": "group size of quantized KV: 64 (default) or 32",
+    "kv_key_per_channel": "quantize the keys per channel over each block's tokens (KIVI) rather than per token "
+    "(default: for 4-bit keys, where it takes SmolLM2's perplexity cost from 6-11% to under 3%, under 2% with "
+    "block_size=32; True needs kv_bits and a block size dividing the head dim)",
+    "kv_budget_bytes": "bytes for the KV block pool (default: one full context plus 25%, within half the "
+    "free memory)",
+    "prefix_caching": "reuse KV blocks across requests that share a prefix (default True)",
+    "paged_kv": "force the paged KV cache on or off (default: on where the model supports it)",
+    "draft_model": "a draft model for speculative='draft' (same tokenizer as the model; GGUF file, HF or MLX "
+    "folder, HF repo id)",
+    "draft_bits": "hold the draft model at fewer bits than it is stored in, so that it drafts cheaply (the model "
+    "itself may then be its own draft): 4 or 8 on MLX (affine groups of 64); 8 on backend='torch' on the CPU, "
+    "through the CPU's int8 matmul (about 0.3 of a float32 decode step for SmolLM2)",
+    "draft_optional": "a draft model that fails to load or does not share the model's tokenizer is one of the "
+    "model's warnings (ModelInfo.warnings) rather than an error, and the model loads without it (default False; "
+    "the chat app, where a model picked in the app need not suit the draft named on its command line)",
+    "self_draft_layers": "layers of the model that speculative='self' drafts with (default: half)",
+    "threads": "backend='torch' on the CPU: torch's CPU threads (default: all the cores torch sees)",
+    "compile": "backend='torch' on the CPU: run decode steps as torch.compile graphs, compiled at load (default: "
+    "on with packed quantized weights; ROOFLINE_TORCH_COMPILE=0 turns the default off)",
+    "cuda_graphs": "backend='torch' on CUDA: replay each batched decode step as a CUDA graph (default True; "
+    "False launches its kernels one by one)",
+    "distributed": "'pipeline' or 'tensor': the model across the ranks mlx.launch started, this process being rank 0 "
+    "(another rank serves rank 0 and ends with it; docs/distributed.md)",
+    "chat_template": "a Jinja chat template to use instead of the model's own: its text, or a path (a .jinja file, "
+    "or a tokenizer_config.json)",
+    "max_seqs": f"sequences the scheduler runs at once, the rest waiting their turn (default {DEFAULT_MAX_SEQS}; the "
+    "contiguous KV cache holds one)",
+}
+# the engine's own options; every other one is the runner's (`LoadOptions.runner`)
+ENGINE_OPTIONS = ("chat_template", "max_seqs")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """`Engine.load`'s keyword options, checked once, before anything loads: the names against `LOAD_OPTIONS`, the
+    engine's own options (`max_seqs`, `chat_template`) here; the runner's (`runner`, passed to the backend as
+    given) by the backend, which knows the model they apply to."""
+
+    max_seqs: int = DEFAULT_MAX_SEQS
+    chat_template: str | None = None  # the template's text or a path, read by `chat_template.read_chat_template`
+    runner: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def from_kwargs(cls, options: Mapping[str, Any]) -> LoadOptions:
+        unknown = sorted(set(options) - set(LOAD_OPTIONS))
+        if unknown:
+            known = "; ".join(f"{k}: {v}" for k, v in LOAD_OPTIONS.items())
+            raise RooflineError(f"unknown Engine.load option(s) {', '.join(unknown)}. Known options: {known}")
+        own = {k: options[k] for k in ENGINE_OPTIONS if k in options}
+        return cls(**own, runner=MappingProxyType({k: v for k, v in options.items() if k not in ENGINE_OPTIONS}))
+
+    def __post_init__(self) -> None:
+        n = self.max_seqs
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise RooflineError(f"invalid Engine.load option max_seqs={n!r}: expected an integer >= 1 "
+                                f"({LOAD_OPTIONS['max_seqs']})")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise RooflineError(f"invalid Engine.load option chat_template={self.chat_template!r}: expected a "
+                                "template's text or a path, as a string")
+        if not isinstance(self.runner, MappingProxyType):  # frozen all the way down
+            object.__setattr__(self, "runner", MappingProxyType(dict(self.runner)))
+
+
+# --- what a front end may ask of an engine -----------------------------------------------------------------
+
+
+@runtime_checkable
+class GenerationStreamLike(Protocol):
+    """`Engine.generate`'s result: GenerationEvents, the last with `finish_reason`; `close` (or leaving a for loop
+    over it) cancels the request."""
+
+    def __iter__(self) -> Iterator[GenerationEvent]: ...
+
+    def __next__(self) -> GenerationEvent: ...
+
+    def cancel(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class EngineLike(Protocol):
+    """What a front end (TUI, server, bench) uses of an engine: the real `mlx_engine.Engine`, and the scripted fakes
+    the front ends' tests run against (tests/test_engine_like.py holds every one of them to this list)."""
+
+    info: ModelInfo
+    tokenizer: Any  # mlx_engine.tokenizer.Tokenizer: encode, decode, encode_chat, id_to_piece, eos_token_ids
+
+    def generate(self, request: GenerationRequest) -> GenerationStreamLike: ...
+
+    def kv_stats(self) -> dict[str, Any]: ...
+
+    def save_kv(self, path: str, request: GenerationRequest | list[int]) -> int: ...
+
+    def restore_kv(self, path: str) -> int: ...
+
+    def decode_bytes_per_token(self, context_tokens: int) -> int: ...
+
+    def close(self) -> None: ...

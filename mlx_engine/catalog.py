@@ -384,7 +384,7 @@ def model_memory(ref: str | None, kv_bits: int | None = None, key_bits: int | No
     return ModelMemory(name, header.weights, per_token, header.kv.context_length)
 
 
-def kv_shape(ref: str | None) -> KVShape:
+def kv_shape(ref: str | os.PathLike[str] | None) -> KVShape:
     """The attention shape that sizes the KV cache, from config.json or GGUF metadata (no weights read)."""
     from mlx_engine.loading import resolve
 

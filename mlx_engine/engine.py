@@ -13,55 +13,22 @@ from typing import Any, TypeVar
 import numpy as np
 
 from mlx_engine.api import (
+    LOAD_OPTIONS,
+    NO_DRAFT_MODEL,
     GenerationEvent,
     GenerationRequest,
+    LoadOptions,
     ModelInfo,
     ModelLoadError,
+    RequestError,
     RooflineError,
+    SamplingParams,
 )
+from mlx_engine.backends.base import ModelRunner
 from mlx_engine.backends.mlx.host_blas import one_blas_thread
+from mlx_engine.diagnostics import Diagnostics
 
 T = TypeVar("T")
-
-LOAD_OPTIONS = {
-    "backend": "the model runner: 'mlx' (default; Metal or MLX's CPU backend) or 'torch' (CUDA or CPU; the "
-    "optional extra `torch`)",
-    "device": "'auto' (default), 'cpu' or 'cuda' (cuda: backend='torch' only)",
-    "dtype": "activation dtype: 'float32', 'float16' or 'bfloat16' (default: float32 on MLX's CPU backend, "
-    "the checkpoint's on Metal)",
-    "prefill_chunk_size": "tokens per prefill step (default 512; 4096 for backend='torch' on CUDA)",
-    "max_context": "cap the context length below the model's own",
-    "block_size": "tokens per KV block: 16 (default) or 32",
-    "kv_bits": "quantize the KV cache: 8 or 4 bits (default: None, the activation dtype)",
-    "kv_key_bits": "the keys' bits when they differ from kv_bits: 8 or 4 (default: kv_bits; needs kv_bits)",
-    "kv_group_size": "group size of quantized KV: 64 (default) or 32",
-    "kv_key_per_channel": "quantize the keys per channel over each block's tokens (KIVI) rather than per token "
-    "(default: for 4-bit keys, where it takes SmolLM2's perplexity cost from 6-11% to under 3%, under 2% with "
-    "block_size=32; True needs kv_bits and a block size dividing the head dim)",
-    "kv_budget_bytes": "bytes for the KV block pool (default: one full context plus 25%, within half the "
-    "free memory)",
-    "prefix_caching": "reuse KV blocks across requests that share a prefix (default True)",
-    "paged_kv": "force the paged KV cache on or off (default: on where the model supports it)",
-    "draft_model": "a draft model for speculative='draft' (same tokenizer as the model; GGUF file, HF or MLX "
-    "folder, HF repo id)",
-    "draft_bits": "hold the draft model at fewer bits than it is stored in, so that it drafts cheaply (the model "
-    "itself may then be its own draft): 4 or 8 on MLX (affine groups of 64); 8 on backend='torch' on the CPU, "
-    "through the CPU's int8 matmul (about 0.3 of a float32 decode step for SmolLM2)",
-    "draft_optional": "a draft model that fails to load or does not share the model's tokenizer is one of the "
-    "model's warnings (ModelInfo.warnings) rather than an error, and the model loads without it (default False; "
-    "the chat app, where a model picked in the app need not suit the draft named on its command line)",
-    "self_draft_layers": "layers of the model that speculative='self' drafts with (default: half)",
-    "threads": "backend='torch' on the CPU: torch's CPU threads (default: all the cores torch sees)",
-    "compile": "backend='torch' on the CPU: run decode steps as torch.compile graphs, compiled at load (default: "
-    "on with packed quantized weights; ROOFLINE_TORCH_COMPILE=0 turns the default off)",
-    "cuda_graphs": "backend='torch' on CUDA: replay each batched decode step as a CUDA graph (default True; "
-    "False launches its kernels one by one)",
-    "distributed": "'pipeline' or 'tensor': the model across the ranks mlx.launch started, this process being rank 0 "
-    "(another rank serves rank 0 and ends with it; docs/distributed.md)",
-    "chat_template": "a Jinja chat template to use instead of the model's own: its text, or a path (a .jinja file, "
-    "or a tokenizer_config.json)",
-}
-
 
 class _EngineThread:
     """One thread owns all MLX work (MLX streams are per thread). Between scheduler steps it runs the
@@ -185,7 +152,7 @@ class Engine:
 
     info: ModelInfo
 
-    def __init__(self, thread: _EngineThread, runner: Any, info: ModelInfo):
+    def __init__(self, thread: _EngineThread, runner: ModelRunner, info: ModelInfo):
         self._thread = thread
         self._runner = runner
         self.info = info
@@ -193,37 +160,39 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, **options: Any) -> Engine:
-        """Loads `model` (None: the embedded SmolLM2; a GGUF file; a HF or MLX folder; a HF repo id)."""
-        unknown = sorted(set(options) - set(LOAD_OPTIONS))
-        if unknown:
-            known = "; ".join(f"{k}: {v}" for k, v in LOAD_OPTIONS.items())
-            raise RooflineError(f"unknown Engine.load option(s) {', '.join(unknown)}. Known options: {known}")
+        """Loads `model` (None: the embedded SmolLM2; a GGUF file; a HF or MLX folder; a HF repo id); `options`:
+        `mlx_engine.api.LOAD_OPTIONS`."""
+        opts = LoadOptions.from_kwargs(options)
         from mlx_engine.backends import load_runner
         from mlx_engine.scheduler import Scheduler
 
-        template = options.pop("chat_template", None)
+        template = opts.chat_template
         if template is not None:  # checked before the model loads
             from mlx_engine.chat_template import read_chat_template
 
             template = read_chat_template(template)
         thread = engine_thread()
-        runner = thread.call(lambda: load_runner(model, **options))
+        runner = thread.call(lambda: load_runner(model, **opts.runner))
         if template is not None:
-            if getattr(runner.tokenizer, "backend", None) is None:
+            if not runner.info.has_tokenizer:
                 thread.call(runner.release)
                 raise ModelLoadError(f"{runner.info.path} has no tokenizer, so a chat template cannot be used")
             runner.tokenizer.chat_template = template
         engine = cls(thread, runner, runner.info)
-        engine._scheduler = Scheduler(runner)
+        engine._scheduler = Scheduler(runner, max_seqs=opts.max_seqs)
         thread.register(engine._scheduler)
         return engine
+
+    def diagnostics(self) -> Diagnostics:
+        """The engine's insides for benchmarks and tests (`mlx_engine.diagnostics`); front ends need none of it."""
+        return Diagnostics(self)
 
     def generate(self, request: GenerationRequest) -> GenerationStream:
         """Starts a generation and returns its event stream. Errors in the request (a prompt longer than
         the context, token ids outside the vocabulary, a template error, a response format that does not compile)
         raise RequestError here."""
-        prompt_ids = self._runner.prompt_ids(request)
-        self._runner.check_speculation(request.sampling)
+        prompt_ids = _prompt_ids(self._runner, request)
+        _check_speculation(self._runner, request.sampling)
         constraint = None
         fmt = request.sampling.response_format
         if fmt is not None:  # compiled here: a bad schema fails this call, not the engine thread
@@ -238,17 +207,17 @@ class Engine:
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         """The token ids `generate` would run for this request (chat template applied), validated against
         the context and the KV budget."""
-        return self._runner.prompt_ids(request)
+        return _prompt_ids(self._runner, request)
 
     def forward_logits(self, token_ids: list[int]) -> np.ndarray:
         """float32 logits (T, vocab) of one forward pass over `token_ids` from an empty cache."""
-        ids = self._runner.check_context(self._runner.check_ids(list(token_ids)))
+        ids = _check_ids(self._runner, list(token_ids), whole=True)
         return self._thread.call(lambda: self._runner.forward_logits(ids))
 
     def hidden_states(self, token_ids: list[int]) -> list[np.ndarray]:
         """float32 hidden states of one forward pass over `token_ids` from an empty cache: the embedding
         output, then each decoder layer's output, each (T, hidden)."""
-        ids = self._runner.check_context(self._runner.check_ids(list(token_ids)))
+        ids = _check_ids(self._runner, list(token_ids), whole=True)
         return self._thread.call(lambda: self._runner.hidden_states(ids))
 
     def decode_bytes_per_token(self, context_tokens: int) -> int:
@@ -256,10 +225,16 @@ class Engine:
         tied to the head) plus K and V of every layer. Times tokens/s over bandwidth is % of roofline."""
         return self._runner.decode_bytes_per_token(context_tokens)
 
+    def moe_routing(self) -> dict[str, Any] | None:
+        """A mixture-of-experts model's recent decode steps: per step, each row's routed experts per MoE layer,
+        their union and the weight bytes the step reads (shared weights plus the routed experts); with
+        expert_bytes, num_experts, experts_per_token and shared_bytes. None for a dense model."""
+        return self._thread.call(self._runner.moe_routing)
+
     def score(self, token_ids: list[int]) -> np.ndarray:
         """Log-probability of each token given those before it, float32 (T - 1,), through the engine's own
         KV cache and prefill chunks: perplexity = exp(-mean)."""
-        ids = self._runner.check_context(self._runner.check_ids(list(token_ids)))
+        ids = _check_ids(self._runner, list(token_ids), whole=True)
         return self._thread.call(lambda: self._runner.score(ids))
 
     def kv_stats(self) -> dict[str, Any]:
@@ -269,7 +244,7 @@ class Engine:
     def save_kv(self, path: str, request: GenerationRequest | list[int]) -> int:
         """Saves the cached KV of a conversation (a request's prompt, or token ids): every full block of
         its prefix still in the prefix cache, with the tokens and the model fingerprint. Returns tokens saved."""
-        ids = self._runner.prompt_ids(request) if isinstance(request, GenerationRequest) else list(request)
+        ids = _prompt_ids(self._runner, request) if isinstance(request, GenerationRequest) else list(request)
         return self._thread.call(lambda: self._runner.save_kv(path, ids))
 
     def restore_kv(self, path: str) -> int:
@@ -299,6 +274,53 @@ class Engine:
         self.close()
 
 
+# --- prompt handling: on the caller's thread (tokenizers and the runner's declared figures only, no MLX) ---
+
+
+def _check_ids(runner: ModelRunner, ids: list[int], whole: bool = False) -> list[int]:
+    """Token ids inside the vocabulary; `whole`: a forward over them all, so within the context too."""
+    if not ids:
+        raise RequestError("the prompt is empty (0 tokens)")
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < runner.vocab_size]
+    if bad:
+        raise RequestError(f"token id {bad[0]!r} is outside the vocabulary (0..{runner.vocab_size - 1})")
+    if whole and len(ids) > runner.context_length:
+        raise RequestError(f"the input is {len(ids)} tokens but the model's context is {runner.context_length} tokens")
+    return ids
+
+
+def _prompt_ids(runner: ModelRunner, request: GenerationRequest) -> list[int]:
+    """The token ids a request runs (chat template applied), checked against the context and the KV budget."""
+    if request.messages is not None:
+        ids = runner.tokenizer.encode_chat(request.messages, add_generation_prompt=request.add_generation_prompt)
+    elif request.prompt is not None:
+        ids = runner.tokenizer.encode(request.prompt)
+    else:
+        ids = list(request.prompt_token_ids or [])
+    _check_ids(runner, ids)
+    context = runner.context_length
+    if len(ids) >= context:
+        raise RequestError(f"the prompt is {len(ids)} tokens but the model's context is {context} tokens "
+                           f"(at least 1 more is needed to generate)")
+    runner.cache.check_fits(len(ids) + min(request.sampling.max_tokens, context - len(ids)))
+    return ids
+
+
+def _check_speculation(runner: ModelRunner, params: SamplingParams) -> None:
+    """Refuses a speculative mode this runner cannot serve (RequestError). "auto" is never refused: it falls back
+    to plain decoding."""
+    mode, caps = params.speculative, runner.capabilities
+    if mode is None or mode == "auto":
+        return
+    if not caps.rollback:
+        raise RequestError(f"speculative={mode!r} is not available for {runner.info.name}: {caps.reason('rollback')}, "
+                           "so rejected draft tokens cannot be rolled back")
+    if mode == "draft" and runner.draft is None:
+        raise RequestError(NO_DRAFT_MODEL)
+    if mode == "self" and not caps.self_draft:
+        raise RequestError(f"speculative='self' {caps.reason('self_draft')}")
+
+
 class _Closed:
     def __getattr__(self, name: str) -> Any:
         raise RooflineError("this engine is closed")
@@ -307,4 +329,4 @@ class _Closed:
         pass
 
 
-__all__ = ["Engine", "GenerationStream"]
+__all__ = ["LOAD_OPTIONS", "Engine", "GenerationStream"]

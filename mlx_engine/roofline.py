@@ -22,6 +22,37 @@ class DecodeBytes:
         return self.weights + self.kv
 
 
+@dataclass(frozen=True)
+class MoEShape:
+    """A mixture-of-experts model's experts: a decode step reads only those its router picks."""
+
+    expert_bytes: tuple[int, ...]  # one expert's bytes (its projections, as stored), per MoE layer
+    num_experts: tuple[int, ...]  # per MoE layer
+    experts_per_token: int  # the router's top k
+
+    @property
+    def all_experts_bytes(self) -> int:
+        return sum(b * n for b, n in zip(self.expert_bytes, self.num_experts))
+
+
+def moe_step_bytes(weight_bytes: int, moe: MoEShape, experts: list[list[int]]) -> int:
+    """Weight bytes one decode step reads: `weight_bytes` (every weight read per token) less the experts, plus
+    the experts routed in the step, per MoE layer (`experts[l]`: for a batch, the union of its rows' choices)."""
+    if len(experts) != len(moe.expert_bytes):
+        raise ValueError(f"routing for {len(experts)} MoE layers, the model has {len(moe.expert_bytes)}")
+    routed = sum(len(set(e)) * b for e, b in zip(experts, moe.expert_bytes))
+    return weight_bytes - moe.all_experts_bytes + routed
+
+
+def moe_weights_per_step(report: dict | None, batch: int) -> float | None:
+    """Mean weight bytes of a mixture-of-experts model's recorded decode steps (`Engine.moe_routing`) of exactly
+    `batch` decode rows and nothing else (no prefill packed in); None for a dense model or without such steps."""
+    if not report:
+        return None
+    steps = [s["bytes"] for s in report["steps"] if s["decode_rows"] == batch == len(s["rows"][0])]
+    return sum(steps) / len(steps) if steps else None
+
+
 def decode_bytes_per_token(
     weight_bytes: int,
     embedding_bytes: int,
@@ -31,10 +62,14 @@ def decode_bytes_per_token(
     head_dim: int,
     context: int,
     kv_bytes_per_element: float,
+    moe: MoEShape | None = None,
 ) -> DecodeBytes:
     """`weight_bytes` counts every parameter as stored; an untied input embedding is a row lookup, so
-    its table is not read per token (a tied one is read in full by the output head)."""
+    its table is not read per token (a tied one is read in full by the output head). With `moe`, one
+    sequence's token reads the shared weights and its top-k experts of each MoE layer."""
     weights = weight_bytes if tied_embeddings else weight_bytes - embedding_bytes
+    if moe is not None:
+        weights = moe_step_bytes(weights, moe, [list(range(min(moe.experts_per_token, n))) for n in moe.num_experts])
     kv = int(2 * num_layers * num_kv_heads * head_dim * context * kv_bytes_per_element)
     return DecodeBytes(weights=weights, kv=kv)
 
@@ -58,8 +93,8 @@ def measure_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
 def bandwidth_readings(runs: int = 9, nbytes: int = 256 * 2**20, pause_s: float = 0.02) -> list[float]:
     """`runs` timed copies of an `nbytes` buffer (far beyond any cache), each as bytes/s counting the bytes read
     plus the bytes written (STREAM's copy), after an untimed first copy that faults the pages in. A short pause
-    between copies spreads them over time, so that a burst of another process's work spoils a few, not all: on a
-    shared 2-core VM single copies read 9 to 24 GB/s."""
+    between copies spreads them over time, so that a burst of another process's work spoils a few, not all (on a
+    shared VM single copies vary more than twofold)."""
     src = np.ones(nbytes // 8, dtype=np.float64)
     dst = np.empty_like(src)
     np.copyto(dst, src)

@@ -93,7 +93,7 @@ class Sampler:
     def plain(self) -> bool:
         """No logit bias, no penalties and no response format: a token depends on the raw logits, the temperature,
         the filters and this request's draws only, so a runner can sample where its logits are
-        (`Runner.rows_sample`)."""
+        (`ModelRunner.packed_sample`)."""
         return self._bias is None and self._counts is None and self.params.response_format is None
 
     # ---- state -------------------------------------------------------------------------------

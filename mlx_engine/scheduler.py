@@ -22,85 +22,39 @@ max_tokens=0 it samples nothing and ends ("length") at the step that prefills it
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-import numpy as np
 
-from mlx_engine.api import (
-    GenerationEvent,
-    RooflineError,
-    SamplingParams,
-    Stats,
-    TokenLogprob,
-    Usage,
-)
+from mlx_engine.api import DEFAULT_MAX_SEQS, RooflineError, SamplingParams
+from mlx_engine.backends.base import ModelRunner
+from mlx_engine.sequence import Sequence, plain
 from mlx_engine.stop import StopStringMatcher
 
+if TYPE_CHECKING:
+    from mlx_engine.speculative.cost import CostCurve
+    from mlx_engine.speculative.policy import SpecState
+    from mlx_engine.speculative.proposers import Proposer
+
 DEFAULT_TOKEN_BUDGET = 512  # tokens per step (decode rows + prefill chunk tokens)
-DEFAULT_MAX_SEQS = 16
-
-
-@dataclass(eq=False)
-class Sequence:
-    req_id: str
-    prompt: list[int]
-    params: SamplingParams
-    stream: Any  # engine.GenerationStream
-    sampler: Any = None
-    detok: Any = None
-    stops: StopStringMatcher | None = None
-    fed: list[int] = field(default_factory=list)  # known tokens whose K/V the cache holds (prompt, then read tokens)
-    num_cached: int = 0
-    max_new: int = 0
-    reserved_blocks: int = 0
-    num_prefilled: int = 0  # prompt tokens in the cache
-    last: mx.array | None = None  # the newest sampled token (lazy): the next decode step's input
-    unread: list[tuple[mx.array, mx.array | None]] = field(default_factory=list)  # sampled, not yet emitted
-    num_sampled: int = 0
-    num_fed_out: int = 0  # generated tokens fed back as inputs
-    generated: list[int] = field(default_factory=list)  # generated tokens read so far
-    n_out: int = 0
-    t_start: float = 0.0
-    t_first: float = 0.0
-    t_last: float = 0.0
-    num_forwards: int = 0  # target forwards that sampled a token for it
-    spec: Any = None  # speculative.policy.SpecState when the request speculates
-    constraint: Any = None  # structured.Constraint when the request has a response format
-    # SamplingParams.prompt_logprobs: per prefill chunk, (target log-probs (L,), top ids (L, k), top log-probs
-    # (L, k)) as numpy, until the first event takes them
-    prompt_scores: list[tuple[Any, Any, Any]] | None = None
-
-    @property
-    def scores_prompt(self) -> bool:
-        return self.params.prompt_logprobs is not None
-
-    @property
-    def prefilling(self) -> bool:
-        return self.num_prefilled < len(self.prompt)
-
-    def cached_tokens(self) -> list[int]:
-        """The tokens whose K/V the cache holds (all known: a fed token was read before it is recorded)."""
-        return self.prompt[: self.num_prefilled] + self.generated[: self.num_fed_out]
 
 
 class Scheduler:
-    def __init__(self, runner: Any, token_budget: int | None = None, max_seqs: int = DEFAULT_MAX_SEQS):
+    def __init__(self, runner: ModelRunner, token_budget: int | None = None, max_seqs: int = DEFAULT_MAX_SEQS):
         self.runner = runner
         # default: DEFAULT_TOKEN_BUDGET, or one whole prefill chunk when the runner's chunks are larger
-        self.token_budget = token_budget or max(DEFAULT_TOKEN_BUDGET, getattr(runner, "prefill_chunk_size", 0))
-        self.max_seqs = max_seqs if runner.cache.capabilities.batching else 1  # the contiguous cache holds one
+        self.token_budget = token_budget or max(DEFAULT_TOKEN_BUDGET, runner.prefill_chunk_size)
+        width = runner.capabilities.max_batch  # the contiguous cache holds one
+        self.max_seqs = max_seqs if width is None else min(max_seqs, width)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._counter = 0
         self.num_steps = 0
         self.trace: list[tuple[int, int]] | None = None  # set to [] to record (decode rows, prefill tokens) per step
-        self.cost_curve: Any = None  # speculative.cost.CostCurve, measured at the first "auto" request
+        self.retired: list[Sequence] | None = None  # set to [] to keep each request's state as it ends (benchmarks)
+        self.cost_curve: CostCurve | None = None  # measured at the first "auto" request
         # proposer -> [accepted, tested] draft tokens over finished requests ("auto"'s priors; `tested_tokens`)
         self.acceptance: dict[str, list[int]] = {}
 
@@ -161,12 +115,12 @@ class Scheduler:
         seq.spec = self._spec_state(seq.params)
         self.running.append(seq)
 
-    def _spec_state(self, params: SamplingParams) -> Any:
+    def _spec_state(self, params: SamplingParams) -> SpecState | None:
         from mlx_engine.speculative import policy as sp
         from mlx_engine.speculative.proposers import DraftModel, PromptLookup, SelfDraft
 
         mode, runner = params.speculative, self.runner
-        if mode is None or (mode == "auto" and runner.rollback_problem()):
+        if mode is None or (mode == "auto" and not runner.capabilities.rollback):
             return None
         if mode != "auto":
             kinds = [mode]
@@ -176,9 +130,10 @@ class Scheduler:
         proposers, priors = [], []
         for kind in kinds:
             if kind == "draft":
-                proposer: Any = DraftModel(runner.draft, self._draft_cost() if curve else 0.0)
+                model = DraftModel(runner.draft, self._draft_cost() if curve else 0.0)
                 if mode == "auto":
-                    proposer.guesses = False  # see DraftModel.guesses
+                    model.guesses = False  # see DraftModel.guesses
+                proposer: Proposer = model
             elif kind == "self":
                 proposer = SelfDraft(runner, runner.self_draft_layers)
             else:
@@ -196,7 +151,7 @@ class Scheduler:
                                   for p, prior in zip(proposers, priors))
         return state
 
-    def _cost_curve(self) -> Any:
+    def _cost_curve(self) -> CostCurve:
         if self.cost_curve is None:
             from mlx_engine.speculative.cost import cached_cost_curve
 
@@ -205,9 +160,9 @@ class Scheduler:
 
     def _draft_cost(self) -> float:
         """T_draft(1) / T(1): a draft model's step in target decode steps, timed beside a target step. Divided by
-        the curve's T(1), timed minutes or runs before, a slow spell of the machine made the draft look dearer: on
-        the build VM one such reading (0.47 T(1), against 0.30-0.33) kept "auto" from drafting for the rest of a
-        run, since only the proposals it makes correct the figure."""
+        the curve's T(1), timed minutes or runs before, a slow spell of the machine made the draft look dearer, and
+        one such reading kept "auto" from drafting for the rest of a run, since only the proposals it makes correct
+        the figure (docs/benchmarks.md, "Measurements moved out of the code")."""
         curve = self._cost_curve()
         if "draft" not in curve.draft_costs:
             from mlx_engine.speculative import timing
@@ -292,11 +247,11 @@ class Scheduler:
         if decoding and not packed:
             layers = cache.decode_layers([s.req_id for s in decoding], [s.cached_tokens() for s in decoding])
             inputs = mx.stack([s.last for s in decoding]).reshape(len(decoding), 1)  # (B, 1), lazy
-            if _plain(decoding):
-                tokens = runner.last_sample(inputs, layers, [s.sampler for s in decoding])  # (B,)
+            if plain(decoding):
+                tokens = runner.decode_sample(inputs, layers, [s.sampler for s in decoding])  # (B,)
                 samples = [(tokens[i], None) for i in range(len(decoding))]
             else:
-                logits = runner.last_logits(inputs, layers)  # (B, V)
+                logits = runner.decode_logits(inputs, layers)  # (B, V)
                 samples = [self._sample(s, logits[i : i + 1]) for i, s in enumerate(decoding)]
             for s, sample in zip(decoding, samples):
                 s.num_fed_out += 1
@@ -308,16 +263,16 @@ class Scheduler:
             s.num_prefilled = end
             logits = None
             if s.scores_prompt:  # logits at every position: the chunk's rows score the prompt
-                logits = runner.rows_logits(inputs, layers, list(range(end - start)))
-                self._score_chunk(s, start, end, logits)
+                logits = runner.packed_logits(inputs, layers, list(range(end - start)))
+                s.score_chunk(start, end, logits)
             if end == len(s.prompt) and s.max_new:  # the last chunk: its last position gives the first token
-                last = logits[-1:] if logits is not None else runner.last_logits(inputs, layers)
+                last = logits[-1:] if logits is not None else runner.prefill_logits(inputs, layers)
                 new.append((s, *self._sample(s, last)))
                 if s.spec is not None:
                     s.spec.prefill(s.prompt)
             else:
                 if logits is None:
-                    runner.forward(inputs, layers)
+                    runner.prefill(inputs, layers)
                 mx.eval(cache.state(layers))
 
         if self.trace is not None:
@@ -359,14 +314,14 @@ class Scheduler:
                 scored.append((s, a, b, len(rows)))
                 rows = rows + list(range(row, row + b - a))
             row += b - a
-        if _plain(sampling) and not scored:
-            tokens = runner.rows_sample(inputs, layers, rows, [s.sampler for s in sampling])  # or None: no rows
+        if plain(sampling) and not scored:
+            tokens = runner.packed_sample(inputs, layers, rows, [s.sampler for s in sampling])  # or None: no rows
             new.extend((s, tokens[i], None) for i, s in enumerate(sampling))
         else:
-            logits = runner.rows_logits(inputs, layers, rows)
+            logits = runner.packed_logits(inputs, layers, rows)
             new.extend((s, *self._sample(s, logits[i : i + 1])) for i, s in enumerate(sampling))
             for s, a, b, first in scored:
-                self._score_chunk(s, a, b, logits[first : first + b - a])
+                s.score_chunk(a, b, logits[first : first + b - a])
         for s in sampling[len(decoding):]:  # prefilled now
             if s.spec is not None:
                 s.spec.prefill(s.prompt)
@@ -418,28 +373,6 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - one request's failure (detokenizer, stops) is its own
                     self._retire(s, "error", error=e)
 
-    def _score_chunk(self, seq: Sequence, start: int, end: int, logits: mx.array) -> None:
-        """A scoring sequence's prefill chunk [start, end) and its logits (end - start, V): position p scores the
-        prompt's token p + 1 (the last position of the prompt predicts the reply, not a prompt token)."""
-        from mlx_engine.sampling import target_logprobs
-
-        m = min(end, len(seq.prompt) - 1) - start
-        if m <= 0:
-            return
-        scores = target_logprobs(logits[:m], seq.prompt[start + 1:start + 1 + m], seq.params.prompt_logprobs or 0)
-        mx.eval(scores)  # small: the (m, V) logits need not outlive the step
-        assert seq.prompt_scores is not None
-        seq.prompt_scores.append(tuple(np.array(a) for a in scores))  # type: ignore[arg-type]
-
-    def _take_prompt_logprobs(self, seq: Sequence) -> tuple[TokenLogprob, ...]:
-        """The prompt's scores as TokenLogprobs, once (on the first event); () after, or when not asked for."""
-        if not seq.prompt_scores:
-            return ()
-        chunks, seq.prompt_scores = seq.prompt_scores, []
-        lp, ids, vals = (np.concatenate([c[i] for c in chunks]) for i in range(3))
-        return tuple(TokenLogprob(token_id=t, logprob=float(v), top=tuple(zip(i.tolist(), w.tolist())))
-                     for t, v, i, w in zip(seq.prompt[1:], lp.tolist(), ids, vals))
-
     def _mask(self, seq: Sequence) -> None:
         """A constrained sequence's mask for this step, before any forward is built: a grammar that fails (a dead
         end, a resource limit) fails its own request, not the step's others."""
@@ -465,10 +398,8 @@ class Scheduler:
         if seq.constraint is not None and token not in self.runner.eos_ids:  # (EOS here: ignore_eos)
             seq.constraint.consume(token)
         seq.n_out += 1
-        logprobs = (_token_logprob(token, lp, seq.params.logprobs),) if lp is not None else ()
         text, hit = seq.stops.feed(seq.detok.add_token(token))
-        seq.stream.events.put(GenerationEvent(text=text, token_ids=(token,), from_draft=(from_draft,),
-                                              logprobs=logprobs, prompt_logprobs=self._take_prompt_logprobs(seq)))
+        seq.stream.events.put(seq.token_event(token, lp, text, from_draft))
         if hit or (seq.constraint is not None and seq.constraint.done):
             return self._retire(seq, "stop")
         if seq.n_out >= seq.max_new:
@@ -477,6 +408,8 @@ class Scheduler:
     # --- leaving ----------------------------------------------------------------------------------
 
     def _retire(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
+        if self.retired is not None:
+            self.retired.append(seq)
         if seq in self.running:
             self.running.remove(seq)
             if seq.spec is not None:
@@ -494,47 +427,7 @@ class Scheduler:
         self._finish(seq, reason)
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:
-        msg = str(error) if isinstance(error, RooflineError) else f"{type(error).__name__}: {error}"
-        seq.stream.events.put(GenerationEvent(finish_reason="error", error=msg,
-                                              usage=Usage(len(seq.prompt), seq.n_out, seq.num_cached)))
+        seq.stream.events.put(seq.error_event(error))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        tail = ""
-        if seq.stops is not None and not seq.stops.hit:
-            held = seq.detok.finalize()
-            if reason == "length":  # max_tokens cut the last character's bytes: no character, not a U+FFFD
-                held = held.rstrip("\ufffd")
-            tail = seq.stops.flush(held)
-        t_first = seq.t_first or time.perf_counter()
-        stats = Stats(
-            ttft_s=t_first - seq.stream.submitted_at,
-            prefill_tps=(len(seq.prompt) - seq.num_cached) / max(t_first - seq.t_start, 1e-9) if seq.t_start else 0.0,
-            decode_tps=(seq.n_out - 1) / (seq.t_last - t_first) if seq.n_out > 1 and seq.t_last > t_first else 0.0,
-            peak_memory_bytes=self.runner.peak_memory_bytes(),
-            target_forwards=seq.num_forwards,
-        )
-        st = seq.spec
-        if st is not None and st.num_drafted:
-            stats = dataclasses.replace(stats, acceptance_rate=st.num_accepted / st.num_drafted,
-                                        mean_accepted_tokens=st.num_accepted / st.num_verifies)
-        seq.stream.events.put(GenerationEvent(
-            text=tail,
-            prompt_logprobs=self._take_prompt_logprobs(seq),  # when no token event took them (EOS first)
-            finish_reason=reason,  # type: ignore[arg-type]
-            usage=Usage(prompt_tokens=len(seq.prompt), completion_tokens=seq.n_out, cached_prompt_tokens=seq.num_cached),
-            stats=stats,
-        ))
-
-
-def _token_logprob(token: int, lp: mx.array, top: int) -> TokenLogprob:
-    from mlx_engine.sampling import top_tokens
-
-    ids, vals = top_tokens(lp, top)
-    return TokenLogprob(token_id=token, logprob=float(lp[0, token].item()),  # a grammar's masked tokens: not top
-                        top=tuple((i, v) for i, v in zip(ids[0].tolist(), vals[0].tolist()) if v > -math.inf))
-
-
-def _plain(seqs: list[Sequence]) -> bool:
-    """Every one samples from its raw logits (`Sampler.plain`) and wants no log-probabilities: the runner samples
-    them where the logits are (`Runner.rows_sample`), rather than each row's logits going through the host."""
-    return all(s.sampler.plain and s.params.logprobs is None for s in seqs)
+        seq.stream.events.put(seq.final_event(reason, self.runner.peak_memory_bytes))

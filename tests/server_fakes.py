@@ -1,4 +1,4 @@
-"""A scripted engine with the real Engine's surface (info, tokenizer, generate, kv_stats), and a live uvicorn
+"""A scripted engine with the real Engine's surface (`mlx_engine.api.EngineLike`), and a live uvicorn
 server in a background thread, for the server's tests.
 
 The fake tokenizer is one token per character (id = code point), so counts are exact by eye. The prompt
@@ -16,8 +16,8 @@ import threading
 import time
 from typing import Any
 
-from mlx_engine.api import (NO_DRAFT_MODEL, GenerationEvent, GenerationRequest, ModelInfo, RequestError, Stats,
-                            TokenLogprob, Usage)
+from mlx_engine.api import (NO_DRAFT_MODEL, GenerationEvent, GenerationRequest, ModelInfo, RequestError,
+                            RooflineError, Stats, TokenLogprob, Usage)
 
 VOCAB = 1000
 CONTEXT = 64
@@ -130,6 +130,7 @@ class FakeEngine:
         self.requests: list[GenerationRequest] = []
         self.streams: list[FakeStream] = []
         self.seen: list[list[int]] = []
+        self.closed = False
 
     def cached(self, n: int) -> int:
         return 0
@@ -146,6 +147,18 @@ class FakeEngine:
 
     def kv_stats(self) -> dict[str, Any]:
         return {"kind": "paged", "num_blocks": 100, "used": self.active, "cached": 0, "hit_rate": 0.0}
+
+    def save_kv(self, path: str, request: GenerationRequest | list[int]) -> int:
+        raise RooflineError("this engine keeps no KV files (ModelInfo.kv_files is False)")
+
+    def restore_kv(self, path: str) -> int:
+        raise RooflineError("this engine keeps no KV files (ModelInfo.kv_files is False)")
+
+    def decode_bytes_per_token(self, context_tokens: int) -> int:
+        return self.info.weight_bytes + 8 * context_tokens  # a pretend KV of 8 bytes a token
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def free_port() -> int:

@@ -8,6 +8,7 @@ float16 4e-3 (both round the output to float16: half an ulp at 1-2 is 1e-3, eith
 
 from __future__ import annotations
 
+import dataclasses
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -37,10 +38,10 @@ def reference_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def storage(case: Case, rng: np.random.Generator) -> PagedKVStorage:
+def storage(case: Case, rng: np.random.Generator, window: int | None = None) -> PagedKVStorage:
     """Eight blocks, every slot written with random K/V (per-channel keys: through a write plan)."""
     st = PagedKVStorage(1, 8, BS, HKV, case.head_dim, case.dtype, bits=case.bits, group_size=32 if case.bits else 64,
-                        head_major=case.head_major, key_per_channel=case.key_per_channel)
+                        head_major=case.head_major, key_per_channel=case.key_per_channel, window=window)
     st.ensure_capacity(8)
     slots = list(range(8 * BS))
     plan = st.plan_key_writes([("old", s) for s in slots])
@@ -50,15 +51,23 @@ def storage(case: Case, rng: np.random.Generator) -> PagedKVStorage:
     return st
 
 
-def run_decode(path: Path, rng: np.random.Generator) -> tuple[mx.array, mx.array]:
+def run_decode(path: Path, rng: np.random.Generator, window: int | None = None) -> tuple[mx.array, mx.array]:
+    """Without a window every key; with one (10) the tables as the cache hands them, from the block of each
+    sequence's window on (the blocks before it freed)."""
     case = path.example
-    st = storage(case, rng)
-    if case.single:  # one sequence in two runs of blocks: 3, 4 then 1
+    st = storage(case, rng, window)
+    if case.single and window is None:  # one sequence in two runs of blocks: 3, 4 then 1
         tables, lens = [[3, 4, 1]], [40]
         all_slots = ([slice(3 * BS, 5 * BS), slice(BS, BS + 8)] if case.runs
                      else mx.array([b * BS + i for b in (3, 4, 1) for i in range(BS)][:40], dtype=mx.int32))
+    elif case.single:  # position 39 of a sequence in blocks 3, 4, 1: its window, 30..39, in blocks 4 and 1
+        tables, lens = [[4, 1]], [24]
+        all_slots = ([slice(4 * BS + 14, 5 * BS), slice(BS, BS + 8)] if case.runs
+                     else mx.array([4 * BS + i for i in range(14, BS)] + [BS + i for i in range(8)], dtype=mx.int32))
     else:  # three sequences over scattered blocks, padded tables
         tables, lens, all_slots = [[5, 1, 6], [2, 0, 0], [7, 3, 4]], [40, 9, 33], None
+        if window is not None:  # the first sequence's window starts in its second block
+            tables[0], lens[0] = [1, 6, 0], 24
     B = len(lens)
     step = DecodeStep(st, mx.array(lens) - 1 if B > 1 else lens[0] - 1, mx.zeros(B, mx.int32),
                       mx.array(tables, dtype=mx.int32), mx.array(lens, dtype=mx.int32), max(lens), all_slots)
@@ -66,10 +75,11 @@ def run_decode(path: Path, rng: np.random.Generator) -> tuple[mx.array, mx.array
     return path.run(step, 0, q, SCALE), path.twin(step, 0, q, SCALE)
 
 
-def run_prefill(path: Path, rng: np.random.Generator) -> tuple[mx.array, mx.array]:
-    """A chunk of 15 tokens at positions 20..34 of a sequence in blocks 3, 4, 1, written as the engine writes it."""
+def run_prefill(path: Path, rng: np.random.Generator, window: int | None = None) -> tuple[mx.array, mx.array]:
+    """A chunk of 15 tokens at positions 20..34 of a sequence in blocks 3, 4, 1, written as the engine writes it;
+    with a window (4) the view's slots start at block 4 (position 16), as the cache hands them."""
     case = path.example
-    st = storage(case, rng)
+    st = storage(case, rng, window)
     table, offset, L = [3, 4, 1], 20, 15
     slots = [table[p // BS] * BS + p % BS for p in range(offset + L)]
     head = st.plan_key_writes([("seq", s) for s in slots[:offset]])
@@ -78,7 +88,11 @@ def run_prefill(path: Path, rng: np.random.Generator) -> tuple[mx.array, mx.arra
     plan = st.plan_key_writes([("seq", s) for s in slots[offset:]])
     new = mx.array(slots[offset:], dtype=mx.int32)
     st.write(0, new, k[offset:], v[offset:], plan)
-    view = PagedPrefillView(st, 0, offset, new, [slice(3 * BS, 5 * BS), slice(BS, BS + 3)], plan, table)
+    if window is None:
+        view = PagedPrefillView(st, 0, offset, new, [slice(3 * BS, 5 * BS), slice(BS, BS + 3)], plan, table)
+    else:  # window 4: the first query (20) sees 17..20, from the second block on; the first one is freed (id 0)
+        view = PagedPrefillView(st, 0, offset, new, [slice(4 * BS, 5 * BS), slice(BS, BS + 3)], plan, [0, 4, 1],
+                                base=BS)
     q = mx.array(rng.normal(size=(1, HQ, L, case.head_dim)).astype(np.float32)).astype(case.dtype)
     return path.run(view, q, SCALE), path.twin(view, q, SCALE)
 
@@ -97,13 +111,24 @@ def run_contiguous(path: Path, rng: np.random.Generator) -> tuple[mx.array, mx.a
 RUN = {"decode": run_decode, "prefill": run_prefill, "contiguous": run_contiguous}
 
 
-@pytest.mark.parametrize("path", TABLE, ids=[p.name for p in TABLE])
-def test_every_path_matches_its_twin(path: Path, reference_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+# Paged rows again with a sliding window on their storage (sliding layers): every paged path takes the window.
+WINDOW = {"decode": 10, "prefill": 4}
+WINDOWED = [(p, None) for p in TABLE] + [(p, WINDOW[p.phase]) for p in TABLE if p.phase in WINDOW]
+
+
+@pytest.mark.parametrize("path,window", WINDOWED,
+                         ids=[p.name + ("" if w is None else f"-window{w}") for p, w in WINDOWED])
+def test_every_path_matches_its_twin(path: Path, window: int | None, reference_calls: list[int],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
     assert path.twin is not None and path.twin is not path.run, f"{path.name}: a path needs a slow twin"
     assert choose(path.example) is path, f"{path.name}: its example is served by {choose(path.example).name}"
+    if window is not None:
+        windowed = dataclasses.replace(path.example, window=window)
+        assert choose(windowed) is path, f"{path.name}: its windowed example is served by {choose(windowed).name}"
     if path.name == "decode-kernel" and _backend.interpret_available():
         monkeypatch.setenv(_backend.INTERPRET_ENV, "1")  # the kernel's Metal source, run by the interpreter
-    got, want = RUN[path.phase](path, np.random.default_rng(len(path.name)))
+    rng = np.random.default_rng(len(path.name))
+    got, want = RUN[path.phase](path, rng) if window is None else RUN[path.phase](path, rng, window)
     assert reference_calls, f"{path.name}: its twin does not compute with kernels_metal.reference"
     assert got.shape == want.shape and got.dtype == want.dtype
     err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())

@@ -238,3 +238,21 @@ def test_rows_print_as_they_finish_off_a_terminal_and_ctrl_c_keeps_them(tmp_path
     assert data["interrupted"] is True and 1 <= len(data["rows"]) < 32
     printed = [x for x in (lines + rest.splitlines(keepends=True)) if " pp8 " in x or " tg200 " in x]
     assert len(printed) == 2 * len(data["rows"])
+
+
+def test_a_batch_the_engine_cannot_run_at_once_is_refused_before_measuring() -> None:
+    """`run_bench` asks the engine's scheduler (through Engine.diagnostics) how many sequences run at once: a
+    contiguous cache runs one, and a max_seqs load option below the batch would queue it and fake the rate."""
+    from app.bench.sweep import _allow_batch
+    from mlx_engine import Engine
+    from mlx_engine.api import RooflineError
+    from tests.tiny_models import GOLDEN
+
+    with Engine.load(str(GOLDEN / "llama"), paged_kv=False) as e:
+        with pytest.raises(RooflineError, match="contiguous KV cache here, which holds one sequence at a time"):
+            _allow_batch(e, 2)
+        _allow_batch(e, 1)
+    with Engine.load(str(GOLDEN / "llama"), max_seqs=2) as e:
+        _allow_batch(e, 2)
+        with pytest.raises(RooflineError, match=r"runs 2 sequences at once .*max_seqs=4"):
+            _allow_batch(e, 4)

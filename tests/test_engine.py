@@ -137,3 +137,24 @@ def test_stop_strings_never_emitted(chunks, stops, expected, hit) -> None:
     assert outs == expected[: len(outs)] and reached == hit
     if not hit:
         assert "".join(outs) + m.flush() == "".join(chunks)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "4"])
+def test_max_seqs_must_be_a_positive_integer_before_anything_loads(bad) -> None:
+    from mlx_engine.api import RooflineError
+
+    with pytest.raises(RooflineError, match=r"max_seqs=.*expected an integer >= 1"):
+        Engine.load("/no/such/model", max_seqs=bad)  # refused before the path is looked at
+
+
+def test_max_seqs_caps_the_running_batch_and_keeps_the_tokens() -> None:
+    with Engine.load(str(GOLDEN / "llama"), max_seqs=2) as e:
+        diag = e.diagnostics()
+        assert diag.scheduler.max_seqs == 2
+        diag.call(lambda: setattr(diag.scheduler, "trace", []))  # (decoding rows, prefill tokens) per step
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)
+        prompts = [PROMPT[i:] for i in range(3)]
+        streams = [e.generate(GenerationRequest(prompt_token_ids=p, sampling=params)) for p in prompts]
+        got = [[t for ev in s for t in ev.token_ids] for s in streams]
+        assert max(rows for rows, _ in diag.scheduler.trace) == 2  # never the third beside the two
+    assert got == [fresh(p, max_tokens=6) for p in prompts]

@@ -158,7 +158,7 @@ def test_engine_on_and_off_agree_and_count_the_copies(tiny_gguf: Path, monkeypat
         monkeypatch.setenv(host_blas.HOST_WEIGHTS_ENV, setting)
         engine = Engine.load(str(tiny_gguf))
         try:
-            runner = engine._runner
+            runner = engine.diagnostics().runner
             runs[setting] = dict(tokens=greedy(engine, ids), logits=engine.forward_logits(ids),
                                  weight_bytes=engine.info.weight_bytes, notes=engine.info.notes,
                                  host=runner._host_bytes, decode=runner.decode_bytes_per_token(0),

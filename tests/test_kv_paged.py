@@ -121,6 +121,18 @@ def test_request_that_cannot_fit_the_budget_states_bytes(tmp_path: Path) -> None
         assert events[-1].finish_reason == "length"
 
 
+def test_save_kv_writes_the_name_asked_for(tmp_path: Path) -> None:
+    """A name without ".safetensors" is the file written (MLX's writer appends the suffix), and restores."""
+    folder = random_llama_folder(tmp_path / "m")
+    path = tmp_path / "chat.kv"
+    with Engine.load(str(folder)) as a:
+        reply, _ = steps(a, PROMPT, 6)
+        assert a.save_kv(str(path), PROMPT + reply) == 48
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv", "m"]
+    with Engine.load(str(folder)) as b:
+        assert b.restore_kv(str(path)) == 48
+
+
 def test_save_restore_round_trips_bit_exactly(tmp_path: Path, layout: str) -> None:
     folder = random_llama_folder(tmp_path / "m")
     path = str(tmp_path / "chat.kv.safetensors")
@@ -128,7 +140,7 @@ def test_save_restore_round_trips_bit_exactly(tmp_path: Path, layout: str) -> No
         reply, want = steps(a, PROMPT, 6)
         history = PROMPT + reply
         assert a.save_kv(path, history) == 48
-        storage = a._runner.cache.storage
+        storage = a.diagnostics().cache.storage
         saved_slots = None
     with Engine.load(str(folder)) as b:
         assert b.restore_kv(path) == 48
@@ -139,7 +151,7 @@ def test_save_restore_round_trips_bit_exactly(tmp_path: Path, layout: str) -> No
         import mlx.core as mx
 
         got = mx.load(path)
-        mgr = b._runner.cache.manager
+        mgr = b.diagnostics().cache.manager
         from mlx_engine.kv.block_pool import hash_block_tokens
 
         parent, ids = None, []
@@ -148,7 +160,7 @@ def test_save_restore_round_trips_bit_exactly(tmp_path: Path, layout: str) -> No
             ids.append(mgr.pool.get_cached_block(parent, history[i * 16:(i + 1) * 16]).block_id)
         slots = mx.array([i * 16 + j for i in ids for j in range(16)])
         for layer in range(2):
-            st = b._runner.cache.storage
+            st = b.diagnostics().cache.storage
             assert mx.array_equal(st.read_slots(st.k[layer], slots), got[f"k.{layer}"]).item()
             assert mx.array_equal(st.read_slots(st.v[layer], slots), got[f"v.{layer}"]).item()
     del storage, saved_slots
@@ -227,10 +239,10 @@ def test_prompt_logprobs_come_with_the_first_event(tmp_path: Path, paged: bool) 
             other = e.generate(GenerationRequest(prompt_token_ids=PROMPT[5:30], sampling=SamplingParams(
                 temperature=0.0, max_tokens=20, ignore_eos=True)))
             next(other)  # decoding: the scored prompt's chunks pack beside its decode rows
-            e._scheduler.trace = []
+            e.diagnostics().scheduler.trace = []
             events = list(e.generate(GenerationRequest(prompt_token_ids=ids, sampling=params)))
             list(other)
-            assert any(rows and prefill for rows, prefill in e._scheduler.trace)
+            assert any(rows and prefill for rows, prefill in e.diagnostics().scheduler.trace)
             check(events[0].prompt_logprobs)
             assert e.kv_stats()["used"] == 0
         eos = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=0,
@@ -244,14 +256,15 @@ def test_prompt_logprobs_come_with_the_first_event(tmp_path: Path, paged: bool) 
         other = e.generate(GenerationRequest(prompt_token_ids=PROMPT[3:20], sampling=SamplingParams(
             temperature=0.0, max_tokens=30, ignore_eos=True)))
         next(other)  # decoding
-        e._scheduler.trace = []
+        e.diagnostics().scheduler.trace = []
         for _ in range(2):
             events = list(e.generate(GenerationRequest(prompt_token_ids=ids, sampling=only)))
             assert len(events) == 1 and events[0].finish_reason == "length" and events[0].token_ids == ()
             assert events[0].usage.completion_tokens == 0 and events[0].usage.prompt_tokens == len(ids)
             check(events[0].prompt_logprobs)
         assert len([t for ev in other for t in ev.token_ids]) == 29
-        assert not paged or (e.kv_stats()["used"] == 0 and any(rows and prefill for rows, prefill in e._scheduler.trace))
+        trace = e.diagnostics().scheduler.trace
+        assert not paged or (e.kv_stats()["used"] == 0 and any(rows and prefill for rows, prefill in trace))
 
 
 def test_pool_memory_grows_with_use_and_numbers_stay_exact(tmp_path: Path, monkeypatch) -> None:
@@ -395,7 +408,7 @@ def test_kv_stats_and_bytes_per_block_with_key_bits(tmp_path: Path) -> None:
     with Engine.load(str(folder), **MIXED) as e:
         s = e.kv_stats()
         assert (s["kv_bits"], s["kv_key_bits"], s["bytes_per_block"]) == (4, 8, 8192)
-        storage = e._runner.cache.storage
+        storage = e.diagnostics().cache.storage
         assert s["bytes_total"] == storage.nbytes == storage.capacity * 8192  # the formula is what is stored
     with Engine.load(str(folder), kv_bits=8, kv_group_size=32) as e:
         s = e.kv_stats()
@@ -422,7 +435,7 @@ def test_save_restore_round_trips_bit_exactly_with_key_bits(tmp_path: Path, layo
         events = list(b.generate(GenerationRequest(prompt_token_ids=history + [5], sampling=SamplingParams(
             temperature=0.0, max_tokens=3, ignore_eos=True))))
         assert events[-1].usage.cached_prompt_tokens == 48
-        mgr, st = b._runner.cache.manager, b._runner.cache.storage
+        mgr, st = b.diagnostics().cache.manager, b.diagnostics().cache.storage
         parent, ids = None, []
         for i in range(3):
             parent = hash_block_tokens(parent, history[i * 16:(i + 1) * 16], mgr.extra_key)
@@ -490,7 +503,8 @@ def test_a_next_turn_in_two_runs_of_blocks_is_read_in_place_and_equals_contiguou
     monkeypatch.setattr(host, "HOST_ATTENTION_MIN_PAIRS", 1)  # the numpy path even for this tiny model
     seen: list = []
     slots = kv_cache.PagedCache._slots
-    monkeypatch.setattr(kv_cache.PagedCache, "_slots", lambda self, r, n: seen.append(slots(self, r, n)) or seen[-1])
+    monkeypatch.setattr(kv_cache.PagedCache, "_slots",
+                        lambda self, r, n, start=0: seen.append(slots(self, r, n, start)) or seen[-1])
     folder = random_llama_folder(tmp_path / "m")
     with Engine.load(str(folder), block_size=16, prefill_chunk_size=7) as e:
         first, _ = steps(e, PROMPT, 8)  # 52 tokens fed: blocks 0-2 full and cached, block 3 partial
@@ -617,14 +631,15 @@ def test_channel_keys_through_the_engine_match_the_model_keys(tmp_path: Path, la
         reply, _ = steps(e, PROMPT + [9] * 8, 12)
         history = PROMPT + [9] * 8 + reply  # 65 tokens: two full blocks saved
         saved = saved_arrays(e, tmp_path / "c.kv.safetensors", history)
-        assert e.kv_stats()["used"] == 0 and e._runner.cache.storage._stages == {}
+        assert e.kv_stats()["used"] == 0 and e.diagnostics().cache.storage._stages == {}
     with Engine.load(str(folder), block_size=32, prefill_chunk_size=7, kv_bits=4, kv_group_size=32,
                      kv_key_per_channel=False) as e:
         steps(e, PROMPT + [9] * 8, 1)
         per_token = saved_arrays(e, tmp_path / "t.kv.safetensors", PROMPT + [9] * 8)
     with Engine.load(str(folder), paged_kv=False) as ref:
         steps(ref, history[:-1], 1)
-        want = ref._thread.call(lambda: np.array(ref._runner.cache._layers[0].keys[0, :, :64]))  # (Hkv, 64, D)
+        diag = ref.diagnostics()
+        want = diag.call(lambda: np.array(diag.cache._layers[0].keys[0, :, :64]))  # (Hkv, 64, D)
     s, z = (np.array(channel_params(saved[f"{n}.0"].reshape(2, 32, 2, -1))) for n in ("k_scales", "k_biases"))
     got = np.array(unpack_codes(saved["k.0"], 4).reshape(2, 32, 2, 64) * mx.array(s)[:, None]
                    + mx.array(z)[:, None]).reshape(64, 2, 64)
@@ -676,7 +691,7 @@ def test_channel_keys_prefix_hits_read_the_same(tmp_path: Path) -> None:
         events = list(e.generate(GenerationRequest(prompt_token_ids=longer, sampling=SamplingParams(
             temperature=0.0, max_tokens=2, ignore_eos=True))))
         assert events[-1].usage.cached_prompt_tokens == 48
-        assert e.kv_stats()["used"] == 0 and e._runner.cache.storage._stages == {}
+        assert e.kv_stats()["used"] == 0 and e.diagnostics().cache.storage._stages == {}
 
 
 def test_channel_keys_save_restore_round_trip_and_refuse_per_token_files(tmp_path: Path) -> None:
@@ -724,7 +739,8 @@ def test_kv_bytes_of_channel_keys(tmp_path: Path) -> None:
     with Engine.load(str(folder), block_size=32, **CHANNEL) as e:
         s = e.kv_stats()
         assert (s["kv_bits"], s["kv_key_per_channel"], s["bytes_per_block"]) == (4, True, 12288)
-        assert s["bytes_total"] == e._runner.cache.storage.nbytes == e._runner.cache.storage.capacity * 12288
+        storage = e.diagnostics().cache.storage
+        assert s["bytes_total"] == storage.nbytes == storage.capacity * 12288
         assert s["bytes_staging"] == 0
         steps(e, PROMPT, 2)
         # one sequence's staging: 4 stages (the first allocation) x 32 tokens x 2 layers x 2 heads x 64 x 4 bytes
@@ -808,7 +824,7 @@ def test_keys_are_quantized_per_channel_by_default_at_4_bits(tmp_path: Path, opt
     folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
     with Engine.load(str(folder), **opts) as e:
         assert e.kv_stats()["kv_key_per_channel"] is per_channel
-        assert e._runner.cache.storage.key_per_channel is per_channel
+        assert e.diagnostics().cache.storage.key_per_channel is per_channel
 
 
 def test_channel_keys_decode_through_the_metal_kernel_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -862,7 +878,7 @@ def test_channel_keys_in_packed_steps_equal_solo_runs(tmp_path: Path) -> None:
         b, c = (e.generate(GenerationRequest(prompt_token_ids=q, sampling=p)) for q in prompts[1:])
         together = [np.concatenate([np.array([[list(t) for t in lp.top] for lp in first.logprobs]), tops(a)]),
                     tops(b), tops(c)]
-        assert e.kv_stats()["used"] == 0 and e._runner.cache.storage._stages == {}
+        assert e.kv_stats()["used"] == 0 and e.diagnostics().cache.storage._stages == {}
     for got, want in zip(together, solo):
         assert np.array_equal(got[..., 0], want[..., 0])
         assert float(np.abs(got[..., 1] - want[..., 1]).max()) <= 1e-4

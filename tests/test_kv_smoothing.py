@@ -85,15 +85,15 @@ def test_smoothing_cuts_4bit_key_error_on_a_planted_offset() -> None:
 
 def calibrated(engine: Engine) -> KVSmoothing:
     """The engine's smoothing, which the runner measured at load (before anything was written)."""
-    return engine._runner.cache.storage.smoothing
+    return engine.diagnostics().cache.storage.smoothing
 
 
 def test_calibration_is_deterministic_and_on_its_grids(tmp_path: Path) -> None:
     folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)
     with Engine.load(str(folder), kv_bits=4, kv_group_size=32) as e:
-        r = e._runner
+        r = e.diagnostics().runner
         a = calibrated(e)
-        b = e._thread.call(lambda: calibrate(r.model, r.tokenizer, r.vocab_size))
+        b = e.diagnostics().call(lambda: calibrate(r.model, r.tokenizer, r.vocab_size))
     assert a.fingerprint() == b.fingerprint() and len(a.fingerprint()) == 16
     assert a.key_offset.shape == a.key_scale.shape == a.value_offset.shape == (2, 2, 64)
     for off in (a.key_offset, a.value_offset):
@@ -101,8 +101,8 @@ def test_calibration_is_deterministic_and_on_its_grids(tmp_path: Path) -> None:
     steps = np.log2(a.key_scale) * SCALE_STEPS
     assert np.allclose(steps, np.round(steps), atol=1e-3) and len(np.unique(a.key_scale)) > 3  # on the grid
     with Engine.load(str(folder)) as plain:  # unquantized KV: nothing to smooth
-        r = plain._runner
-        plain._thread.call(lambda: r.cache.calibrate(r.model, r.tokenizer, r.vocab_size))
+        r = plain.diagnostics().runner
+        plain.diagnostics().call(lambda: r.cache.calibrate(r.model, r.tokenizer, r.vocab_size))
         assert r.cache.storage.smoothing is None
 
 
@@ -181,7 +181,7 @@ def test_smoothed_8bit_engine_stays_close_to_unquantized(tmp_path: Path, monkeyp
             if smooth:
                 assert calibrated(e) is not None
             else:
-                e._runner.cache.storage.set_smoothing(None)
+                e.diagnostics().cache.storage.set_smoothing(None)
             err[smooth] = logprob_errors(e, prompts, wanted)
     # measured (both layouts): 0.176 without smoothing, 0.229 with it
     assert err[True] < 0.3 and err[False] < 0.3, err
@@ -207,11 +207,12 @@ def test_restore_refuses_other_smoothing(tmp_path: Path) -> None:
     mx.save_safetensors(str(old), arrays, metadata=meta)
     with Engine.load(str(folder), **opts) as b:
         sm = calibrated(b)
-        b._runner.cache.storage.set_smoothing(KVSmoothing(sm.key_offset + OFFSET_STEP, sm.key_scale, sm.value_offset))
+        b.diagnostics().cache.storage.set_smoothing(KVSmoothing(sm.key_offset + OFFSET_STEP, sm.key_scale,
+                                                                sm.value_offset))
         with pytest.raises(RooflineError, match=rf"saved KV refused: .* has kv_smoothing={fp}, this engine uses "
                                                 r"[0-9a-f]{16} \(the quantized KV's offsets and key scales"):
             b.restore_kv(str(path))
-        b._runner.cache.storage.set_smoothing(None)
+        b.diagnostics().cache.storage.set_smoothing(None)
         with pytest.raises(RooflineError, match=rf"has kv_smoothing={fp}, this engine uses none"):
             b.restore_kv(str(path))
     with Engine.load(str(folder), **opts) as c:

@@ -1,4 +1,5 @@
-"""The dependency direction of DESIGN.md, checked by importing in a fresh interpreter."""
+"""The dependency direction of DESIGN.md (docs/architecture.md, "What may import what"), checked by importing every
+module of app, mlx_engine and kernels_metal, each alone in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,17 +24,97 @@ def test_front_ends_import_no_mlx_or_torch() -> None:
     assert not {"mlx", "mlx_lm", "torch", "kernels_metal"} & mods
 
 
-@pytest.mark.parametrize("module", ["mlx_engine.engine", "mlx_engine.backends.mlx.runner", "mlx_engine.loading",
-                                    "mlx_engine.tokenizer", "mlx_engine.sampling", "mlx_engine.scheduler",
-                                    "mlx_engine.speculative", "mlx_engine.backends"])
-def test_engine_never_imports_textual_or_app(module: str) -> None:
-    mods = imported_after(f"import {module}")
-    assert not {"textual", "app", "torch"} & mods
+# Each module imported alone, in a child forked from one interpreter (cheap, and nothing one module imports hides
+# another's): module -> the top-level packages in sys.modules after it, or "!error" where it does not import. The
+# parent first imports argv[1] (comma-separated), packages every module probed may import, so no child pays for them.
+PROBE = """
+import importlib, os, sys
+for name in filter(None, sys.argv[1].split(",")):
+    importlib.import_module(name)
+out = []
+for name in sys.argv[2:]:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            importlib.import_module(name)
+            msg = " ".join(sorted({m.split(".")[0] for m in sys.modules}))
+        except BaseException as e:
+            msg = "!" + repr(e)
+        with os.fdopen(w, "w") as f:
+            f.write(msg)
+        os._exit(0)  # no atexit: a child that imported MLX leaves at once
+    os.close(w)
+    with os.fdopen(r) as f:
+        msg = f.read()
+    os.waitpid(pid, 0)
+    out.append(name + "\\t" + msg)
+print("\\n".join(out))
+"""
+PACKAGES = ("app", "mlx_engine", "kernels_metal")
+TORCH_BACKEND = "mlx_engine.backends.torch"  # the one place torch may be imported
+# what every module under a prefix may import, preloaded by the probe (nothing banned below)
+PRELOAD = {"app": ("numpy", "rich", "textual"), "mlx_engine": ("numpy", "mlx.core", "mlx.nn"),
+           TORCH_BACKEND: ("numpy", "mlx.core", "mlx.nn", "torch"), "kernels_metal": ("numpy", "mlx.core")}
 
 
-def test_kernels_never_import_the_engine() -> None:
-    mods = imported_after("import kernels_metal")
-    assert "mlx_engine" not in mods and "app" not in mods
+def preload_of(module: str) -> str:
+    prefix = max((p for p in PRELOAD if module == p or module.startswith(p + ".")), key=len)
+    return ",".join(PRELOAD[prefix])
+
+
+def every_module(*packages: str) -> list[str]:
+    """Every module and subpackage of `packages` (pkgutil's walk, the packages themselves included)."""
+    import importlib
+    import pkgutil
+
+    names = []
+    for name in packages:
+        pkg = importlib.import_module(name)
+        names += [name] + [m.name for m in pkgutil.walk_packages(pkg.__path__, name + ".")]
+    return names
+
+
+@pytest.fixture(scope="module")
+def imports() -> dict[str, set[str]]:
+    names, rows = every_module(*PACKAGES), {}
+    for preload in sorted(set(map(preload_of, names))):
+        mods = [n for n in names if preload_of(n) == preload]
+        r = subprocess.run([sys.executable, "-c", PROBE, preload, *mods], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        rows.update(line.split("\t", 1) for line in r.stdout.splitlines())
+    assert set(rows) == set(names), "the probe lost modules"
+    failed = {n: m for n, m in rows.items() if m.startswith("!")}
+    assert not failed, failed
+    return {n: set(m.split()) for n, m in rows.items()}
+
+
+def test_the_walk_finds_every_module(imports: dict[str, set[str]]) -> None:
+    root = Path(__file__).resolve().parent.parent
+    files = {".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+             for folder in PACKAGES for f in (root / folder).rglob("*.py")}
+    assert files == set(imports)
+
+
+def offenders(imports: dict[str, set[str]], package: str, banned: Any) -> dict[str, list[str]]:
+    """Modules of `package` that import a banned package (`banned(module)`: the set for that module)."""
+    found = {n: sorted(banned(n) & m) for n, m in imports.items() if n.split(".")[0] == package}
+    return {n: b for n, b in found.items() if b}
+
+
+def test_no_front_end_module_imports_mlx_torch_or_kernels(imports: dict[str, set[str]]) -> None:
+    assert offenders(imports, "app", lambda n: {"mlx", "mlx_lm", "torch", "triton", "kernels_metal"}) == {}
+
+
+def test_no_engine_module_imports_textual_or_app(imports: dict[str, set[str]]) -> None:
+    """...nor torch, outside the optional torch backend (mlx_engine/backends/torch/)."""
+    assert offenders(imports, "mlx_engine", lambda n: {"textual", "app"} | (
+        set() if n == TORCH_BACKEND or n.startswith(TORCH_BACKEND + ".") else {"torch", "triton"})) == {}
+
+
+def test_kernels_never_import_the_engine(imports: dict[str, set[str]]) -> None:
+    assert offenders(imports, "kernels_metal", lambda n: {"mlx_engine", "app", "textual"}) == {}
 
 
 def test_only_the_torch_backend_imports_torch() -> None:

@@ -155,7 +155,7 @@ def test_mlx_quantized_folder_with_per_layer_override(tmp_path: Path) -> None:
     qdir, ddir = _quantized_folder(tmp_path, bits=4, group_size=32, override=override)
     with Engine.load(str(qdir)) as got, Engine.load(str(ddir)) as ref:
         assert got.info.source_format == "mlx-quantized" and got.info.quantization == "4-bit g32"
-        layer = got._runner.model.model.layers[0]
+        layer = got.diagnostics().runner.model.model.layers[0]
         assert layer.mlp.down_proj.bits == 8 and layer.mlp.up_proj.bits == 4
         a, b = got.forward_logits(IDS), ref.forward_logits(IDS)
         assert float(np.abs(a - b).max()) <= 1e-4
@@ -254,8 +254,8 @@ def test_unsupported_architecture_names_supported(tmp_path: Path) -> None:
 
 
 def test_fallback_runs_mlx_lm_class(tmp_path: Path) -> None:
-    """A model_type we don't implement but mlx-lm does runs on mlx-lm's class: smollm3 with rope in every
-    layer is llama, so the llama golden logits must come out."""
+    """A model_type we don't implement but mlx-lm does runs on mlx-lm's class, on the paged KV through
+    models.adapter: smollm3 with rope in every layer is llama, so the llama golden logits must come out."""
     dst = tmp_path / "m"
     shutil.copytree(GOLDEN / "llama", dst)
     config = json.loads((dst / "config.json").read_text())
@@ -263,7 +263,8 @@ def test_fallback_runs_mlx_lm_class(tmp_path: Path) -> None:
     (dst / "config.json").write_text(json.dumps(config))
     golden = np.load(GOLDEN / "llama" / "golden.npz")
     with Engine.load(str(dst)) as e:
-        assert not e.info.native and "mlx-lm's model class" in e.info.warnings[0]
+        assert not e.info.native and any("mlx-lm's model class" in n for n in e.info.notes)
+        assert e.kv_stats()["kind"] == "paged" and e.info.warnings == ()
         ids = golden["input_ids"].ravel().tolist()
         assert float(np.abs(e.forward_logits(ids) - golden["logits"].reshape(len(ids), -1)).max()) <= 1e-4
         assert greedy(e, ids, 8) == golden["greedy_tokens"].ravel()[:8].tolist()
@@ -348,10 +349,11 @@ def test_kquant_layers_read_the_blocks(tmp_path: Path, monkeypatch, embedding: s
     monkeypatch.setattr(kquant, "dequant_matmul_kquant", lambda x, *a: calls.append(x.shape[0]) or original(x, *a))
     monkeypatch.setattr(kquant, "blocks_here", lambda: True)
     with Engine.load(str(path)) as got, Engine.load(str(exact)) as want:
-        attn = got._runner.model.layers[0].self_attn
+        attn = got.diagnostics().runner.model.layers[0].self_attn
         assert isinstance(attn.q_proj, KQuantLinear) and attn.q_proj.ggml_type == "Q4_K"
-        assert isinstance(got._runner.model.lm_head, KQuantLinear)
-        assert isinstance(got._runner.model.model.embed_tokens, KQuantEmbedding) == embedding.endswith("_K")
+        assert isinstance(got.diagnostics().runner.model.lm_head, KQuantLinear)
+        embed = got.diagnostics().runner.model.model.embed_tokens
+        assert isinstance(embed, KQuantEmbedding) == embedding.endswith("_K")
         assert got.info.num_parameters == want.info.num_parameters
         a, b = got.forward_logits(IDS), want.forward_logits(IDS)  # 12 rows: dequantized
         # float32 floor: 28.9 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
@@ -376,3 +378,14 @@ def test_kquant_blocks_for_a_layer_that_cannot_hold_them_are_a_load_error() -> N
     config = json.loads((GOLDEN / "llama" / "config.json").read_text())
     with pytest.raises(ModelLoadError, match=r"m.gguf: k-quant blocks .* a RMSNorm cannot hold k-quant blocks"):
         build_model(config, {}, mx.float32, {"model.norm": {"kquant": "Q4_K"}}, "m.gguf")
+
+
+def test_resolve_takes_a_path_object_as_its_string():
+    """A pathlib.Path is a ref like its string (it crashed in the store-prefix check with an AttributeError)."""
+    from mlx_engine.catalog import kv_shape
+    from mlx_engine.loading import resolve
+
+    folder = Path(__file__).parent / "data" / "golden" / "gemma2"
+    assert resolve(folder) == resolve(str(folder))
+    assert kv_shape(folder) == kv_shape(str(folder))
+    assert kv_shape(folder).sliding_window == 8

@@ -106,11 +106,11 @@ def test_batched_decode_on_a_mac_matches_the_cpu_path(llama: Path, kv: dict, req
     """Two requests decoding together: the Mac's token-major pools and the paged-attention kernel source give the
     CPU path's tokens and log-probabilities."""
     with Engine.load(str(llama), block_size=16, **kv) as e:
-        assert e._runner.info.device == "cpu" and e._runner.cache.storage.head_major
+        assert e.diagnostics().runner.info.device == "cpu" and e.diagnostics().cache.storage.head_major
         want = together(e, GREEDY)
     launches = request.getfixturevalue("mac")
     with Engine.load(str(llama), block_size=16, **kv) as e:
-        assert e._runner.info.device == "metal" and not e._runner.cache.storage.head_major
+        assert e.diagnostics().runner.info.device == "metal" and not e.diagnostics().cache.storage.head_major
         got = together(e, GREEDY)
     assert launches.attention > 0
     # quantized KV: the two paths' projections (MLX's matmul here, numpy's BLAS on the CPU path) differ in the
@@ -144,12 +144,12 @@ def test_a_mac_runs_in_the_checkpoints_dtype(tmp_path: Path, llama: Path, reques
     save_file({k: v.astype(np.float16) for k, v in load_file(str(llama / "model.safetensors")).items()},
               str(half / "model.safetensors"))
     with Engine.load(str(half), block_size=16) as e:
-        assert e._runner.info.dtype == "float32"
+        assert e.diagnostics().runner.info.dtype == "float32"
     with Engine.load(str(half), block_size=16, dtype="float16") as e:
         want = together(e, GREEDY)
     request.getfixturevalue("mac")
     with Engine.load(str(half), block_size=16) as e:
-        assert e._runner.info.dtype == "float16" and e._runner._host_bytes == 0
+        assert e.diagnostics().runner.info.dtype == "float16" and e.diagnostics().runner._host_bytes == 0
         got = together(e, GREEDY)
     assert_same(got, want, atol=1e-2)
 

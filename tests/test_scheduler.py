@@ -54,7 +54,7 @@ def test_concurrent_requests_equal_sequential_runs(folder: Path, head_major: boo
     with Engine.load(str(folder), prefix_caching=False, prefill_chunk_size=16) as e:
         streams = [e.generate(GenerationRequest(prompt_token_ids=pr, sampling=p)) for pr, p in zip(PROMPTS, ps)]
         got = [collect(s) for s in streams]
-        sched = e._scheduler
+        sched = e.diagnostics().scheduler
         assert sched.num_steps < sum(len(t) for t, _ in want)  # batched: fewer steps than tokens
         assert e.kv_stats()["used"] == 0
     for (tokens, lps, final), (want_tokens, want_lps), p in zip(got, want, ps):
@@ -82,8 +82,8 @@ def test_token_budget_chunks_a_long_prompt_between_decode_steps(folder: Path) ->
     """With a budget of 16 tokens per step, a 70-token prompt is prefilled over several steps, in the same
     steps as the other request's decode, which never pauses."""
     with Engine.load(str(folder), prefix_caching=False) as e:
-        e._scheduler.token_budget = 16
-        e._scheduler.trace = trace = []
+        e.diagnostics().scheduler.token_budget = 16
+        e.diagnostics().scheduler.trace = trace = []
         a = e.generate(GenerationRequest(prompt_token_ids=PROMPTS[0], sampling=params(max_tokens=30)))
         next(a)
         b = e.generate(GenerationRequest(prompt_token_ids=PROMPTS[3], sampling=params(max_tokens=2)))
@@ -111,11 +111,11 @@ def test_a_step_is_one_forward_over_decode_rows_and_prefill_chunks(folder: Path,
         a = e.generate(GenerationRequest(prompt_token_ids=PROMPTS[0], sampling=ps[0]))
         first = next(a)  # a is decoding
         shapes.clear()
-        steps0 = e._scheduler.num_steps
+        steps0 = e.diagnostics().scheduler.num_steps
         b = e.generate(GenerationRequest(prompt_token_ids=PROMPTS[1], sampling=ps[1]))  # 40 tokens: 3 chunks
         c = e.generate(GenerationRequest(prompt_token_ids=PROMPTS[3], sampling=ps[2]))  # 70 tokens: 5 chunks
         got = [collect(s) for s in (a, b, c)]
-        steps = e._scheduler.num_steps - steps0
+        steps = e.diagnostics().scheduler.num_steps - steps0
     assert (1, 33) in shapes  # a's decode row, then 16 rows of b's prompt and 16 of c's
     assert len(shapes) <= steps  # one forward per step (or none, on a step with only reading to do)
     for (tokens, lps, _), prompt, p, skip in zip(got, (PROMPTS[0], PROMPTS[1], PROMPTS[3]), ps, (1, 0, 0)):
@@ -176,7 +176,7 @@ def test_a_request_that_raises_fails_alone(folder: Path) -> None:
     """A failure inside one request's processing (here its detokenizer) ends that request with "error";
     the others in the same batch finish normally and no blocks leak."""
     with Engine.load(str(folder), prefix_caching=False) as e:
-        runner = e._runner
+        runner = e.diagnostics().runner
         real = runner.tokenizer.detokenizer
         calls = {"n": 0}
 
@@ -229,12 +229,12 @@ def test_a_prefill_chunk_above_the_default_budget_goes_in_one_step(tmp_path: Pat
     folder = random_llama_folder(tmp_path / "long", context=2048)
     prompt = [(7 * i) % 120 + 3 for i in range(1500)]
     with Engine.load(str(folder), prefix_caching=False, prefill_chunk_size=1024) as e:
-        assert e._scheduler.token_budget == 1024
-        e._scheduler.trace = trace = []
+        assert e.diagnostics().scheduler.token_budget == 1024
+        e.diagnostics().scheduler.trace = trace = []
         tokens, _, _ = collect(e.generate(GenerationRequest(prompt_token_ids=prompt, sampling=params(max_tokens=2))))
     assert [p for _, p in trace if p > 0] == [1024, 476]
     with Engine.load(str(folder), prefix_caching=False) as e:
-        assert e._scheduler.token_budget == 512
+        assert e.diagnostics().scheduler.token_budget == 512
         assert collect(e.generate(GenerationRequest(prompt_token_ids=prompt, sampling=params(max_tokens=2))))[0] \
             == tokens
 
@@ -242,14 +242,14 @@ def test_a_prefill_chunk_above_the_default_budget_goes_in_one_step(tmp_path: Pat
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.7, top_p=0.9, seed=11)],
                          ids=["greedy", "temperature"])
 def test_plain_rows_are_sampled_by_the_runner(folder: Path, monkeypatch, sampling: dict) -> None:
-    """Requests without bias, penalties or log-probabilities get their tokens from the runner's `rows_sample`
+    """Requests without bias, penalties or log-probabilities get their tokens from the runner's `packed_sample`
     (where a GPU runner keeps its logits); asking for log-probabilities takes every row through the scheduler's
     own sampling. On the MLX runner the tokens are the same, seeded draws included."""
     from mlx_engine.backends.mlx.runner import Runner
     from mlx_engine.scheduler import Scheduler
 
     calls = {"runner": 0, "scheduler": 0}
-    for cls, name, kind in ((Runner, "rows_sample", "runner"), (Runner, "last_sample", "runner"),
+    for cls, name, kind in ((Runner, "packed_sample", "runner"), (Runner, "decode_sample", "runner"),
                             (Scheduler, "_sample", "scheduler")):
         original = getattr(cls, name)
 
@@ -289,7 +289,7 @@ def test_decode_step_timer_leaves_the_cache_as_it_found_it(folder: Path, backend
     with Engine.load(str(folder), **opts) as e:
         first, lps, _ = collect(e.generate(req))
         before = e.kv_stats()
-        seconds = e._thread.call(lambda: time_decode_step(e._runner, 3, context=20, repeats=2))
+        seconds = e.diagnostics().call(lambda: time_decode_step(e.diagnostics().runner, 3, context=20, repeats=2))
         after = e.kv_stats()
         again, lps_again, final = collect(e.generate(req))
     assert 0 < seconds < 60

@@ -7,7 +7,6 @@ import json
 import math
 import platform
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -260,7 +259,7 @@ def test_greedy_identical_with_keys_quantized_per_channel(tmp_path: Path) -> Non
         for mode in MODES:
             tokens, from_draft, _ = run(e, speculative=mode, num_draft_tokens=4)
             assert tokens == plain, mode
-        assert e.kv_stats()["used"] == 0 and e._runner.cache.storage._stages == {}
+        assert e.kv_stats()["used"] == 0 and e.diagnostics().cache.storage._stages == {}
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
@@ -275,7 +274,7 @@ def test_rollback_leaves_the_kv_of_a_fresh_run(models, paged: bool, mode: str) -
     sched, seq = _drive_until_rejected(runner, mode)
     tokens = seq.cached_tokens()
     assert len(tokens) == len(PROMPT) + len(seq.generated) - 1  # every read token but the newest
-    fresh = runner._fresh_contiguous()
+    fresh = runner.scratch_layers()
     runner.forward(mx.array([tokens], dtype=mx.int32), fresh)
     cache = runner.cache
     if paged:
@@ -294,7 +293,7 @@ def test_rollback_leaves_the_kv_of_a_fresh_run(models, paged: bool, mode: str) -
     if mode == "draft":
         d = seq.spec.proposer
         assert d.tokens == tokens[: len(d.tokens)] and d.layers[0].offset == len(d.tokens) >= len(PROMPT)
-        fresh_d = runner.draft._fresh_contiguous()
+        fresh_d = runner.draft.scratch_layers()
         runner.draft.forward(mx.array([d.tokens], dtype=mx.int32), fresh_d)
         diff = mx.abs(fresh_d[0].keys[..., : len(d.tokens), :] - d.layers[0].keys[..., : len(d.tokens), :]).max()
         assert float(diff) <= 1e-5
@@ -358,7 +357,7 @@ def test_auto_steps_aside_on_a_steep_cost_curve_and_speculates_on_a_flat_one(mod
     target, _ = models
     with Engine.load(str(target), draft_model=str(target)) as e:
         plain, _, _ = run(e)
-        sched = e._scheduler
+        sched = e.diagnostics().scheduler
         sched.cost_curve = CostCurve({1: 1.0, 2: 1.9, 3: 2.7, 5: 4.3, 9: 7.5}, t1_s=1e9,  # this CPU backend's
                                      draft_costs={"draft": 0.0})
         tokens, from_draft, final = run(e, speculative="auto")
@@ -380,7 +379,7 @@ def test_auto_falls_back_to_prompt_lookup_when_the_draft_model_cannot_pay(models
     target, _ = models
     with Engine.load(str(target), draft_model=str(target)) as e:
         plain, _, _ = run(e)
-        sched = e._scheduler
+        sched = e.diagnostics().scheduler
         sched.cost_curve = CostCurve({1: 1.0, 2: 1.02, 9: 1.1}, t1_s=1e9)  # bandwidth-bound: nearly flat
         sched.cost_curve.draft_costs["draft"] = 0.05  # a cheap draft: auto uses it
         auto = sched._spec_state(SamplingParams(speculative="auto")).proposer
@@ -463,12 +462,10 @@ def _auto_reply(curve: CostCurve, accept: Callable[[int], int], length: int,
     model costing that much a token) always has a candidate and `accept(k)` of each k drafts pass. Returns
     (predicted cost in T(1), target forwards, the most the cost ever exceeded plain decoding's beyond the loss
     budget)."""
-    from types import SimpleNamespace
-
     from mlx_engine.speculative.policy import AUTO_LOSS_SHARE, SpecState, probe_allowance
-    from mlx_engine.speculative.proposers import PromptLookup
+    from mlx_engine.speculative.proposers import DraftModel, PromptLookup
 
-    proposer = SimpleNamespace(draft_cost=draft_cost) if draft_cost else PromptLookup()
+    proposer = DraftModel(None, draft_cost) if draft_cost else PromptLookup()  # a draft model's figures alone
     st = SpecState("auto", proposer, 8, prior=0.7)
     st.allowance = probe_allowance(curve, 0.7, 8, draft_cost)  # as the scheduler sets it
     n, cost, forwards, over = 0, 0.0, 0, -float("inf")
@@ -513,12 +510,10 @@ def test_auto_drafts_by_prompt_lookup_where_the_text_recurs_and_by_the_draft_mod
     """"auto" with a draft model loaded: each step the proposer with a candidate and the best predicted speedup.
     Prompt lookup drafts for free, so it takes a quote; the model drafts the rest. Each keeps its own estimate per
     context (the text recurs or not), so failed copies do not put the model off, and the other way round."""
-    from types import SimpleNamespace
-
     from mlx_engine.speculative.policy import COPY_CONTEXT_PRIOR, SpecState, probe_allowance
-    from mlx_engine.speculative.proposers import PromptLookup
+    from mlx_engine.speculative.proposers import DraftModel, PromptLookup
 
-    lookup, model = PromptLookup(), SimpleNamespace(name="draft", draft_cost=0.3)
+    lookup, model = PromptLookup(), DraftModel(None, 0.3)
     st = SpecState("auto", model, 8, proposers=[lookup, model], priors=[0.7, 0.7])
     st.allowance = probe_allowance(TORCH_CPU_CURVE, 0.7, 8, 0.3)  # the larger of the two, as the scheduler sets
     quoting, new = [1, 2, 3, 4, 5, 9, 1, 2, 3], [1, 2, 3, 4, 5, 9, 8, 7, 6]
@@ -583,12 +578,12 @@ def test_auto_allowance_admits_a_draft_models_first_verification(monkeypatch) ->
 def test_auto_charges_a_draft_model_what_its_proposals_took() -> None:
     """A draft model times its proposals (catch-ups and sampling included, which `time_forward` leaves out):
     "auto" books that time, and its cost per drafted token moves toward it, for later requests too."""
-    from types import SimpleNamespace
-
     from mlx_engine.speculative.policy import DRAFT_COST_EMA, SpecState
+    from mlx_engine.speculative.proposers import DraftModel
 
     curve = CostCurve({1: 1.0, 2: 1.5, 9: 1.9}, t1_s=0.05)
-    draft = SimpleNamespace(name="draft", draft_cost=0.3, last_spent=(0.1, 4, True))  # 4 drafts in 2 T(1)
+    draft = DraftModel(None, 0.3)
+    draft.last_spent = (0.1, 4, True)  # 4 drafts in 2 T(1)
     st = SpecState("auto", draft, 8)
     st.settle(curve, 4, 3)  # 2 of 4 accepted, then the sampled token
     assert st.balance == pytest.approx(3 - (curve.cost(5) + 2.0))
@@ -614,12 +609,12 @@ def test_draft_bits_quantizes_the_draft_and_greedy_is_unchanged(models, bits: in
     with Engine.load(str(target)) as e:
         plain, _, _ = run(e, max_tokens=30)
     with Engine.load(str(target), draft_model=str(target), draft_bits=bits) as e:
-        draft = e._runner.draft
+        draft = e.diagnostics().runner.draft
         q, down = draft.model.model.layers[0].self_attn.q_proj, draft.model.model.layers[0].mlp.down_proj
         assert isinstance(q, nn.QuantizedLinear) and (q.bits, q.group_size) == (bits, 64)
         assert not isinstance(down, nn.QuantizedLinear)  # 96 inputs: no groups of 64, so it stays float
         assert draft.info.quantization == f"{bits}-bit affine g64, from fp32"
-        assert not isinstance(e._runner.model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+        assert not isinstance(e.diagnostics().runner.model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
         tokens, from_draft, final = run(e, speculative="draft", num_draft_tokens=4, max_tokens=30)
     assert tokens == plain and sum(from_draft) > 0
 
@@ -669,11 +664,11 @@ def test_draft_cost_is_timed_beside_a_target_step(models, monkeypatch) -> None:
 
     target, draft = models
     with Engine.load(str(target), draft_model=str(draft)) as e:
-        sched = e._scheduler
+        sched = e.diagnostics().scheduler
         sched.cost_curve = CostCurve({1: 1.0, 2: 1.02, 9: 1.1}, t1_s=0.05)  # timed in a faster spell
-        slow = {id(e._runner): 0.08, id(e._runner.draft): 0.02}
+        slow = {id(e.diagnostics().runner): 0.08, id(e.diagnostics().runner.draft): 0.02}
         monkeypatch.setattr(sp, "time_forward", lambda runner, width, **kw: slow[id(runner)])
-        assert e._thread.call(sched._draft_cost) == pytest.approx(0.25)  # not 0.02 / 0.05
+        assert e.diagnostics().call(sched._draft_cost) == pytest.approx(0.25)  # not 0.02 / 0.05
         assert sched.cost_curve.draft_costs == {"draft": pytest.approx(0.25)}
 
 
@@ -687,8 +682,8 @@ def test_auto_verifications_fund_wider_ones_in_the_scheduler(models, monkeypatch
     target, _ = models
     with Engine.load(str(target), draft_model=str(target)) as e:
         plain, _, _ = run(e, max_tokens=32)
-        e._scheduler.cost_curve = CostCurve({1: 1.0, 2: 1.32, 3: 1.62, 4: 1.87, 5: 1.96, 9: 3.09}, t1_s=1e9,
-                                            draft_costs={"draft": 0.0})
+        curve = CostCurve({1: 1.0, 2: 1.32, 3: 1.62, 4: 1.87, 5: 1.96, 9: 3.09}, t1_s=1e9, draft_costs={"draft": 0.0})
+        e.diagnostics().scheduler.cost_curve = curve
         tokens, from_draft, final = run(e, speculative="auto", max_tokens=32)
     assert tokens == plain and final.stats.acceptance_rate == 1.0
     assert final.stats.target_forwards == 8  # as without the loss budget; 11 if the savings went unbooked
@@ -740,17 +735,12 @@ def test_draft_mode_without_a_draft_model(models) -> None:
             e.generate(GenerationRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(speculative="draft")))
 
 
-def test_model_whose_cache_cannot_roll_back(tmp_path: Path) -> None:
-    """An mlx-lm fallback model with sliding-window layers (RotatingKVCache) cannot trim at every length:
-    a named proposer is refused, "auto" decodes plainly."""
-    dst = tmp_path / "m"
-    shutil.copytree(GOLDEN / "llama", dst)
-    config = json.loads((dst / "config.json").read_text())
-    config.update(model_type="xverse", layer_types=["sliding_attention", "full_attention"], sliding_window=8)
-    (dst / "config.json").write_text(json.dumps(config))
+def test_model_whose_cache_cannot_roll_back() -> None:
+    """gpt-oss stays on mlx-lm's caches (attention sinks), whose sliding layers (RotatingKVCache) cannot trim at
+    every length: a named proposer is refused, "auto" decodes plainly."""
     ids = [3, 17, 42, 99, 7, 64, 120, 5] * 2
-    with Engine.load(str(dst)) as e:
-        assert not e.info.native
+    with Engine.load(str(GOLDEN / "gpt_oss")) as e:
+        assert not e.info.native and e.kv_stats()["kind"] == "contiguous"
         for mode in MODES:
             with pytest.raises(RequestError, match=r"RotatingKVCache.*cannot be rolled back"):
                 e.generate(GenerationRequest(prompt_token_ids=ids, sampling=SamplingParams(speculative=mode)))
@@ -794,8 +784,8 @@ def test_cost_curve_is_kept_and_reused_by_the_next_engine(models, monkeypatch, t
         plain, _, _ = run(e, max_tokens=6)
         tokens, from_draft, _ = run(e, speculative="auto", max_tokens=6)
         run(e, speculative="auto", max_tokens=6)
-        key = sp.cost_curve_key(e._runner)
-        assert key == "|".join([e._runner.fingerprint.hex(), f"{e.info.backend}-{e.info.device}",
+        key = sp.cost_curve_key(e.diagnostics().runner)
+        assert key == "|".join([e.diagnostics().runner.fingerprint.hex(), f"{e.info.backend}-{e.info.device}",
                                 f"{platform.system()}-{platform.machine()}", f"mlx-{mx.__version__}"])
     assert tokens == plain and not any(from_draft)
     assert len(calls) == 1  # once per engine at most, as before
@@ -804,8 +794,8 @@ def test_cost_curve_is_kept_and_reused_by_the_next_engine(models, monkeypatch, t
 
     with Engine.load(str(target)) as e2:
         run(e2, speculative="auto", max_tokens=6)
-        assert e2._scheduler.cost_curve.ratios == {1: 1.0, 2: 1.9, 3: 2.7}
-        assert e2._scheduler.cost_curve.t1_s == 0.004
+        assert e2.diagnostics().scheduler.cost_curve.ratios == {1: 1.0, 2: 1.9, 3: 2.7}
+        assert e2.diagnostics().scheduler.cost_curve.t1_s == 0.004
     assert len(calls) == 1  # read from the file, not measured
 
     monkeypatch.setattr(mx, "__version__", "0.0.0-other")
@@ -830,7 +820,7 @@ def test_corrupt_cost_curve_file_is_measured_again_and_overwritten(models, monke
     monkeypatch.setattr(timing, "measure_cost_curve", lambda runner: calls.append(1) or CostCurve({1: 1.0, 2: 1.5}, 0.01))
     target, _ = models
     with Engine.load(str(target)) as e:
-        key = sp.cost_curve_key(e._runner)
+        key = sp.cost_curve_key(e.diagnostics().runner)
         path = tmp_path / "cost_curves.json"
         path.write_bytes(content.replace("KEY", key).encode("utf-8", "surrogateescape"))
         run(e, speculative="auto", max_tokens=4)

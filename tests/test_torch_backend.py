@@ -102,7 +102,7 @@ def test_score_matches_mlx(llama, mlx_llama):
 def test_batched_decode_of_different_lengths_equals_solo_runs(llama):
     a, b = PROMPT[:13], PROMPT[5:] + [9, 8]
     solo = [run(llama, a)[0], run(llama, b)[0]]
-    scheduler = llama._scheduler
+    scheduler = llama.diagnostics().scheduler
     scheduler.trace = []
     try:
         streams = [llama.generate(GenerationRequest(prompt_token_ids=ids, sampling=SamplingParams(
@@ -229,14 +229,14 @@ def llama_int8_draft():
 def test_int8_draft_greedy_equals_plain(llama_int8_draft, llama):
     from mlx_engine.backends.torch.draft_int8 import FusedInt8, Int8Weight
 
-    draft = llama_int8_draft._runner.draft
+    draft = llama_int8_draft.diagnostics().runner.draft
     for b in draft.model.layers:
         assert isinstance(b.self_attn.qkv, FusedInt8) and isinstance(b.mlp.gate_up, FusedInt8)
         assert isinstance(b.self_attn.o_proj.weight, Int8Weight) and isinstance(b.mlp.down_proj.weight, Int8Weight)
         assert b.self_attn.q_proj is None and b.mlp.up_proj is None  # the float projections are gone
     assert isinstance(draft.model.lm_head.weight, Int8Weight) and draft.info.quantization.endswith("int8 draft")
     assert isinstance(draft.model.embed_tokens.weight, Int8Weight)  # untied here: its own int8 embedding
-    float_bytes = llama._runner.draft.info.weight_bytes
+    float_bytes = llama.diagnostics().runner.draft.info.weight_bytes
     assert 0.25 * float_bytes < draft.info.weight_bytes < 0.6 * float_bytes  # int8 twice (packed, plain)
     plain, _ = run(llama, PROMPT, 20)
     tokens, final = run(llama_int8_draft, PROMPT, 20, speculative="draft")
@@ -323,10 +323,10 @@ def test_quantized_gguf_matches_mlx(tiny_gguf, kernels, monkeypatch):
     monkeypatch.setattr(torch_runner, "use_kernels", lambda device: kernels)
     monkeypatch.setenv("ROOFLINE_TORCH_CPU_PACKED", "0")  # unpacked: the float32 twin of the packed CPU path
     with Engine.load(path, backend="torch", device="cpu") as engine:
-        model = engine._runner.model
+        model = engine.diagnostics().runner.model
         for w in (model.embed_tokens.weight, model.layers[0].self_attn.q_proj.weight, model.lm_head.weight):
             assert isinstance(w, QuantizedWeight) == kernels
-        assert engine._runner.cache.storage.use_kernel == kernels
+        assert engine.diagnostics().cache.storage.use_kernel == kernels
         assert float(np.abs(engine.forward_logits(PROMPT) - ref["logits"]).max()) <= LOGITS_TOL
         streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
             temperature=0.0, max_tokens=8, ignore_eos=True))) for p in (PROMPT, PROMPT[3:14])]
@@ -418,7 +418,8 @@ def test_kquant_gguf(tmp_path, kernels, monkeypatch):
     monkeypatch.setenv("ROOFLINE_TORCH_CPU_PACKED", "0")  # unpacked: the float32 twin of the packed CPU path
     with Engine.load(str(path), backend="torch", device="cpu") as engine, \
             Engine.load(str(ref), backend="torch", device="cpu") as want:  # the float folder on this backend
-        attn, mlp = engine._runner.model.layers[0].self_attn, engine._runner.model.layers[0].mlp
+        layer = engine.diagnostics().runner.model.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
         formats = {name: (w.bits, w.group_size) if isinstance(w, QuantizedWeight) else None for name, w in (
             ("Q4_K", attn.q_proj.weight), ("Q3_K", attn.k_proj.weight), ("Q5_K", attn.v_proj.weight),
             ("Q6_K", attn.o_proj.weight), ("Q2_K", mlp.gate_proj.weight))}

@@ -191,7 +191,7 @@ def test_packed_logits_and_greedy_tokens(quantized_files, kind):
     path, ref_folder = quantized_files[kind]
     with Engine.load(str(path), backend="torch", device="cpu") as packed, \
             Engine.load(str(ref_folder), backend="torch", device="cpu") as ref, Engine.load(str(path)) as mlx:
-        model = packed._runner.model
+        model = packed.diagnostics().runner.model
         assert isinstance(model.embed_tokens.weight, cpu_packed.CPUWeight)  # no float copy, the embedding too
         assert model.lm_head is None or isinstance(model.lm_head.weight, cpu_packed.CPUWeight)
         if kind in GGUF_KIND:
@@ -229,7 +229,8 @@ def test_kquant_formats(quantized_files):
     with Engine.load(str(path), backend="torch", device="cpu") as engine:
         if not cpu_packed.cpu_support().packed:
             pytest.skip("the portable path here")
-        a, m = engine._runner.model.layers[0].self_attn, engine._runner.model.layers[0].mlp
+        layer = engine.diagnostics().runner.model.layers[0]
+        a, m = layer.self_attn, layer.mlp
         kinds = {name: cpu_packed.kind(w.weight) for name, w in (
             ("Q4_K", a.q_proj), ("Q3_K", a.k_proj), ("Q5_K", a.v_proj), ("Q6_K", a.o_proj), ("Q2_K", m.gate_proj))}
         assert kinds == {"Q4_K": "int4", "Q3_K": "int8", "Q5_K": "int4x2", "Q6_K": "int8", "Q2_K": "int8"}
@@ -256,7 +257,7 @@ def test_a_cpu_without_avx2_gets_the_portable_path(monkeypatch, quantized_files,
         path, ref = quantized_files["Q4_0"]
         with Engine.load(str(path), backend="torch", device="cpu") as e, \
                 Engine.load(str(ref), backend="torch", device="cpu") as want:
-            assert isinstance(e._runner.model.embed_tokens.weight, torch.Tensor)  # float32, dequantized
+            assert isinstance(e.diagnostics().runner.model.embed_tokens.weight, torch.Tensor)  # float32, dequantized
             assert len(e.info.warnings) == 1 and "the portable path" in e.info.warnings[0] and why in e.info.warnings[0]
             assert float(np.abs(e.forward_logits(PROMPT) - want.forward_logits(PROMPT)).max()) <= 1e-4
     finally:
@@ -281,7 +282,7 @@ def test_the_exact_twin_by_environment(monkeypatch, quantized_files):
     path, ref = quantized_files["Q8_0"]
     with Engine.load(str(path), backend="torch", device="cpu") as e, \
             Engine.load(str(ref), backend="torch", device="cpu") as want:
-        assert not e.info.warnings and isinstance(e._runner.model.embed_tokens.weight, torch.Tensor)
+        assert not e.info.warnings and isinstance(e.diagnostics().runner.model.embed_tokens.weight, torch.Tensor)
         assert float(np.abs(e.forward_logits(PROMPT) - want.forward_logits(PROMPT)).max()) <= 1e-4
 
 
@@ -331,7 +332,7 @@ def test_compiled_decode_equals_eager(quantized_files):
             temperature=0.0, max_tokens=12, ignore_eos=True, speculative="prompt-lookup"))) for t in ev.token_ids]
     with Engine.load(str(path), backend="torch", device="cpu", compile=True) as compiled:
         assert any("compiled by torch.compile" in n for n in compiled.info.notes), compiled.info
-        halves = compiled._runner.model.compiled
+        halves = compiled.diagnostics().runner.model.compiled
         assert halves is not None and halves.warm
         assert greedy(compiled, PROMPT, 16) == want_solo
         assert batch(compiled) == want_batch

@@ -120,11 +120,11 @@ def decode_together(engine: Engine, n: int = 16) -> tuple[list[list[int]], np.nd
 def test_cuda_graph_decode_equals_eager(tiny_gguf, dtype, tol):
     with Engine.load(tiny_gguf, backend="torch", device="cuda", dtype=dtype, cuda_graphs=False,
                      kv_budget_bytes=BUDGET) as eager:
-        assert eager._runner.graphs is None
+        assert eager.diagnostics().runner.graphs is None
         want_tokens, want_lp = decode_together(eager)
         want_solo = decode_one(eager)
     with Engine.load(tiny_gguf, backend="torch", device="cuda", dtype=dtype, kv_budget_bytes=BUDGET) as graphed:
-        graphs = graphed._runner.graphs
+        graphs = graphed.diagnostics().runner.graphs
         assert graphs is not None and graphs.capture
         got_tokens, got_lp = decode_together(graphed)
         assert graphs.captures >= 1 and graphs.replays >= 14
@@ -153,7 +153,7 @@ def test_speculative_verification_in_graphs_on_cuda(tiny_gguf):
 
         plain, _ = run()
         got, final = run(speculative="draft", num_draft_tokens=4)
-        keys = {k[0] for k in engine._runner.graphs.graphs}
+        keys = {k[0] for k in engine.diagnostics().runner.graphs.graphs}
     assert got == plain and final.stats.acceptance_rate == 1.0
     assert 8 in keys  # 5 verified rows in the bucket of 8
 
@@ -211,7 +211,8 @@ def test_structured_output_in_graphs_equals_eager_on_cuda(tiny_gguf):
 
 def test_prefill_chunk_default_is_4096_on_cuda(tiny_gguf):
     with Engine.load(tiny_gguf, backend="torch", device="cuda", kv_budget_bytes=BUDGET) as engine:
-        assert engine._runner.prefill_chunk_size == 4096 and engine._scheduler.token_budget == 4096
+        diag = engine.diagnostics()
+        assert diag.runner.prefill_chunk_size == 4096 and diag.scheduler.token_budget == 4096
 
 
 def test_kquant_gguf_packed_on_cuda(tmp_path, monkeypatch):
@@ -224,7 +225,8 @@ def test_kquant_gguf_packed_on_cuda(tmp_path, monkeypatch):
     path, _, _ = kquant_llama_gguf(tmp_path)
     ids = [3, 17, 42, 99, 7, 64, 120, 5, 9]
     with Engine.load(str(path), backend="torch", device="cuda", dtype="float32", kv_budget_bytes=BUDGET) as gpu:
-        assert isinstance(gpu._runner.model.layers[0].self_attn.o_proj.weight, QuantizedWeight)  # Q6_K, group 16
+        o_proj = gpu.diagnostics().runner.model.layers[0].self_attn.o_proj
+        assert isinstance(o_proj.weight, QuantizedWeight)  # Q6_K, group 16
         a = gpu.forward_logits(ids)
     monkeypatch.setattr(torch_runner, "use_kernels", lambda device: True)  # packed on the CPU too
     with Engine.load(str(path), backend="torch", device="cpu") as cpu:

@@ -26,7 +26,7 @@ PROMPTS = [[3, 17, 42, 99, 7], [(7 * i + 1) % 120 + 3 for i in range(21)], [(5 *
 @pytest.fixture(scope="module")
 def engine():
     with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", prefix_caching=False) as e:
-        e._runner.cache.storage.use_kernel = True  # decode reads KV through block tables, as on CUDA
+        e.diagnostics().cache.storage.use_kernel = True  # decode reads KV through block tables, as on CUDA
         yield e
 
 
@@ -43,7 +43,7 @@ def test_graph_steps_equal_eager_steps():
     """On a fresh pool, graphs first: the sequences hold block 0 and its neighbours, where a padding row
     that missed the scratch block would write."""
     with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", prefix_caching=False) as engine:
-        runner = engine._runner
+        runner = engine.diagnostics().runner
         assert runner.graphs is None  # on the CPU graphs are off unless asked for
         runner.cache.storage.use_kernel = True
         graphs = runner.graphs = DecodeGraphs(runner.model, runner.cache.storage, capture=False)
@@ -59,8 +59,8 @@ def test_graph_steps_equal_eager_steps():
 
 
 def test_padding_rows_and_columns_go_to_the_scratch_block(engine):
-    storage = engine._runner.cache.storage
-    graphs = DecodeGraphs(engine._runner.model, storage, capture=False)
+    storage = engine.diagnostics().cache.storage
+    graphs = DecodeGraphs(engine.diagnostics().runner.model, storage, capture=False)
     scratch, bs = storage.scratch_block, storage.block_size
     assert scratch == storage.capacity and storage.k[0].shape[0] == (storage.capacity + 1) * bs
     step = DecodeStep(storage, positions=[4, 20, 39], new_slots=[4, 36, 87], tables=[[0], [1, 2], [3, 4, 5]])
@@ -81,7 +81,7 @@ def test_buckets():
 def test_graphs_over_an_old_pool_are_dropped_when_it_grows():
     with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", prefix_caching=False,
                      kv_budget_bytes=1 << 22) as engine:
-        runner = engine._runner
+        runner = engine.diagnostics().runner
         storage = runner.cache.storage
         storage.use_kernel = True
         tokens, _ = batch(engine, 4)
@@ -117,7 +117,7 @@ def test_a_gpus_default_kv_budget_is_capped_at_256_contexts():
 
 def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(monkeypatch):
     with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", prefix_caching=False) as engine:
-        runner = engine._runner
+        runner = engine.diagnostics().runner
         runner.cache.storage.use_kernel = True
         tokens, _ = batch(engine, 6)
         graphs = runner.graphs = DecodeGraphs(runner.model, runner.cache.storage, capture=False)
@@ -141,7 +141,7 @@ def test_speculative_verification_through_graphs_equals_plain():
     params = dict(temperature=0.0, max_tokens=20, ignore_eos=True)
     with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", prefix_caching=False,
                      draft_model=str(GOLDEN / "llama")) as engine:
-        runner = engine._runner
+        runner = engine.diagnostics().runner
         runner.cache.storage.use_kernel = True
 
         def run(**extra):
@@ -160,7 +160,7 @@ def test_speculative_verification_through_graphs_equals_plain():
 
 def test_time_graph_forward_touches_only_the_scratch_block():
     with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu") as engine:
-        runner = engine._runner
+        runner = engine.diagnostics().runner
         storage = runner.cache.storage
         storage.use_kernel = True
         run_tokens = list(engine.generate(GenerationRequest(prompt_token_ids=[3, 4, 5, 6, 7], sampling=SamplingParams(
@@ -181,7 +181,7 @@ def test_time_graph_forward_touches_only_the_scratch_block():
 
 
 def test_prefill_chunk_default_is_512_on_the_cpu(engine):
-    assert engine._runner.prefill_chunk_size == 512 and engine._scheduler.token_budget == 512
+    assert engine.diagnostics().runner.prefill_chunk_size == 512 and engine.diagnostics().scheduler.token_budget == 512
 
 
 def test_greedy_tokens_taken_on_the_device_equal_the_samplers():
@@ -197,7 +197,7 @@ def test_greedy_tokens_taken_on_the_device_equal_the_samplers():
     taken = []
     original = torch_runner.sample_rows
     with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", prefix_caching=False) as engine:
-        runner = engine._runner
+        runner = engine.diagnostics().runner
         runner.cache.storage.use_kernel = True
         with_sampler = run_all(engine, 0)
         torch_runner.sample_rows = lambda logits, samplers: taken.append(len(samplers)) or original(logits, samplers)

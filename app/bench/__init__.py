@@ -1,4 +1,4 @@
-"""`roofline bench` and `roofline bench compare`: the front end over mlx_engine.bench."""
+"""`roofline bench` and `roofline bench compare`: the front end over the engine's public API (app.bench.sweep)."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from mlx_engine.bench import BenchSpec
+    from app.bench.sweep import BenchSpec
 
     spec = BenchSpec(prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
                      batches=int_list("--batch", args.batch, 1), contexts=int_list("--context", args.context, 0),
@@ -128,16 +128,16 @@ def run(model: str | None, spec: Any, backend: str, device: str, command: str = 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from app.bench.machine import machine_info, peak_bandwidth, peak_flops
+    from app.bench import sweep as bench
     from app.tui.store import data_dir
-    from mlx_engine import bench
 
     distributed = options.get("distributed")
     engine = bench.load_engine(model, spec, backend, device, **options)
     try:
-        dev = bench.engine_device(engine, backend, device)
+        dev = bench.engine_device(engine, device)
         home = data_dir()
         bw = peak_bandwidth(dev, home)
-        flops = peak_flops(dev, home, lambda: bench.measure_matmul_flops(engine, dev))
+        flops = peak_flops(dev, home, lambda: engine.diagnostics().matmul_flops(dev))
         info = engine.info
         machine = machine_info(backend, dev, bench.versions())
         machine.update(peak_bandwidth=bw, peak_flops=flops)
@@ -200,7 +200,7 @@ def _stat(values: list[float]) -> dict[str, Any]:
 
 
 def _row(engine: Any, p: Any, bw: dict[str, Any], flops: dict[str, Any]) -> dict[str, Any]:
-    from mlx_engine.bench import decode_bytes_per_step
+    from app.bench.sweep import decode_bytes_per_step
 
     tg, pp = _stat(p.tg_tps), _stat(p.pp_tps)
     step_bytes = decode_bytes_per_step(engine, p.batch, p.tg_mean_context)

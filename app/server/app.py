@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
-from mlx_engine.api import GenerationEvent, GenerationRequest, RequestError, RooflineError, SamplingParams, Usage
+from mlx_engine.api import (EngineLike, GenerationEvent, GenerationRequest, RequestError, RooflineError, SamplingParams,
+                            Usage)
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -73,7 +74,7 @@ class ServerConfig:
 class Server:
     """State shared by the routes: the engine, the served model's names, admission, metrics."""
 
-    def __init__(self, engine: Any, config: ServerConfig):
+    def __init__(self, engine: EngineLike, config: ServerConfig):
         self.engine = engine
         self.config = config
         info = engine.info
@@ -546,8 +547,8 @@ class EventStreamResponse:
             self.cancel()
 
 
-def create_app(engine: Any, config: ServerConfig | None = None) -> Starlette:
-    """The ASGI app serving `engine` (a loaded Engine or anything with its surface)."""
+def create_app(engine: EngineLike, config: ServerConfig | None = None) -> Starlette:
+    """The ASGI app serving `engine` (a loaded Engine, or a fake with its surface: `mlx_engine.api.EngineLike`)."""
     server = Server(engine, config or ServerConfig())
 
     @contextlib.asynccontextmanager

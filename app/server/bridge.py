@@ -27,8 +27,8 @@ class Generation:
         self.finished = False  # the engine is done with it (set on the loop)
         self.started = False  # the engine sent its first event (set by the pump thread)
         self.num_draft_accepted = 0  # tokens that came from an accepted draft (set by the pump thread)
-        self._thread = threading.Thread(target=self._pump, name="roofline-serve-stream", daemon=True)
-        self._thread.start()
+        self._pump_thread = threading.Thread(target=self._pump, name="roofline-serve-stream", daemon=True)
+        self._pump_thread.start()
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         try:

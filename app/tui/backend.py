@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mlx_engine.api import GenerationRequest, SamplingParams
+from mlx_engine.api import EngineLike, GenerationRequest, SamplingParams
 
 from app.tui.chips import Bandwidth, machine_bandwidth
 
@@ -18,7 +18,7 @@ class EngineBackend:
     def __init__(self, **load_options: Any) -> None:
         self.load_options = load_options  # Engine.load's options for every model (the KV cache's, from the CLI)
 
-    def load(self, ref: str | None, status: Callable[[str], None] | None = None) -> Any:
+    def load(self, ref: str | None, status: Callable[[str], None] | None = None) -> EngineLike:
         """Loads `ref`; a repo id not in the Hugging Face cache is pulled first, its progress told to `status`."""
         from mlx_engine import Engine
 
@@ -93,18 +93,18 @@ class EngineBackend:
 
     # ---- a chat's KV on disk (called from workers) ----------------------------------------------------
 
-    def kv_persistence(self, engine: Any) -> bool:
+    def kv_persistence(self, engine: EngineLike) -> bool:
         """Whether `engine` can save and restore a chat's KV (its cache declares KV files: `ModelInfo.kv_files`)."""
         return engine.info.kv_files
 
-    def save_kv(self, engine: Any, path: Path, messages: list[dict[str, str]]) -> int:
+    def save_kv(self, engine: EngineLike, path: Path, messages: list[dict[str, str]]) -> int:
         """Saves the cached KV of the conversation `messages` (ending with a reply, so no generation prompt);
         tokens saved. RooflineError when nothing is cached yet (a chat shorter than one block)."""
         request = GenerationRequest(messages=messages, sampling=SamplingParams(max_tokens=1),
                                     add_generation_prompt=False)
         return engine.save_kv(str(path), request)
 
-    def restore_kv(self, engine: Any, path: Path) -> int:
+    def restore_kv(self, engine: EngineLike, path: Path) -> int:
         """Loads a file written by `save_kv` into the engine's prefix cache; tokens restored. RooflineError
         when the file is refused (another model or KV layout, corrupt)."""
         return engine.restore_kv(str(path))

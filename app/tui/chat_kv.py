@@ -19,14 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mlx_engine.api import RooflineError
+from mlx_engine.api import EngineLike, RooflineError
 
 log = logging.getLogger(__name__)
 
 MAX_MODELS_PER_CHAT = 4
 
 
-def model_key(engine: Any) -> str:
+def model_key(engine: EngineLike) -> str:
     """A short name for the model an engine runs and how (a file is only ever restored into the same)."""
     i = engine.info
     ident = "\0".join(str(x) for x in (i.name, i.path, i.backend, i.device, i.dtype, i.quantization))
@@ -48,7 +48,7 @@ class ChatKV:
         self._idle = threading.Condition()
         self._names = itertools.count()
 
-    def path(self, chat_id: int, engine: Any) -> Path:
+    def path(self, chat_id: int, engine: EngineLike) -> Path:
         return self.folder / f"{chat_id}-{model_key(engine)}.safetensors"
 
     def files(self, chat_id: int) -> list[Path]:
@@ -59,13 +59,13 @@ class ChatKV:
 
     # ---- UI thread -----------------------------------------------------------------------------------
 
-    def save(self, engine: Any, chat_id: int, messages: list[dict[str, str]]) -> None:
+    def save(self, engine: EngineLike, chat_id: int, messages: list[dict[str, str]]) -> None:
         """Saves the conversation `messages` (ending with the reply just finished) in a worker."""
         self._mark_warm(engine, chat_id)
         epoch = self._epoch.get(chat_id, 0)
         self._start(lambda: self._save(engine, chat_id, messages, epoch), f"save KV of chat {chat_id}")
 
-    def restore(self, engine: Any, chat_id: int) -> None:
+    def restore(self, engine: EngineLike, chat_id: int) -> None:
         """Restores the chat's saved KV into `engine` in a worker, once per engine (a chat already replied to or
         restored with this engine has its blocks cached)."""
         if engine is not self._warm_engine:
@@ -92,7 +92,7 @@ class ChatKV:
 
     # ---- workers -------------------------------------------------------------------------------------
 
-    def _mark_warm(self, engine: Any, chat_id: int) -> None:
+    def _mark_warm(self, engine: EngineLike, chat_id: int) -> None:
         if engine is not self._warm_engine:
             self._warm_engine, self._warm = engine, set()
         self._warm.add(chat_id)
@@ -111,13 +111,13 @@ class ChatKV:
 
         self.app.run_worker(run, name=name, group="kv", thread=True, exit_on_error=False)
 
-    def _supports(self, engine: Any) -> bool:
+    def _supports(self, engine: EngineLike) -> bool:
         key = id(engine)
         if key not in self._supported:
             self._supported[key] = self.backend.kv_persistence(engine)
         return self._supported[key]
 
-    def _save(self, engine: Any, chat_id: int, messages: list[dict[str, str]], epoch: int) -> None:
+    def _save(self, engine: EngineLike, chat_id: int, messages: list[dict[str, str]], epoch: int) -> None:
         if not self._supports(engine):
             return
         tmp = self.folder / f"{chat_id}.saving-{next(self._names)}.safetensors"
@@ -154,7 +154,7 @@ class ChatKV:
         for path in files[MAX_MODELS_PER_CHAT:]:
             self._unlink(path)
 
-    def _restore(self, engine: Any, chat_id: int, epoch: int) -> None:
+    def _restore(self, engine: EngineLike, chat_id: int, epoch: int) -> None:
         if not self._supports(engine):
             return
         path = self.path(chat_id, engine)

@@ -296,6 +296,9 @@ class FakeEngine:
         # 30 layers x 3 KV heads x 64 dims x K and V x fp32
         return self.info.weight_bytes + 2 * 30 * 3 * 64 * 4 * context_tokens
 
+    def moe_routing(self) -> None:
+        return None  # a dense model
+
     def close(self) -> None:
         self.closed = True
 

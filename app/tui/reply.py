@@ -12,7 +12,7 @@ from textual import work
 from textual.containers import VerticalScroll
 from textual.message import Message
 
-from mlx_engine.api import GenerationRequest, RooflineError
+from mlx_engine.api import EngineLike, GenerationRequest, RooflineError
 
 from app.tui.screens.settings import sampling_params
 from app.tui.streaming import TokenBuffer
@@ -54,7 +54,7 @@ class Generation:
     chat_id: int
     message_id: int
     view: MessageView
-    engine: Any
+    engine: EngineLike
     buffer: TokenBuffer = field(default_factory=TokenBuffer)
     stream: Any = None
     cancel_requested: bool = False
@@ -191,7 +191,7 @@ class ReplyRunner:
         self.fill_bytes(gen.engine, s)
         self.show_stats()  # type: ignore[attr-defined]
 
-    def fill_bytes(self, engine: Any, s: LiveStats) -> None:
+    def fill_bytes(self, engine: EngineLike, s: LiveStats) -> None:
         ctx = s.prompt_tokens + s.reply_tokens
         try:
             s.bytes_per_token = engine.decode_bytes_per_token(ctx)

@@ -41,7 +41,7 @@ class Case:
     single: bool = False  # decode: one sequence, its slots read whole (`kv.views.DecodeStep.all_slots`)
     runs: bool = False  # ... as runs of consecutive slots (else ids)
     long: bool = False  # contiguous: the chunk reaches past the sliding window
-    window: int | None = None  # contiguous: the sliding window, if any
+    window: int | None = None  # the sliding window, if any (paged: the storage's, `storage.window`)
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def choose(case: Case) -> Path:
 def storage_case(phase: str, storage: Any, **step: Any) -> Case:
     """The case of a paged storage's `phase`, with the step's shape (`single`, `runs`)."""
     return Case(phase, storage.dtype, storage.head_dim, storage.head_major, storage.bits, storage.key_per_channel,
-                mx.metal.is_available(), **step)
+                mx.metal.is_available(), window=storage.window, **step)
 
 
 def contiguous_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, offset: int,

@@ -11,13 +11,13 @@ from mlx_engine.backends.mlx.host_blas import one_blas_thread
 
 # Scores held at once by the host attention, in float32 elements: query rows are taken in slabs below it.
 HOST_ATTENTION_MAX_SCORES = 16 * 2**20
-# Query x key pairs from which the host attention pays for the evaluation it forces (~60 us), whose cost a single
-# decode token over fewer keys does not repay.
+# Query x key pairs from which the host attention pays for the evaluation of MLX's pending graph it forces, which
+# a single decode token over fewer keys does not repay.
 HOST_ATTENTION_MIN_PAIRS = 256
 
 
 def sdpa(q: mx.array, k: mx.array | list[mx.array], v: mx.array | list[mx.array], scale: float,
-         causal: bool, own: tuple[mx.array, mx.array, int] | None = None) -> mx.array:
+         causal: bool, own: tuple[mx.array, mx.array, int] | None = None, window: int | None = None) -> mx.array:
     """Scaled dot-product attention, q (1, Hq, L, D), k/v (1, Hkv, S, D) -> (1, Hq, L, D); `causal` aligns
     the L queries with the last L keys. k and v may also be lists of segments (1, Hkv, S_i, D) that together
     are the S keys in order (a paged sequence's runs of blocks, read in place rather than gathered). On MLX's
@@ -27,17 +27,23 @@ def sdpa(q: mx.array, k: mx.array | list[mx.array], v: mx.array | list[mx.array]
     `own` (causal only): (cols (L, W) int32, keys (Hkv, L, W, D), width): query i reads keys[:, i, w] in place of
     key cols[i, w] (per-channel quantized keys: a query's own block as quantized up to it,
     `attention.paged.prefill_channel`); columns past the S keys, up to width - 1 (>= S), are allowed (masked, as
-    the future)."""
+    the future).
+
+    `window` (causal only): a sliding window, query i (at column S - L + i) sees the columns within `window` of
+    it, S - L + i - window < column <= S - L + i."""
     ks, vs = (k, v) if isinstance(k, list) else ([k], [v])
     s = sum(x.shape[2] for x in ks)
     if own is not None:
         if mx.metal.is_available() or q.dtype != mx.float32 or q.shape[0] != 1:
-            return _sdpa_own_mlx(q, ks, vs, scale, own)
+            return _sdpa_own_mlx(q, ks, vs, scale, own, window)
     elif (mx.metal.is_available() or q.dtype != mx.float32 or q.shape[0] != 1
             or q.shape[2] * s < HOST_ATTENTION_MIN_PAIRS):
         if len(ks) > 1:
             ks, vs = [mx.concatenate(ks, axis=2)], [mx.concatenate(vs, axis=2)]
-        return mx.fast.scaled_dot_product_attention(q, ks[0], vs[0], scale=scale, mask="causal" if causal else None)
+        mask = "causal" if causal else None
+        if causal and window is not None:
+            mask = _window_mask(q.shape[2], s, s, window)
+        return mx.fast.scaled_dot_product_attention(q, ks[0], vs[0], scale=scale, mask=mask)
     _, hq, length, d = q.shape
     hkv = ks[0].shape[1]
     g = hq // hkv
@@ -64,8 +70,11 @@ def sdpa(q: mx.array, k: mx.array | list[mx.array], v: mx.array | list[mx.array]
                 mine = (qn[:, :, a:b, None, :] @ own_keys[:, None, a:b].swapaxes(-1, -2))[:, :, :, 0]
                 np.put_along_axis(scores, np.broadcast_to(cols[a:b], mine.shape), mine, axis=-1)
             scores *= scale
-            if causal and (length > 1 or width > s):  # query i sits at position s - length + i
-                visible = np.arange(width)[None, :] <= (np.arange(a, b) + (s - length))[:, None]
+            if causal and (length > 1 or width > s or window is not None):  # query i at column s - length + i
+                at = (np.arange(a, b) + (s - length))[:, None]
+                visible = np.arange(width)[None, :] <= at
+                if window is not None:
+                    visible &= np.arange(width)[None, :] > at - window
                 scores = np.where(visible, scores, np.float32(-np.inf))
             scores -= scores.max(-1, keepdims=True)
             np.exp(scores, out=scores)
@@ -78,8 +87,15 @@ def sdpa(q: mx.array, k: mx.array | list[mx.array], v: mx.array | list[mx.array]
     return mx.array(out.reshape(1, hq, length, d))
 
 
+def _window_mask(length: int, s: int, width: int, window: int) -> mx.array:
+    """(length, width) bool: query i, at column s - length + i, sees the columns of its window up to itself."""
+    at = (mx.arange(length) + (s - length))[:, None]
+    cols = mx.arange(width)[None, :]
+    return (cols <= at) & (cols > at - window)
+
+
 def _sdpa_own_mlx(q: mx.array, ks: list[mx.array], vs: list[mx.array], scale: float,
-                  own: tuple[mx.array, mx.array, int]) -> mx.array:
+                  own: tuple[mx.array, mx.array, int], window: int | None = None) -> mx.array:
     """`sdpa` with `own` in MLX ops (Metal, half precision), float32 math."""
     cols, own_keys, width = own
     _, hq, length, d = q.shape
@@ -92,6 +108,6 @@ def _sdpa_own_mlx(q: mx.array, ks: list[mx.array], vs: list[mx.array], scale: fl
     scores = qg @ k[:, None].swapaxes(-1, -2)  # (Hkv, G, L, width)
     mine = (qg[:, :, :, None, :] @ own_keys.astype(mx.float32)[:, None].swapaxes(-1, -2))[:, :, :, 0]
     scores = mx.put_along_axis(scores, mx.broadcast_to(cols, mine.shape), mine, axis=-1) * scale
-    visible = mx.arange(width)[None, :] <= (mx.arange(length) + (s - length))[:, None]
+    visible = _window_mask(length, s, width, window if window is not None else width + 1)
     scores = mx.where(visible, scores, -mx.inf)
     return (mx.softmax(scores, axis=-1) @ v[:, None]).reshape(1, hq, length, d).astype(q.dtype)

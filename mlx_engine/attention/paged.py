@@ -4,6 +4,11 @@ Every path here reads K and V as stored (quantized K and V transformed, `kv.page
 in with `storage.queries` and the output back with `storage.outputs`. Decode paths take a step's shared state
 (`kv.views.DecodeStep`), the layer and q (B, Hq, 1, D) and return (B, Hq, 1, D); prefill paths take the chunk's
 view (`kv.views.PagedPrefillView`) and q (1, Hq, L, D) and return (1, Hq, L, D), causal.
+
+A storage with a sliding window (`storage.window`, sliding layers): the query at position p reads keys p - window + 1
+.. p. A step's block tables and lengths then start at the block of the earliest key any of its queries reads (the
+blocks before it may be freed), and a view's slots start at `view.base`, a block boundary at or before it: paths
+mask by the window (where they read whole slot lists, a decode step's slots are the window's exactly).
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ def decode_host(step: Any, layer: int, q: mx.array, scale: float) -> mx.array:
     st = step.storage
     B, Hq, _, D = q.shape
     Hkv = st.num_kv_heads
-    slots, padding = step.host_tables()  # (B, T) each
+    slots, padding = step.host_tables()  # (B, T) each (the window's keys only)
     T = slots.shape[1]
     if st.bits is None:
         mx.eval(q, st.k[layer], st.v[layer])
@@ -99,6 +104,8 @@ def decode_head_major(step: Any, layer: int, q: mx.array, scale: float) -> mx.ar
     qg = q.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, D)  # (B, Hkv, G, D)
     scores = (qg @ k.swapaxes(-1, -2)) * scale  # (B, Hkv, G, T)
     valid = mx.arange(T)[None, :] < seq_lens[:, None]  # (B, T)
+    if st.window is not None:
+        valid = valid & (mx.arange(T)[None, :] >= seq_lens[:, None] - st.window)
     scores = mx.where(valid[:, None, None, :], scores, -mx.inf)
     return (mx.softmax(scores, axis=-1) @ v).reshape(B, Hq, 1, D).astype(q.dtype)
 
@@ -109,7 +116,7 @@ def decode_kernel(step: Any, layer: int, q: mx.array, scale: float) -> mx.array:
     B, Hq, _, D = q.shape
     # the block manager built the tables: skip the kernel's host-side data checks (a sync per layer)
     out = paged_decode_attention(q[:, :, 0, :], step.storage.pool(layer), step.block_tables, step.seq_lens, scale,
-                                 check_data=False)
+                                 check_data=False, window=step.storage.window)
     return out.reshape(B, Hq, 1, D)
 
 
@@ -117,7 +124,8 @@ def decode_reference(step: Any, layer: int, q: mx.array, scale: float) -> mx.arr
     """The kernels' reference on a token-major pool, unvalidated (head dims the kernel is not built for)."""
     B, Hq, _, D = q.shape
     out = kernel_reference.paged_decode_attention(q[:, :, 0, :], step.storage.pool(layer), step.block_tables,
-                                                  step.seq_lens, scale, max_seq_len=step.max_seq_len)
+                                                  step.seq_lens, scale, max_seq_len=step.max_seq_len,
+                                                  window=step.storage.window)
     return out.reshape(B, Hq, 1, D)
 
 
@@ -126,9 +134,9 @@ def decode_reference(step: Any, layer: int, q: mx.array, scale: float) -> mx.arr
 
 def prefill_sdpa(view: Any, q: mx.array, scale: float) -> mx.array:
     """The chunk's queries over the sequence's slots so far (runs read in place where they can be), causal: the
-    L queries align with the last L of the S keys."""
+    L queries align with the last L of the S keys (and see the last `window` of them, with a window)."""
     keys, values = view.storage.gather_runs(view.layer, view.all_slots, q.dtype)  # (1, Hkv, S_i, D) each
-    return sdpa(q, keys, values, scale, causal=True)
+    return sdpa(q, keys, values, scale, causal=True, window=view.storage.window)
 
 
 def prefill_channel(view: Any, q: mx.array, scale: float) -> mx.array:
@@ -149,7 +157,9 @@ def prefill_channel(view: Any, q: mx.array, scale: float) -> mx.array:
     codes, step = channel_codes(x[blk], lo, hi, st.key_bits)  # (L, bs, Hkv, D): as the stored blocks went
     # dequantized with the scale and bias rounded to the storage dtype, as the pool keeps them
     own = codes * step.astype(st.dtype).astype(mx.float32) + lo.astype(st.dtype).astype(mx.float32)
-    cols = ((blk + first) * bs)[:, None] + mx.arange(bs)[None, :]  # (L, bs): the own block's positions
+    # (L, bs): the own block's positions, as columns of the slots read (they start at view.base)
+    cols = ((blk + first) * bs - view.base)[:, None] + mx.arange(bs)[None, :]
     keys, values = st.gather_runs(view.layer, view.all_slots, q.dtype)  # (1, Hkv, S_i, D) each
-    width = (first + nb) * bs  # the last own block's end
-    return sdpa(q, keys, values, scale, causal=True, own=(cols, own.transpose(2, 0, 1, 3).astype(q.dtype), width))
+    width = (first + nb) * bs - view.base  # the last own block's end
+    return sdpa(q, keys, values, scale, causal=True, own=(cols, own.transpose(2, 0, 1, 3).astype(q.dtype), width),
+                window=st.window)

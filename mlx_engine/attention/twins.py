@@ -2,7 +2,8 @@
 `kernels_metal.reference.paged_decode_attention` (gather through block tables, masked softmax in float32).
 
 A causal chunk is that kernel's rows: query i of a chunk at `offset` is one decode row whose sequence ends at
-position offset + i (the torch backend replays short verifications the same way). Signatures are their paths'.
+position offset + i (the torch backend replays short verifications the same way). With a sliding window
+(`storage.window`) each row reads its last `window` keys. Signatures are their paths'.
 """
 
 from __future__ import annotations
@@ -19,22 +20,23 @@ from kernels_metal import reference as kernel_reference
 def decode_twin(step: Any, layer: int, q: mx.array, scale: float) -> mx.array:
     B, Hq, _, D = q.shape
     out = kernel_reference.paged_decode_attention(q[:, :, 0, :], step.storage.pool(layer), step.block_tables,
-                                                  step.seq_lens, scale)
+                                                  step.seq_lens, scale, window=step.storage.window)
     return out.reshape(B, Hq, 1, D)
 
 
-def _rows(q: mx.array, pool: KVPool, table: list[int], offset: int, scale: float) -> mx.array:
+def _rows(q: mx.array, pool: KVPool, table: list[int], offset: int, scale: float,
+          window: int | None = None) -> mx.array:
     """q (1, Hq, L, D) at positions offset.. as L decode rows over one block table -> (1, Hq, L, D)."""
     L = q.shape[2]
     rows = q[0].swapaxes(0, 1)  # (L, Hq, D)
     tables = mx.array([table] * L, dtype=mx.int32)
     lens = mx.arange(offset + 1, offset + L + 1, dtype=mx.int32)
-    out = kernel_reference.paged_decode_attention(rows, pool, tables, lens, scale)  # (L, Hq, D)
+    out = kernel_reference.paged_decode_attention(rows, pool, tables, lens, scale, window=window)  # (L, Hq, D)
     return out.swapaxes(0, 1)[None]
 
 
 def prefill_twin(view: Any, q: mx.array, scale: float) -> mx.array:
-    return _rows(q, view.storage.pool(view.layer), view.table, view.offset, scale)
+    return _rows(q, view.storage.pool(view.layer), view.table, view.offset, scale, view.storage.window)
 
 
 def prefill_channel_twin(view: Any, q: mx.array, scale: float) -> mx.array:
@@ -55,7 +57,7 @@ def prefill_channel_twin(view: Any, q: mx.array, scale: float) -> mx.array:
         own = ids == view.table[b]
         mine = dataclasses.replace(pool, k=mx.where(own, packed, pool.k), k_scales=mx.where(own, scales, pool.k_scales),
                                    k_biases=mx.where(own, biases, pool.k_biases))
-        outs.append(_rows(q[:, :, i:i + 1], mine, view.table, pos, scale))
+        outs.append(_rows(q[:, :, i:i + 1], mine, view.table, pos, scale, st.window))
     return mx.concatenate(outs, axis=2)
 
 

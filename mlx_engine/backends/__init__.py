@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from mlx_engine.api import RooflineError
+from mlx_engine.backends.base import ModelRunner
 
 BACKENDS = ("mlx", "torch")
 DEVICES = ("auto", "cpu", "cuda")
@@ -34,7 +35,7 @@ def import_torch_backend() -> Any:
     return torch_backend
 
 
-def load_runner(model: str | None, backend: str = "mlx", device: str = "auto", **options: Any) -> Any:
+def load_runner(model: str | None, backend: str = "mlx", device: str = "auto", **options: Any) -> ModelRunner:
     """The runner of `backend` on `device` (on the engine thread): backends.mlx's Runner or TorchRunner."""
     _check("backend", backend, BACKENDS)
     _check("device", device, DEVICES)

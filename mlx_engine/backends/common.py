@@ -1,5 +1,6 @@
-"""What every backend's load shares: the context cap, the draft model's attachment and vocabulary check, a
-tokenizer stand-in for folders without one, and the weights' fingerprint. No MLX, no torch."""
+"""What every backend's runner shares: the context cap, the self draft's layer count, the draft model's attachment
+and vocabulary check, the decode step's bytes, a tokenizer stand-in for folders without one, and the weights'
+fingerprint. No MLX, no torch."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from mlx_engine.api import ModelLoadError, RequestError, RooflineError
+from mlx_engine.api import ModelInfo, ModelLoadError, RequestError, RooflineError
+from mlx_engine.backends.base import ModelRunner
 
 
 def cap_context(context: int, max_context: int | None) -> int:
@@ -19,7 +21,29 @@ def cap_context(context: int, max_context: int | None) -> int:
     return min(context, max_context)
 
 
-def attach_draft(target: Any, load: Callable[[], Any], optional: bool = False) -> None:
+def check_self_draft_layers(n: int | None, num_layers: int) -> int:
+    """The self_draft_layers load option for a model of `num_layers` layers (0: not a native model): default half."""
+    if n is None:
+        return max(1, num_layers // 2)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n < max(num_layers, 2):
+        raise RooflineError(f"self_draft_layers={n!r}: expected an integer in [1, {max(num_layers - 1, 1)}] "
+                            f"(the model has {num_layers} layers)")
+    return n
+
+
+def decode_bytes(shape: dict[str, Any], weight_bytes: int, context: int) -> int:
+    """Bytes one decode step reads at `context` tokens, from the figures a runner keeps at load (`shape`: embed_bytes,
+    tied, layers, kv_heads, head_dim, kv_itemsize, idle_bytes: weights held but not read, and moe: a
+    mixture-of-experts model's expert bytes, of which a step reads the routed ones)."""
+    from mlx_engine.roofline import decode_bytes_per_token
+
+    s = shape
+    weights = weight_bytes - s.get("idle_bytes", 0)  # float32 host copies replace what they copy
+    return decode_bytes_per_token(weights, s["embed_bytes"], s["tied"], s["layers"],
+                                  s["kv_heads"], s["head_dim"], context, s["kv_itemsize"], s.get("moe")).total
+
+
+def attach_draft(target: ModelRunner, load: Callable[[], ModelRunner], optional: bool = False) -> None:
     """Loads the draft model (`load`) and, where it shares the target's tokenizer (`check_same_vocabulary`),
     makes it the target's draft. An error names the draft model. `optional`: the error becomes one of the
     target's warnings and the target goes on without a draft (the chat app, where a model picked in the app need
@@ -39,12 +63,11 @@ def attach_draft(target: Any, load: Callable[[], Any], optional: bool = False) -
     target.info = dataclasses.replace(target.info, draft_model=draft.info.name)
 
 
-def check_same_vocabulary(target: Any, draft: Any) -> Any:
+def check_same_vocabulary(target: ModelRunner, draft: ModelRunner) -> ModelRunner:
     """The draft must propose token ids the target reads the same way: same vocabulary size (model and
     tokenizer), same EOS, and the same pieces at a spread sample of ids. Returns the draft."""
-    why = draft.rollback_problem()
-    if why:
-        raise RooflineError(f"draft model {draft.info.name}: {why}")
+    if not draft.capabilities.rollback:
+        raise RooflineError(f"draft model {draft.info.name}: {draft.capabilities.reason('rollback')}")
     t, d = target.tokenizer, draft.tokenizer
     problem = None
     if target.vocab_size != draft.vocab_size:
@@ -63,6 +86,52 @@ def check_same_vocabulary(target: Any, draft: Any) -> Any:
         raise RooflineError(f"draft model {draft.info.name} ({draft.info.path}) does not share the tokenizer of "
                             f"{target.info.name} ({target.info.path}): {problem}")
     return draft
+
+
+class CacheRunner:
+    """What a runner over a KV cache of its own does alike on every backend: a decode step's bytes from its figures,
+    KV statistics and files through its cache, and its release (the draft's first). The backend frees its device
+    memory (`_free_device_memory`)."""
+
+    draft: Any = None
+
+    def __init__(self, model: Any, tokenizer: Any, info: ModelInfo, prefill_chunk_size: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.info = info
+        self.prefill_chunk_size = prefill_chunk_size
+        self.context_length = info.context_length
+        self.vocab_size = info.vocab_size
+        self.eos_ids = frozenset(info.eos_token_ids)
+        self.cache: Any = None  # the backend's KV cache, set at load (none in a draft that keeps KV of its own)
+        self.fingerprint = b""  # `model_fingerprint`, set at load
+        self._shape: dict[str, Any] = {}  # what prices a decode step (`decode_bytes`), set at load
+
+    def decode_bytes_per_token(self, context: int) -> int:
+        return decode_bytes(self._shape, self.info.weight_bytes, context)
+
+    def moe_routing(self) -> dict[str, Any] | None:
+        return None  # a dense model; the MLX runner records a mixture-of-experts model's routing
+
+    def kv_stats(self) -> dict[str, Any]:
+        return self.cache.stats()
+
+    def save_kv(self, path: str, token_ids: list[int]) -> int:
+        return self.cache.save(path, token_ids, self.fingerprint)
+
+    def restore_kv(self, path: str) -> list[int]:
+        return self.cache.restore(path, self.fingerprint)
+
+    def release(self) -> None:
+        if self.draft is not None:
+            self.draft.release()
+            self.draft = None
+        self.cache = None
+        self.model = None
+        self._free_device_memory()
+
+    def _free_device_memory(self) -> None:
+        raise NotImplementedError
 
 
 class NoTokenizer:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -14,6 +14,9 @@ from mlx_engine.distributed.channel import PlanChannel
 from mlx_engine.distributed.launch import Deadline, Launch, join, timeout_s
 from mlx_engine.distributed.plan import check_mode
 from mlx_engine.distributed.stage import Stage
+
+if TYPE_CHECKING:
+    from mlx_engine.backends.mlx.runner import Runner
 
 # options the other ranks do not take: rank 0 alone drafts, templates and scores
 RANK0_ONLY = ("draft_model", "draft_bits", "draft_optional", "chat_template", "self_draft_layers")
@@ -31,7 +34,7 @@ class Node:
     mode: str
     group: Any
     launch: Launch
-    local: Any  # backends.mlx.runner.Runner over this rank's shard
+    local: Runner  # the MLX runner over this rank's shard
     stage: Stage
     channel: PlanChannel
     layers: tuple[int, int]  # this rank's decoder layers [start, end) of the whole model
@@ -126,9 +129,9 @@ def load_node(model: str | None, mode: str, options: dict[str, Any]) -> Node:
     return Node(mode, group, launch, local, stage, channel, where["layers"], where["num_layers"])
 
 
-def _kv_state(local: Any, layers: list[Any]) -> list[mx.array]:
+def _kv_state(local: Runner, layers: list[Any]) -> list[mx.array]:
     """What a forward through `layers` writes: the cache's (`KVCache.state`), or a timing's contiguous buffers
-    (`Runner._fresh_contiguous`, outside the cache)."""
+    (`Runner.scratch_layers`, outside the cache)."""
     from mlx_engine.distributed.mirror import TrimRecorded
     from mlx_engine.kv.contiguous import ContiguousLayer
 
@@ -144,7 +147,7 @@ def _waiting(deadline: Deadline | None, peers: str) -> Any:
     return waiting
 
 
-def _agree_on_blocks(local: Any, channel: PlanChannel, options: dict[str, Any]) -> None:
+def _agree_on_blocks(local: Runner, channel: PlanChannel, options: dict[str, Any]) -> None:
     """Every rank's pool gets the smallest rank's block count: the same ids must exist everywhere."""
     from mlx_engine.kv.cache import PagedCache
     from mlx_engine.kv.config import KVConfig

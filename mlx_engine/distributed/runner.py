@@ -9,6 +9,7 @@ before rank 0 runs its own part. Rank 0 samples; the other ranks never see logit
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import threading
@@ -18,7 +19,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlx_engine.api import RequestError, RooflineError, SamplingParams
+from mlx_engine.api import RooflineError
+from mlx_engine.backends.base import RunnerCapabilities
 from mlx_engine.distributed.mirror import MirroredCache, PlanLog, PlannedLayers, TrimRecorded, lockstep_figures
 from mlx_engine.distributed.node import Node
 from mlx_engine.distributed.stage import micro_batches
@@ -56,10 +58,17 @@ class DistributedRunner:
         self.local = local = node.local
         self.log = PlanLog()
         self.cache = MirroredCache(local.cache, self.log)
-        self.tokenizer, self.info = local.tokenizer, local.info
+        # rank 0's paged cache holds a part of each block's KV: no files (`capabilities`, which front ends read here)
+        self.tokenizer, self.info = local.tokenizer, dataclasses.replace(local.info, kv_files=False)
         self.prefill_chunk_size, self.context_length = local.prefill_chunk_size, local.context_length
         self.vocab_size, self.eos_ids, self.fingerprint = local.vocab_size, local.eos_ids, local.fingerprint
         self.draft, self.self_draft_layers = local.draft, 0
+        self.capabilities = RunnerCapabilities(rollback=True, kv_files=False, self_draft=False, hidden_states=False,
+                                               max_batch=local.capabilities.max_batch, why_not={
+            "kv_files": "KV files are not available with --distributed: each rank holds a part of it",
+            "self_draft": "is not available with --distributed: the model's first layers are on another rank; use "
+                          "'prompt-lookup' or 'draft'",
+            "hidden_states": "are not available with --distributed: each rank holds only its layers"})
         self.closed = False
         self._owner = threading.current_thread()  # the engine thread: the only one that may use the channel
         self._link: dict[str, float] | None = None
@@ -132,37 +141,52 @@ class DistributedRunner:
         self.cache = self.local.cache = None
         mx.clear_cache()
 
-    # --- forwards, as backends.mlx.runner.Runner's ---
+    # --- forwards by phase (`backends.base.ModelRunner`) ---
 
     def forward(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         return self._forward(inputs, layers)
 
+    def prefill(self, inputs: mx.array, layers: list[Any]) -> None:
+        self._forward(inputs, layers)
+
     def logits(self, h: mx.array) -> mx.array:
         return self.local.model.logits(h).astype(mx.float32)
 
-    def last_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
+    def _last_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         return self.logits(self._forward(inputs, layers)[:, -1, :])
 
-    def last_sample(self, inputs: mx.array, layers: list[Any], samplers: list[Any]) -> mx.array:
-        return _sample_rows(self.last_logits(inputs, layers), samplers)
+    prefill_logits = decode_logits = _last_logits
 
-    def rows_logits(self, inputs: mx.array, layers: list[Any], rows: list[int]) -> mx.array | None:
+    def decode_sample(self, inputs: mx.array, layers: list[Any], samplers: list[Any]) -> mx.array:
+        return _sample_rows(self.decode_logits(inputs, layers), samplers)
+
+    def packed_logits(self, inputs: mx.array, layers: list[Any], rows: list[int]) -> mx.array | None:
         out = self._forward(inputs, layers)
         return self.logits(out[0, mx.array(rows, dtype=mx.int32)]) if rows else None
 
-    def rows_sample(self, inputs: mx.array, layers: list[Any], rows: list[int], samplers: list[Any]) -> mx.array | None:
-        logits = self.rows_logits(inputs, layers, rows)
+    def packed_sample(self, inputs: mx.array, layers: list[Any], rows: list[int],
+                      samplers: list[Any]) -> mx.array | None:
+        logits = self.packed_logits(inputs, layers, rows)
         return None if logits is None else _sample_rows(logits, samplers)
 
-    def all_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
+    def verify_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         return self.logits(self._forward(inputs, layers))[0]
 
-    def _fresh_contiguous(self) -> list[Any]:
+    def draft_logits(self, inputs: mx.array, layers: list[Any], num_layers: int) -> mx.array:
+        raise RooflineError(f"speculative='self' {self.capabilities.reason('self_draft')}")
+
+    def scratch_layers(self) -> list[Any]:
         """Contiguous buffers on every rank (the speculative cost curve's timing forwards)."""
         op = self.log.add(["k", "new", [], {}])
-        out = PlannedLayers(TrimRecorded(self.log, op, i, c) for i, c in enumerate(self.local._fresh_contiguous()))
+        out = PlannedLayers(TrimRecorded(self.log, op, i, c) for i, c in enumerate(self.local.scratch_layers()))
         out.op = op
         return out
+
+    def graph_step(self, width: int, context: int) -> None:
+        return None
+
+    def timing_variant(self) -> str:
+        return ""
 
     def _scratch_logits(self, ids: list[int], rows: str) -> list[np.ndarray]:
         """A forward over `ids` from an empty cache, in prefill chunks through the paged cache (every rank's):
@@ -191,27 +215,9 @@ class DistributedRunner:
         return np.array(target_logprobs(logits, ids[1:], 0)[0]) if len(ids) > 1 else np.zeros(0, np.float32)
 
     def hidden_states(self, ids: list[int]) -> list[np.ndarray]:
-        raise RooflineError("hidden states are not available with --distributed: each rank holds only its layers")
+        raise RooflineError(f"hidden states {self.capabilities.reason('hidden_states')}")
 
     # --- what the engine asks besides forwards ---
-
-    def prompt_ids(self, request: Any) -> list[int]:
-        return self.local.prompt_ids(request)
-
-    def check_ids(self, ids: list[int]) -> list[int]:
-        return self.local.check_ids(ids)
-
-    def check_context(self, ids: list[int]) -> list[int]:
-        return self.local.check_context(ids)
-
-    def rollback_problem(self) -> str | None:
-        return None  # the paged cache trims to any length
-
-    def check_speculation(self, params: SamplingParams) -> None:
-        if params.speculative == "self":
-            raise RequestError("speculative='self' is not available with --distributed: the model's first layers "
-                               "are on another rank; use 'prompt-lookup' or 'draft'")
-        self.local.check_speculation(params)
 
     def kv_stats(self) -> dict[str, Any]:
         stats = self.local.cache.stats()
@@ -223,11 +229,14 @@ class DistributedRunner:
         from mlx_engine.roofline import decode_bytes_per_token
 
         total = 0
+        a = self.local.shape
         for f in self.shards:
-            a = self.local._shape
             total += decode_bytes_per_token(f["weight_bytes"], 0, False, f["kv_layers"], f["kv_heads"], a["head_dim"],
                                             context, a["kv_itemsize"]).total
         return total
+
+    def moe_routing(self) -> None:
+        return None  # sharded models are native families, all dense
 
     def save_kv(self, path: str, token_ids: list[int]) -> int:
         raise RooflineError("saving KV is not available with --distributed: each rank holds a part of it")

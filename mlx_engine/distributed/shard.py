@@ -19,6 +19,7 @@ from mlx.nn.layers.distributed import shard_inplace
 
 from mlx_engine.api import ModelLoadError
 from mlx_engine.distributed.plan import pipeline_split, tensor_problem
+from mlx_engine.models.kquant import KQuantLinear
 
 
 class SumAcrossRanks(nn.Module):
@@ -93,7 +94,7 @@ def tensor_shard(model: nn.Module, group: Any, name: str) -> None:
 
 
 def _check_columns(proj: nn.Module, n: int, name: str) -> None:
-    if hasattr(proj, "ggml_type"):
+    if isinstance(proj, KQuantLinear):
         raise ModelLoadError(f"tensor parallel cannot split {name}'s GGUF k-quant blocks: use --distributed pipeline")
     if isinstance(proj, nn.QuantizedLinear):
         columns = proj.scales.shape[-1]  # quantization groups per row

@@ -16,6 +16,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_engine.kv.views import PackedView
+
 # micro-batches pay from here: below, splitting a forward costs each rank another pass over its weights (a decode
 # step reads them whatever its row count) for less overlap than that pass costs
 MIN_ROWS_PER_MICRO_BATCH = 32
@@ -25,7 +27,7 @@ def part_spans(layers: list[Any]) -> list[tuple[int, int]] | None:
     """Row spans of a packed forward's parts (the decode rows as one part, then each prefill chunk), or None when
     the views are not packed."""
     view = layers[0]
-    if not hasattr(view, "spans") or not hasattr(view, "prefills"):
+    if not isinstance(view, PackedView):  # the paged cache's packed views (every rank's cache is one)
         return None
     spans = [(0, view.num_decode)] if view.decode is not None else []
     return spans + list(view.spans)
@@ -65,7 +67,7 @@ def sub_views(layers: list[Any], part_first: int, part_end: int) -> list[Any]:
         lo = max(lo, 0)
         prefills = view.prefills[lo:hi]
         lengths = [b - a for a, b in view.spans[lo:hi]]
-        out.append(type(view)(decode, view.num_decode if decode is not None else 0, prefills, lengths))
+        out.append(PackedView(decode, view.num_decode if decode is not None else 0, prefills, lengths))
     return out
 
 

@@ -19,7 +19,7 @@ def serve_plans(node: Node) -> int:
     from mlx_engine.backends.mlx.host_blas import one_blas_thread
 
     local = node.local
-    replay = Replayer(local.cache, local._fresh_contiguous)
+    replay = Replayer(local.cache, local.scratch_layers)
     rank = node.rank
     while True:
         try:

@@ -72,9 +72,24 @@ def available_memory_bytes(weight_bytes: int) -> int:
     return available_memory().bytes  # within ulimit -v and a cgroup's limit too
 
 
-def default_budget(context_length: int, block_size: int, per_block: int, weight_bytes: int) -> int:
-    """One full context plus a quarter for cached prefixes, within half the free memory."""
-    wanted = cdiv(context_length, block_size) * per_block * 5 // 4
+# the requests a default budget holds the sliding windows of (api.DEFAULT_MAX_SEQS)
+WINDOWED_SEQUENCES = 16
+
+
+def default_blocks(context_length: int, block_size: int, window_blocks: int | None = None) -> int:
+    """The blocks a default budget wants for layers of one kind: one full context plus a quarter for cached
+    prefixes; for sliding layers, whose request holds at most `window_blocks`, no more than the windows of
+    WINDOWED_SEQUENCES requests (and a quarter): a long chat then never grows their pool past that."""
+    full = cdiv(context_length, block_size)
+    if window_blocks is not None:
+        full = min(full, WINDOWED_SEQUENCES * window_blocks)
+    return full * 5 // 4
+
+
+def default_budget(context_length: int, block_size: int, per_block: int, weight_bytes: int,
+                   window_blocks: int | None = None) -> int:
+    """`default_blocks` of them, within half the free memory."""
+    wanted = default_blocks(context_length, block_size, window_blocks) * per_block
     return min(wanted, int(available_memory_bytes(weight_bytes) * DEFAULT_MEMORY_FRACTION))
 
 

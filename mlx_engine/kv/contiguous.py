@@ -58,7 +58,7 @@ class Uncached:
 def new_contiguous_layers(model: Any, native: bool) -> list[Any]:
     """Empty per-layer buffers: views for our models, mlx-lm's own cache objects for its classes."""
     if native:
-        return [ContiguousLayer(model.args.sliding_window) for _ in model.layers]
+        return [ContiguousLayer(w) for w in model.args.layer_windows()]
     from mlx_lm.models.cache import make_prompt_cache
 
     return make_prompt_cache(model)

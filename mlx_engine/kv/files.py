@@ -55,7 +55,17 @@ def save_blocks(tables: BlockTables, storage: PagedKVStorage, path: str, token_i
             "kv_bits": str(st.bits or 0), "kv_key_bits": str(st.key_bits or 0), "kv_group_size": str(st.group_size),
             "dtype": str(st.dtype), **_layout_meta(st),
             "num_tokens": str(n), "tokens": json.dumps(token_ids[:n])}
-    mx.save_safetensors(path, arrays, metadata=meta)
+    # MLX appends ".safetensors" to a name without it, and a write cut short must not leave a file at `path`:
+    # written beside it under that suffix, then renamed to the name asked for
+    import os
+
+    partial = f"{path}.partial.safetensors"
+    try:
+        mx.save_safetensors(partial, arrays, metadata=meta)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
     return n
 
 
@@ -70,7 +80,7 @@ def restore_blocks(tables: BlockTables, storage: PagedKVStorage, path: str, fing
 
     try:
         validate_safetensors(Path(path))
-        arrays, meta = mx.load(path, return_metadata=True)
+        arrays, meta = mx.load(path, format="safetensors", return_metadata=True)
     except ModelLoadError as e:
         raise KVRestoreError(f"saved KV refused: {e}") from None
     except (RuntimeError, ValueError, OSError) as e:

@@ -77,6 +77,7 @@ class PagedKVStorage:
         key_bits: int | None = None,
         rotation: bool = True,
         key_per_channel: bool = False,
+        window: int | None = None,
     ):
         if bits is not None and bits not in SUPPORTED_KV_BITS:
             raise ValueError(f"kv_bits={bits!r}: expected one of {SUPPORTED_KV_BITS} or None")
@@ -87,6 +88,11 @@ class PagedKVStorage:
         if key_per_channel and (bits is None or head_dim % block_size):
             raise ValueError(f"kv_key_per_channel: needs kv_bits set and a block size dividing head_dim {head_dim} "
                              f"(got kv_bits={bits!r}, block_size={block_size})")
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ValueError(f"window={window!r}: expected None or a positive number of tokens")
+        # the sliding window of every layer stored here (a model whose layers differ keeps one storage per kind):
+        # the query at position p attends to keys p - window + 1 .. p (`mlx_engine.attention.paged`)
+        self.window = window
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.bits, self.group_size = bits, group_size  # bits: the values' (and by default the keys')

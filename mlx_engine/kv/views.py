@@ -15,13 +15,14 @@ from mlx_engine.kv.paged import KeyWritePlan, PagedKVStorage
 
 class PagedPrefillView:
     """One layer's view of a prefill chunk (or a speculative verification) of one sequence, positions
-    [offset, offset + L)."""
+    [offset, offset + L). `all_slots` are the slots of positions [base, offset + L): every earlier one (base 0), or
+    with a sliding window (`storage.window`) from a block boundary at or before offset - window + 1."""
 
     def __init__(self, storage: PagedKVStorage, layer: int, offset: int, new_slots: mx.array,
                  all_slots: mx.array | list[slice], key_plan: KeyWritePlan | None = None,
-                 table: list[int] | None = None, path: Path | None = None):
-        self.storage, self.layer, self.offset = storage, layer, offset
-        self.new_slots, self.all_slots = new_slots, all_slots  # (L,), (offset + L,) ids or runs of slots
+                 table: list[int] | None = None, path: Path | None = None, base: int = 0):
+        self.storage, self.layer, self.offset, self.base = storage, layer, offset, base
+        self.new_slots, self.all_slots = new_slots, all_slots  # (L,), (offset + L - base,) ids or runs of slots
         self.key_plan = key_plan  # per-channel keys: the chunk's `plan_key_writes`
         self.table = table  # the sequence's block ids (the path's twin reads through them)
         self.path = path or choose(storage_case("prefill", storage))
@@ -38,7 +39,9 @@ class PagedPrefillView:
 
 class DecodeStep:
     """What every layer's view shares in one decode step of B sequences (one new token each), and the path the
-    attention table picked for it."""
+    attention table picked for it. With a sliding window (`storage.window`) the block tables and lengths may start
+    at a later block of each sequence (the same number of blocks dropped from both: a sequence's table row j, its
+    lengths counted from there); `offset` stays the new tokens' positions."""
 
     def __init__(self, storage: PagedKVStorage, offset: mx.array | int, new_slots: mx.array, block_tables: mx.array,
                  seq_lens: mx.array, max_seq_len: int, all_slots: mx.array | list[slice] | None = None,
@@ -59,7 +62,11 @@ class DecodeStep:
             bs = self.storage.block_size
             tables, lens = np.asarray(self.block_tables), np.asarray(self.seq_lens)
             slots = (tables[:, :, None] * bs + np.arange(bs)[None, None, :]).reshape(tables.shape[0], -1)
-            self._host_tables = (slots, np.arange(slots.shape[1])[None, :] >= lens[:, None])
+            cols = np.arange(slots.shape[1])[None, :]
+            padding = cols >= lens[:, None]
+            if self.storage.window is not None:
+                padding |= cols < lens[:, None] - self.storage.window
+            self._host_tables = (slots, padding)
         return self._host_tables
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -39,11 +40,14 @@ def embedded_model_path() -> Path:
     return files[0]
 
 
-def resolve(ref: str | None) -> tuple[Path, str]:
+def resolve(ref: str | os.PathLike[str] | None) -> tuple[Path, str]:
     """(local path, kind) where kind is 'gguf', 'folder' or 'hf-cache'. The one resolver of every `ref`
     (`loading.sources`): a path, ORG/NAME[:QUANT] (pulled into the Hugging Face cache when missing), ollama:,
     lmstudio:."""
     from mlx_engine.loading import sources
+
+    if isinstance(ref, os.PathLike):
+        ref = os.fspath(ref)
 
     if sources.is_embedded(ref):
         return embedded_model_path(), "gguf"

@@ -22,9 +22,14 @@ NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 @dataclass
 class BuiltModel:
     model: nn.Module
-    native: bool  # False: an mlx-lm model class (returns logits from __call__)
+    native: bool  # a family written here (models.llama); False: mlx-lm's class, adapted or not
     model_type: str
     context_length: int
+    views: bool = True  # takes the engine's per-layer views (`model(inputs, views)` -> hidden, `logits`): ours
+    # and mlx-lm's classes through models.adapter; False: mlx-lm's class on its own caches (returns logits)
+    kv_note: str | None = None  # views False: why mlx-lm's caches stay (one line for the user)
+    routing: Any = None  # mixture of experts through models.adapter: its MoERouting (experts routed per step)
+    packs: bool = True  # views: forwards of packed parts (`kv.views.PackedView`) rope each part at its positions
 
 
 def instantiate(config: dict[str, Any], source: str) -> tuple[nn.Module, bool, str, int]:
@@ -91,7 +96,14 @@ def build_model(
         raise ModelLoadError(f"{source}: weights do not match the {model_type!r} architecture: {detail}") from None
     _cast_floats(model, dtype)
     model.eval()
-    return BuiltModel(model=model, native=native, model_type=model_type, context_length=context)
+    why = None
+    if not native:
+        from mlx_engine.models.adapter import adapt
+
+        model, why = adapt(model)
+    return BuiltModel(model=model, native=native, model_type=model_type, context_length=context, views=why is None,
+                      kv_note=why, routing=model.routing if why is None and not native else None,
+                      packs=native or (why is None and model.packs))
 
 
 def _quantize(model: nn.Module, weights: dict[str, mx.array], quantization: dict[str, Any], source: str) -> None:

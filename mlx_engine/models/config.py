@@ -173,6 +173,16 @@ _SLIDING_DEFAULT = {"gemma2": "alternate", "gpt_oss": "alternate", "qwen2": "non
                     "qwen2_moe": "none", "qwen3_moe": "none"}
 
 
+def qwen_layer_types(config: dict[str, Any], window: int | None) -> list[str] | None:
+    """Qwen2's and Qwen3's sliding layers as transformers reads them: `layer_types` where given, else with
+    use_sliding_window the layers from `max_window_layers` on (transformers' default 28), the first ones full."""
+    if window is None or config.get("layer_types"):
+        return config.get("layer_types")
+    first = config.get("max_window_layers")
+    first = 28 if first is None else int(first)
+    return [_SLIDING if i >= first else _FULL for i in range(int(config["num_hidden_layers"]))]
+
+
 def sliding_flags(config: dict[str, Any]) -> list[bool]:
     """Per layer of a normalized config: whether it attends through `sliding_window` (what its KV needs)."""
     n, window = int(config.get("num_hidden_layers") or 0), config.get("sliding_window")
@@ -181,6 +191,8 @@ def sliding_flags(config: dict[str, Any]) -> list[bool]:
         return [(i + 1) % p != 0 for i in range(n)]
     default = _SLIDING_DEFAULT.get(config.get("model_type"), "all")
     if default == "none" and config.get("use_sliding_window"):
+        if config.get("model_type") in ("qwen2", "qwen3") and window:  # as the engine runs them (models.qwen2)
+            return sliding_layers(qwen_layer_types(config, window), n, window)
         default = "all"
     return sliding_layers(config.get("layer_types"), n, window, default)
 

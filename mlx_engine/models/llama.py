@@ -37,6 +37,7 @@ class ModelArgs:
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before rope (qwen3)
     sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per layer "sliding_attention" or "full_attention" (transformers 5)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -44,6 +45,16 @@ class ModelArgs:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: full attention): `layer_types` where the config lists them, else
+        `sliding_window` on every layer (mistral). The KV cache keeps one storage per kind (`kv.kinds`)."""
+        n, w = self.num_hidden_layers, self.sliding_window
+        if w is None:
+            return [None] * n
+        if self.layer_types:
+            return [w if t == "sliding_attention" else None for t in self.layer_types[:n]]
+        return [w] * n
 
 
 class Attention(nn.Module):
@@ -153,7 +164,7 @@ class Model(nn.Module):
     def _uncached(self) -> list[Any]:
         from mlx_engine.kv.contiguous import Uncached
 
-        return [Uncached(self.args.sliding_window)] * len(self.layers)
+        return [Uncached(w) for w in self.args.layer_windows()]
 
     def logits(self, h: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:

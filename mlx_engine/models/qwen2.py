@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlx_engine.models.config import qwen_layer_types
 from mlx_engine.models.llama import Model, ModelArgs, make_args
 
 __all__ = ["Model", "ModelArgs", "args_from_config"]
@@ -17,5 +18,6 @@ def args_from_config(config: dict[str, Any]) -> ModelArgs:
         qkv_bias=True,
         attention_bias=False,
         sliding_window=window,
+        layer_types=qwen_layer_types(config, window),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
     )

@@ -9,10 +9,10 @@ import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 
+from mlx_engine.backends.base import ModelRunner
 from mlx_engine.speculative.accept import expected_tokens
 
 AUTO_MARGIN = 0.1  # "auto" speculates only where it predicts at least this gain over plain decoding
@@ -28,9 +28,9 @@ class CostCurve:
 
     def cost(self, width: int) -> float:
         """T(width)/T(1), interpolated between measured widths, past the widest along the last slope. Not forced
-        to grow with the width: on the torch CPU backend a forward over 4 rows is cheaper than over 2 or 3 (one
-        thread's float32 matmul, SmolLM2's projections: 49, 57 and 44 ms at 2, 3 and 4 rows, the best of 5), so
-        a dip in the curve is a width worth drafting to, not noise to smooth over."""
+        to grow with the width: on the torch CPU backend a forward over 4 rows can be cheaper than over 2 or 3 (one
+        thread's float32 matmul; docs/benchmarks.md, "Measurements moved out of the code"), so a dip in the curve
+        is a width worth drafting to, not noise to smooth over."""
         ws = sorted(self.ratios)
         if width in self.ratios:
             return self.ratios[width]
@@ -74,17 +74,14 @@ def cache_dir() -> Path:
     return Path(user_cache_dir("roofline", appauthor=False))
 
 
-def cost_curve_key(runner: Any) -> str | None:
+def cost_curve_key(runner: ModelRunner) -> str | None:
     """What a measured curve holds for: the weights (and activation dtype), the backend and device (and on
     MLX's CPU backend whether float32 host weights are resident), the machine and the MLX version. None: the runner
     has no fingerprint, so nothing is kept."""
-    fingerprint = getattr(runner, "fingerprint", None)
-    if not fingerprint:
+    if not runner.fingerprint:
         return None
-    info = runner.info
-    path = "-fp32-host-weights" if getattr(runner, "_host_bytes", 0) else ""  # backends.mlx.host_blas: another curve
-    path += "-cuda-graphs" if getattr(runner, "graphs", None) is not None else ""  # graphed steps: another one
-    return "|".join([fingerprint.hex(), f"{info.backend}-{info.device}{path}",
+    info = runner.info  # float32 host weights (MLX's CPU backend), CUDA graphs: another curve (`timing_variant`)
+    return "|".join([runner.fingerprint.hex(), f"{info.backend}-{info.device}{runner.timing_variant()}",
                      f"{platform.system()}-{platform.machine()}", f"mlx-{mx.__version__}"])
 
 
@@ -122,7 +119,7 @@ def save_cost_curve(key: str, curve: CostCurve) -> None:
         pass
 
 
-def cached_cost_curve(runner: Any) -> CostCurve:
+def cached_cost_curve(runner: ModelRunner) -> CostCurve:
     """The verify cost curve, measured once per model, backend and machine (~4 s) and kept in `cache_dir()`."""
     key = cost_curve_key(runner)
     curve = load_cost_curve(key) if key is not None else None

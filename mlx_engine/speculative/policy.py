@@ -4,10 +4,10 @@ from the cost curve, the running acceptance and a loss budget."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from mlx_engine.speculative.accept import expected_tokens, tested_tokens
 from mlx_engine.speculative.cost import AUTO_MARGIN, CostCurve
+from mlx_engine.speculative.proposers import Proposer
 
 AUTO_PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before any is measured
 PRIOR_WEIGHT = 4.0  # drafted tokens the prior counts as
@@ -54,7 +54,7 @@ class SpecState:
     """A request's speculation: its proposer(s), adaptive k and counts."""
 
     mode: str  # the requested mode: "draft", "prompt-lookup", "self" or "auto"
-    proposer: Any  # the one that drafts this step (the last one that did)
+    proposer: Proposer  # the one that drafts this step (the last one that did)
     k_max: int
     k: int = 0
     prior: float = AUTO_PRIOR_ACCEPTANCE  # where `priors` is not given: every proposer's prior acceptance
@@ -62,7 +62,7 @@ class SpecState:
     # drafts with the one that has a candidate and the best predicted speedup: a quote is copied for free and the
     # rest drafted by the model (with the model alone an edit read 1.84x on the torch CPU backend, against 2.46x
     # for prompt lookup alone). `priors`: one per proposer.
-    proposers: list[Any] = field(default_factory=list)
+    proposers: list[Proposer] = field(default_factory=list)
     priors: list[float] = field(default_factory=list)
     num_verifies: int = 0  # verifications with at least one drafted token
     num_forwards: int = 0  # target forwards that sampled tokens
@@ -98,7 +98,7 @@ class SpecState:
     def num_accepted(self) -> int:
         return sum(accepted for accepted, _, _ in self.tallies)
 
-    def _index(self, proposer: Any) -> int:
+    def _index(self, proposer: Proposer) -> int:
         return next(i for i, p in enumerate(self.proposers) if p is proposer)
 
     def prior_of(self, i: int, recurs: bool) -> float:
@@ -110,8 +110,7 @@ class SpecState:
         the usual prior "auto" read 1.29x, against 1.71x with the draft model alone. Edits keep prompt lookup:
         its drafts pass at 0.9 and cost nothing."""
         p = self.proposers[i]
-        if recurs and not hasattr(p, "worth_trying") and any(
-                hasattr(self.proposers[j], "worth_trying") for j, ctx in self.recent if ctx):
+        if recurs and not p.copies and any(self.proposers[j].copies for j, ctx in self.recent if ctx):
             return COPY_CONTEXT_PRIOR
         return self.priors[i]
 
@@ -136,11 +135,10 @@ class SpecState:
         budget = self.balance + self.allowance + AUTO_LOSS_SHARE * tokens
         best, best_gain, candidates = 0, 0.0, []
         for i, p in enumerate(self.proposers):
-            worth_trying = getattr(p, "worth_trying", None)
-            if known is not None and worth_trying is not None and not worth_trying(known):
+            if known is not None and not p.worth_trying(known):
                 continue
             candidates.append(i)
-        self.recurs = any(hasattr(self.proposers[i], "worth_trying") for i in candidates)
+        self.recurs = any(self.proposers[i].copies for i in candidates)
         for i in candidates:
             p = self.proposers[i]
             k, gain = curve.best(self.alpha_of(i), k_max, p.draft_cost, max_loss=budget)
@@ -158,7 +156,7 @@ class SpecState:
         (the tokens of plain steps taken since, or copied by prompt lookup) is charged but kept out of that cost:
         counted in, one such proposal on the torch CPU backend raised it from 0.35 to 0.55 T(1), after which
         "auto" stopped drafting, so its catch-ups grew longer still."""
-        spent = getattr(self.proposer, "last_spent", None)
+        spent = self.proposer.last_spent
         drafting = drafted * self.proposer.draft_cost
         if spent is not None and spent[1] == drafted and curve.t1_s > 0:
             drafting = spent[0] / curve.t1_s
@@ -200,8 +198,7 @@ class SpecState:
     def prefill(self, prompt: list[int]) -> None:
         """Proposers with KV of their own (a draft model) prefill beside the target."""
         for p in self.proposers:
-            if hasattr(p, "prefill"):
-                p.prefill(prompt)
+            p.prefill(prompt)
 
     def rollback(self, num_tokens: int) -> None:
         for p in self.proposers:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import mlx.core as mx
 import numpy as np
+
+from mlx_engine.backends.base import ModelRunner
 
 MAX_NGRAM = 3
 # a draft model's catch-up of at most this many tokens goes into the forward that gives its first draft: after a
@@ -26,20 +28,49 @@ class DraftInput:
     allowed_after: Callable[[list[int]], mx.array] | None = None
 
 
+@runtime_checkable
 class Proposer(Protocol):
-    """What `SpecState` and `speculative_step` use of a proposer. `draft_cost`: a drafted token's cost in target
-    decode steps T(1). Optional: `worth_trying(known)` (whether it has a candidate for this text: prompt lookup),
-    `prefill(prompt)` (KV of its own, filled beside the target's: a draft model), `last_spent` (its last
-    proposal as timed: a draft model)."""
+    """What `SpecState` and `speculative_step` use of a proposer."""
 
     name: str
-    draft_cost: float
+    draft_cost: float  # a drafted token's cost in target decode steps T(1)
+    # it copies from the text, so it has a candidate only where the text recurs (`worth_trying`): prompt lookup
+    copies: bool
+    # its last proposal as timed: (seconds, drafted tokens, whether it caught up as usual), or None (untimed)
+    last_spent: tuple[float, int, bool] | None
+
+    def worth_trying(self, known: list[int]) -> bool:
+        """Whether it has a candidate for the text `known`."""
+        ...
+
+    def prefill(self, prompt: list[int]) -> None:
+        """Fills KV of its own beside the target's prefill (a draft model); a no-op where it has none."""
+        ...
 
     def propose(self, inp: DraftInput) -> tuple[list[int] | mx.array, mx.array | None]: ...
 
     def rollback(self, num_tokens: int) -> None: ...
 
     def close(self) -> None: ...
+
+
+class _NoState:
+    """The defaults of a proposer that copies nothing, times nothing and keeps no KV of its own."""
+
+    copies = False
+    last_spent: tuple[float, int, bool] | None = None
+
+    def worth_trying(self, known: list[int]) -> bool:
+        return True
+
+    def prefill(self, prompt: list[int]) -> None:
+        pass
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _mask_next(inp: DraftInput, drafts: list[mx.array]) -> None:
@@ -78,9 +109,10 @@ def suffix_recurs(tokens: list[int], n: int) -> bool:
     return bool((windows == t[L - n:]).all(axis=1).any())
 
 
-class PromptLookup:
+class PromptLookup(_NoState):
     name = "prompt-lookup"
     draft_cost = 0.0  # of a target forward, per drafted token
+    copies = True
     # "auto" verifies prompt-lookup drafts only while the text's last AUTO_MIN_NGRAM tokens recur (a quote,
     # an edit, repeated code): a lone recurring token or pair predicts little, and in open chat the
     # failed probes cost more than they win
@@ -92,12 +124,6 @@ class PromptLookup:
     def propose(self, inp: DraftInput) -> tuple[list[int] | mx.array, mx.array | None]:
         return prompt_lookup(inp.tokens, inp.k), None  # q: a point mass
 
-    def rollback(self, num_tokens: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
 
 def _draw(sampler: Any, q: mx.array) -> mx.array:
     """(1, V) proposal -> (1,) token drawn from it with the request's key (argmax when greedy)."""
@@ -106,7 +132,7 @@ def _draw(sampler: Any, q: mx.array) -> mx.array:
     return mx.random.categorical(mx.log(q), axis=-1, key=sampler.next_key()).astype(mx.int32)
 
 
-class DraftModel:
+class DraftModel(_NoState):
     """A separate small model with the target's vocabulary; its KV (mlx-lm buffers, one set per sequence)
     holds `tokens`, kept a prefix of the sequence's accepted tokens."""
 
@@ -118,7 +144,7 @@ class DraftModel:
     # 2.38x to 2.27x and from 1.61x to 1.50x.
     guesses = True
 
-    def __init__(self, runner: Any, draft_cost: float = 0.0):
+    def __init__(self, runner: ModelRunner, draft_cost: float = 0.0):
         self.runner = runner
         self.draft_cost = draft_cost
         self.layers: list[Any] | None = None
@@ -134,9 +160,9 @@ class DraftModel:
     def _feed(self, ids: list[int]) -> None:
         r = self.runner
         if self.layers is None:
-            self.layers = r._fresh_contiguous()
+            self.layers = r.scratch_layers()
         for start in range(0, len(ids), r.prefill_chunk_size):
-            r.forward(mx.array([ids[start:start + r.prefill_chunk_size]], dtype=mx.int32), self.layers)
+            r.prefill(mx.array([ids[start:start + r.prefill_chunk_size]], dtype=mx.int32), self.layers)
             mx.eval([c.state for c in self.layers])
         self.tokens += ids
 
@@ -163,7 +189,7 @@ class DraftModel:
                  and suffix_recurs(inp.tokens, PromptLookup.AUTO_MIN_NGRAM) else [])
         ids = mx.array([feed[-tail:] + guess], dtype=mx.int32)
         # row j: the logits after the known tokens and guess[:j]
-        rows = r.all_logits(ids, self.layers)[tail - 1:] if guess else r.last_logits(ids, self.layers)
+        rows = r.verify_logits(ids, self.layers)[tail - 1:] if guess else r.decode_logits(ids, self.layers)
         self.tokens = list(inp.tokens) + guess  # what its KV holds now
         logits, guessed, singles = rows[:1], 0, 0  # guessed: drafts so far that equal the guess
         drafts, qs = [], []
@@ -181,7 +207,7 @@ class DraftModel:
                 continue
             if guessed == i:  # the first draft off the guess: drop the rows the guess wrote after it
                 self.rollback(len(inp.tokens) + i)
-            logits = r.last_logits(x.reshape(1, 1), self.layers)
+            logits = r.decode_logits(x.reshape(1, 1), self.layers)
             singles += 1
         draft = mx.concatenate(drafts)  # (k,), lazy
         mx.eval(draft, qs)
@@ -204,13 +230,13 @@ class DraftModel:
         self.layers, self.tokens = None, []
 
 
-class SelfDraft:
+class SelfDraft(_NoState):
     """The target's first `num_layers` layers + final norm + head. It reads the target's own cache of those
     layers and writes its drafted positions there; the verify forward rewrites them."""
 
     name = "self"
 
-    def __init__(self, runner: Any, num_layers: int, draft_cost: float = 0.0):
+    def __init__(self, runner: ModelRunner, num_layers: int, draft_cost: float = 0.0):
         self.runner, self.num_layers, self.draft_cost = runner, num_layers, draft_cost
 
     def propose(self, inp: DraftInput) -> tuple[list[int] | mx.array, mx.array | None]:
@@ -232,9 +258,3 @@ class SelfDraft:
                 c.trim(inp.k)
         draft = mx.concatenate(drafts)
         return draft, mx.concatenate(qs)
-
-    def rollback(self, num_tokens: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

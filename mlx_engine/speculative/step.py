@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from mlx_engine.backends.base import ModelRunner
 from mlx_engine.speculative.accept import point_mass, rejection_sample
 from mlx_engine.speculative.proposers import DraftInput
 
+if TYPE_CHECKING:
+    from mlx_engine.sequence import Sequence
 
-def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.array | None]:
+
+def speculative_step(runner: ModelRunner, seq: Sequence, k: int) -> tuple[list[int], int, mx.array | None]:
     """One proposal and verification for `seq` (a scheduler Sequence whose newest token, generated[-1],
     is known and not yet in the cache). Returns the new tokens (the accepted drafts, then one sampled
     token), how many of them are drafts, and their log-probability rows (n + 1, V) when asked for.
@@ -22,7 +26,7 @@ def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.
 
     draft: list[int] | mx.array = []
     q = None
-    constraint = getattr(seq, "constraint", None)  # a response format: drafts and rows held to its grammar
+    constraint = seq.constraint  # a response format: drafts and rows held to its grammar
     allowed_after = None if constraint is None else (lambda ds: mx.array(constraint.allowed_along(ds)[-1:]))
     if k:
         draft, q = state.proposer.propose(DraftInput(tokens, k, sampler, lambda a, b: cache.prefill_layers(req, a, b),
@@ -36,7 +40,7 @@ def speculative_step(runner: Any, seq: Any, k: int) -> tuple[list[int], int, mx.
     d = mx.array(draft, dtype=mx.int32) if not isinstance(draft, mx.array) else draft  # (m,)
     layers = cache.prefill_layers(req, n0, n0 + m + 1)
     inputs = mx.concatenate([mx.array([tokens[-1]], dtype=mx.int32), d])[None]  # (1, m+1)
-    logits = runner.all_logits(inputs, layers)  # (m+1, V)
+    logits = runner.verify_logits(inputs, layers)  # (m+1, V)
     if constraint is not None:  # row i: what the grammar allows after the drafts before it
         sampler.allowed = mx.array(constraint.allowed_along(d.tolist()))
     p = sampler.probs_along(logits, d)  # (m+1, V)

@@ -4,15 +4,16 @@ replays its steps as CUDA graphs) and one batched decode step. Each runs on the 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
 
 import mlx.core as mx
 
 from mlx_engine.api import MAX_DRAFT_TOKENS, SamplingParams
+from mlx_engine.backends.base import ModelRunner
 from mlx_engine.speculative.cost import CostCurve
 
 
-def time_forward(runner: Any, width: int, context: int = 32, repeats: int = 2, first_layers: int | None = None,
+def time_forward(runner: ModelRunner, width: int, context: int = 32, repeats: int = 2, first_layers: int | None = None,
                  logits_at: str = "all") -> float:
     """Seconds of one forward over `width` tokens after `context` cached ones (min over repeats), through
     fresh contiguous buffers. `first_layers`: only that many layers + head (the self draft). A runner that
@@ -20,11 +21,11 @@ def time_forward(runner: Any, width: int, context: int = 32, repeats: int = 2, f
     buffers' eager forward is not what its decode or verification costs."""
     from mlx_lm.models.cache import trim_prompt_cache
 
-    if first_layers is None and getattr(runner, "graphs", None) is not None:
-        return time_graph_forward(runner, width, context, repeats)
+    if first_layers is None and (run := runner.graph_step(width, context)) is not None:
+        return _time_graph(runner, run, width, context, repeats)
 
-    layers = runner._fresh_contiguous()
-    runner.forward(mx.array([[(7 * i) % 97 + 3 for i in range(context)]], dtype=mx.int32), layers)
+    layers = runner.scratch_layers()
+    runner.prefill(mx.array([[(7 * i) % 97 + 3 for i in range(context)]], dtype=mx.int32), layers)
     mx.eval([c.state for c in layers])
     x = mx.array([[(5 * i) % 89 + 4 for i in range(width)]], dtype=mx.int32)
     best = float("inf")
@@ -36,14 +37,14 @@ def time_forward(runner: Any, width: int, context: int = 32, repeats: int = 2, f
             for c in layers[:first_layers]:
                 c.trim(width)
         else:
-            out = runner.all_logits(x, layers) if logits_at == "all" else runner.last_logits(x, layers)
+            out = runner.verify_logits(x, layers) if logits_at == "all" else runner.decode_logits(x, layers)
             mx.eval(out)
             trim_prompt_cache(layers, width)
         best = min(best, time.perf_counter() - t)
     return best
 
 
-def measure_cost_curve(runner: Any, widths: tuple[int, ...] = (2, 3, 4, 5, 9), repeats: int = 2) -> CostCurve:
+def measure_cost_curve(runner: ModelRunner, widths: tuple[int, ...] = (2, 3, 4, 5, 9), repeats: int = 2) -> CostCurve:
     """The verify cost curve on this backend: T(w)/T(1), T(1) a plain decode step (logits of one position).
     Stops early once even perfect drafts could not pay (a compute-bound backend: ~4 s on a 2-core CPU). Width 4
     is measured: on the torch CPU backend a forward over 4 rows costs less than over 3 (1.36 against 1.95 T(1)),
@@ -57,11 +58,17 @@ def measure_cost_curve(runner: Any, widths: tuple[int, ...] = (2, 3, 4, 5, 9), r
     return curve
 
 
-def time_graph_forward(runner: Any, width: int, context: int, repeats: int) -> float:
+def time_graph_forward(runner: ModelRunner, width: int, context: int, repeats: int) -> float:
     """Seconds of one graphed step of `width` rows after `context` cached tokens, logits to the host (min
     over repeats, after a warm-up): what a decode step of `width` sequences or a verification of `width`
     tokens costs on a runner that replays its steps as CUDA graphs (`graph_step`)."""
     run = runner.graph_step(width, context)
+    if run is None:  # graphs are off
+        return time_forward(runner, width, context, repeats)
+    return _time_graph(runner, run, width, context, repeats)
+
+
+def _time_graph(runner: ModelRunner, run: Callable[[], bool], width: int, context: int, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats + 1):
         t = time.perf_counter()
@@ -71,7 +78,7 @@ def time_graph_forward(runner: Any, width: int, context: int, repeats: int) -> f
     return best
 
 
-def time_decode_step(runner: Any, batch: int, context: int = 64, repeats: int = 5) -> float:
+def time_decode_step(runner: ModelRunner, batch: int, context: int = 64, repeats: int = 5) -> float:
     """Seconds of one batched decode step of `batch` sequences, each with `context` tokens of its own cached
     (min over `repeats`, after a warm-up step): the block tables, forward and greedy sampling of the step the
     scheduler runs when `batch` requests decode together, without emitting or detokenizing the tokens. Each
@@ -90,13 +97,13 @@ def time_decode_step(runner: Any, batch: int, context: int = 64, repeats: int = 
             cache.start(req, prompt)
             started.append(req)
             layers = cache.prefill_layers(req, 0, len(prompt))
-            runner.forward(mx.array([prompt], dtype=mx.int32), layers)
+            runner.prefill(mx.array([prompt], dtype=mx.int32), layers)
             mx.eval(cache.state(layers))
         nxt, best = [5] * batch, float("inf")
         for i in range(repeats + 1):
             t = time.perf_counter()
             layers = cache.decode_layers(ids, known)
-            tokens = runner.last_sample(mx.array(nxt, dtype=mx.int32).reshape(batch, 1), layers, samplers)
+            tokens = runner.decode_sample(mx.array(nxt, dtype=mx.int32).reshape(batch, 1), layers, samplers)
             nxt = [int(x) for x in tokens.tolist()]  # the host read a step ends with
             if i:
                 best = min(best, time.perf_counter() - t)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 import mlx_engine.backends.torch.model as torch_model  # noqa: E402
-import mlx_engine.backends.torch.runner as torch_runner  # noqa: E402
+import mlx_engine.backends.torch.load as torch_load  # noqa: E402
 from mlx_engine import Engine  # noqa: E402
 from tests.tiny_models import GOLDEN  # noqa: E402
 
@@ -30,14 +30,14 @@ EPS32 = float(np.finfo(np.float32).eps)
 
 
 def float64_logits(model: str | None, ids: list[int]) -> np.ndarray:
-    torch_runner._DTYPES["float64"] = torch.float64  # a measuring dtype, not one users get
+    torch_load._DTYPES["float64"] = torch.float64  # a measuring dtype, not one users get
     fused, torch_model.FUSED = torch_model.FUSED, False  # the fused kernels take float32 and halves only
     try:
         with Engine.load(model, backend="torch", device="cpu", dtype="float64") as engine:
             return engine.forward_logits(ids).astype(np.float64)
     finally:
         torch_model.FUSED = fused
-        del torch_runner._DTYPES["float64"]
+        del torch_load._DTYPES["float64"]
 
 
 def float32_runs(model: str | None, ids: list[int]) -> dict[str, np.ndarray]:

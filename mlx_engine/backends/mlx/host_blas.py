@@ -1,14 +1,13 @@
 """Matmuls on the host's BLAS for MLX's CPU backend (Linux, or a Mac without Metal).
 
-MLX's Linux CPU wheel links the reference (netlib) BLAS, whose sgemm ran at 1.8-2.5 GFLOP/s on the 2-core
-x86-64 box against 18 GFLOP/s for numpy's OpenBLAS, and its quantized matmul is compute-bound: one
-SmolLM2 token's 210 quantized matvecs took 96 ms, the same matvecs on float32 weights in numpy 7 ms, and
-the tied 49152-row head 25 ms against 8 ms. So on the CPU backend:
+MLX's Linux CPU wheel links the reference (netlib) BLAS, several times slower than numpy's OpenBLAS, and its quantized
+matmul is compute-bound, so a token's quantized matvecs cost several times numpy's float32 GEMVs (the readings:
+docs/benchmarks.md, "Measurements moved out of the code"). So on the CPU backend:
 
 - resident weights (`use_host_weights`): when float32 copies of the model's projections fit the memory
   rule (`host_weights_fit`), every projection, at every row count, runs as one numpy GEMM on a float32
   weight kept transposed (in, out), dequantized once at load. q, k and v share one GEMM, gate and up
-  another (fewer MLX evaluations: each host call first evaluates MLX's pending graph, ~60 us), and a tied
+  another (fewer MLX evaluations: each host call first evaluates MLX's pending graph), and a tied
   head multiplies the embedding's float32 copy. This trades memory (float32 is 6-7x a 4-bit weight) for
   speed on a machine where decode is compute-bound, not bandwidth-bound;
 - otherwise prefill-sized matmuls (HOST_GEMM_MIN_ROWS rows and more) dequantize each weight per call and
@@ -72,12 +71,11 @@ def one_blas_thread() -> Iterator[None]:
             _local.depth = 0
 
 
-# OpenBLAS's sgemm packs the whole weight for any row count, so 2 rows cost 2.5x one row's gemv on SmolLM2's
-# 405 MB of layer weights (49.5 ms vs 19.8) and the 113 MB head 6x (26.9 ms vs 4.5). Up to GEMV_MAX_ROWS
-# rows, one gemv per row over column slices that stay in cache reads each weight from memory once:
-# 2 rows 28 ms, 4 rows 39 ms, 6 rows 50 ms (sgemm: 49.5, 51.9, ~56), head at 2 rows 8.1 ms.
+# OpenBLAS's sgemm packs the whole weight for any row count, so a few rows cost several times one row's gemv. Up
+# to GEMV_MAX_ROWS rows, one gemv per row over column slices that stay in cache reads each weight from memory once
+# (the readings: docs/benchmarks.md, "Measurements moved out of the code").
 GEMV_MAX_ROWS = 8
-GEMV_SLICE_BYTES = 4 * 2**20  # a column slice of the weight: well inside the 32 MiB L3 of the 2-core box
+GEMV_SLICE_BYTES = 4 * 2**20  # a column slice of the weight: well inside a server CPU's L3
 
 
 def _host_gemm(x: mx.array, w_in_out: np.ndarray, bias: np.ndarray | None = None) -> mx.array:

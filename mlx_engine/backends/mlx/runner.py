@@ -10,15 +10,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 import numpy as np
 
-from mlx_engine.api import (
-    NO_DRAFT_MODEL,
-    GenerationRequest,
-    ModelInfo,
-    RequestError,
-    RooflineError,
-    SamplingParams,
-)
-from mlx_engine.backends.common import NoTokenizer, attach_draft, cap_context, model_fingerprint
+from mlx_engine.api import ModelInfo, RooflineError
+from mlx_engine.backends.base import RunnerCapabilities
+from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers,
+                                        model_fingerprint)
 from mlx_engine.backends.mlx.load import (
     DRAFT_GROUP_SIZE,
     decode_shape,
@@ -39,17 +34,14 @@ def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
     return mx.concatenate([s.sample(logits[i : i + 1]) for i, s in enumerate(samplers)])
 
 
-class Runner:
+class Runner(CacheRunner):
+    """The MLX backend's `backends.base.ModelRunner`."""
+
     def __init__(self, built: BuiltModel, tokenizer: Any, info: ModelInfo, prefill_chunk_size: int):
-        self.model = built.model
+        super().__init__(built.model, tokenizer, info, prefill_chunk_size)  # cache: Paged or ContiguousCache
         self.native = built.native
-        self.tokenizer = tokenizer
-        self.info = info
-        self.prefill_chunk_size = prefill_chunk_size
-        self.context_length = info.context_length
-        self.vocab_size = info.vocab_size
-        self.eos_ids = frozenset(info.eos_token_ids)
-        self.cache: Any = None  # PagedCache or ContiguousCache, set by load()
+        self.views = built.views  # the model takes the engine's KV views (ours, or mlx-lm's through models.adapter)
+        self.capabilities: RunnerCapabilities  # declared by load(), once the cache is made (`_declare`)
 
     @classmethod
     def load(
@@ -113,10 +105,12 @@ class Runner:
         context = cap_context(context, max_context)
         params = dict(tree_flatten(built.model.parameters()))
         notes = (host_note,) if host_note else ()
-        warnings = () if built.native else (
-            f"{built.model_type!r} runs on mlx-lm's model class: generation works; paged KV, prefix caching "
-            "and speculative decoding may be unavailable",
+        warnings = () if built.views else (
+            f"{built.model_type!r} runs on mlx-lm's model class with its own caches ({built.kv_note}): generation "
+            "works; paged KV, prefix caching, batching and speculative decoding are unavailable",
         )
+        if built.views and not built.native:
+            notes += (f"{built.model_type!r} runs on mlx-lm's model class on the engine's KV cache (models.adapter)",)
         wired_note = wire_memory(sum(v.nbytes for v in params.values()))
         warnings += (wired_note,) if wired_note else ()
         eos = tuple(tokenizer.eos_token_ids)
@@ -139,6 +133,9 @@ class Runner:
         )
         runner = cls(built, tokenizer, info, prefill_chunk_size)
         runner._shape = decode_shape(ckpt.config, params, act_dtype)
+        runner._kv_note, runner.routing, runner._packs = built.kv_note, built.routing, built.packs
+        if built.routing is not None:  # experts: a decode step reads only those routed (models.adapter)
+            runner._shape["moe"] = built.routing.shape
         runner._host_bytes, runner._shape["idle_bytes"] = host_bytes, idle_bytes
         runner.fingerprint = model_fingerprint(ckpt, act_dtype)
         runner.cache = runner._make_cache(kv_config, paged_kv, act_dtype)
@@ -149,55 +146,45 @@ class Runner:
         fallbacks = kernel_warnings(runner.model, runner.cache, act_dtype)
         runner.info = dataclasses.replace(runner.info, kv_files=runner.cache.capabilities.kv_files,
                                           warnings=runner.info.warnings + fallbacks)
-        runner.self_draft_layers = runner._check_self_draft_layers(self_draft_layers)
+        runner.capabilities = runner._declare()
+        runner.self_draft_layers = check_self_draft_layers(self_draft_layers,
+                                                           len(runner.model.layers) if runner.native else 0)
         if draft_model is not None:
             attach_draft(runner, lambda: cls.load(draft_model, dtype=dtype, prefill_chunk_size=prefill_chunk_size,
                                                   paged_kv=False, weight_bits=draft_bits), draft_optional)
         return runner
 
-    # --- speculative decoding ---
+    # --- what it can do, speculative decoding ---
 
     draft: Runner | None = None  # the draft model (Engine.load(..., draft_model=...))
+    routing: Any = None  # a mixture-of-experts model's `models.adapter.MoERouting`
+    _kv_note: str | None = None  # why an mlx-lm class keeps its own caches
+    _packs = True  # the model ropes packed parts each at its positions (BuiltModel.packs)
     self_draft_layers: int = 0
 
-    def _check_self_draft_layers(self, n: int | None) -> int:
-        num = len(self.model.layers) if self.native else 0
-        if n is None:
-            return max(1, num // 2)
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n < max(num, 2):
-            raise RooflineError(f"self_draft_layers={n!r}: expected an integer in [1, {max(num - 1, 1)}] "
-                                f"(the model has {num} layers)")
-        return n
-
-    def rollback_problem(self) -> str | None:
-        """Why this model's KV cannot be rolled back past rejected draft tokens (None: it can)."""
+    def _declare(self) -> RunnerCapabilities:
+        """What this runner can do, from its model class and cache (set once both are loaded)."""
         from mlx_engine.kv.contiguous import untrimmable_kinds
 
-        if self.native or self.cache.capabilities.rollback:  # our models' caches all roll back
-            return None
-        kinds = untrimmable_kinds(self.model, self.native)
-        return f"its mlx-lm cache ({', '.join(kinds) or 'unknown'}) cannot be trimmed at every length"
+        caps = self.cache.capabilities
+        why = {}
+        rollback = self.views or caps.rollback  # the engine's caches all roll back
+        if not rollback:
+            kinds = untrimmable_kinds(self.model, self.views)
+            why["rollback"] = f"its mlx-lm cache ({', '.join(kinds) or 'unknown'}) cannot be trimmed at every length"
+        if not self.native:
+            why["self_draft"] = f"needs a natively implemented model; {self.info.name} runs on an mlx-lm class"
+            why["hidden_states"] = (f"need a natively implemented model; {self.info.name} ({self.info.model_type}) "
+                                    "runs on an mlx-lm class")
+        if not caps.kv_files:
+            why["kv_files"] = "KV files need the paged KV cache, which this model does not use"
+        return RunnerCapabilities(rollback=rollback, kv_files=caps.kv_files, self_draft=self.native,
+                                  hidden_states=self.native, max_batch=None if caps.batching else 1, why_not=why)
 
-    def check_speculation(self, params: SamplingParams) -> None:
-        """Refuses a speculative mode this engine cannot serve (RequestError). "auto" is never refused: it
-        falls back to plain decoding."""
-        mode = params.speculative
-        if mode is None or mode == "auto":
-            return
-        why = self.rollback_problem()
-        if why:
-            raise RequestError(f"speculative={mode!r} is not available for {self.info.name}: {why}, so rejected "
-                               "draft tokens cannot be rolled back")
-        if mode == "draft" and self.draft is None:
-            raise RequestError(NO_DRAFT_MODEL)
-        if mode == "self" and not self.native:
-            raise RequestError(f"speculative='self' needs a natively implemented model; {self.info.name} runs "
-                               "on an mlx-lm class")
-
-    def all_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
+    def verify_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         """inputs (1, L) -> logits of every position (L, V), float32, lazily (a verification)."""
         out = self.forward(inputs, layers)
-        logits = self.model.logits(out) if self.native else out
+        logits = self.model.logits(out) if self.views else out
         return logits[0].astype(mx.float32)
 
     def draft_logits(self, inputs: mx.array, layers: list[Any], num_layers: int) -> mx.array:
@@ -208,43 +195,46 @@ class Runner:
         return m.logits(m.model.norm(h[:, -1, :])).astype(mx.float32)
 
     def _make_cache(self, config: Any, paged: bool | None, dtype: mx.Dtype) -> Any:
-        from mlx_engine.kv.cache import PagedCache
+        from mlx_engine.api import MAX_DRAFT_TOKENS
         from mlx_engine.kv.contiguous import ContiguousCache
+        from mlx_engine.kv.kinds import LayerKindsCache
 
         why_not = None
-        if not self.native:
-            why_not = "the model runs on an mlx-lm class"
-        elif self.model.args.sliding_window is not None:
-            why_not = "the model uses sliding-window attention"
+        if not self.views:
+            why_not = f"the model runs on mlx-lm's class with its own caches ({self.info.model_type}: {self._kv_note})"
         if paged is False or (paged is None and why_not):
             if config.kv_bits is not None or config.kv_key_bits is not None or config.kv_key_per_channel:
                 name = "kv_bits" if config.kv_bits is not None else \
                     "kv_key_bits" if config.kv_key_bits is not None else "kv_key_per_channel"
                 raise RooflineError(f"{name} needs the paged KV cache, which is off here "
                                     f"({why_not or 'paged_kv=False'})")
-            return ContiguousCache(self.model, self.native)
+            return ContiguousCache(self.model, self.views)
         if why_not:
             raise RooflineError(f"paged_kv=True is not available: {why_not}")
         a = self.model.args
-        return PagedCache.create(num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads,
-                                 head_dim=a.head_dim, dtype=dtype, context_length=self.context_length,
-                                 weight_bytes=self.info.weight_bytes, config=config, model_id=self.fingerprint)
+        # one paged storage per kind of layer (sliding windows, full attention): a plain PagedCache for one kind
+        cache = LayerKindsCache.create(layer_windows=a.layer_windows(), num_kv_heads=a.num_key_value_heads,
+                                       head_dim=a.head_dim, dtype=dtype, context_length=self.context_length,
+                                       weight_bytes=self.info.weight_bytes, config=config, model_id=self.fingerprint,
+                                       # a forward feeds a request one prefill chunk, or a verification of its drafts
+                                       max_step_tokens=max(self.prefill_chunk_size, MAX_DRAFT_TOKENS + 1))
+        if not self._packs:  # its layers rope a forward's rows at one offset (models.adapter.ViewRoPE)
+            cache.capabilities = dataclasses.replace(cache.capabilities, packed=False)
+        return cache
 
-    def decode_bytes_per_token(self, context: int) -> int:
-        from mlx_engine.roofline import decode_bytes_per_token
+    @property
+    def shape(self) -> dict[str, Any]:
+        """The figures that price a decode step (`backends.mlx.load.decode_shape`, `backends.common.decode_bytes`)."""
+        return self._shape
 
+    def moe_routing(self) -> dict[str, Any] | None:
+        """A mixture-of-experts model's recorded decode steps (`models.adapter.MoERouting.report`); None for
+        a dense model."""
+        if self.routing is None:
+            return None
         s = self._shape
-        weights = self.info.weight_bytes - s.get("idle_bytes", 0)  # float32 host copies replace what they copy
-        return decode_bytes_per_token(weights, s["embed_bytes"], s["tied"], s["layers"],
-                                      s["kv_heads"], s["head_dim"], context, s["kv_itemsize"]).total
-
-    def release(self) -> None:
-        if self.draft is not None:
-            self.draft.release()
-            self.draft = None
-        self.cache = None
-        self.model = None
-        self._free_device_memory()
+        weights = self.info.weight_bytes - s.get("idle_bytes", 0)
+        return self.routing.report(weights if s["tied"] else weights - s["embed_bytes"])
 
     def _free_device_memory(self) -> None:
         mx.clear_cache()
@@ -259,67 +249,42 @@ class Runner:
         resident host weights."""
         return int(mx.get_peak_memory()) + self._host_bytes
 
-    # --- prompt handling (called on the front end's thread: tokenizers only, no MLX) ---
-
-    def check_ids(self, ids: list[int]) -> list[int]:
-        if not ids:
-            raise RequestError("the prompt is empty (0 tokens)")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})")
-        return ids
-
-    def check_context(self, ids: list[int]) -> list[int]:
-        if len(ids) > self.context_length:
-            raise RequestError(f"the input is {len(ids)} tokens but the model's context is {self.context_length} tokens")
-        return ids
-
-    def prompt_ids(self, request: GenerationRequest) -> list[int]:
-        if request.messages is not None:
-            ids = self.tokenizer.encode_chat(request.messages, add_generation_prompt=request.add_generation_prompt)
-        elif request.prompt is not None:
-            ids = self.tokenizer.encode(request.prompt)
-        else:
-            ids = list(request.prompt_token_ids or [])
-        self.check_ids(ids)
-        if len(ids) >= self.context_length:
-            raise RequestError(
-                f"the prompt is {len(ids)} tokens but the model's context is {self.context_length} tokens "
-                f"(at least 1 more is needed to generate)"
-            )
-        self.cache.check_fits(len(ids) + min(request.sampling.max_tokens, self.context_length - len(ids)))
-        return ids
-
     # --- MLX work (engine thread) ---
 
-    def _fresh_contiguous(self) -> list[Any]:
+    def scratch_layers(self) -> list[Any]:
         from mlx_engine.kv.contiguous import new_contiguous_layers
 
-        return new_contiguous_layers(self.model, self.native)
+        return new_contiguous_layers(self.model, self.views)
 
     def forward(self, inputs: mx.array, layers: list[Any]) -> mx.array:
-        """inputs (B, L) -> hidden states (native) or logits (mlx-lm classes), lazily."""
-        return self.model(inputs, layers) if self.native else self.model(inputs, cache=layers)
+        """inputs (B, L) -> hidden states (a model on our views) or logits (mlx-lm's class on its caches), lazily."""
+        return self.model(inputs, layers) if self.views else self.model(inputs, cache=layers)
 
-    def last_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
+    def prefill(self, inputs: mx.array, layers: list[Any]) -> None:
+        self.forward(inputs, layers)
+
+    def _last_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         """inputs (B, L) -> logits of each row's last position (B, V), float32."""
         out = self.forward(inputs, layers)
-        if self.native:
+        if self.views:
             return self.model.logits(out[:, -1, :]).astype(mx.float32)
         return out[:, -1, :].astype(mx.float32)
 
-    def last_sample(self, inputs: mx.array, layers: list[Any], samplers: list[Any]) -> mx.array:
-        """inputs (B, L) -> each row's next token (B,) int32, lazily, row b drawn by `samplers[b]` (plain ones,
-        `Sampler.plain`: no bias or penalties to record). Here each row's sampler on `last_logits`, as the
-        scheduler's own path does; a runner whose logits live on a device samples there."""
-        return _sample_rows(self.last_logits(inputs, layers), samplers)
+    prefill_logits = decode_logits = _last_logits
 
-    def rows_sample(self, inputs: mx.array, layers: list[Any], rows: list[int], samplers: list[Any]) -> mx.array | None:
-        """As `rows_logits` (None without rows), the next token of each of `rows` (len(rows),) int32."""
-        logits = self.rows_logits(inputs, layers, rows)
+    def decode_sample(self, inputs: mx.array, layers: list[Any], samplers: list[Any]) -> mx.array:
+        """inputs (B, L) -> each row's next token (B,) int32, lazily, row b drawn by `samplers[b]` (plain ones,
+        `Sampler.plain`: no bias or penalties to record). Here each row's sampler on `decode_logits`, as the
+        scheduler's own path does; a runner whose logits live on a device samples there."""
+        return _sample_rows(self.decode_logits(inputs, layers), samplers)
+
+    def packed_sample(self, inputs: mx.array, layers: list[Any], rows: list[int],
+                      samplers: list[Any]) -> mx.array | None:
+        """As `packed_logits` (None without rows), the next token of each of `rows` (len(rows),) int32."""
+        logits = self.packed_logits(inputs, layers, rows)
         return None if logits is None else _sample_rows(logits, samplers)
 
-    def rows_logits(self, inputs: mx.array, layers: list[Any], rows: list[int]) -> mx.array | None:
+    def packed_logits(self, inputs: mx.array, layers: list[Any], rows: list[int]) -> mx.array | None:
         """A packed forward (`PagedCache.packed_layers`): inputs (1, T) -> logits of `rows` (len(rows), V),
         float32, lazily; with no rows it evaluates the forward (its K/V writes) and returns None."""
         out = self.forward(inputs, layers)
@@ -328,18 +293,23 @@ class Runner:
             return None
         return self.model.logits(out[0, mx.array(rows, dtype=mx.int32)]).astype(mx.float32)
 
+    def graph_step(self, width: int, context: int) -> None:
+        return None  # MLX replays no graphs
+
+    def timing_variant(self) -> str:
+        return "-fp32-host-weights" if self._host_bytes else ""  # backends.mlx.host_blas: another forward
+
     def forward_logits(self, ids: list[int]) -> np.ndarray:
-        out = self.forward(mx.array([ids], dtype=mx.int32), self._fresh_contiguous())
-        logits = self.model.logits(out) if self.native else out
+        out = self.forward(mx.array([ids], dtype=mx.int32), self.scratch_layers())
+        logits = self.model.logits(out) if self.views else out
         return np.array(logits[0].astype(mx.float32))
 
     def hidden_states(self, ids: list[int]) -> list[np.ndarray]:
         """[embedding output, output of decoder layer 0, ..., layer N-1], each float32 (T, hidden), from a
         fresh forward without the cache. The last one, through the final norm and the head, gives
         `forward_logits`. Native models only: mlx-lm's classes do not expose their layers' outputs."""
-        if not self.native:
-            raise RooflineError(f"hidden states need a natively implemented model; {self.info.name} "
-                                f"({self.info.model_type}) runs on an mlx-lm class")
+        if not self.capabilities.hidden_states:
+            raise RooflineError(f"hidden states {self.capabilities.reason('hidden_states')}")
         out = self.model.layer_outputs(mx.array([ids], dtype=mx.int32))  # (1, T, hidden) each
         mx.eval(out)
         return [np.array(x[0].astype(mx.float32)) for x in out]
@@ -356,17 +326,8 @@ class Runner:
                 end = min(start + self.prefill_chunk_size, len(ids) - 1)
                 layers = self.cache.prefill_layers(req, start, end)
                 h = self.forward(mx.array([ids[start:end]], dtype=mx.int32), layers)
-                logits = (self.model.logits(h) if self.native else h)[0]  # (L, V)
+                logits = (self.model.logits(h) if self.views else h)[0]  # (L, V)
                 out.append(np.array(target_logprobs(logits, ids[start + 1:end + 1], 0)[0]))
         finally:
             self.cache.free(req)
         return np.concatenate(out) if out else np.zeros(0, np.float32)
-
-    def kv_stats(self) -> dict[str, Any]:
-        return self.cache.stats()
-
-    def save_kv(self, path: str, token_ids: list[int]) -> int:
-        return self.cache.save(path, token_ids, self.fingerprint)
-
-    def restore_kv(self, path: str) -> list[int]:
-        return self.cache.restore(path, self.fingerprint)

@@ -30,8 +30,8 @@ KERNEL_DTYPE = torch.bfloat16
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 # Rows from which a matmul dequantizes its weight (to bfloat16, a slice of output rows at a time) and runs
 # oneDNN's bfloat16 GEMM, on a CPU with bfloat16 dot products (AVX512_BF16, AMX): the int4 kernel is a
-# float32 FMA loop, bound by compute at prefill. SmolLM2's 1536x576 gate at 512 rows on one core of the
-# EPYC build box: int4 kernel 28 ms, dequantize 1.1 ms + bfloat16 GEMM 6.7 ms.
+# float32 FMA loop, bound by compute at prefill (a prefill-sized gate: several times faster dequantized; the reading:
+# docs/benchmarks.md, "Measurements moved out of the code").
 DEQUANT_MIN_ROWS = 48
 DEQUANT_SLICE_ELEMENTS = 2**21  # output rows x inputs dequantized at once: 4 MiB of bfloat16
 

@@ -1,8 +1,8 @@
-"""The torch model runner: the MLX Runner's interface over a torch model and torch KV.
+"""The torch model runner: `backends.base.ModelRunner` over a torch model and torch KV.
 
 The scheduler, sampler and speculative code stay shared: token ids arrive as (possibly lazy) mx arrays and
-go to torch through numpy; logits come back as float32 mx arrays. Prompt handling, speculation checks and
-KV statistics are the MLX Runner's own (inherited).
+go to torch through numpy; logits come back as float32 mx arrays. What it shares with the MLX runner is in
+`backends.common`; prompt handling is the engine's.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -29,20 +28,14 @@ from mlx_engine.backends.torch.kv import (
 )
 from mlx_engine.backends.torch.weights import build_model
 from mlx_engine.backends.torch.sampling import sample_rows
-from mlx_engine.backends.common import NoTokenizer, attach_draft, cap_context, model_fingerprint
-from mlx_engine.backends.mlx.runner import Runner
+from mlx_engine.backends.base import RunnerCapabilities
+from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers,
+                                        model_fingerprint)
+from mlx_engine.backends.torch.load import (DEFAULT_CPU_THREADS, check_draft_bits, check_threads, cpu_pack_notes,
+                                            cpu_pack_plan, pick_dtype, resolve_device, use_kernels)
 
 TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-DEVICES = ("auto", "cpu", "cuda")
 T = TypeVar("T")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# Torch threads of a CPU forward by default: torch's own count at import (the physical cores it may use).
-# A parallel region waits on its slowest thread, so on a machine whose other processes keep a core busy,
-# `threads=1` can be the faster setting (bench/cpu_vs_llama_cpp.py measures both).
-DEFAULT_CPU_THREADS = torch.get_num_threads()
-# ROOFLINE_TORCH_CPU_PACKED=0: quantized weights dequantized to float32 on the CPU even where torch's int4/int8
-# kernels could read them packed (the exact float32 twin of the packed path, for parity checks)
-CPU_PACKED_ENV = "ROOFLINE_TORCH_CPU_PACKED"
 # ROOFLINE_TORCH_COMPILE=0: `compile` defaults to off (the test suite sets it: a compile costs tens of seconds)
 COMPILE_ENV = "ROOFLINE_TORCH_COMPILE"
 # Rows up to which a forward runs compiled (decode steps of up to this many sequences, speculative verifications):
@@ -51,59 +44,15 @@ COMPILE_MAX_ROWS = 47
 # A single sequence's prefill of at most this many positions (a speculative verification of k + 1 <= 17
 # tokens, a short prompt's last chunk) replays a CUDA graph as that many decode rows
 MAX_GRAPH_PREFILL = 17
-# Prefill tokens per forward on CUDA. At 512 a forward of SmolLM2 on the H200 cost the same ~30 ms of eager
-# launches whatever its rows: 14.5-20K prefill tokens/s at every batch from 1 to 64 (docs/benchmarks.md).
+# Prefill tokens per forward on CUDA: at 512 a small model's forward is bound by its eager launches, whatever its
+# rows, so the chunk is large (docs/benchmarks.md, "Measurements moved out of the code").
 CUDA_PREFILL_CHUNK = 4096
-
-
-def resolve_device(device: str) -> torch.device:
-    if device not in DEVICES:
-        raise RooflineError(f"device={device!r}: expected one of {', '.join(map(repr, DEVICES))}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RooflineError(f"device='cuda' but torch {torch.__version__} sees no CUDA device (a CPU build, or no "
-                            "GPU/driver): use device='cpu' or 'auto'")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device)
 
 
 def cpu_matmul_seconds(a: np.ndarray, repeats: int, best_time: Callable[[Callable[[], Any], int], float]) -> float:
     """The best time of a @ a in torch on the CPU, all cores (for the measured peak FLOP/s of `roofline bench`)."""
     t = torch.from_numpy(a)
     return best_time(lambda: t @ t, repeats)
-
-
-def check_draft_bits(bits: Any, draft_model: str | None, device: torch.device, dtype: str | None) -> None:
-    """`draft_bits` on this backend: 8, on the CPU in float32, with a draft model to hold that way."""
-    if bits is None:
-        return
-    if bits != 8:
-        raise RooflineError(f"draft_bits={bits!r}: the torch backend holds a draft at 8 bits only (the CPU's int8 "
-                            "matmul); on MLX, 4 or 8")
-    if draft_model is None:
-        raise RooflineError("draft_bits=8 needs draft_model: the model to hold at 8 bits as the draft (it may be "
-                            "the model itself)")
-    if device.type != "cpu":
-        raise RooflineError(f"draft_bits=8 is for device='cpu' (this runner is on {device.type}); on CUDA, load a "
-                            "quantized draft file: its weights stay packed for the dequantizing matmul")
-    if dtype not in (None, "float32"):
-        raise RooflineError(f"draft_bits=8 needs float32 activations on the CPU, not dtype={dtype!r}")
-
-
-def use_kernels(device: torch.device) -> bool:
-    """Packed quantized weights and the paged decode kernel (triton_kernels): on CUDA."""
-    return device.type == "cuda"
-
-
-def pick_dtype(requested: str | None, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    """float32 on the CPU; on CUDA the checkpoint's half dtype (float16 for GGUF)."""
-    if requested is not None:
-        if requested not in _DTYPES:
-            raise RooflineError(f"dtype={requested!r}: expected one of {', '.join(_DTYPES)}")
-        return _DTYPES[requested]
-    if device.type == "cpu":
-        return torch.float32
-    return _DTYPES.get(checkpoint_dtype, torch.float16)
 
 
 def _ids(inputs: Any, device: torch.device) -> torch.Tensor:
@@ -129,61 +78,6 @@ def _torch_work(method: Callable[..., T]) -> Callable[..., T]:
     return run
 
 
-def check_threads(threads: Any, device: torch.device) -> int:
-    """`threads`: torch's CPU threads for this runner (None: DEFAULT_CPU_THREADS)."""
-    if threads is None:
-        return DEFAULT_CPU_THREADS
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise RooflineError(f"threads={threads!r}: expected an integer >= 1 (CPU threads for torch's kernels)")
-    if device.type != "cpu":
-        raise RooflineError(f"threads={threads} is for device='cpu' (this runner is on {device.type}); leave it unset")
-    return threads
-
-
-def cpu_pack_plan(device: torch.device) -> tuple[Any, tuple[str, ...]]:
-    """(CPUSupport to pack quantized weights with, or None; warnings): packed on an x86-64 CPU with AVX2 whose
-    int4 kernel's layout `cpu_packed` reads; otherwise the portable path, said in a warning."""
-    if device.type != "cpu":
-        return None, ()
-    from mlx_engine.backends.torch import cpu_packed
-
-    if os.environ.get(CPU_PACKED_ENV, "1") in ("0", "off", "false"):
-        return None, ()
-    support = cpu_packed.cpu_support()
-    reason = support.reason
-    if support.packed and not cpu_packed.layout_ok(support.block_n):
-        reason = (f"torch {torch.__version__}'s packed int4 layout is not the one this version reads "
-                  f"({support.block_n}-row blocks)")
-    if reason:
-        return None, (f"quantized weights are dequantized to float32 at load (the portable path: about 4-8x "
-                      f"the bytes a token reads, and as much memory): {reason}",)
-    return support, ()
-
-
-def cpu_pack_notes(model: Any) -> tuple[str, ...]:
-    """One note on how the quantized weights are held for torch's CPU kernels, per source format."""
-    from mlx_engine.backends.torch import cpu_packed
-    from mlx_engine.backends.torch.model import FusedLinear
-
-    counts: dict[tuple[str, str], int] = {}
-    parts = [model.embed_tokens.weight, model.lm_head.weight if model.lm_head is not None else None]
-    for b in model.layers:
-        a, m = b.self_attn, b.mlp
-        parts += [x.weight for x in (a.qkv, a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_up, m.gate_proj,
-                                     m.up_proj, m.down_proj) if x is not None and not isinstance(x, FusedLinear)]
-        parts += [x.weight for x in (a.qkv, m.gate_up) if isinstance(x, FusedLinear)]
-    for w in parts:
-        if isinstance(w, cpu_packed.Int4Weight | cpu_packed.Int8Weight):
-            key = (cpu_packed.kind(w), w.source)
-            counts[key] = counts.get(key, 0) + 1
-    if not counts:
-        return ()
-    kinds = sorted({k for k, _ in counts}, key=["int4", "int4x2", "int8"].index)
-    held = "; ".join(f"{cpu_packed.describe(k)}: " + ", ".join(f"{src} x{n}" for (kk, src), n in sorted(counts.items())
-                                                             if kk == k) for k in kinds)
-    return (f"quantized weights packed for torch's CPU kernels, read in bfloat16 rows: {held}",)
-
-
 def _mx(t: torch.Tensor) -> mx.array:
     return mx.array(t.float().cpu().numpy())
 
@@ -192,9 +86,14 @@ def _tokens(t: torch.Tensor) -> mx.array:
     return mx.array(t.to(torch.int32).cpu().numpy())
 
 
-class TorchRunner(Runner):
+class TorchRunner(CacheRunner):
+    """The torch backend's `backends.base.ModelRunner`."""
+
+    draft: TorchRunner | None = None  # the draft model (Engine.load(..., draft_model=...))
+    self_draft_layers: int = 0
+
     def __init__(self, model: Any, tokenizer: Any, info: ModelInfo, prefill_chunk_size: int, device: torch.device):
-        super().__init__(types.SimpleNamespace(model=model, native=True), tokenizer, info, prefill_chunk_size)
+        super().__init__(model, tokenizer, info, prefill_chunk_size)  # cache: a TorchPagedCache, set by load()
         self.device = device
         self.graphs: Any = None  # graphs.DecodeGraphs: the decode step as CUDA graphs (CUDA, cuda_graphs on)
         self.graphs_error: str | None = None  # why graphs went off, when a capture failed
@@ -290,11 +189,9 @@ class TorchRunner(Runner):
         if compile is None:
             compile = cpu is not None and os.environ.get(COMPILE_ENV, "1") not in ("0", "off", "false")
         if compile:
-            note = runner.compile_decode()
-            runner.info = dataclasses.replace(runner.info, **{"warnings" if runner.model.compiled is None else "notes":
-                                                               (*getattr(runner.info, "warnings" if
-                                                                         runner.model.compiled is None else "notes"),
-                                                                note)})
+            note, info = runner.compile_decode(), runner.info
+            runner.info = (dataclasses.replace(info, warnings=(*info.warnings, note)) if runner.model.compiled is None
+                           else dataclasses.replace(info, notes=(*info.notes, note)))
         itemsize = torch.empty((), dtype=act_dtype).element_size()
         runner._shape = {"embed_bytes": tmodel.embed_bytes, "tied": args.tie_word_embeddings,
                          "layers": args.num_hidden_layers, "kv_heads": args.num_key_value_heads,
@@ -309,7 +206,11 @@ class TorchRunner(Runner):
                 from mlx_engine.backends.torch.graphs import DecodeGraphs
 
                 runner.graphs = DecodeGraphs(tmodel, runner.cache.storage)
-        runner.self_draft_layers = runner._check_self_draft_layers(self_draft_layers)
+        kv_files = runner.cache is not None and runner.cache.capabilities.kv_files
+        runner.capabilities = RunnerCapabilities(rollback=True, kv_files=kv_files, self_draft=True, hidden_states=True,
+                                                 max_batch=None, why_not={} if kv_files else {
+                                                     "kv_files": "KV files are not supported on the torch backend"})
+        runner.self_draft_layers = check_self_draft_layers(self_draft_layers, len(runner.model.layers))
         if draft_model is not None:
             def load_draft() -> TorchRunner:
                 draft = cls.load(draft_model, device=dev.type, dtype=dtype, prefill_chunk_size=prefill_chunk_size,
@@ -337,7 +238,7 @@ class TorchRunner(Runner):
         self.model.compile_decode(COMPILE_MAX_ROWS)
         try:
             for rows in (1, 2):
-                self.model(torch.zeros(rows, 1, dtype=torch.long, device=self.device), self._fresh_contiguous())
+                self.model(torch.zeros(rows, 1, dtype=torch.long, device=self.device), self.scratch_layers())
         except compile_errors() as e:
             self.model.compiled = None
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -347,13 +248,16 @@ class TorchRunner(Runner):
 
     # --- forwards (engine thread) ---
 
-    def _fresh_contiguous(self) -> list[ContiguousLayer]:
+    def scratch_layers(self) -> list[ContiguousLayer]:
         return [ContiguousLayer() for _ in self.model.layers]
 
     @_torch_work
     def forward(self, inputs: Any, layers: list[Any]) -> torch.Tensor:
         """inputs (B, L) -> final hidden states (B, L, hidden), a torch tensor (K/V written to `layers`)."""
         return self.model(_ids(inputs, self.device), layers)
+
+    def prefill(self, inputs: Any, layers: list[Any]) -> None:
+        self.forward(inputs, layers)
 
     def _graph_step(self, layers: list[Any]) -> DecodeStep | None:
         """The step a CUDA graph can replay, as rows of a decode step: `layers` are a decode step's views
@@ -384,10 +288,12 @@ class TorchRunner(Runner):
                           "continues with eager launches", RuntimeWarning, stacklevel=2)
             return None
 
-    def graph_step(self, width: int, context: int) -> Callable[[], bool]:
+    def graph_step(self, width: int, context: int) -> Callable[[], bool] | None:
         """One graphed step of `width` rows after `context` cached tokens, logits to the host, as a call to time
         (`speculative.timing.time_graph_forward`); it returns False once a capture failed (graphs are off).
-        Every row reads and writes the pool's scratch block only."""
+        Every row reads and writes the pool's scratch block only. None while graphs are off."""
+        if self.graphs is None:
+            return None
         storage = self.cache.storage
         bs, scratch = storage.block_size, storage.scratch_block
         nblocks = -(-(context + width) // bs)
@@ -420,28 +326,34 @@ class TorchRunner(Runner):
         h = self.forward(inputs, layers)  # eager: the K/V writes are done
         return self.model.logits(h[0, rows]) if rows else None
 
-    @_torch_work
-    def last_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
-        return _mx(self._last_logits(inputs, layers))
+    def timing_variant(self) -> str:
+        return "-cuda-graphs" if self.graphs is not None else ""  # graphed steps: another forward
 
     @_torch_work
-    def rows_logits(self, inputs: Any, layers: list[Any], rows: list[int]) -> mx.array | None:
+    def decode_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
+        return _mx(self._last_logits(inputs, layers))
+
+    prefill_logits = decode_logits
+
+    @_torch_work
+    def packed_logits(self, inputs: Any, layers: list[Any], rows: list[int]) -> mx.array | None:
         logits = self._rows_logits(inputs, layers, rows)
         return None if logits is None else _mx(logits)
 
     @_torch_work
-    def last_sample(self, inputs: Any, layers: list[Any], samplers: list[Any]) -> mx.array:
+    def decode_sample(self, inputs: Any, layers: list[Any], samplers: list[Any]) -> mx.array:
         """Tokens drawn on the device (`backends.torch.sampling`): B token ids to the host instead of B x V
         logits, and no per-row draw in MLX on the CPU."""
         return _tokens(sample_rows(self._last_logits(inputs, layers), samplers))
 
     @_torch_work
-    def rows_sample(self, inputs: Any, layers: list[Any], rows: list[int], samplers: list[Any]) -> mx.array | None:
+    def packed_sample(self, inputs: Any, layers: list[Any], rows: list[int],
+                      samplers: list[Any]) -> mx.array | None:
         logits = self._rows_logits(inputs, layers, rows)
         return None if logits is None else _tokens(sample_rows(logits, samplers))
 
     @_torch_work
-    def all_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
+    def verify_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
         step = self._graph_step(layers)
         logits = None if step is None or not isinstance(layers[0], PrefillView) else self._graph_logits(inputs, step)
         if logits is not None:
@@ -468,7 +380,7 @@ class TorchRunner(Runner):
     def score(self, ids: list[int]) -> np.ndarray:
         """log p(ids[t+1] | ids[..t]) for every t, in prefill chunks -> float32 (T - 1,). The KV is unquantized
         here, so buffers of its own give what the block pool would."""
-        layers, out = self._fresh_contiguous(), []
+        layers, out = self.scratch_layers(), []
         for start in range(0, len(ids) - 1, self.prefill_chunk_size):
             end = min(start + self.prefill_chunk_size, len(ids) - 1)
             h = self.model(_ids([ids[start:end]], self.device), layers)

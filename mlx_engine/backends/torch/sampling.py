@@ -1,9 +1,9 @@
 """Sampling on the torch backend's device, for plain samplers (`Sampler.plain`: no logit bias, no penalties).
 
 The shared sampler runs in MLX on the host: with a CUDA model it would bring every row's logits to the host
-(SmolLM2: 49,152 float32 a row) and draw there, where MLX's CPU backend takes ~72 µs a row for an argmax and
-~1 ms a row for a categorical draw (its `exp` and `log` are slow): ~64 ms a step at batch 64 and temperature
-0.7, against 19 ms for the H200's whole greedy step. Here the same distribution is drawn on the device:
+and draw there, where MLX's CPU backend's categorical draw is slow (its `exp` and `log`): at a large batch the
+sampling alone cost several of the GPU's whole decode steps (docs/benchmarks.md, "Measurements moved out of the
+code"). Here the same distribution is drawn on the device:
 
 - greedy rows: the argmax (the first maximum, as MLX's);
 - the others: `Sampler._filtered`'s rule in torch (temperature first, then the top-k, top-p over the top-k

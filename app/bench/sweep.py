@@ -1,5 +1,5 @@
 """llama-bench-style measurement of a loaded engine: prefill (pp) and decode (tg) tokens/s at each batch size
-and context depth, through the public request API, plus the machine's peak FLOP/s where no table knows it.
+and context depth, through the public request API.
 
 A (batch B, depth d) point, per repeat:
   pp: B prompts, each the d-token prefix (already in the prefix cache) + p fresh random tokens, 1 new token:
@@ -13,12 +13,11 @@ is shared by the B sequences (its blocks are read once per sequence per step all
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_engine.api import GenerationRequest, RooflineError, SamplingParams
+from mlx_engine.api import DEFAULT_MAX_SEQS, EngineLike, GenerationRequest, RooflineError, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -67,10 +66,11 @@ class BenchPoint:
 
 def load_engine(model: str | None, spec: BenchSpec, backend: str = "mlx", device: str = "auto",
                 **options: Any) -> Any:
-    """Engine.load with a KV pool large enough for the spec's largest batch at its deepest context."""
+    """Engine.load with a KV pool large enough for the spec's largest batch at its deepest context, and room in the
+    scheduler for that batch (the default cap, 16, would queue larger ones)."""
     from mlx_engine import Engine
 
-    options.update(backend=backend, device=device)
+    options.update(backend=backend, device=device, max_seqs=max(DEFAULT_MAX_SEQS, *spec.batches))
     engine = Engine.load(model, **options)
     try:
         spec.validate(engine.info.context_length)
@@ -92,13 +92,15 @@ def load_engine(model: str | None, spec: BenchSpec, backend: str = "mlx", device
 
 
 def _allow_batch(engine: Any, batch: int) -> None:
-    sched = getattr(engine, "_scheduler", None)
     if batch == 1:
         return
-    if sched is None or sched.max_seqs <= 1:
+    allowed = engine.diagnostics().scheduler.max_seqs  # 1 where the cache holds one sequence
+    if allowed <= 1:
         raise RooflineError(f"--batch {batch}: {engine.info.name} runs with a contiguous KV cache here, which holds "
                             "one sequence at a time; only --batch 1 can be measured")
-    sched.max_seqs = max(sched.max_seqs, batch)  # the default cap (16) would queue larger batches
+    if allowed < batch:
+        raise RooflineError(f"--batch {batch}: this engine runs {allowed} sequences at once (Engine.load's "
+                            f"max_seqs); load it with max_seqs={batch} to measure this batch")
 
 
 def _run_batch(engine: Any, prompts: list[list[int]], max_tokens: int) -> list[tuple[Any, float]]:
@@ -185,57 +187,20 @@ def num_runs(spec: BenchSpec) -> int:
 
 
 def decode_bytes_per_step(engine: Any, batch: int, context: float) -> float:
-    """Bytes one batched decode step reads: the weights once, and each sequence's own KV."""
+    """Bytes one batched decode step reads: the weights once, and each sequence's own KV. Mixture of experts:
+    the shared weights and the experts the batch's steps routed to (their union per step, measured)."""
+    from mlx_engine.roofline import moe_weights_per_step
+
     weights = engine.decode_bytes_per_token(0)
     kv_per_token = engine.decode_bytes_per_token(1) - weights  # K and V of every layer
+    routed = moe_weights_per_step(engine.moe_routing(), batch)
+    weights = weights if routed is None else routed
     return weights + batch * kv_per_token * context
 
 
-def engine_device(engine: Any, backend: str, requested: str) -> str:
-    """The device the engine runs on: what it says, else MLX's (metal or cpu), else the request."""
-    for holder in (engine, getattr(engine, "info", None)):
-        dev = getattr(holder, "device", None)
-        if isinstance(dev, str) and dev:
-            return dev
-    if backend == "mlx":
-        import mlx.core as mx
-
-        return "metal" if mx.metal.is_available() else "cpu"
-    return requested
-
-
-def measure_matmul_flops(engine: Any = None, device: str = "cpu", n: int = 2048, repeats: int = 3) -> float:
-    """Peak dense matmul FLOP/s, the best of `repeats` (n x n) @ (n x n): float32 numpy or torch, whichever
-    is faster (all cores) on a CPU, float16 MLX on Metal (on the engine thread, which owns MLX work)."""
-    if device == "metal" and engine is not None:
-        def run() -> float:
-            import mlx.core as mx
-
-            a = mx.random.normal((2 * n, 2 * n)).astype(mx.float16)
-            return 2 * (2 * n) ** 3 / _best_time(lambda: mx.eval(a @ a), repeats)
-
-        return engine._thread.call(run)
-    import numpy as np
-
-    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-    best = _best_time(lambda: a @ a, repeats)
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is not None:  # torch's CPU matmul (oneDNN/MKL) can beat numpy's BLAS
-        from mlx_engine.backends.torch.runner import cpu_matmul_seconds
-
-        best = min(best, cpu_matmul_seconds(a, repeats, _best_time))
-    return 2 * n**3 / best
-
-
-def _best_time(fn: Any, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+def engine_device(engine: EngineLike, requested: str) -> str:
+    """The device the engine runs on ("metal", "cpu", "cuda"), as it says; else the one asked for."""
+    return engine.info.device or requested
 
 
 def versions() -> dict[str, str]:

@@ -1,0 +1,140 @@
+"""A request's state in the scheduler (`Sequence`: its tokens, cache position, sampler and timings) and the events
+it produces: each token's, an error, the last one with usage and stats."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_engine.api import GenerationEvent, RooflineError, SamplingParams, Stats, TokenLogprob, Usage
+from mlx_engine.stop import StopStringMatcher
+
+if TYPE_CHECKING:
+    from mlx_engine.speculative.policy import SpecState
+    from mlx_engine.structured import Constraint
+
+
+@dataclass(eq=False)
+class Sequence:
+    req_id: str
+    prompt: list[int]
+    params: SamplingParams
+    stream: Any  # engine.GenerationStream
+    sampler: Any = None
+    detok: Any = None
+    stops: StopStringMatcher | None = None
+    fed: list[int] = field(default_factory=list)  # known tokens whose K/V the cache holds (prompt, then read tokens)
+    num_cached: int = 0
+    max_new: int = 0
+    reserved_blocks: int = 0
+    num_prefilled: int = 0  # prompt tokens in the cache
+    last: mx.array | None = None  # the newest sampled token (lazy): the next decode step's input
+    unread: list[tuple[mx.array, mx.array | None]] = field(default_factory=list)  # sampled, not yet emitted
+    num_sampled: int = 0
+    num_fed_out: int = 0  # generated tokens fed back as inputs
+    generated: list[int] = field(default_factory=list)  # generated tokens read so far
+    n_out: int = 0
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_last: float = 0.0
+    num_forwards: int = 0  # target forwards that sampled a token for it
+    spec: SpecState | None = None  # when the request speculates
+    constraint: Constraint | None = None  # when the request has a response format
+    # SamplingParams.prompt_logprobs: per prefill chunk, (target log-probs (L,), top ids (L, k), top log-probs
+    # (L, k)) as numpy, until the first event takes them
+    prompt_scores: list[tuple[Any, Any, Any]] | None = None
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_prefilled < len(self.prompt)
+
+    def cached_tokens(self) -> list[int]:
+        """The tokens whose K/V the cache holds (all known: a fed token was read before it is recorded)."""
+        return self.prompt[: self.num_prefilled] + self.generated[: self.num_fed_out]
+
+    def score_chunk(self, start: int, end: int, logits: mx.array) -> None:
+        """A scoring sequence's prefill chunk [start, end) and its logits (end - start, V): position p scores the
+        prompt's token p + 1 (the last position of the prompt predicts the reply, not a prompt token)."""
+        from mlx_engine.sampling import target_logprobs
+
+        m = min(end, len(self.prompt) - 1) - start
+        if m <= 0:
+            return
+        scores = target_logprobs(logits[:m], self.prompt[start + 1:start + 1 + m], self.params.prompt_logprobs or 0)
+        mx.eval(scores)  # small: the (m, V) logits need not outlive the step
+        assert self.prompt_scores is not None
+        self.prompt_scores.append(tuple(np.array(a) for a in scores))  # type: ignore[arg-type]
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The prompt's scores as TokenLogprobs, once (on the first event); () after, or when not asked for."""
+        if not self.prompt_scores:
+            return ()
+        chunks, self.prompt_scores = self.prompt_scores, []
+        lp, ids, vals = (np.concatenate([c[i] for c in chunks]) for i in range(3))
+        return tuple(TokenLogprob(token_id=t, logprob=float(v), top=tuple(zip(i.tolist(), w.tolist())))
+                     for t, v, i, w in zip(self.prompt[1:], lp.tolist(), ids, vals))
+
+    def token_event(self, token: int, lp: mx.array | None, text: str, from_draft: bool) -> GenerationEvent:
+        logprobs = (token_logprob(token, lp, self.params.logprobs),) if lp is not None else ()
+        return GenerationEvent(text=text, token_ids=(token,), from_draft=(from_draft,), logprobs=logprobs,
+                               prompt_logprobs=self.take_prompt_logprobs())
+
+    def error_event(self, error: BaseException) -> GenerationEvent:
+        msg = str(error) if isinstance(error, RooflineError) else f"{type(error).__name__}: {error}"
+        return GenerationEvent(finish_reason="error", error=msg,
+                               usage=Usage(len(self.prompt), self.n_out, self.num_cached))
+
+    def final_event(self, reason: str, peak_memory_bytes: Callable[[], int]) -> GenerationEvent:
+        """The last event: the text the stop matcher and detokenizer held back, usage and stats."""
+        tail = ""
+        if self.stops is not None and not self.stops.hit:
+            held = self.detok.finalize()
+            if reason == "length":  # max_tokens cut the last character's bytes: no character, not a U+FFFD
+                held = held.rstrip("\ufffd")
+            tail = self.stops.flush(held)
+        t_first = self.t_first or time.perf_counter()
+        stats = Stats(
+            ttft_s=t_first - self.stream.submitted_at,
+            prefill_tps=(len(self.prompt) - self.num_cached) / max(t_first - self.t_start, 1e-9) if self.t_start
+            else 0.0,
+            decode_tps=(self.n_out - 1) / (self.t_last - t_first) if self.n_out > 1 and self.t_last > t_first else 0.0,
+            peak_memory_bytes=peak_memory_bytes(),
+            target_forwards=self.num_forwards,
+        )
+        st = self.spec
+        if st is not None and st.num_drafted:
+            stats = dataclasses.replace(stats, acceptance_rate=st.num_accepted / st.num_drafted,
+                                        mean_accepted_tokens=st.num_accepted / st.num_verifies)
+        return GenerationEvent(
+            text=tail,
+            prompt_logprobs=self.take_prompt_logprobs(),  # when no token event took them (EOS first)
+            finish_reason=reason,  # type: ignore[arg-type]
+            usage=Usage(prompt_tokens=len(self.prompt), completion_tokens=self.n_out,
+                        cached_prompt_tokens=self.num_cached),
+            stats=stats,
+        )
+
+
+def token_logprob(token: int, lp: mx.array, top: int) -> TokenLogprob:
+    from mlx_engine.sampling import top_tokens
+
+    ids, vals = top_tokens(lp, top)
+    return TokenLogprob(token_id=token, logprob=float(lp[0, token].item()),  # a grammar's masked tokens: not top
+                        top=tuple((i, v) for i, v in zip(ids[0].tolist(), vals[0].tolist()) if v > -math.inf))
+
+
+def plain(seqs: list[Sequence]) -> bool:
+    """Every one samples from its raw logits (`Sampler.plain`) and wants no log-probabilities: the runner samples
+    them where the logits are (`ModelRunner.packed_sample`), rather than each row's logits going through the host."""
+    return all(s.sampler.plain and s.params.logprobs is None for s in seqs)
