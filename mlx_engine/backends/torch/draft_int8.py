@@ -16,9 +16,9 @@ from mlx_engine.api import ModelLoadError
 from mlx_engine.backends.torch.model import Embedding, Linear, Model, weight_nbytes
 
 # Rows a call sends through the int8 matmul one by one; more are multiplied by the dequantized weight. A draft's
-# catch-up (the tokens prompt lookup copied or plain steps took since its last proposal) of n rows costs about
-# 11 + 4n ms row by row and 90 + 2.5n ms through the dequantized weight. SmolLM2, one thread of the build VM:
-# 5 rows 34 ms row by row, 97 ms dequantized; 32 rows 138 ms row by row; 33 and 48 rows dequantized 165, 193 ms
+# catch-up (the tokens prompt lookup copied or plain steps took since its last proposal) row by row costs a fixed
+# part and a steeper one a row than through the dequantized weight, whose fixed part is larger; they cross near
+# here (the readings: docs/benchmarks.md, "Issue 27 follow-ups")
 INT8_MAX_ROW_CALLS = 32
 
 
@@ -27,13 +27,11 @@ class Int8Weight:
     the CPU's dynamic-quantized matmul (fbgemm or oneDNN on x86, qnnpack on ARM: each call's activations
     quantized to 8 bits on the fly, int32 accumulation), and plain, to dequantize.
 
-    A row (a draft's decode step) goes through the int8 matmul: a quarter of float32's bytes, and SmolLM2's
-    projections at one row cost 11 ms against float32's 50 ms on one thread of the build VM (AVX-512 VNNI).
-    Up to INT8_MAX_ROW_CALLS rows (a catch-up) make one call each: the op takes one activation scale for all the
-    rows of a call, so one token's outlier channels would coarsen every other token's (SmolLM2's top-1 agreement with
-    float32 over a 400-token call fell to 0.55, against 0.83 row by row). More rows (a prefill) multiply the
-    dequantized weight in float32, which is bound by compute, not by the weight's bytes (dequantizing all of
-    SmolLM2's projections: 27 ms)."""
+    A row (a draft's decode step) goes through the int8 matmul: a quarter of float32's bytes, several times
+    faster than float32 at one row. Up to INT8_MAX_ROW_CALLS rows (a catch-up) make one call each: the op takes one
+    activation scale for all the rows of a call, so one token's outlier channels would coarsen every other token's
+    (the top-1 agreement with float32 falls). More rows (a prefill) multiply the dequantized weight in float32,
+    which is bound by compute, not by the weight's bytes (dequantizing is cheap beside it)."""
 
     def __init__(self, weight: torch.Tensor):
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
@@ -78,8 +76,8 @@ def int8_reduce_range() -> bool:
     """Whether activations must be quantized to 7 bits rather than 8: on x86 without VNNI, fbgemm multiplies
     pairs of unsigned 8-bit activations and signed 8-bit weights into 16-bit sums, which full-range
     activations can overflow (torch's own default for fbgemm is 7 bits). With VNNI (or AMX) the products
-    accumulate in 32 bits, and ARM's qnnpack needs no reduction. On SmolLM2, 7-bit activations took a draft's
-    top-1 agreement with float32 from 0.83 to 0.75."""
+    accumulate in 32 bits, and ARM's qnnpack needs no reduction. 7-bit activations cost a draft some of its
+    top-1 agreement with float32, so they are used only where needed."""
     if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
         return False
     try:
@@ -91,7 +89,7 @@ def int8_reduce_range() -> bool:
 
 class FusedInt8:
     """Projections of one input (q/k/v, gate/up) as one Int8Weight: one int8 matmul instead of three or two
-    (a draft step of SmolLM2: 10.0 -> 7.7 ms in the matmuls), split after, each with its bias."""
+    (fewer calls, each over more rows), split after, each with its bias."""
 
     def __init__(self, linears: tuple[Linear, ...]):
         self.sizes = [lin.weight.shape[0] for lin in linears]

@@ -215,8 +215,8 @@ def build_model(args: Any, weights: dict[str, Any], quantization: dict[str, Any]
 
 def release_freed() -> None:
     """The memory the conversion freed, handed back: MLX's buffer cache (the source arrays') and, under glibc,
-    the heap's free pages, which malloc otherwise keeps for the process (SmolLM2 Q4_1 on the CPU: RSS 277 MB
-    over the imports' after the build, 159 MB after a trim; the packed weights are 102 MB)."""
+    the heap's free pages, which malloc otherwise keeps for the process (the readings: docs/benchmarks.md,
+    "Issue 27 follow-ups")."""
     import ctypes
     import ctypes.util
 
