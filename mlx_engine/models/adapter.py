@@ -10,6 +10,11 @@ view, which writes k/v and attends at its own positions (any other cache goes to
 the view's: an int for a prefill chunk, (B,) positions for B sequences decoding together (mx.fast.rope takes an
 array offset). The view builds its own causal mask, so mlx-lm's is not made (`make_mask` gives None).
 
+Attention sinks (gpt-oss: `scaled_dot_product_attention(..., sinks=)`) go to the view with the queries; a family
+that scores by hand (gemma2: q @ k.T, then its soft cap) gets its attention class swapped for one that, on a
+`ViewCache`, asks the view for attention with `softcap=` (`_HAND_WRITTEN`). The view serves both through the
+attention table's scored rows (`attention.scored`: gathered K/V, MLX ops).
+
 A packed forward (`kv.views.PackedView`: decode rows and prefill chunks of several sequences in one (1, T) row)
 has no single offset, so each attention module's `rope` is wrapped (`ViewRoPE`): while a forward runs it ropes
 through the layer's view (`MLXLayerView.rope`), each part at its own positions. A family whose layers do not
