@@ -163,9 +163,8 @@ def test_scored_paths_match_their_twins(path: Path, window: int | None, kind: st
     got, want = RUN[path.phase](path, np.random.default_rng(7), *args, scores=scores)
     plain = RUN[path.phase](path, np.random.default_rng(7), *args)[1]  # the twin without them, same data
     assert reference_calls and got.shape == want.shape and got.dtype == want.dtype
-    # float32 floor (units, AMD EPYC): 0.0, both sides run the same MLX ops; the rows whose sums go in another order
-    # than their twin's measure 1.8-5.3 (prefill-sdpa), as these may on another BLAS: 5.3 x 4
-    assert_f32_close(got, want, 22, f"{path.name} {kind}")
+    # float32 floor (units, tests/tolerance.py; AMD EPYC): 0-1.6 (decode-scored-slots, both); x4, rounded up
+    assert_f32_close(got, want, 8, f"{path.name} {kind}")
     assert float(mx.abs(plain - want).max()) > 1e-2, f"{path.name}: {kind} changes nothing"
 
 

@@ -65,7 +65,9 @@ class Path:
 
 
 TABLE: tuple[Path, ...] = (
-    # soft cap or sinks: gathered K/V, MLX ops in float32 (no fused path takes them)
+    # soft cap or sinks: gathered K/V, MLX ops in float32 (no fused path takes them); one sequence's runs in place
+    Path("decode-scored-slots", "decode", lambda c: c.scored and c.single, scored.decode_scored_slots,
+         twins.decode_twin, Case("decode", head_major=True, single=True, runs=True, softcap=True, sinks=True)),
     Path("decode-scored", "decode", lambda c: c.scored, scored.decode_scored, twins.decode_twin,
          Case("decode", head_major=True, softcap=True, sinks=True)),
     # one sequence on the CPU: quantized K and V read in place by mx.quantized_matmul
@@ -118,9 +120,10 @@ def storage_case(phase: str, storage: Any, **step: Any) -> Case:
 
 
 @functools.cache
-def scored_path(phase: str, softcap: bool, sinks: bool) -> Path:
-    """The row of a paged `phase` for a layer with a soft cap or sinks (the scored rows take any storage)."""
-    return choose(Case(phase, softcap=softcap, sinks=sinks))
+def scored_path(phase: str, softcap: bool, sinks: bool, single: bool = False) -> Path:
+    """The row of a paged `phase` for a layer with a soft cap or sinks (the scored rows take any storage;
+    `single`: a decode step of one sequence with its slots, `kv.views.DecodeStep.all_slots`)."""
+    return choose(Case(phase, softcap=softcap, sinks=sinks, single=single))
 
 
 def contiguous_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, offset: int,

@@ -20,20 +20,34 @@ def softmax_scores(q: mx.array, k: mx.array, v: mx.array, scale: float, visible:
     """q (B, Hq, L, D) over k/v (B, Hkv, S, D), `visible` broadcastable to (B, 1, 1, L, S) -> (B, Hq, L, D), float32
     math, grouped-query (K and V never repeated)."""
     B, Hq, L, D = q.shape
-    Hkv = k.shape[1]
+    Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    qg = q.astype(mx.float32).reshape(B, Hkv, G, L, D)
-    scores = (qg @ k.astype(mx.float32)[:, :, None].swapaxes(-1, -2)) * scale  # (B, Hkv, G, L, S)
+    qg = q.astype(mx.float32).reshape(B, Hkv, G * L, D)  # a KV head's queries as rows: one plain matmul
+    scores = (qg @ k.astype(mx.float32).swapaxes(-1, -2)).reshape(B, Hkv, G, L, S) * scale
     if softcap is not None:
         scores = mx.tanh(scores / softcap) * softcap
     scores = mx.where(visible, scores, -mx.inf)
     if sinks is None:
         p = mx.softmax(scores, axis=-1)
-    else:
-        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, G, 1, 1), (B, Hkv, G, L, 1))
-        p = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-    out = p @ v.astype(mx.float32)[:, :, None]  # (B, Hkv, G, L, D)
+    else:  # the sink joins the max and the denominator
+        sink = sinks.astype(mx.float32).reshape(1, Hkv, G, 1, 1)
+        top = mx.maximum(scores.max(axis=-1, keepdims=True), sink)
+        e = mx.exp(scores - top)
+        p = e / (e.sum(axis=-1, keepdims=True) + mx.exp(sink - top))
+    out = p.reshape(B, Hkv, G * L, S) @ v.astype(mx.float32)  # (B, Hkv, G * L, D)
     return out.reshape(B, Hq, L, D).astype(q.dtype)
+
+
+def decode_scored_slots(step: Any, layer: int, q: mx.array, scale: float, softcap: float | None = None,
+                        sinks: mx.array | None = None) -> mx.array:
+    """One sequence: its slots (`step.all_slots`, the window's exactly), runs of a head-major pool read in place."""
+    k, v = _joined(*step.storage.gather_runs(layer, step.all_slots, q.dtype))
+    return softmax_scores(q, k, v, scale, mx.array(True), softcap, sinks)
+
+
+def _joined(keys: list[mx.array], values: list[mx.array]) -> tuple[mx.array, mx.array]:
+    """`gather_runs`' segments as one (1, Hkv, S, D) K and V (a single run as it is)."""
+    return tuple(x[0] if len(x) == 1 else mx.concatenate(x, axis=2) for x in (keys, values))
 
 
 def decode_scored(step: Any, layer: int, q: mx.array, scale: float, softcap: float | None = None,
@@ -65,8 +79,7 @@ def prefill_scored(view: Any, q: mx.array, scale: float, softcap: float | None =
                    sinks: mx.array | None = None) -> mx.array:
     """A causal chunk over the sequence's slots so far (from `view.base`), read as stored (per-channel keys too:
     whole blocks as quantized, not `prefill_channel`'s own-block grids)."""
-    keys, values = view.storage.gather_runs(view.layer, view.all_slots, q.dtype)  # (1, Hkv, S_i, D) each
-    k, v = (x[0] if len(x) == 1 else mx.concatenate(x, axis=2) for x in (keys, values))
+    k, v = _joined(*view.storage.gather_runs(view.layer, view.all_slots, q.dtype))
     return softmax_scores(q, k, v, scale, _causal(q.shape[2], k.shape[2], view.storage.window), softcap, sinks)
 
 

@@ -92,7 +92,7 @@ class PagedDecodeView:
         q = st.queries(self.layer, q)
         if softcap is None and sinks is None:
             return st.outputs(self.layer, step.path.run(step, self.layer, q, scale))
-        path = scored_path("decode", softcap is not None, sinks is not None)
+        path = scored_path("decode", softcap is not None, sinks is not None, step.all_slots is not None)
         return st.outputs(self.layer, path.run(step, self.layer, q, scale, softcap=softcap, sinks=sinks))
 
 
