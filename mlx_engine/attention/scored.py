@@ -1,9 +1,9 @@
 """Attention whose scores change before the softmax: Gemma 2's soft cap (scores -> tanh(scores / cap) * cap, before
 the mask) and gpt-oss's sinks (one logit per query head that joins each softmax's denominator and weighs no
-value). The table's rows for every phase, gathered: the sequence's K/V read out of the storage (dequantized,
-as `kv.paged.PagedKVStorage.gather` returns them), then MLX ops in float32. Neither MLX's fused attention nor our
-Metal kernel takes a soft cap, so these rows copy each layer's K/V once per step (S x Hkv x D x 2 per layer)
-and hold the (Hq, L, S) scores, where the fused paths read the pool in place.
+value). The table's rows for every phase: the sequence's K/V read out of the storage (dequantized, as
+`kv.paged.PagedKVStorage.gather` returns them; runs of a head-major pool in place, a batch's blocks gathered),
+then unfused MLX ops in float32. Neither MLX's fused attention nor our Metal kernel takes a soft cap, so these
+rows hold the (Hq, L, S) float32 scores and make several passes over them where the fused paths make one.
 
 Signatures are their phases' (`mlx_engine.attention`) plus `softcap` (float or None) and `sinks` ((Hq,) or None).
 """
