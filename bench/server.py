@@ -3,6 +3,7 @@
     uv run python bench/server.py [--model M] [--clients 1,4,8,16] [--requests-per-client 2] [--max-tokens 16]
                                   [--cost-curve 1,2,4,8,16] [--only roofline|roofline-torch|mlx-lm] [--quick]
                                   [--torch [--torch-device cpu|cuda]]
+                                  [--random-family phi3|qwen3_moe [--hidden 512] [--layers 8]]
 
 Both servers run as subprocesses on loopback, one after the other, on the weights Roofline loads (the embedded
 SmolLM2 Q4_1 GGUF by default): mlx-lm cannot read GGUF, so the bench writes our loaded, renamed tensors
@@ -15,6 +16,10 @@ over the level's wall time; TTFT is request sent -> first content chunk, as the 
 (context 64 per row), and our engine's forward of B tokens as `roofline serve` runs it (on MLX's CPU backend
 with float32 host weights, `mlx_engine/backends/mlx/host_blas.py`): T(B)/T(1) bounds what batching can give on each
 (aggregate speedup <= B / (T(B)/T(1))).
+
+`--random-family` serves a random checkpoint of an mlx-lm family that the engine runs through its adapter
+(`mlx_engine.models.adapter`) instead of --model, with SmolLM2's tokenizer; mlx_lm.server reads the same folder
+(phi3 only).
 """
 
 from __future__ import annotations
@@ -341,7 +346,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="model for both servers (default: the embedded SmolLM2)")
     p.add_argument("--random-family", choices=("phi3", "qwen3_moe"),
                    help="instead of --model: a random checkpoint of this mlx-lm family (the engine's adapter), "
-                        "SmolLM2's tokenizer; replies run to max_tokens (ignore_eos)")
+                        "SmolLM2's tokenizer; our servers' replies run to max_tokens (ignore_eos)")
     p.add_argument("--hidden", type=int, default=512, help="--random-family's hidden size (default 512)")
     p.add_argument("--layers", type=int, default=8, help="--random-family's layers (default 8)")
     p.add_argument("--clients", default="1,4,8,16")
@@ -362,6 +367,10 @@ def main() -> None:
 
     if args.random_family and args.model:
         p.error("--random-family builds its own checkpoint: drop --model")
+    if args.random_family == "qwen3_moe" and args.only not in ("roofline", "roofline-torch"):
+        # its config is in transformers 5's form (rope_parameters, num_local_experts), which mlx-lm 0.32's loader
+        # rejects; our loader normalizes it
+        p.error("--random-family qwen3_moe: mlx-lm cannot load this folder; add --only roofline")
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="roofline-mlx-lm-") as tmp:
         folder = Path(tmp)
@@ -418,7 +427,7 @@ def main() -> None:
           f"{os.getloadavg()[0]:.2f} at the end (1 minute)")
     if args.random_family:
         print(f"- model: {facts['name']}, through the engine's adapter (mlx-lm's class on our paged KV); "
-              f"mlx_lm.server, when run, reads the same folder; activations {facts['act_dtype']}")
+              f"mlx_lm.server, when run, reads the same folder (phi3 only); activations {facts['act_dtype']}")
     else:
         print(f"- model: {facts['name']} ({facts['quantization']}); mlx-lm gets the same tensors as an MLX-quantized "
               f"folder (affine, group 32, bits {facts['bits']}), activations {facts['act_dtype']} on both")
