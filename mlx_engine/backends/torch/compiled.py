@@ -31,7 +31,7 @@ def use_app_cache() -> None:
     app's cache dir rather than /tmp, where a reboot would empty them: a later load then skips inductor's
     code generation and C++ builds (dynamo still traces). TORCHINDUCTOR_CACHE_DIR set by the user wins."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from mlx_engine.speculative.cost import cache_dir
+        from mlx_engine.paths import cache_dir
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "torchinductor")
 
