@@ -33,12 +33,14 @@ from mlx_engine.models import instantiate  # noqa: E402
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "data" / "golden"
 
 
-def write_checkpoint(family: str, hidden: int, layers: int, folder: Path) -> dict:
+def write_checkpoint(family: str, hidden: int, layers: int, folder: Path, vocab_size: int = 8192) -> dict:
+    """A random checkpoint of the golden `family` scaled to `hidden` x `layers` (config.json, model.safetensors) in
+    `folder`; `vocab_size` to match a real tokenizer (bench/server.py gives it SmolLM2's). Returns the config."""
     config = json.loads((GOLDEN / family / "config.json").read_text())
     heads = hidden // 64
     config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=max(1, heads // 4), head_dim=64, intermediate_size=hidden * 3,
-                  vocab_size=8192, max_position_embeddings=4096)
+                  vocab_size=vocab_size, max_position_embeddings=4096)
     if "moe_intermediate_size" in config:
         config.update(moe_intermediate_size=hidden // 2, num_local_experts=16, num_experts_per_tok=2)
     config.pop("layer_types", None)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_PYTHON = "/work/venvs/llamacpp/bin/python"
-FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}  # llama_ftype: LLAMA_FTYPE_MOSTLY_*
+FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}  # llama_ftype: LLAMA_FTYPE_MOSTLY_*
 
 
 def _rss_bytes() -> int:
@@ -95,6 +95,8 @@ def roofline_worker(path: str, backend: str, threads: int | None, context: int) 
                 "bytes_per_token": e.decode_bytes_per_token(len(prompt) + gen // 2),
                 "kv_bytes": int(e.kv_stats().get("bytes_total") or 0)}
 
+    if backend == "torch":  # torch's libraries (about 270 MB of RSS) before the baseline, as llama.cpp's are
+        import mlx_engine.backends.torch.runner  # noqa: F401
     _serve(load, run)
 
 
@@ -113,8 +115,8 @@ def llama_worker(path: str, threads: int, context: int, extra_bufts: bool) -> No
 
     def load() -> dict:
         llama_cpp.llama_model_default_params = params
-        llm = state["llm"] = llama_cpp.Llama(path, n_ctx=context, n_batch=512, n_ubatch=512, n_threads=threads,
-                                             n_threads_batch=threads, verbose=False)
+        state["llm"] = llama_cpp.Llama(path, n_ctx=context, n_batch=512, n_ubatch=512, n_threads=threads,
+                                       n_threads_batch=threads, verbose=False)
         r = GGUFReader(path)
         names = {t.name for t in r.tensors}
         weights = sum(int(t.n_bytes) for t in r.tensors

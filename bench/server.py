@@ -3,6 +3,7 @@
     uv run python bench/server.py [--model M] [--clients 1,4,8,16] [--requests-per-client 2] [--max-tokens 16]
                                   [--cost-curve 1,2,4,8,16] [--only roofline|roofline-torch|mlx-lm] [--quick]
                                   [--torch [--torch-device cpu|cuda]]
+                                  [--random-family phi3|qwen3_moe [--hidden 512] [--layers 8]]
 
 Both servers run as subprocesses on loopback, one after the other, on the weights Roofline loads (the embedded
 SmolLM2 Q4_1 GGUF by default): mlx-lm cannot read GGUF, so the bench writes our loaded, renamed tensors
@@ -15,6 +16,10 @@ over the level's wall time; TTFT is request sent -> first content chunk, as the 
 (context 64 per row), and our engine's forward of B tokens as `roofline serve` runs it (on MLX's CPU backend
 with float32 host weights, `mlx_engine/backends/mlx/host_blas.py`): T(B)/T(1) bounds what batching can give on each
 (aggregate speedup <= B / (T(B)/T(1))).
+
+`--random-family` serves a random checkpoint of an mlx-lm family that the engine runs through its adapter
+(`mlx_engine.models.adapter`) instead of --model, with SmolLM2's tokenizer; mlx_lm.server reads the same folder
+(phi3 only).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -78,16 +83,41 @@ def export_mlx_lm_folder(model: str | None, out: Path) -> dict:
         "eos_token_id": list(tok.eos_token_ids), "bos_token_id": tok.bos_token_id,
     }
     (out / "config.json").write_text(json.dumps(config, indent=1))
+    write_tokenizer(tok, out, engine.info.context_length)
+    facts.update(name=engine.info.name, quantization=engine.info.quantization, act_dtype=engine.info.dtype)
+    engine.close()
+    return facts
+
+
+def write_tokenizer(tok, out: Path, context_length: int) -> None:
+    """tokenizer.json and tokenizer_config.json (chat template, special tokens) of our `Tokenizer` in `out`."""
     tok.backend.save(str(out / "tokenizer.json"))
     piece = tok.backend.id_to_token
     bos = piece(tok.bos_token_id) if tok.bos_token_id is not None else None
     tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": tok.chat_template,
             "eos_token": piece(tok.eos_token_ids[0]), "bos_token": bos,
-            "model_max_length": engine.info.context_length, "clean_up_tokenization_spaces": False}
+            "model_max_length": context_length, "clean_up_tokenization_spaces": False}
     (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=1))
-    facts.update(name=engine.info.name, quantization=engine.info.quantization, act_dtype=engine.info.dtype)
-    engine.close()
-    return facts
+
+
+def write_random_folder(family: str, hidden: int, layers: int, out: Path) -> dict:
+    """A random checkpoint of an mlx-lm family the engine runs through its adapter (bench/adapter_vs_mlx_lm.py's
+    builder) with the embedded SmolLM2's tokenizer and a vocabulary of its size, so the servers get text prompts.
+    Returns facts for the report."""
+    import mlx.core as mx
+
+    from bench.adapter_vs_mlx_lm import write_checkpoint
+    from mlx_engine.loading import load_tokenizer
+
+    tok = load_tokenizer(None)
+    config = write_checkpoint(family, hidden, layers, out, vocab_size=tok.vocab_size)
+    write_tokenizer(tok, out, config["max_position_embeddings"])
+    params = sum(v.size for v in mx.load(str(out / "model.safetensors")).values())
+    experts = (f", {config['num_local_experts']} experts, top {config['num_experts_per_tok']}"
+               if "num_local_experts" in config else "")
+    return {"name": f"random {family} checkpoint (hidden {hidden}, {layers} layers{experts}, "
+                    f"{params / 1e6:.1f} M parameters, SmolLM2's tokenizer, vocabulary {tok.vocab_size})",
+            "quantization": "float32", "act_dtype": "float32", "bits": []}
 
 
 def cost_curve(folder: Path, widths: list[int], context: int = 64, repeats: int = 10) -> dict[int, float]:
@@ -150,6 +180,7 @@ class Target:
     cmd: list[str]
     model: str
     ready_path: str
+    extra: dict = field(default_factory=dict)  # request fields beyond the OpenAI ones (ours: ignore_eos)
 
 
 def start(target: Target, port: int) -> subprocess.Popen:
@@ -188,9 +219,10 @@ class Result:
     uncached: int | None = None  # prompt tokens the server computed (prompt - cached), when it reports them
 
 
-async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Result:
+async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+                      extra: dict | None = None) -> Result:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     t0 = time.perf_counter()
     ttft, tokens, chunks, uncached = None, None, 0, None
     async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -216,7 +248,8 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str
                   time.perf_counter() - t0, uncached)
 
 
-async def level(url: str, model: str, clients: int, per_client: int, max_tokens: int) -> tuple[list[Result], float]:
+async def level(url: str, model: str, clients: int, per_client: int, max_tokens: int,
+                extra: dict | None = None) -> tuple[list[Result], float]:
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
 
@@ -224,7 +257,7 @@ async def level(url: str, model: str, clients: int, per_client: int, max_tokens:
             out = []
             for i in range(per_client):
                 prompt = f"Write a long story about {TOPICS[c % len(TOPICS)]} (part {i + 1}, client {c})."
-                out.append(await one_request(http, url, model, prompt, max_tokens))
+                out.append(await one_request(http, url, model, prompt, max_tokens, extra))
             return out
 
         t0 = time.perf_counter()
@@ -244,11 +277,11 @@ def run_target(target: Target, port: int, widths: list[int], per_client: int, ma
     proc = start(target, port)
     url = f"http://127.0.0.1:{port}"
     try:
-        asyncio.run(level(url, target.model, 2, 1, 4))  # warm-up: first forward passes, both batch paths
+        asyncio.run(level(url, target.model, 2, 1, 4, target.extra))  # warm-up: first forward passes, both batch paths
         rows = {}
         for n in widths:
             try:
-                results, wall = asyncio.run(level(url, target.model, n, per_client, max_tokens))
+                results, wall = asyncio.run(level(url, target.model, n, per_client, max_tokens, target.extra))
             except (httpx.HTTPError, RuntimeError) as e:  # a server that fails a level is a result too
                 rows[n] = {"error": f"{type(e).__name__}: {e}"[:200], "alive": proc.poll() is None}
                 print(f"  {target.name:9s} {n:2d} clients: FAILED {rows[n]['error']} (server "
@@ -311,6 +344,11 @@ def print_bounds(name: str, rows: dict[int, dict], curve: dict[int, float], per_
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="model for both servers (default: the embedded SmolLM2)")
+    p.add_argument("--random-family", choices=("phi3", "qwen3_moe"),
+                   help="instead of --model: a random checkpoint of this mlx-lm family (the engine's adapter), "
+                        "SmolLM2's tokenizer; our servers' replies run to max_tokens (ignore_eos)")
+    p.add_argument("--hidden", type=int, default=512, help="--random-family's hidden size (default 512)")
+    p.add_argument("--layers", type=int, default=8, help="--random-family's layers (default 8)")
     p.add_argument("--clients", default="1,4,8,16")
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -327,9 +365,20 @@ def main() -> None:
     widths = [int(x) for x in args.clients.split(",")]
     curve_widths = [int(x) for x in args.cost_curve.split(",") if x]
 
+    if args.random_family and args.model:
+        p.error("--random-family builds its own checkpoint: drop --model")
+    if args.random_family == "qwen3_moe" and args.only not in ("roofline", "roofline-torch"):
+        # its config is in transformers 5's form (rope_parameters, num_local_experts), which mlx-lm 0.32's loader
+        # rejects; our loader normalizes it
+        p.error("--random-family qwen3_moe: mlx-lm cannot load this folder; add --only roofline")
+    load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="roofline-mlx-lm-") as tmp:
         folder = Path(tmp)
-        facts = export_mlx_lm_folder(args.model, folder)
+        if args.random_family:  # both servers read the same folder
+            facts = write_random_folder(args.random_family, args.hidden, args.layers, folder)
+            args.model = str(folder)
+        else:
+            facts = export_mlx_lm_folder(args.model, folder)
         def runs(name: str) -> bool:
             return args.only in (None, name) and (name != "roofline-torch" or args.torch)
 
@@ -340,15 +389,16 @@ def main() -> None:
                                                       decode_widths=curve_widths)
                                     if curve_widths and runs("roofline-torch") else ({}, {}))
         port = free_port()
+        ours = {"ignore_eos": True} if args.random_family else {}  # random weights: EOS at random
         targets = [
             Target("roofline", [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level",
                                 "warning", "--max-concurrency", str(max(widths))]
-                   + (["--model", args.model] if args.model else []), "default", "/health"),
+                   + (["--model", args.model] if args.model else []), "default", "/health", ours),
             *([Target("roofline-torch", [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level",
                                          "warning", "--max-concurrency", str(max(widths)), "--backend", "torch",
                                          "--device", args.torch_device]
                       + (["--model", args.model] if args.model else []),
-                      "default", "/health")] if args.torch else []),
+                      "default", "/health", ours)] if args.torch else []),
             Target("mlx-lm", [sys.executable, "-m", "mlx_lm.server", "--model", str(folder), "--port", str(port),
                               "--log-level", "WARNING"], "default_model", "/v1/models"),
         ]
@@ -373,9 +423,14 @@ def main() -> None:
     print(f"## Server under load: roofline serve vs mlx_lm.server ({datetime.date.today()})\n")
     print(f"- command: `{cmd.strip()}`")
     print(f"- machine: {platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores, MLX {mx.__version__} "
-          f"on {dev}; mlx-lm {mlx_lm.__version__}")
-    print(f"- model: {facts['name']} ({facts['quantization']}); mlx-lm gets the same tensors as an MLX-quantized "
-          f"folder (affine, group 32, bits {facts['bits']}), activations {facts['act_dtype']} on both")
+          f"on {dev}; mlx-lm {mlx_lm.__version__}; load average {load0[0]:.2f} at the start, "
+          f"{os.getloadavg()[0]:.2f} at the end (1 minute)")
+    if args.random_family:
+        print(f"- model: {facts['name']}, through the engine's adapter (mlx-lm's class on our paged KV); "
+              f"mlx_lm.server, when run, reads the same folder (phi3 only); activations {facts['act_dtype']}")
+    else:
+        print(f"- model: {facts['name']} ({facts['quantization']}); mlx-lm gets the same tensors as an MLX-quantized "
+              f"folder (affine, group 32, bits {facts['bits']}), activations {facts['act_dtype']} on both")
     print(f"- workload: each client sends {args.requests_per_client} streaming chat requests in turn (its own prompt, "
           f"greedy, max_tokens {args.max_tokens}); loopback; servers run one after the other\n")
     names = list(results)

@@ -132,14 +132,7 @@ def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int,
 
     mode, _, variant = mode.partition(":")
     sched = engine.diagnostics().scheduler
-    finished = []
-    retire = sched._retire
-
-    def spy(seq, reason, error=None):
-        finished.append(seq)
-        return retire(seq, reason, error)
-
-    sched._retire = spy
+    sched.retired = finished = []
     DraftModel.guesses = variant != "noguess"
     try:
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=tokens, ignore_eos=True,
@@ -149,7 +142,7 @@ def run(engine: Engine, prompt: str, mode: str, temperature: float, tokens: int,
                                                         sampling=params)))
         wall = time.perf_counter() - t
     finally:
-        sched._retire = retire
+        sched.retired = None
         DraftModel.guesses = True
     final = events[-1]
     seq = finished[0]

@@ -30,13 +30,16 @@ def paged_decode_attention(
     scale: float,
     max_seq_len: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Decode attention over a paged KV pool: gather through the block tables, then masked attention.
 
     Arguments as `kernels_metal.paged_decode_attention` (not validated here; `window`: the query at position
     seq_lens[b] - 1 reads keys at positions >= seq_lens[b] - window only). `max_seq_len`, when
     known, bounds the gather to the blocks in use instead of the tables' full capacity. Computes in
-    float32; a sequence of length 0 yields zeros.
+    float32; a sequence of length 0 yields zeros. `softcap` (Gemma 2): scores -> tanh(scores / cap) * cap before
+    the mask; `sinks` (Hq,) (gpt-oss): one logit per query head that joins each softmax's denominator only.
     """
     B, Hq, D = q.shape
     _, block_size, Hkv, _ = pool.k.shape
@@ -69,8 +72,15 @@ def paged_decode_attention(
     # mx.fast.scaled_dot_product_attention on the strided gather).
     qg = q.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, D)  # (B, Hkv, G, D)
     scores = (qg @ k.swapaxes(-1, -2)) * scale  # (B, Hkv, G, T)
+    if softcap is not None:
+        scores = mx.tanh(scores / softcap) * softcap
     scores = mx.where(valid[:, None, None, :], scores, -mx.inf)
-    out = (mx.softmax(scores, axis=-1) @ v).reshape(B, Hq, D)
+    if sinks is None:
+        out = (mx.softmax(scores, axis=-1) @ v).reshape(B, Hq, D)
+    else:  # the sink's column joins the softmax, then is dropped: it weighs no value
+        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, Hq // Hkv, 1), (B, Hkv, Hq // Hkv, 1))
+        p = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1)[..., :T]
+        out = (p @ v).reshape(B, Hq, D)
     # A sequence of length 0 has every score masked (a NaN row); it attends to nothing.
     out = mx.where((seq_lens > 0)[:, None, None], out, 0.0)
     return out.astype(q.dtype)

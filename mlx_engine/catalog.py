@@ -17,6 +17,7 @@ from typing import Any
 
 from mlx_engine.api import ModelLoadError
 from mlx_engine.memory import FIT_CONTEXT, MemoryLimit, WeightsHeader, available_memory, estimate_fit
+from mlx_engine.paths import cache_dir
 
 HEADER_CACHE_FILE = "model_headers.json"
 HEADER_CACHE_FORMAT = 2  # 2: KV shapes with sliding layers and experts
@@ -205,7 +206,7 @@ class _HeaderCache:
     """Headers kept between runs (ROOFLINE_CACHE_DIR, else the user cache dir), keyed by path."""
 
     def __init__(self) -> None:
-        self.file = _cache_dir() / HEADER_CACHE_FILE
+        self.file = cache_dir() / HEADER_CACHE_FILE
         self.changed = False
         try:
             data = json.loads(self.file.read_text())
@@ -239,14 +240,6 @@ class _HeaderCache:
             os.replace(tmp, self.file)
         except OSError:
             pass  # a cache that cannot be written only costs the next listing its speed
-
-
-def _cache_dir() -> Path:
-    if path := os.environ.get("ROOFLINE_CACHE_DIR"):
-        return Path(path).expanduser()
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("roofline", appauthor=False))
 
 
 # ---- summaries -------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from mlx_engine.api import RooflineError, SamplingParams
+from mlx_engine.api import DEFAULT_MAX_SEQS, RooflineError, SamplingParams
 from mlx_engine.backends.base import ModelRunner
 from mlx_engine.sequence import Sequence, plain
 from mlx_engine.stop import StopStringMatcher
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from mlx_engine.speculative.proposers import Proposer
 
 DEFAULT_TOKEN_BUDGET = 512  # tokens per step (decode rows + prefill chunk tokens)
-DEFAULT_MAX_SEQS = 16
 
 
 class Scheduler:
@@ -54,6 +53,7 @@ class Scheduler:
         self._counter = 0
         self.num_steps = 0
         self.trace: list[tuple[int, int]] | None = None  # set to [] to record (decode rows, prefill tokens) per step
+        self.retired: list[Sequence] | None = None  # set to [] to keep each request's state as it ends (benchmarks)
         self.cost_curve: CostCurve | None = None  # measured at the first "auto" request
         # proposer -> [accepted, tested] draft tokens over finished requests ("auto"'s priors; `tested_tokens`)
         self.acceptance: dict[str, list[int]] = {}
@@ -408,6 +408,8 @@ class Scheduler:
     # --- leaving ----------------------------------------------------------------------------------
 
     def _retire(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
+        if self.retired is not None:
+            self.retired.append(seq)
         if seq in self.running:
             self.running.remove(seq)
             if seq.spec is not None:

@@ -13,16 +13,14 @@ import pytest
 from safetensors import safe_open
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams
-from tests.tiny_models import GOLDEN
+from tests.tiny_models import GOLDEN, random_mamba_folder
 from tests.tolerance import assert_f32_close
 
-# mlx-lm's classes through the adapter, sliding families (windows per kind of layer) included
-PAGED = ["gemma3_text", "granite", "mixtral", "olmo2", "phi3", "qwen3_moe", "starcoder2"]
+# mlx-lm's classes through the adapter, sliding families (windows per kind of layer) included; gemma2's soft cap
+# and gpt_oss's sinks through the attention table's scored rows
+PAGED = ["gemma2", "gemma3_text", "gpt_oss", "granite", "mixtral", "olmo2", "phi3", "qwen3_moe", "starcoder2"]
 MOE = ["mixtral", "qwen3_moe"]
-SLIDING = ["gemma3_text", "starcoder2"]  # windowed layers: KV files unavailable
-# the families that keep mlx-lm's caches, and the reason their line gives: gemma2 attends by hand (its soft cap),
-# gpt_oss needs attention sinks
-CONTIGUOUS = {"gemma2": "mlx-lm's scaled_dot_product_attention", "gpt_oss": "attention sinks"}
+SLIDING = ["gemma2", "gemma3_text", "gpt_oss", "starcoder2"]  # windowed layers: KV files unavailable
 
 
 def golden(name: str) -> dict[str, np.ndarray]:
@@ -65,7 +63,7 @@ def test_paged_logits_match_transformers(family) -> None:
     ids = g["input_ids"].ravel().tolist()
     want = g["logits"].reshape(len(ids), -1)
     targets = log_softmax(want)[np.arange(len(ids) - 1), ids[1:]]
-    # float32 floors (units, tests/tolerance.py; AMD EPYC): score 1.3-9.3, forward 5.9-16.3 (mixtral); x4
+    # float32 floors (units, tests/tolerance.py; AMD EPYC): score 0.8-9.3, forward 5.9-16.3 (mixtral); x4
     assert_f32_close(e.score(ids), targets, 38, f"{name} paged score vs transformers")
     assert_f32_close(e.forward_logits(ids), want, 66, f"{name} forward vs transformers")
     assert float(np.abs(e.forward_logits(ids) - want).max()) <= 1e-4  # the issue's bound
@@ -84,7 +82,7 @@ def test_greedy_identical_and_decode_logprobs(family) -> None:
     seq = ids + tokens
     full = log_softmax(e.forward_logits(seq[:-1]))
     ref = full[np.arange(len(ids) - 1, len(seq) - 1), tokens]
-    assert_f32_close(lps, ref, 48, f"{name} paged decode vs one forward")  # floor 5.8-12.0 units (phi3), x4
+    assert_f32_close(lps, ref, 53, f"{name} paged decode vs one forward")  # floor 1.4-13.2 units (gpt_oss), x4
 
 
 def test_repeated_prompt_hits_the_prefix_cache(family) -> None:
@@ -151,11 +149,15 @@ def test_unpacked_batches_rope_at_per_sequence_offsets(name: str, monkeypatch) -
         assert max(s["decode_rows"] for s in routing["steps"]) > 1
 
 
+# gemma2's tiny weights continue the 7-token loop exactly (every draft accepted, nothing rolled back): another loop
+REPETITIVE = {"gemma2": [3, 17, 42, 99, 7, 64, 120, 5] * 3}
+
+
 def test_prompt_lookup_rolls_back_to_plain_decoding(family) -> None:
     """A repetitive prompt: prompt lookup drafts, the model rejects some drafts (the KV is trimmed back), and
     the reply is the plain one, token for token."""
     name, e = family
-    ids = [9, 21, 33, 45, 57, 69, 81] * 4
+    ids = REPETITIVE.get(name, [9, 21, 33, 45, 57, 69, 81] * 4)
     plain, _ = run(e, ids, max_tokens=16)
     spec, events = run(e, ids, max_tokens=16, speculative="prompt-lookup")
     assert spec == plain
@@ -163,17 +165,6 @@ def test_prompt_lookup_rolls_back_to_plain_decoding(family) -> None:
     assert stats.acceptance_rate is not None and stats.acceptance_rate < 1  # drafts verified, some rejected
     with Engine.load(str(GOLDEN / name)) as fresh:
         assert run(fresh, ids, max_tokens=16)[0] == plain
-
-
-@pytest.mark.parametrize("name", sorted(CONTIGUOUS))
-def test_sliding_families_keep_mlx_lm_caches_and_say_why(name: str) -> None:
-    with Engine.load(str(GOLDEN / name)) as e:
-        assert e.kv_stats()["kind"] == "contiguous"
-        (line,) = [w for w in e.info.warnings if "mlx-lm's model class" in w]
-        assert CONTIGUOUS[name] in line and "paged KV" in line and "\n" not in line
-        g = golden(name)
-        ids = g["input_ids"].ravel().tolist()
-        assert run(e, ids, max_tokens=8)[0] == g["greedy_tokens"].ravel()[:8].tolist()
 
 
 # --- mixture of experts --------------------------------------------------------------------------------------
@@ -339,18 +330,7 @@ def test_attention_outside_the_seam_keeps_mlx_lm_caches() -> None:
 
 def test_ssm_family_keeps_its_state_caches_and_says_what_is_unavailable(tmp_path: Path) -> None:
     """mamba (state, not K/V): mlx-lm's ArraysCache stays, generation works, one line says what does not."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from mlx_engine.models import instantiate
-
-    config = dict(model_type="mamba", vocab_size=128, hidden_size=32, intermediate_size=64, state_size=8,
-                  num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4,
-                  tie_word_embeddings=True)
-    model, *_ = instantiate(config, "mamba")
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    with Engine.load(str(tmp_path)) as e:
+    with Engine.load(str(random_mamba_folder(tmp_path))) as e:
         assert e.kv_stats()["kind"] == "contiguous"
         (line,) = e.info.warnings
         assert "ArraysCache" in line and "paged KV, prefix caching, batching and speculative decoding are " \

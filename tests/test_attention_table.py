@@ -3,7 +3,8 @@
 The twins compute with `kernels_metal.reference.paged_decode_attention`, the kernels' MLX-ops reference; a row added
 without a twin, or whose example its condition does not pick, fails here. Tolerances (max abs error; outputs are
 O(1), V standard normal): float32 1e-4 (float32 math on both sides, other summation orders; measured floor 2e-6),
-float16 4e-3 (both round the output to float16: half an ulp at 1-2 is 1e-3, either side of a tie).
+float16 4e-3 (both round the output to float16: half an ulp at 1-2 is 1e-3, either side of a tie). The scored rows
+(soft cap, sinks) run with a cap, with sinks, and with both, and are held to the float32 floor (tests/tolerance.py).
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from kernels_metal import _backend
 from mlx_engine.attention import TABLE, Case, Path, choose
 from mlx_engine.kv.paged import PagedKVStorage
 from mlx_engine.kv.views import DecodeStep, PagedPrefillView
+from tests.tolerance import assert_f32_close
 
 ATOL = {mx.float32: 1e-4, mx.float16: 4e-3}
 HQ, HKV, BS = 4, 2, 16
 SCALE = 0.25
+SOFTCAP = 2.0  # scores of standard normal q and k x 0.25 reach 3-4: the cap bends them
+SINKS = mx.array([0.5, -1.0, 2.0, 0.0])  # per query head; 2.0 outweighs most keys
 
 
 @pytest.fixture
@@ -51,7 +55,8 @@ def storage(case: Case, rng: np.random.Generator, window: int | None = None) -> 
     return st
 
 
-def run_decode(path: Path, rng: np.random.Generator, window: int | None = None) -> tuple[mx.array, mx.array]:
+def run_decode(path: Path, rng: np.random.Generator, window: int | None = None,
+               scores: dict | None = None) -> tuple[mx.array, mx.array]:
     """Without a window every key; with one (10) the tables as the cache hands them, from the block of each
     sequence's window on (the blocks before it freed)."""
     case = path.example
@@ -72,10 +77,12 @@ def run_decode(path: Path, rng: np.random.Generator, window: int | None = None) 
     step = DecodeStep(st, mx.array(lens) - 1 if B > 1 else lens[0] - 1, mx.zeros(B, mx.int32),
                       mx.array(tables, dtype=mx.int32), mx.array(lens, dtype=mx.int32), max(lens), all_slots)
     q = mx.array(rng.normal(size=(B, HQ, 1, case.head_dim)).astype(np.float32)).astype(case.dtype)
-    return path.run(step, 0, q, SCALE), path.twin(step, 0, q, SCALE)
+    scores = scores or {}
+    return path.run(step, 0, q, SCALE, **scores), path.twin(step, 0, q, SCALE, **scores)
 
 
-def run_prefill(path: Path, rng: np.random.Generator, window: int | None = None) -> tuple[mx.array, mx.array]:
+def run_prefill(path: Path, rng: np.random.Generator, window: int | None = None,
+                scores: dict | None = None) -> tuple[mx.array, mx.array]:
     """A chunk of 15 tokens at positions 20..34 of a sequence in blocks 3, 4, 1, written as the engine writes it;
     with a window (4) the view's slots start at block 4 (position 16), as the cache hands them."""
     case = path.example
@@ -94,10 +101,11 @@ def run_prefill(path: Path, rng: np.random.Generator, window: int | None = None)
         view = PagedPrefillView(st, 0, offset, new, [slice(4 * BS, 5 * BS), slice(BS, BS + 3)], plan, [0, 4, 1],
                                 base=BS)
     q = mx.array(rng.normal(size=(1, HQ, L, case.head_dim)).astype(np.float32)).astype(case.dtype)
-    return path.run(view, q, SCALE), path.twin(view, q, SCALE)
+    scores = scores or {}
+    return path.run(view, q, SCALE, **scores), path.twin(view, q, SCALE, **scores)
 
 
-def run_contiguous(path: Path, rng: np.random.Generator) -> tuple[mx.array, mx.array]:
+def run_contiguous(path: Path, rng: np.random.Generator, scores: dict | None = None) -> tuple[mx.array, mx.array]:
     """Four queries after 16 cached tokens (past a window of 8 where the example has one)."""
     case = path.example
     S, L = 20, 4
@@ -105,7 +113,8 @@ def run_contiguous(path: Path, rng: np.random.Generator) -> tuple[mx.array, mx.a
     keys, values = (mx.array(rng.normal(size=(1, HKV, S, case.head_dim)).astype(np.float32)).astype(case.dtype)
                     for _ in range(2))
     args = (q, keys, values, SCALE, S - L, case.window)
-    return path.run(*args), path.twin(*args)
+    scores = scores or {}
+    return path.run(*args, **scores), path.twin(*args, **scores)
 
 
 RUN = {"decode": run_decode, "prefill": run_prefill, "contiguous": run_contiguous}
@@ -133,6 +142,30 @@ def test_every_path_matches_its_twin(path: Path, window: int | None, reference_c
     assert got.shape == want.shape and got.dtype == want.dtype
     err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
     assert err <= ATOL[path.example.dtype], f"{path.name}: maxdiff {err:.3g}"
+
+
+SCORED = [p for p in TABLE if p.example.scored]
+SCORES = {"softcap": dict(softcap=SOFTCAP), "sinks": dict(sinks=SINKS), "both": dict(softcap=SOFTCAP, sinks=SINKS)}
+SCORED_CASES = [(p, w, k) for p in SCORED for w in ([None, WINDOW[p.phase]] if p.phase in WINDOW else [None])
+                for k in SCORES]
+
+
+@pytest.mark.parametrize("path,window,kind", SCORED_CASES,
+                         ids=[f"{p.name}-{k}" + ("" if w is None else f"-window{w}") for p, w, k in SCORED_CASES])
+def test_scored_paths_match_their_twins(path: Path, window: int | None, kind: str,
+                                        reference_calls: list[int]) -> None:
+    """A soft cap (Gemma 2), sinks (gpt-oss) and both, against the kernels' reference given the same; each
+    changes the output (the twin without it differs), so neither can be dropped on the way."""
+    assert choose(dataclasses.replace(path.example, sinks=False)) is path  # a soft cap alone picks the row
+    assert choose(dataclasses.replace(path.example, softcap=False)) is path  # sinks alone too
+    scores = SCORES[kind]
+    args = () if path.phase == "contiguous" else (window,)
+    got, want = RUN[path.phase](path, np.random.default_rng(7), *args, scores=scores)
+    plain = RUN[path.phase](path, np.random.default_rng(7), *args)[1]  # the twin without them, same data
+    assert reference_calls and got.shape == want.shape and got.dtype == want.dtype
+    # float32 floor (units, tests/tolerance.py; AMD EPYC): 0-1.6 (decode-scored-slots, both); x4, rounded up
+    assert_f32_close(got, want, 8, f"{path.name} {kind}")
+    assert float(mx.abs(plain - want).max()) > 1e-2, f"{path.name}: {kind} changes nothing"
 
 
 def test_every_phase_ends_with_a_row_for_any_case() -> None:

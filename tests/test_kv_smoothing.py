@@ -224,3 +224,22 @@ def test_restore_refuses_other_smoothing(tmp_path: Path) -> None:
         events = list(c.generate(GenerationRequest(prompt_token_ids=PROMPT + [5], sampling=params)))
         assert events[-1].usage.cached_prompt_tokens == 32
         assert [t for ev in events for t in ev.token_ids] == want
+
+
+@pytest.mark.parametrize("name,value_offset", [("phi3", True), ("gemma2", True), ("gpt_oss", False)])
+def test_scored_layers_get_no_offsets_that_shift_their_softmax(name: str, value_offset: bool) -> None:
+    """A soft cap (gemma2) or sinks (gpt-oss) make the softmax depend on a shift of every score, which the stored
+    keys' offset is (q . m_k): such layers are measured with their soft cap and sinks and get no key offset; with
+    sinks the weights sum to less than 1, so no value offset either. A plain family (phi3) gets both."""
+    from mlx_engine.kv.smoothing import measure
+    from mlx_engine.loading import load_checkpoint
+    from mlx_engine.models import build_model
+    from tests.tiny_models import GOLDEN
+
+    ckpt = load_checkpoint(str(GOLDEN / name))
+    built = build_model(ckpt.config, ckpt.weights, mx.float32, ckpt.quantization, name)
+    assert built.views and not built.native  # mlx-lm's class on the engine's views
+    sm = measure(built.model, PROMPT)
+    scored = name != "phi3"
+    assert (np.abs(sm.key_offset).max() == 0) == scored and np.abs(sm.key_scale - 1).max() > 0
+    assert (np.abs(sm.value_offset).max() > 0) == value_offset

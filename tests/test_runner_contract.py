@@ -81,12 +81,12 @@ def generate(e: Engine, **sampling) -> list[int]:
 
 def test_mlx_paged_runner_does_what_it_declares(tmp_path: Path) -> None:
     with Engine.load(str(GOLDEN / "llama"), prefix_caching=True, block_size=16) as e:
-        runner = e._runner
+        runner = e.diagnostics().runner
         check_instance(runner)
         caps = runner.capabilities
         assert caps == RunnerCapabilities(rollback=True, kv_files=True, self_draft=True, hidden_states=True,
                                           max_batch=None)
-        assert e.info.kv_files and e._scheduler.max_seqs == 16
+        assert e.info.kv_files and e.diagnostics().scheduler.max_seqs == 16
         plain = generate(e)
         assert generate(e, speculative="self") == plain  # self draft and rollback, as declared
         assert len(e.hidden_states(PROMPT[:5])) == len(runner.model.layers) + 1
@@ -95,9 +95,9 @@ def test_mlx_paged_runner_does_what_it_declares(tmp_path: Path) -> None:
 
 def test_mlx_contiguous_runner_holds_one_sequence_and_no_kv_files(tmp_path: Path) -> None:
     with Engine.load(str(GOLDEN / "llama"), paged_kv=False) as e:
-        caps = e._runner.capabilities
+        caps = e.diagnostics().runner.capabilities
         assert (caps.kv_files, caps.max_batch, caps.rollback) == (False, 1, True)
-        assert e._scheduler.max_seqs == 1 and not e.info.kv_files
+        assert e.diagnostics().scheduler.max_seqs == 1 and not e.info.kv_files
         generate(e)
         with pytest.raises(RooflineError, match="saving KV needs the paged KV cache"):
             e.save_kv(str(tmp_path / "kv.safetensors"), PROMPT)
@@ -109,8 +109,8 @@ def test_an_mlx_lm_class_declares_no_self_draft_and_no_hidden_states(tmp_path: P
     config = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**config, "model_type": "xverse"}))  # an mlx-lm class
     with Engine.load(str(dst)) as e:
-        check_instance(e._runner)
-        caps = e._runner.capabilities
+        check_instance(e.diagnostics().runner)
+        caps = e.diagnostics().runner.capabilities
         assert not e.info.native and caps.rollback and not caps.self_draft and not caps.hidden_states
         with pytest.raises(RequestError, match=r"^speculative='self' needs a natively implemented model; .* runs on "
                                                r"an mlx-lm class$"):
@@ -123,7 +123,7 @@ def test_an_mlx_lm_class_declares_no_self_draft_and_no_hidden_states(tmp_path: P
 def test_torch_runner_does_what_it_declares(tmp_path: Path) -> None:
     require("torch")
     with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu") as e:
-        runner = e._runner
+        runner = e.diagnostics().runner
         check_instance(runner)
         caps = runner.capabilities
         assert (caps.rollback, caps.kv_files, caps.self_draft, caps.hidden_states, caps.max_batch) == \

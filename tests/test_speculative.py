@@ -19,7 +19,7 @@ from mlx_engine.api import NO_DRAFT_MODEL, ModelLoadError
 from mlx_engine.speculative.accept import rejection_sample
 from mlx_engine.speculative.cost import CostCurve
 from mlx_engine.speculative.proposers import prompt_lookup
-from tests.tiny_models import GOLDEN, random_llama_folder
+from tests.tiny_models import GOLDEN, random_llama_folder, random_mamba_folder
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 11, 12, 5, 6, 30, 31, 32, 33, 5, 6, 7, 8] * 2  # 42 tokens, repeats
 MODES = ["prompt-lookup", "self", "draft"]
@@ -735,14 +735,14 @@ def test_draft_mode_without_a_draft_model(models) -> None:
             e.generate(GenerationRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(speculative="draft")))
 
 
-def test_model_whose_cache_cannot_roll_back() -> None:
-    """gpt-oss stays on mlx-lm's caches (attention sinks), whose sliding layers (RotatingKVCache) cannot trim at
-    every length: a named proposer is refused, "auto" decodes plainly."""
+def test_model_whose_cache_cannot_roll_back(tmp_path: Path) -> None:
+    """mamba stays on mlx-lm's caches (SSM state: ArraysCache), which cannot trim back to an earlier length: a
+    named proposer is refused, "auto" decodes plainly."""
     ids = [3, 17, 42, 99, 7, 64, 120, 5] * 2
-    with Engine.load(str(GOLDEN / "gpt_oss")) as e:
+    with Engine.load(str(random_mamba_folder(tmp_path))) as e:
         assert not e.info.native and e.kv_stats()["kind"] == "contiguous"
         for mode in MODES:
-            with pytest.raises(RequestError, match=r"RotatingKVCache.*cannot be rolled back"):
+            with pytest.raises(RequestError, match=r"ArraysCache.*cannot be rolled back"):
                 e.generate(GenerationRequest(prompt_token_ids=ids, sampling=SamplingParams(speculative=mode)))
         tokens, _, final = run(e, ids, speculative="auto", max_tokens=4)
         assert tokens == run(e, ids, max_tokens=4)[0] and final.stats.acceptance_rate is None

@@ -183,7 +183,7 @@ def _int8_reference(w: "torch.Tensor", row: "torch.Tensor", reduce_range: bool) 
 
 
 def test_int8_weight_rows_through_the_int8_matmul_and_a_prefill_through_the_dequantized_weight():
-    from mlx_engine.backends.torch.model import INT8_MAX_ROW_CALLS, Int8Weight
+    from mlx_engine.backends.torch.draft_int8 import INT8_MAX_ROW_CALLS, Int8Weight
 
     g = torch.Generator().manual_seed(0)
     assert INT8_MAX_ROW_CALLS == 32
@@ -206,7 +206,8 @@ def test_int8_weight_rows_through_the_int8_matmul_and_a_prefill_through_the_dequ
 
 
 def test_fused_int8_splits_one_int8_matmul_into_each_projection():
-    from mlx_engine.backends.torch.model import FusedInt8, Int8Weight, Linear
+    from mlx_engine.backends.torch.draft_int8 import FusedInt8, Int8Weight
+    from mlx_engine.backends.torch.model import Linear
 
     g = torch.Generator().manual_seed(1)
     ws = [torch.randn(n, 64, generator=g) for n in (32, 16, 16)]
@@ -226,7 +227,7 @@ def llama_int8_draft():
 
 
 def test_int8_draft_greedy_equals_plain(llama_int8_draft, llama):
-    from mlx_engine.backends.torch.model import FusedInt8, Int8Weight
+    from mlx_engine.backends.torch.draft_int8 import FusedInt8, Int8Weight
 
     draft = llama_int8_draft.diagnostics().runner.draft
     for b in draft.model.layers:
@@ -316,7 +317,7 @@ def test_quantized_gguf_matches_mlx(tiny_gguf, kernels, monkeypatch):
     `dequant_matmul` on the packed words, `paged_decode_attention` for decode, here through the kernels' torch
     references). The packed CPU path: tests/test_torch_cpu_packed.py."""
     from mlx_engine.backends.torch import runner as torch_runner
-    from mlx_engine.backends.torch.model import QuantizedWeight
+    from mlx_engine.backends.torch.weights import QuantizedWeight
 
     path, ref = tiny_gguf
     monkeypatch.setattr(torch_runner, "use_kernels", lambda device: kernels)
@@ -408,7 +409,7 @@ def test_kquant_gguf(tmp_path, kernels, monkeypatch):
     logits are those of the exact dequantized weights. Dequantized (the CPU's portable path): rounded to float16,
     as the MLX backend keeps them."""
     from mlx_engine.backends.torch import runner as torch_runner
-    from mlx_engine.backends.torch.model import QuantizedWeight
+    from mlx_engine.backends.torch.weights import QuantizedWeight
     from tests.tiny_models import folder_with_weights, gguf_to_hf_names, kquant_llama_gguf, kquants_as_float16
 
     path, src, deq = kquant_llama_gguf(tmp_path)

@@ -34,8 +34,16 @@ from tests.tiny_models import (  # noqa: E402
 
 PROMPT = [3, 17, 42, 99, 7, 64, 120, 5] * 3
 # max |packed - float32 of the same weights| / max |float32 logit| on the tiny models; measured 2.7e-2 (Q4_0),
-# 2.9e-2 (Q4_1), 2.1e-2 (Q8_0), 6.0e-2 (the k-quant file, whose Q2_K/Q3_K/Q6_K are int8 rows), 2.3e-2 (MLX 4-bit)
-LOGITS_REL_TOL = {"Q4_0": 0.07, "Q4_1": 0.075, "Q8_0": 0.055, "kquants": 0.15, "mlx4": 0.06}
+# 2.9e-2 (Q4_1), 2.1e-2 (Q8_0), 5.3e-2 (Q5_0), 2.9e-2 (Q5_1), 6.0e-2 (the k-quant file, whose Q2_K/Q3_K/Q6_K are
+# int8 rows), 2.3e-2 (MLX 4-bit)
+LOGITS_REL_TOL = {"Q4_0": 0.07, "Q4_1": 0.075, "Q8_0": 0.055, "Q5_0": 0.135, "Q5_1": 0.075, "kquants": 0.15,
+                  "mlx4": 0.06}
+# each GGUF type as the CPU kernels hold it: Q5_0 / Q5_1 arrive as MLX's affine 5-bit groups of 32 (exact), so
+# two int4 planes with their codes exact
+# greedy tokens shared with MLX before a near-tie parts them, where fewer than all 12 (measured): the golden MLX
+# 4-bit folder's first token (a gap of 0.044 between its top two logits of 4.1), Q5_0's third (0.059 of 4.4)
+GREEDY_AGREED = {"mlx4": 0, "Q5_0": 2}
+GGUF_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int4x2", "Q5_0": "int4x2", "Q5_1": "int4x2"}
 BF16_EPS = 2.0**-7  # bfloat16's spacing at 1: a rounding moves a value by at most half of it, relatively
 
 needs_kernels = pytest.mark.skipif(not cpu_packed.cpu_support().packed,
@@ -160,7 +168,7 @@ def quantized_files(tmp_path_factory):
     pytest.importorskip("gguf")
     tmp = tmp_path_factory.mktemp("packed")
     out = {}
-    for t in ("Q4_0", "Q4_1", "Q8_0"):
+    for t in GGUF_KIND:
         path = tmp / f"tiny_{t}.gguf"
         deq = write_gguf_from_folder(GOLDEN / "llama", path, {}, default_type=t)
         out[t] = (path, folder_with_weights(GOLDEN / "llama", tmp / f"ref_{t}", gguf_to_hf_names(deq)))
@@ -186,6 +194,9 @@ def test_packed_logits_and_greedy_tokens(quantized_files, kind):
         model = packed.diagnostics().runner.model
         assert isinstance(model.embed_tokens.weight, cpu_packed.CPUWeight)  # no float copy, the embedding too
         assert model.lm_head is None or isinstance(model.lm_head.weight, cpu_packed.CPUWeight)
+        if kind in GGUF_KIND:
+            assert {cpu_packed.kind(w) for w in (model.embed_tokens.weight, model.lm_head.weight,
+                                                 model.layers[0].mlp.down_proj.weight)} == {GGUF_KIND[kind]}
         if kind != "kquants":  # q/k/v share a format: one matmul
             assert all(isinstance(b.self_attn.qkv, FusedLinear) for b in model.layers)
         assert packed.info.notes and "packed for torch's CPU kernels" in packed.info.notes[0]
@@ -196,7 +207,7 @@ def test_packed_logits_and_greedy_tokens(quantized_files, kind):
         assert rel <= LOGITS_REL_TOL[kind], f"{kind}: {rel:.3e}"
         assert greedy(mlx, ids) == greedy(ref, ids)
         agreed = greedy_agrees(packed, mlx, ids, LOGITS_REL_TOL[kind] * float(np.abs(b).max()))
-        assert agreed == 12 or kind == "mlx4", agreed  # measured: all 12 but on mlx4, whose first token is a tie
+        assert agreed >= GREEDY_AGREED.get(kind, 12), agreed
 
 
 def greedy_agrees(packed: Engine, ref: Engine, ids: list[int], tol: float, n: int = 12,
@@ -367,3 +378,19 @@ def test_smollm2_packed_greedy_against_mlx_and_batched_equals_solo():
             batched = [t for e in s for t in e.token_ids]
             assert greedy_agrees(packed, packed, p, LOGITS_REL_TOL["Q4_1"] * scale, 16, got=batched) >= 8
         assert greedy(packed, prompts[0], 16) == solo[0]  # its first block from the prefix cache
+
+
+def test_inductor_cache_under_the_app_cache_dir(monkeypatch, tmp_path):
+    """Compiled graphs cache under ROOFLINE_CACHE_DIR (a later load skips inductor's code generation and C++
+    builds); a TORCHINDUCTOR_CACHE_DIR the user set wins."""
+    from mlx_engine.backends.torch.compiled import CompiledHalves
+
+    monkeypatch.setenv("ROOFLINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    CompiledHalves(4)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    assert cache_dir() == str(tmp_path / "torchinductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    CompiledHalves(4)
+    assert cache_dir() == str(tmp_path / "mine")

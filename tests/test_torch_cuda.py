@@ -219,7 +219,7 @@ def test_kquant_gguf_packed_on_cuda(tmp_path, monkeypatch):
     """k-quants packed into affine groups (16 and 32, float32 scales) run by dequant_matmul on the GPU: the
     logits of the same packed model on the CPU (the kernels' torch references), float32 on both."""
     from mlx_engine.backends.torch import runner as torch_runner
-    from mlx_engine.backends.torch.model import QuantizedWeight
+    from mlx_engine.backends.torch.weights import QuantizedWeight
     from tests.tiny_models import kquant_llama_gguf
 
     path, _, _ = kquant_llama_gguf(tmp_path)

@@ -231,6 +231,23 @@ def random_llama_folder(dst: Path, num_heads: int = 4, num_kv_heads: int = 2, he
     return dst
 
 
+def random_mamba_folder(dst: Path) -> Path:
+    """A random tiny mamba checkpoint (SSM state, not K/V: mlx-lm's ArraysCache, which cannot be rolled back)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_engine.models import instantiate
+
+    config = dict(model_type="mamba", vocab_size=128, hidden_size=32, intermediate_size=64, state_size=8,
+                  num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4,
+                  tie_word_embeddings=True)
+    model, *_ = instantiate(config, "mamba")
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(dst / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return dst
+
+
 # every k-quant type beside Q4_0 / Q4_1 (ffn_down's 96 inputs hold no 256-weight super-block)
 KQUANT_LAYOUT = {"attn_q": "Q4_K", "attn_k": "Q3_K", "attn_v": "Q5_K", "attn_output": "Q6_K", "ffn_gate": "Q2_K",
                  "ffn_up": "Q4_K", "ffn_down": "Q4_1", "token_embd": "Q4_0", "output": "Q6_K"}

@@ -10,6 +10,10 @@ Phases, with their implementations' signatures:
 - "prefill" (`attention.paged`): (view, q (1, Hq, L, D), scale), a causal chunk over a paged storage;
 - "contiguous" (`attention.contiguous`): (q, keys, values, scale, offset, window), one sequence's own buffer.
 
+A layer whose scores change before the softmax (Gemma 2's soft cap, gpt-oss's sinks: `Case.softcap`, `Case.sinks`)
+takes the scored rows (`attention.scored`), whose implementations and twins take `softcap=` and `sinks=` too; the
+views pick them per call (`scored_path`), as the layer asks.
+
 A Metal kernel checks itself on first use (`kernels_metal._backend.self_check`) and gives way to its reference
 when it fails; `kernel_warnings` runs the check at load and says so in the line `ModelInfo.warnings` shows.
 """
@@ -24,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 
 from kernels_metal.paged_attention import HEAD_DIMS as KERNEL_HEAD_DIMS
-from mlx_engine.attention import contiguous, paged, twins
+from mlx_engine.attention import contiguous, paged, scored, twins
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,12 @@ class Case:
     runs: bool = False  # ... as runs of consecutive slots (else ids)
     long: bool = False  # contiguous: the chunk reaches past the sliding window
     window: int | None = None  # the sliding window, if any (paged: the storage's, `storage.window`)
+    softcap: bool = False  # scores soft-capped before the mask (Gemma 2)
+    sinks: bool = False  # a logit per query head in each softmax's denominator (gpt-oss)
+
+    @property
+    def scored(self) -> bool:
+        return self.softcap or self.sinks
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,11 @@ class Path:
 
 
 TABLE: tuple[Path, ...] = (
+    # soft cap or sinks: gathered K/V, MLX ops in float32 (no fused path takes them); one sequence's runs in place
+    Path("decode-scored-slots", "decode", lambda c: c.scored and c.single, scored.decode_scored_slots,
+         twins.decode_twin, Case("decode", head_major=True, single=True, runs=True, softcap=True, sinks=True)),
+    Path("decode-scored", "decode", lambda c: c.scored, scored.decode_scored, twins.decode_twin,
+         Case("decode", head_major=True, softcap=True, sinks=True)),
     # one sequence on the CPU: quantized K and V read in place by mx.quantized_matmul
     Path("decode-runs-quantized", "decode",
          lambda c: c.single and c.runs and c.bits is not None and not c.key_per_channel and c.head_major,
@@ -74,11 +89,15 @@ TABLE: tuple[Path, ...] = (
     # head dims the kernel is not built for (tiny test models)
     Path("decode-reference", "decode", lambda c: True, paged.decode_reference, twins.decode_twin,
          Case("decode", head_dim=16)),
+    Path("prefill-scored", "prefill", lambda c: c.scored, scored.prefill_scored, twins.prefill_twin,
+         Case("prefill", bits=8, head_major=True, softcap=True, sinks=True)),
     # per-channel keys: each query reads its own block quantized up to itself
     Path("prefill-channel", "prefill", lambda c: c.key_per_channel, paged.prefill_channel,
          twins.prefill_channel_twin, Case("prefill", bits=4, key_per_channel=True, head_major=True)),
     Path("prefill-sdpa", "prefill", lambda c: True, paged.prefill_sdpa, twins.prefill_twin,
          Case("prefill", bits=8, head_major=True)),
+    Path("contiguous-scored", "contiguous", lambda c: c.scored, scored.contiguous_scored, twins.contiguous_twin,
+         Case("contiguous", window=8, long=True, softcap=True, sinks=True)),
     Path("contiguous-window", "contiguous", lambda c: c.window is not None and c.long, contiguous.contiguous_window,
          twins.contiguous_twin, Case("contiguous", window=8, long=True)),
     Path("contiguous-sdpa", "contiguous", lambda c: True, contiguous.contiguous_sdpa, twins.contiguous_twin,
@@ -100,16 +119,26 @@ def storage_case(phase: str, storage: Any, **step: Any) -> Case:
                 mx.metal.is_available(), window=storage.window, **step)
 
 
+@functools.cache
+def scored_path(phase: str, softcap: bool, sinks: bool, single: bool = False) -> Path:
+    """The row of a paged `phase` for a layer with a soft cap or sinks (the scored rows take any storage;
+    `single`: a decode step of one sequence with its slots, `kv.views.DecodeStep.all_slots`)."""
+    return choose(Case(phase, softcap=softcap, sinks=sinks, single=single))
+
+
 def contiguous_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, offset: int,
-                         window: int | None) -> mx.array:
+                         window: int | None, softcap: float | None = None, sinks: mx.array | None = None) -> mx.array:
     """A contiguous buffer's attention through the table (the row depends on the chunk: chosen per call)."""
     long = window is not None and offset + q.shape[2] > window
-    return _contiguous_path(long, window).run(q, keys, values, scale, offset, window)
+    if softcap is None and sinks is None:
+        return _contiguous_path(long, window).run(q, keys, values, scale, offset, window)
+    path = _contiguous_path(long, window, softcap is not None, sinks is not None)
+    return path.run(q, keys, values, scale, offset, window, softcap=softcap, sinks=sinks)
 
 
 @functools.cache
-def _contiguous_path(long: bool, window: int | None) -> Path:
-    return choose(Case("contiguous", long=long, window=window))
+def _contiguous_path(long: bool, window: int | None, softcap: bool = False, sinks: bool = False) -> Path:
+    return choose(Case("contiguous", long=long, window=window, softcap=softcap, sinks=sinks))
 
 
 def kernel_warnings(storage: Any) -> tuple[str, ...]:

@@ -3,7 +3,8 @@
 
 A causal chunk is that kernel's rows: query i of a chunk at `offset` is one decode row whose sequence ends at
 position offset + i (the torch backend replays short verifications the same way). With a sliding window
-(`storage.window`) each row reads its last `window` keys. Signatures are their paths'.
+(`storage.window`) each row reads its last `window` keys. Signatures are their paths' (`softcap` and `sinks`: the
+scored rows', `attention.scored`, passed to the reference).
 """
 
 from __future__ import annotations
@@ -17,26 +18,31 @@ from kernels_metal import KVPool
 from kernels_metal import reference as kernel_reference
 
 
-def decode_twin(step: Any, layer: int, q: mx.array, scale: float) -> mx.array:
+def decode_twin(step: Any, layer: int, q: mx.array, scale: float, softcap: float | None = None,
+                sinks: mx.array | None = None) -> mx.array:
     B, Hq, _, D = q.shape
     out = kernel_reference.paged_decode_attention(q[:, :, 0, :], step.storage.pool(layer), step.block_tables,
-                                                  step.seq_lens, scale, window=step.storage.window)
+                                                  step.seq_lens, scale, window=step.storage.window,
+                                                  softcap=softcap, sinks=sinks)
     return out.reshape(B, Hq, 1, D)
 
 
 def _rows(q: mx.array, pool: KVPool, table: list[int], offset: int, scale: float,
-          window: int | None = None) -> mx.array:
+          window: int | None = None, **scores: Any) -> mx.array:
     """q (1, Hq, L, D) at positions offset.. as L decode rows over one block table -> (1, Hq, L, D)."""
     L = q.shape[2]
     rows = q[0].swapaxes(0, 1)  # (L, Hq, D)
     tables = mx.array([table] * L, dtype=mx.int32)
     lens = mx.arange(offset + 1, offset + L + 1, dtype=mx.int32)
-    out = kernel_reference.paged_decode_attention(rows, pool, tables, lens, scale, window=window)  # (L, Hq, D)
+    out = kernel_reference.paged_decode_attention(rows, pool, tables, lens, scale, window=window,
+                                                  **scores)  # (L, Hq, D)
     return out.swapaxes(0, 1)[None]
 
 
-def prefill_twin(view: Any, q: mx.array, scale: float) -> mx.array:
-    return _rows(q, view.storage.pool(view.layer), view.table, view.offset, scale, view.storage.window)
+def prefill_twin(view: Any, q: mx.array, scale: float, softcap: float | None = None,
+                 sinks: mx.array | None = None) -> mx.array:
+    return _rows(q, view.storage.pool(view.layer), view.table, view.offset, scale, view.storage.window,
+                 softcap=softcap, sinks=sinks)
 
 
 def prefill_channel_twin(view: Any, q: mx.array, scale: float) -> mx.array:
@@ -62,7 +68,7 @@ def prefill_channel_twin(view: Any, q: mx.array, scale: float) -> mx.array:
 
 
 def contiguous_twin(q: mx.array, keys: mx.array, values: mx.array, scale: float, offset: int,
-                    window: int | None) -> mx.array:
+                    window: int | None, softcap: float | None = None, sinks: mx.array | None = None) -> mx.array:
     """Each token its own block of a float pool: query i's table lists the positions it sees (the last `window`
     of those up to offset + i)."""
     B, _, L, _ = q.shape
@@ -74,6 +80,7 @@ def contiguous_twin(q: mx.array, keys: mx.array, values: mx.array, scale: float,
         width = max(len(s) for s in seen)
         tables = mx.array([s + [0] * (width - len(s)) for s in seen], dtype=mx.int32)
         lens = mx.array([len(s) for s in seen], dtype=mx.int32)
-        out = kernel_reference.paged_decode_attention(q[b].swapaxes(0, 1), pool, tables, lens, scale)  # (L, Hq, D)
+        out = kernel_reference.paged_decode_attention(q[b].swapaxes(0, 1), pool, tables, lens, scale,
+                                                      softcap=softcap, sinks=sinks)  # (L, Hq, D)
         outs.append(out.swapaxes(0, 1))
     return mx.stack(outs)

@@ -72,7 +72,7 @@ def available_memory_bytes(weight_bytes: int) -> int:
     return available_memory().bytes  # within ulimit -v and a cgroup's limit too
 
 
-# the requests a default budget holds the sliding windows of (the scheduler's DEFAULT_MAX_SEQS)
+# the requests a default budget holds the sliding windows of (api.DEFAULT_MAX_SEQS)
 WINDOWED_SEQUENCES = 16
 
 

@@ -33,11 +33,11 @@ class ContiguousLayer(KVCache):
     def rope(self, rope: Any, q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
         return rope(q, offset=self.offset), rope(k, offset=self.offset)
 
-    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float, **scores: Any) -> mx.array:
         """q (B, Hq, L, D), k/v (B, Hkv, L, D) after rope -> (B, Hq, L, D); appends k/v to the buffer."""
         offset = self.offset
         keys, values = self.update_and_fetch(k, v)  # (B, Hkv, offset + L, D)
-        return contiguous_attention(q, keys, values, scale, offset, self.window)
+        return contiguous_attention(q, keys, values, scale, offset, self.window, **scores)
 
 
 class Uncached:
@@ -51,8 +51,8 @@ class Uncached:
     def rope(self, rope: Any, q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
         return rope(q, offset=0), rope(k, offset=0)
 
-    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        return contiguous_attention(q, k, v, scale, 0, self.window)
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float, **scores: Any) -> mx.array:
+        return contiguous_attention(q, k, v, scale, 0, self.window, **scores)
 
 
 def new_contiguous_layers(model: Any, native: bool) -> list[Any]:

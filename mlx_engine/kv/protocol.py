@@ -48,6 +48,12 @@ class MLXLayerView(LayerView, Protocol):
         """q, k (B, H, L, D) before rope -> after, each row at its own position (packed rows: per part)."""
         ...
 
+    def attention(self, q: Any, k: Any, v: Any, scale: float, softcap: float | None = None,
+                  sinks: Any = None) -> Any:
+        """`LayerView.attention`; `softcap`: scores -> tanh(scores / softcap) * softcap before the mask (Gemma 2),
+        `sinks` (Hq,): a logit per query head in each softmax's denominator (gpt-oss)."""
+        ...
+
 
 @runtime_checkable
 class KVStorage(Protocol):

@@ -75,20 +75,34 @@ class _Recorder:
     def rope(self, rope: Any, q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
         return rope(q, offset=0), rope(k, offset=0)
 
-    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        """q (1, Hq, T, D), k/v (1, Hkv, T, D) after rope."""
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float | None = None,
+                  sinks: mx.array | None = None) -> mx.array:
+        """q (1, Hq, T, D), k/v (1, Hkv, T, D) after rope. A soft cap or sinks (`MLXLayerView.attention`) make
+        the softmax depend on a shift of every score, so such a layer gets no key offset; with sinks the weights
+        sum to less than 1, so no value offset either (the stored values' attention would not add it back)."""
         _, Hq, T, D = q.shape
         Hkv = k.shape[1]
+        G = Hq // Hkv
         q32, k32, v32 = (x[0].astype(mx.float32) for x in (q, k, v))
-        qg = q32.reshape(Hkv, Hq // Hkv * T, D)  # (Hkv, G * T, D): a KV head's queries
+        qg = q32.reshape(Hkv, G * T, D)  # (Hkv, G * T, D): a KV head's queries
         scores = (qg @ k32.swapaxes(-1, -2)) * scale  # (Hkv, G * T, T)
+        if softcap is not None:
+            scores = mx.tanh(scores / softcap) * softcap
         causal = mx.arange(T)[None, :] <= mx.arange(T)[:, None]  # (T, T)
-        scores = mx.where(mx.tile(causal, (Hq // Hkv, 1))[None], scores, -mx.inf)
-        probs = mx.softmax(scores, axis=-1)  # (Hkv, G * T, T)
+        scores = mx.where(mx.tile(causal, (G, 1))[None], scores, -mx.inf)
+        if sinks is None:
+            probs = mx.softmax(scores, axis=-1)  # (Hkv, G * T, T)
+        else:
+            sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(Hkv, G, 1, 1), (Hkv, G, T, 1))
+            probs = mx.softmax(mx.concatenate([scores, sink.reshape(Hkv, G * T, 1)], axis=-1), axis=-1)[..., :T]
         weight = probs.mean(axis=1)  # (Hkv, T): attention each key receives, on average
         weight = weight / weight.sum(axis=-1, keepdims=True)
         m_k = (weight[..., None] * k32).sum(axis=1)  # (Hkv, D)
         m_v = (weight[..., None] * v32).sum(axis=1)
+        if softcap is not None or sinks is not None:
+            m_k = mx.zeros_like(m_k)
+        if sinks is not None:
+            m_v = mx.zeros_like(m_v)
         rms_k = mx.sqrt(mx.mean((k32 - m_k[:, None]) ** 2, axis=1))  # (Hkv, D)
         rms_q = mx.sqrt(mx.mean(qg**2, axis=1))
         self.out.append((m_k, m_v, rms_k, rms_q))

@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlx_engine.attention import Path, choose, storage_case
+from mlx_engine.attention import Path, choose, scored_path, storage_case
 from mlx_engine.kv.paged import KeyWritePlan, PagedKVStorage
 
 
@@ -30,11 +30,16 @@ class PagedPrefillView:
     def rope(self, rope: Any, q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
         return rope(q, offset=self.offset), rope(k, offset=self.offset)
 
-    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float | None = None,
+                  sinks: mx.array | None = None) -> mx.array:
         """q (1, Hq, L, D), k/v (1, Hkv, L, D) after rope -> (1, Hq, L, D); writes k/v to the pool."""
         st = self.storage
         st.write(self.layer, self.new_slots, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2), self.key_plan)
-        return st.outputs(self.layer, self.path.run(self, st.queries(self.layer, q), scale))
+        q = st.queries(self.layer, q)
+        if softcap is None and sinks is None:
+            return st.outputs(self.layer, self.path.run(self, q, scale))
+        path = scored_path("prefill", softcap is not None, sinks is not None)
+        return st.outputs(self.layer, path.run(self, q, scale, softcap=softcap, sinks=sinks))
 
 
 class DecodeStep:
@@ -95,11 +100,16 @@ class PagedDecodeView:
     def rope(self, rope: Any, q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
         return rope(q, offset=self.offset), rope(k, offset=self.offset)
 
-    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float | None = None,
+                  sinks: mx.array | None = None) -> mx.array:
         """q (B, Hq, 1, D), k/v (B, Hkv, 1, D) after rope -> (B, Hq, 1, D); writes k/v to the pool."""
         step, st = self.step, self.step.storage
         st.write(self.layer, step.new_slots, k[:, :, 0, :], v[:, :, 0, :], step.key_plan)
-        return st.outputs(self.layer, step.path.run(step, self.layer, st.queries(self.layer, q), scale))
+        q = st.queries(self.layer, q)
+        if softcap is None and sinks is None:
+            return st.outputs(self.layer, step.path.run(step, self.layer, q, scale))
+        path = scored_path("decode", softcap is not None, sinks is not None, step.all_slots is not None)
+        return st.outputs(self.layer, path.run(step, self.layer, q, scale, softcap=softcap, sinks=sinks))
 
 
 class PackedView:
@@ -138,8 +148,9 @@ class PackedView:
 
     _roped: tuple[mx.array, mx.array, list[mx.array], list[mx.array]] | None = None
 
-    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        """q (1, Hq, T, D), k/v (1, Hkv, T, D) after rope -> (1, Hq, T, D); writes every row's k/v."""
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float, **scores: Any) -> mx.array:
+        """q (1, Hq, T, D), k/v (1, Hkv, T, D) after rope -> (1, Hq, T, D); writes every row's k/v (`scores`:
+        `softcap`, `sinks`, handed to each part's view)."""
         roped = self._roped
         if roped is not None and roped[0] is q and roped[1] is k:
             qs, ks = roped[2], roped[3]
@@ -147,4 +158,4 @@ class PackedView:
             qs, ks = self._parts(q), self._parts(k)
         self._roped = None
         parts = zip(self._views(), qs, ks, self._parts(v))
-        return self._join([view.attention(qp, kp, vp, scale) for view, qp, kp, vp in parts])
+        return self._join([view.attention(qp, kp, vp, scale, **scores) for view, qp, kp, vp in parts])

@@ -12,7 +12,7 @@ from the validated header's offsets (`gguf_file.read_gguf`):
   `gguf.quants.dequantize`, float32), stored as float16. They run as dense float16 weights: correct, at
   about 3.5x the bytes of their blocks. Or kept as their raw blocks (`load_checkpoint(kquant_blocks=True)`):
   on Metal for `models.kquant`'s layers, and for the torch backend, which packs them into affine groups for
-  its Triton kernel on CUDA (`backends.torch.model.kquant_weight`).
+  its Triton kernel on CUDA (`backends.torch.weights.kquant_weight`).
 - Q5_0 / Q5_1: repacked, exactly, into MLX's affine 5-bit groups of 32 (`gguf_quants.affine_codes`).
 - MXFP4 (gpt-oss's experts): repacked, exactly, into MLX's "mxfp4" mode (E8M0 scales, groups of 32).
 - IQ4_NL / IQ4_XS: a codebook no MLX layout holds: dequantized at load (exact in float32) and stored as float16,

@@ -10,6 +10,11 @@ view, which writes k/v and attends at its own positions (any other cache goes to
 the view's: an int for a prefill chunk, (B,) positions for B sequences decoding together (mx.fast.rope takes an
 array offset). The view builds its own causal mask, so mlx-lm's is not made (`make_mask` gives None).
 
+Attention sinks (gpt-oss: `scaled_dot_product_attention(..., sinks=)`) go to the view with the queries; a family
+that scores by hand (gemma2: q @ k.T, then its soft cap) gets its attention class swapped for one that, on a
+`ViewCache`, asks the view for attention with `softcap=` (`_HAND_WRITTEN`). The view serves both through the
+attention table's scored rows (`attention.scored`: gathered K/V, MLX ops).
+
 A packed forward (`kv.views.PackedView`: decode rows and prefill chunks of several sequences in one (1, T) row)
 has no single offset, so each attention module's `rope` is wrapped (`ViewRoPE`): while a forward runs it ropes
 through the layer's view (`MLXLayerView.rope`), each part at its own positions. A family whose layers do not
@@ -57,13 +62,16 @@ class ViewCache:
     def make_mask(self, *args: Any, **kwargs: Any) -> None:
         return None  # the view masks (causal, at its positions)
 
-    def attend(self, queries: mx.array, scale: float, sinks: Any) -> mx.array:
-        if sinks is not None:
-            raise NotImplementedError("attention sinks on the engine's KV views")
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None,
+               softcap: float | None = None) -> mx.array:
+        """The view's attention of the queries over the k/v `update_and_fetch` was given (`MLXLayerView.attention`:
+        a soft cap and sinks only where the layer has them)."""
         if self._kv is None:
             raise RuntimeError("scaled_dot_product_attention before update_and_fetch on an engine view")
         (keys, values), self._kv = self._kv, None
-        return self.view.attention(queries, keys, values, scale)
+        if softcap is None and sinks is None:
+            return self.view.attention(queries, keys, values, scale)
+        return self.view.attention(queries, keys, values, scale, softcap=softcap, sinks=sinks)
 
 
 _ROUTED: dict[str, Any] = {}  # module name -> mlx-lm's scaled_dot_product_attention it replaced
@@ -72,7 +80,14 @@ _ROUTED: dict[str, Any] = {}  # module name -> mlx-lm's scaled_dot_product_atten
 def route_attention(model: nn.Module) -> list[str]:
     """Points `scaled_dot_product_attention` of every module that defines one of `model`'s layers at the
     router (once per module): a `ViewCache` attends through its view, anything else through mlx-lm's
-    function as before. Returns the modules routed."""
+    function as before. Attention modules that score by hand (`_HAND_WRITTEN`) get a class whose forward on a
+    `ViewCache` asks the view. Returns the modules routed."""
+    for _, m in model.named_modules():
+        hand = _HAND_WRITTEN.get(f"{type(m).__module__}.{type(m).__name__}")
+        if hand is not None:
+            if type(m) not in _VIEW_CLASSES:
+                _VIEW_CLASSES[type(m)] = hand(type(m))
+            m.__class__ = _VIEW_CLASSES[type(m)]
     names = sorted({type(m).__module__ for _, m in model.named_modules()})
     routed = []
     for name in names:
@@ -96,6 +111,31 @@ def _router(original: Any) -> Any:
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     return scaled_dot_product_attention
+
+
+def _gemma2_attention(cls: type) -> type:
+    """mlx-lm's gemma2 `Attention` scores by hand: q @ k.T, then the soft cap `attn_logit_softcapping`. On a
+    `ViewCache` the same projections and rope, then the view's attention with that soft cap."""
+
+    class Attention(cls):
+        def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+            if not isinstance(cache, ViewCache):
+                return super().__call__(x, mask, cache)
+            B, L, _ = x.shape
+            q, k, v = (p(x).reshape(B, L, h, -1).transpose(0, 2, 1, 3) for p, h in
+                       ((self.q_proj, self.n_heads), (self.k_proj, self.n_kv_heads), (self.v_proj, self.n_kv_heads)))
+            q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+            cache.update_and_fetch(k, v)
+            out = cache.attend(q, self.scale, softcap=self.attn_logit_softcapping)
+            return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    Attention.__name__ = Attention.__qualname__ = cls.__name__
+    return Attention
+
+
+# mlx-lm's attention classes that do not call scaled_dot_product_attention: their view-aware subclass
+_HAND_WRITTEN = {"mlx_lm.models.gemma2.Attention": _gemma2_attention}
+_VIEW_CLASSES: dict[type, type] = {}
 
 
 @dataclass(frozen=True)
@@ -129,7 +169,7 @@ class _ProbeView:
     def __init__(self) -> None:
         self.shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
 
-    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float, **scores: Any) -> mx.array:
         self.shapes.append((tuple(k.shape), tuple(v.shape)))
         return mx.zeros((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
 

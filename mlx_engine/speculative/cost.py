@@ -8,11 +8,11 @@ import math
 import os
 import platform
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import mlx.core as mx
 
 from mlx_engine.backends.base import ModelRunner
+from mlx_engine.paths import cache_dir
 from mlx_engine.speculative.accept import expected_tokens
 
 AUTO_MARGIN = 0.1  # "auto" speculates only where it predicts at least this gain over plain decoding
@@ -63,15 +63,6 @@ class CostCurve:
 
 COST_CURVE_FILE = "cost_curves.json"
 COST_CURVE_FORMAT = 2  # 2: width 4 measured too (a curve kept before is measured again)
-
-
-def cache_dir() -> Path:
-    """Where measurements are kept between runs: `ROOFLINE_CACHE_DIR`, else platformdirs' user cache dir."""
-    if path := os.environ.get("ROOFLINE_CACHE_DIR"):
-        return Path(path).expanduser()
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("roofline", appauthor=False))
 
 
 def cost_curve_key(runner: ModelRunner) -> str | None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -25,6 +26,16 @@ def compile_errors() -> tuple[type[BaseException], ...]:
     return (BackendCompilerFailed, TorchRuntimeError, OSError, RuntimeError)
 
 
+def use_app_cache() -> None:
+    """Inductor's caches (its FX graph and AOT autograd caches, on by default, and the C++ it builds) under the
+    app's cache dir rather than /tmp, where a reboot would empty them: a later load then skips inductor's
+    code generation and C++ builds (dynamo still traces). TORCHINDUCTOR_CACHE_DIR set by the user wins."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from mlx_engine.paths import cache_dir
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "torchinductor")
+
+
 class CompiledHalves:
     """`attention_inputs`, `between_attentions` and `attention_outputs` compiled by inductor: the norms, rope,
     residuals and SiLU as fused C++ loops around the matmul kernels, in place of ~70 eager ops a layer, one call
@@ -36,6 +47,7 @@ class CompiledHalves:
     call that would need another graph raises before it runs and runs again with its guards, compiling it."""
 
     def __init__(self, max_rows: int):
+        use_app_cache()
         self.max_rows, self.warm, self.recompiles = max_rows, False, 0
         self.fns = {rows: tuple(torch.compile(_own_code(fn, rows), fullgraph=True)
                                 for fn in (attention_inputs, between_attentions, attention_outputs))

@@ -131,6 +131,37 @@ def _rows_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE).contiguous()
 
 
+FROM_AFFINE_ROWS = 4096  # rows `Int4Weight.from_affine` packs at once
+
+
+def _pack_affine(codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, rows: int, bits: int, planes: int,
+                 block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`from_affine` on a slice of whole blocks (`rows`, the slice zero-padded to it): (packed bytes (rows,
+    planes * in / 2), scales and zeros (planes * groups, rows, 2) bfloat16)."""
+    n = codes.shape[0]
+    c = np.asarray(codes, np.uint8)
+    s = torch.from_numpy(np.asarray(scales, np.float32))
+    b = torch.from_numpy(np.asarray(biases, np.float32))
+    if rows != n:  # zero rows to a whole block (their output is sliced off)
+        c = np.pad(c, ((0, rows - n), (0, 0)))
+        s, b = F.pad(s, (0, 0, 0, rows - n)), F.pad(b, (0, 0, 0, rows - n))
+    plane_codes = c if planes == 1 else np.concatenate([c & 15, c >> 4], axis=1)  # (rows, planes * in)
+    # w = s q + b becomes S' q + b' with S' = s in bfloat16: plane p adds (c_p - 8) 16^p S' + Z_p, so the zeros
+    # sum to 8 S' (16^P - 1) / 15 + b'. A symmetric group (b = -2^(bits-1) s: Q4_0, Q8_0, Q5_0) keeps its
+    # signed codes, b' = -2^(bits-1) S': only its scale is rounded. Each group's b' joins the plane whose zero
+    # then rounds least in bfloat16 (Q4_0's and Q8_0's: none)
+    rounded = s.to(KERNEL_DTYPE).float()
+    offset = 2.0 ** (bits - 1)
+    bias = torch.where(b == -offset * s, -offset * rounded, b)
+    plane_scales = [rounded * 16**p for p in range(planes)]
+    zeros = [8 * ps for ps in plane_scales]
+    cands = torch.stack([z + bias for z in zeros])  # (planes, rows, groups)
+    best = (cands.to(KERNEL_DTYPE).float() - cands).abs().argmin(0)
+    zeros = [torch.where(best == p, cands[p], zeros[p]) for p in range(planes)]
+    sz = torch.stack([torch.cat(plane_scales, 1), torch.cat(zeros, 1)], dim=-1)  # (rows, planes * groups, 2)
+    return pack_codes(plane_codes, block_n), sz.transpose(0, 1).to(KERNEL_DTYPE)
+
+
 class Int4Weight:
     """An affine-quantized matrix (out, in) held as int4 planes in the kernel's layout (module docstring)."""
 
@@ -147,32 +178,19 @@ class Int4Weight:
     def from_affine(cls, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int,
                     block_n: int) -> Int4Weight:
         """codes (out, in) integers in [0, 2**bits); scales, biases (out, in / group) float32:
-        w = scales * codes + biases per group."""
+        w = scales * codes + biases per group. Packed FROM_AFFINE_ROWS rows at a time into the result, so
+        that the transients (plane codes, float32 scales) are a slice's, not a whole embedding's."""
         n, k = codes.shape
         planes = -(-bits // 4)
         padded = -(-n // block_n) * block_n
-        c = np.asarray(codes, np.uint8)
-        s = torch.from_numpy(np.asarray(scales, np.float32))
-        b = torch.from_numpy(np.asarray(biases, np.float32))
-        if padded != n:  # zero rows to a whole block (their output is sliced off)
-            c = np.pad(c, ((0, padded - n), (0, 0)))
-            s, b = F.pad(s, (0, 0, 0, padded - n)), F.pad(b, (0, 0, 0, padded - n))
-        plane_codes = c if planes == 1 else np.concatenate([c & 15, c >> 4], axis=1)  # (N, planes * in)
-        # w = s q + b becomes S' q + b' with S' = s in bfloat16: plane p adds (c_p - 8) 16^p S' + Z_p, so the zeros
-        # sum to 8 S' (16^P - 1) / 15 + b'. A symmetric format (b = -2^(bits-1) s: Q4_0, Q8_0, Q5_0) keeps its
-        # signed codes, b' = -2^(bits-1) S': only its scale is rounded. Each group's b' joins the plane whose zero
-        # then rounds least in bfloat16 (Q4_0's and Q8_0's: none)
-        rounded = s.to(KERNEL_DTYPE).float()
-        offset = 2.0 ** (bits - 1)
-        bias = -offset * rounded if torch.equal(b, -offset * s) else b
-        plane_scales = [rounded * 16**p for p in range(planes)]
-        zeros = [8 * ps for ps in plane_scales]
-        cands = torch.stack([z + bias for z in zeros])  # (planes, N, groups)
-        best = (cands.to(KERNEL_DTYPE).float() - cands).abs().argmin(0)
-        zeros = [torch.where(best == p, cands[p], zeros[p]) for p in range(planes)]
-        sz = torch.stack([torch.cat(plane_scales, 1), torch.cat(zeros, 1)], dim=-1)  # (N, planes * groups, 2)
-        return cls(pack_codes(plane_codes, block_n), sz.transpose(0, 1).to(KERNEL_DTYPE).contiguous(), n, k, planes,
-                   group_size, block_n, 0)
+        packed = torch.empty((padded, planes * k // 2), dtype=torch.uint8)
+        sz = torch.empty((planes * (k // group_size), padded, 2), dtype=KERNEL_DTYPE)
+        step = max(block_n, FROM_AFFINE_ROWS // block_n * block_n)
+        for lo in range(0, padded, step):
+            hi = min(padded, lo + step)
+            packed[lo:hi], sz[:, lo:hi] = _pack_affine(codes[lo:hi], scales[lo:hi], biases[lo:hi], hi - lo, bits,
+                                                       planes, block_n)
+        return cls(packed, sz, n, k, planes, group_size, block_n, 0)
 
     def _input(self, x2: torch.Tensor) -> torch.Tensor:
         return x2 if self.planes == 1 else x2.repeat(1, self.planes)

@@ -2,33 +2,26 @@
 
 Pure math: state lives in the cache views passed in (`kv.py`). A view gives the positions of the new
 tokens (`positions(B, L)`) and does attention (`attention(q, k, v, scale)`, writing k/v to its storage).
-Weights come from the checkpoint's MLX arrays through numpy. MLX affine-quantized weights (uint32 words
-packed low bits first, per-group scales and biases) stay packed on CUDA, where `triton_kernels.dequant_matmul`
-reads them (bit widths and group sizes it supports; others are dequantized at load), and on an x86-64 CPU
-with AVX2, where torch's int4 and int8 CPU kernels read them (`cpu_packed`). GGUF k-quants arrive as raw
-blocks (`kquant_weight`): packed as affine groups on CUDA and on the CPU. Elsewhere (a CPU without AVX2)
-quantized weights are dequantized once at load, to float32: the portable path.
+A weight is a float tensor or a packed one with a matmul and a row lookup of its own (`PackedWeight`):
+how each format is held, and the checkpoint's arrays converted, is `weights.py`'s; the int8 draft's
+weights are `draft_int8.py`'s.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-import platform
-import re
-import warnings
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mlx_engine.api import ModelLoadError
 from mlx_engine.backends.torch import cpu_packed
 from mlx_engine.backends.torch import triton_kernels as tk
+
+if TYPE_CHECKING:
+    from mlx_engine.backends.torch.draft_int8 import FusedInt8
 
 # The norms, rope and the MLP's gate as one Triton kernel each on CUDA (their torch references, op for op the
 # code they replace, elsewhere). ROOFLINE_TORCH_UNFUSED=1 runs the references everywhere: the A/B of
@@ -36,159 +29,32 @@ from mlx_engine.backends.torch import triton_kernels as tk
 FUSED = os.environ.get("ROOFLINE_TORCH_UNFUSED", "0") in ("", "0")
 
 
-@dataclass
-class QuantizedWeight:
-    packed: torch.Tensor  # (out, in * bits / 32) int32
-    scales: torch.Tensor  # (out, in / group_size)
-    biases: torch.Tensor
-    bits: int
-    group_size: int
-    act_dtype: torch.dtype | None = None  # rows' dtype when the scales are wider (k-quants: float32)
+class PackedWeight(Protocol):
+    """A weight held in a format of its own (`weights.QuantizedWeight` on CUDA, `cpu_packed`'s on the CPU,
+    `draft_int8.Int8Weight`), read by its own matmul rather than as a float tensor."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def num_parameters(self) -> int: ...
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) -> x @ W.T (..., out) through the Triton kernel (CUDA)."""
-        x2 = x.reshape(-1, x.shape[-1])
-        y = tk.dequant_matmul(x2, self.packed, self.scales, self.biases, self.bits, self.group_size)
-        return y.reshape(*x.shape[:-1], -1)
+        """x (..., in) -> x @ W.T (..., out)."""
+        ...
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup): ids (...) -> (..., in)."""
-        flat = ids.reshape(-1)
-        w = tk.dequantize_ref(self.packed[flat], self.scales[flat], self.biases[flat], self.bits, self.group_size)
-        return w.reshape(*ids.shape, -1).to(self.act_dtype or w.dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.biases))
-
-    @property
-    def num_parameters(self) -> int:
-        return self.packed.numel() * 32 // self.bits
+        ...
 
 
-# Rows a call sends through the int8 matmul one by one; more are multiplied by the dequantized weight. A draft's
-# catch-up (the tokens prompt lookup copied or plain steps took since its last proposal) of n rows costs about
-# 11 + 4n ms row by row and 90 + 2.5n ms through the dequantized weight. SmolLM2, one thread of the build VM:
-# 5 rows 34 ms row by row, 97 ms dequantized; 32 rows 138 ms row by row; 33 and 48 rows dequantized 165, 193 ms
-INT8_MAX_ROW_CALLS = 32
+Weight = torch.Tensor | PackedWeight
 
 
-class Int8Weight:
-    """A CPU projection as int8, one scale per output row (`draft_bits=8` on the torch CPU backend): packed for
-    the CPU's dynamic-quantized matmul (fbgemm or oneDNN on x86, qnnpack on ARM: each call's activations
-    quantized to 8 bits on the fly, int32 accumulation), and plain, to dequantize.
-
-    A row (a draft's decode step) goes through the int8 matmul: a quarter of float32's bytes, and SmolLM2's
-    projections at one row cost 11 ms against float32's 50 ms on one thread of the build VM (AVX-512 VNNI).
-    Up to INT8_MAX_ROW_CALLS rows (a catch-up) make one call each: the op takes one activation scale for all the
-    rows of a call, so one token's outlier channels would coarsen every other token's (SmolLM2's top-1 agreement with
-    float32 over a 400-token call fell to 0.55, against 0.83 row by row). More rows (a prefill) multiply the
-    dequantized weight in float32, which is bound by compute, not by the weight's bytes (dequantizing all of
-    SmolLM2's projections: 27 ms)."""
-
-    def __init__(self, weight: torch.Tensor):
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
-            raise ValueError(f"int8 weights are made from float32 CPU weights, not {weight.dtype} on "
-                             f"{weight.device.type}")
-        scale = (weight.abs().amax(1) / 127).clamp_min(1e-12)
-        zero = torch.zeros(weight.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():  # torch 2.10+ marks its quantized tensors deprecated; the ops remain
-            warnings.simplefilter("ignore")
-            q = torch.quantize_per_channel(weight.contiguous(), scale.double(), zero, 0, torch.qint8)
-            self.packed = torch.ops.quantized.linear_prepack(q, None)
-        self.q8, self.scale = q.int_repr(), scale  # (out, in) int8, (out,) float32
-        self.reduce_range = int8_reduce_range()
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) -> x @ W.T (..., out) float32."""
-        rows = x.numel() // x.shape[-1]
-        if rows == 1:
-            return torch.ops.quantized.linear_dynamic.default(x.reshape(1, -1), self.packed, self.reduce_range
-                                                              ).reshape(*x.shape[:-1], -1)
-        if rows <= INT8_MAX_ROW_CALLS:
-            x2 = x.reshape(rows, -1)
-            return torch.cat([torch.ops.quantized.linear_dynamic.default(x2[i : i + 1], self.packed,
-                                                                         self.reduce_range)
-                              for i in range(rows)]).reshape(*x.shape[:-1], -1)
-        return F.linear(x, self.dequantized())
-
-    def dequantized(self) -> torch.Tensor:
-        return self.q8.float() * self.scale[:, None]
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Dequantized rows `ids` (an embedding lookup): ids (...) -> (..., in) float32."""
-        return self.q8[ids].float() * self.scale[ids][..., None]
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.q8.numel() + self.scale.numel() * 4 * 2  # packed and plain
-
-
-@functools.cache
-def int8_reduce_range() -> bool:
-    """Whether activations must be quantized to 7 bits rather than 8: on x86 without VNNI, fbgemm multiplies
-    pairs of unsigned 8-bit activations and signed 8-bit weights into 16-bit sums, which full-range
-    activations can overflow (torch's own default for fbgemm is 7 bits). With VNNI (or AMX) the products
-    accumulate in 32 bits, and ARM's qnnpack needs no reduction. On SmolLM2, 7-bit activations took a draft's
-    top-1 agreement with float32 from 0.83 to 0.75."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: no way to read the flags here, so the safe width
-        return True
-    return re.search(r"\b(avx512_vnni|avx_vnni|amx_int8)\b", flags) is None
-
-
-class FusedInt8:
-    """Projections of one input (q/k/v, gate/up) as one Int8Weight: one int8 matmul instead of three or two
-    (a draft step of SmolLM2: 10.0 -> 7.7 ms in the matmuls), split after, each with its bias."""
-
-    def __init__(self, linears: tuple[Linear, ...]):
-        self.sizes = [lin.weight.shape[0] for lin in linears]
-        self.biases = [lin.bias for lin in linears]
-        self.weight = Int8Weight(torch.cat([lin.weight for lin in linears]))
-
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        outs = self.weight.matmul(x).split(self.sizes, dim=-1)
-        return [y + b if b is not None else y for y, b in zip(outs, self.biases)]
-
-
-def quantize_int8(model: Model) -> None:
-    """A float32 CPU model held as int8 (`draft_bits=8` on the torch CPU backend), its float projections
-    dropped: q/k/v and gate/up fused (`FusedInt8`), o and down as Int8Weight, the head as an Int8Weight whose
-    rows are also the embedding lookup (tied) or beside an int8 embedding (untied). The norms stay float."""
-    try:
-        for block in model.layers:
-            a, m = block.self_attn, block.mlp
-            a.qkv, m.gate_up = FusedInt8((a.q_proj, a.k_proj, a.v_proj)), FusedInt8((m.gate_proj, m.up_proj))
-            a.q_proj = a.k_proj = a.v_proj = m.gate_proj = m.up_proj = None
-            a.o_proj.weight, m.down_proj.weight = Int8Weight(a.o_proj.weight), Int8Weight(m.down_proj.weight)
-        head = Int8Weight(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
-        embed = head if model.lm_head is None else Int8Weight(model.embed_tokens.weight)
-        model.lm_head, model.embed_tokens = Linear(head), Embedding(embed)
-    except (RuntimeError, NotImplementedError, AttributeError) as e:  # a torch without its quantized CPU ops
-        raise ModelLoadError(f"8-bit weights need torch's quantized CPU matmul (quantized engine "
-                             f"{torch.backends.quantized.engine!r}), which failed here: {e}") from None
-    norms = [n for b in model.layers for n in (b.input_layernorm, b.post_attention_layernorm,
-                                                b.self_attn.q_norm, b.self_attn.k_norm) if n is not None]
-    model.weight_bytes = (sum(w.nbytes for b in model.layers for w in (b.self_attn.qkv.weight, b.mlp.gate_up.weight,
-                                                                       b.self_attn.o_proj.weight,
-                                                                       b.mlp.down_proj.weight))
-                          + head.nbytes + (embed.nbytes if embed is not head else 0)
-                          + sum(_nbytes(n.weight) for n in [*norms, model.norm]))
-    model.embed_bytes = embed.nbytes
-
-
-Weight = torch.Tensor | QuantizedWeight | Int8Weight | cpu_packed.Int4Weight | cpu_packed.Int8Weight
-# weights with matmul(x) and rows(ids) of their own, rather than a float tensor
-PACKED = (QuantizedWeight, Int8Weight, cpu_packed.Int4Weight, cpu_packed.Int8Weight)
-
-
-def _nbytes(w: Weight | None) -> int:
+def weight_nbytes(w: Weight | None) -> int:
     if w is None:
         return 0
-    return w.nbytes if isinstance(w, PACKED) else w.numel() * w.element_size()
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
 
 
 class Linear:
@@ -196,10 +62,10 @@ class Linear:
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, PACKED):
-            y = self.weight.matmul(x)
-            return y + self.bias if self.bias is not None else y
-        return F.linear(x, self.weight, self.bias)
+        if isinstance(self.weight, torch.Tensor):
+            return F.linear(x, self.weight, self.bias)
+        y = self.weight.matmul(x)
+        return y + self.bias if self.bias is not None else y
 
 
 class FusedLinear:
@@ -217,31 +83,15 @@ class FusedLinear:
         return [y + b if b is not None else y for y, b in zip(outs, self.biases)]
 
 
-def fuse_projections(model: Model) -> None:
-    """q/k/v and gate/up as one packed matrix each, where they share a CPU format; the parts are dropped."""
-    for block in model.layers:
-        a, m = block.self_attn, block.mlp
-        for owner, names, fused_name in ((a, ("q_proj", "k_proj", "v_proj"), "qkv"), (m, ("gate_proj", "up_proj"),
-                                                                                      "gate_up")):
-            linears = tuple(getattr(owner, n) for n in names)
-            if not all(isinstance(lin.weight, cpu_packed.CPUWeight) for lin in linears):
-                continue
-            fused = cpu_packed.fuse([lin.weight for lin in linears])
-            if fused is not None:
-                setattr(owner, fused_name, FusedLinear(*fused, linears))
-                for n in names:
-                    setattr(owner, n, None)
-
-
 class Embedding:
     def __init__(self, weight: Weight):
         self.weight = weight
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (B, L) -> (B, L, hidden)."""
-        if isinstance(self.weight, PACKED):
-            return self.weight.rows(ids)
-        return F.embedding(ids, self.weight)
+        if isinstance(self.weight, torch.Tensor):
+            return F.embedding(ids, self.weight)
+        return self.weight.rows(ids)
 
     def as_linear(self, h: torch.Tensor) -> torch.Tensor:
         """The tied head: h (..., hidden) -> logits (..., vocab)."""
@@ -437,9 +287,10 @@ class Model:
         self.norm = RMSNorm(weights["model.norm.weight"], args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else Linear(weights["lm_head.weight"])
         self.rope = rope
-        self.weight_bytes = sum(_nbytes(w) for w in weights.values())
-        self.num_parameters = sum(w.num_parameters if isinstance(w, PACKED) else w.numel() for w in weights.values())
-        self.embed_bytes = _nbytes(weights["model.embed_tokens.weight"])
+        self.weight_bytes = sum(weight_nbytes(w) for w in weights.values())
+        self.num_parameters = sum(w.numel() if isinstance(w, torch.Tensor) else w.num_parameters
+                                  for w in weights.values())
+        self.embed_bytes = weight_nbytes(weights["model.embed_tokens.weight"])
 
     def layer_outputs(self, ids: torch.Tensor, caches: list[Any] | None = None, num_layers: int | None = None):
         """ids (B, L) -> the embedding output, then each layer's output (B, L, hidden), lazily as a generator."""
@@ -498,173 +349,3 @@ class Model:
         if isinstance(head, cpu_packed.CPUWeight):
             return cpu_packed.head_matmul(head, h)
         return self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)
-
-
-# --- weights: from the checkpoint's MLX arrays ---------------------------------------------------------
-
-
-def _to_numpy(a: Any) -> np.ndarray:
-    import mlx.core as mx
-
-    if a.dtype == mx.bfloat16:  # numpy has no bfloat16: through float32 (exact)
-        a = a.astype(mx.float32)
-    return np.array(a)
-
-
-def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None, dtype: torch.dtype,
-                    device: torch.device, source: str, packed: bool,
-                    cpu: cpu_packed.CPUSupport | None = None) -> dict[str, Weight]:
-    """The checkpoint's MLX arrays -> torch: float tensors in `dtype` on `device`; each quantized layer
-    (`<path>.weight/.scales/.biases`) as a QuantizedWeight when `packed` (the Triton kernel's bit widths and
-    group sizes), held for torch's CPU kernels with `cpu` (`cpu_packed`), else dequantized to a float tensor by
-    mx.dequantize. `weights` is emptied as it goes, so that each source array is freed once converted."""
-    import mlx.core as mx
-
-    quantization = quantization or {}
-    if quantization.get("mode", "affine") != "affine":
-        raise ModelLoadError(f"{source}: {quantization['mode']!r} quantization is not supported on the torch backend "
-                             "(supported: MLX affine quantization, GGUF Q4_0/Q4_1/Q8_0)")
-    out: dict[str, Weight] = {}
-    paths = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
-    kquants = {p: spec["kquant"] for p, spec in quantization.items() if isinstance(spec, dict) and "kquant" in spec}
-    for key in [k for k in weights if k.rpartition(".")[2] == "weight"] + [k for k in weights]:
-        if key not in weights:
-            continue
-        value = weights.pop(key)
-        path, _, leaf = key.rpartition(".")
-        if path in kquants and leaf == "weight":
-            out[key] = kquant_weight(value, kquants[path], dtype, device, packed, cpu)
-            continue
-        if path in paths and leaf == "weight":
-            spec = quantization.get(path) if isinstance(quantization.get(path), dict) else {}
-            bits = int(spec.get("bits", quantization.get("bits", 4)))
-            group = int(spec.get("group_size", quantization.get("group_size", 64)))
-            scales, biases = weights.pop(f"{path}.scales"), weights.pop(f"{path}.biases", None)
-            if biases is None:
-                raise ModelLoadError(f"{source}: {path} is quantized without biases (only affine quantization "
-                                     "is supported on the torch backend)")
-            if packed and bits in tk.SUPPORTED_BITS and group in tk.SUPPORTED_GROUP_SIZES:
-                def t(a: Any) -> torch.Tensor:
-                    return torch.from_numpy(_to_numpy(a)).to(device=device, dtype=dtype)
-
-                words = torch.from_numpy(np.array(value).view(np.int32)).to(device)  # uint32 bits as int32
-                out[key] = QuantizedWeight(words, t(scales), t(biases), bits, group)
-                continue
-            if cpu is not None:
-                out[key] = cpu_affine_weight(value, scales, biases, bits, group, cpu.block_n)
-                continue
-            value = mx.dequantize(value, scales.astype(mx.float32), biases.astype(mx.float32), group, bits)
-        if not mx.issubdtype(value.dtype, mx.floating):
-            raise ModelLoadError(f"{source}: tensor {key} has dtype {value.dtype} and is not a quantized weight")
-        out[key] = torch.from_numpy(_to_numpy(value)).to(device=device, dtype=dtype)
-    return out
-
-
-def cpu_affine_weight(words: Any, scales: Any, biases: Any, bits: int, group: int, block_n: int) -> Weight:
-    """An MLX affine-quantized matrix -> int4 planes (`cpu_packed.Int4Weight`; its codes read by
-    mx.dequantize with unit scales and zero biases, exact in any of MLX's bit layouts), or int8 rows for a
-    group size the int4 kernel lacks."""
-    import mlx.core as mx
-
-    source_bytes = sum(a.nbytes for a in (words, scales, biases))
-    if group not in cpu_packed.INT4_GROUP_SIZES or bits > 8:
-        w = mx.dequantize(words, scales.astype(mx.float32), biases.astype(mx.float32), group, bits)
-        w8 = cpu_packed.Int8Weight(torch.from_numpy(np.array(w)), source_bytes)
-        w8.source = f"{bits}-bit g{group}"
-        return w8
-    n = words.shape[0]
-    if bits in (4, 8):  # little-endian words: a byte is two codes, low nibble first, or one
-        b = np.array(words).view(np.uint8)
-        codes = b if bits == 8 else np.stack([b & 15, b >> 4], axis=-1).reshape(n, -1)
-    else:
-        codes = np.empty((n, words.shape[1] * 32 // bits), np.uint8)
-        ones = mx.ones((1, scales.shape[1]), mx.float32)
-        step = max(1, 2**22 // codes.shape[1])  # rows a float32 transient of 16 MiB holds
-        for lo in range(0, n, step):
-            part = words[lo:lo + step]
-            unit, zero = mx.broadcast_to(ones, (part.shape[0], ones.shape[1])), mx.zeros((part.shape[0], ones.shape[1]))
-            codes[lo:lo + step] = np.array(mx.dequantize(part, unit, zero, group, bits))
-    w = cpu_packed.Int4Weight.from_affine(codes, _to_numpy(scales).astype(np.float32),
-                                          _to_numpy(biases).astype(np.float32), bits, group, block_n)
-    w.source_bytes, w.source = source_bytes, f"{bits}-bit g{group}"
-    return w
-
-
-# The bits of a k-quant's codes in `kquant_affine`'s affine form (which widens Q5_K to 8 for the Triton kernel)
-KQUANT_CODE_BITS = {"Q4_K": 4, "Q5_K": 5}
-
-
-def kquant_weight(blocks: Any, ggml_type: str, dtype: torch.dtype, device: torch.device, packed: bool,
-                  cpu: cpu_packed.CPUSupport | None = None) -> Weight:
-    """A GGUF k-quant matrix's raw blocks (`load_checkpoint(kquant_blocks=True)`, uint8 (out, in / 256 *
-    bytes per block)) -> packed for `dequant_matmul` (its sub-blocks as affine groups of 16 or 32, float32
-    scales: `kernels_metal.reference.kquant_affine`); for torch's CPU kernels with `cpu` (Q4_K and Q5_K as
-    int4 planes of groups of 32, Q2_K, Q3_K and Q6_K, whose groups are 16, as int8 rows); or, unpacked,
-    dequantized and rounded to float16 as the MLX backend keeps them."""
-    import mlx.core as mx
-
-    from kernels_metal.reference import KQUANT_BLOCK_BYTES, dequantize_kquant, kquant_affine
-    from mlx_engine.loading.gguf_tensors import pack_words
-
-    out_features, in_features = blocks.shape[0], blocks.shape[1] // KQUANT_BLOCK_BYTES[ggml_type] * 256
-    if cpu is not None:
-        if ggml_type in KQUANT_CODE_BITS:
-            q, scales, biases, _, group = kquant_affine(blocks, ggml_type, out_features, in_features)
-            w = cpu_packed.Int4Weight.from_affine(np.array(q), np.array(scales), np.array(biases),
-                                                  KQUANT_CODE_BITS[ggml_type], group, cpu.block_n)
-        else:
-            w = cpu_packed.Int8Weight(torch.from_numpy(np.array(dequantize_kquant(blocks, ggml_type, out_features,
-                                                                                  in_features))))
-        w.source_bytes, w.source = blocks.nbytes, ggml_type
-        return w
-    if packed:
-        q, scales, biases, bits, group = kquant_affine(blocks, ggml_type, out_features, in_features)
-        words = pack_words(np.array(q), bits).view(np.int32)
-
-        def t(a: Any) -> torch.Tensor:
-            return torch.from_numpy(np.array(a)).to(device)
-
-        return QuantizedWeight(t(words), t(scales), t(biases), bits, group, act_dtype=dtype)
-    w = dequantize_kquant(blocks, ggml_type, out_features, in_features).astype(mx.float16)
-    return torch.from_numpy(_to_numpy(w)).to(device=device, dtype=dtype)
-
-
-def build_model(args: Any, weights: dict[str, Any], quantization: dict[str, Any] | None, dtype: torch.dtype,
-                device: torch.device, source: str, freq_factors: Any = None, packed: bool = False,
-                cpu: cpu_packed.CPUSupport | None = None) -> Model:
-    """`weights` is emptied as they convert (each source array freed once converted). `cpu`: quantized
-    weights held for torch's CPU kernels (`cpu_packed`), q/k/v and gate/up fused where they share a format."""
-    for k in [k for k in weights if "rotary_emb.inv_freq" in k or (args.tie_word_embeddings and k.startswith("lm_head."))]:
-        del weights[k]
-    tensors = convert_weights(weights, quantization, dtype, device, source, packed, cpu)
-    rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
-                args.rope_traditional, None if freq_factors is None else _to_numpy(freq_factors)).to(device)
-    _check_names(args, set(tensors), source)
-    model = Model(args, tensors, rope, device)
-    model.dtype = dtype
-    if cpu is not None:
-        fuse_projections(model)
-    return model
-
-
-def _check_names(args: Any, names: set[str], source: str) -> None:
-    """The checkpoint's tensors are exactly the architecture's (biases where the config allows them)."""
-    required = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if args.tie_word_embeddings
-                                                                      else {"lm_head.weight"})
-    optional = set()
-    for i in range(args.num_hidden_layers):
-        p = f"model.layers.{i}."
-        required |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            required.add(f"{p}self_attn.{name}.weight")
-            optional.add(f"{p}self_attn.{name}.bias")
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            required.add(f"{p}mlp.{name}.weight")
-            optional.add(f"{p}mlp.{name}.bias")
-        if args.qk_norm:
-            required |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
-    missing, unexpected = sorted(required - names), sorted(names - required - optional)
-    if missing or unexpected:
-        detail = "; ".join(f"{what} {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
-                           for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys)
-        raise ModelLoadError(f"{source}: weights do not match the {args.model_type!r} architecture: {detail}")

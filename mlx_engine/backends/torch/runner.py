@@ -26,7 +26,7 @@ from mlx_engine.backends.torch.kv import (
     PrefillView,
     TorchPagedCache,
 )
-from mlx_engine.backends.torch.model import build_model
+from mlx_engine.backends.torch.weights import build_model
 from mlx_engine.backends.torch.sampling import sample_rows
 from mlx_engine.backends.base import RunnerCapabilities
 from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers,
@@ -123,7 +123,7 @@ class TorchRunner(CacheRunner):
         """`kv_options`: KVConfig's fields (block_size, kv_bits, kv_group_size, kv_budget_bytes,
         prefix_caching, kv_key_bits, kv_key_per_channel); the quantized-KV ones are refused (the torch KV is
         unquantized). `cuda_graphs`: replay batched decode steps as CUDA graphs (default: on CUDA). `draft_bits`:
-        8 holds the draft as int8 for the CPU's int8 matmul, its float projections dropped (`model.quantize_int8`).
+        8 holds the draft as int8 for the CPU's int8 matmul, its float projections dropped (`draft_int8.quantize_int8`).
         `threads`: torch's CPU threads (default: all cores torch sees). `packed_cpu=False` (an int8 draft, made from
         float32 weights): quantized weights dequantized to float32 even where the CPU kernels could hold them.
         `compile`: decode-sized forwards through torch.compile graphs (`compiled.CompiledHalves`), compiled at load
@@ -151,7 +151,7 @@ class TorchRunner(CacheRunner):
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise RooflineError(f"prefill_chunk_size={prefill_chunk_size!r}: expected an integer >= 1")
         kv_config = KVConfig(**kv_options)
-        ckpt = load_checkpoint(model, kquant_blocks=True)  # k-quants: packed here on CUDA (model.kquant_weight)
+        ckpt = load_checkpoint(model, kquant_blocks=True)  # k-quants: packed here on CUDA (weights.kquant_weight)
         model_type = ckpt.config.get("model_type")
         if model_type not in TORCH_MODEL_TYPES:
             raise RooflineError(f"{ckpt.path}: model type {model_type!r} is not supported on the torch backend "
@@ -216,7 +216,7 @@ class TorchRunner(CacheRunner):
                 draft = cls.load(draft_model, device=dev.type, dtype=dtype, prefill_chunk_size=prefill_chunk_size,
                                  threads=threads, with_cache=False, packed_cpu=draft_bits is None)
                 if draft_bits is not None:
-                    from mlx_engine.backends.torch.model import quantize_int8
+                    from mlx_engine.backends.torch.draft_int8 import quantize_int8
 
                     quantize_int8(draft.model)
                     draft.info = dataclasses.replace(draft.info, quantization=f"{draft.info.quantization}, int8 draft",

@@ -1,0 +1,250 @@
+"""The checkpoint's MLX arrays as the torch model's weights (`build_model`): float tensors, or quantized layers
+held packed. MLX affine-quantized weights (uint32 words packed low bits first, per-group scales and biases)
+stay packed on CUDA, where `triton_kernels.dequant_matmul` reads them (`QuantizedWeight`: bit widths and group
+sizes it supports; others are dequantized at load), and on an x86-64 CPU with AVX2, where torch's int4 and
+int8 CPU kernels read them (`cpu_packed`). GGUF k-quants arrive as raw blocks (`kquant_weight`): packed as
+affine groups on CUDA and on the CPU. Elsewhere (a CPU without AVX2) quantized weights are dequantized once at
+load, to float32: the portable path.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from mlx_engine.api import ModelLoadError
+from mlx_engine.backends.torch import cpu_packed
+from mlx_engine.backends.torch import triton_kernels as tk
+from mlx_engine.backends.torch.model import FusedLinear, Model, RoPE, Weight
+
+
+@dataclass
+class QuantizedWeight:
+    packed: torch.Tensor  # (out, in * bits / 32) int32
+    scales: torch.Tensor  # (out, in / group_size)
+    biases: torch.Tensor
+    bits: int
+    group_size: int
+    act_dtype: torch.dtype | None = None  # rows' dtype when the scales are wider (k-quants: float32)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> x @ W.T (..., out) through the Triton kernel (CUDA)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        y = tk.dequant_matmul(x2, self.packed, self.scales, self.biases, self.bits, self.group_size)
+        return y.reshape(*x.shape[:-1], -1)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows `ids` (an embedding lookup): ids (...) -> (..., in)."""
+        flat = ids.reshape(-1)
+        w = tk.dequantize_ref(self.packed[flat], self.scales[flat], self.biases[flat], self.bits, self.group_size)
+        return w.reshape(*ids.shape, -1).to(self.act_dtype or w.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.biases))
+
+    @property
+    def num_parameters(self) -> int:
+        return self.packed.numel() * 32 // self.bits
+
+
+def fuse_projections(model: Model) -> None:
+    """q/k/v and gate/up as one packed matrix each, where they share a CPU format; the parts are dropped."""
+    for block in model.layers:
+        a, m = block.self_attn, block.mlp
+        for owner, names, fused_name in ((a, ("q_proj", "k_proj", "v_proj"), "qkv"), (m, ("gate_proj", "up_proj"),
+                                                                                      "gate_up")):
+            linears = tuple(getattr(owner, n) for n in names)
+            if not all(isinstance(lin.weight, cpu_packed.CPUWeight) for lin in linears):
+                continue
+            fused = cpu_packed.fuse([lin.weight for lin in linears])
+            if fused is not None:
+                setattr(owner, fused_name, FusedLinear(*fused, linears))
+                for n in names:
+                    setattr(owner, n, None)
+
+
+def _to_numpy(a: Any) -> np.ndarray:
+    import mlx.core as mx
+
+    if a.dtype == mx.bfloat16:  # numpy has no bfloat16: through float32 (exact)
+        a = a.astype(mx.float32)
+    return np.array(a)
+
+
+def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None, dtype: torch.dtype,
+                    device: torch.device, source: str, packed: bool,
+                    cpu: cpu_packed.CPUSupport | None = None) -> dict[str, Weight]:
+    """The checkpoint's MLX arrays -> torch: float tensors in `dtype` on `device`; each quantized layer
+    (`<path>.weight/.scales/.biases`) as a QuantizedWeight when `packed` (the Triton kernel's bit widths and
+    group sizes), held for torch's CPU kernels with `cpu` (`cpu_packed`), else dequantized to a float tensor by
+    mx.dequantize. `weights` is emptied as it goes, so that each source array is freed once converted."""
+    import mlx.core as mx
+
+    quantization = quantization or {}
+    if quantization.get("mode", "affine") != "affine":
+        raise ModelLoadError(f"{source}: {quantization['mode']!r} quantization is not supported on the torch backend "
+                             "(supported: MLX affine quantization, GGUF Q4_0/Q4_1/Q8_0)")
+    out: dict[str, Weight] = {}
+    paths = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
+    kquants = {p: spec["kquant"] for p, spec in quantization.items() if isinstance(spec, dict) and "kquant" in spec}
+    for key in [k for k in weights if k.rpartition(".")[2] == "weight"] + [k for k in weights]:
+        if key not in weights:
+            continue
+        value = weights.pop(key)
+        path, _, leaf = key.rpartition(".")
+        if path in kquants and leaf == "weight":
+            out[key] = kquant_weight(value, kquants[path], dtype, device, packed, cpu)
+            continue
+        if path in paths and leaf == "weight":
+            spec = quantization.get(path) if isinstance(quantization.get(path), dict) else {}
+            bits = int(spec.get("bits", quantization.get("bits", 4)))
+            group = int(spec.get("group_size", quantization.get("group_size", 64)))
+            scales, biases = weights.pop(f"{path}.scales"), weights.pop(f"{path}.biases", None)
+            if biases is None:
+                raise ModelLoadError(f"{source}: {path} is quantized without biases (only affine quantization "
+                                     "is supported on the torch backend)")
+            if packed and bits in tk.SUPPORTED_BITS and group in tk.SUPPORTED_GROUP_SIZES:
+                def t(a: Any) -> torch.Tensor:
+                    return torch.from_numpy(_to_numpy(a)).to(device=device, dtype=dtype)
+
+                words = torch.from_numpy(np.array(value).view(np.int32)).to(device)  # uint32 bits as int32
+                out[key] = QuantizedWeight(words, t(scales), t(biases), bits, group)
+                continue
+            if cpu is not None:
+                out[key] = cpu_affine_weight(value, scales, biases, bits, group, cpu.block_n)
+                continue
+            value = mx.dequantize(value, scales.astype(mx.float32), biases.astype(mx.float32), group, bits)
+        if not mx.issubdtype(value.dtype, mx.floating):
+            raise ModelLoadError(f"{source}: tensor {key} has dtype {value.dtype} and is not a quantized weight")
+        out[key] = torch.from_numpy(_to_numpy(value)).to(device=device, dtype=dtype)
+    return out
+
+
+def cpu_affine_weight(words: Any, scales: Any, biases: Any, bits: int, group: int, block_n: int) -> Weight:
+    """An MLX affine-quantized matrix -> int4 planes (`cpu_packed.Int4Weight`; its codes read by
+    mx.dequantize with unit scales and zero biases, exact in any of MLX's bit layouts), or int8 rows for a
+    group size the int4 kernel lacks."""
+    import mlx.core as mx
+
+    source_bytes = sum(a.nbytes for a in (words, scales, biases))
+    if group not in cpu_packed.INT4_GROUP_SIZES or bits > 8:
+        w = mx.dequantize(words, scales.astype(mx.float32), biases.astype(mx.float32), group, bits)
+        w8 = cpu_packed.Int8Weight(torch.from_numpy(np.array(w)), source_bytes)
+        w8.source = f"{bits}-bit g{group}"
+        return w8
+    n = words.shape[0]
+    if bits in (4, 8):  # little-endian words: a byte is two codes, low nibble first, or one
+        b = np.array(words).view(np.uint8)
+        codes = b if bits == 8 else np.stack([b & 15, b >> 4], axis=-1).reshape(n, -1)
+    else:
+        codes = np.empty((n, words.shape[1] * 32 // bits), np.uint8)
+        ones = mx.ones((1, scales.shape[1]), mx.float32)
+        step = max(1, 2**22 // codes.shape[1])  # rows a float32 transient of 16 MiB holds
+        for lo in range(0, n, step):
+            part = words[lo:lo + step]
+            unit, zero = mx.broadcast_to(ones, (part.shape[0], ones.shape[1])), mx.zeros((part.shape[0], ones.shape[1]))
+            codes[lo:lo + step] = np.array(mx.dequantize(part, unit, zero, group, bits))
+    w = cpu_packed.Int4Weight.from_affine(codes, _to_numpy(scales).astype(np.float32),
+                                          _to_numpy(biases).astype(np.float32), bits, group, block_n)
+    w.source_bytes, w.source = source_bytes, f"{bits}-bit g{group}"
+    return w
+
+
+# The bits of a k-quant's codes in `kquant_affine`'s affine form (which widens Q5_K to 8 for the Triton kernel)
+KQUANT_CODE_BITS = {"Q4_K": 4, "Q5_K": 5}
+
+
+def kquant_weight(blocks: Any, ggml_type: str, dtype: torch.dtype, device: torch.device, packed: bool,
+                  cpu: cpu_packed.CPUSupport | None = None) -> Weight:
+    """A GGUF k-quant matrix's raw blocks (`load_checkpoint(kquant_blocks=True)`, uint8 (out, in / 256 *
+    bytes per block)) -> packed for `dequant_matmul` (its sub-blocks as affine groups of 16 or 32, float32
+    scales: `kernels_metal.reference.kquant_affine`); for torch's CPU kernels with `cpu` (Q4_K and Q5_K as
+    int4 planes of groups of 32, Q2_K, Q3_K and Q6_K, whose groups are 16, as int8 rows); or, unpacked,
+    dequantized and rounded to float16 as the MLX backend keeps them."""
+    import mlx.core as mx
+
+    from kernels_metal.reference import KQUANT_BLOCK_BYTES, dequantize_kquant, kquant_affine
+    from mlx_engine.loading.gguf_tensors import pack_words
+
+    out_features, in_features = blocks.shape[0], blocks.shape[1] // KQUANT_BLOCK_BYTES[ggml_type] * 256
+    if cpu is not None:
+        if ggml_type in KQUANT_CODE_BITS:
+            q, scales, biases, _, group = kquant_affine(blocks, ggml_type, out_features, in_features)
+            w = cpu_packed.Int4Weight.from_affine(np.array(q), np.array(scales), np.array(biases),
+                                                  KQUANT_CODE_BITS[ggml_type], group, cpu.block_n)
+        else:
+            w = cpu_packed.Int8Weight(torch.from_numpy(np.array(dequantize_kquant(blocks, ggml_type, out_features,
+                                                                                  in_features))))
+        w.source_bytes, w.source = blocks.nbytes, ggml_type
+        return w
+    if packed:
+        q, scales, biases, bits, group = kquant_affine(blocks, ggml_type, out_features, in_features)
+        words = pack_words(np.array(q), bits).view(np.int32)
+
+        def t(a: Any) -> torch.Tensor:
+            return torch.from_numpy(np.array(a)).to(device)
+
+        return QuantizedWeight(t(words), t(scales), t(biases), bits, group, act_dtype=dtype)
+    w = dequantize_kquant(blocks, ggml_type, out_features, in_features).astype(mx.float16)
+    return torch.from_numpy(_to_numpy(w)).to(device=device, dtype=dtype)
+
+
+def build_model(args: Any, weights: dict[str, Any], quantization: dict[str, Any] | None, dtype: torch.dtype,
+                device: torch.device, source: str, freq_factors: Any = None, packed: bool = False,
+                cpu: cpu_packed.CPUSupport | None = None) -> Model:
+    """`weights` is emptied as they convert (each source array freed once converted). `cpu`: quantized
+    weights held for torch's CPU kernels (`cpu_packed`), q/k/v and gate/up fused where they share a format."""
+    for k in [k for k in weights if "rotary_emb.inv_freq" in k or (args.tie_word_embeddings and k.startswith("lm_head."))]:
+        del weights[k]
+    tensors = convert_weights(weights, quantization, dtype, device, source, packed, cpu)
+    rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
+                args.rope_traditional, None if freq_factors is None else _to_numpy(freq_factors)).to(device)
+    _check_names(args, set(tensors), source)
+    model = Model(args, tensors, rope, device)
+    model.dtype = dtype
+    if cpu is not None:
+        fuse_projections(model)
+    release_freed()
+    return model
+
+
+def release_freed() -> None:
+    """The memory the conversion freed, handed back: MLX's buffer cache (the source arrays') and, under glibc,
+    the heap's free pages, which malloc otherwise keeps for the process (the readings: docs/benchmarks.md,
+    "Issue 27 follow-ups")."""
+    import ctypes
+    import ctypes.util
+
+    import mlx.core as mx
+
+    mx.clear_cache()
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+
+
+def _check_names(args: Any, names: set[str], source: str) -> None:
+    """The checkpoint's tensors are exactly the architecture's (biases where the config allows them)."""
+    required = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if args.tie_word_embeddings
+                                                                      else {"lm_head.weight"})
+    optional = set()
+    for i in range(args.num_hidden_layers):
+        p = f"model.layers.{i}."
+        required |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            required.add(f"{p}self_attn.{name}.weight")
+            optional.add(f"{p}self_attn.{name}.bias")
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            required.add(f"{p}mlp.{name}.weight")
+            optional.add(f"{p}mlp.{name}.bias")
+        if args.qk_norm:
+            required |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+    missing, unexpected = sorted(required - names), sorted(names - required - optional)
+    if missing or unexpected:
+        detail = "; ".join(f"{what} {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
+                           for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys)
+        raise ModelLoadError(f"{source}: weights do not match the {args.model_type!r} architecture: {detail}")

@@ -1,0 +1,16 @@
+"""Where the engine keeps what it measures or reads once between runs (header summaries, cost curves, compiled
+graphs)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """`ROOFLINE_CACHE_DIR`, else platformdirs' user cache dir."""
+    if path := os.environ.get("ROOFLINE_CACHE_DIR"):
+        return Path(path).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("roofline", appauthor=False))
