@@ -8,6 +8,7 @@ sliding mask). Kernel tolerances are tests/test_kernels_attention.py's (the kern
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,7 +18,7 @@ import pytest
 from kernels_metal import KVPool, _backend, reference
 from kernels_metal import paged_decode_attention
 from mlx_engine import Engine, GenerationRequest, SamplingParams
-from tests.tiny_models import random_llama_folder
+from tests.tiny_models import GOLDEN, random_llama_folder
 from tests.tolerance import assert_f32_close
 
 KERNEL_ATOL = {mx.float32: 1e-5, mx.float16: 2e-3}
@@ -424,3 +425,34 @@ def test_the_per_kind_cache_implements_the_kv_contract() -> None:
     cache.start("a", list(range(40)))
     views = cache.prefill_layers("a", 0, 40)
     assert [v.storage.window for v in views] == [WINDOW, None, WINDOW] and [v.layer for v in views] == [0, 0, 1]
+
+
+def test_a_2000_token_chat_on_gemma3_keeps_its_sliding_layers_bounded(tmp_path: Path) -> None:
+    """The tiny gemma3 (transformers 5's golden: three sliding layers of window 8 and one full layer, on mlx-lm's
+    class through the adapter) with its context raised to 4,096: ten turns of 150 user tokens and 50 replies. The
+    sliding layers' pool holds at most cdiv(8 - 1 + 32, 16) + 1 = 4 blocks while a chunk of 32 prefills and
+    cdiv(8, 16) + 1 = 2 while decoding; the full layer's grows with the chat. Every reply equals mlx-lm's own
+    caches (RotatingKVCache on the sliding layers). Its logits past the window match transformers in
+    tests/test_adapter.py."""
+    dst = tmp_path / "gemma3"
+    shutil.copytree(GOLDEN / "gemma3_text", dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (dst / "config.json").write_text(json.dumps(config))
+    with Engine.load(str(dst), paged_kv=False) as ref:
+        want_tokens, want = conversation(ref, 10, 150, 50)
+    sliding: list[int] = []
+    full: list[int] = []
+
+    def probe() -> None:
+        kinds = {k["window"]: k["used"] for k in e.kv_stats()["kinds"]}
+        sliding.append(kinds[8])
+        full.append(kinds[None])
+
+    with Engine.load(str(dst), block_size=BS, prefill_chunk_size=32) as e:
+        assert e.kv_stats()["kind"] == "paged" and e.info.warnings == ()
+        tokens, lps = conversation(e, 10, 150, 50, probe=probe)
+    assert len(tokens) == 500 and tokens == want_tokens
+    assert np.array_equal(lps[..., 0], want[..., 0])
+    assert_f32_close(lps[..., 1], want[..., 1], 48, "2,000-token gemma3 chat vs mlx-lm's caches")
+    assert max(sliding) <= 4 and max(full) == -(-2000 // BS)
