@@ -431,3 +431,19 @@ def test_kquant_gguf(tmp_path, kernels, monkeypatch):
         a, b = engine.forward_logits(PROMPT), want.forward_logits(PROMPT)
         assert float(np.abs(a - b).max()) <= 2e-6 * float(np.abs(b).max())
         assert run(engine, PROMPT, 8)[0] == run(want, PROMPT, 8)[0]
+
+
+def test_seeded_sampling_repeats_and_seeds_differ(llama):
+    """A seed is a request's own stream (one torch.Generator per sampler): the same seed gives the same tokens,
+    and another seed other tokens. (Beside another request it does not yet: a solo request's first token is
+    drawn by the MLX sampler's key, a packed step's by the torch generator.)"""
+    def start(seed: int):
+        return llama.generate(GenerationRequest(prompt_token_ids=[5, 6, 7, 8], sampling=SamplingParams(
+            temperature=1.0, max_tokens=24, ignore_eos=True, seed=seed)))
+
+    def tokens(stream) -> list[int]:
+        return [t for e in stream for t in e.token_ids]
+
+    first, again, other = tokens(start(3)), tokens(start(3)), tokens(start(4))
+    assert first == again and len(first) == 24
+    assert other != first

@@ -15,6 +15,7 @@ code"). Here the same distribution is drawn on the device:
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -44,12 +45,14 @@ def gumbel_draw(z: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.argmax(z - torch.log(-torch.log(uniform.clamp_min(TINY))), dim=-1)
 
 
+_GENERATORS: weakref.WeakKeyDictionary[Any, torch.Generator] = weakref.WeakKeyDictionary()  # a request's own stream
+
+
 def _generator(sampler: Any, device: torch.device) -> torch.Generator:
-    g = getattr(sampler, "_torch_generator", None)
+    g = _GENERATORS.get(sampler)
     if g is None or g.device != device:
-        g = torch.Generator(device=device)
+        g = _GENERATORS[sampler] = torch.Generator(device=device)
         g.manual_seed(sampler.seed)
-        sampler._torch_generator = g
     return g
 
 
