@@ -266,8 +266,11 @@ class Scheduler:
                 logits = runner.packed_logits(inputs, layers, list(range(end - start)))
                 s.score_chunk(start, end, logits)
             if end == len(s.prompt) and s.max_new:  # the last chunk: its last position gives the first token
-                last = logits[-1:] if logits is not None else runner.prefill_logits(inputs, layers)
-                new.append((s, *self._sample(s, last)))
+                if logits is None and plain([s]):  # drawn where a packed step draws it, so batching moves no seed
+                    new.append((s, runner.decode_sample(inputs, layers, [s.sampler])[0], None))
+                else:
+                    last = logits[-1:] if logits is not None else runner.prefill_logits(inputs, layers)
+                    new.append((s, *self._sample(s, last)))
                 if s.spec is not None:
                     s.spec.prefill(s.prompt)
             else:

@@ -435,8 +435,8 @@ def test_kquant_gguf(tmp_path, kernels, monkeypatch):
 
 def test_seeded_sampling_repeats_and_seeds_differ(llama):
     """A seed is a request's own stream (one torch.Generator per sampler): the same seed gives the same tokens,
-    and another seed other tokens. (Beside another request it does not yet: a solo request's first token is
-    drawn by the MLX sampler's key, a packed step's by the torch generator.)"""
+    alone or beside another request (a solo prompt's first token is drawn where a packed step's is, by the
+    runner), and another seed other tokens."""
     def start(seed: int):
         return llama.generate(GenerationRequest(prompt_token_ids=[5, 6, 7, 8], sampling=SamplingParams(
             temperature=1.0, max_tokens=24, ignore_eos=True, seed=seed)))
@@ -445,5 +445,6 @@ def test_seeded_sampling_repeats_and_seeds_differ(llama):
         return [t for e in stream for t in e.token_ids]
 
     first, again, other = tokens(start(3)), tokens(start(3)), tokens(start(4))
-    assert first == again and len(first) == 24
+    together = [tokens(s) for s in [start(3), start(9)]]
+    assert first == again == together[0] and len(first) == 24
     assert other != first
