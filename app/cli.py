@@ -227,8 +227,8 @@ def _parser() -> argparse.ArgumentParser:
                     "--host and this machine's name; repeat for more, or '*' for any. Others get 403, so a web page "
                     "cannot reach the server through a DNS name of its own (DNS rebinding)")
     sv.add_argument("--max-concurrency", type=int, default=16,
-                    help="requests generating at once (default 16); more wait in a queue of --max-queue, "
-                    "beyond it they get 429")
+                    help="requests generating at once, batched together by the engine (default 16); more wait in "
+                    "a queue of --max-queue, beyond it they get 429")
     sv.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot (default 64)")
     sv.add_argument("--default-max-tokens", type=int, default=2048,
                     help="tokens a request without max_tokens may generate, within the context (default 2048; "
@@ -423,6 +423,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise RooflineError(f"--allow-host {host!r}: expected a host name like roofline.lan (no scheme, port or "
                                 "path), or '*'")
     options, speculative = {**_load_options(args), **runner_options(args)}, _speculative(args)
+    options["max_seqs"] = args.max_concurrency  # the requests the server lets run are the ones the engine batches
     return serve(lambda: _load_engine(args.model, no_tokenizer="warn", **options),
                  host=args.host, port=args.port, api_key=args.api_key or None,
                  max_concurrency=args.max_concurrency, max_queue=args.max_queue,

@@ -334,3 +334,22 @@ def test_draft_flags_without_a_draft_model_are_one_clear_line(monkeypatch, capsy
     monkeypatch.setattr(tui_pkg, "run", lambda model, **options: seen.update(chat=(model, options)) or 0)
     assert cli.main(["chat", "-m", "big.gguf", "--draft-model", small, "--draft-bits", "8"]) == 0
     assert seen["chat"] == ("big.gguf", {"draft_model": small, "draft_bits": 8, "draft_optional": True})
+
+
+def test_serve_max_concurrency_is_the_engine_s_batch(monkeypatch) -> None:
+    """--max-concurrency requests run at once, so the engine is loaded to batch that many (Engine.load's
+    max_seqs): 64 running requests were 16 decoding and 48 waiting in the scheduler."""
+    import app.server as server_pkg
+    from app import cli
+
+    loaded: dict = {}
+    monkeypatch.setattr(cli, "_load_engine", lambda model, **options: loaded.update(options) or "engine")
+
+    def serve(factory, **kw) -> int:
+        assert factory() == "engine"
+        return 0
+
+    monkeypatch.setattr(server_pkg, "serve", serve)
+    assert cli.main(["serve", "--max-concurrency", "64"]) == 0
+    assert loaded["max_seqs"] == 64
+    assert cli.main(["serve"]) == 0 and loaded["max_seqs"] == 16
