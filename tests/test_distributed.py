@@ -124,6 +124,18 @@ TOGETHER = [[greedy(PREFIX[i:] + PREFIX[:i], 6) for i in (1, 2, 3)],
              {"ids": PREFIX[i:i + 4], "sampling": {"temperature": 0.9, "top_p": 0.95, "seed": i, "max_tokens": 6,
                                                    "ignore_eos": True}} for i in range(MANY_DECODING)]]
 TOGETHER_OPTIONS = {"max_seqs": MANY_DECODING, "kv_budget_bytes": 2**20}  # a block each and the three prompts
+# decode steps in lockstep, so that the many sequences' steps are cut into micro-batches (in flight, each group's
+# step is a forward of its own, not cut)
+LOCKSTEP = {"ROOFLINE_PIPELINE_IN_FLIGHT": "0"}
+# 2, 3 and 4 requests at once, of different lengths (groups change as they end), greedy and seeded: decode steps
+# of each group of sequences in flight on the pipeline
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "ignore_eos": True}
+CONCURRENT = [[greedy(PREFIX[i:i + 5 + i], 9 + 3 * i) for i in range(2)],
+              [greedy(PREFIX[i:i + 4], 7 + 4 * i) if i != 1 else
+               {"ids": PREFIX[3:11], "sampling": {**SEEDED, "seed": 5, "max_tokens": 14}} for i in range(3)],
+              [greedy(PREFIX[9 * i:9 * i + 6], 16 - 3 * i) if i % 2 else
+               {"ids": PREFIX[9 * i:9 * i + 3], "sampling": {**SEEDED, "seed": i, "max_tokens": 11 + i}}
+               for i in range(4)]]
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +149,7 @@ def big_layers(tmp_path_factory) -> Path:
 def test_two_ranks_match_one_process(tmp_path, mode, big_layers):
     runs = [{"model": str(GOLDEN / name), "batches": golden_batches(name)} for name in TINY]
     runs.append({"model": str(GOLDEN / "llama"), "options": WORK_OPTIONS, "batches": WORK})
-    runs.append({"model": str(GOLDEN / "llama"), "options": TOGETHER_OPTIONS, "batches": TOGETHER})
+    runs.append({"model": str(GOLDEN / "llama"), "options": TOGETHER_OPTIONS, "batches": TOGETHER, "env": LOCKSTEP})
     runs.append({"model": str(big_layers), "batches": [[greedy([1, 2, 3], 2)]]})
     results = run_scenario(tmp_path, mode, runs)
     assert len(results) == len(runs), results
@@ -172,6 +184,25 @@ def test_two_ranks_match_one_process(tmp_path, mode, big_layers):
         assert [r["kv_layers"] for r in ranks] == [4, 4]
     else:
         assert [r["kv_heads"] for r in ranks] == [1, 1]
+
+
+def test_pipeline_in_flight_matches_one_process(tmp_path):
+    """2, 3 and 4 concurrent requests, each group's decode step in flight while the other's runs: the tokens of one
+    process, as in lockstep; both ranks ran every forward."""
+    model = str(GOLDEN / "llama")
+    flight, lockstep = run_scenario(tmp_path, "pipeline", [{"model": model, "batches": CONCURRENT},
+                                                           {"model": model, "batches": CONCURRENT, "env": LOCKSTEP}])
+    ref = one_process(model, CONCURRENT)
+    assert len(flight["requests"]) == len(ref) - 1 == 9
+    for i, (a, b, c) in enumerate(zip(flight["requests"], lockstep["requests"], ref)):
+        assert a["tokens"] == b["tokens"] == c["tokens"], f"request {i}: {a} / {b} / {c}"
+        assert a["finish"] == c["finish"] == "length" and not a["error"]
+    for run, in_flight in ((flight, True), (lockstep, False)):
+        ranks = run["kv"]["ranks"]
+        assert ranks[0]["forwards"] == ranks[1]["forwards"], ranks
+        flown = ranks[0]["in_flight_forwards"]
+        # most decode steps: every step but the prefills and those where one sequence decodes alone
+        assert (flown > ranks[0]["forwards"] // 2) if in_flight else flown == 0, ranks[0]
 
 
 def test_smollm2_pipeline_matches_one_process(tmp_path):
@@ -328,12 +359,13 @@ def test_rank_killed_mid_generation_ends_the_run(tmp_path):
     assert rank_pid(proc.pid, 0) is None
 
 
-def test_silent_rank_ends_the_run_at_the_deadline(tmp_path):
-    """A rank that stops answering (SIGSTOP: no connection closes) is named once the deadline passes."""
+def _signal_rank_1(tmp_path: Path, mode: str, batch: list[dict], signum: int) -> tuple[float, str]:
+    """Starts `batch` on two ranks (a 4 s deadline), sends rank 1 `signum` once the first token is out, and returns
+    how long rank 0 lived on after it and the launch's stderr."""
     started = tmp_path / "started"
-    spec, out = tmp_path / "silent.json", tmp_path / "silent-out.json"
-    run = {"model": str(GOLDEN / "llama"), "started_file": str(started), "batches": [[greedy([1, 2, 3], 400)]]}
-    spec.write_text(json.dumps({"mode": "tensor", "runs": [run]}))
+    spec, out = tmp_path / "signalled.json", tmp_path / "signalled-out.json"
+    run = {"model": str(GOLDEN / "llama"), "started_file": str(started), "batches": [batch]}
+    spec.write_text(json.dumps({"mode": mode, "runs": [run]}))
     proc = subprocess.Popen(launch_cmd(str(RANKS), str(spec), str(out)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env(ROOFLINE_DISTRIBUTED_TIMEOUT="4"))
     victim = None
@@ -343,21 +375,45 @@ def test_silent_rank_ends_the_run_at_the_deadline(tmp_path):
             time.sleep(0.1)
         victim = rank_pid(proc.pid, 1)
         assert started.exists() and victim is not None, proc.communicate(timeout=30)
-        os.kill(victim, signal.SIGSTOP)
-        stopped = time.monotonic()
-        while rank_pid(proc.pid, 0) is not None and time.monotonic() - stopped < 30:
+        time.sleep(0.3)  # every request decoding
+        os.kill(victim, signum)
+        signalled = time.monotonic()
+        while rank_pid(proc.pid, 0) is not None and time.monotonic() - signalled < 30:
             time.sleep(0.2)
-        took = time.monotonic() - stopped
+        took = time.monotonic() - signalled
     finally:
         if victim is not None:
-            os.kill(victim, signal.SIGKILL)  # stopped: the launcher's SIGTERM would wait for ever
+            try:
+                os.kill(victim, signal.SIGKILL)  # stopped: the launcher's SIGTERM would wait for ever
+            except ProcessLookupError:
+                pass  # killed already
         try:
             _, err = proc.communicate(timeout=60)
         finally:
             kill_launch(proc)
+    return took, err
+
+
+def test_silent_rank_ends_the_run_at_the_deadline(tmp_path):
+    """A rank that stops answering (SIGSTOP: no connection closes) is named once the deadline passes."""
+    took, err = _signal_rank_1(tmp_path, "tensor", [greedy([1, 2, 3], 400)], signal.SIGSTOP)
     assert took < 15, took
     line = [x for x in err.splitlines() if "roofline: error" in x]
     assert line and "no answer from rank 1 (127.0.0.1:" in line[0] and "for 4 s" in line[0], err
+    assert "Node with rank 0 exited with code 3" in err, err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_rank_lost_with_decode_steps_in_flight(tmp_path, signum):
+    """Three sequences decoding on the pipeline, a group's step in flight at any time: rank 1 killed (its
+    connections close) or stopped (they do not) ends the run with EXIT_RANK_LOST, naming rank 1."""
+    took, err = _signal_rank_1(tmp_path, "pipeline", [greedy([1, 2, 3 + i], 400) for i in range(3)], signum)
+    assert took < 15, took
+    line = [x for x in err.splitlines() if "roofline: error" in x]
+    if signum == signal.SIGKILL:
+        assert line and "rank 1" in line[0] and ("lost" in line[0] or "ended" in line[0]), err
+    else:
+        assert line and "no answer from rank 1 (127.0.0.1:" in line[0] and "for 4 s" in line[0], err
     assert "Node with rank 0 exited with code 3" in err, err
 
 

@@ -22,6 +22,7 @@ runs on the caller's thread in the engine, from the attributes below; everything
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -41,9 +42,24 @@ class RunnerCapabilities:
     # for a capability declared False: why, as the user is told it ("rollback": a clause after the model's name;
     # "self_draft", "hidden_states": a predicate after "speculative='self'" / "hidden states")
     why_not: Mapping[str, str] = field(default_factory=dict)
+    # > 1: the runner is an `InFlightDecode` (a pipeline of that many ranks): the scheduler may step the decoding
+    # sequences in that many groups in turn, each group's step in flight while the others' run
+    decode_groups: int = 1
 
     def reason(self, name: str) -> str:
         return self.why_not.get(name, f"this runner does not support {name}")
+
+
+@runtime_checkable
+class InFlightDecode(Protocol):
+    """A runner whose `RunnerCapabilities.decode_groups` is above 1. Inside `in_flight()`, a plain decode forward
+    (`decode_sample`, or `packed_sample` over decode rows alone) only starts: its tokens come back lazy and are
+    evaluated by the runner's later calls, the oldest first once `decode_groups - 1` are in flight; until then the
+    caller must not evaluate them. `settle()` finishes every forward in flight (any other forward does so first)."""
+
+    def in_flight(self) -> AbstractContextManager[None]: ...
+
+    def settle(self) -> None: ...
 
 
 @runtime_checkable

@@ -14,6 +14,9 @@ import json
 import os
 import threading
 import zlib
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -23,7 +26,8 @@ from mlx_engine.api import RooflineError
 from mlx_engine.backends.base import RunnerCapabilities
 from mlx_engine.distributed.mirror import MirroredCache, PlanLog, PlannedLayers, TrimRecorded, lockstep_figures
 from mlx_engine.distributed.node import Node
-from mlx_engine.distributed.stage import MIN_DECODE_ROWS_PER_MICRO_BATCH, micro_batches
+from mlx_engine.distributed.stage import MIN_DECODE_ROWS_PER_MICRO_BATCH, InFlight, micro_batches
+from mlx_engine.kv.views import PackedView, PagedDecodeView
 
 
 def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
@@ -34,6 +38,7 @@ def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
 
 MICRO_BATCHES_ENV = "ROOFLINE_PIPELINE_MICRO_BATCHES"
 DECODE_ROWS_ENV = "ROOFLINE_PIPELINE_DECODE_ROWS"
+IN_FLIGHT_ENV = "ROOFLINE_PIPELINE_IN_FLIGHT"
 
 
 def _whole_env(name: str, default: int) -> int:
@@ -57,6 +62,23 @@ def min_decode_rows() -> int:
     return _whole_env(DECODE_ROWS_ENV, MIN_DECODE_ROWS_PER_MICRO_BATCH)
 
 
+def decode_groups(mode: str, num_ranks: int) -> int:
+    """Groups of decoding sequences the scheduler may step in turn, each in flight while the others run: one per
+    pipeline rank; 1 (lockstep) for tensor parallel, or with $ROOFLINE_PIPELINE_IN_FLIGHT=0 (for measuring what it
+    gains)."""
+    raw = os.environ.get(IN_FLIGHT_ENV, "")
+    if raw not in ("", "0", "1"):
+        raise RooflineError(f"{IN_FLIGHT_ENV}={raw!r}: expected 1 (a decode step of each group of sequences in "
+                            "flight on the pipeline, the default) or 0 (every rank in lockstep)")
+    return num_ranks if mode == "pipeline" and raw != "0" else 1
+
+
+def _decode_only(layers: list[Any]) -> bool:
+    view = layers[0]
+    return isinstance(view, PagedDecodeView) or (isinstance(view, PackedView) and view.decode is not None
+                                                 and not view.spans)
+
+
 def tables_checksum(cache: Any, req_ids: list[str]) -> int:
     return zlib.crc32(json.dumps(lockstep_figures(cache, req_ids)).encode())
 
@@ -75,12 +97,15 @@ class DistributedRunner:
         self.vocab_size, self.eos_ids, self.fingerprint = local.vocab_size, local.eos_ids, local.fingerprint
         self.draft, self.self_draft_layers = local.draft, 0
         self.capabilities = RunnerCapabilities(rollback=True, kv_files=False, self_draft=False, hidden_states=False,
-                                               max_batch=local.capabilities.max_batch, why_not={
+                                               max_batch=local.capabilities.max_batch,
+                                               decode_groups=decode_groups(node.mode, node.size), why_not={
             "kv_files": "KV files are not available with --distributed: each rank holds a part of it",
             "self_draft": "is not available with --distributed: the model's first layers are on another rank; use "
                           "'prompt-lookup' or 'draft'",
             "hidden_states": "are not available with --distributed: each rank holds only its layers"})
         self.closed = False
+        self._pending: deque[InFlight] = deque()  # forwards in flight, oldest first (`in_flight`)
+        self._flying = False
         self._owner = threading.current_thread()  # the engine thread: the only one that may use the channel
         self._link: dict[str, float] | None = None
         self.micro_batches, self.min_decode_rows = micro_batch_count(node.size), min_decode_rows()
@@ -108,22 +133,59 @@ class DistributedRunner:
         except Exception:  # noqa: BLE001 - exiting anyway; the other ranks then report rank 0 lost
             pass
 
-    def _send(self, plan: dict[str, Any], doing: str = "sending a step's plan") -> None:
+    def _send(self, plan: dict[str, Any], doing: str = "sending a step's plan", settle: bool = True) -> None:
         if threading.current_thread() is not self._owner:
             raise RooflineError("a distributed runner's collectives run on the engine thread only")
+        if settle:  # every rank takes its plans in order: the forwards in flight end before anything else
+            self.settle()
         plan["ops"] = self.log.take()
         self.node.channel.broadcast(json.dumps(plan, separators=(",", ":")).encode(), doing)
 
+    @contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """`backends.base.InFlightDecode`: the plain decode forwards inside only start (`Stage.launch`)."""
+        self._flying = True
+        try:
+            yield
+        finally:
+            self._flying = False
+
+    def settle(self) -> None:
+        """Finishes every forward in flight, oldest first."""
+        while self._pending:
+            self.node.stage.complete(self._pending.popleft())
+
     def _forward(self, inputs: mx.array, layers: list[Any]) -> mx.array:
-        """inputs (B, L) -> final hidden states (B, L, hidden), evaluated, after every rank ran its part."""
+        """inputs (B, L) -> final hidden states (B, L, hidden), evaluated, after every rank ran its part; in flight
+        (`in_flight`), lazy: rank 0's part is computed by a later call."""
         if not isinstance(layers, PlannedLayers):
             raise RooflineError("a distributed forward needs views from the engine's cache (runner.cache)")
+        flying = self._flying and self.node.mode == "pipeline" and _decode_only(layers)
+        oldest = None
+        if not flying:
+            self.settle()
+        elif len(self._pending) >= self.capabilities.decode_groups - 1:
+            # its rows are back first: on two ranks the ring then never has both ranks sending at once
+            oldest = self._pending.popleft()
+            self.node.stage.arrive(oldest)
         tokens = np.array(inputs, dtype=np.int32)  # the step's ids go to every rank: read them now
-        groups = micro_batches(layers, self.micro_batches, self.min_decode_rows) if self.node.mode == "pipeline" \
-            else None
+        groups = micro_batches(layers, self.micro_batches, self.min_decode_rows) \
+            if self.node.mode == "pipeline" and not flying else None
         self._send({"do": "forward", "views": layers.op, "tokens": tokens.tolist(), "groups": groups,
-                    "crc": tables_checksum(self.local.cache, self.log.view_reqs.get(layers.op, []))})
-        return self.node.stage.forward(mx.array(tokens), layers, groups)
+                    "crc": tables_checksum(self.local.cache, self.log.view_reqs.get(layers.op, []))}, settle=False)
+        if not flying:
+            return self.node.stage.forward(mx.array(tokens), layers, groups)
+        flight = self.node.stage.launch(mx.array(tokens), layers)
+        if oldest is not None:  # rank 0's part of the oldest while the other ranks run this one
+            self.node.stage.complete(oldest)
+        self._pending.append(flight)
+        return flight.hidden
+
+    def _sampled(self, tokens: mx.array) -> mx.array:
+        """A decode forward's sampled tokens: in flight, evaluated with the rest of rank 0's part of it."""
+        if self._flying and self._pending:
+            self._pending[-1].outputs.append(tokens)
+        return tokens
 
     def gather_figures(self) -> list[dict[str, Any]]:
         """Every rank's weights, KV pool and traffic (`Node.figures`), by rank."""
@@ -170,7 +232,7 @@ class DistributedRunner:
     prefill_logits = decode_logits = _last_logits
 
     def decode_sample(self, inputs: mx.array, layers: list[Any], samplers: list[Any]) -> mx.array:
-        return _sample_rows(self.decode_logits(inputs, layers), samplers)
+        return self._sampled(_sample_rows(self.decode_logits(inputs, layers), samplers))
 
     def packed_logits(self, inputs: mx.array, layers: list[Any], rows: list[int]) -> mx.array | None:
         out = self._forward(inputs, layers)
@@ -179,7 +241,7 @@ class DistributedRunner:
     def packed_sample(self, inputs: mx.array, layers: list[Any], rows: list[int],
                       samplers: list[Any]) -> mx.array | None:
         logits = self.packed_logits(inputs, layers, rows)
-        return None if logits is None else _sample_rows(logits, samplers)
+        return None if logits is None else self._sampled(_sample_rows(logits, samplers))
 
     def verify_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         return self.logits(self._forward(inputs, layers))[0]

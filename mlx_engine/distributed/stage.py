@@ -13,6 +13,7 @@ and MLP columns, the model's two all-sums per layer (`shard.SumAcrossRanks`) kee
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -137,6 +138,20 @@ def run_layers(model: Any, h: mx.array, layers: list[Any]) -> mx.array:
     return h
 
 
+@dataclass
+class InFlight:
+    """Rank 0's part of a pipelined decode forward that has only started (`Stage.launch`): its rows are out on the
+    ring, and what rank 0 computes from them once they are back is a lazy graph. `received`: the activations from
+    rank N-1 (a recv, unevaluated); `hidden`: the final hidden states; `state`: the KV arrays as this forward leaves
+    them; `outputs`: what the caller built on `hidden` (the sampled tokens), evaluated with it."""
+
+    received: mx.array
+    hidden: mx.array
+    state: list[mx.array]
+    outputs: list[mx.array] = field(default_factory=list)
+    arrived: bool = False
+
+
 class Stage:
     """This rank's part of a forward. `waiting(doing)`: a context that keeps the run's deadline on rank 0 (names the
     peer and ends the run when it passes, or when the connection is lost), a no-op elsewhere; `state(layers)` is
@@ -150,6 +165,7 @@ class Stage:
         self.bytes_exchanged = 0  # activation bytes this rank sent (pipeline) or all-summed (tensor)
         # forwards; those cut into micro-batches; those whose decode rows were cut into groups of sequences
         self.num_forwards = self.num_micro_batched = self.num_micro_batched_decodes = 0
+        self.num_in_flight = 0  # rank 0's forwards launched in flight (`launch`)
         self.busy_s = 0.0  # seconds spent computing this rank's layers (pipeline), not waiting for activations
 
     def forward(self, tokens: mx.array, layers: list[Any], groups: list[Any] | None) -> mx.array | None:
@@ -210,6 +226,35 @@ class Stage:
             self.busy_s += time.perf_counter() - t
             self._send(x, nxt, f"sending activations to rank {nxt}")
         return None
+
+    def launch(self, tokens: mx.array, layers: list[Any]) -> InFlight:
+        """Rank 0 of a pipeline: embeds a decode forward's rows and sends them to rank 1, and returns the rest of the
+        forward unevaluated (`InFlight`), so that rank 0 finishes another forward while the other ranks run this one.
+        The other ranks run it as any forward (`forward`, no micro-batches)."""
+        B, L = tokens.shape
+        self.num_forwards += 1
+        self.num_in_flight += 1
+        h = self.model.model.embed_tokens(tokens)
+        self._send(h, 1 % self.size, "sending the embedded rows to rank 1")
+        x = mx.distributed.recv((B, L, self.hidden), self.dtype, (self.rank - 1) % self.size, group=self.group)
+        hidden = self.model.model.norm(run_layers(self.model, x, layers))
+        return InFlight(x, hidden, list(self.state(layers)))
+
+    def arrive(self, flight: InFlight) -> None:
+        """Waits for a launched forward's activations from rank N-1 (under the run's deadline)."""
+        if not flight.arrived:
+            with self.waiting(f"waiting for rank {(self.rank - 1) % self.size}'s activations"):
+                mx.eval(flight.received)
+            flight.arrived = True
+
+    def complete(self, flight: InFlight) -> None:
+        """Computes rank 0's layers, the norm and what the caller built on them, and the KV writes, of a launched
+        forward whose activations have arrived."""
+        self.arrive(flight)
+        t = time.perf_counter()
+        mx.eval(flight.hidden, *flight.state)
+        self.busy_s += time.perf_counter() - t  # this rank's layers, as in lockstep (the head and sampling not)
+        mx.eval(flight.outputs)
 
     def _recv(self, shape: tuple[int, ...], src: int) -> mx.array:
         """The activations from `src`, evaluated: the wait is kept apart from the work (`busy_s`)."""
