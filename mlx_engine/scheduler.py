@@ -16,9 +16,9 @@ sampled in the last one, since the grammar's mask for its next token depends on 
 masks each row with the grammar's state after the drafts before it.
 
 On a pipeline of N ranks (`RunnerCapabilities.decode_groups` N > 1) a step that only decodes plain sequences
-decodes one of N groups of them, in turn, in flight (`backends.base.InFlightDecode`): the ranks run one group's step
-while rank 0 finishes another's, and each group's next step needs only its own tokens. A token sampled in flight is
-read no sooner than the step after (the runner evaluates it there); any other step settles them all first.
+decodes one of N groups of them in flight (`backends.base.InFlightDecode.launch`): the other ranks run that group's
+step while rank 0 finishes an earlier group's, whose tokens come back from the same call; each group's next step
+needs only its own tokens. A step that does anything else first settles every group in flight.
 
 A request with `prompt_logprobs` is prefilled whole (no prefix-cache hits: a cached block has no logits), and
 its chunks' logits at every position, packed with the step's other rows like any chunk, score its prompt. With
@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
@@ -65,8 +64,7 @@ class Scheduler:
         # proposer -> [accepted, tested] draft tokens over finished requests ("auto"'s priors; `tested_tokens`)
         self.acceptance: dict[str, list[int]] = {}
         self.decode_groups = runner.capabilities.decode_groups
-        # the groups whose tokens are in flight, oldest first (at most decode_groups - 1, as the runner keeps them)
-        self._flying: deque[set[Sequence]] = deque()
+        self._flying: set[Sequence] = set()  # sequences whose step is in flight (their token is not back yet)
 
     def add(self, prompt: list[int], params: SamplingParams, stream: Any, constraint: Any = None) -> None:
         self._counter += 1
@@ -203,7 +201,7 @@ class Scheduler:
         token `last` is not yet fed and is its next input; tokens are emitted one step after they are
         sampled (the next step is queued on the lazy tokens first, so the host never waits on an idle
         device); the tokens scheduled in a step never exceed `token_budget`, and every decoding sequence
-        advances by one token each step (in flight on a pipeline: each group's in turn, `_flight_group`)."""
+        advances by one token each step (in flight on a pipeline: each group in turn, `_flight_group`)."""
         self.num_steps += 1
         for seq in [s for s in self.running if s.stream.cancelled.is_set()]:
             self._retire(seq, "cancelled")
@@ -232,6 +230,15 @@ class Scheduler:
         """Builds and starts this step's batched forwards; returns the sequences that sampled a token in
         them, and the speculative sequences (with their k) that step on their own."""
         runner, cache = self.runner, self.runner.cache
+        group = self._flight_group()
+        if group is None and self._flying:  # every token back first, then this step as its sequences stand
+            self._land(cast(InFlightDecode, runner).settle())
+            group = self._flight_group()
+        if group is not None:
+            self._launch(group)
+            if self.trace is not None:
+                self.trace.append((len(group), 0))
+            return set(), []  # the tokens that came back are evaluated: all may be read
         decoding, speculating = [], []
         for s in self.running:
             if s.last is not None and s.num_sampled < s.max_new:
@@ -251,47 +258,6 @@ class Scheduler:
             budget -= end - start
             chunks.append((s, start, end))
 
-        group = self._flight_group(decoding, chunks, speculating)
-        if group is not None:
-            decoding = group
-        elif self._flying:  # this step reads every sequence's newest token
-            cast(InFlightDecode, runner).settle()
-            self._flying.clear()
-        with cast(InFlightDecode, runner).in_flight() if group is not None else nullcontext():
-            self._forwards(decoding, chunks, new)
-        if group is not None:
-            self._flying.append(set(group))
-            if len(self._flying) >= self.decode_groups:
-                self._flying.popleft()  # the runner has just finished that group's forward
-
-        if self.trace is not None:
-            self.trace.append((len(decoding), self.token_budget - len(decoding) - budget))
-        for s, token, lp in new:
-            s.last = token
-            s.num_sampled += 1
-            s.num_forwards += 1
-            s.unread.append((token, lp))
-        if new and group is None:  # in flight, the runner evaluates them
-            mx.async_eval([t for _, t, _ in new] + [lp for _, _, lp in new if lp is not None])
-        return {s for s, _, _ in new}, speculating
-
-    def _flight_group(self, decoding: list[Sequence], chunks: list[Any],
-                      speculating: list[Any]) -> list[Sequence] | None:
-        """The sequences this step decodes in flight (`decode_groups` > 1): of a step that only decodes, at least
-        two, all plain, the next ceil(n / decode_groups) of those whose newest token is not in flight; None: a
-        step in lockstep."""
-        if self.decode_groups < 2 or chunks or speculating or len(decoding) < 2:
-            return None
-        if any(s.constraint is not None or not plain([s]) for s in decoding):
-            return None
-        flying = set().union(*self._flying)
-        ready = [s for s in decoding if s not in flying]
-        return ready[: math.ceil(len(decoding) / self.decode_groups)] or None
-
-    def _forwards(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]],
-                  new: list[tuple[Sequence, mx.array, mx.array | None]]) -> None:
-        """The step's forwards: its decode rows and prefill chunks, packed or one by one."""
-        runner, cache = self.runner, self.runner.cache
         # more than one part (decode rows count as one each, as do prefill chunks): one packed forward
         packed = len(decoding) + len(chunks) > 1 and cache.capabilities.packed
         if packed:
@@ -329,6 +295,56 @@ class Scheduler:
                 if logits is None:
                     runner.prefill(inputs, layers)
                 mx.eval(cache.state(layers))
+
+        if self.trace is not None:
+            self.trace.append((len(decoding), self.token_budget - len(decoding) - budget))
+        for s, token, lp in new:
+            s.last = token
+            s.num_sampled += 1
+            s.num_forwards += 1
+            s.unread.append((token, lp))
+        if new:
+            mx.async_eval([t for _, t, _ in new] + [lp for _, _, lp in new if lp is not None])
+        return {s for s, _, _ in new}, speculating
+
+    def _flight_group(self) -> list[Sequence] | None:
+        """The sequences this step decodes in flight (`decode_groups` > 1): where every running sequence decodes
+        plainly (none prefilling, speculating, constrained, or wanting log-probabilities) and at least two do, the
+        next ceil(n / decode_groups) of those not in flight; None: a step in lockstep."""
+        if self.decode_groups < 2 or any(s.prefilling or s.spec is not None or s.constraint is not None
+                                         or not plain([s]) for s in self.running):
+            return None
+        decoding = [s for s in self.running if s.last is not None and s.num_sampled < s.max_new]
+        if len(decoding) < 2:
+            return None
+        ready = [s for s in decoding if s not in self._flying]
+        return ready[: math.ceil(len(decoding) / self.decode_groups)] or None
+
+    def _launch(self, group: list[Sequence]) -> None:
+        """A group's decode step in flight, through the views and inputs a step of it alone would use (packed rows
+        for several sequences, a decode step for one), so each row computes as there."""
+        runner, cache = cast(InFlightDecode, self.runner), self.runner.cache
+        ids, cached = [s.req_id for s in group], [s.cached_tokens() for s in group]
+        last = mx.stack([s.last for s in group])
+        if len(group) > 1 and cache.capabilities.packed:
+            layers, inputs = cache.packed_layers(ids, cached, []), last.reshape(1, -1)
+        else:
+            layers, inputs = cache.decode_layers(ids, cached), last.reshape(len(group), 1)
+        for s in group:
+            s.num_fed_out += 1
+        self._flying.update(group)
+        self._land(runner.launch(inputs, layers, [s.sampler for s in group], group))
+
+    def _land(self, landed: list[tuple[Any, Any]]) -> None:
+        """Tokens back from groups' steps in flight: each sequence's next input, read this step."""
+        for group, tokens in landed:
+            self._flying.difference_update(group)
+            for i, s in enumerate(group):
+                if s in self.running:  # (not cancelled meanwhile)
+                    s.last = tokens[i]
+                    s.num_sampled += 1
+                    s.num_forwards += 1
+                    s.unread.append((tokens[i], None))
 
     def _packed_forward(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]],
                         new: list[tuple[Sequence, mx.array, mx.array | None]]) -> None:
@@ -408,9 +424,8 @@ class Scheduler:
     def _read(self, sampled_now: set[Sequence]) -> None:
         """Emits what earlier steps sampled: all unread tokens but the one each sequence sampled in this
         step (whose value this step's forward is still computing), or all when it will sample no more."""
-        flying = set().union(*self._flying)  # their newest tokens are still being computed
         for s in list(self.running):
-            keep = 1 if (s in sampled_now and s.num_sampled < s.max_new) or s in flying else 0
+            keep = 1 if s in sampled_now and s.num_sampled < s.max_new else 0
             while len(s.unread) > keep and s in self.running:
                 token, lp = s.unread.pop(0)
                 try:

@@ -22,7 +22,6 @@ runs on the caller's thread in the engine, from the attributes below; everything
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -52,14 +51,20 @@ class RunnerCapabilities:
 
 @runtime_checkable
 class InFlightDecode(Protocol):
-    """A runner whose `RunnerCapabilities.decode_groups` is above 1. Inside `in_flight()`, a plain decode forward
-    (`decode_sample`, or `packed_sample` over decode rows alone) only starts: its tokens come back lazy and are
-    evaluated by the runner's later calls, the oldest first once `decode_groups - 1` are in flight; until then the
-    caller must not evaluate them. `settle()` finishes every forward in flight (any other forward does so first)."""
+    """A runner whose `RunnerCapabilities.decode_groups` is above 1 (a pipeline): a plain decode forward only
+    starts (`launch`: decode rows alone, views from `decode_layers`, or `packed_layers` without prefill chunks), and
+    its sampled tokens come back from a later call, once `decode_groups - 1` others are in flight, with the `tag`
+    it was launched with. Any other forward finishes the ones in flight first; their tokens wait for the next
+    `launch` or `settle`."""
 
-    def in_flight(self) -> AbstractContextManager[None]: ...
+    def launch(self, inputs: Any, layers: list[Any], samplers: list[Any], tag: Any) -> list[tuple[Any, Any]]:
+        """Starts a decode forward; returns (tag, tokens) of each forward finished since the last call, oldest
+        first, the tokens (B,) int32 and evaluated."""
+        ...
 
-    def settle(self) -> None: ...
+    def settle(self) -> list[tuple[Any, Any]]:
+        """Finishes every forward in flight; (tag, tokens) of each not yet returned, oldest first."""
+        ...
 
 
 @runtime_checkable

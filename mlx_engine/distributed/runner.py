@@ -15,8 +15,6 @@ import os
 import threading
 import zlib
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -104,8 +102,8 @@ class DistributedRunner:
                           "'prompt-lookup' or 'draft'",
             "hidden_states": "are not available with --distributed: each rank holds only its layers"})
         self.closed = False
-        self._pending: deque[InFlight] = deque()  # forwards in flight, oldest first (`in_flight`)
-        self._flying = False
+        self._pending: deque[InFlight] = deque()  # forwards in flight, oldest first (`launch`)
+        self._landed: list[tuple[Any, Any]] = []  # (tag, tokens) of those finished, not yet returned
         self._owner = threading.current_thread()  # the engine thread: the only one that may use the channel
         self._link: dict[str, float] | None = None
         self.micro_batches, self.min_decode_rows = micro_batch_count(node.size), min_decode_rows()
@@ -137,55 +135,62 @@ class DistributedRunner:
         if threading.current_thread() is not self._owner:
             raise RooflineError("a distributed runner's collectives run on the engine thread only")
         if settle:  # every rank takes its plans in order: the forwards in flight end before anything else
-            self.settle()
+            self._finish_pending()
         plan["ops"] = self.log.take()
         self.node.channel.broadcast(json.dumps(plan, separators=(",", ":")).encode(), doing)
 
-    @contextmanager
-    def in_flight(self) -> Iterator[None]:
-        """`backends.base.InFlightDecode`: the plain decode forwards inside only start (`Stage.launch`)."""
-        self._flying = True
-        try:
-            yield
-        finally:
-            self._flying = False
-
-    def settle(self) -> None:
-        """Finishes every forward in flight, oldest first."""
-        while self._pending:
-            self.node.stage.complete(self._pending.popleft())
-
     def _forward(self, inputs: mx.array, layers: list[Any]) -> mx.array:
-        """inputs (B, L) -> final hidden states (B, L, hidden), evaluated, after every rank ran its part; in flight
-        (`in_flight`), lazy: rank 0's part is computed by a later call."""
+        """inputs (B, L) -> final hidden states (B, L, hidden), evaluated, after every rank ran its part."""
         if not isinstance(layers, PlannedLayers):
             raise RooflineError("a distributed forward needs views from the engine's cache (runner.cache)")
-        flying = self._flying and self.node.mode == "pipeline" and _decode_only(layers)
-        oldest = None
-        if not flying:
-            self.settle()
-        elif len(self._pending) >= self.capabilities.decode_groups - 1:
-            # its rows are back first: on two ranks the ring then never has both ranks sending at once
-            oldest = self._pending.popleft()
-            self.node.stage.arrive(oldest)
+        self._finish_pending()  # the ranks take their plans in order; its tokens may have been sampled in flight
         tokens = np.array(inputs, dtype=np.int32)  # the step's ids go to every rank: read them now
-        groups = micro_batches(layers, self.micro_batches, self.min_decode_rows) \
-            if self.node.mode == "pipeline" and not flying else None
+        groups = micro_batches(layers, self.micro_batches, self.min_decode_rows) if self.node.mode == "pipeline" \
+            else None
         self._send({"do": "forward", "views": layers.op, "tokens": tokens.tolist(), "groups": groups,
                     "crc": tables_checksum(self.local.cache, self.log.view_reqs.get(layers.op, []))}, settle=False)
-        if not flying:
-            return self.node.stage.forward(mx.array(tokens), layers, groups)
-        flight = self.node.stage.launch(mx.array(tokens), layers)
-        if oldest is not None:  # rank 0's part of the oldest while the other ranks run this one
-            self.node.stage.complete(oldest)
-        self._pending.append(flight)
-        return flight.hidden
+        return self.node.stage.forward(mx.array(tokens), layers, groups)
 
-    def _sampled(self, tokens: mx.array) -> mx.array:
-        """A decode forward's sampled tokens: in flight, evaluated with the rest of rank 0's part of it."""
-        if self._flying and self._pending:
-            self._pending[-1].outputs.append(tokens)
-        return tokens
+    def launch(self, inputs: mx.array, layers: list[Any], samplers: list[Any], tag: Any) -> list[tuple[Any, Any]]:
+        """`backends.base.InFlightDecode`: a plain decode forward's plan and rows go out; once `decode_groups - 1`
+        are in flight, the oldest is finished while the other ranks run this one."""
+        if not (isinstance(layers, PlannedLayers) and self.node.mode == "pipeline" and _decode_only(layers)):
+            raise RooflineError("a forward in flight is a pipeline's decode step over views from the engine's cache")
+        oldest = None
+        if len(self._pending) >= self.capabilities.decode_groups - 1:
+            # its rows are back before this plan goes out: on two ranks the ring never has both ranks sending
+            oldest = self._pending.popleft()
+            self.node.stage.arrive(oldest)
+        tokens = np.array(inputs, dtype=np.int32)  # tokens that have landed: evaluated already
+        self._send({"do": "forward", "views": layers.op, "tokens": tokens.tolist(), "groups": None,
+                    "crc": tables_checksum(self.local.cache, self.log.view_reqs.get(layers.op, []))}, settle=False)
+        flight = self.node.stage.launch(mx.array(tokens), layers)
+        flight.tag, flight.samplers = tag, samplers
+        if oldest is not None:  # rank 0's part of the oldest while the other ranks run this one
+            self._complete(oldest)
+        self._pending.append(flight)
+        landed, self._landed = self._landed, []
+        return landed
+
+    def settle(self) -> list[tuple[Any, Any]]:
+        self._finish_pending()
+        landed, self._landed = self._landed, []
+        return landed
+
+    def _finish_pending(self) -> None:
+        while self._pending:
+            self._complete(self._pending.popleft())
+
+    def _complete(self, flight: Any) -> None:
+        """Rank 0's layers, the head and sampling of a forward in flight, as a decode step samples them
+        (`packed_sample` over decode rows, or `decode_sample`); its tokens wait in `_landed`."""
+        h = self.node.stage.complete(flight)
+        view = flight.layers[0]
+        rows = h[0, mx.array(list(range(view.num_decode)), dtype=mx.int32)] if isinstance(view, PackedView) \
+            else h[:, -1, :]
+        tokens = _sample_rows(self.logits(rows), flight.samplers)
+        mx.eval(tokens)
+        self._landed.append((flight.tag, tokens))
 
     def gather_figures(self) -> list[dict[str, Any]]:
         """Every rank's weights, KV pool and traffic (`Node.figures`), by rank."""
@@ -232,7 +237,7 @@ class DistributedRunner:
     prefill_logits = decode_logits = _last_logits
 
     def decode_sample(self, inputs: mx.array, layers: list[Any], samplers: list[Any]) -> mx.array:
-        return self._sampled(_sample_rows(self.decode_logits(inputs, layers), samplers))
+        return _sample_rows(self.decode_logits(inputs, layers), samplers)
 
     def packed_logits(self, inputs: mx.array, layers: list[Any], rows: list[int]) -> mx.array | None:
         out = self._forward(inputs, layers)
@@ -241,7 +246,7 @@ class DistributedRunner:
     def packed_sample(self, inputs: mx.array, layers: list[Any], rows: list[int],
                       samplers: list[Any]) -> mx.array | None:
         logits = self.packed_logits(inputs, layers, rows)
-        return None if logits is None else self._sampled(_sample_rows(logits, samplers))
+        return None if logits is None else _sample_rows(logits, samplers)
 
     def verify_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         return self.logits(self._forward(inputs, layers))[0]

@@ -141,14 +141,13 @@ def run_layers(model: Any, h: mx.array, layers: list[Any]) -> mx.array:
 @dataclass
 class InFlight:
     """Rank 0's part of a pipelined decode forward that has only started (`Stage.launch`): its rows are out on the
-    ring, and what rank 0 computes from them once they are back is a lazy graph. `received`: the activations from
-    rank N-1 (a recv, unevaluated); `hidden`: the final hidden states; `state`: the KV arrays as this forward leaves
-    them; `outputs`: what the caller built on `hidden` (the sampled tokens), evaluated with it."""
+    ring; `received` is the recv of what rank N-1 sends back (unevaluated). Nothing of rank 0's layers is built yet:
+    on MLX's CPU backend the host GEMMs compute as the graph is built, so building them would wait for the ring."""
 
     received: mx.array
-    hidden: mx.array
-    state: list[mx.array]
-    outputs: list[mx.array] = field(default_factory=list)
+    layers: list[Any]
+    tag: Any = None
+    samplers: list[Any] = field(default_factory=list)
     arrived: bool = False
 
 
@@ -228,17 +227,15 @@ class Stage:
         return None
 
     def launch(self, tokens: mx.array, layers: list[Any]) -> InFlight:
-        """Rank 0 of a pipeline: embeds a decode forward's rows and sends them to rank 1, and returns the rest of the
-        forward unevaluated (`InFlight`), so that rank 0 finishes another forward while the other ranks run this one.
-        The other ranks run it as any forward (`forward`, no micro-batches)."""
+        """Rank 0 of a pipeline: embeds a decode forward's rows and sends them to rank 1; the rest waits for
+        `complete`, so that rank 0 finishes another forward while the other ranks run this one. The other ranks run
+        it as any forward (`forward`, no micro-batches)."""
         B, L = tokens.shape
         self.num_forwards += 1
         self.num_in_flight += 1
-        h = self.model.model.embed_tokens(tokens)
-        self._send(h, 1 % self.size, "sending the embedded rows to rank 1")
+        self._send(self.model.model.embed_tokens(tokens), 1 % self.size, "sending the embedded rows to rank 1")
         x = mx.distributed.recv((B, L, self.hidden), self.dtype, (self.rank - 1) % self.size, group=self.group)
-        hidden = self.model.model.norm(run_layers(self.model, x, layers))
-        return InFlight(x, hidden, list(self.state(layers)))
+        return InFlight(x, layers)
 
     def arrive(self, flight: InFlight) -> None:
         """Waits for a launched forward's activations from rank N-1 (under the run's deadline)."""
@@ -247,14 +244,17 @@ class Stage:
                 mx.eval(flight.received)
             flight.arrived = True
 
-    def complete(self, flight: InFlight) -> None:
-        """Computes rank 0's layers, the norm and what the caller built on them, and the KV writes, of a launched
-        forward whose activations have arrived."""
+    def complete(self, flight: InFlight) -> mx.array:
+        """A launched forward's final hidden states (B, L, hidden), evaluated: rank 0's layers over its activations
+        once they are back (the KV writes too), then the norm, as `forward` computes them."""
         self.arrive(flight)
         t = time.perf_counter()
-        mx.eval(flight.hidden, *flight.state)
-        self.busy_s += time.perf_counter() - t  # this rank's layers, as in lockstep (the head and sampling not)
-        mx.eval(flight.outputs)
+        out = run_layers(self.model, flight.received, flight.layers)
+        mx.eval(out, *self.state(flight.layers))
+        self.busy_s += time.perf_counter() - t
+        h = self.model.model.norm(out)
+        mx.eval(h)
+        return h
 
     def _recv(self, shape: tuple[int, ...], src: int) -> mx.array:
         """The activations from `src`, evaluated: the wait is kept apart from the work (`busy_s`)."""
