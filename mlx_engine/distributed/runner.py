@@ -148,7 +148,7 @@ class DistributedRunner:
         groups = micro_batches(layers, self.micro_batches, self.min_decode_rows) if self.node.mode == "pipeline" \
             else None
         self._send({"do": "forward", "views": layers.op, "tokens": tokens.tolist(), "groups": groups,
-                    "crc": tables_checksum(self.local.cache, self.log.view_reqs.get(layers.op, []))}, settle=False)
+                    "crc": tables_checksum(self.local.cache, self.log.view_reqs.get(layers.op, []))})
         return self.node.stage.forward(mx.array(tokens), layers, groups)
 
     def launch(self, inputs: mx.array, layers: list[Any], samplers: list[Any], tag: Any) -> list[tuple[Any, Any]]:
@@ -166,9 +166,9 @@ class DistributedRunner:
                     "crc": tables_checksum(self.local.cache, self.log.view_reqs.get(layers.op, []))}, settle=False)
         flight = self.node.stage.launch(mx.array(tokens), layers)
         flight.tag, flight.samplers = tag, samplers
+        self._pending.append(flight)  # first: rank 0 receives the ranks' replies in the order it sent the plans
         if oldest is not None:  # rank 0's part of the oldest while the other ranks run this one
             self._complete(oldest)
-        self._pending.append(flight)
         landed, self._landed = self._landed, []
         return landed
 
