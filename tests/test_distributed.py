@@ -124,9 +124,7 @@ TOGETHER = [[greedy(PREFIX[i:] + PREFIX[:i], 6) for i in (1, 2, 3)],
              {"ids": PREFIX[i:i + 4], "sampling": {"temperature": 0.9, "top_p": 0.95, "seed": i, "max_tokens": 6,
                                                    "ignore_eos": True}} for i in range(MANY_DECODING)]]
 TOGETHER_OPTIONS = {"max_seqs": MANY_DECODING, "kv_budget_bytes": 2**20}  # a block each and the three prompts
-# decode steps in lockstep, so that the many sequences' steps are cut into micro-batches (in flight, each group's
-# step is a forward of its own, not cut)
-LOCKSTEP = {"ROOFLINE_PIPELINE_IN_FLIGHT": "0"}
+IN_FLIGHT = {"ROOFLINE_PIPELINE_IN_FLIGHT": "1"}  # each group's decode step in flight (opt-in)
 # 2, 3 and 4 requests at once, of different lengths (groups change as they end), greedy and seeded: decode steps
 # of each group of sequences in flight on the pipeline
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "ignore_eos": True}
@@ -149,7 +147,7 @@ def big_layers(tmp_path_factory) -> Path:
 def test_two_ranks_match_one_process(tmp_path, mode, big_layers):
     runs = [{"model": str(GOLDEN / name), "batches": golden_batches(name)} for name in TINY]
     runs.append({"model": str(GOLDEN / "llama"), "options": WORK_OPTIONS, "batches": WORK})
-    runs.append({"model": str(GOLDEN / "llama"), "options": TOGETHER_OPTIONS, "batches": TOGETHER, "env": LOCKSTEP})
+    runs.append({"model": str(GOLDEN / "llama"), "options": TOGETHER_OPTIONS, "batches": TOGETHER})
     runs.append({"model": str(big_layers), "batches": [[greedy([1, 2, 3], 2)]]})
     results = run_scenario(tmp_path, mode, runs)
     assert len(results) == len(runs), results
@@ -188,10 +186,12 @@ def test_two_ranks_match_one_process(tmp_path, mode, big_layers):
 
 def test_pipeline_in_flight_matches_one_process(tmp_path):
     """2, 3 and 4 concurrent requests, each group's decode step in flight while the other's runs: the tokens of one
-    process, as in lockstep; both ranks ran every forward."""
+    process, as in lockstep; both ranks ran every forward. Then the engine's other work with it on (chunked prefill,
+    a prefix-cache hit, seeded sampling beside greedy, prompt lookup), whose steps go in lockstep where they must."""
     model = str(GOLDEN / "llama")
-    flight, lockstep = run_scenario(tmp_path, "pipeline", [{"model": model, "batches": CONCURRENT},
-                                                           {"model": model, "batches": CONCURRENT, "env": LOCKSTEP}])
+    flight, lockstep, work = run_scenario(tmp_path, "pipeline", [
+        {"model": model, "batches": CONCURRENT, "env": IN_FLIGHT}, {"model": model, "batches": CONCURRENT},
+        {"model": model, "options": WORK_OPTIONS, "batches": WORK, "env": IN_FLIGHT}])
     ref = one_process(model, CONCURRENT)
     assert len(flight["requests"]) == len(ref) - 1 == 9
     for i, (a, b, c) in enumerate(zip(flight["requests"], lockstep["requests"], ref)):
@@ -203,6 +203,11 @@ def test_pipeline_in_flight_matches_one_process(tmp_path):
         flown = ranks[0]["in_flight_forwards"]
         # most decode steps: every step but the prefills and those where one sequence decodes alone
         assert (flown > ranks[0]["forwards"] // 2) if in_flight else flown == 0, ranks[0]
+    ref = one_process(model, WORK, **WORK_OPTIONS)
+    for i, (a, b) in enumerate(zip(work["requests"], ref)):
+        assert a["tokens"] == b["tokens"] and a["finish"] == b["finish"] == "length", f"work {i}: {a} != {b}"
+    assert work["requests"][1]["cached"] == ref[1]["cached"] == 64
+    assert work["kv"]["ranks"][0]["in_flight_forwards"] > 0  # the three requests of the second batch
 
 
 def test_smollm2_pipeline_matches_one_process(tmp_path):
@@ -359,12 +364,12 @@ def test_rank_killed_mid_generation_ends_the_run(tmp_path):
     assert rank_pid(proc.pid, 0) is None
 
 
-def _signal_rank_1(tmp_path: Path, mode: str, batch: list[dict], signum: int) -> tuple[float, str]:
-    """Starts `batch` on two ranks (a 4 s deadline), sends rank 1 `signum` once the first token is out, and returns
-    how long rank 0 lived on after it and the launch's stderr."""
+def _signal_rank_1(tmp_path: Path, mode: str, batch: list[dict], signum: int, **run_env: str) -> tuple[float, str]:
+    """Starts `batch` on two ranks (a 4 s deadline, `run_env` set on both), sends rank 1 `signum` once the first
+    token is out, and returns how long rank 0 lived on after it and the launch's stderr."""
     started = tmp_path / "started"
     spec, out = tmp_path / "signalled.json", tmp_path / "signalled-out.json"
-    run = {"model": str(GOLDEN / "llama"), "started_file": str(started), "batches": [batch]}
+    run = {"model": str(GOLDEN / "llama"), "started_file": str(started), "batches": [batch], "env": run_env}
     spec.write_text(json.dumps({"mode": mode, "runs": [run]}))
     proc = subprocess.Popen(launch_cmd(str(RANKS), str(spec), str(out)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env(ROOFLINE_DISTRIBUTED_TIMEOUT="4"))
@@ -407,7 +412,8 @@ def test_silent_rank_ends_the_run_at_the_deadline(tmp_path):
 def test_rank_lost_with_decode_steps_in_flight(tmp_path, signum):
     """Three sequences decoding on the pipeline, a group's step in flight at any time: rank 1 killed (its
     connections close) or stopped (they do not) ends the run with EXIT_RANK_LOST, naming rank 1."""
-    took, err = _signal_rank_1(tmp_path, "pipeline", [greedy([1, 2, 3 + i], 400) for i in range(3)], signum)
+    took, err = _signal_rank_1(tmp_path, "pipeline", [greedy([1, 2, 3 + i], 400) for i in range(3)], signum,
+                               **IN_FLIGHT)
     assert took < 15, took
     line = [x for x in err.splitlines() if "roofline: error" in x]
     if signum == signal.SIGKILL:

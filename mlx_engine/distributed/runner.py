@@ -62,13 +62,14 @@ def min_decode_rows() -> int:
 
 def decode_groups(mode: str, num_ranks: int) -> int:
     """Groups of decoding sequences the scheduler may step in turn, each in flight while the others run: one per
-    pipeline rank; 1 (lockstep) for tensor parallel, or with $ROOFLINE_PIPELINE_IN_FLIGHT=0 (for measuring what it
-    gains)."""
+    pipeline rank with $ROOFLINE_PIPELINE_IN_FLIGHT=1; else 1 (lockstep), and always for tensor parallel. Off by
+    default: each group's step reads the rank's weights again, which costs more CPU per token than the overlap
+    gained where the ranks share cores (measured on the 2-core box: docs/distributed.md)."""
     raw = os.environ.get(IN_FLIGHT_ENV, "")
     if raw not in ("", "0", "1"):
         raise RooflineError(f"{IN_FLIGHT_ENV}={raw!r}: expected 1 (a decode step of each group of sequences in "
-                            "flight on the pipeline, the default) or 0 (every rank in lockstep)")
-    return num_ranks if mode == "pipeline" and raw != "0" else 1
+                            "flight on the pipeline) or 0 (every rank in lockstep, the default)")
+    return num_ranks if mode == "pipeline" and raw == "1" else 1
 
 
 def _decode_only(layers: list[Any]) -> bool:
