@@ -134,7 +134,8 @@ class Namespaces:
 
 
 def launch_in(ns: Namespaces, mode: str, model: str, out: Path, args: argparse.Namespace) -> dict:
-    """`mode`: pipeline, tensor, or pipeline:M (at most M micro-batches a forward)."""
+    """`mode`: pipeline, tensor, pipeline:M (at most M micro-batches a forward), or pipeline:flight (each group's
+    decode step in flight, ROOFLINE_PIPELINE_IN_FLIGHT=1)."""
     hostfile = out.with_suffix(".hosts.json")
     hostfile.write_text(json.dumps({"backend": "ring", "hosts": [{"ssh": "127.0.0.1", "ips": [ip]} for ip in ns.ips]}))
     name, _, micro = mode.partition(":")
@@ -148,7 +149,10 @@ def launch_in(ns: Namespaces, mode: str, model: str, out: Path, args: argparse.N
     env["PYTHONPATH"] = str(ROOT)
     # a forward's messages on a slow link outlast the default deadline (30 s): this bench waits for them
     extra = ["--env", "ROOFLINE_DISTRIBUTED_TIMEOUT=600"]
-    extra += ["--env", f"ROOFLINE_PIPELINE_MICRO_BATCHES={micro}"] if micro else []
+    if micro == "flight":
+        extra += ["--env", "ROOFLINE_PIPELINE_IN_FLIGHT=1"]
+    elif micro:
+        extra += ["--env", f"ROOFLINE_PIPELINE_MICRO_BATCHES={micro}"]
     p = subprocess.run([str(launcher), "--hostfile", str(hostfile), "-p", str(random.randrange(30000, 60000)), *extra,
                         "--", "bash", "-c", script], capture_output=True, text=True, env=env, timeout=args.timeout)
     if not out.exists():
@@ -279,7 +283,8 @@ def main() -> int:
         q.add_argument("--prompt", type=int, default=128, help="tokens of each of the 3 prompts prefilled together")
     p.add_argument("--rates", type=lambda s: s.split(","), default=["1mbit", "10mbit", "100mbit", "off"])
     p.add_argument("--modes", type=lambda s: s.split(","), default=["pipeline", "pipeline:1", "tensor"],
-                   help="pipeline, tensor, pipeline:M (at most M micro-batches a forward; pipeline:1 never cuts)")
+                   help="pipeline, tensor, pipeline:M (at most M micro-batches a forward; pipeline:1 never cuts), "
+                        "pipeline:flight (each group's decode step in flight)")
     p.add_argument("--model")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added on each end (tc netem)")
     p.add_argument("--timeout", type=float, default=900)
