@@ -2,11 +2,10 @@
 
 argv: a JSON scenario file and an output file. The scenario: {"mode": "pipeline" | "tensor", "runs": [{"model":
 path | null, "options": {...}, "model_by_rank": {rank: path}, "batches": [[request, ...], ...]}]}, a request being
-{"ids": [...], "sampling": {SamplingParams fields}}; "env": variables set on every rank before the run loads;
-"started_file": a file rank 0 creates once the first batch's
-first token is out. Each batch's requests are submitted together (they run as one
-continuous batch); rank 0 writes, per run, each request's tokens, finish reason, error and usage, then the engine's
-kv_stats. The other ranks serve rank 0's plans, once per run.
+{"ids": [...], "sampling": {SamplingParams fields}}; "env": variables set on every rank for that run;
+"started_file": a file rank 0 creates once the first batch's first token is out. Each batch's requests are
+submitted together (they run as one continuous batch); rank 0 writes, per run, each request's tokens, finish
+reason, error and usage, then the engine's kv_stats. The other ranks serve rank 0's plans, once per run.
 """
 
 from __future__ import annotations
@@ -26,14 +25,16 @@ def main() -> int:
     if rank == 0:
         distributed.stop_on_sigterm(0)  # as the CLI's rank 0: a lost rank ends it with EXIT_RANK_LOST and its line
     results = []
-    set_before: set[str] = set()
+    restore: dict[str, str | None] = {}
     for run in scenario["runs"]:
         model = run.get("model_by_rank", {}).get(str(rank), run["model"])
         options = run.get("options", {})
-        for key in list(os.environ):
-            if key in set_before and key not in run.get("env", {}):
-                del os.environ[key]  # a variable an earlier run set
-        set_before = set(run.get("env", {}))
+        for key, value in restore.items():  # what the run before set, as it was
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        restore = {key: os.environ.get(key) for key in run.get("env", {})}
         os.environ.update(run.get("env", {}))
         if rank != 0:
             code = distributed.serve_rank(model, mode, **options)

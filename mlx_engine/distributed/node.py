@@ -59,8 +59,8 @@ class Node:
                 "bytes_exchanged": self.stage.bytes_exchanged, "plan_bytes": self.channel.bytes_sent,
                 "forwards": self.stage.num_forwards, "micro_batched_forwards": self.stage.num_micro_batched,
                 "micro_batched_decodes": self.stage.num_micro_batched_decodes,
-                "in_flight_forwards": self.stage.num_in_flight,
-                "busy_s": self.stage.busy_s, "cpu_s": time.process_time(), "hidden": self.stage.hidden, "itemsize": self.stage.dtype.size,
+                "in_flight_forwards": self.stage.num_in_flight, "cpu_s": time.process_time(),
+                "busy_s": self.stage.busy_s, "hidden": self.stage.hidden, "itemsize": self.stage.dtype.size,
                 "model_layers": self.num_layers,
                 "peak_memory_bytes": self.local.peak_memory_bytes()}
 

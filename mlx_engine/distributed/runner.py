@@ -182,7 +182,7 @@ class DistributedRunner:
         while self._pending:
             self._complete(self._pending.popleft())
 
-    def _complete(self, flight: Any) -> None:
+    def _complete(self, flight: InFlight) -> None:
         """Rank 0's layers, the head and sampling of a forward in flight, as a decode step samples them
         (`packed_sample` over decode rows, or `decode_sample`); its tokens wait in `_landed`."""
         h = self.node.stage.complete(flight)
