@@ -2,7 +2,7 @@
 
 Each launch starts two Python processes (about 3 s on the 2-core box before any model loads), so every test puts
 its models and requests into one or two launches (tests/distributed_ranks.py runs them on each rank). Ports: each
-launch picks a free pair (`free_port_base`), so runs of the suite side by side do not collide.
+launch picks free ports (`free_port_base`), so runs of the suite side by side do not collide.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ LAUNCH_TIMEOUT_S = 240
 pytestmark = pytest.mark.skipif(not MLX_LAUNCH.exists(), reason="mlx.launch is not installed beside python")
 
 
-def free_port_base() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1 (mlx.launch's ring takes one per rank from -p)."""
+def free_port_base(ranks: int = 2) -> int:
+    """A port p with p ... p + ranks - 1 free on 127.0.0.1 (mlx.launch's ring takes one per rank from -p)."""
     rng = np.random.default_rng()
     for _ in range(200):
         base = int(rng.integers(20000, 60000))
         socks = []
         try:
-            for p in (base, base + 1):
+            for p in range(base, base + ranks):
                 s = socket.socket()
                 s.bind(("127.0.0.1", p))
                 socks.append(s)
@@ -51,12 +51,12 @@ def free_port_base() -> int:
         finally:
             for s in socks:
                 s.close()
-    raise RuntimeError("no two consecutive free ports")
+    raise RuntimeError(f"no {ranks} consecutive free ports")
 
 
-def launch_cmd(*args: str) -> list[str]:
-    return [str(MLX_LAUNCH), "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1", "-p", str(free_port_base()),
-            "--", sys.executable, *args]
+def launch_cmd(*args: str, ranks: int = 2) -> list[str]:
+    return [str(MLX_LAUNCH), "--backend", "ring", "-n", str(ranks), "--hosts", "127.0.0.1", "-p",
+            str(free_port_base(ranks)), "--", sys.executable, *args]
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -65,11 +65,11 @@ def env(**extra: str) -> dict[str, str]:
     return out
 
 
-def run_scenario(tmp_path: Path, mode: str, runs: list[dict]) -> list[dict]:
+def run_scenario(tmp_path: Path, mode: str, runs: list[dict], ranks: int = 2) -> list[dict]:
     spec, out = tmp_path / f"scenario-{mode}.json", tmp_path / f"results-{mode}.json"
     spec.write_text(json.dumps({"mode": mode, "runs": runs}))
-    p = subprocess.run(launch_cmd(str(RANKS), str(spec), str(out)), capture_output=True, text=True, cwd=ROOT,
-                       env=env(), timeout=LAUNCH_TIMEOUT_S)
+    p = subprocess.run(launch_cmd(str(RANKS), str(spec), str(out), ranks=ranks), capture_output=True, text=True,
+                       cwd=ROOT, env=env(), timeout=LAUNCH_TIMEOUT_S)
     assert out.exists(), f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
     return json.loads(out.read_text())
 
@@ -208,6 +208,20 @@ def test_pipeline_in_flight_matches_one_process(tmp_path):
         assert a["tokens"] == b["tokens"] and a["finish"] == b["finish"] == "length", f"work {i}: {a} != {b}"
     assert work["requests"][1]["cached"] == ref[1]["cached"] == 64
     assert work["kv"]["ranks"][0]["in_flight_forwards"] > 0  # the three requests of the second batch
+
+
+def test_three_ranks_in_flight_match_one_process(tmp_path, big_layers):
+    """Three pipeline ranks on loopback, three groups with two of their steps in flight at once (rank 0 finishes
+    the oldest while ranks 1 and 2 each run one): the tokens of one process."""
+    batches = CONCURRENT[1:] + [[greedy(PREFIX[i:i + 4], 10 + i) for i in range(6)]]
+    got = run_scenario(tmp_path, "pipeline", [{"model": str(big_layers), "batches": batches, "env": IN_FLIGHT}],
+                       ranks=3)[0]
+    ref = one_process(str(big_layers), batches)
+    for i, (a, b) in enumerate(zip(got["requests"], ref)):
+        assert a["tokens"] == b["tokens"] and a["finish"] == b["finish"] == "length", f"request {i}: {a} != {b}"
+    ranks = got["kv"]["ranks"]
+    assert [r["layers"] for r in ranks] == [[6, 8], [0, 3], [3, 6]], ranks
+    assert len({r["forwards"] for r in ranks}) == 1 and ranks[0]["in_flight_forwards"] > ranks[0]["forwards"] // 2
 
 
 def test_smollm2_pipeline_matches_one_process(tmp_path):
