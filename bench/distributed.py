@@ -221,8 +221,9 @@ def loopback(args: argparse.Namespace) -> int:
             print(name, r, json.dumps([(x["batch"], round(x["tps"], 1)) for x in runs[name][-1]["rows"]]),
                   file=sys.stderr, flush=True)
     lines = [f"{runs['lockstep'][0]['model']} float32 on MLX's CPU backend, greedy, {args.tokens} new tokens after "
-             f"16-token prompts, medians of {args.rounds} launches each (best / best: the fastest of each), launched in turn; load average (1 min) "
-             f"{min(loads):.1f}-{max(loads):.1f} over the run; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+             f"16-token prompts, medians of {args.rounds} launches each (best / best: the fastest of each), launched "
+             f"in turn; load average (1 min) {min(loads):.1f}-{max(loads):.1f} over the run; "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              "", "| sequences | lockstep tok/s | in flight tok/s | in flight / lockstep | best / best | lockstep busy "
              "(rank 0 / 1) | in flight busy (rank 0 / 1) | CPU ms/token lockstep (rank 0 / 1) | in flight |",
              "|---:|---:|---:|---:|---:|---|---|---|---|"]
@@ -239,8 +240,8 @@ def loopback(args: argparse.Namespace) -> int:
 
     for i, batch in enumerate(args.batches):
         a, b = med("lockstep", i, "tps"), med("in flight", i, "tps")
-        lines.append(f"| {batch} | {a:.1f} | {b:.1f} | {b / a:.2f} | {best('in flight', i) / best('lockstep', i):.2f} | "
-                     f"{per_rank('lockstep', i, 'busy', '.0%')} | "
+        ratio = best("in flight", i) / best("lockstep", i)
+        lines.append(f"| {batch} | {a:.1f} | {b:.1f} | {b / a:.2f} | {ratio:.2f} | {per_rank('lockstep', i, 'busy', '.0%')} | "
                      f"{per_rank('in flight', i, 'busy', '.0%')} | {per_rank('lockstep', i, 'cpu_ms_per_token', '.1f')}"
                      f" | {per_rank('in flight', i, 'cpu_ms_per_token', '.1f')} |")
     print("\n".join(lines))
