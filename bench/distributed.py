@@ -241,9 +241,9 @@ def loopback(args: argparse.Namespace) -> int:
     for i, batch in enumerate(args.batches):
         a, b = med("lockstep", i, "tps"), med("in flight", i, "tps")
         ratio = best("in flight", i) / best("lockstep", i)
-        lines.append(f"| {batch} | {a:.1f} | {b:.1f} | {b / a:.2f} | {ratio:.2f} | {per_rank('lockstep', i, 'busy', '.0%')} | "
-                     f"{per_rank('in flight', i, 'busy', '.0%')} | {per_rank('lockstep', i, 'cpu_ms_per_token', '.1f')}"
-                     f" | {per_rank('in flight', i, 'cpu_ms_per_token', '.1f')} |")
+        cells = [per_rank(name, i, key, form) for key, form in (("busy", ".0%"), ("cpu_ms_per_token", ".1f"))
+                 for name in ("lockstep", "in flight")]
+        lines.append(f"| {batch} | {a:.1f} | {b:.1f} | {b / a:.2f} | {ratio:.2f} | {' | '.join(cells)} |")
     print("\n".join(lines))
     (tmp / "runs.json").write_text(json.dumps(runs))
     print(f"(each launch's figures: {tmp / 'runs.json'})", file=sys.stderr)
