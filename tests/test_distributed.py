@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from mlx_engine.distributed.stage import MIN_DECODE_ROWS_PER_MICRO_BATCH
+from tests.distributed_ranks import read_events
 from tests.tiny_models import random_llama_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,10 +84,10 @@ def one_process(model: str | None, batches: list[list[dict]], **options) -> list
         for batch in batches:
             streams = [engine.generate(GenerationRequest(prompt_token_ids=r["ids"], sampling=SamplingParams(
                 **r["sampling"]))) for r in batch]
-            for stream in streams:
-                events = list(stream)
+            for r, stream in zip(batch, streams):
+                events = read_events(stream, r.get("cancel_after"))
                 out.append({"tokens": [t for e in events for t in e.token_ids], "finish": events[-1].finish_reason,
-                            "cached": events[-1].usage.cached_prompt_tokens})
+                            "cached": events[-1].usage.cached_prompt_tokens if events[-1].usage else None})
         stats = engine.kv_stats()
         out.append({"weight_bytes": engine.info.weight_bytes, "kv_budget_bytes": stats["bytes_budget"]})
     return out
@@ -134,6 +135,12 @@ CONCURRENT = [[greedy(PREFIX[i:i + 5 + i], 9 + 3 * i) for i in range(2)],
               [greedy(PREFIX[9 * i:9 * i + 6], 16 - 3 * i) if i % 2 else
                {"ids": PREFIX[9 * i:9 * i + 3], "sampling": {**SEEDED, "seed": i, "max_tokens": 11 + i}}
                for i in range(4)]]
+# two requests cancelled, one in each group (a cancel lands while the group's step is in flight or between, as
+# the steps fall), beside two that go on; then requests on the blocks they freed, one of them a prefix-cache hit on
+# a cancelled prompt (two blocks): the ranks' caches must still agree
+CANCELLED = [[{**greedy(PREFIX[:40], 40), "cancel_after": 5}, greedy(PREFIX[40:46], 12),
+              {**greedy(PREFIX[20:30], 40), "cancel_after": 5}, greedy(PREFIX[50:53], 20)],
+             [greedy(PREFIX[:40] + [7], 9), greedy(PREFIX[60:65], 12), greedy(PREFIX[5:9], 10)]]
 
 
 @pytest.fixture(scope="module")
@@ -187,11 +194,13 @@ def test_two_ranks_match_one_process(tmp_path, mode, big_layers):
 def test_pipeline_in_flight_matches_one_process(tmp_path):
     """2, 3 and 4 concurrent requests, each group's decode step in flight while the other's runs: the tokens of one
     process, as in lockstep; both ranks ran every forward. Then the engine's other work with it on (chunked prefill,
-    a prefix-cache hit, seeded sampling beside greedy, prompt lookup), whose steps go in lockstep where they must."""
+    a prefix-cache hit, seeded sampling beside greedy, prompt lookup), whose steps go in lockstep where they must;
+    and a request cancelled mid-flight, then requests on the blocks it freed and its cached prompt."""
     model = str(GOLDEN / "llama")
-    flight, lockstep, work = run_scenario(tmp_path, "pipeline", [
+    flight, lockstep, work, cancelled = run_scenario(tmp_path, "pipeline", [
         {"model": model, "batches": CONCURRENT, "env": IN_FLIGHT}, {"model": model, "batches": CONCURRENT},
-        {"model": model, "options": WORK_OPTIONS, "batches": WORK, "env": IN_FLIGHT}])
+        {"model": model, "options": WORK_OPTIONS, "batches": WORK, "env": IN_FLIGHT},
+        {"model": model, "batches": CANCELLED, "env": IN_FLIGHT}])
     ref = one_process(model, CONCURRENT)
     assert len(flight["requests"]) == len(ref) - 1 == 9
     for i, (a, b, c) in enumerate(zip(flight["requests"], lockstep["requests"], ref)):
@@ -208,6 +217,14 @@ def test_pipeline_in_flight_matches_one_process(tmp_path):
         assert a["tokens"] == b["tokens"] and a["finish"] == b["finish"] == "length", f"work {i}: {a} != {b}"
     assert work["requests"][1]["cached"] == ref[1]["cached"] == 64
     assert work["kv"]["ranks"][0]["in_flight_forwards"] > 0  # the three requests of the second batch
+    ref = one_process(model, CANCELLED)
+    got = cancelled["requests"]
+    for i, (a, b) in enumerate(zip(got, ref[:7])):
+        if i in (0, 2):
+            assert len(a["tokens"]) == 5 and a["tokens"] == b["tokens"], (i, a, b)
+        else:
+            assert a["tokens"] == b["tokens"] and a["finish"] == b["finish"] == "length" and not a["error"], (i, a, b)
+    assert got[4]["cached"] == ref[4]["cached"] == 32  # the cancelled request's prompt blocks, on every rank
 
 
 def test_three_ranks_in_flight_match_one_process(tmp_path, big_layers):
