@@ -15,6 +15,11 @@ A request with a response format (`structured.Constraint`) is not pipelined: eac
 sampled in the last one, since the grammar's mask for its next token depends on it. Speculating, its verification
 masks each row with the grammar's state after the drafts before it.
 
+On a pipeline of N ranks (`RunnerCapabilities.decode_groups` N > 1) a step that only decodes plain sequences
+decodes one of N groups of them in flight (`backends.base.InFlightDecode.launch`): the other ranks run that group's
+step while rank 0 finishes an earlier group's, whose tokens come back from the same call; each group's next step
+needs only its own tokens. A step that does anything else first settles every group in flight.
+
 A request with `prompt_logprobs` is prefilled whole (no prefix-cache hits: a cached block has no logits), and
 its chunks' logits at every position, packed with the step's other rows like any chunk, score its prompt. With
 max_tokens=0 it samples nothing and ends ("length") at the step that prefills its last chunk.
@@ -22,14 +27,15 @@ max_tokens=0 it samples nothing and ends ("length") at the step that prefills it
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
 from mlx_engine.api import DEFAULT_MAX_SEQS, RooflineError, SamplingParams
-from mlx_engine.backends.base import ModelRunner
+from mlx_engine.backends.base import InFlightDecode, ModelRunner
 from mlx_engine.sequence import Sequence, plain
 from mlx_engine.stop import StopStringMatcher
 
@@ -57,6 +63,8 @@ class Scheduler:
         self.cost_curve: CostCurve | None = None  # measured at the first "auto" request
         # proposer -> [accepted, tested] draft tokens over finished requests ("auto"'s priors; `tested_tokens`)
         self.acceptance: dict[str, list[int]] = {}
+        self.decode_groups = runner.capabilities.decode_groups
+        self._flying: set[Sequence] = set()  # sequences whose step is in flight (their token is not back yet)
 
     def add(self, prompt: list[int], params: SamplingParams, stream: Any, constraint: Any = None) -> None:
         self._counter += 1
@@ -193,7 +201,7 @@ class Scheduler:
         token `last` is not yet fed and is its next input; tokens are emitted one step after they are
         sampled (the next step is queued on the lazy tokens first, so the host never waits on an idle
         device); the tokens scheduled in a step never exceed `token_budget`, and every decoding sequence
-        advances by one token each step."""
+        advances by one token each step (in flight on a pipeline: each group in turn, `_flight_group`)."""
         self.num_steps += 1
         for seq in [s for s in self.running if s.stream.cancelled.is_set()]:
             self._retire(seq, "cancelled")
@@ -210,6 +218,7 @@ class Scheduler:
             for seq in list(self.running):
                 self._retire(seq, "error", error=e)
             self.runner.cache.drop()
+            self._flying.clear()
             return
         for seq, k in speculating:
             self._speculate(seq, k)
@@ -221,6 +230,15 @@ class Scheduler:
         """Builds and starts this step's batched forwards; returns the sequences that sampled a token in
         them, and the speculative sequences (with their k) that step on their own."""
         runner, cache = self.runner, self.runner.cache
+        group = self._flight_group()
+        if group is None and self._flying:  # every token back first, then this step as its sequences stand
+            self._land(cast(InFlightDecode, runner).settle())
+            group = self._flight_group()
+        if group is not None:
+            self._launch(group)
+            if self.trace is not None:
+                self.trace.append((len(group), 0))
+            return set(), []  # the tokens that came back are evaluated: all may be read
         decoding, speculating = [], []
         for s in self.running:
             if s.last is not None and s.num_sampled < s.max_new:
@@ -288,6 +306,45 @@ class Scheduler:
         if new:
             mx.async_eval([t for _, t, _ in new] + [lp for _, _, lp in new if lp is not None])
         return {s for s, _, _ in new}, speculating
+
+    def _flight_group(self) -> list[Sequence] | None:
+        """The sequences this step decodes in flight (`decode_groups` > 1): where every running sequence decodes
+        plainly (none prefilling, speculating, constrained, or wanting log-probabilities) and at least two do, the
+        next ceil(n / decode_groups) of those not in flight; None: a step in lockstep."""
+        if self.decode_groups < 2 or any(s.prefilling or s.spec is not None or s.constraint is not None
+                                         or not plain([s]) for s in self.running):
+            return None
+        decoding = [s for s in self.running if s.last is not None and s.num_sampled < s.max_new]
+        if len(decoding) < 2:
+            return None
+        ready = [s for s in decoding if s not in self._flying]
+        return ready[: math.ceil(len(decoding) / self.decode_groups)] or None
+
+    def _launch(self, group: list[Sequence]) -> None:
+        """A group's decode step in flight, through the views and inputs a step of it alone would use (packed rows
+        for several sequences, a decode step for one), so each row computes as there."""
+        runner, cache = cast(InFlightDecode, self.runner), self.runner.cache
+        ids, cached = [s.req_id for s in group], [s.cached_tokens() for s in group]
+        last = mx.stack([s.last for s in group])
+        if len(group) > 1 and cache.capabilities.packed:
+            layers, inputs = cache.packed_layers(ids, cached, []), last.reshape(1, -1)
+        else:
+            layers, inputs = cache.decode_layers(ids, cached), last.reshape(len(group), 1)
+        for s in group:
+            s.num_fed_out += 1
+        self._flying.update(group)
+        self._land(runner.launch(inputs, layers, [s.sampler for s in group], group))
+
+    def _land(self, landed: list[tuple[Any, Any]]) -> None:
+        """Tokens back from groups' steps in flight: each sequence's next input, read this step."""
+        for group, tokens in landed:
+            self._flying.difference_update(group)
+            for i, s in enumerate(group):
+                if s in self.running:  # (not cancelled meanwhile)
+                    s.last = tokens[i]
+                    s.num_sampled += 1
+                    s.num_forwards += 1
+                    s.unread.append((tokens[i], None))
 
     def _packed_forward(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]],
                         new: list[tuple[Sequence, mx.array, mx.array | None]]) -> None:

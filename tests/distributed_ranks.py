@@ -2,10 +2,11 @@
 
 argv: a JSON scenario file and an output file. The scenario: {"mode": "pipeline" | "tensor", "runs": [{"model":
 path | null, "options": {...}, "model_by_rank": {rank: path}, "batches": [[request, ...], ...]}]}, a request being
-{"ids": [...], "sampling": {SamplingParams fields}}; "started_file": a file rank 0 creates once the first batch's
-first token is out. Each batch's requests are submitted together (they run as one
-continuous batch); rank 0 writes, per run, each request's tokens, finish reason, error and usage, then the engine's
-kv_stats. The other ranks serve rank 0's plans, once per run.
+{"ids": [...], "sampling": {SamplingParams fields}, "cancel_after": n (optional: read n events, then cancel)};
+"env": variables set on every rank for that run;
+"started_file": a file rank 0 creates once the first batch's first token is out. Each batch's requests are
+submitted together (they run as one continuous batch); rank 0 writes, per run, each request's tokens, finish
+reason, error and usage, then the engine's kv_stats. The other ranks serve rank 0's plans, once per run.
 """
 
 from __future__ import annotations
@@ -14,6 +15,16 @@ import json
 import os
 import sys
 import traceback
+from typing import Any
+
+
+def read_events(stream: Any, cancel_after: int | None = None) -> list[Any]:
+    """A request's events; with `cancel_after`, its first that many, and then the request is cancelled."""
+    if cancel_after is None:
+        return list(stream)
+    events = [next(stream) for _ in range(cancel_after)]
+    stream.close()
+    return events
 
 
 def main() -> int:
@@ -22,10 +33,20 @@ def main() -> int:
     scenario = json.loads(open(sys.argv[1]).read())
     rank = distributed.launched_rank()
     mode = scenario["mode"]
+    if rank == 0:
+        distributed.stop_on_sigterm(0)  # as the CLI's rank 0: a lost rank ends it with EXIT_RANK_LOST and its line
     results = []
+    restore: dict[str, str | None] = {}
     for run in scenario["runs"]:
         model = run.get("model_by_rank", {}).get(str(rank), run["model"])
         options = run.get("options", {})
+        for key, value in restore.items():  # what the run before set, as it was
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        restore = {key: os.environ.get(key) for key in run.get("env", {})}
+        os.environ.update(run.get("env", {}))
         if rank != 0:
             code = distributed.serve_rank(model, mode, **options)
             if code:
@@ -43,8 +64,8 @@ def main() -> int:
             if run.get("started_file"):  # the test acts on the ranks mid-generation
                 next(streams[0])
                 open(run["started_file"], "w").close()
-            for stream in streams:
-                events = list(stream)
+            for r, stream in zip(batch, streams):
+                events = read_events(stream, r.get("cancel_after"))
                 last = events[-1]
                 out.append({"tokens": [t for e in events for t in e.token_ids], "finish": last.finish_reason,
                             "error": last.error, "cached": last.usage.cached_prompt_tokens if last.usage else None})

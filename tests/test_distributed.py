@@ -2,7 +2,7 @@
 
 Each launch starts two Python processes (about 3 s on the 2-core box before any model loads), so every test puts
 its models and requests into one or two launches (tests/distributed_ranks.py runs them on each rank). Ports: each
-launch picks a free pair (`free_port_base`), so runs of the suite side by side do not collide.
+launch picks free ports (`free_port_base`), so runs of the suite side by side do not collide.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from mlx_engine.distributed.stage import MIN_DECODE_ROWS_PER_MICRO_BATCH
+from tests.distributed_ranks import read_events
 from tests.tiny_models import random_llama_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,14 +35,14 @@ LAUNCH_TIMEOUT_S = 240
 pytestmark = pytest.mark.skipif(not MLX_LAUNCH.exists(), reason="mlx.launch is not installed beside python")
 
 
-def free_port_base() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1 (mlx.launch's ring takes one per rank from -p)."""
+def free_port_base(ranks: int = 2) -> int:
+    """A port p with p ... p + ranks - 1 free on 127.0.0.1 (mlx.launch's ring takes one per rank from -p)."""
     rng = np.random.default_rng()
     for _ in range(200):
         base = int(rng.integers(20000, 60000))
         socks = []
         try:
-            for p in (base, base + 1):
+            for p in range(base, base + ranks):
                 s = socket.socket()
                 s.bind(("127.0.0.1", p))
                 socks.append(s)
@@ -51,12 +52,12 @@ def free_port_base() -> int:
         finally:
             for s in socks:
                 s.close()
-    raise RuntimeError("no two consecutive free ports")
+    raise RuntimeError(f"no {ranks} consecutive free ports")
 
 
-def launch_cmd(*args: str) -> list[str]:
-    return [str(MLX_LAUNCH), "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1", "-p", str(free_port_base()),
-            "--", sys.executable, *args]
+def launch_cmd(*args: str, ranks: int = 2) -> list[str]:
+    return [str(MLX_LAUNCH), "--backend", "ring", "-n", str(ranks), "--hosts", "127.0.0.1", "-p",
+            str(free_port_base(ranks)), "--", sys.executable, *args]
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -65,11 +66,11 @@ def env(**extra: str) -> dict[str, str]:
     return out
 
 
-def run_scenario(tmp_path: Path, mode: str, runs: list[dict]) -> list[dict]:
+def run_scenario(tmp_path: Path, mode: str, runs: list[dict], ranks: int = 2) -> list[dict]:
     spec, out = tmp_path / f"scenario-{mode}.json", tmp_path / f"results-{mode}.json"
     spec.write_text(json.dumps({"mode": mode, "runs": runs}))
-    p = subprocess.run(launch_cmd(str(RANKS), str(spec), str(out)), capture_output=True, text=True, cwd=ROOT,
-                       env=env(), timeout=LAUNCH_TIMEOUT_S)
+    p = subprocess.run(launch_cmd(str(RANKS), str(spec), str(out), ranks=ranks), capture_output=True, text=True,
+                       cwd=ROOT, env=env(), timeout=LAUNCH_TIMEOUT_S)
     assert out.exists(), f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
     return json.loads(out.read_text())
 
@@ -83,10 +84,10 @@ def one_process(model: str | None, batches: list[list[dict]], **options) -> list
         for batch in batches:
             streams = [engine.generate(GenerationRequest(prompt_token_ids=r["ids"], sampling=SamplingParams(
                 **r["sampling"]))) for r in batch]
-            for stream in streams:
-                events = list(stream)
+            for r, stream in zip(batch, streams):
+                events = read_events(stream, r.get("cancel_after"))
                 out.append({"tokens": [t for e in events for t in e.token_ids], "finish": events[-1].finish_reason,
-                            "cached": events[-1].usage.cached_prompt_tokens})
+                            "cached": events[-1].usage.cached_prompt_tokens if events[-1].usage else None})
         stats = engine.kv_stats()
         out.append({"weight_bytes": engine.info.weight_bytes, "kv_budget_bytes": stats["bytes_budget"]})
     return out
@@ -124,6 +125,22 @@ TOGETHER = [[greedy(PREFIX[i:] + PREFIX[:i], 6) for i in (1, 2, 3)],
              {"ids": PREFIX[i:i + 4], "sampling": {"temperature": 0.9, "top_p": 0.95, "seed": i, "max_tokens": 6,
                                                    "ignore_eos": True}} for i in range(MANY_DECODING)]]
 TOGETHER_OPTIONS = {"max_seqs": MANY_DECODING, "kv_budget_bytes": 2**20}  # a block each and the three prompts
+IN_FLIGHT = {"ROOFLINE_PIPELINE_IN_FLIGHT": "1"}  # each group's decode step in flight (opt-in)
+# 2, 3 and 4 requests at once, of different lengths (groups change as they end), greedy and seeded: decode steps
+# of each group of sequences in flight on the pipeline
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "ignore_eos": True}
+CONCURRENT = [[greedy(PREFIX[i:i + 5 + i], 9 + 3 * i) for i in range(2)],
+              [greedy(PREFIX[i:i + 4], 7 + 4 * i) if i != 1 else
+               {"ids": PREFIX[3:11], "sampling": {**SEEDED, "seed": 5, "max_tokens": 14}} for i in range(3)],
+              [greedy(PREFIX[9 * i:9 * i + 6], 16 - 3 * i) if i % 2 else
+               {"ids": PREFIX[9 * i:9 * i + 3], "sampling": {**SEEDED, "seed": i, "max_tokens": 11 + i}}
+               for i in range(4)]]
+# two requests cancelled, one in each group (a cancel lands while the group's step is in flight or between, as
+# the steps fall), beside two that go on; then requests on the blocks they freed, one of them a prefix-cache hit on
+# a cancelled prompt (two blocks): the ranks' caches must still agree
+CANCELLED = [[{**greedy(PREFIX[:40], 40), "cancel_after": 5}, greedy(PREFIX[40:46], 12),
+              {**greedy(PREFIX[20:30], 40), "cancel_after": 5}, greedy(PREFIX[50:53], 20)],
+             [greedy(PREFIX[:40] + [7], 9), greedy(PREFIX[60:65], 12), greedy(PREFIX[5:9], 10)]]
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +189,56 @@ def test_two_ranks_match_one_process(tmp_path, mode, big_layers):
         assert [r["kv_layers"] for r in ranks] == [4, 4]
     else:
         assert [r["kv_heads"] for r in ranks] == [1, 1]
+
+
+def test_pipeline_in_flight_matches_one_process(tmp_path):
+    """2, 3 and 4 concurrent requests, each group's decode step in flight while the other's runs: the tokens of one
+    process, as in lockstep; both ranks ran every forward. Then the engine's other work with it on (chunked prefill,
+    a prefix-cache hit, seeded sampling beside greedy, prompt lookup), whose steps go in lockstep where they must;
+    and a request cancelled mid-flight, then requests on the blocks it freed and its cached prompt."""
+    model = str(GOLDEN / "llama")
+    flight, lockstep, work, cancelled = run_scenario(tmp_path, "pipeline", [
+        {"model": model, "batches": CONCURRENT, "env": IN_FLIGHT}, {"model": model, "batches": CONCURRENT},
+        {"model": model, "options": WORK_OPTIONS, "batches": WORK, "env": IN_FLIGHT},
+        {"model": model, "batches": CANCELLED, "env": IN_FLIGHT}])
+    ref = one_process(model, CONCURRENT)
+    assert len(flight["requests"]) == len(ref) - 1 == 9
+    for i, (a, b, c) in enumerate(zip(flight["requests"], lockstep["requests"], ref)):
+        assert a["tokens"] == b["tokens"] == c["tokens"], f"request {i}: {a} / {b} / {c}"
+        assert a["finish"] == c["finish"] == "length" and not a["error"]
+    for run, in_flight in ((flight, True), (lockstep, False)):
+        ranks = run["kv"]["ranks"]
+        assert ranks[0]["forwards"] == ranks[1]["forwards"], ranks
+        flown = ranks[0]["in_flight_forwards"]
+        # most decode steps: every step but the prefills and those where one sequence decodes alone
+        assert (flown > ranks[0]["forwards"] // 2) if in_flight else flown == 0, ranks[0]
+    ref = one_process(model, WORK, **WORK_OPTIONS)
+    for i, (a, b) in enumerate(zip(work["requests"], ref)):
+        assert a["tokens"] == b["tokens"] and a["finish"] == b["finish"] == "length", f"work {i}: {a} != {b}"
+    assert work["requests"][1]["cached"] == ref[1]["cached"] == 64
+    assert work["kv"]["ranks"][0]["in_flight_forwards"] > 0  # the three requests of the second batch
+    ref = one_process(model, CANCELLED)
+    got = cancelled["requests"]
+    for i, (a, b) in enumerate(zip(got, ref[:7])):
+        if i in (0, 2):
+            assert len(a["tokens"]) == 5 and a["tokens"] == b["tokens"], (i, a, b)
+        else:
+            assert a["tokens"] == b["tokens"] and a["finish"] == b["finish"] == "length" and not a["error"], (i, a, b)
+    assert got[4]["cached"] == ref[4]["cached"] == 32  # the cancelled request's prompt blocks, on every rank
+
+
+def test_three_ranks_in_flight_match_one_process(tmp_path, big_layers):
+    """Three pipeline ranks on loopback, three groups with two of their steps in flight at once (rank 0 finishes
+    the oldest while ranks 1 and 2 each run one): the tokens of one process."""
+    batches = CONCURRENT[1:] + [[greedy(PREFIX[i:i + 4], 10 + i) for i in range(6)]]
+    got = run_scenario(tmp_path, "pipeline", [{"model": str(big_layers), "batches": batches, "env": IN_FLIGHT}],
+                       ranks=3)[0]
+    ref = one_process(str(big_layers), batches)
+    for i, (a, b) in enumerate(zip(got["requests"], ref)):
+        assert a["tokens"] == b["tokens"] and a["finish"] == b["finish"] == "length", f"request {i}: {a} != {b}"
+    ranks = got["kv"]["ranks"]
+    assert [r["layers"] for r in ranks] == [[6, 8], [0, 3], [3, 6]], ranks
+    assert len({r["forwards"] for r in ranks}) == 1 and ranks[0]["in_flight_forwards"] > ranks[0]["forwards"] // 2
 
 
 def test_smollm2_pipeline_matches_one_process(tmp_path):
@@ -328,12 +395,13 @@ def test_rank_killed_mid_generation_ends_the_run(tmp_path):
     assert rank_pid(proc.pid, 0) is None
 
 
-def test_silent_rank_ends_the_run_at_the_deadline(tmp_path):
-    """A rank that stops answering (SIGSTOP: no connection closes) is named once the deadline passes."""
+def _signal_rank_1(tmp_path: Path, mode: str, batch: list[dict], signum: int, **run_env: str) -> tuple[float, str]:
+    """Starts `batch` on two ranks (a 4 s deadline, `run_env` set on both), sends rank 1 `signum` once the first
+    token is out, and returns how long rank 0 lived on after it and the launch's stderr."""
     started = tmp_path / "started"
-    spec, out = tmp_path / "silent.json", tmp_path / "silent-out.json"
-    run = {"model": str(GOLDEN / "llama"), "started_file": str(started), "batches": [[greedy([1, 2, 3], 400)]]}
-    spec.write_text(json.dumps({"mode": "tensor", "runs": [run]}))
+    spec, out = tmp_path / "signalled.json", tmp_path / "signalled-out.json"
+    run = {"model": str(GOLDEN / "llama"), "started_file": str(started), "batches": [batch], "env": run_env}
+    spec.write_text(json.dumps({"mode": mode, "runs": [run]}))
     proc = subprocess.Popen(launch_cmd(str(RANKS), str(spec), str(out)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env(ROOFLINE_DISTRIBUTED_TIMEOUT="4"))
     victim = None
@@ -343,21 +411,46 @@ def test_silent_rank_ends_the_run_at_the_deadline(tmp_path):
             time.sleep(0.1)
         victim = rank_pid(proc.pid, 1)
         assert started.exists() and victim is not None, proc.communicate(timeout=30)
-        os.kill(victim, signal.SIGSTOP)
-        stopped = time.monotonic()
-        while rank_pid(proc.pid, 0) is not None and time.monotonic() - stopped < 30:
+        time.sleep(0.3)  # every request decoding
+        os.kill(victim, signum)
+        signalled = time.monotonic()
+        while rank_pid(proc.pid, 0) is not None and time.monotonic() - signalled < 30:
             time.sleep(0.2)
-        took = time.monotonic() - stopped
+        took = time.monotonic() - signalled
     finally:
         if victim is not None:
-            os.kill(victim, signal.SIGKILL)  # stopped: the launcher's SIGTERM would wait for ever
+            try:
+                os.kill(victim, signal.SIGKILL)  # stopped: the launcher's SIGTERM would wait for ever
+            except ProcessLookupError:
+                pass  # killed already
         try:
             _, err = proc.communicate(timeout=60)
         finally:
             kill_launch(proc)
+    return took, err
+
+
+def test_silent_rank_ends_the_run_at_the_deadline(tmp_path):
+    """A rank that stops answering (SIGSTOP: no connection closes) is named once the deadline passes."""
+    took, err = _signal_rank_1(tmp_path, "tensor", [greedy([1, 2, 3], 400)], signal.SIGSTOP)
     assert took < 15, took
     line = [x for x in err.splitlines() if "roofline: error" in x]
     assert line and "no answer from rank 1 (127.0.0.1:" in line[0] and "for 4 s" in line[0], err
+    assert "Node with rank 0 exited with code 3" in err, err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_rank_lost_with_decode_steps_in_flight(tmp_path, signum):
+    """Three sequences decoding on the pipeline, a group's step in flight at any time: rank 1 killed (its
+    connections close) or stopped (they do not) ends the run with EXIT_RANK_LOST, naming rank 1."""
+    took, err = _signal_rank_1(tmp_path, "pipeline", [greedy([1, 2, 3 + i], 400) for i in range(3)], signum,
+                               **IN_FLIGHT)
+    assert took < 15, took
+    line = [x for x in err.splitlines() if "roofline: error" in x]
+    if signum == signal.SIGKILL:
+        assert line and "rank 1" in line[0] and ("lost" in line[0] or "ended" in line[0]), err
+    else:
+        assert line and "no answer from rank 1 (127.0.0.1:" in line[0] and "for 4 s" in line[0], err
     assert "Node with rank 0 exited with code 3" in err, err
 
 

@@ -41,9 +41,30 @@ class RunnerCapabilities:
     # for a capability declared False: why, as the user is told it ("rollback": a clause after the model's name;
     # "self_draft", "hidden_states": a predicate after "speculative='self'" / "hidden states")
     why_not: Mapping[str, str] = field(default_factory=dict)
+    # > 1: the runner is an `InFlightDecode` (a pipeline of that many ranks): the scheduler may step the decoding
+    # sequences in that many groups in turn, each group's step in flight while the others' run
+    decode_groups: int = 1
 
     def reason(self, name: str) -> str:
         return self.why_not.get(name, f"this runner does not support {name}")
+
+
+@runtime_checkable
+class InFlightDecode(Protocol):
+    """A runner whose `RunnerCapabilities.decode_groups` is above 1 (a pipeline): a plain decode forward only
+    starts (`launch`: decode rows alone, views from `decode_layers`, or `packed_layers` without prefill chunks), and
+    its sampled tokens come back from a later call, once `decode_groups - 1` others are in flight, with the `tag`
+    it was launched with. Any other forward finishes the ones in flight first; their tokens wait for the next
+    `launch` or `settle`."""
+
+    def launch(self, inputs: Any, layers: list[Any], samplers: list[Any], tag: Any) -> list[tuple[Any, Any]]:
+        """Starts a decode forward; returns (tag, tokens) of each forward finished since the last call, oldest
+        first, the tokens (B,) int32 and evaluated."""
+        ...
+
+    def settle(self) -> list[tuple[Any, Any]]:
+        """Finishes every forward in flight; (tag, tokens) of each not yet returned, oldest first."""
+        ...
 
 
 @runtime_checkable

@@ -3,6 +3,7 @@ shard, and agree on one KV pool size, so that block ids mean the same blocks eve
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,7 @@ class Node:
                 "bytes_exchanged": self.stage.bytes_exchanged, "plan_bytes": self.channel.bytes_sent,
                 "forwards": self.stage.num_forwards, "micro_batched_forwards": self.stage.num_micro_batched,
                 "micro_batched_decodes": self.stage.num_micro_batched_decodes,
+                "in_flight_forwards": self.stage.num_in_flight, "cpu_s": time.process_time(),
                 "busy_s": self.stage.busy_s, "hidden": self.stage.hidden, "itemsize": self.stage.dtype.size,
                 "model_layers": self.num_layers,
                 "peak_memory_bytes": self.local.peak_memory_bytes()}

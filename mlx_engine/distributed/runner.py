@@ -14,6 +14,7 @@ import json
 import os
 import threading
 import zlib
+from collections import deque
 from typing import Any
 
 import mlx.core as mx
@@ -23,7 +24,8 @@ from mlx_engine.api import RooflineError
 from mlx_engine.backends.base import RunnerCapabilities
 from mlx_engine.distributed.mirror import MirroredCache, PlanLog, PlannedLayers, TrimRecorded, lockstep_figures
 from mlx_engine.distributed.node import Node
-from mlx_engine.distributed.stage import MIN_DECODE_ROWS_PER_MICRO_BATCH, micro_batches
+from mlx_engine.distributed.stage import MIN_DECODE_ROWS_PER_MICRO_BATCH, InFlight, micro_batches
+from mlx_engine.kv.views import PackedView, PagedDecodeView
 
 
 def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
@@ -34,6 +36,7 @@ def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
 
 MICRO_BATCHES_ENV = "ROOFLINE_PIPELINE_MICRO_BATCHES"
 DECODE_ROWS_ENV = "ROOFLINE_PIPELINE_DECODE_ROWS"
+IN_FLIGHT_ENV = "ROOFLINE_PIPELINE_IN_FLIGHT"
 
 
 def _whole_env(name: str, default: int) -> int:
@@ -57,6 +60,24 @@ def min_decode_rows() -> int:
     return _whole_env(DECODE_ROWS_ENV, MIN_DECODE_ROWS_PER_MICRO_BATCH)
 
 
+def decode_groups(mode: str, num_ranks: int) -> int:
+    """Groups of decoding sequences the scheduler may step in turn, each in flight while the others run: one per
+    pipeline rank with $ROOFLINE_PIPELINE_IN_FLIGHT=1; else 1 (lockstep), and always for tensor parallel. Off by
+    default: each group's step reads the rank's weights again, which costs more CPU per token than the overlap
+    gained where the ranks share cores (measured on the 2-core box: docs/distributed.md)."""
+    raw = os.environ.get(IN_FLIGHT_ENV, "")
+    if raw not in ("", "0", "1"):
+        raise RooflineError(f"{IN_FLIGHT_ENV}={raw!r}: expected 1 (a decode step of each group of sequences in "
+                            "flight on the pipeline) or 0 (every rank in lockstep, the default)")
+    return num_ranks if mode == "pipeline" and raw == "1" else 1
+
+
+def _decode_only(layers: list[Any]) -> bool:
+    view = layers[0]
+    return isinstance(view, PagedDecodeView) or (isinstance(view, PackedView) and view.decode is not None
+                                                 and not view.spans)
+
+
 def tables_checksum(cache: Any, req_ids: list[str]) -> int:
     return zlib.crc32(json.dumps(lockstep_figures(cache, req_ids)).encode())
 
@@ -75,12 +96,15 @@ class DistributedRunner:
         self.vocab_size, self.eos_ids, self.fingerprint = local.vocab_size, local.eos_ids, local.fingerprint
         self.draft, self.self_draft_layers = local.draft, 0
         self.capabilities = RunnerCapabilities(rollback=True, kv_files=False, self_draft=False, hidden_states=False,
-                                               max_batch=local.capabilities.max_batch, why_not={
+                                               max_batch=local.capabilities.max_batch,
+                                               decode_groups=decode_groups(node.mode, node.size), why_not={
             "kv_files": "KV files are not available with --distributed: each rank holds a part of it",
             "self_draft": "is not available with --distributed: the model's first layers are on another rank; use "
                           "'prompt-lookup' or 'draft'",
             "hidden_states": "are not available with --distributed: each rank holds only its layers"})
         self.closed = False
+        self._pending: deque[InFlight] = deque()  # forwards in flight, oldest first (`launch`)
+        self._landed: list[tuple[Any, Any]] = []  # (tag, tokens) of those finished, not yet returned
         self._owner = threading.current_thread()  # the engine thread: the only one that may use the channel
         self._link: dict[str, float] | None = None
         self.micro_batches, self.min_decode_rows = micro_batch_count(node.size), min_decode_rows()
@@ -108,9 +132,11 @@ class DistributedRunner:
         except Exception:  # noqa: BLE001 - exiting anyway; the other ranks then report rank 0 lost
             pass
 
-    def _send(self, plan: dict[str, Any], doing: str = "sending a step's plan") -> None:
+    def _send(self, plan: dict[str, Any], doing: str = "sending a step's plan", settle: bool = True) -> None:
         if threading.current_thread() is not self._owner:
             raise RooflineError("a distributed runner's collectives run on the engine thread only")
+        if settle:  # every rank takes its plans in order: the forwards in flight end before anything else
+            self._finish_pending()
         plan["ops"] = self.log.take()
         self.node.channel.broadcast(json.dumps(plan, separators=(",", ":")).encode(), doing)
 
@@ -118,12 +144,54 @@ class DistributedRunner:
         """inputs (B, L) -> final hidden states (B, L, hidden), evaluated, after every rank ran its part."""
         if not isinstance(layers, PlannedLayers):
             raise RooflineError("a distributed forward needs views from the engine's cache (runner.cache)")
+        self._finish_pending()  # the ranks take their plans in order; its tokens may have been sampled in flight
         tokens = np.array(inputs, dtype=np.int32)  # the step's ids go to every rank: read them now
         groups = micro_batches(layers, self.micro_batches, self.min_decode_rows) if self.node.mode == "pipeline" \
             else None
         self._send({"do": "forward", "views": layers.op, "tokens": tokens.tolist(), "groups": groups,
                     "crc": tables_checksum(self.local.cache, self.log.view_reqs.get(layers.op, []))})
         return self.node.stage.forward(mx.array(tokens), layers, groups)
+
+    def launch(self, inputs: mx.array, layers: list[Any], samplers: list[Any], tag: Any) -> list[tuple[Any, Any]]:
+        """`backends.base.InFlightDecode`: a plain decode forward's plan and rows go out; once `decode_groups - 1`
+        are in flight, the oldest is finished while the other ranks run this one."""
+        if not (isinstance(layers, PlannedLayers) and self.node.mode == "pipeline" and _decode_only(layers)):
+            raise RooflineError("a forward in flight is a pipeline's decode step over views from the engine's cache")
+        oldest = None
+        if len(self._pending) >= self.capabilities.decode_groups - 1:
+            # its rows are back before this plan goes out: on two ranks the ring never has both ranks sending
+            oldest = self._pending.popleft()
+            self.node.stage.arrive(oldest)
+        tokens = np.array(inputs, dtype=np.int32)  # tokens that have landed: evaluated already
+        self._send({"do": "forward", "views": layers.op, "tokens": tokens.tolist(), "groups": None,
+                    "crc": tables_checksum(self.local.cache, self.log.view_reqs.get(layers.op, []))}, settle=False)
+        flight = self.node.stage.launch(mx.array(tokens), layers)
+        flight.tag, flight.samplers = tag, samplers
+        self._pending.append(flight)  # first: rank 0 receives the ranks' replies in the order it sent the plans
+        if oldest is not None:  # rank 0's part of the oldest while the other ranks run this one
+            self._complete(oldest)
+        landed, self._landed = self._landed, []
+        return landed
+
+    def settle(self) -> list[tuple[Any, Any]]:
+        self._finish_pending()
+        landed, self._landed = self._landed, []
+        return landed
+
+    def _finish_pending(self) -> None:
+        while self._pending:
+            self._complete(self._pending.popleft())
+
+    def _complete(self, flight: InFlight) -> None:
+        """Rank 0's layers, the head and sampling of a forward in flight, as a decode step samples them
+        (`packed_sample` over decode rows, or `decode_sample`); its tokens wait in `_landed`."""
+        h = self.node.stage.complete(flight)
+        view = flight.layers[0]
+        rows = h[0, mx.array(list(range(view.num_decode)), dtype=mx.int32)] if isinstance(view, PackedView) \
+            else h[:, -1, :]
+        tokens = _sample_rows(self.logits(rows), flight.samplers)
+        mx.eval(tokens)
+        self._landed.append((flight.tag, tokens))
 
     def gather_figures(self) -> list[dict[str, Any]]:
         """Every rank's weights, KV pool and traffic (`Node.figures`), by rank."""

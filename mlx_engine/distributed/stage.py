@@ -13,6 +13,7 @@ and MLP columns, the model's two all-sums per layer (`shard.SumAcrossRanks`) kee
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -137,6 +138,19 @@ def run_layers(model: Any, h: mx.array, layers: list[Any]) -> mx.array:
     return h
 
 
+@dataclass
+class InFlight:
+    """Rank 0's part of a pipelined decode forward that has only started (`Stage.launch`): its rows are out on the
+    ring; `received` is the recv of what rank N-1 sends back (unevaluated). Nothing of rank 0's layers is built yet:
+    on MLX's CPU backend the host GEMMs compute as the graph is built, so building them would wait for the ring."""
+
+    received: mx.array
+    layers: list[Any]
+    tag: Any = None
+    samplers: list[Any] = field(default_factory=list)
+    arrived: bool = False
+
+
 class Stage:
     """This rank's part of a forward. `waiting(doing)`: a context that keeps the run's deadline on rank 0 (names the
     peer and ends the run when it passes, or when the connection is lost), a no-op elsewhere; `state(layers)` is
@@ -150,6 +164,7 @@ class Stage:
         self.bytes_exchanged = 0  # activation bytes this rank sent (pipeline) or all-summed (tensor)
         # forwards; those cut into micro-batches; those whose decode rows were cut into groups of sequences
         self.num_forwards = self.num_micro_batched = self.num_micro_batched_decodes = 0
+        self.num_in_flight = 0  # rank 0's forwards launched in flight (`launch`)
         self.busy_s = 0.0  # seconds spent computing this rank's layers (pipeline), not waiting for activations
 
     def forward(self, tokens: mx.array, layers: list[Any], groups: list[Any] | None) -> mx.array | None:
@@ -210,6 +225,36 @@ class Stage:
             self.busy_s += time.perf_counter() - t
             self._send(x, nxt, f"sending activations to rank {nxt}")
         return None
+
+    def launch(self, tokens: mx.array, layers: list[Any]) -> InFlight:
+        """Rank 0 of a pipeline: embeds a decode forward's rows and sends them to rank 1; the rest waits for
+        `complete`, so that rank 0 finishes another forward while the other ranks run this one. The other ranks run
+        it as any forward (`forward`, no micro-batches)."""
+        B, L = tokens.shape
+        self.num_forwards += 1
+        self.num_in_flight += 1
+        self._send(self.model.model.embed_tokens(tokens), 1 % self.size, "sending the embedded rows to rank 1")
+        x = mx.distributed.recv((B, L, self.hidden), self.dtype, (self.rank - 1) % self.size, group=self.group)
+        return InFlight(x, layers)
+
+    def arrive(self, flight: InFlight) -> None:
+        """Waits for a launched forward's activations from rank N-1 (under the run's deadline)."""
+        if not flight.arrived:
+            with self.waiting(f"waiting for rank {(self.rank - 1) % self.size}'s activations"):
+                mx.eval(flight.received)
+            flight.arrived = True
+
+    def complete(self, flight: InFlight) -> mx.array:
+        """A launched forward's final hidden states (B, L, hidden), evaluated: rank 0's layers over its activations
+        once they are back (the KV writes too), then the norm, as `forward` computes them."""
+        self.arrive(flight)
+        t = time.perf_counter()
+        out = run_layers(self.model, flight.received, flight.layers)
+        mx.eval(out, *self.state(flight.layers))
+        self.busy_s += time.perf_counter() - t
+        h = self.model.model.norm(out)
+        mx.eval(h)
+        return h
 
     def _recv(self, shape: tuple[int, ...], src: int) -> mx.array:
         """The activations from `src`, evaluated: the wait is kept apart from the work (`busy_s`)."""
