@@ -102,8 +102,9 @@ def read_raw(g: GGUFFile, t: TensorInfo) -> np.ndarray:
     return raw
 
 
-# Weights a step of `_affine_parts` unpacks at once: its int32 codes are 4 bytes each, so 16 MiB
-_AFFINE_STEP_WEIGHTS = 2**22
+# Weights a step of `_affine_parts` unpacks at once: its int32 codes are 4 bytes each, so 4 MiB (and as much for
+# each of a few temporaries)
+_AFFINE_STEP_WEIGHTS = 2**20
 
 
 def _affine_parts(raw: np.ndarray, ggml_type: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray,

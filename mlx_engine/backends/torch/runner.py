@@ -151,7 +151,8 @@ class TorchRunner(CacheRunner):
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise RooflineError(f"prefill_chunk_size={prefill_chunk_size!r}: expected an integer >= 1")
         kv_config = KVConfig(**kv_options)
-        ckpt = load_checkpoint(model, kquant_blocks=True)  # k-quants: packed here on CUDA (weights.kquant_weight)
+        # k-quants: packed here (weights.kquant_weight); lazy: each tensor read from the file as build_model takes it
+        ckpt = load_checkpoint(model, kquant_blocks=True, lazy=True)
         model_type = ckpt.config.get("model_type")
         if model_type not in TORCH_MODEL_TYPES:
             raise RooflineError(f"{ckpt.path}: model type {model_type!r} is not supported on the torch backend "
