@@ -69,6 +69,7 @@ def fuse_projections(model: Model) -> None:
                 setattr(owner, fused_name, FusedLinear(*fused, linears))
                 for n in names:
                     setattr(owner, n, None)
+        trim_heap()  # the parts' pages, before the next layer's copies
 
 
 def _to_numpy(a: Any) -> np.ndarray:
@@ -99,6 +100,7 @@ def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None
     for key in [k for k in weights if k.rpartition(".")[2] == "weight"] + [k for k in weights]:
         if key not in weights:
             continue
+        value = scales = biases = None  # the last tensor's arrays freed before the next is read
         if converted >= TRIM_BYTES:
             trim_heap()
             converted = 0
@@ -247,8 +249,8 @@ def release_freed() -> None:
     trim_heap()
 
 
-# Source bytes converted between two `trim_heap` calls of the conversion: a slice of the peak, at a few ms a trim
-TRIM_BYTES = 16 * 2**20
+# Source bytes converted between two `trim_heap` calls of the conversion (a trim takes well under a ms here)
+TRIM_BYTES = 2**20
 
 
 def trim_heap() -> None:
