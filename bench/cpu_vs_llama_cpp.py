@@ -18,7 +18,8 @@ Xeon); --extra-bufts adds rows with them (the repacked Q4_0/IQ4 layouts, AMX whe
 Each row: prompt of -p tokens (prefill tok/s), then -n greedy tokens (decode tok/s); the decode's % of the
 roofline = bytes a token reads (packed weights and the KV at the mean decode context, as each runner holds
 them) x tok/s / the machine's copy bandwidth (`mlx_engine.roofline.measure_bandwidth`); memory = the worker's
-peak RSS less its RSS after imports, beside the target 1.3 x the file + the KV pool it allocated.
+peak RSS less its RSS after imports (torch's and its compiler's modules for the torch rows: library code, as
+llama.cpp's), beside the target 1.3 x the file + the KV pool it allocated.
 """
 
 from __future__ import annotations
@@ -95,8 +96,10 @@ def roofline_worker(path: str, backend: str, threads: int | None, context: int) 
                 "bytes_per_token": e.decode_bytes_per_token(len(prompt) + gen // 2),
                 "kv_bytes": int(e.kv_stats().get("bytes_total") or 0)}
 
-    if backend == "torch":  # torch's libraries (about 270 MB of RSS) before the baseline, as llama.cpp's are
+    if backend == "torch":  # torch's libraries (about 270 MB of RSS) before the baseline, as llama.cpp's are,
         import mlx_engine.backends.torch.runner  # noqa: F401
+        import torch._dynamo  # noqa: F401  (and its compiler's, ~120 MB, the decode step compiled at load)
+        import torch._inductor.compile_fx  # noqa: F401
     _serve(load, run)
 
 

@@ -190,7 +190,10 @@ class TorchRunner(CacheRunner):
         if compile is None:
             compile = cpu is not None and os.environ.get(COMPILE_ENV, "1") not in ("0", "off", "false")
         if compile:
+            from mlx_engine.backends.torch.weights import trim_heap
+
             note, info = runner.compile_decode(), runner.info
+            trim_heap()  # what tracing and lowering freed (~30 MB of SmolLM2's compile, docs/benchmarks.md)
             runner.info = (dataclasses.replace(info, warnings=(*info.warnings, note)) if runner.model.compiled is None
                            else dataclasses.replace(info, notes=(*info.notes, note)))
         itemsize = torch.empty((), dtype=act_dtype).element_size()
