@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,11 @@ def _rss_bytes() -> int:
 
 
 def _peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak RSS: VmHWM, its own address space's high-water mark. Not ru_maxrss, which a process
+    started by fork + exec inherits from its parent at the fork (this controller's, after measure_bandwidth's
+    buffers: every llama.cpp row read 493 MB)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 # --- workers: one process each, JSON lines on stdin/stdout ---------------------------------------------

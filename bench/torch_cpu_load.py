@@ -4,7 +4,7 @@ shows what inductor's cache (under ROOFLINE_CACHE_DIR) saves.
     uv run python bench/torch_cpu_load.py [MODEL] [--loads 2] [--no-compile] [--cache-dir DIR] [--fresh-cache]
 
 MODEL: a GGUF file or folder (default: the embedded SmolLM2 Q4_1). Each load prints its seconds, the RSS over the
-RSS after importing torch's backend (after the load and after generating -p + -n tokens), the peak (ru_maxrss)
+RSS after importing torch's backend (after the load and after generating -p + -n tokens), the peak (VmHWM)
 over the same baseline, and the bytes the packed weights and the KV pool hold. With compile on, the baseline also
 has the compiler's modules imported (torch._dynamo, torch._inductor: library code, ~120 MB of RSS, printed apart),
 so that the figures are what the model and its compiled graphs hold.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,9 @@ def _rss_mb() -> float:
 
 
 def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak RSS: VmHWM (ru_maxrss is inherited from the parent at the fork that started this process)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def child(model: str | None, compile: bool, prompt: int, gen: int) -> None:
