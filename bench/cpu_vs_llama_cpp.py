@@ -18,7 +18,8 @@ Xeon); --extra-bufts adds rows with them (the repacked Q4_0/IQ4 layouts, AMX whe
 Each row: prompt of -p tokens (prefill tok/s), then -n greedy tokens (decode tok/s); the decode's % of the
 roofline = bytes a token reads (packed weights and the KV at the mean decode context, as each runner holds
 them) x tok/s / the machine's copy bandwidth (`mlx_engine.roofline.measure_bandwidth`); memory = the worker's
-peak RSS less its RSS after imports, beside the target 1.3 x the file + the KV pool it allocated.
+peak RSS less its RSS after imports (torch's and its compiler's modules for the torch rows: library code, as
+llama.cpp's), beside the target 1.3 x the file + the KV pool it allocated.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -45,7 +45,11 @@ def _rss_bytes() -> int:
 
 
 def _peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak RSS: VmHWM, its own address space's high-water mark. Not ru_maxrss, which a process
+    started by fork + exec inherits from its parent at the fork (this controller's, after measure_bandwidth's
+    buffers: every llama.cpp row read 493 MB)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 # --- workers: one process each, JSON lines on stdin/stdout ---------------------------------------------
@@ -95,17 +99,20 @@ def roofline_worker(path: str, backend: str, threads: int | None, context: int) 
                 "bytes_per_token": e.decode_bytes_per_token(len(prompt) + gen // 2),
                 "kv_bytes": int(e.kv_stats().get("bytes_total") or 0)}
 
-    if backend == "torch":  # torch's libraries (about 270 MB of RSS) before the baseline, as llama.cpp's are
+    if backend == "torch":  # torch's libraries (about 270 MB of RSS) before the baseline, as llama.cpp's are,
         import mlx_engine.backends.torch.runner  # noqa: F401
+        import torch._dynamo  # noqa: F401  (and its compiler's, ~120 MB, the decode step compiled at load)
+        import torch._inductor.compile_fx  # noqa: F401
     _serve(load, run)
 
 
-def llama_worker(path: str, threads: int, context: int, extra_bufts: bool) -> None:
+def llama_worker(path: str, threads: int, context: int, extra_bufts: bool, weights: int, kv_per_token: int) -> None:
+    """`weights`, `kv_per_token`: the file's figures (`llama_figures`), read by the controller: gguf-py's
+    GGUFReader here took 155 MB of RSS (the vocabulary as numpy arrays), counted in llama.cpp's peak."""
     import llama_cpp
     import numpy as np
-    from gguf import GGUFReader
 
-    state = {}
+    state = {"weights": weights, "kv_per_token": kv_per_token}
     defaults = llama_cpp.llama_model_default_params
 
     def params():  # Llama() takes its model params from here; use_extra_bufts is not one of its arguments
@@ -117,16 +124,6 @@ def llama_worker(path: str, threads: int, context: int, extra_bufts: bool) -> No
         llama_cpp.llama_model_default_params = params
         state["llm"] = llama_cpp.Llama(path, n_ctx=context, n_batch=512, n_ubatch=512, n_threads=threads,
                                        n_threads_batch=threads, verbose=False)
-        r = GGUFReader(path)
-        names = {t.name for t in r.tensors}
-        weights = sum(int(t.n_bytes) for t in r.tensors
-                      if not (t.name == "token_embd.weight" and "output.weight" in names))  # untied: a row lookup
-        field = lambda key: int(r.fields[key].parts[-1][0])  # noqa: E731
-        arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-        heads, kv_heads = field(f"{arch}.attention.head_count"), field(f"{arch}.attention.head_count_kv")
-        state["kv_per_token"] = 2 * field(f"{arch}.block_count") * kv_heads * (
-            field(f"{arch}.embedding_length") // heads) * 2  # f16 K and V
-        state["weights"] = weights
         return {"name": Path(path).name, "quantization": "", "weight_bytes": weights, "notes": [], "warnings": [],
                 "system": llama_cpp.llama_print_system_info().decode()}
 
@@ -200,6 +197,19 @@ def requantize(src: Path, ftype: str, work: Path, llama_python: str) -> Path:
     return dst
 
 
+def llama_figures(path: Path) -> tuple[int, int]:
+    """(bytes of the weights llama.cpp reads a token, bytes of its f16 K and V a position) from the file's header."""
+    from mlx_engine.loading.gguf_file import read_gguf
+
+    g = read_gguf(path, strings=False)
+    names = {t.name for t in g.tensors}
+    weights = sum(t.nbytes for t in g.tensors
+                  if not (t.name == "token_embd.weight" and "output.weight" in names))  # untied: a row lookup
+    arch, m = g.architecture, g.metadata
+    heads, kv_heads = int(m[f"{arch}.attention.head_count"]), int(m[f"{arch}.attention.head_count_kv"])
+    return weights, 2 * int(m[f"{arch}.block_count"]) * kv_heads * (int(m[f"{arch}.embedding_length"]) // heads) * 2
+
+
 def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -226,7 +236,8 @@ def main() -> None:
     if args.worker:
         kind, path, threads, context = args.worker[:4]
         if kind == "llama":
-            return llama_worker(path, int(threads), int(context), args.worker[4] == "1")
+            return llama_worker(path, int(threads), int(context), args.worker[4] == "1", int(args.worker[5]),
+                                int(args.worker[6]))
         return roofline_worker(path, kind, None if threads == "-" else int(threads), int(context))
 
     sys.path.insert(0, str(ROOT))
@@ -256,7 +267,8 @@ def main() -> None:
                 for extra in ([False, True] if args.extra_bufts else [False]):
                     workers.append(Worker({"file": fname, "runner": "llama.cpp" + (" +extra bufts" if extra else ""),
                                            "threads": t}, [args.llama_python] + me[1:] + [
-                                               "llama", str(path), str(t), str(context), "1" if extra else "0"]))
+                                               "llama", str(path), str(t), str(context), "1" if extra else "0",
+                                               *map(str, llama_figures(path))]))
         if "mlx" in runners:
             workers.append(Worker({"file": fname, "runner": "roofline mlx", "threads": "-"},
                                   me + ["mlx", str(path), "-", str(context)]))

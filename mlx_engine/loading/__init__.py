@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +22,7 @@ class Checkpoint:
     path: Path
     source_format: SourceFormat
     config: dict[str, Any]
-    weights: dict[str, Any]  # name -> mx.array
+    weights: MutableMapping[str, Any]  # name -> mx.array (`load_checkpoint(lazy=True)`: read when taken)
     quantization: dict[str, Any] | None
     quant_label: str
     tokenizer: Any  # mlx_engine.tokenizer.Tokenizer
@@ -101,19 +102,22 @@ def _from_hf(repo_id: str, tag: str | None) -> tuple[Path, str]:
     return path, "hf-cache" if kind == "folder" else kind
 
 
-def load_checkpoint(ref: str | None, kquant_blocks: bool = False) -> Checkpoint:
+def load_checkpoint(ref: str | None, kquant_blocks: bool = False, lazy: bool = False) -> Checkpoint:
     """`kquant_blocks`: a GGUF's k-quant matrices stay as their raw blocks (uint8, quantization entry
-    {"kquant": type}) for a runner that reads them itself, instead of being dequantized to float16."""
+    {"kquant": type}) for a runner that reads them itself, instead of being dequantized to float16. `lazy`: a
+    GGUF's weights as a mapping that reads each tensor from the file when it is taken (`gguf_model.GGUFTensors`),
+    for a runner that converts them one by one (a safetensors folder's are lazy anyway: `mx.load` reads each
+    array when it is evaluated)."""
     from mlx_engine.loading.sources import display_name, is_embedded
 
     path, kind = resolve(ref)
     if kind == "gguf":
         return _load_gguf(path, name=EMBEDDED_MODEL_NAME if is_embedded(ref) else display_name(ref, path),
-                          kquant_blocks=kquant_blocks)
+                          kquant_blocks=kquant_blocks, lazy=lazy)
     return _load_folder(path, hf_cache=kind == "hf-cache", name=display_name(ref, path))
 
 
-def _load_gguf(path: Path, name: str, kquant_blocks: bool = False) -> Checkpoint:
+def _load_gguf(path: Path, name: str, kquant_blocks: bool = False, lazy: bool = False) -> Checkpoint:
     from mlx_engine.loading.gguf_file import read_gguf
     from mlx_engine.loading.gguf_model import check_tensor_types, describe_quantization, gguf_config, gguf_weights
     from mlx_engine.tokenizer import Tokenizer
@@ -124,7 +128,7 @@ def _load_gguf(path: Path, name: str, kquant_blocks: bool = False) -> Checkpoint
     check_tensor_types(g)
     config = gguf_config(g)
     tokenizer = Tokenizer.from_gguf(g.metadata)
-    weights, quantization = gguf_weights(g, config, kquant_blocks)
+    weights, quantization = gguf_weights(g, config, kquant_blocks, lazy)
     return Checkpoint(name, path, "gguf", config, weights, quantization, describe_quantization(g), tokenizer,
                       "float16")
 

@@ -10,6 +10,7 @@ kernels that read them, Metal and CUDA).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import mlx.core as mx
@@ -18,13 +19,14 @@ import numpy as np
 
 from mlx_engine.api import ModelLoadError
 from mlx_engine.loading.gguf_arch import ARCHITECTURES, NORM_SHIFTED, PERMUTED_QK, gguf_config  # noqa: F401
-from mlx_engine.loading.gguf_file import GGUFFile
+from mlx_engine.loading.gguf_file import GGUFFile, TensorInfo
 
 LOADABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                   "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 MLX_READS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # what `mx.load` reads right, in 2-D tensors
 GGUF_ARCHITECTURES = ARCHITECTURES
 GGUF_GROUP_SIZE = 32
+AFFINE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5}  # GGUF types held as MLX affine groups of 32
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # phi3's LongRoPE, as tensors
 
 
@@ -45,57 +47,119 @@ def _unpermute_rows(w: mx.array, n_head: int) -> mx.array:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(g: GGUFFile, config: dict[str, Any],
-                 kquant_blocks: bool = False) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
+def gguf_weights(g: GGUFFile, config: dict[str, Any], kquant_blocks: bool = False,
+                 lazy: bool = False) -> tuple[MutableMapping[str, mx.array], dict[str, Any] | None]:
     """(weights under the model's names, quantization spec for build_model or None). `kquant_blocks`: k-quant
-    matrices as their raw blocks, each path's quantization entry {"kquant": type} (`load_checkpoint`)."""
+    matrices as their raw blocks, each path's quantization entry {"kquant": type} (`load_checkpoint`). `lazy`:
+    the weights as a `GGUFTensors`, each tensor read from the file when first taken, so that a loader that
+    converts and drops them one by one never holds the file's tensors all at once."""
     from mlx_engine.loading.gguf_arch import tensor_names
-    from mlx_engine.loading.gguf_tensors import read_tensors
+    from mlx_engine.loading.gguf_tensors import keeps_blocks, part_names, read_raw, read_tensors, tensor_parts
     from mlx_engine.models import parameter_names
 
-    kquants: dict[str, str] = {}  # gguf tensor name -> type, of those kept as blocks
-    mlx_reads = g.tensor_types() <= set(MLX_READS) and all(len(t.shape) <= 2 for t in g.tensors)
-    try:
-        raw = (mx.load(str(g.path), format="gguf") if mlx_reads  # an Ollama blob has no .gguf suffix
-               else read_tensors(g, kquants if kquant_blocks else None))
-    except (RuntimeError, ValueError) as e:
-        raise ModelLoadError(f"{g.path}: could not read the GGUF tensors: {e}") from None
     arch = g.architecture
     names = tensor_names(arch, config["num_hidden_layers"], parameter_names(config, str(g.path)))
-    weights: dict[str, mx.array] = {}
-    renamed: dict[str, str] = {}  # model name -> GGUF name
-    freq_factors = raw.pop("rope_freqs.weight", None)
-    factors = {k: raw.pop(k) for k in _ROPE_FACTORS if k in raw}
-    for name, value in raw.items():
-        stem, _, leaf = name.rpartition(".")
-        target = names.get(name) or names.get(f"{stem}.weight")
-        if target is None:
-            raise ModelLoadError(f"{g.path}: unexpected GGUF tensor {name!r} for a {arch!r} model")
-        if not names.get(name):  # .scales / .biases of a quantized weight
-            target = f"{target.rpartition('.')[0]}.{leaf}"
-        weights[target] = restore(arch, stem, leaf, value, config)
-        renamed[target] = name
-    if freq_factors is not None:
-        config["_rope_freq_factors"] = freq_factors
-    if factors:  # LongRoPE: per-frequency factors for short and long contexts
+    plan: dict[str, tuple[TensorInfo, str]] = {}  # model name -> (its GGUF tensor, the part's GGUF name)
+    extra: dict[str, TensorInfo] = {}
+    for t in g.tensors:
+        if t.name == "rope_freqs.weight" or t.name in _ROPE_FACTORS:
+            extra[t.name] = t
+            continue
+        for name in part_names(t):
+            stem, _, leaf = name.rpartition(".")
+            target = names.get(name) or names.get(f"{stem}.weight")
+            if target is None:
+                raise ModelLoadError(f"{g.path}: unexpected GGUF tensor {name!r} for a {arch!r} model")
+            if not names.get(name):  # .scales / .biases of a quantized weight
+                target = f"{target.rpartition('.')[0]}.{leaf}"
+            plan[target] = (t, name)
+
+    def read(t: TensorInfo) -> dict[str, mx.array]:
+        try:
+            return tensor_parts(t, read_raw(g, t), kquant_blocks)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{g.path}: could not read the GGUF tensor {t.name!r}: {e}") from None
+
+    def restored(target: str, value: mx.array) -> mx.array:
+        stem, _, leaf = plan[target][1].rpartition(".")
+        return restore(arch, stem, leaf, value, config)
+
+    weights: MutableMapping[str, mx.array]
+    if lazy:
+        weights = GGUFTensors(plan, read, restored)
+    else:
+        mlx_reads = g.tensor_types() <= set(MLX_READS) and all(len(t.shape) <= 2 for t in g.tensors)
+        try:
+            raw = (mx.load(str(g.path), format="gguf") if mlx_reads  # an Ollama blob has no .gguf suffix
+                   else read_tensors(g, {} if kquant_blocks else None))
+        except (RuntimeError, ValueError) as e:
+            raise ModelLoadError(f"{g.path}: could not read the GGUF tensors: {e}") from None
+        weights = {target: restored(target, raw.pop(name)) for target, (_, name) in plan.items()}
+    if "rope_freqs.weight" in extra:
+        config["_rope_freq_factors"] = read(extra.pop("rope_freqs.weight"))["rope_freqs.weight"]
+    if extra:  # LongRoPE: per-frequency factors for short and long contexts
         config["rope_scaling"] = {"type": "longrope", "rope_type": "longrope",
-                                  **{k.split("_")[2].split(".")[0] + "_factor": np.array(v).tolist()
-                                     for k, v in factors.items()}}
+                                  **{k.split("_")[2].split(".")[0] + "_factor": np.array(read(t)[k]).tolist()
+                                     for k, t in extra.items()}}
 
     quantization: dict[str, Any] = {"group_size": GGUF_GROUP_SIZE, "bits": 4, "mode": "affine"}
-    for key, gname in renamed.items():
-        if gname in kquants:
-            quantization[key.removesuffix(".weight")] = {"kquant": kquants[gname]}
-    for key, scales in weights.items():
-        if key.endswith(".scales"):
-            path = key[: -len(".scales")]
-            if scales.dtype == mx.uint8:  # MXFP4: E8M0 exponents, no biases
-                quantization[path] = {"group_size": GGUF_GROUP_SIZE, "bits": 4, "mode": "mxfp4"}
-                continue
-            packed = weights[f"{path}.weight"].shape[-1]  # uint32 words per row
-            in_features = scales.shape[-1] * GGUF_GROUP_SIZE
-            quantization[path] = {"group_size": GGUF_GROUP_SIZE, "bits": packed * 32 // in_features}
+    for target, (t, name) in plan.items():
+        path = target.removesuffix(".weight")
+        if name != t.name or path == target:
+            continue
+        if kquant_blocks and keeps_blocks(t):
+            quantization[path] = {"kquant": t.ggml_type}
+        elif t.ggml_type == "MXFP4":  # E8M0 exponents, no biases
+            quantization[path] = {"group_size": GGUF_GROUP_SIZE, "bits": 4, "mode": "mxfp4"}
+        elif t.ggml_type in AFFINE_BITS:
+            quantization[path] = {"group_size": GGUF_GROUP_SIZE, "bits": AFFINE_BITS[t.ggml_type]}
     return weights, (quantization if len(quantization) > 3 else None)
+
+
+class GGUFTensors(MutableMapping[str, mx.array]):
+    """A GGUF file's tensors under the model's names (`gguf_weights(lazy=True)`), each read when first asked for:
+    asking for one part of a quantized tensor (`X.weight`) reads its other parts (`X.scales`, `X.biases`) too,
+    held until they are taken. `del` or `pop` drops a name (unread, or its array)."""
+
+    def __init__(self, plan: dict[str, tuple[TensorInfo, str]], read: Any, restored: Any):
+        self._plan, self._read, self._restored = dict(plan), read, restored
+        self._parts: dict[str, list[str]] = {}  # GGUF tensor name -> the model's names of its parts
+        for target, (t, _) in plan.items():
+            self._parts.setdefault(t.name, []).append(target)
+        self._ready: dict[str, mx.array] = {}
+
+    @property
+    def held(self) -> int:
+        """How many of the file's tensors have arrays read and not yet taken."""
+        return len({self._plan[k][0].name for k in self._ready if k in self._plan})
+
+    def read(self, t: TensorInfo) -> None:
+        """Reads tensor `t` from the file: each of its parts under the model's name, until taken."""
+        parts = self._read(t)
+        for target in self._parts[t.name]:
+            if target in self._plan:
+                self._ready[target] = self._restored(target, parts[self._plan[target][1]])
+
+    def __getitem__(self, key: str) -> mx.array:
+        if key not in self._ready:
+            self.read(self._plan[key][0])
+        return self._ready[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._plan
+
+    def __setitem__(self, key: str, value: mx.array) -> None:
+        raise TypeError("GGUFTensors is read from its file: a tensor cannot be replaced")
+
+    def __delitem__(self, key: str) -> None:
+        del self._plan[key]
+        self._ready.pop(key, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._plan))
+
+    def __len__(self) -> int:
+        return len(self._plan)
 
 
 def restore(arch: str, stem: str, leaf: str, value: mx.array, config: dict[str, Any]) -> mx.array:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlx_engine.loading.gguf_file import GGUFFile
+from mlx_engine.loading.gguf_file import GGUFFile, TensorInfo
 from mlx_engine.loading.gguf_quants import affine_codes, dequantize_iq4, mxfp4_codes, pack_bits
 
 KQUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -68,41 +68,93 @@ def read_tensors(g: GGUFFile, kquant_blocks: dict[str, str] | None = None) -> di
     """Every tensor of `g` as `mx.load` names them (a quantized `X.weight` adds `X.scales`, `X.biases`; MXFP4 adds
     `X.scales` only, uint8 exponents). With a `kquant_blocks` dict, 2-D k-quants stay as their raw blocks (uint8,
     (out, in / 256 * bytes per block)), and the dict gets each one's name -> type."""
-    from kernels_metal.reference import dequantize_kquant
-
     data = np.memmap(g.path, dtype=np.uint8, mode="r")
     out: dict[str, mx.array] = {}
     for t in g.tensors:
-        raw = data[t.offset:t.offset + t.nbytes]
-        lead, in_features = t.shape[:-1], t.shape[-1]
-        rows = int(np.prod(lead)) if lead else 1
-        stem = t.name.removesuffix(".weight")
-        if t.ggml_type in ("F32", "F16"):
-            out[t.name] = mx.array(raw.view(np.float32 if t.ggml_type == "F32" else np.float16).reshape(t.shape))
-        elif t.ggml_type == "BF16":
-            out[t.name] = mx.array(raw.view(np.uint16).reshape(t.shape)).view(mx.bfloat16)
-        elif t.ggml_type in _AFFINE_BLOCK or t.ggml_type in ("Q5_0", "Q5_1"):
-            if t.ggml_type in _AFFINE_BLOCK:
-                words, scales, biases, _ = affine_from_gguf(raw, t.ggml_type, (rows, in_features))
-            else:
-                q, scales, biases = affine_codes(raw, t.ggml_type, (rows, in_features))
-                words = pack_bits(q, 5)
-            out[t.name] = mx.array(words.reshape(*lead, -1))
-            # exact in float16: fp16 d, -8d, -16d, -128d and fp16 m
-            out[f"{stem}.scales"] = mx.array(scales.astype(np.float16).reshape(*lead, -1))
-            out[f"{stem}.biases"] = mx.array(biases.astype(np.float16).reshape(*lead, -1))
-        elif t.ggml_type == "MXFP4":
-            q, e = mxfp4_codes(raw, (rows, in_features))
-            out[t.name] = mx.array(pack_bits(q, 4).reshape(*lead, -1))
-            out[f"{stem}.scales"] = mx.array(e.reshape(*lead, -1))
-        elif t.ggml_type in ("IQ4_NL", "IQ4_XS"):
-            out[t.name] = mx.array(dequantize_iq4(raw, t.ggml_type, (rows, in_features)).astype(np.float16)
-                                   .reshape(t.shape))
-        elif kquant_blocks is not None and len(t.shape) == 2:  # a k-quant, kept as blocks
-            out[t.name] = mx.array(np.asarray(raw).reshape(t.shape[0], -1))
+        parts = tensor_parts(t, data[t.offset:t.offset + t.nbytes], kquant_blocks is not None)
+        if kquant_blocks is not None and keeps_blocks(t):
             kquant_blocks[t.name] = t.ggml_type
-        else:  # a k-quant (check_tensor_types let nothing else through)
-            w = dequantize_kquant(mx.array(np.asarray(raw)), t.ggml_type, rows, in_features)
-            out[t.name] = w.astype(mx.float16).reshape(t.shape)
-            mx.eval(out[t.name])  # one tensor's float32 at a time
+        out.update(parts)
     return out
+
+
+def keeps_blocks(t: TensorInfo) -> bool:
+    """Whether `tensor_parts(t, keep_blocks=True)` gives `t` as its raw k-quant blocks."""
+    return t.ggml_type in KQUANT_TYPES and len(t.shape) == 2
+
+
+def part_names(t: TensorInfo) -> tuple[str, ...]:
+    """The names `tensor_parts` gives `t`'s arrays, known without reading it."""
+    stem = t.name.removesuffix(".weight")
+    if t.ggml_type in _AFFINE_BLOCK or t.ggml_type in ("Q5_0", "Q5_1"):
+        return t.name, f"{stem}.scales", f"{stem}.biases"
+    return (t.name, f"{stem}.scales") if t.ggml_type == "MXFP4" else (t.name,)
+
+
+def read_raw(g: GGUFFile, t: TensorInfo) -> np.ndarray:
+    """One tensor's bytes, read from the file into memory of their own (no mapping of the file, whose pages would
+    stay resident while it is mapped)."""
+    with open(g.path, "rb") as f:
+        f.seek(t.offset)
+        raw = np.fromfile(f, dtype=np.uint8, count=t.nbytes)
+    if raw.nbytes != t.nbytes:
+        raise ValueError(f"tensor {t.name!r}: the file ends {t.nbytes - raw.nbytes} bytes before its end")
+    return raw
+
+
+# Weights a step of `_affine_parts` unpacks at once: its int32 codes are 4 bytes each, so 4 MiB (and as much for
+# each of a few temporaries)
+_AFFINE_STEP_WEIGHTS = 2**20
+
+
+def _affine_parts(raw: np.ndarray, ggml_type: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray,
+                                                                                   np.ndarray]:
+    """Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 bytes -> (words uint32, scales, biases float16), rows (out, in) a slice
+    of rows at a time, so that the unpacking's transients are a slice's, not the tensor's (an embedding's int32
+    codes: 4 bytes a weight)."""
+    bits = _AFFINE_BLOCK[ggml_type][1] if ggml_type in _AFFINE_BLOCK else 5
+    by_row = np.asarray(raw).reshape(rows, -1)
+    words = np.empty((rows, cols * bits // 32), np.uint32)
+    scales, biases = np.empty((rows, cols // 32), np.float16), np.empty((rows, cols // 32), np.float16)
+    step = max(1, _AFFINE_STEP_WEIGHTS // cols)
+    for lo in range(0, rows, step):
+        part = by_row[lo:lo + step]
+        n = part.shape[0]
+        if ggml_type in _AFFINE_BLOCK:
+            w, s, b, _ = affine_from_gguf(part, ggml_type, (n, cols))
+        else:
+            q, s, b = affine_codes(part, ggml_type, (n, cols))
+            w = pack_bits(q, 5)
+        # exact in float16: fp16 d, -8d, -16d, -128d and fp16 m
+        words[lo:lo + n], scales[lo:lo + n], biases[lo:lo + n] = w, s.astype(np.float16), b.astype(np.float16)
+    return words, scales, biases
+
+
+def tensor_parts(t: TensorInfo, raw: np.ndarray, keep_blocks: bool = False) -> dict[str, mx.array]:
+    """One tensor from its bytes `raw`, as `read_tensors` gives it (its arrays under `part_names(t)`);
+    `keep_blocks`: a 2-D k-quant as its raw blocks (`keeps_blocks`)."""
+    from kernels_metal.reference import dequantize_kquant
+
+    lead, in_features = t.shape[:-1], t.shape[-1]
+    rows = int(np.prod(lead)) if lead else 1
+    names = part_names(t)
+    if t.ggml_type in ("F32", "F16"):
+        return {t.name: mx.array(raw.view(np.float32 if t.ggml_type == "F32" else np.float16).reshape(t.shape))}
+    if t.ggml_type == "BF16":
+        return {t.name: mx.array(raw.view(np.uint16).reshape(t.shape)).view(mx.bfloat16)}
+    if len(names) == 3:
+        words, scales, biases = _affine_parts(raw, t.ggml_type, rows, in_features)
+        return {name: mx.array(a.reshape(*lead, -1)) for name, a in zip(names, (words, scales, biases))}
+    if t.ggml_type == "MXFP4":
+        q, e = mxfp4_codes(raw, (rows, in_features))
+        return {names[0]: mx.array(pack_bits(q, 4).reshape(*lead, -1)), names[1]: mx.array(e.reshape(*lead, -1))}
+    if t.ggml_type in ("IQ4_NL", "IQ4_XS"):
+        return {t.name: mx.array(dequantize_iq4(raw, t.ggml_type, (rows, in_features)).astype(np.float16)
+                                 .reshape(t.shape))}
+    if keep_blocks and keeps_blocks(t):  # a k-quant, kept as blocks
+        return {t.name: mx.array(np.asarray(raw).reshape(t.shape[0], -1))}
+    # a k-quant (check_tensor_types let nothing else through)
+    w = dequantize_kquant(mx.array(np.asarray(raw)), t.ggml_type, rows, in_features).astype(mx.float16)
+    w = w.reshape(t.shape)
+    mx.eval(w)  # one tensor's float32 at a time
+    return {t.name: w}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,7 +181,15 @@ class Int4Weight:
         """codes (out, in) integers in [0, 2**bits); scales, biases (out, in / group) float32:
         w = scales * codes + biases per group. Packed FROM_AFFINE_ROWS rows at a time into the result, so
         that the transients (plane codes, float32 scales) are a slice's, not a whole embedding's."""
-        n, k = codes.shape
+        return cls.from_affine_rows(lambda lo, hi: codes[lo:hi], scales, biases, codes.shape, bits, group_size,
+                                    block_n)
+
+    @classmethod
+    def from_affine_rows(cls, codes: Callable[[int, int], np.ndarray], scales: np.ndarray, biases: np.ndarray,
+                         shape: tuple[int, int], bits: int, group_size: int, block_n: int) -> Int4Weight:
+        """`from_affine` with the codes of rows [lo, hi) made by `codes(lo, hi)` as each slice is packed, so that
+        a matrix's codes never exist whole (an embedding's: a byte a weight)."""
+        n, k = shape
         planes = -(-bits // 4)
         padded = -(-n // block_n) * block_n
         packed = torch.empty((padded, planes * k // 2), dtype=torch.uint8)
@@ -188,8 +197,8 @@ class Int4Weight:
         step = max(block_n, FROM_AFFINE_ROWS // block_n * block_n)
         for lo in range(0, padded, step):
             hi = min(padded, lo + step)
-            packed[lo:hi], sz[:, lo:hi] = _pack_affine(codes[lo:hi], scales[lo:hi], biases[lo:hi], hi - lo, bits,
-                                                       planes, block_n)
+            packed[lo:hi], sz[:, lo:hi] = _pack_affine(codes(lo, min(hi, n)), scales[lo:hi], biases[lo:hi], hi - lo,
+                                                       bits, planes, block_n)
         return cls(packed, sz, n, k, planes, group_size, block_n, 0)
 
     def _input(self, x2: torch.Tensor) -> torch.Tensor:

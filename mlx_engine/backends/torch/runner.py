@@ -151,7 +151,8 @@ class TorchRunner(CacheRunner):
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise RooflineError(f"prefill_chunk_size={prefill_chunk_size!r}: expected an integer >= 1")
         kv_config = KVConfig(**kv_options)
-        ckpt = load_checkpoint(model, kquant_blocks=True)  # k-quants: packed here on CUDA (weights.kquant_weight)
+        # k-quants: packed here (weights.kquant_weight); lazy: each tensor read from the file as build_model takes it
+        ckpt = load_checkpoint(model, kquant_blocks=True, lazy=True)
         model_type = ckpt.config.get("model_type")
         if model_type not in TORCH_MODEL_TYPES:
             raise RooflineError(f"{ckpt.path}: model type {model_type!r} is not supported on the torch backend "
@@ -189,7 +190,10 @@ class TorchRunner(CacheRunner):
         if compile is None:
             compile = cpu is not None and os.environ.get(COMPILE_ENV, "1") not in ("0", "off", "false")
         if compile:
+            from mlx_engine.backends.torch.weights import trim_heap
+
             note, info = runner.compile_decode(), runner.info
+            trim_heap()  # what tracing and lowering freed (~30 MB of SmolLM2's compile, docs/benchmarks.md)
             runner.info = (dataclasses.replace(info, warnings=(*info.warnings, note)) if runner.model.compiled is None
                            else dataclasses.replace(info, notes=(*info.notes, note)))
         itemsize = torch.empty((), dtype=act_dtype).element_size()

@@ -9,7 +9,10 @@ load, to float32: the portable path.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import platform
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +69,7 @@ def fuse_projections(model: Model) -> None:
                 setattr(owner, fused_name, FusedLinear(*fused, linears))
                 for n in names:
                     setattr(owner, n, None)
+        trim_heap()  # the parts' pages, before the next layer's copies
 
 
 def _to_numpy(a: Any) -> np.ndarray:
@@ -92,10 +96,16 @@ def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None
     out: dict[str, Weight] = {}
     paths = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
     kquants = {p: spec["kquant"] for p, spec in quantization.items() if isinstance(spec, dict) and "kquant" in spec}
+    converted = 0  # source bytes converted since the heap was last trimmed
     for key in [k for k in weights if k.rpartition(".")[2] == "weight"] + [k for k in weights]:
         if key not in weights:
             continue
+        value = scales = biases = None  # the last tensor's arrays freed before the next is read
+        if converted >= TRIM_BYTES:
+            trim_heap()
+            converted = 0
         value = weights.pop(key)
+        converted += value.nbytes
         path, _, leaf = key.rpartition(".")
         if path in kquants and leaf == "weight":
             out[key] = kquant_weight(value, kquants[path], dtype, device, packed, cpu)
@@ -138,19 +148,19 @@ def cpu_affine_weight(words: Any, scales: Any, biases: Any, bits: int, group: in
         w8.source = f"{bits}-bit g{group}"
         return w8
     n = words.shape[0]
-    if bits in (4, 8):  # little-endian words: a byte is two codes, low nibble first, or one
-        b = np.array(words).view(np.uint8)
-        codes = b if bits == 8 else np.stack([b & 15, b >> 4], axis=-1).reshape(n, -1)
-    else:
-        codes = np.empty((n, words.shape[1] * 32 // bits), np.uint8)
-        ones = mx.ones((1, scales.shape[1]), mx.float32)
-        step = max(1, 2**22 // codes.shape[1])  # rows a float32 transient of 16 MiB holds
-        for lo in range(0, n, step):
-            part = words[lo:lo + step]
-            unit, zero = mx.broadcast_to(ones, (part.shape[0], ones.shape[1])), mx.zeros((part.shape[0], ones.shape[1]))
-            codes[lo:lo + step] = np.array(mx.dequantize(part, unit, zero, group, bits))
-    w = cpu_packed.Int4Weight.from_affine(codes, _to_numpy(scales).astype(np.float32),
-                                          _to_numpy(biases).astype(np.float32), bits, group, block_n)
+    ones = mx.ones((1, scales.shape[1]), mx.float32)
+
+    def codes(lo: int, hi: int) -> np.ndarray:  # rows [lo, hi)'s codes, as `from_affine_rows` packs them
+        part = words[lo:hi]
+        if bits in (4, 8):  # little-endian words: a byte is two codes, low nibble first, or one
+            b = np.asarray(part).view(np.uint8)
+            return b if bits == 8 else np.stack([b & 15, b >> 4], axis=-1).reshape(hi - lo, -1)
+        unit, zero = mx.broadcast_to(ones, (hi - lo, ones.shape[1])), mx.zeros((hi - lo, ones.shape[1]))
+        return np.array(mx.dequantize(part, unit, zero, group, bits)).astype(np.uint8)
+
+    w = cpu_packed.Int4Weight.from_affine_rows(codes, _to_numpy(scales).astype(np.float32),
+                                               _to_numpy(biases).astype(np.float32),
+                                               (n, words.shape[1] * 32 // bits), bits, group, block_n)
     w.source_bytes, w.source = source_bytes, f"{bits}-bit g{group}"
     return w
 
@@ -201,30 +211,65 @@ def build_model(args: Any, weights: dict[str, Any], quantization: dict[str, Any]
     weights held for torch's CPU kernels (`cpu_packed`), q/k/v and gate/up fused where they share a format."""
     for k in [k for k in weights if "rotary_emb.inv_freq" in k or (args.tie_word_embeddings and k.startswith("lm_head."))]:
         del weights[k]
-    tensors = convert_weights(weights, quantization, dtype, device, source, packed, cpu)
+    with _no_mlx_cache():
+        tensors = convert_weights(weights, quantization, dtype, device, source, packed, cpu)
     rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
                 args.rope_traditional, None if freq_factors is None else _to_numpy(freq_factors)).to(device)
     _check_names(args, set(tensors), source)
     model = Model(args, tensors, rope, device)
+    del tensors  # the model holds them: fusing then frees each part as its fused copy is made
     model.dtype = dtype
     if cpu is not None:
+        trim_heap()
         fuse_projections(model)
     release_freed()
     return model
 
 
-def release_freed() -> None:
-    """The memory the conversion freed, handed back: MLX's buffer cache (the source arrays') and, under glibc,
-    the heap's free pages, which malloc otherwise keeps for the process (the readings: docs/benchmarks.md,
-    "Issue 27 follow-ups")."""
-    import ctypes
-    import ctypes.util
+@contextlib.contextmanager
+def _no_mlx_cache() -> Iterator[None]:
+    """MLX's buffer cache off while the weights convert: each source array's buffers (a tensor's, read when taken)
+    go back at once instead of staying cached for MLX arrays that never come (the ~100 MB an embedding's
+    conversion left there: docs/benchmarks.md, "Issue 27: the torch CPU load")."""
+    import mlx.core as mx
 
+    before = mx.set_cache_limit(0)
+    try:
+        yield
+    finally:
+        mx.set_cache_limit(before)
+
+
+def release_freed() -> None:
+    """The memory the conversion freed, handed back: MLX's buffer cache (the source arrays') and the heap's
+    free pages (`trim_heap`)."""
     import mlx.core as mx
 
     mx.clear_cache()
-    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    trim_heap()
+
+
+# Source bytes converted between two `trim_heap` calls of the conversion (a trim takes well under a ms here)
+TRIM_BYTES = 2**20
+
+
+def trim_heap() -> None:
+    """Under glibc, the heap's free pages handed back to the system, which malloc otherwise keeps for the process:
+    the transients of converting one tensor, freed, would otherwise stay resident beside the next one's (the
+    readings: docs/benchmarks.md, "Issue 27 follow-ups" and "Issue 27: the torch CPU load")."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    import ctypes
+    import ctypes.util
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
 
 
 def _check_names(args: Any, names: set[str], source: str) -> None:
