@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SLICE_ELEMENTS = 2**21  # output rows x inputs dequantized at once: 4 MiB of bfloat16
+SLICE_ELEMENTS = 2**21  # weights dequantized at once: 4 MiB of bfloat16
 # Slices under this many weights dequantize eagerly: their loop is no faster compiled, and a compile (about a
 # second each) would be paid for every small shape of a tiny model
 COMPILE_MIN_ELEMENTS = 2**16
@@ -64,7 +64,7 @@ def apply(w: Int4Weight, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
 def int4_matmul(w: Int4Weight, x2: torch.Tensor) -> torch.Tensor:
     """x2 (rows, in) bfloat16 -> x2 @ W.T (rows, N padded to whole blocks) bfloat16."""
     n, k = w.packed.shape[0], w.in_features
-    step = max(w.block_n, SLICE_ELEMENTS // (k * w.planes) // w.block_n * w.block_n)
+    step = max(w.block_n, SLICE_ELEMENTS // k // w.block_n * w.block_n)  # bfloat16 out, whatever its planes
     outs = [torch.matmul(x2, _int4_slice(w, lo, min(n, lo + step))) for lo in range(0, n, step)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
@@ -112,8 +112,8 @@ def _run(fn: Callable, elements: int, key: tuple, *args):
     global _eager_only
     if _eager_only or elements < COMPILE_MIN_ELEMENTS:
         return fn(*args)
-    try:
-        return _compiled(fn, key)(*args)
+    try:  # inductor's C++ loops are built for the thread count of their compile
+        return _compiled(fn, (*key, torch.get_num_threads()))(*args)
     except _compile_errors() as e:
         _eager_only = True
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
