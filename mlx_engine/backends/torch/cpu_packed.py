@@ -27,14 +27,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mlx_engine.backends.torch import cpu_gemm
+
 KERNEL_DTYPE = torch.bfloat16
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 # Rows from which a matmul dequantizes its weight (to bfloat16, a slice of output rows at a time) and runs
-# oneDNN's bfloat16 GEMM, on a CPU with bfloat16 dot products (AVX512_BF16, AMX): the int4 kernel is a
-# float32 FMA loop, bound by compute at prefill (a prefill-sized gate: several times faster dequantized; the reading:
+# oneDNN's bfloat16 GEMM (`cpu_gemm`), on a CPU with bfloat16 dot products (AVX512_BF16, AMX): the int4 kernel is
+# a float32 FMA loop, bound by compute at prefill (a prefill-sized gate: several times faster dequantized; the reading:
 # docs/benchmarks.md, "Measurements moved out of the code").
 DEQUANT_MIN_ROWS = 48
-DEQUANT_SLICE_ELEMENTS = 2**21  # output rows x inputs dequantized at once: 4 MiB of bfloat16
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,7 @@ class Int4Weight:
         """x (..., in) -> x @ W.T (..., out) in x's dtype."""
         x2 = _rows_2d(x)
         if x2.shape[0] >= DEQUANT_MIN_ROWS and cpu_support().bf16_gemm:
-            y = self._dequant_matmul(x2)
+            y = cpu_gemm.int4_matmul(self, x2)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(self._input(x2), self.packed, self.group_size,
                                                             self.scale_zeros)
@@ -216,26 +217,13 @@ class Int4Weight:
             y = y[:, : self.out_features]
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def _dequant_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        n = self.packed.shape[0]
-        step = max(self.block_n, DEQUANT_SLICE_ELEMENTS // (self.in_features * self.planes) // self.block_n
-                   * self.block_n)
-        outs = [F.linear(x2, self.dequantized(lo, min(n, lo + step))) for lo in range(0, n, step)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
     def dequantized(self, lo: int = 0, hi: int | None = None, dtype: torch.dtype = KERNEL_DTYPE) -> torch.Tensor:
         """Output rows [lo, hi) (multiples of block_n) as a float matrix (hi - lo, in), in float32 math."""
-        hi = self.packed.shape[0] if hi is None else hi
-        codes = unpack_codes(self.packed[lo:hi], self.block_n)  # (rows, planes * in)
-        sz = self.scale_zeros[:, lo:hi].float()  # (planes * groups, rows, 2)
-        return self._apply(codes, sz).to(dtype)
+        return cpu_gemm.dequantize(self, lo, hi, dtype)
 
     def _apply(self, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         """codes (rows, planes * in); sz (planes * groups, rows, 2) float32 -> (rows, in) float32."""
-        rows, g = codes.shape[0], self.group_size
-        w = codes.float().reshape(rows, -1, g) - 8  # (rows, planes * groups, g)
-        w = w * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]
-        return w.reshape(rows, self.planes, self.in_features).sum(1)
+        return cpu_gemm.apply(self, codes, sz)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup): ids (...) -> (..., in) float32."""
@@ -267,7 +255,7 @@ class Int8Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows_2d(x)
         if x2.shape[0] >= DEQUANT_MIN_ROWS and cpu_support().bf16_gemm:
-            y = F.linear(x2, self.dequantized())
+            y = cpu_gemm.int8_matmul(self, x2)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

@@ -196,6 +196,7 @@ class TorchRunner(CacheRunner):
             trim_heap()  # what tracing and lowering freed (~30 MB of SmolLM2's compile, docs/benchmarks.md)
             runner.info = (dataclasses.replace(info, warnings=(*info.warnings, note)) if runner.model.compiled is None
                            else dataclasses.replace(info, notes=(*info.notes, note)))
+            runner.warm_prefill()
         itemsize = torch.empty((), dtype=act_dtype).element_size()
         runner._shape = {"embed_bytes": tmodel.embed_bytes, "tied": args.tie_word_embeddings,
                          "layers": args.num_hidden_layers, "kv_heads": args.num_key_value_heads,
@@ -249,6 +250,16 @@ class TorchRunner(CacheRunner):
             return f"torch.compile failed here, so decode runs eagerly (slower): {first[:200]}"
         self.model.compiled.warm = True
         return f"decode steps compiled by torch.compile in {time.perf_counter() - start:.0f} s"
+
+    @_torch_work
+    def warm_prefill(self) -> None:
+        """One forward of a prefill's rows on scratch caches, so that the dequantizing GEMM path compiles its
+        slices (`cpu_gemm`) at load rather than in the first prompt."""
+        from mlx_engine.backends.torch.cpu_packed import DEQUANT_MIN_ROWS, cpu_support
+
+        if self.device.type != "cpu" or not cpu_support().bf16_gemm:
+            return
+        self.model(torch.zeros(1, DEQUANT_MIN_ROWS, dtype=torch.long, device=self.device), self.scratch_layers())
 
     # --- forwards (engine thread) ---
 

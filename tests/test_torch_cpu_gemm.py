@@ -1,0 +1,121 @@
+"""The packed CPU weights' prefill GEMM (`backends/torch/cpu_gemm.py`): per quantization type, as the loader holds
+it, at the row counts that take the path, against the same weights dequantized in float32; each slice's bfloat16
+weights against the float32 dequantization rounded once; slices, the eager twin.
+
+Tolerances: the GEMM rounds its activations and weights to bfloat16 and its float32 sums to bfloat16, so the
+outputs sit about half a bfloat16 step (2**-8 relative) of max |y| from the float32 ones: in tolerance.py's units
+(eps32 x max |want|) a floor of 20,000-36,000 here (AMD EPYC, AVX-512; `ROOFLINE_TOL_LOG`), times HEADROOM. Another
+CPU sums in another order and so rounds a few outputs the other way, one bfloat16 step of |y| at most: well inside.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.tolerance import HEADROOM, assert_f32_close
+from tests.torch_support import require
+
+torch = require("torch")
+
+from mlx_engine.backends.torch import cpu_gemm, cpu_packed  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not cpu_packed.cpu_support().bf16_gemm,
+                                reason="this CPU has no bfloat16 dot products: prefills take the int4/int8 kernels")
+
+N, K = 320, 512  # five blocks of 64 outputs; k-quants need whole 256-wide super-blocks
+ROWS = (cpu_packed.DEQUANT_MIN_ROWS, 128, 512)
+# max |got - float32| / (eps32 max |float32|) measured per type at 48, 128 and 512 rows (the largest of the three)
+FLOOR_UNITS = {"Q4_0": 27100, "Q4_1": 31900, "Q5_0": 30500, "Q5_1": 35700, "Q8_0": 29000, "Q4_K": 31600,
+               "Q5_K": 29200, "Q6_K": 34000, "mlx4_g64": 28800, "mlx4_g128": 29100, "mlx8_g64": 29900,
+               "mlx3_g32": 29600}
+BF16_EPS = 2.0**-7
+
+
+def _weight(kind: str) -> cpu_packed.CPUWeight:
+    """A random (N, K) matrix in format `kind`, converted by the loader's own functions."""
+    import mlx.core as mx
+
+    from mlx_engine.backends.torch.weights import cpu_affine_weight, kquant_weight
+    from mlx_engine.loading.gguf_quants import affine_codes
+    from mlx_engine.loading.gguf_tensors import affine_from_gguf
+
+    block_n = cpu_packed.cpu_support().block_n
+    rng = np.random.default_rng(sum(map(ord, kind)))
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):
+        from tests.tiny_models import random_blocks
+
+        blocks = random_blocks(rng, kind, N, K, std=0.02)
+        return kquant_weight(mx.array(blocks), kind, torch.float32, torch.device("cpu"), True, cpu_packed.cpu_support())
+    w = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
+    if kind.startswith("mlx"):
+        bits, group = (int(x) for x in kind[3:].split("_g"))
+        words, scales, biases = mx.quantize(mx.array(w), group_size=group, bits=bits)
+        return cpu_affine_weight(words, scales, biases, bits, group, block_n)
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    raw = quantize(w, GGMLQuantizationType[kind])
+    if kind in ("Q5_0", "Q5_1"):
+        q, scales, biases = affine_codes(raw, kind, (N, K))
+        return cpu_packed.Int4Weight.from_affine(q, scales, biases, 5, 32, block_n)
+    words, scales, biases, _ = affine_from_gguf(raw, kind, (N, K))
+    return cpu_affine_weight(mx.array(words), mx.array(scales.astype(np.float16)),
+                             mx.array(biases.astype(np.float16)), 8 if kind == "Q8_0" else 4, 32, block_n)
+
+
+def _float32(w: cpu_packed.CPUWeight) -> torch.Tensor:
+    if isinstance(w, cpu_packed.Int8Weight):
+        return w.dequantized(torch.float32)
+    return w.dequantized(dtype=torch.float32)[: w.out_features]
+
+
+@pytest.mark.parametrize("kind", list(FLOOR_UNITS))
+def test_prefill_gemm_against_the_float32_weights(kind):
+    w = _weight(kind)
+    want_kind = "int8" if kind == "Q6_K" else "int4" if kind in ("Q4_0", "Q4_1", "Q4_K", "mlx4_g64", "mlx4_g128",
+                                                                    "mlx3_g32") else "int4x2"
+    assert cpu_packed.kind(w) == want_kind
+    ref = _float32(w)
+    g = torch.Generator().manual_seed(0)
+    for rows in ROWS:
+        x = torch.randn(rows, K, generator=g)
+        got = w.matmul(x)
+        assert got.shape == (rows, N) and got.dtype == torch.float32
+        assert_f32_close(got, x @ ref.T, FLOOR_UNITS[kind] * HEADROOM, f"{kind}, {rows} rows")
+        # sharper: the float32 GEMM of the bfloat16 operands, rounded once to bfloat16
+        exact = x.bfloat16().float() @ ref.bfloat16().float().T
+        assert ((got - exact).abs() <= BF16_EPS / 2 * exact.abs() + 1e-6 * exact.abs().max()).all(), (kind, rows)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q5_1", "mlx4_g128"])
+def test_slices_are_the_float32_dequantization_rounded_once(kind):
+    """Each slice's bfloat16 weights are the float32 dequantization rounded to bfloat16: every one equal
+    (measured), a bfloat16 tie falling the other way (float32's last bit: an FMA) allowed one step in 10,000."""
+    w = _weight(kind)
+    want = w.dequantized()  # bfloat16 of the float32 values
+    for lo, hi in ((0, N), (64, 192)):
+        got = cpu_gemm._int4_slice(w, lo, hi).T
+        assert got.shape == (hi - lo, K)
+        differ = got != want[lo:hi]
+        assert differ.float().mean() <= 1e-4, kind
+        step = BF16_EPS * want[lo:hi].float().abs()
+        assert ((got.float() - want[lo:hi].float()).abs() <= step).all(), kind
+
+
+def test_many_slices_and_the_eager_twin(monkeypatch):
+    """A matrix in several slices (the last partial, under the compiled size: eager) equals it in one slice, and
+    the eager function (where torch.compile cannot build) gives the compiled one's weights."""
+    w8 = _weight("Q8_0")
+    w6 = _weight("Q6_K")
+    x = torch.randn(64, K, generator=torch.Generator().manual_seed(1))
+    whole = [w.matmul(x) for w in (w8, w6)]
+    monkeypatch.setattr(cpu_gemm, "SLICE_ELEMENTS", 128 * K)  # 128 rows a slice: 128, 128, 64 (Q6_K's too)
+    monkeypatch.setattr(cpu_gemm, "COMPILE_MIN_ELEMENTS", 100 * K)
+    for w, y in zip((w8, w6), whole):  # the same weights and sums: at most a tie rounded the other way
+        assert ((w.matmul(x) - y).abs() <= BF16_EPS * y.abs()).all()
+    compiled = cpu_gemm._int4_slice(w8, 0, N)
+    monkeypatch.setattr(cpu_gemm, "_eager_only", True)
+    eager = cpu_gemm._int4_slice(w8, 0, N)
+    assert (eager != compiled).float().mean() <= 1e-4
+    assert ((eager.float() - compiled.float()).abs() <= BF16_EPS * compiled.float().abs()).all()
