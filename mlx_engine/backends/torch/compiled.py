@@ -1,20 +1,31 @@
 """The torch CPU decode step as torch.compile graphs: `model.attention_inputs`, `between_attentions` and
-`model.attention_outputs` compiled by inductor, one call between two attentions (`Model.compile_decode`)."""
+`attend_and_output` compiled by inductor, the attention (`model.paged_attention`) inside them, one call a layer,
+and the packed head's `cpu_packed.head_matmul` (`Model.compile_decode`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
 import torch
 
-from mlx_engine.backends.torch.model import TransformerBlock, attention_inputs, attention_outputs
+from mlx_engine.backends.torch.cpu_packed import head_matmul
+from mlx_engine.backends.torch.model import (PagedRows, TransformerBlock, attention_inputs, attention_outputs,
+                                             paged_attention)
 
 
-def between_attentions(block: TransformerBlock, following: TransformerBlock, x: torch.Tensor, out: torch.Tensor,
-                       cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A block's output half and the next block's input half: one graph call instead of two."""
-    h = attention_outputs(block, x, out)
+def attend_and_output(block: TransformerBlock, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      rows: PagedRows) -> torch.Tensor:
+    """A block's attention (K/V written to its cache) and its output half."""
+    return attention_outputs(block, x, paged_attention(q, k, v, rows, block.self_attn.scale))
+
+
+def between_attentions(block: TransformerBlock, following: TransformerBlock, x: torch.Tensor, q: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor, rows: PagedRows, cos: torch.Tensor,
+                       sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A block's attention and output half, and the next block's input half: one graph call a layer."""
+    h = attend_and_output(block, x, q, k, v, rows)
     return (h, *attention_inputs(following, h, cos, sin))
 
 
@@ -37,45 +48,41 @@ def use_app_cache() -> None:
 
 
 class CompiledHalves:
-    """`attention_inputs`, `between_attentions` and `attention_outputs` compiled by inductor: the norms, rope,
-    residuals and SiLU as fused C++ loops around the matmul kernels, in place of ~70 eager ops a layer, one call
-    between two attentions. One graph serves every layer (the blocks are arguments), so each call's guards
+    """`attention_inputs`, `between_attentions` and `attend_and_output` compiled by inductor: the norms, rope,
+    residuals, SiLU and the attention as fused C++ loops around the matmul kernels, in place of ~80 eager ops a
+    layer, one call a layer. One graph serves every layer (the blocks are arguments), so each call's guards
     would check those blocks' tensors again: once `warm`,
     calls skip guards (`skip_guard_eval_unsafe`), which is sound because each compiled function holds one graph:
     one row (a decode step of one sequence), or any 2..max_rows rows (`dynamic`: batched steps, verifications),
-    as copies of the functions with code objects of their own (dynamo keeps its graphs per code object). A
+    the attended length and the pools' slots dynamic in both, as copies of the functions with code objects of their own (dynamo keeps its graphs per code object). A
     call that would need another graph raises before it runs and runs again with its guards, compiling it."""
 
     def __init__(self, max_rows: int):
         use_app_cache()
         self.max_rows, self.warm, self.recompiles = max_rows, False, 0
         self.fns = {rows: tuple(torch.compile(_own_code(fn, rows), fullgraph=True)
-                                for fn in (attention_inputs, between_attentions, attention_outputs))
+                                for fn in (attention_inputs, between_attentions, attend_and_output, head_matmul))
                     for rows in (1, 2)}
 
     def run(self, part: int, rows: int, *args: Any) -> Any:
-        """Part 0 (attention_inputs), 1 (between_attentions) or 2 (attention_outputs) of a forward of `rows`
-        rows on `args`, inside `stance()`."""
+        """Part 0 (attention_inputs), 1 (between_attentions) or 2 (attend_and_output) of a forward of `rows`
+        rows, or 3 (the packed head's `head_matmul`) of its logits, on `args`, inside `stance()`."""
         fn = self.fns[min(rows, 2)][part]
         if not self.warm:
-            if rows > 1:  # the rows' dim dynamic from the first compile; the weights' shapes stay static
-                for t in args:
-                    if isinstance(t, torch.Tensor):
-                        torch._dynamo.mark_dynamic(t, t.dim() - 2)
-            return fn(*args)
+            _mark_dynamic(args, rows > 1)
+            with _compile_options():
+                return fn(*args)
         try:
             return fn(*args)
         except RuntimeError as e:
             if "skip_guard_eval_unsafe" not in str(e):
                 raise
         self.recompiles += 1
-        with torch.compiler.set_stance("default"):
+        with torch.compiler.set_stance("default"), _compile_options():
             return fn(*args)
 
     def stance(self) -> Any:
         """Around a forward's calls: guards skipped once warm (entered once a forward, not per call)."""
-        import contextlib
-
         return torch.compiler.set_stance(skip_guard_eval_unsafe=True) if self.warm else contextlib.nullcontext()
 
 
@@ -84,3 +91,29 @@ def _own_code(fn: Any, rows: int) -> Any:
 
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{rows}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _mark_dynamic(args: tuple[Any, ...], many_rows: bool) -> None:
+    """The dims that vary between calls of one graph, dynamic from its first compile: the attended length and
+    the pools' slots; with many rows also the rows' dim. The weights' shapes stay static."""
+    for t in args:
+        if isinstance(t, PagedRows):
+            for pool in (t.pool_k, t.pool_v):
+                torch._dynamo.mark_dynamic(pool, 0)
+            for x in (t.gather, t.bias):
+                torch._dynamo.mark_dynamic(x, 1)
+                if many_rows:
+                    torch._dynamo.mark_dynamic(x, 0)
+            if many_rows:
+                torch._dynamo.mark_dynamic(t.write, 0)
+        elif isinstance(t, torch.Tensor) and many_rows:
+            torch._dynamo.mark_dynamic(t, t.dim() - 2)
+
+
+def _compile_options() -> Any:
+    """While tracing and compiling: dynamic dims each a symbol of their own (with duck shapes, two that happened
+    to be equal at the first compile would share one, and guards, skipped once warm, would be what told them
+    apart)."""
+    from torch.fx.experimental import _config
+
+    return _config.patch(use_duck_shape=False)

@@ -11,13 +11,14 @@ causal or padding mask), used on the CPU and for prefill; the Triton paged decod
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from mlx_engine.api import RooflineError
-from mlx_engine.backends.torch.model import causal_attention
+from mlx_engine.backends.torch.model import PagedRows, causal_attention, rows_of
 from mlx_engine.kv.block_pool import BlockPool
 from mlx_engine.kv.config import DEFAULT_MEMORY_FRACTION, KVConfig, blocks_in_budget, default_budget
 from mlx_engine.kv.manager import KVCacheManager
@@ -48,6 +49,11 @@ class TorchKVStorage:
             return
         new = min(self.num_blocks, max(num_blocks, 2 * self.capacity))
         used = self.capacity * self.block_size
+        with torch.inference_mode(False):  # normal tensors wherever they grow: the compiled step guards their kind
+            self._grow(new, used)
+        self.capacity = new
+
+    def _grow(self, new: int, used: int) -> None:
         for pools in (self.k, self.v):
             for layer in range(self.num_layers):
                 grown = torch.zeros((new + 1) * self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
@@ -57,7 +63,6 @@ class TorchKVStorage:
                 else:
                     grown[:used] = pools[layer][:used]
                     pools[layer] = grown
-        self.capacity = new
 
     @property
     def scratch_block(self) -> int:
@@ -110,6 +115,14 @@ class PrefillSlots:
     def all(self) -> torch.Tensor:
         return torch.tensor(self.all_list, device=self.device)  # (offset + L,)
 
+    @functools.cached_property
+    def rows(self) -> tuple[torch.Tensor, ...]:
+        """`PagedRows`' (write, gather, bias) of the chunk's rows: row i sees positions <= offset + i."""
+        L, S = len(self.new_list), len(self.all_list)
+        gather = self.all[None].expand(L, S)
+        visible = torch.arange(S, device=self.device)[None, :] <= torch.arange(S - L, S, device=self.device)[:, None]
+        return rows_of(self.new, gather, visible)
+
 
 class PrefillView:
     """One layer's view for a prefill chunk (or a speculative verify) over positions [offset, offset + L)."""
@@ -130,6 +143,12 @@ class PrefillView:
 
     def positions(self, B: int, L: int, device: torch.device) -> torch.Tensor:
         return torch.arange(self.offset, self.offset + L, device=device).expand(B, L)
+
+    def has_paged_rows(self, batch: int) -> bool:
+        return batch == 1
+
+    def paged_rows(self, n: int, kv_shape: tuple[int, int], dtype: torch.dtype) -> PagedRows:
+        return PagedRows(self.storage.k[self.layer], self.storage.v[self.layer], *self.slots.rows)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (1, Hq, L, D), k/v (1, Hkv, L, D) after rope -> (1, Hq, L, D)."""
@@ -182,6 +201,13 @@ class DecodeStep:
         return slots.flatten(1)[:, :S]
 
     @functools.cached_property
+    def rows(self) -> tuple[torch.Tensor, ...]:
+        """`PagedRows`' (write, gather, bias) of the step: row b sees its own sequence's positions."""
+        S = max(self.position_list) + 1
+        visible = torch.arange(S, device=self.storage.device)[None, :] < self.seq_lens[:, None]
+        return rows_of(self.new_slots, self.slots, visible)
+
+    @functools.cached_property
     def mask(self) -> torch.Tensor | None:
         if len(self.position_list) == 1:
             return None
@@ -195,6 +221,13 @@ class DecodeView:
 
     def positions(self, B: int, L: int, device: torch.device) -> torch.Tensor:
         return self.step.positions
+
+    def has_paged_rows(self, batch: int) -> bool:
+        return not self.step.use_kernel
+
+    def paged_rows(self, n: int, kv_shape: tuple[int, int], dtype: torch.dtype) -> PagedRows:
+        storage = self.step.storage
+        return PagedRows(storage.k[self.layer], storage.v[self.layer], *self.step.rows)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (B, Hq, 1, D), k/v (B, Hkv, 1, D) after rope -> (B, Hq, 1, D)."""
@@ -216,10 +249,20 @@ class PackedView:
     one decode row per decoding sequence, then each prefill chunk's), for the torch model, which ropes from
     per-row positions (asked of layer 0's view, once a forward) and then calls `attention`."""
 
-    def __init__(self, decode: DecodeView | None, num_decode: int, prefills: list[PrefillView], lengths: list[int]):
+    def __init__(self, decode: DecodeView | None, num_decode: int, prefills: list[PrefillView], lengths: list[int],
+                 rows: PackedRows | None = None):
         self.decode, self.num_decode, self.prefills = decode, num_decode, prefills
         starts = [num_decode + sum(lengths[:i]) for i in range(len(lengths))]
         self.spans = [(a, a + n) for a, n in zip(starts, lengths)]
+        self.rows = rows or PackedRows(decode.step if decode is not None else None, [p.slots for p in prefills])
+
+    def has_paged_rows(self, batch: int) -> bool:
+        return self.decode is None or self.decode.has_paged_rows(batch)
+
+    def paged_rows(self, n: int, kv_shape: tuple[int, int], dtype: torch.dtype) -> PagedRows:
+        view = self.decode if self.decode is not None else self.prefills[0]
+        storage, layer = view.step.storage if self.decode is not None else view.storage, view.layer
+        return PagedRows(storage.k[layer], storage.v[layer], *self.rows.rows)
 
     def positions(self, B: int, L: int, device: torch.device) -> torch.Tensor:
         parts = [self.decode.step.positions[:, 0]] if self.decode is not None else []
@@ -237,6 +280,23 @@ class PackedView:
         for view, (lo, hi) in zip(self.prefills, self.spans):
             outs.append(view.attention(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+class PackedRows:
+    """`PagedRows`' (write, gather, bias) of a packed forward, shared by its layers' views: the decode step's rows,
+    then each prefill chunk's, their gathers padded to the longest with unseen slots."""
+
+    def __init__(self, step: DecodeStep | None, chunks: list[PrefillSlots]):
+        self.parts = ([step] if step is not None else []) + chunks
+
+    @functools.cached_property
+    def rows(self) -> tuple[torch.Tensor, ...]:
+        parts = [p.rows for p in self.parts]
+        if len(parts) == 1:
+            return parts[0]
+        S = max(g.shape[1] for _, g, _ in parts)
+        return (torch.cat([w for w, _, _ in parts]), torch.cat([F.pad(g, (0, S - g.shape[1])) for _, g, _ in parts]),
+                torch.cat([F.pad(b, (0, S - b.shape[1]), value=-math.inf) for _, _, b in parts]))
 
 
 MAX_CONTEXTS = 256  # a GPU's default pool holds at most this many full contexts
@@ -314,7 +374,8 @@ class TorchPagedCache(BlockTableCache):
         decode = self.decode_layers(decode_ids, known_ids) if decode_ids else [None] * self.num_layers
         prefills = [self.prefill_layers(r, a, b) for r, a, b in chunks]
         lengths = [b - a for _, a, b in chunks]
-        return [PackedView(decode[i], len(decode_ids), [p[i] for p in prefills], lengths)
+        rows = PackedRows(decode[0].step if decode_ids else None, [p[0].slots for p in prefills])
+        return [PackedView(decode[i], len(decode_ids), [p[i] for p in prefills], lengths, rows)
                 for i in range(self.num_layers)]
 
     def state(self, layers: list[Any]) -> list[Any]:
@@ -325,8 +386,9 @@ class TorchPagedCache(BlockTableCache):
 
 
 class ContiguousLayer:
-    """One layer's K/V of one sequence in a growing buffer (B, Hkv, S, D): for forwards outside the block
-    pool (the speculative cost probe, a draft model). Trimmable, as mlx-lm's KVCache."""
+    """One layer's K/V of one sequence in a growing token-major buffer (B, S, Hkv, D): for forwards outside the
+    block pool (the speculative cost probe, a draft model, the compile's warm-up). Trimmable, as mlx-lm's
+    KVCache."""
 
     def __init__(self) -> None:
         self.keys: torch.Tensor | None = None
@@ -340,19 +402,37 @@ class ContiguousLayer:
     def positions(self, B: int, L: int, device: torch.device) -> torch.Tensor:
         return torch.arange(self.offset, self.offset + L, device=device).expand(B, L)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        L = k.shape[2]
+    def _reserve(self, B: int, L: int, kv_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> int:
         end = self.offset + L
-        if self.keys is None or end > self.keys.shape[2]:
-            size = max(end, 2 * (self.keys.shape[2] if self.keys is not None else 128))
-            grown = [k.new_zeros(k.shape[0], k.shape[1], size, k.shape[3]) for _ in range(2)]
-            if self.keys is not None:
-                grown[0][:, :, : self.offset] = self.keys[:, :, : self.offset]
-                grown[1][:, :, : self.offset] = self.values[:, :, : self.offset]
+        if self.keys is None or end > self.keys.shape[1]:
+            size = max(end, 2 * (self.keys.shape[1] if self.keys is not None else 128))
+            with torch.inference_mode(False):  # normal tensors, as the block pool's (`TorchKVStorage`)
+                grown = [torch.zeros(B, size, *kv_shape, dtype=dtype, device=device) for _ in range(2)]
+                if self.keys is not None:
+                    grown[0][:, : self.offset] = self.keys[:, : self.offset]
+                    grown[1][:, : self.offset] = self.values[:, : self.offset]
             self.keys, self.values = grown
-        self.keys[:, :, self.offset:end] = k
-        self.values[:, :, self.offset:end] = v
-        out = causal_attention(q, self.keys[:, :, :end], self.values[:, :, :end], self.offset, scale)
+        return end
+
+    def has_paged_rows(self, batch: int) -> bool:
+        return batch == 1
+
+    def paged_rows(self, n: int, kv_shape: tuple[int, int], dtype: torch.dtype) -> PagedRows:
+        """The buffer as a pool whose slots are positions."""
+        device = self.keys.device if self.keys is not None else torch.device("cpu")
+        start, end = self.offset, self._reserve(1, n, kv_shape, dtype, device)
+        self.offset = end
+        gather = torch.arange(end, device=device)[None].expand(n, end)
+        visible = gather <= torch.arange(start, end, device=device)[:, None]
+        return PagedRows(self.keys[0], self.values[0], *rows_of(torch.arange(start, end, device=device), gather,
+                                                                visible))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        end = self._reserve(k.shape[0], k.shape[2], k.shape[1::2], k.dtype, k.device)
+        self.keys[:, self.offset:end] = k.transpose(1, 2)
+        self.values[:, self.offset:end] = v.transpose(1, 2)
+        out = causal_attention(q, self.keys[:, :end].transpose(1, 2), self.values[:, :end].transpose(1, 2),
+                               self.offset, scale)
         self.offset = end
         return out
 

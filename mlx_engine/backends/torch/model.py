@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -49,6 +50,21 @@ class PackedWeight(Protocol):
 
 
 Weight = torch.Tensor | PackedWeight
+
+
+@runtime_checkable
+class PagedRowsView(Protocol):
+    """A layer's cache view that a compiled forward attends in its graph (`paged_attention`): the views of
+    `kv.py`. Any other view runs the forward eagerly."""
+
+    def has_paged_rows(self, batch: int) -> bool:
+        """Whether `paged_rows` serves a forward of `batch` sequences here."""
+        ...
+
+    def paged_rows(self, n: int, kv_shape: tuple[int, int], dtype: torch.dtype) -> PagedRows:
+        """The slots a forward of n new rows writes and reads (kv_shape: (Hkv, D), dtype: the K/V's); the view
+        counts the rows as written, as `attention` would."""
+        ...
 
 
 def weight_nbytes(w: Weight | None) -> int:
@@ -192,8 +208,48 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+@dataclass(frozen=True)
+class PagedRows:
+    """What a compiled forward's attention (`paged_attention`) reads of one layer's cache, for the forward's rows
+    (1, N) of new tokens: row n's K/V goes to slot `write[n]` of the token-major pools (slots, Hkv, D), then row n
+    attends to slots `gather[n]` with `bias[n]` added to its scores (0 where it sees the key, -inf where not)."""
+
+    pool_k: torch.Tensor  # (slots, Hkv, D)
+    pool_v: torch.Tensor
+    write: torch.Tensor  # (N,) int64
+    gather: torch.Tensor  # (N, S) int64, S >= 2 (dynamo specializes a dim of 1: `rows_of`)
+    bias: torch.Tensor  # (N, S) float32
+
+
+def rows_of(write: torch.Tensor, gather: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(write, gather, bias) of `PagedRows` from each row's slots (N, S) and a mask of those it sees (N, S),
+    contiguous (the compiled graphs check strides), S padded to 2 with an unseen slot."""
+    if gather.shape[1] < 2:
+        gather = F.pad(gather, (0, 2 - gather.shape[1]))
+        visible = F.pad(visible, (0, 2 - visible.shape[1]))
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, -math.inf)
+    return write.contiguous(), gather.reshape(-1).view(gather.shape), bias  # row-major strides, whatever its rows
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: PagedRows, scale: float) -> torch.Tensor:
+    """q (1, Hq, N, D), k, v (1, Hkv, N, D) after rope -> (1, Hq, N, D): the rows' K/V written to their slots,
+    then each row's attention over the slots it gathers, in torch ops that inductor fuses into the compiled
+    step (no eager write, gather and SDPA per layer)."""
+    _, Hq, N, D = q.shape
+    Hkv = k.shape[1]
+    rows.pool_k.index_put_((rows.write,), k[0].transpose(0, 1).to(rows.pool_k.dtype))
+    rows.pool_v.index_put_((rows.write,), v[0].transpose(0, 1).to(rows.pool_v.dtype))
+    keys = rows.pool_k[rows.gather].float()  # (N, S, Hkv, D)
+    values = rows.pool_v[rows.gather].float()
+    qg = q[0].float().reshape(Hkv, Hq // Hkv, N, D).permute(2, 0, 1, 3)  # (N, Hkv, G, D)
+    scores = torch.einsum("nhgd,nshd->nhgs", qg, keys) * scale + rows.bias[:, None, None, :]
+    out = torch.einsum("nhgs,nshd->nhgd", torch.softmax(scores, dim=-1), values)  # (N, Hkv, G, D)
+    return out.reshape(N, Hq, D).transpose(0, 1)[None].to(q.dtype)
+
+
 class FreshAttention:
     """No cache: one sequence from position 0 (forward_logits, hidden_states)."""
+
 
     def positions(self, B: int, L: int, device: torch.device) -> torch.Tensor:
         return torch.arange(L, device=device).expand(B, L)
@@ -258,8 +314,8 @@ class TransformerBlock:
         return attention_outputs(self, x, cache.attention(q, k, v, self.self_attn.scale))
 
 
-# A block as the two halves around its attention (the cache's, eager): what `Model.compile_decode` compiles,
-# one graph each for every layer (the block is an argument, its tensors the graph's inputs).
+# A block as the two halves around its attention: what `Model.compile_decode` compiles with `paged_attention`
+# between them, one graph each for every layer (the block is an argument, its tensors the graph's inputs).
 
 
 def attention_inputs(block: TransformerBlock, x: torch.Tensor, cos: torch.Tensor,
@@ -301,6 +357,8 @@ class Model:
         h = self.embed_tokens(ids)
         yield h
         compiled = self.compiled if self.compiled is not None and B * L <= self.compiled.max_rows else None
+        if compiled is not None and not all(isinstance(c, PagedRowsView) and c.has_paged_rows(B) for c in caches[:n]):
+            compiled = None
         if compiled is None:
             for layer, c in zip(self.layers[:n], caches):
                 h = layer(h, cos, sin, c)
@@ -315,17 +373,16 @@ class Model:
     def _compiled_layers(self, compiled: Any, layers: list[TransformerBlock], caches: list[Any],
                          h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int, L: int):
         N = B * L
+        kv_shape = (self.args.num_key_value_heads, self.args.head_dim)
+        rows = [c.paged_rows(N, kv_shape, h.dtype) for c in caches]  # (1, N) rows, batch-major
+        if any(r is None for r in rows):
+            raise ValueError("a compiled forward needs every layer's view to give its paged rows")
         q, k, v = compiled.run(0, N, layers[0], h, cos, sin)  # (1, heads, N, hd)
-        for i, (layer, c) in enumerate(zip(layers, caches)):
-            if B > 1:
-                q, k, v = (t.reshape(t.shape[1], B, L, -1).transpose(0, 1) for t in (q, k, v))  # (B, heads, L, hd)
-            out = c.attention(q, k, v, layer.self_attn.scale)  # the cache writes k/v first
-            if B > 1:
-                out = out.transpose(0, 1).reshape(1, out.shape[1], N, -1)
-            if i + 1 < len(layers):  # this layer's output half and the next one's input half
-                h, q, k, v = compiled.run(1, N, layer, layers[i + 1], h, out, cos, sin)
+        for i, (layer, r) in enumerate(zip(layers, rows)):
+            if i + 1 < len(layers):  # this layer's attention and output half, and the next one's input half
+                h, q, k, v = compiled.run(1, N, layer, layers[i + 1], h, q, k, v, r, cos, sin)
             else:
-                h = compiled.run(2, N, layer, h, out)
+                h = compiled.run(2, N, layer, h, q, k, v, r)
             yield h.view(B, L, -1)
 
     compiled: Any = None  # compiled.CompiledHalves: the blocks' halves as torch.compile graphs (compile_decode)
@@ -347,5 +404,10 @@ class Model:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if isinstance(head, cpu_packed.CPUWeight):
+            x = h.reshape(-1, h.shape[-1])
+            if self.compiled is not None and x.shape[0] <= self.compiled.max_rows:  # its ~15 small ops fused
+                x = x.reshape(-1).view(x.shape)  # row-major strides (the graphs check them), whatever h's were
+                with self.compiled.stance():
+                    return self.compiled.run(3, x.shape[0], head, x).view(*h.shape[:-1], -1)
             return cpu_packed.head_matmul(head, h)
         return self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)

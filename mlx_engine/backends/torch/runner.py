@@ -233,7 +233,7 @@ class TorchRunner(CacheRunner):
 
     @_torch_work
     def compile_decode(self) -> str:
-        """Compiles the decode-sized forwards (one row, and several: two graphs a half) by running them once on
+        """Compiles the decode-sized forwards (one row, and several: two graphs a part) by running them once on
         scratch caches. Returns the note to show, or the warning when compiling failed (then all runs eager)."""
         import time
 
@@ -242,8 +242,10 @@ class TorchRunner(CacheRunner):
         start = time.perf_counter()
         self.model.compile_decode(COMPILE_MAX_ROWS)
         try:
-            for rows in (1, 2):
-                self.model(torch.zeros(rows, 1, dtype=torch.long, device=self.device), self.scratch_layers())
+            layers = self.scratch_layers()  # 3 rows (the graphs of 2..max rows), then 1 after them
+            for rows in (3, 1):
+                h = self.model(torch.zeros(1, rows, dtype=torch.long, device=self.device), layers)
+                self.model.logits(h[0])
         except compile_errors() as e:
             self.model.compiled = None
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
