@@ -141,35 +141,3 @@ def test_rows_are_padded_past_one_key_and_row_major():
     q, k, v = _qkv(1, 7)
     out = paged_attention(q, k, v, rows, SCALE)
     assert torch.allclose(out, v.repeat_interleave(HQ // HKV, dim=1), atol=ATOL, rtol=0)  # its one key: its own V
-
-
-@pytest.mark.parametrize("span", [None, 2, 1])
-def test_compiled_spans_equal_eager(tmp_path, monkeypatch, span):
-    """A compiled forward runs its layers in spans (`span_between`, several layers a graph call) then the rest one
-    by one: on a 3-layer model, one span of all three (its last call's input half of layer 0 thrown away), or a
-    span of two then the third alone, the tokens of the eager forward, one sequence and a batch, no graph past the
-    load's warm-up."""
-    from mlx_engine import Engine, GenerationRequest, SamplingParams
-    from mlx_engine.backends.torch import compiled as compiled_module
-    from tests.tiny_models import random_llama_folder
-
-    folder = random_llama_folder(tmp_path / "llama3", layers=3, seed=3)
-    if span is not None:
-        monkeypatch.setattr(compiled_module, "span_length", lambda n: span)
-    prompts = [[5, 9, 17, 33, 65, 3, 7], [11, 12, 13], [100, 90, 80, 70, 60, 50, 40, 30, 20]]
-
-    def tokens(e: Engine) -> list[list[int]]:
-        streams = [e.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
-            temperature=0.0, max_tokens=8, ignore_eos=True))) for p in prompts]
-        batch = [[t for ev in s for t in ev.token_ids] for s in streams]
-        solo = [t for ev in e.generate(GenerationRequest(prompt_token_ids=prompts[0], sampling=SamplingParams(
-            temperature=0.0, max_tokens=12, ignore_eos=True))) for t in ev.token_ids]
-        return [*batch, solo]
-
-    with Engine.load(str(folder), backend="torch", device="cpu", compile=False) as eager:
-        want = tokens(eager)
-    with Engine.load(str(folder), backend="torch", device="cpu", compile=True) as e:
-        halves = e.diagnostics().runner.model.compiled
-        assert halves is not None and halves.warm and halves.span == (span or 3)
-        assert tokens(e) == want
-        assert halves.recompiles == 0

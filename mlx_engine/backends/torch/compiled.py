@@ -1,7 +1,6 @@
-"""The torch CPU decode step as torch.compile graphs: `model.attention_inputs`, `span_between` (several layers),
-`between_attentions` and `attend_and_output` (the layers past the last whole span, one call each) compiled by
-inductor, the attention (`model.paged_attention`) inside them, and the packed head's `cpu_packed.head_matmul`
-(`Model.compile_decode`)."""
+"""The torch CPU decode step as torch.compile graphs: `model.attention_inputs`, `between_attentions` and
+`attend_and_output` compiled by inductor, the attention (`model.paged_attention`) inside them, one call a layer,
+and the packed head's `cpu_packed.head_matmul` (`Model.compile_decode`)."""
 
 from __future__ import annotations
 
@@ -30,29 +29,6 @@ def between_attentions(block: TransformerBlock, following: TransformerBlock, x: 
     return (h, *attention_inputs(following, h, cos, sin))
 
 
-def span_between(blocks: tuple[TransformerBlock, ...], following: TransformerBlock, x: torch.Tensor, q: torch.Tensor,
-                 k: torch.Tensor, v: torch.Tensor, rows: tuple[PagedRows, ...], cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`between_attentions` over consecutive blocks, then `following`'s input half: each block's output and the
-    q, k, v of `following` (one graph call for several layers)."""
-    outputs = []
-    for j, (block, r) in enumerate(zip(blocks, rows)):
-        x = attend_and_output(block, x, q, k, v, r)
-        outputs.append(x)
-        q, k, v = attention_inputs(blocks[j + 1] if j + 1 < len(blocks) else following, x, cos, sin)
-    return (*outputs, q, k, v)
-
-
-def span_length(num_layers: int) -> int:
-    """Layers a `span_between` call runs: the fewest graph calls for the model's layers (spans, then the rest one
-    by one), ties to the shorter span (a smaller graph to compile). Each call costs ~50 us of dynamo's and AOT
-    autograd's wrappers (docs/benchmarks.md), so 30 layers in 5 spans of 6 save ~1.2 ms of a decode step."""
-    return min(range(1, min(num_layers, MAX_SPAN) + 1), key=lambda g: (num_layers // g + num_layers % g, g))
-
-
-MAX_SPAN = 8
-
-
 def compile_errors() -> tuple[type[BaseException], ...]:
     """What a failed torch.compile raises: inductor's C++ build (no compiler, a failed build) and dynamo's
     backend errors."""
@@ -72,28 +48,25 @@ def use_app_cache() -> None:
 
 
 class CompiledHalves:
-    """`attention_inputs`, `span_between`, `between_attentions` and `attend_and_output` compiled by inductor: the
-    norms, rope, residuals, SiLU and the attention as fused C++ loops around the matmul kernels, in place of ~80
-    eager ops a layer, `span` layers a call (`span_length`). One graph serves every span (the blocks are
-    arguments), so each call's guards would check those blocks' tensors again: once `warm`, calls skip guards
-    (`skip_guard_eval_unsafe`), which is sound because each compiled function holds one graph: one row (a decode
-    step of one sequence), or any 2..max_rows rows (`dynamic`: batched steps, verifications), the attended length
-    and the pools' slots dynamic in both, a span always `span` blocks, as copies of the functions with code
-    objects of their own (dynamo keeps its graphs per code object). A call that would need another graph raises
-    before it runs and runs again with its guards, compiling it."""
+    """`attention_inputs`, `between_attentions` and `attend_and_output` compiled by inductor: the norms, rope,
+    residuals, SiLU and the attention as fused C++ loops around the matmul kernels, in place of ~80 eager ops a
+    layer, one call a layer. One graph serves every layer (the blocks are arguments), so each call's guards
+    would check those blocks' tensors again: once `warm`,
+    calls skip guards (`skip_guard_eval_unsafe`), which is sound because each compiled function holds one graph:
+    one row (a decode step of one sequence), or any 2..max_rows rows (`dynamic`: batched steps, verifications),
+    the attended length and the pools' slots dynamic in both, as copies of the functions with code objects of their own (dynamo keeps its graphs per code object). A
+    call that would need another graph raises before it runs and runs again with its guards, compiling it."""
 
-    def __init__(self, max_rows: int, span: int = 1):
+    def __init__(self, max_rows: int):
         use_app_cache()
-        self.max_rows, self.span, self.warm, self.recompiles = max_rows, span, False, 0
+        self.max_rows, self.warm, self.recompiles = max_rows, False, 0
         self.fns = {rows: tuple(torch.compile(_own_code(fn, rows), fullgraph=True)
-                                for fn in (attention_inputs, between_attentions, attend_and_output, head_matmul,
-                                           span_between))
+                                for fn in (attention_inputs, between_attentions, attend_and_output, head_matmul))
                     for rows in (1, 2)}
 
     def run(self, part: int, rows: int, *args: Any) -> Any:
-        """Part 0 (attention_inputs), 1 (between_attentions), 2 (attend_and_output) or 4 (span_between, `span`
-        blocks) of a forward of `rows` rows, or 3 (the packed head's `head_matmul`) of its logits, on `args`,
-        inside `stance()`."""
+        """Part 0 (attention_inputs), 1 (between_attentions) or 2 (attend_and_output) of a forward of `rows`
+        rows, or 3 (the packed head's `head_matmul`) of its logits, on `args`, inside `stance()`."""
         fn = self.fns[min(rows, 2)][part]
         if not self.warm:
             _mark_dynamic(args, rows > 1)
@@ -123,7 +96,7 @@ def _own_code(fn: Any, rows: int) -> Any:
 def _mark_dynamic(args: tuple[Any, ...], many_rows: bool) -> None:
     """The dims that vary between calls of one graph, dynamic from its first compile: the attended length and
     the pools' slots; with many rows also the rows' dim. The weights' shapes stay static."""
-    for t in (u for a in args for u in (a if isinstance(a, tuple) else (a,))):
+    for t in args:
         if isinstance(t, PagedRows):
             for pool in (t.pool_k, t.pool_v):
                 torch._dynamo.mark_dynamic(pool, 0)

@@ -378,22 +378,11 @@ class Model:
         if any(r is None for r in rows):
             raise ValueError("a compiled forward needs every layer's view to give its paged rows")
         q, k, v = compiled.run(0, N, layers[0], h, cos, sin)  # (1, heads, N, hd)
-        n, g, i = len(layers), compiled.span, 0
-        if g > 1:  # one forward's layers write and read the same slots: a span's graph takes them once (the
-            # paged views share those tensors, the warm-up's contiguous buffers have their own: as inputs aliased
-            # or not, they would be two graphs)
-            rows = [PagedRows(r.pool_k, r.pool_v, rows[0].write, rows[0].gather, rows[0].bias) for r in rows]
-        while g > 1 and i + g <= n:  # `g` layers a call; after the last, the input half of layer 0 is thrown away
-            *outputs, q, k, v = compiled.run(4, N, tuple(layers[i:i + g]), layers[(i + g) % n], h, q, k, v,
-                                             tuple(rows[i:i + g]), cos, sin)
-            for h in outputs:
-                yield h.view(B, L, -1)
-            i += g
-        for i in range(i, n):
-            if i + 1 < n:  # this layer's attention and output half, and the next one's input half
-                h, q, k, v = compiled.run(1, N, layers[i], layers[i + 1], h, q, k, v, rows[i], cos, sin)
+        for i, (layer, r) in enumerate(zip(layers, rows)):
+            if i + 1 < len(layers):  # this layer's attention and output half, and the next one's input half
+                h, q, k, v = compiled.run(1, N, layer, layers[i + 1], h, q, k, v, r, cos, sin)
             else:
-                h = compiled.run(2, N, layers[i], h, q, k, v, rows[i])
+                h = compiled.run(2, N, layer, h, q, k, v, r)
             yield h.view(B, L, -1)
 
     compiled: Any = None  # compiled.CompiledHalves: the blocks' halves as torch.compile graphs (compile_decode)
@@ -401,9 +390,9 @@ class Model:
     def compile_decode(self, max_rows: int) -> None:
         """Forwards of at most `max_rows` rows (decode steps, batched or not, short speculative verifications)
         run each block's halves around its attention as torch.compile graphs; longer ones stay eager."""
-        from mlx_engine.backends.torch.compiled import CompiledHalves, span_length
+        from mlx_engine.backends.torch.compiled import CompiledHalves
 
-        self.compiled = CompiledHalves(max_rows, span_length(len(self.layers)))
+        self.compiled = CompiledHalves(max_rows)
 
     def __call__(self, ids: torch.Tensor, caches: list[Any] | None = None, num_layers: int | None = None) -> torch.Tensor:
         """ids (B, L) -> final hidden states (B, L, hidden), after the first `num_layers` layers (all: None)."""
