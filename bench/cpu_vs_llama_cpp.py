@@ -47,7 +47,8 @@ def _rss_bytes() -> int:
 def _peak_bytes() -> int:
     """This process's peak RSS: VmHWM, its own address space's high-water mark. Not ru_maxrss, which a process
     started by fork + exec inherits from its parent at the fork (this controller's, after measure_bandwidth's
-    buffers: every llama.cpp row read 493 MB)."""
+    buffers: every llama.cpp row read 493 MB). The torch runner resets VmHWM when a request starts, so the
+    worker keeps the running maximum."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
@@ -68,12 +69,14 @@ def _serve(load, run) -> None:
         info = {"ok": False, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
     out.write(json.dumps(info) + "\n")
     out.flush()
+    peak = _peak_bytes()  # the load's; the engine sets VmHWM back at each request's start (TorchRunner)
     for line in sys.stdin:
         req = json.loads(line)
         if req.get("cmd") == "exit":
             break
         result = run(req["prompt"], req["gen"])
-        result.update(peak_bytes=_peak_bytes() - base)
+        peak = max(peak, _peak_bytes())
+        result.update(peak_bytes=peak - base)
         out.write(json.dumps(result) + "\n")
         out.flush()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -53,6 +54,28 @@ def cpu_matmul_seconds(a: np.ndarray, repeats: int, best_time: Callable[[Callabl
     """The best time of a @ a in torch on the CPU, all cores (for the measured peak FLOP/s of `roofline bench`)."""
     t = torch.from_numpy(a)
     return best_time(lambda: t @ t, repeats)
+
+
+def peak_rss() -> int:
+    """The process's peak resident bytes: Linux's VmHWM, which `reset_peak_rss` sets back to the current RSS
+    (ru_maxrss cannot be reset, and a process started by fork + exec inherits its parent's). Elsewhere (macOS:
+    no /proc) ru_maxrss, never reset."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        import resource
+
+        maxrss = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB on Linux
+
+
+def reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5": the peak RSS back to the current one (proc(5))
+    except OSError:
+        pass
 
 
 def _ids(inputs: Any, device: torch.device) -> torch.Tensor:
@@ -413,12 +436,12 @@ class TorchRunner(CacheRunner):
     def reset_peak_memory(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            reset_peak_rss()
 
     def peak_memory_bytes(self) -> int:
         """CUDA: the peak torch allocated on the device since the last reset. CPU: the process's peak
-        resident memory (ru_maxrss; never reset, and it counts everything in the process)."""
+        resident memory since the last reset (`peak_rss`: it counts everything in the process)."""
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        return peak_rss()
