@@ -299,7 +299,8 @@ def _speculative(args: argparse.Namespace) -> str | None:
 
 
 def _serve_other_rank(args: argparse.Namespace) -> int | None:
-    """--distributed: every rank but 0 serves rank 0's plans here (its exit status); rank 0 runs the command (None)."""
+    """--distributed: every rank but 0 serves rank 0's plans here, then ends the process with its exit status;
+    rank 0 runs the command (None)."""
     mode = getattr(args, "distributed", None)
     if mode is None or args.command not in ("generate", "serve", "chat", "bench"):
         return None
@@ -313,7 +314,7 @@ def _serve_other_rank(args: argparse.Namespace) -> int | None:
         distributed.stop_on_sigterm(0)
         return None
     options = {k: v for k, v in _load_options(args).items() if k != "distributed"}
-    return distributed.serve_rank(getattr(args, "model", None), mode, **options)
+    distributed.exit_now(distributed.serve_rank(getattr(args, "model", None), mode, **options))
 
 
 def _load_options(args: argparse.Namespace) -> dict[str, Any]:

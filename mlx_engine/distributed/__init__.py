@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlx_engine.distributed.launch import (EXIT_RANK_LOST, NO_LAUNCHER, TIMEOUT_ENV, DistributedError, RankLostError,
-                                           detect_launch, exit_if_lost, stop_on_sigterm)
+                                           detect_launch, exit_if_lost, exit_now, stop_on_sigterm)
 from mlx_engine.distributed.plan import (MODES, RankShare, bytes_per_token, check_mode, file_tensor_sizes, link_roof,
                                          shares_on_paper)
 
@@ -63,5 +63,6 @@ def serve_rank(model: str | None, mode: str, **options: Any) -> int:
 
 
 __all__ = ["EXIT_RANK_LOST", "MODES", "TIMEOUT_ENV", "DistributedError", "RankLostError", "RankShare",
-           "bytes_per_token", "check_mode", "exit_if_lost", "file_tensor_sizes", "link_roof", "launched_rank", "load_runner",
+           "bytes_per_token", "check_mode", "exit_if_lost", "exit_now", "file_tensor_sizes", "link_roof", "launched_rank",
+           "load_runner",
            "serve_rank", "shares_on_paper", "stop_on_sigterm"]

@@ -18,7 +18,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 from mlx_engine.api import RooflineError
 from mlx_engine.distributed.plan import hostfile_text, read_hostfile_peers
@@ -204,6 +204,15 @@ def exit_if_lost() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_RANK_LOST)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Ends a rank other than 0 now, once its run is over (rank 0 said stop): mlx.launch ends every rank still
+    running as soon as one exits with an error, as rank 0 does after Ctrl-C (130), and the interpreter's shutdown
+    here would leave it time to (the rank then ends by its SIGTERM, and the launcher warns of it)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def stop_later(message: str, grace_s: float = 2.0) -> None:
