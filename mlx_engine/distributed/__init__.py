@@ -64,5 +64,4 @@ def serve_rank(model: str | None, mode: str, **options: Any) -> int:
 
 __all__ = ["EXIT_RANK_LOST", "MODES", "TIMEOUT_ENV", "DistributedError", "RankLostError", "RankShare",
            "bytes_per_token", "check_mode", "exit_if_lost", "exit_now", "file_tensor_sizes", "link_roof", "launched_rank",
-           "load_runner",
-           "serve_rank", "shares_on_paper", "stop_on_sigterm"]
+           "load_runner", "serve_rank", "shares_on_paper", "stop_on_sigterm"]

@@ -51,16 +51,16 @@ class CompiledHalves:
     """`attention_inputs`, `between_attentions` and `attend_and_output` compiled by inductor: the norms, rope,
     residuals, SiLU and the attention as fused C++ loops around the matmul kernels, in place of ~80 eager ops a
     layer, one call a layer. One graph serves every layer (the blocks are arguments), so each call's guards
-    would check those blocks' tensors again: once `warm`,
-    calls skip guards (`skip_guard_eval_unsafe`), which is sound because each compiled function holds one graph:
-    one row (a decode step of one sequence), or any 2..max_rows rows (`dynamic`: batched steps, verifications),
-    the attended length and the pools' slots dynamic in both, as copies of the functions with code objects of their own (dynamo keeps its graphs per code object). A
-    call that would need another graph raises before it runs and runs again with its guards, compiling it."""
+    would check those blocks' tensors again: once `warm`, calls skip guards (`skip_guard_eval_unsafe`), which is
+    sound because each compiled function holds one graph: one row (a decode step of one sequence), or any
+    2..max_rows rows (`dynamic`: batched steps, verifications), the attended length and the pools' slots dynamic
+    in both, as copies of the functions with code objects of their own (`own_code`). A call that would need
+    another graph raises before it runs and runs again with its guards, compiling it."""
 
     def __init__(self, max_rows: int):
         use_app_cache()
         self.max_rows, self.warm, self.recompiles = max_rows, False, 0
-        self.fns = {rows: tuple(torch.compile(_own_code(fn, rows), fullgraph=True)
+        self.fns = {rows: tuple(torch.compile(own_code(fn, rows), fullgraph=True)
                                 for fn in (attention_inputs, between_attentions, attend_and_output, head_matmul))
                     for rows in (1, 2)}
 
@@ -86,7 +86,8 @@ class CompiledHalves:
         return torch.compiler.set_stance(skip_guard_eval_unsafe=True) if self.warm else contextlib.nullcontext()
 
 
-def _own_code(fn: Any, rows: int) -> Any:
+def own_code(fn: Any, rows: Any) -> Any:
+    """A copy of `fn` with a code object of its own (named after `rows`), so that dynamo keeps its graphs apart."""
     import types
 
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{rows}")

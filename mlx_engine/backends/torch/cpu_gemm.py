@@ -9,7 +9,7 @@ bytes give its 64 outputs side by side (low nibbles, then high), so the loop is 
 with no gather, and `x @ W.T` is a plain (rows, in) x (in, out) GEMM, as fast in oneDNN as the other layout.
 Where torch.compile cannot build (no C++ compiler), the same function runs eagerly, a few times slower.
 
-Numerics: the weight is the float32 dequantization (`dequantize`) rounded to bfloat16 once; the two planes of a
+Numerics: the weight is the float32 dequantization (`Int4Weight.dequantized`) rounded to bfloat16 once; the two planes of a
 5-8 bit code are one integer here, q = c0 + 16 c1, so w = S q + B with S the first plane's scale and B its zeros'
 sum less 8 scales a plane: the same value in float32 up to its last bit (FMA), so at most a rare bfloat16 tie
 falls the other way. The GEMM then rounds the activations to bfloat16 and its float32 sums to bfloat16.
@@ -35,27 +35,6 @@ SLICE_ELEMENTS = 2**21  # weights dequantized at once: 4 MiB of bfloat16
 # second each) would be paid for every small shape of a tiny model
 COMPILE_MIN_ELEMENTS = 2**16
 _eager_only = False  # set when torch.compile failed once here
-
-
-# --- float32 reference: the tests' truth and the embedding's rows ----------------------------------------
-
-
-def dequantize(w: Int4Weight, lo: int = 0, hi: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Output rows [lo, hi) (multiples of block_n) as a float matrix (hi - lo, in), in float32 math."""
-    from mlx_engine.backends.torch.cpu_packed import KERNEL_DTYPE, unpack_codes
-
-    hi = w.packed.shape[0] if hi is None else hi
-    codes = unpack_codes(w.packed[lo:hi], w.block_n)  # (rows, planes * in)
-    sz = w.scale_zeros[:, lo:hi].float()  # (planes * groups, rows, 2)
-    return apply(w, codes, sz).to(KERNEL_DTYPE if dtype is None else dtype)
-
-
-def apply(w: Int4Weight, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    """codes (rows, planes * in); sz (planes * groups, rows, 2) float32 -> (rows, in) float32."""
-    rows, g = codes.shape[0], w.group_size
-    x = codes.float().reshape(rows, -1, g) - 8  # (rows, planes * groups, g)
-    x = x * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]
-    return x.reshape(rows, w.planes, w.in_features).sum(1)
 
 
 # --- the prefill GEMM ------------------------------------------------------------------------------------
@@ -132,7 +111,7 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 def _compiled(fn: Callable, key: tuple) -> Callable:
     """`fn` under torch.compile as a copy with its own code object, so that each shape keeps its one graph
     (dynamo caches graphs per code object, a few per object before it gives up on compiling)."""
-    from mlx_engine.backends.torch.compiled import _own_code, use_app_cache
+    from mlx_engine.backends.torch.compiled import own_code, use_app_cache
 
     use_app_cache()
-    return torch.compile(_own_code(fn, "_".join(map(str, key))), dynamic=False, fullgraph=True)
+    return torch.compile(own_code(fn, "_".join(map(str, key))), dynamic=False, fullgraph=True)

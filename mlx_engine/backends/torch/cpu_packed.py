@@ -219,11 +219,17 @@ class Int4Weight:
 
     def dequantized(self, lo: int = 0, hi: int | None = None, dtype: torch.dtype = KERNEL_DTYPE) -> torch.Tensor:
         """Output rows [lo, hi) (multiples of block_n) as a float matrix (hi - lo, in), in float32 math."""
-        return cpu_gemm.dequantize(self, lo, hi, dtype)
+        hi = self.packed.shape[0] if hi is None else hi
+        codes = unpack_codes(self.packed[lo:hi], self.block_n)  # (rows, planes * in)
+        sz = self.scale_zeros[:, lo:hi].float()  # (planes * groups, rows, 2)
+        return self._apply(codes, sz).to(dtype)
 
     def _apply(self, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         """codes (rows, planes * in); sz (planes * groups, rows, 2) float32 -> (rows, in) float32."""
-        return cpu_gemm.apply(self, codes, sz)
+        rows, g = codes.shape[0], self.group_size
+        w = codes.float().reshape(rows, -1, g) - 8  # (rows, planes * groups, g)
+        w = w * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]
+        return w.reshape(rows, self.planes, self.in_features).sum(1)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup): ids (...) -> (..., in) float32."""

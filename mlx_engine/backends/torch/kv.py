@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from mlx_engine.api import RooflineError
-from mlx_engine.backends.torch.model import PagedRows, causal_attention, rows_of
+from mlx_engine.backends.torch.model import PagedRows, causal_attention, chunk_rows, rows_of
 from mlx_engine.kv.block_pool import BlockPool
 from mlx_engine.kv.config import DEFAULT_MEMORY_FRACTION, KVConfig, blocks_in_budget, default_budget
 from mlx_engine.kv.manager import KVCacheManager
@@ -118,10 +118,7 @@ class PrefillSlots:
     @functools.cached_property
     def rows(self) -> tuple[torch.Tensor, ...]:
         """`PagedRows`' (write, gather, bias) of the chunk's rows: row i sees positions <= offset + i."""
-        L, S = len(self.new_list), len(self.all_list)
-        gather = self.all[None].expand(L, S)
-        visible = torch.arange(S, device=self.device)[None, :] <= torch.arange(S - L, S, device=self.device)[:, None]
-        return rows_of(self.new, gather, visible)
+        return chunk_rows(self.new, self.all)
 
 
 class PrefillView:
@@ -422,10 +419,8 @@ class ContiguousLayer:
         device = self.keys.device if self.keys is not None else torch.device("cpu")
         start, end = self.offset, self._reserve(1, n, kv_shape, dtype, device)
         self.offset = end
-        gather = torch.arange(end, device=device)[None].expand(n, end)
-        visible = gather <= torch.arange(start, end, device=device)[:, None]
-        return PagedRows(self.keys[0], self.values[0], *rows_of(torch.arange(start, end, device=device), gather,
-                                                                visible))
+        return PagedRows(self.keys[0], self.values[0], *chunk_rows(torch.arange(start, end, device=device),
+                                                                   torch.arange(end, device=device)))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         end = self._reserve(k.shape[0], k.shape[2], k.shape[1::2], k.dtype, k.device)

@@ -231,6 +231,14 @@ def rows_of(write: torch.Tensor, gather: torch.Tensor, visible: torch.Tensor) ->
     return write.contiguous(), gather.reshape(-1).view(gather.shape), bias  # row-major strides, whatever its rows
 
 
+def chunk_rows(write: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`rows_of` for a chunk of L new positions, the last L of the S slots (S,) it attends: row i sees the
+    slots up to its own, S - L + i."""
+    L, S = write.shape[0], slots.shape[0]
+    visible = torch.arange(S, device=slots.device)[None, :] <= torch.arange(S - L, S, device=slots.device)[:, None]
+    return rows_of(write, slots[None].expand(L, S), visible)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: PagedRows, scale: float) -> torch.Tensor:
     """q (1, Hq, N, D), k, v (1, Hkv, N, D) after rope -> (1, Hq, N, D): the rows' K/V written to their slots,
     then each row's attention over the slots it gathers, in torch ops that inductor fuses into the compiled
@@ -249,7 +257,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Pag
 
 class FreshAttention:
     """No cache: one sequence from position 0 (forward_logits, hidden_states)."""
-
 
     def positions(self, B: int, L: int, device: torch.device) -> torch.Tensor:
         return torch.arange(L, device=device).expand(B, L)
@@ -375,8 +382,6 @@ class Model:
         N = B * L
         kv_shape = (self.args.num_key_value_heads, self.args.head_dim)
         rows = [c.paged_rows(N, kv_shape, h.dtype) for c in caches]  # (1, N) rows, batch-major
-        if any(r is None for r in rows):
-            raise ValueError("a compiled forward needs every layer's view to give its paged rows")
         q, k, v = compiled.run(0, N, layers[0], h, cos, sin)  # (1, heads, N, hd)
         for i, (layer, r) in enumerate(zip(layers, rows)):
             if i + 1 < len(layers):  # this layer's attention and output half, and the next one's input half
