@@ -119,3 +119,42 @@ def test_many_slices_and_the_eager_twin(monkeypatch):
     eager = cpu_gemm._int4_slice(w8, 0, N)
     assert (eager != compiled).float().mean() <= 1e-4
     assert ((eager.float() - compiled.float()).abs() <= BF16_EPS * compiled.float().abs()).all()
+
+
+def test_a_build_failure_falls_back_once_and_a_later_error_is_raised(monkeypatch, caplog):
+    """A compile that fails on a shape's first call makes the dequantization eager for good, with one warning; an
+    error raised by a shape that has already run compiled is the call's own and propagates, leaving compiling on."""
+    monkeypatch.setattr(cpu_gemm, "_built", set())
+    monkeypatch.setattr(cpu_gemm, "_eager_only", False)
+    calls = []
+
+    def fn(x):
+        calls.append("eager")
+        return x + 1
+
+    def failing_build(fn, key):
+        raise RuntimeError("C++ compile error: no compiler\nmore lines")
+
+    x = torch.zeros(4)
+    monkeypatch.setattr(cpu_gemm, "_compiled", failing_build)
+    with caplog.at_level("WARNING", logger=cpu_gemm.__name__):
+        assert torch.equal(cpu_gemm._run(fn, 2**20, ("t", 1), x), x + 1)
+    assert cpu_gemm._eager_only and calls == ["eager"]
+    assert "torch.compile failed for the prefill's dequantization" in caplog.text and "no compiler" in caplog.text
+
+    monkeypatch.setattr(cpu_gemm, "_eager_only", False)
+    runs = []
+
+    def built(fn, key):
+        def run(x):
+            runs.append(key)
+            if len(runs) > 1:
+                raise RuntimeError("DefaultCPUAllocator: not enough memory")
+            return x + 2
+        return run
+
+    monkeypatch.setattr(cpu_gemm, "_compiled", built)
+    assert torch.equal(cpu_gemm._run(fn, 2**20, ("t", 2), x), x + 2)
+    with pytest.raises(RuntimeError, match="not enough memory"):
+        cpu_gemm._run(fn, 2**20, ("t", 2), x)
+    assert not cpu_gemm._eager_only and calls == ["eager"]

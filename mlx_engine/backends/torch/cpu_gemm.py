@@ -35,6 +35,7 @@ SLICE_ELEMENTS = 2**21  # weights dequantized at once: 4 MiB of bfloat16
 # second each) would be paid for every small shape of a tiny model
 COMPILE_MIN_ELEMENTS = 2**16
 _eager_only = False  # set when torch.compile failed once here
+_built: set[tuple] = set()  # the keys whose compiled function has run: an error after that is not a build's
 
 
 # --- the prefill GEMM ------------------------------------------------------------------------------------
@@ -93,14 +94,19 @@ def _run(fn: Callable, elements: int, key: tuple, *args):
     global _eager_only
     if _eager_only or elements < COMPILE_MIN_ELEMENTS:
         return fn(*args)
-    try:  # inductor's C++ loops are built for the thread count of their compile
-        return _compiled(fn, (*key, torch.get_num_threads()))(*args)
+    key = (*key, torch.get_num_threads())  # inductor's C++ loops are built for the thread count of their compile
+    if key in _built:
+        return _compiled(fn, key)(*args)
+    try:  # the first call traces and builds: what fails there (no compiler, a failed build) is torch.compile's
+        out = _compiled(fn, key)(*args)
     except _compile_errors() as e:
         _eager_only = True
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         log.warning("torch.compile failed for the prefill's dequantization, which now runs eagerly (slower): %s",
                     first[:200])
         return fn(*args)
+    _built.add(key)
+    return out
 
 
 def _compile_errors() -> tuple[type[BaseException], ...]:
