@@ -223,7 +223,7 @@ class PagedRows:
 
 def rows_of(write: torch.Tensor, gather: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(write, gather, bias) of `PagedRows` from each row's slots (N, S) and a mask of those it sees (N, S),
-    contiguous (the compiled graphs check strides), S padded to 2 with an unseen slot."""
+    row-major (the compiled graphs assume their compile's strides), S padded to 2 with an unseen slot."""
     if gather.shape[1] < 2:
         gather = F.pad(gather, (0, 2 - gather.shape[1]))
         visible = F.pad(visible, (0, 2 - visible.shape[1]))
@@ -372,7 +372,10 @@ class Model:
                 yield h
             return
         N = B * L  # the graphs see one row per token, (1, N, hidden): N = 1 and N > 1 are their two shapes
-        h, cos, sin = h.reshape(1, N, -1), cos.reshape(1, 1, N, -1), sin.reshape(1, 1, N, -1)
+        # row-major, whatever the embedding's and rope's strides: nothing checks them in the graphs (`compiled`)
+        h, cos, sin = (t.reshape(-1).view(shape) for t, shape in ((h, (1, N, h.shape[-1])),
+                                                                  (cos, (1, 1, N, cos.shape[-1])),
+                                                                  (sin, (1, 1, N, sin.shape[-1]))))
         layers = self.layers[:n]
         with compiled.stance():
             yield from self._compiled_layers(compiled, layers, caches, h, cos, sin, B, L)
@@ -411,7 +414,7 @@ class Model:
         if isinstance(head, cpu_packed.CPUWeight):
             x = h.reshape(-1, h.shape[-1])
             if self.compiled is not None and x.shape[0] <= self.compiled.max_rows:  # its ~15 small ops fused
-                x = x.reshape(-1).view(x.shape)  # row-major strides (the graphs check them), whatever h's were
+                x = x.reshape(-1).view(x.shape)  # row-major strides (the graphs assume them), whatever h's were
                 with self.compiled.stance():
                     return self.compiled.run(3, x.shape[0], head, x).view(*h.shape[:-1], -1)
             return cpu_packed.head_matmul(head, h)
