@@ -115,8 +115,8 @@ def _mark_dynamic(args: tuple[Any, ...], many_rows: bool) -> None:
 def _compile_options() -> Any:
     """While tracing and compiling: dynamic dims each a symbol of their own (with duck shapes, two that happened
     to be equal at the first compile would share one, and guards, skipped once warm, would be what told them
-    apart); and no `assert_size_stride` on every input and kernel output of every call (~20 a layer, 3-6% of a
-    decode step: docs/benchmarks.md, "the prefill's dequantization loop"), so that once the guards are skipped
+    apart); and no `assert_size_stride` on every input and kernel output of every call (~20 a layer, 2-6% of a
+    decode step: docs/benchmarks.md, "the decode graphs without inductor's size asserts"), so that once the guards are skipped
     nothing checks an input's strides: the callers hand the graphs row-major tensors (`Model._compiled_layers`,
     `model.rows_of`, `Model.logits`), and the graphs' outputs, fed to the next call, have their graph's strides.
     Inductor's config patches are thread-local: this runs on the thread that compiles (the engine's)."""
