@@ -145,8 +145,11 @@ def test_ctrl_c_keeps_the_partial_file_and_the_next_pull_resumes(hub: FakeHub, s
     weights = (sources["big"] / "model.safetensors").read_bytes()
     hub.hold_after["model.safetensors"] = CHUNK + 12345
     env = env_for(tmp_path, hub)
+    # SIGINT as a terminal delivers it: a test run in the background of a non-interactive shell ignores SIGINT,
+    # and the child would inherit that (then it finished the pull and exited 0)
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "pull", "org/big"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     partial = tmp_path / "hf" / "hub" / "models--org--big" / "blobs" / f"{hashlib.sha256(weights).hexdigest()}.incomplete"
     deadline = time.monotonic() + 60
     while not (partial.exists() and partial.stat().st_size >= CHUNK) and time.monotonic() < deadline:
