@@ -29,16 +29,14 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _peak_mb() -> float:
-    """Peak RSS: VmHWM (ru_maxrss is inherited from the parent at the fork that started this process)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-
-
 def child(model: str | None, compile: bool, prompt: int, gen: int) -> None:
     sys.path.insert(0, str(ROOT))
-    import mlx_engine.backends.torch.runner  # noqa: F401  (torch's libraries before the baseline)
+    from mlx_engine.backends.torch.runner import peak_rss  # torch's libraries before the baseline; VmHWM
+
     from mlx_engine import Engine, GenerationRequest, SamplingParams
+
+    def _peak_mb() -> float:
+        return peak_rss() / 2**20
 
     before = _rss_mb()
     if compile:  # the compiler's modules are library code too (llama.cpp's are in its baseline): said apart
