@@ -251,6 +251,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     threads = [int(t) for t in args.threads.split(",")]
     runners = args.runners.split(",")
+    unknown = [name for name in args.files.split(",") if name != "Q4_1" and name not in FTYPES]
+    if unknown:
+        ap.error(f"--files: {', '.join(unknown)} is not one of Q4_1 (the embedded file), {', '.join(FTYPES)} "
+                 "(the embedded file requantized)")
     src = embedded_model_path()
     files = {name: src if name == "Q4_1" else requantize(src, name, work, args.llama_python)
              for name in args.files.split(",")}
