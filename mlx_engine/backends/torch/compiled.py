@@ -116,9 +116,9 @@ def _compile_options() -> Any:
     """While tracing and compiling: dynamic dims each a symbol of their own (with duck shapes, two that happened
     to be equal at the first compile would share one, and guards, skipped once warm, would be what told them
     apart); and no `assert_size_stride` on every input and kernel output of every call (~20 a layer, 2-6% of a
-    decode step: docs/benchmarks.md, "the decode graphs without inductor's size asserts"), so that once the guards are skipped
-    nothing checks an input's strides: the callers hand the graphs row-major tensors (`Model._compiled_layers`,
-    `model.rows_of`, `Model.logits`), and the graphs' outputs, fed to the next call, have their graph's strides.
+    decode step: docs/benchmarks.md, "the decode graphs without inductor's size asserts"), so that once the guards
+    are skipped nothing checks an input's strides: the callers hand the graphs row-major tensors
+    (`model.row_major`), and the graphs' outputs, fed to the next call, have their graph's strides.
     Inductor's config patches are thread-local: this runs on the thread that compiles (the engine's)."""
     from torch._inductor import config as inductor_config
     from torch.fx.experimental import _config

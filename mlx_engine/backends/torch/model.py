@@ -221,6 +221,12 @@ class PagedRows:
     bias: torch.Tensor  # (N, S) float32
 
 
+def row_major(t: torch.Tensor, *shape: int) -> torch.Tensor:
+    """`t` as `shape` (default its own) with row-major strides, every dim's included (a copy only if `t` is not
+    contiguous): the compiled graphs assume their compile's strides and, once warm, nothing checks them."""
+    return t.reshape(-1).view(shape or t.shape)
+
+
 def rows_of(write: torch.Tensor, gather: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(write, gather, bias) of `PagedRows` from each row's slots (N, S) and a mask of those it sees (N, S),
     row-major (the compiled graphs assume their compile's strides), S padded to 2 with an unseen slot."""
@@ -228,7 +234,7 @@ def rows_of(write: torch.Tensor, gather: torch.Tensor, visible: torch.Tensor) ->
         gather = F.pad(gather, (0, 2 - gather.shape[1]))
         visible = F.pad(visible, (0, 2 - visible.shape[1]))
     bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, -math.inf)
-    return write.contiguous(), gather.reshape(-1).view(gather.shape), bias  # row-major strides, whatever its rows
+    return write.contiguous(), row_major(gather), bias
 
 
 def chunk_rows(write: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -372,10 +378,8 @@ class Model:
                 yield h
             return
         N = B * L  # the graphs see one row per token, (1, N, hidden): N = 1 and N > 1 are their two shapes
-        # row-major, whatever the embedding's and rope's strides: nothing checks them in the graphs (`compiled`)
-        h, cos, sin = (t.reshape(-1).view(shape) for t, shape in ((h, (1, N, h.shape[-1])),
-                                                                  (cos, (1, 1, N, cos.shape[-1])),
-                                                                  (sin, (1, 1, N, sin.shape[-1]))))
+        h, cos, sin = row_major(h, 1, N, h.shape[-1]), row_major(cos, 1, 1, N, cos.shape[-1]), \
+            row_major(sin, 1, 1, N, sin.shape[-1])
         layers = self.layers[:n]
         with compiled.stance():
             yield from self._compiled_layers(compiled, layers, caches, h, cos, sin, B, L)
@@ -414,7 +418,7 @@ class Model:
         if isinstance(head, cpu_packed.CPUWeight):
             x = h.reshape(-1, h.shape[-1])
             if self.compiled is not None and x.shape[0] <= self.compiled.max_rows:  # its ~15 small ops fused
-                x = x.reshape(-1).view(x.shape)  # row-major strides (the graphs assume them), whatever h's were
+                x = row_major(x)
                 with self.compiled.stance():
                     return self.compiled.run(3, x.shape[0], head, x).view(*h.shape[:-1], -1)
             return cpu_packed.head_matmul(head, h)
