@@ -9,9 +9,9 @@ bytes give its 64 outputs side by side (low nibbles, then high), so the loop is 
 with no gather, and `x @ W.T` is a plain (rows, in) x (in, out) GEMM, as fast in oneDNN as the other layout.
 Where torch.compile cannot build (no C++ compiler), the same function runs eagerly, a few times slower.
 
-Numerics: the weight is the float32 dequantization (`Int4Weight.dequantized`) rounded to bfloat16 once; the two planes of a
-5-8 bit code are one integer here, q = c0 + 16 c1, so w = S q + B with S the first plane's scale and B its zeros'
-sum less 8 scales a plane: the same value in float32 up to its last bit (FMA), so at most a rare bfloat16 tie
+Numerics: the weight is the float32 dequantization (`Int4Weight.dequantized`) rounded to bfloat16 once; the two
+planes of a 5-8 bit code are one integer here, q = c0 + 16 c1, so w = S q + B with S the first plane's scale and
+B its zeros' sum less 8 scales a plane: the same value in float32 up to its last bit (FMA), so at most a rare bfloat16 tie
 falls the other way. The GEMM then rounds the activations to bfloat16 and its float32 sums to bfloat16.
 """
 
