@@ -504,3 +504,14 @@ int rl_run_isolated(rl_launch_args* args, rl_entry_fn entry, double timeout_s) {
   return rc;
 }
 }
+
+// float -> bfloat16, rounded to nearest even (NaN kept, quiet). Clang calls it for a conversion on a CPU
+// without AVX512_BF16; zig's compiler-rt has no such function, so the kernels failed to load there with
+// "undefined symbol: __truncsfbf2". Weak: a runtime library that has it wins.
+extern "C" __attribute__((weak)) __bf16 __truncsfbf2(float f) {
+  const unsigned int u = __builtin_bit_cast(unsigned int, f);
+  const unsigned short h = (u & 0x7fffffffu) > 0x7f800000u
+                               ? static_cast<unsigned short>((u >> 16) | 0x40u)
+                               : static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return __builtin_bit_cast(__bf16, h);
+}
