@@ -144,7 +144,9 @@ class GenerationStream:
             self.cancel()
 
     def __del__(self) -> None:
-        self.cancelled.set()
+        cancelled = getattr(self, "cancelled", None)  # None where a Ctrl-C cut __init__ short
+        if cancelled is not None:
+            cancelled.set()
 
 
 class Engine:

@@ -147,7 +147,7 @@ def test_int8_rows_and_fusion():
 def test_head_recomputes_its_top_logits_in_float32():
     rng = np.random.default_rng(2)
     q, s, b, _ = _affine(rng, 256, 128, 4, 32)
-    w = cpu_packed.Int4Weight.from_affine(q, s, b, 4, 32, 64)
+    w = cpu_packed.Int4Weight.from_affine(q, s, b, 4, 32, cpu_packed.cpu_support().block_n)
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(2))
     exact = x @ w.dequantized(dtype=torch.float32).T
     got = cpu_packed.head_matmul(w, x, top=8)
