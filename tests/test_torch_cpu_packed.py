@@ -50,6 +50,13 @@ needs_kernels = pytest.mark.skipif(not cpu_packed.cpu_support().packed,
                                    reason="this CPU has no AVX2 (or is not x86-64): the packed kernels are off here")
 
 
+@pytest.fixture(autouse=True)
+def torch_kernels(monkeypatch):
+    """torch's int4/int8 kernels on every x86-64 CPU here, also an AVX2 one where the engine would take
+    Roofline's own (tests/test_torch_cpu_native.py)."""
+    monkeypatch.setenv("ROOFLINE_TORCH_CPU_NATIVE", "0")
+
+
 def greedy(engine: Engine, ids: list[int], n: int = 12) -> list[int]:
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     return [t for e in engine.generate(GenerationRequest(prompt_token_ids=ids, sampling=params)) for t in e.token_ids]
@@ -201,7 +208,7 @@ def test_packed_logits_and_greedy_tokens(quantized_files, kind):
                                                  model.layers[0].mlp.down_proj.weight)} == {GGUF_KIND[kind]}
         if kind != "kquants":  # q/k/v share a format: one matmul
             assert all(isinstance(b.self_attn.qkv, FusedLinear) for b in model.layers)
-        assert packed.info.notes and "packed for torch's CPU kernels" in packed.info.notes[0]
+        assert packed.info.notes and "packed for the CPU kernels" in packed.info.notes[0]
         assert packed.info.weight_bytes < ref.info.weight_bytes / 2.5  # the bytes a token reads, as held
         ids = [i % packed.info.vocab_size for i in PROMPT]
         a, b = packed.forward_logits(ids), ref.forward_logits(ids)

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from mlx_engine.backends.torch import cpu_gemm
+from mlx_engine.backends.torch.cpu_native import QK, NativeWeight
+from mlx_engine.backends.torch.cpu_native import fuse as fuse_native
 
 KERNEL_DTYPE = torch.bfloat16
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -44,6 +46,7 @@ class CPUSupport:
     bf16_gemm: bool  # bfloat16 dot products in hardware (the dequantizing prefill path pays)
     block_n: int  # output rows per block of the int4 kernel's packed layout
     reason: str  # why not packed, for the load note
+    native: bool = False  # AVX2 without AVX-512: Roofline's own kernel (`cpu_native`) where it builds
 
 
 def _cpu_flags() -> set[str]:
@@ -71,7 +74,7 @@ def cpu_support() -> CPUSupport:
                                            "torch's int4 and int8 kernels are scalar loops")
     flags = _cpu_flags()
     bf16 = capability == "AVX512" and bool(flags & {"avx512_bf16", "amx_bf16"})
-    return CPUSupport(True, bf16, 64 if capability == "AVX512" else 32, "")
+    return CPUSupport(True, bf16, 64 if capability == "AVX512" else 32, "", native=capability == "AVX2")
 
 
 # --- the int4 kernel's packed layout ------------------------------------------------------------------
@@ -281,7 +284,25 @@ class Int8Weight:
         return self.q.numel()
 
 
-CPUWeight = Int4Weight | Int8Weight
+CPUWeight = Int4Weight | Int8Weight | NativeWeight
+
+
+def affine_weight(codes: Callable[[int, int], np.ndarray], scales: np.ndarray, biases: np.ndarray,
+                  shape: tuple[int, int], bits: int, group_size: int, support: CPUSupport) -> Int4Weight | NativeWeight:
+    """An affine-quantized matrix (`Int4Weight.from_affine_rows`'s arguments) as this CPU reads it fastest:
+    for Roofline's own kernel where `support.native` and its groups are whole blocks of 32, else as int4 planes."""
+    if support.native and group_size % QK == 0 and bits <= 8:
+        return NativeWeight.from_affine_rows(codes, scales, biases, shape, bits, group_size)
+    return Int4Weight.from_affine_rows(codes, scales, biases, shape, bits, group_size, support.block_n)
+
+
+def int8_weight(weight: torch.Tensor, support: CPUSupport, source_bytes: int = 0) -> Int8Weight | NativeWeight:
+    """A float matrix rounded to int8 per output row (`Int8Weight`), read by Roofline's own kernel where
+    `support.native` (the same codes and scales)."""
+    w = Int8Weight(weight, source_bytes)
+    if support.native and w.in_features % QK == 0:
+        return NativeWeight.from_int8_rows(w.q, w.scale, source_bytes)
+    return w
 
 # Logits a head recomputes per row in float32 (`head_matmul`). The kernels round their output to bfloat16: at
 # SmolLM2's top logits (16-32) that is a step of 0.125, where neighbours tie and greedy decoding would take the
@@ -306,6 +327,9 @@ def fuse(weights: list[CPUWeight]) -> tuple[CPUWeight, list[int]] | None:
     kernel call instead of three or two), when they share a format: (the matrix, each part's width in its
     output, padding to a whole block included); else None."""
     first = weights[0]
+    if isinstance(first, NativeWeight):
+        fused = fuse_native(weights)
+        return None if fused is None else (fused, [w.out_features for w in weights])
     if isinstance(first, Int4Weight):
         if not all(isinstance(w, Int4Weight) and (w.planes, w.group_size, w.in_features) ==
                    (first.planes, first.group_size, first.in_features) for w in weights):
@@ -326,6 +350,8 @@ def fuse(weights: list[CPUWeight]) -> tuple[CPUWeight, list[int]] | None:
 
 
 def kind(w: CPUWeight) -> str:
+    if isinstance(w, NativeWeight):
+        return f"native{w.bits}" + ("r" if w.rounded else "")
     return "int8" if isinstance(w, Int8Weight) else "int4" if w.planes == 1 else "int4x2"
 
 
@@ -335,4 +361,9 @@ def describe(kind: str) -> str:
         "int4": "int4 groups (codes exact, scales and zeros rounded to bfloat16)",
         "int4x2": "two int4 planes (codes exact, scales and zeros rounded to bfloat16)",
         "int8": "int8 per output row (rounded: groups under 32 are not the int4 kernel's)",
+        "native4": "Roofline's AVX2 kernel, 4-bit codes (codes, scales and offsets exact; activations rounded to "
+                   "int8 per 32)",
+        "native8": "Roofline's AVX2 kernel, 8-bit codes (codes and scales exact; activations rounded to int8 per 32)",
+        "native8r": "Roofline's AVX2 kernel, int8 per output row (rounded: groups under 32; activations rounded "
+                    "to int8 per 32)",
     }[kind]

@@ -3,6 +3,7 @@ the CPU (packed for torch's int4/int8 kernels, or dequantized) and the draft hel
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -93,6 +94,15 @@ def cpu_pack_plan(device: torch.device) -> tuple[Any, tuple[str, ...]]:
     if reason:
         return None, (f"quantized weights are dequantized to float32 at load (the portable path: about 4-8x "
                       f"the bytes a token reads, and as much memory): {reason}",)
+    if support.native:
+        from mlx_engine.backends.torch import cpu_native
+
+        error = cpu_native.build_error() if cpu_native.wanted() else ""
+        if error or not cpu_native.wanted():
+            support = dataclasses.replace(support, native=False)
+        if error:
+            return support, (f"{error}: torch's int4 kernel instead, which reads a third of the bytes a second "
+                             f"on this AVX2 CPU (docs/benchmarks.md)",)
     return support, ()
 
 
@@ -109,12 +119,12 @@ def cpu_pack_notes(model: Any) -> tuple[str, ...]:
                                      m.up_proj, m.down_proj) if x is not None and not isinstance(x, FusedLinear)]
         parts += [x.weight for x in (a.qkv, m.gate_up) if isinstance(x, FusedLinear)]
     for w in parts:
-        if isinstance(w, cpu_packed.Int4Weight | cpu_packed.Int8Weight):
+        if isinstance(w, cpu_packed.CPUWeight):
             key = (cpu_packed.kind(w), w.source)
             counts[key] = counts.get(key, 0) + 1
     if not counts:
         return ()
-    kinds = sorted({k for k, _ in counts}, key=["int4", "int4x2", "int8"].index)
+    kinds = sorted({k for k, _ in counts}, key=["int4", "int4x2", "int8", "native4", "native8", "native8r"].index)
     held = "; ".join(f"{cpu_packed.describe(k)}: " + ", ".join(f"{src} x{n}" for (kk, src), n in sorted(counts.items())
                                                              if kk == k) for k in kinds)
-    return (f"quantized weights packed for torch's CPU kernels, read in bfloat16 rows: {held}",)
+    return (f"quantized weights packed for the CPU kernels: {held}",)

@@ -126,7 +126,7 @@ def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None
                 out[key] = QuantizedWeight(words, t(scales), t(biases), bits, group)
                 continue
             if cpu is not None:
-                out[key] = cpu_affine_weight(value, scales, biases, bits, group, cpu.block_n)
+                out[key] = cpu_affine_weight(value, scales, biases, bits, group, cpu)
                 continue
             value = mx.dequantize(value, scales.astype(mx.float32), biases.astype(mx.float32), group, bits)
         if not mx.issubdtype(value.dtype, mx.floating):
@@ -135,7 +135,8 @@ def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None
     return out
 
 
-def cpu_affine_weight(words: Any, scales: Any, biases: Any, bits: int, group: int, block_n: int) -> Weight:
+def cpu_affine_weight(words: Any, scales: Any, biases: Any, bits: int, group: int,
+                      cpu: cpu_packed.CPUSupport) -> Weight:
     """An MLX affine-quantized matrix -> int4 planes (`cpu_packed.Int4Weight`; its codes read by
     mx.dequantize with unit scales and zero biases, exact in any of MLX's bit layouts), or int8 rows for a
     group size the int4 kernel lacks."""
@@ -144,7 +145,7 @@ def cpu_affine_weight(words: Any, scales: Any, biases: Any, bits: int, group: in
     source_bytes = sum(a.nbytes for a in (words, scales, biases))
     if group not in cpu_packed.INT4_GROUP_SIZES or bits > 8:
         w = mx.dequantize(words, scales.astype(mx.float32), biases.astype(mx.float32), group, bits)
-        w8 = cpu_packed.Int8Weight(torch.from_numpy(np.array(w)), source_bytes)
+        w8 = cpu_packed.int8_weight(torch.from_numpy(np.array(w)), cpu, source_bytes)
         w8.source = f"{bits}-bit g{group}"
         return w8
     n = words.shape[0]
@@ -158,9 +159,8 @@ def cpu_affine_weight(words: Any, scales: Any, biases: Any, bits: int, group: in
         unit, zero = mx.broadcast_to(ones, (hi - lo, ones.shape[1])), mx.zeros((hi - lo, ones.shape[1]))
         return np.array(mx.dequantize(part, unit, zero, group, bits)).astype(np.uint8)
 
-    w = cpu_packed.Int4Weight.from_affine_rows(codes, _to_numpy(scales).astype(np.float32),
-                                               _to_numpy(biases).astype(np.float32),
-                                               (n, words.shape[1] * 32 // bits), bits, group, block_n)
+    w = cpu_packed.affine_weight(codes, _to_numpy(scales).astype(np.float32), _to_numpy(biases).astype(np.float32),
+                                 (n, words.shape[1] * 32 // bits), bits, group, cpu)
     w.source_bytes, w.source = source_bytes, f"{bits}-bit g{group}"
     return w
 
@@ -185,11 +185,12 @@ def kquant_weight(blocks: Any, ggml_type: str, dtype: torch.dtype, device: torch
     if cpu is not None:
         if ggml_type in KQUANT_CODE_BITS:
             q, scales, biases, _, group = kquant_affine(blocks, ggml_type, out_features, in_features)
-            w = cpu_packed.Int4Weight.from_affine(np.array(q), np.array(scales), np.array(biases),
-                                                  KQUANT_CODE_BITS[ggml_type], group, cpu.block_n)
+            qa = np.array(q)
+            w = cpu_packed.affine_weight(lambda lo, hi: qa[lo:hi], np.array(scales), np.array(biases), qa.shape,
+                                         KQUANT_CODE_BITS[ggml_type], group, cpu)
         else:
-            w = cpu_packed.Int8Weight(torch.from_numpy(np.array(dequantize_kquant(blocks, ggml_type, out_features,
-                                                                                  in_features))))
+            w = cpu_packed.int8_weight(torch.from_numpy(np.array(dequantize_kquant(blocks, ggml_type, out_features,
+                                                                                   in_features))), cpu)
         w.source_bytes, w.source = blocks.nbytes, ggml_type
         return w
     if packed:

@@ -1,0 +1,181 @@
+// Roofline's own CPU matmul for quantized weights on an AVX2 CPU without AVX-512 (cpu_native.py builds and
+// loads it). torch's int4 kernel there widens every weight to float32 and FMAs it: about 2.5 weights a cycle,
+// a third of a core's memory bandwidth. Here, as in llama.cpp's q4_0 x q8_0 dot products, the activations are
+// rounded to int8 per block of 32 (scale max|x| / 127) and each block's products are summed in integers
+// (vpmaddubsw, vpmaddwd), 32 weights in about ten instructions.
+//
+// A matrix (N, K), K a multiple of 32, w = d * c + m per block of 32 inputs of a row:
+//   bits 4: codes (N, K / 2) uint8, byte j of a block = c[j] | c[j + 16] << 4, c in [0, 16)
+//   bits 8: codes (N, K) int8, c in [-128, 128)
+//   d, m: (N, K / 32) float32 or float16 (both the same); m may be empty (no offsets).
+// y[r, n] = sum_b d[n, b] dx[r, b] sum_j c[n, b, j] xq[r, b, j] + m[n, b] dx[r, b] sum_j xq[r, b, j].
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int QK = 32;
+constexpr int MB = 4;       // activation rows sharing one unpacking of a block's codes
+constexpr int64_t NT = 64;  // output rows a tile: their codes stay in L1/L2 across the activation rows
+
+inline float load_scale(const float* p) { return *p; }
+inline float load_scale(const uint16_t* p) { return _cvtsh_ss(*p); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// x (M, K) -> xq int8 (M, K), dx = max|x| / 127 and sx = dx * sum(xq) per block: (M, K / 32)
+void quantize_rows(const float* x, int64_t blocks, int8_t* xq, float* dx, float* sx) {
+  for (int64_t i = 0; i < blocks; ++i) {
+    const float* v = x + i * QK;
+    float amax = 0.f;
+    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float d = amax / 127.f;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int j = 0; j < QK; ++j) {
+      const int q = static_cast<int>(std::nearbyint(v[j] * id));
+      xq[i * QK + j] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    dx[i] = d;
+    sx[i] = d * static_cast<float>(sum);
+  }
+}
+
+// The 32 codes of block b of a row as unsigned bytes in input order (bits 4), or as |c| with the activations
+// given c's signs (bits 8: vpmaddubsw takes one unsigned operand; |c| <= 128 keeps its pair sums in int16).
+template <int BITS>
+inline __m256i block_codes(const uint8_t* row, int64_t b) {
+  if constexpr (BITS == 4) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QK));
+  }
+}
+
+template <int BITS, typename S, bool OFFSETS, int R>
+void rows_kernel(const uint8_t* codes, const S* d, const S* m, const int8_t* xq, const float* dx, const float* sx,
+                 int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / QK, row_bytes = BITS == 4 ? K / 2 : K;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = codes + n * row_bytes;
+    const S* dn = d + n * nb;
+    const S* mn = OFFSETS ? m + n * nb : nullptr;
+    __m256 acc[R];
+    float off[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      off[r] = 0.f;
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i q = block_codes<BITS>(c, b);
+      const __m256i aq = BITS == 4 ? q : _mm256_sign_epi8(q, q);
+      const float db = load_scale(dn + b);
+      const float mb = OFFSETS ? load_scale(mn + b) : 0.f;
+      for (int r = 0; r < R; ++r) {
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * QK));
+        if constexpr (BITS == 8) xv = _mm256_sign_epi8(xv, q);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, xv), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(db * dx[r * nb + b]), acc[r]);
+        if constexpr (OFFSETS) off[r] += mb * sx[r * nb + b];
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * N + n] = hsum(acc[r]) + off[r];
+  }
+}
+
+template <int BITS, typename S, bool OFFSETS>
+void tile(const uint8_t* codes, const S* d, const S* m, const int8_t* xq, const float* dx, const float* sx,
+          int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / QK;
+  for (int64_t r0 = 0; r0 < M; r0 += MB) {
+    const int64_t rows = std::min<int64_t>(MB, M - r0);
+    const int8_t* xr = xq + r0 * K;
+    const float *dr = dx + r0 * nb, *sr = sx + r0 * nb;
+    float* yr = y + r0 * N;
+    switch (rows) {
+      case 1: rows_kernel<BITS, S, OFFSETS, 1>(codes, d, m, xr, dr, sr, K, N, n0, n1, yr); break;
+      case 2: rows_kernel<BITS, S, OFFSETS, 2>(codes, d, m, xr, dr, sr, K, N, n0, n1, yr); break;
+      case 3: rows_kernel<BITS, S, OFFSETS, 3>(codes, d, m, xr, dr, sr, K, N, n0, n1, yr); break;
+      default: rows_kernel<BITS, S, OFFSETS, 4>(codes, d, m, xr, dr, sr, K, N, n0, n1, yr); break;
+    }
+  }
+}
+
+template <int BITS, typename S, bool OFFSETS>
+void run(const uint8_t* codes, const S* d, const S* m, const int8_t* xq, const float* dx, const float* sx,
+         int64_t M, int64_t K, int64_t N, float* y) {
+  // Whole tiles a thread; a decode step's few rows make a thread's share of N its tile
+  at::parallel_for(0, (N + NT - 1) / NT, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      tile<BITS, S, OFFSETS>(codes, d, m, xq, dx, sx, M, K, N, t * NT, std::min(N, (t + 1) * NT), y);
+  });
+}
+
+template <int BITS, typename S>
+void dispatch_offsets(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, const int8_t* xq,
+                      const float* dx, const float* sx, int64_t M, int64_t K, int64_t N, float* y) {
+  const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
+  const auto* dp = static_cast<const S*>(d.data_ptr());
+  if (m.numel() > 0)
+    run<BITS, S, true>(c, dp, static_cast<const S*>(m.data_ptr()), xq, dx, sx, M, K, N, y);
+  else
+    run<BITS, S, false>(c, dp, nullptr, xq, dx, sx, M, K, N, y);
+}
+
+at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                   int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && d.dim() == 2, "qmatmul: x (M, K), codes and d 2-D");
+  TORCH_CHECK(bits == 4 || bits == 8, "qmatmul: bits 4 or 8, got ", bits);
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % QK == 0, "qmatmul: K a multiple of 32, got ", K);
+  TORCH_CHECK(codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar) && codes.is_contiguous() &&
+                  codes.size(1) == (bits == 4 ? K / 2 : K),
+              "qmatmul: codes (N, ", bits == 4 ? K / 2 : K, ") ", bits == 4 ? "uint8" : "int8", " contiguous");
+  TORCH_CHECK((d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf) && d.is_contiguous() &&
+                  d.size(0) == N && d.size(1) == K / QK,
+              "qmatmul: d (N, K / 32) float32 or float16, contiguous");
+  TORCH_CHECK(m.numel() == 0 || (m.scalar_type() == d.scalar_type() && m.is_contiguous() && m.sizes() == d.sizes()),
+              "qmatmul: m empty or as d");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t blocks = M * (K / QK);
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(blocks), sx(blocks);
+  quantize_rows(xf.data_ptr<float>(), blocks, xq.data(), dx.data(), sx.data());
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  const bool half = d.scalar_type() == at::kHalf;
+  if (bits == 4) {
+    if (half) dispatch_offsets<4, uint16_t>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+    else dispatch_offsets<4, float>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+  } else {
+    if (half) dispatch_offsets<8, uint16_t>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+    else dispatch_offsets<8, float>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(roofline_cpu, lib) {
+  lib.def("qmatmul(Tensor x, Tensor codes, Tensor d, Tensor m, int bits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(roofline_cpu, CPU, lib) { lib.impl("qmatmul", &qmatmul); }

@@ -1,0 +1,204 @@
+"""Roofline's own CPU matmul for quantized weights (`cpu_native.cpp`), for an AVX2 CPU without AVX-512.
+
+There torch's int4 kernel widens each weight to float32 before its FMA and reads 2.7-3 GB/s of packed weights
+on one core (a 2-core AMD EPYC with AVX2, no AVX-512: docs/benchmarks.md, "Issue 27 on an AVX2 CPU"), a third of
+the core's bandwidth; its AVX-512 path reads about 15. `NativeWeight` holds a matrix as its codes and, per block of
+32 inputs, a scale and an offset (w = d * c + m), and multiplies it the way llama.cpp does on such CPUs: the
+activations rounded to int8 per block of 32 (max|x| / 127), integer products summed per block, scaled in float32.
+
+Numerics: codes, scales and offsets are exact (float16 where every value of the matrix is, else float32); the
+activations' int8 rounding is the one rounded step, as in llama.cpp's q8_0 dot products. The output head's top
+logits are recomputed in float32 from exact rows (`cpu_packed.head_matmul`).
+
+The library is built at the first load on such a CPU with the system's C++ compiler against the installed torch
+(about 30 s), into the app's cache under a hash of the source, the flags and torch's version, and loaded from
+there after; where it cannot be built, torch's kernel is used and the load says why (`build_error`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_native.cpp")
+QK = 32  # inputs a block
+FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-w")
+ENV = "ROOFLINE_TORCH_CPU_NATIVE"  # 0/off: torch's int4 kernel on an AVX2 CPU too
+
+
+def _command(cxx: str, out: Path) -> list[str]:
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}",
+            f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", str(SOURCE), "-o", str(out),
+            f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
+
+
+def wanted() -> bool:
+    """Unless the environment turns it off (ROOFLINE_TORCH_CPU_NATIVE=0)."""
+    return os.environ.get(ENV, "1").lower() not in ("0", "off", "false")
+
+
+def library_path() -> Path:
+    from mlx_engine.paths import cache_dir
+
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()
+    return cache_dir() / "torch-native" / key[:16] / "roofline_cpu.so"
+
+
+@functools.cache
+def build_error() -> str:
+    """'' once the library is loaded (built first if its cache has none); else why it is not, in a line."""
+    path = library_path()
+    if not path.exists():
+        cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+        if cxx is None:
+            return "no C++ compiler (c++, g++ or $CXX) to build Roofline's AVX2 kernel"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built apart, then renamed: never half a file
+            out = Path(tmp) / path.name
+            try:
+                done = subprocess.run(_command(cxx, out), capture_output=True, text=True, timeout=600)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                return f"building Roofline's AVX2 kernel failed: {e}"
+            if done.returncode != 0:
+                last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+                return f"building Roofline's AVX2 kernel with {cxx} failed: {last}"
+            os.replace(out, path)
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as e:
+        return f"loading Roofline's AVX2 kernel ({path}) failed: {str(e).splitlines()[0]}"
+    torch.library.register_fake("roofline_cpu::qmatmul")(_fake_qmatmul)
+    return ""
+
+
+def _fake_qmatmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
+
+
+FROM_AFFINE_ROWS = 4096  # rows converted at once (the transients are a slice's, not an embedding's)
+
+
+class NativeWeight:
+    """A quantized matrix (out, in) for `roofline_cpu::qmatmul`: codes (out, in / 2) uint8, two 4-bit codes a
+    byte (byte j of a block: code j low, code j + 16 high), or (out, in) int8; d and m (out, in / 32) float16 or
+    float32, m empty where every offset is 0."""
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, out_features: int,
+                 in_features: int, source_bytes: int = 0):
+        self.codes, self.d, self.m, self.bits = codes, d, m, bits
+        self.out_features, self.in_features = out_features, in_features
+        self.source_bytes, self.source = source_bytes, f"{bits}-bit"
+        self.rounded = False  # its codes are a float matrix rounded to int8 rows (`from_int8_rows`)
+
+    @classmethod
+    def from_affine_rows(cls, codes: Callable[[int, int], np.ndarray], scales: np.ndarray, biases: np.ndarray,
+                         shape: tuple[int, int], bits: int, group_size: int) -> NativeWeight:
+        """codes(lo, hi): rows [lo, hi)'s integers in [0, 2**bits); scales, biases (out, in / group) float32:
+        w = scales * codes + biases per group (a multiple of 32). Codes of up to 4 bits are held as 4-bit
+        codes, offsets the biases; wider ones as int8: a symmetric matrix (biases -2**(bits-1) scales: Q8_0,
+        Q5_0) as its signed codes without offsets, others as their codes (up to 7 bits) with the biases, or
+        (8-bit affine) codes less 128 with biases + 128 scales, which rounds an offset in float32's last bit."""
+        n, k = shape
+        s = np.asarray(scales, np.float32)
+        b = np.asarray(biases, np.float32)
+        rep = group_size // QK
+        off = 2.0 ** (bits - 1)
+        shift = 0
+        if bits > 4 and np.array_equal(b, np.float32(-off) * s):
+            shift, b = int(off), None
+        elif bits == 8:
+            shift, b = 128, b + np.float32(128) * s
+        d, m = np.repeat(s, rep, axis=1), None if b is None else np.repeat(b, rep, axis=1)
+        exact16 = all(a is None or np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (d, m))
+        dtype = np.float16 if exact16 else np.float32
+        wide = bits > 4
+        out = torch.empty((n, k if wide else k // 2), dtype=torch.int8 if wide else torch.uint8)
+        for lo in range(0, n, FROM_AFFINE_ROWS):
+            hi = min(n, lo + FROM_AFFINE_ROWS)
+            c = np.asarray(codes(lo, hi))
+            if wide:
+                out[lo:hi] = torch.from_numpy((c.astype(np.int16) - shift).astype(np.int8))
+            else:
+                blocks = c.astype(np.uint8).reshape(hi - lo, k // QK, QK)
+                out[lo:hi] = torch.from_numpy((blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(hi - lo, k // 2))
+        mt = torch.empty(0, dtype=torch.float16 if exact16 else torch.float32)
+        if m is not None and np.any(m):
+            mt = torch.from_numpy(np.ascontiguousarray(m.astype(dtype)))
+        return cls(out, torch.from_numpy(np.ascontiguousarray(d.astype(dtype))), mt, 8 if wide else 4, n, k)
+
+    @classmethod
+    def from_int8_rows(cls, q: torch.Tensor, scale: torch.Tensor, source_bytes: int = 0) -> NativeWeight:
+        """An int8 matrix with one scale per output row (`cpu_packed.Int8Weight`'s rounding), its scale
+        repeated per block."""
+        n, k = q.shape
+        d = scale.float()[:, None].expand(n, k // QK).contiguous()
+        w = cls(q.contiguous(), d, torch.empty(0, dtype=torch.float32), 8, n, k, source_bytes)
+        w.rounded = True
+        return w
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> x @ W.T (..., out) in x's dtype."""
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.ops.roofline_cpu.qmatmul(x2, self.codes, self.d, self.m, self.bits)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _float(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        """codes of rows (r, bytes) and their d, m (r, in / 32) -> (r, in) float32."""
+        r = codes.shape[0]
+        if self.bits == 4:
+            b = codes.view(r, -1, 16)
+            c = torch.cat([b & 15, b >> 4], dim=-1).float()  # (r, blocks, 32)
+        else:
+            c = codes.view(r, -1, QK).float()
+        w = c * d.float()[..., None]
+        if m is not None:
+            w = w + m.float()[..., None]
+        return w.reshape(r, self.in_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows `ids` (an embedding lookup): ids (...) -> (..., in) float32."""
+        flat = ids.reshape(-1)
+        m = self.m[flat] if self.m.numel() else None
+        return self._float(self.codes[flat], self.d[flat], m).reshape(*ids.shape, self.in_features)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._float(self.codes, self.d, self.m if self.m.numel() else None).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m))
+
+    @property
+    def num_parameters(self) -> int:
+        return self.out_features * self.in_features
+
+
+def fuse(weights: list[NativeWeight]) -> NativeWeight | None:
+    """Matrices of one input side by side (q/k/v, gate/up), when their codes share a width: scales widened
+    to float32 if their dtypes differ, zero offsets where a part has none."""
+    first = weights[0]
+    if not all(isinstance(w, NativeWeight) and (w.bits, w.in_features, w.rounded) ==
+               (first.bits, first.in_features, first.rounded)
+               for w in weights):
+        return None
+    dtype = first.d.dtype if all(w.d.dtype == first.d.dtype for w in weights) else torch.float32
+    d = torch.cat([w.d.to(dtype) for w in weights])
+    if any(w.m.numel() for w in weights):
+        m = torch.cat([w.m.to(dtype) if w.m.numel() else torch.zeros_like(w.d, dtype=dtype) for w in weights])
+    else:
+        m = torch.empty(0, dtype=dtype)
+    fused = NativeWeight(torch.cat([w.codes for w in weights]), d, m, first.bits, sum(w.out_features for w in weights),
+                         first.in_features, sum(w.source_bytes for w in weights))
+    fused.source, fused.rounded = first.source, first.rounded
+    return fused

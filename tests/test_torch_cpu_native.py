@@ -1,0 +1,190 @@
+"""Roofline's own AVX2 matmul for quantized weights (`backends/torch/cpu_native.py`, `cpu_native.cpp`): the
+kernel against its contract in float64 (the int8 rounding of the activations emulated), what `NativeWeight`
+holds exactly per format, the engine on it against the same weights in float32, and a build that cannot happen.
+
+It runs on any x86-64 CPU with AVX2 (AVX-512 ones included, where the engine itself keeps torch's kernel)."""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import re
+
+import numpy as np
+import pytest
+
+from tests.torch_support import require
+
+torch = require("torch")
+
+from mlx_engine import Engine  # noqa: E402
+from mlx_engine.backends.torch import cpu_native, cpu_packed  # noqa: E402
+from tests.test_torch_cpu_packed import quantized_files  # noqa: E402,F401  (the golden llama per GGUF type)
+
+pytestmark = pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64") or not cpu_packed.cpu_support().packed,
+    reason="Roofline's kernel is AVX2 code for x86-64")
+
+
+@pytest.fixture(scope="module")
+def built():
+    error = cpu_native.build_error()
+    assert error == "", error
+
+
+def emulated(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's contract in float64: x rounded to int8 per block of 32 (scale max|x| / 127, half to even),
+    then sum_b d dx sum(c xq) + m dx sum(xq); w the codes (N, K) as integers."""
+    M, K = x.shape
+    xb = x.float().view(M, K // 32, 32)
+    dx = xb.abs().amax(-1) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    xq = torch.round(xb * inv[..., None]).double()  # (M, B, 32)
+    cb = w.double().view(w.shape[0], K // 32, 32)  # (N, B, 32)
+    isum = torch.einsum("mbj,nbj->mnb", xq, cb)
+    y = (isum * d.double()[None] * dx.double()[:, None]).sum(-1)
+    if m is not None:
+        y = y + (m.double()[None] * (dx.double() * xq.sum(-1))[:, None]).sum(-1)
+    return y
+
+
+def pack4(c: torch.Tensor) -> torch.Tensor:
+    n, k = c.shape
+    b = c.view(n, k // 32, 32)
+    return (b[..., :16] | (b[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("offsets", [True, False])
+def test_the_kernel_is_its_contract(built, bits, dtype, offsets):
+    g = torch.Generator().manual_seed(bits * 10 + offsets)
+    N, K = 200, 96  # a tile and a partial one; three blocks a row
+    if bits == 4:
+        c = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+        codes = pack4(c)
+    else:
+        c = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+        codes = c
+    d = (torch.rand(N, K // 32, generator=g) * 0.05 + 1e-3).to(dtype)
+    m = (torch.randn(N, K // 32, generator=g) * 0.1).to(dtype) if offsets else torch.empty(0, dtype=dtype)
+    for M in (1, 2, 3, 4, 5, 9):  # each row count of the kernel's 4-row blocks, and more than one block
+        x = torch.randn(M, K, generator=g) * torch.linspace(0.1, 3, K)
+        x[0, :32] = 0  # a block of zeros: its scale is 0
+        y = torch.ops.roofline_cpu.qmatmul(x, codes, d, m, bits)
+        want = emulated(x, c.to(torch.int32), d, m if offsets else None)
+        assert y.shape == (M, N) and y.dtype == torch.float32
+        # float32 sums of 3 blocks: measured 4e-7 of the largest output
+        assert (y.double() - want).abs().max() <= 4e-6 * want.abs().max(), (M, bits, dtype, offsets)
+
+
+def test_the_kernel_refuses_what_it_cannot_read(built):
+    x = torch.zeros(1, 48)
+    with pytest.raises(RuntimeError, match="K a multiple of 32"):
+        torch.ops.roofline_cpu.qmatmul(x, torch.zeros(4, 24, dtype=torch.uint8), torch.zeros(4, 1), torch.empty(0), 4)
+    x = torch.zeros(1, 64)
+    with pytest.raises(RuntimeError, match=re.escape("codes (N, 32) uint8")):
+        torch.ops.roofline_cpu.qmatmul(x, torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 2), torch.empty(0), 4)
+    with pytest.raises(RuntimeError, match="m empty or as d"):
+        torch.ops.roofline_cpu.qmatmul(x, torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 2),
+                                       torch.zeros(4, 2, dtype=torch.float16), 8)
+
+
+def affine(bits: int, group: int, symmetric: bool, f16: bool, n: int = 70, k: int = 128, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 2**bits, (n, k))
+    s = rng.uniform(1e-3, 0.05, (n, k // group)).astype(np.float32)
+    if f16:
+        s = s.astype(np.float16).astype(np.float32)
+    b = (-(2.0 ** (bits - 1)) * s).astype(np.float32) if symmetric else rng.normal(0, 0.1, s.shape).astype(np.float32)
+    if f16 and not symmetric:
+        b = b.astype(np.float16).astype(np.float32)
+    w = np.repeat(s, group, 1) * q.astype(np.float32) + np.repeat(b, group, 1)  # in float32, as the load's
+    return q, s, b, w
+
+
+@pytest.mark.parametrize("bits,group,symmetric,f16,want", [
+    (4, 32, True, True, (4, torch.float16, True)),  # Q4_0: offsets -8 d
+    (4, 32, False, True, (4, torch.float16, True)),  # Q4_1
+    (4, 64, False, False, (4, torch.float32, True)),  # MLX 4-bit g64, float32 scales (not float16's)
+    (8, 32, True, True, (8, torch.float16, False)),  # Q8_0: signed codes, no offsets
+    (5, 32, True, True, (8, torch.float16, False)),  # Q5_0
+    (5, 32, False, True, (8, torch.float16, True)),  # Q5_1
+    (3, 64, False, False, (4, torch.float32, True)),  # MLX 3-bit
+])
+def test_what_a_native_weight_holds_exactly(bits, group, symmetric, f16, want):
+    q, s, b, w = affine(bits, group, symmetric, f16)
+    nw = cpu_native.NativeWeight.from_affine_rows(lambda lo, hi: q[lo:hi], s, b, q.shape, bits, group)
+    assert (nw.bits, nw.d.dtype, nw.m.numel() > 0) == want
+    assert torch.equal(nw.dequantized(), torch.from_numpy(w))
+    ids = torch.tensor([[0, 69], [33, 5]])
+    assert torch.equal(nw.rows(ids), torch.from_numpy(w)[ids])
+    assert nw.nbytes == sum(t.numel() * t.element_size() for t in (nw.codes, nw.d, nw.m))
+
+
+def test_8bit_affine_offsets_round_in_floats_last_bit():
+    q, s, b, w = affine(8, 64, False, False)
+    nw = cpu_native.NativeWeight.from_affine_rows(lambda lo, hi: q[lo:hi], s, b, q.shape, 8, 64)
+    assert nw.codes.dtype == torch.int8 and nw.m.numel() > 0
+    assert np.abs(nw.dequantized().numpy() - w).max() <= 2 * np.spacing(np.abs(w).max())
+
+
+def test_fusion_widens_scales_and_fills_offsets(built):
+    parts = [cpu_native.NativeWeight.from_affine_rows(lambda lo, hi, q=q: q[lo:hi], s, b, q.shape, bits, 32)
+             for q, s, b, _ in (affine(8, 32, True, True, seed=1), affine(5, 32, False, False, seed=2))
+             for bits in [8 if q.max() > 31 else 5]]
+    assert [(p.d.dtype, p.m.numel() > 0) for p in parts] == [(torch.float16, False), (torch.float32, True)]
+    fused = cpu_native.fuse(parts)
+    assert fused.d.dtype == torch.float32 and fused.out_features == 140
+    assert torch.equal(fused.dequantized(), torch.cat([p.dequantized() for p in parts]))
+    x = torch.randn(3, 128)
+    assert torch.equal(fused.matmul(x), torch.cat([p.matmul(x) for p in parts], dim=1))
+    assert cpu_native.fuse([parts[0], cpu_native.NativeWeight.from_affine_rows(
+        lambda lo, hi: affine(4, 32, False, True)[0][lo:hi], *affine(4, 32, False, True)[1:3], (70, 128), 4, 32)]) is None
+
+
+def test_a_build_that_cannot_happen_is_said_and_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_native, "library_path", lambda: tmp_path / "k" / "roofline_cpu.so")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    error = cpu_native.build_error.__wrapped__()
+    assert error.startswith("building Roofline's AVX2 kernel failed:") and "no-such-compiler" in error
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails
+    error = cpu_native.build_error.__wrapped__()
+    assert error.startswith("building Roofline's AVX2 kernel with false failed")
+    assert list((tmp_path / "k").iterdir()) == []  # no half-built library left
+
+
+@pytest.fixture
+def native_cpu(monkeypatch, built):
+    """The engine's CPU plan with Roofline's kernel on, whatever this CPU's vector width."""
+    support = dataclasses.replace(cpu_packed.cpu_support(), native=True)
+    monkeypatch.setattr(cpu_packed, "cpu_support", lambda: support)
+
+
+def projections(block):
+    a, m = block.self_attn, block.mlp
+    qkv = [a.qkv] if a.qkv is not None else [a.q_proj, a.k_proj, a.v_proj]
+    return [*qkv, a.o_proj, *([m.gate_up] if m.gate_up is not None else [m.gate_proj, m.up_proj]), m.down_proj]
+
+
+@pytest.mark.parametrize("kind,want", [("Q4_1", {"native4"}), ("Q8_0", {"native8"}), ("Q5_0", {"native8"}),
+                                       ("kquants", {"native4", "native8", "native8r"})])
+def test_engine_logits_on_the_kernel_against_float32(native_cpu, quantized_files, kind, want):
+    path, ref_folder = quantized_files[kind]
+    with Engine.load(str(path), backend="torch", device="cpu", compile=False) as engine, \
+            Engine.load(str(ref_folder), backend="torch", device="cpu", compile=False) as ref:
+        model = engine.diagnostics().runner.model
+        held = {cpu_packed.kind(lin.weight) for b in model.layers for lin in projections(b)}
+        assert held == want, held
+        assert cpu_packed.kind(model.embed_tokens.weight).startswith("native")
+        assert "Roofline's AVX2 kernel" in engine.info.notes[0]
+        ids = [i % engine.info.vocab_size for i in [3, 17, 42, 99, 7, 64, 120, 5] * 3]
+        a, b = engine.forward_logits(ids), ref.forward_logits(ids)
+        rel = float(np.abs(a - b).max() / np.abs(b).max())
+        assert 0 < rel <= NATIVE_LOGITS_REL_TOL[kind], f"{kind}: {rel:.3e}"
+
+
+# max |kernel - float32 of the same weights| / max |float32 logit| on the tiny models, measured on a 2-core AMD
+# EPYC with AVX2 (Q4_1 0.0454, Q8_0 0.0520, Q5_0 0.0539, kquants 0.0609), with headroom: the error is the int8
+# rounding of the activations, which this kernel does the same on every x86-64 CPU
+NATIVE_LOGITS_REL_TOL = {"Q4_1": 0.068, "Q8_0": 0.078, "Q5_0": 0.081, "kquants": 0.091}
