@@ -40,18 +40,19 @@ def _weight(kind: str) -> cpu_packed.CPUWeight:
     from mlx_engine.loading.gguf_quants import affine_codes
     from mlx_engine.loading.gguf_tensors import affine_from_gguf
 
-    block_n = cpu_packed.cpu_support().block_n
+    support = cpu_packed.cpu_support()
+    block_n = support.block_n
     rng = np.random.default_rng(sum(map(ord, kind)))
     if kind in ("Q4_K", "Q5_K", "Q6_K"):
         from tests.tiny_models import random_blocks
 
         blocks = random_blocks(rng, kind, N, K, std=0.02)
-        return kquant_weight(mx.array(blocks), kind, torch.float32, torch.device("cpu"), True, cpu_packed.cpu_support())
+        return kquant_weight(mx.array(blocks), kind, torch.float32, torch.device("cpu"), True, support)
     w = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
     if kind.startswith("mlx"):
         bits, group = (int(x) for x in kind[3:].split("_g"))
         words, scales, biases = mx.quantize(mx.array(w), group_size=group, bits=bits)
-        return cpu_affine_weight(words, scales, biases, bits, group, block_n)
+        return cpu_affine_weight(words, scales, biases, bits, group, support)
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import quantize
 
@@ -61,7 +62,7 @@ def _weight(kind: str) -> cpu_packed.CPUWeight:
         return cpu_packed.Int4Weight.from_affine(q, scales, biases, 5, 32, block_n)
     words, scales, biases, _ = affine_from_gguf(raw, kind, (N, K))
     return cpu_affine_weight(mx.array(words), mx.array(scales.astype(np.float16)),
-                             mx.array(biases.astype(np.float16)), 8 if kind == "Q8_0" else 4, 32, block_n)
+                             mx.array(biases.astype(np.float16)), 8 if kind == "Q8_0" else 4, 32, support)
 
 
 def _float32(w: cpu_packed.CPUWeight) -> torch.Tensor:
