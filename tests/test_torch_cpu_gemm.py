@@ -10,6 +10,8 @@ CPU sums in another order and so rounds a few outputs the other way, one bfloat1
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -18,7 +20,7 @@ from tests.torch_support import require
 
 torch = require("torch")
 
-from mlx_engine.backends.torch import cpu_gemm, cpu_packed  # noqa: E402
+from mlx_engine.backends.torch import cpu_gemm, cpu_native, cpu_packed  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_packed.cpu_support().bf16_gemm,
                                 reason="this CPU has no bfloat16 dot products: prefills take the int4/int8 kernels")
@@ -32,15 +34,16 @@ FLOOR_UNITS = {"Q4_0": 27100, "Q4_1": 31900, "Q5_0": 30500, "Q5_1": 35700, "Q8_0
 BF16_EPS = 2.0**-7
 
 
-def _weight(kind: str) -> cpu_packed.CPUWeight:
-    """A random (N, K) matrix in format `kind`, converted by the loader's own functions."""
+def _weight(kind: str, native: bool = False) -> cpu_packed.CPUWeight:
+    """A random (N, K) matrix in format `kind`, converted by the loader's own functions: for torch's kernels, or
+    with `native` for Roofline's (`cpu_native`)."""
     import mlx.core as mx
 
     from mlx_engine.backends.torch.weights import cpu_affine_weight, kquant_weight
     from mlx_engine.loading.gguf_quants import affine_codes
     from mlx_engine.loading.gguf_tensors import affine_from_gguf
 
-    support = cpu_packed.cpu_support()
+    support = dataclasses.replace(cpu_packed.cpu_support(), native=native)
     block_n = support.block_n
     rng = np.random.default_rng(sum(map(ord, kind)))
     if kind in ("Q4_K", "Q5_K", "Q6_K"):
@@ -59,7 +62,7 @@ def _weight(kind: str) -> cpu_packed.CPUWeight:
     raw = quantize(w, GGMLQuantizationType[kind])
     if kind in ("Q5_0", "Q5_1"):
         q, scales, biases = affine_codes(raw, kind, (N, K))
-        return cpu_packed.Int4Weight.from_affine(q, scales, biases, 5, 32, block_n)
+        return cpu_packed.affine_weight(lambda lo, hi: q[lo:hi], scales, biases, q.shape, 5, 32, support)
     words, scales, biases, _ = affine_from_gguf(raw, kind, (N, K))
     return cpu_affine_weight(mx.array(words), mx.array(scales.astype(np.float16)),
                              mx.array(biases.astype(np.float16)), 8 if kind == "Q8_0" else 4, 32, support)
@@ -87,6 +90,28 @@ def test_prefill_gemm_against_the_float32_weights(kind):
         # sharper: the float32 GEMM of the bfloat16 operands, rounded once to bfloat16
         exact = x.bfloat16().float() @ ref.bfloat16().float().T
         assert ((got - exact).abs() <= BF16_EPS / 2 * exact.abs() + 1e-6 * exact.abs().max()).all(), (kind, rows)
+
+
+@pytest.mark.parametrize("kind", list(FLOOR_UNITS))
+def test_native_weights_prefill_through_the_same_gemm(kind):
+    """Roofline's kernel's weights (`cpu_native`) take the same bfloat16 GEMM at a prefill's rows, their slices
+    dequantized from their own codes: the same floors, and each output the float32 GEMM of the bfloat16 operands
+    rounded once. Under the threshold they take the kernel (activations rounded to int8 per 32)."""
+    assert cpu_native.build_error() == ""
+    w = _weight(kind, native=True)
+    assert cpu_packed.kind(w) == ("native8r" if kind == "Q6_K" else "native4" if kind in (
+        "Q4_0", "Q4_1", "Q4_K", "mlx4_g64", "mlx4_g128", "mlx3_g32") else "native8")
+    ref = _float32(w)
+    g = torch.Generator().manual_seed(0)
+    for rows in ROWS:
+        x = torch.randn(rows, K, generator=g)
+        got = w.matmul(x)
+        assert got.shape == (rows, N) and got.dtype == torch.float32
+        assert_f32_close(got, x @ ref.T, FLOOR_UNITS[kind] * HEADROOM, f"native {kind}, {rows} rows")
+        exact = x.bfloat16().float() @ ref.bfloat16().float().T
+        assert ((got - exact).abs() <= BF16_EPS / 2 * exact.abs() + 1e-6 * exact.abs().max()).all(), (kind, rows)
+    x = torch.randn(cpu_packed.DEQUANT_MIN_ROWS - 1, K, generator=g)
+    assert torch.equal(w.matmul(x), torch.ops.roofline_cpu.qmatmul(x, w.codes, w.d, w.m, w.bits))
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q5_1", "mlx4_g128"])

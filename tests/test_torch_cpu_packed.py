@@ -279,7 +279,7 @@ def test_cpu_flags_pick_the_dequantizing_prefill(monkeypatch):
                                     ("AVX512", {"avx512f"}, (True, False, 64)),
                                     ("AVX2", {"avx2", "amx_bf16"}, (True, False, 32))):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        monkeypatch.setattr(cpu_packed, "_cpu_flags", lambda f=flags: f)
+        monkeypatch.setattr(cpu_packed, "cpu_flags", lambda f=flags: f)
         cpu_packed.cpu_support.cache_clear()
         s = cpu_packed.cpu_support()
         assert (s.packed, s.bf16_gemm, s.block_n) == want

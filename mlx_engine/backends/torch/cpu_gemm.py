@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from mlx_engine.backends.torch.cpu_native import NativeWeight
     from mlx_engine.backends.torch.cpu_packed import Int4Weight, Int8Weight
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,40 @@ def int8_matmul(w: Int8Weight, x2: torch.Tensor) -> torch.Tensor:
     outs = [F.linear(x2, _run(_int8_dequant, (hi - lo) * k, ("int8", hi - lo, k), w.q[lo:hi], w.scale[lo:hi]))
             for lo, hi in ((lo, min(n, lo + step)) for lo in range(0, n, step))]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def native_matmul(w: NativeWeight, x2: torch.Tensor) -> torch.Tensor:
+    """x2 (rows, in) bfloat16 -> x2 @ W.T (rows, out) bfloat16."""
+    n, k = w.out_features, w.in_features
+    step = max(1, SLICE_ELEMENTS // k)
+    outs = [F.linear(x2, native_slice(w, lo, min(n, lo + step))) for lo in range(0, n, step)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def native_slice(w: NativeWeight, lo: int, hi: int) -> torch.Tensor:
+    """Output rows [lo, hi) of `w` dequantized to bfloat16: (hi - lo, in)."""
+    m = w.m[lo:hi] if w.m.numel() else None
+    key = ("native", hi - lo, w.in_features, w.bits, str(w.d.dtype), m is not None)
+    return _run(_native_dequant, (hi - lo) * w.in_features, key, w.codes[lo:hi], w.d[lo:hi], m, w.bits)
+
+
+def _native_dequant(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int) -> torch.Tensor:
+    return native_float(codes, d, m, bits).to(torch.bfloat16)
+
+
+def native_float(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """A `NativeWeight`'s rows: codes (r, in / 2) uint8 (two 4-bit codes a byte: code j low, j + 16 high) or
+    (r, in) int8; d, m (r, in / 32) -> (r, in) float32, d c + m."""
+    r = codes.shape[0]
+    if bits == 4:
+        b = codes.view(r, -1, 16)
+        c = torch.cat([b & 15, b >> 4], dim=-1).float()  # (r, blocks, 32)
+    else:
+        c = codes.view(r, -1, 32).float()
+    w = c * d.float()[..., None]
+    if m is not None:
+        w = w + m.float()[..., None]
+    return w.reshape(r, -1)
 
 
 def _int4_slice(w: Int4Weight, lo: int, hi: int) -> torch.Tensor:

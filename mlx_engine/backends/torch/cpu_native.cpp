@@ -37,67 +37,132 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// x (M, K) -> xq int8 (M, K), dx = max|x| / 127 and sx = dx * sum(xq) per block: (M, K / 32)
+inline int hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// u (unsigned bytes) . s (signed bytes), four adjacent products summed into each int32 lane. The pair sums of
+// vpmaddubsw saturate at int16, which these operands never reach (|u| <= 128, |s| <= 127)
+inline __m256i dot4(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// x (M, K) -> xq int8 (M, K), dx = max|x| / 127 and sx = dx * sum(xq) per block: (M, K / 32). Rounds half to
+// even (vcvtps2dq under the default rounding mode), as the scalar nearbyint would
 void quantize_rows(const float* x, int64_t blocks, int8_t* xq, float* dx, float* sx) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t i = 0; i < blocks; ++i) {
     const float* v = x + i * QK;
-    float amax = 0.f;
-    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
-    const float d = amax / 127.f;
-    const float id = d > 0.f ? 1.f / d : 0.f;
-    int sum = 0;
-    for (int j = 0; j < QK; ++j) {
-      const int q = static_cast<int>(std::nearbyint(v[j] * id));
-      xq[i * QK + j] = static_cast<int8_t>(q);
-      sum += q;
+    __m256 f[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      f[j] = _mm256_loadu_ps(v + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, f[j]));
     }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / 127.f;
+    const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], id));
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * QK), _mm256_permutevar8x32_epi32(p, order));
     dx[i] = d;
-    sx[i] = d * static_cast<float>(sum);
+    sx[i] = d * static_cast<float>(hsum(sum));
   }
 }
 
-// The 32 codes of block b of a row as unsigned bytes in input order (bits 4), or as |c| with the activations
-// given c's signs (bits 8: vpmaddubsw takes one unsigned operand; |c| <= 128 keeps its pair sums in int16).
+// The 32 codes of block b of a row as unsigned bytes in input order (bits 4), or as signed bytes (bits 8)
 template <int BITS>
 inline __m256i block_codes(const uint8_t* row, int64_t b) {
   if constexpr (BITS == 4) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-    const __m128i low = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
+    return _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));
   } else {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QK));
   }
 }
 
+// Block b's integer dot product with activation row xr, as float32 lanes. 8-bit codes are signed: vpdpbusd and
+// vpmaddubsw take one unsigned operand, so |c| goes with the activations given c's signs
+template <int BITS>
+inline __m256 block_dot(__m256i q, const int8_t* xr) {
+  __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
+  if constexpr (BITS == 8) return _mm256_cvtepi32_ps(dot4(_mm256_abs_epi8(q), _mm256_sign_epi8(xv, q)));
+  else return _mm256_cvtepi32_ps(dot4(q, xv));
+}
+
+// Rows [n0, n1) against R activation rows. A row's block scales times the activations' (and its offsets' sum)
+// are taken 8 blocks at a time before its dot products, which then broadcast them from memory; two accumulators
+// a row, even and odd blocks, so that one FMA's latency does not bound a single-row decode
 template <int BITS, typename S, bool OFFSETS, int R>
 void rows_kernel(const uint8_t* codes, const S* d, const S* m, const int8_t* xq, const float* dx, const float* sx,
                  int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
-  const int64_t nb = K / QK, row_bytes = BITS == 4 ? K / 2 : K;
-  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t nb = K / QK, nb8 = nb & ~int64_t{7}, row_bytes = BITS == 4 ? K / 2 : K;
+  thread_local std::vector<float> scratch;
+  scratch.resize(R * nb);
+  float* ds = scratch.data();
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = codes + n * row_bytes;
     const S* dn = d + n * nb;
     const S* mn = OFFSETS ? m + n * nb : nullptr;
-    __m256 acc[R];
+    __m256 offv[R];
     float off[R];
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm256_setzero_ps();
+      offv[r] = _mm256_setzero_ps();
       off[r] = 0.f;
     }
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m256i q = block_codes<BITS>(c, b);
-      const __m256i aq = BITS == 4 ? q : _mm256_sign_epi8(q, q);
-      const float db = load_scale(dn + b);
-      const float mb = OFFSETS ? load_scale(mn + b) : 0.f;
-      for (int r = 0; r < R; ++r) {
-        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * QK));
-        if constexpr (BITS == 8) xv = _mm256_sign_epi8(xv, q);
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, xv), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(db * dx[r * nb + b]), acc[r]);
-        if constexpr (OFFSETS) off[r] += mb * sx[r * nb + b];
+    for (int64_t b = 0; b < nb8; b += 8) {
+      const __m256 d8 = load8(dn + b);
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(ds + r * nb + b, _mm256_mul_ps(d8, _mm256_loadu_ps(dx + r * nb + b)));
+      if constexpr (OFFSETS) {
+        const __m256 m8 = load8(mn + b);
+        for (int r = 0; r < R; ++r) offv[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(sx + r * nb + b), offv[r]);
       }
     }
-    for (int r = 0; r < R; ++r) y[r * N + n] = hsum(acc[r]) + off[r];
+    for (int64_t b = nb8; b < nb; ++b) {
+      const float db = load_scale(dn + b);
+      for (int r = 0; r < R; ++r) ds[r * nb + b] = db * dx[r * nb + b];
+      if constexpr (OFFSETS) {
+        const float mb = load_scale(mn + b);
+        for (int r = 0; r < R; ++r) off[r] += mb * sx[r * nb + b];
+      }
+    }
+    __m256 acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+      const __m256i q0 = block_codes<BITS>(c, b), q1 = block_codes<BITS>(c, b + 1);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + r * K + b * QK;
+        acc0[r] = _mm256_fmadd_ps(block_dot<BITS>(q0, xr), _mm256_broadcast_ss(ds + r * nb + b), acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(block_dot<BITS>(q1, xr + QK), _mm256_broadcast_ss(ds + r * nb + b + 1), acc1[r]);
+      }
+    }
+    if (b < nb) {
+      const __m256i q0 = block_codes<BITS>(c, b);
+      for (int r = 0; r < R; ++r)
+        acc0[r] = _mm256_fmadd_ps(block_dot<BITS>(q0, xq + r * K + b * QK), _mm256_broadcast_ss(ds + r * nb + b), acc0[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float o = OFFSETS ? hsum(offv[r]) + off[r] : 0.f;
+      y[r * N + n] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + o;
+    }
   }
 }
 

@@ -29,16 +29,31 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mlx_engine.backends.torch import cpu_gemm
+
 SOURCE = Path(__file__).with_name("cpu_native.cpp")
 QK = 32  # inputs a block
 FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-w")
+# The integer dot product in one instruction (vpdpbusd) where the CPU has it, 256 bits wide either way
+VNNI_FLAGS = {"avx512_vnni": ("-mavx512f", "-mavx512vl", "-mavx512vnni"), "avx_vnni": ("-mavxvnni",)}
 ENV = "ROOFLINE_TORCH_CPU_NATIVE"  # 0/off: torch's int4 kernel on an AVX2 CPU too
+
+
+@functools.cache
+def flags() -> tuple[str, ...]:
+    """FLAGS and this CPU's VNNI flags (AVX512-VNNI with AVX512VL, else AVX-VNNI), if any."""
+    from mlx_engine.backends.torch.cpu_packed import cpu_flags
+
+    have = cpu_flags()
+    if "avx512_vnni" in have and "avx512vl" in have:
+        return FLAGS + VNNI_FLAGS["avx512_vnni"]
+    return FLAGS + VNNI_FLAGS["avx_vnni"] if "avx_vnni" in have else FLAGS
 
 
 def _command(cxx: str, out: Path) -> list[str]:
     root = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}",
+    return [cxx, *flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}",
             f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", str(SOURCE), "-o", str(out),
             f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
 
@@ -51,7 +66,7 @@ def wanted() -> bool:
 def library_path() -> Path:
     from mlx_engine.paths import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags()).encode() + torch.__version__.encode()).hexdigest()
     return cache_dir() / "torch-native" / key[:16] / "roofline_cpu.so"
 
 
@@ -100,6 +115,9 @@ class NativeWeight:
         self.out_features, self.in_features = out_features, in_features
         self.source_bytes, self.source = source_bytes, f"{bits}-bit"
         self.rounded = False  # its codes are a float matrix rounded to int8 rows (`from_int8_rows`)
+        # Rows from which a matmul dequantizes to bfloat16 for oneDNN's GEMM (`cpu_gemm.native_matmul`): set by
+        # `cpu_packed` on a CPU with bfloat16 dot products, where a prefill runs faster so; 0: always the kernel
+        self.gemm_from = 0
 
     @classmethod
     def from_affine_rows(cls, codes: Callable[[int, int], np.ndarray], scales: np.ndarray, biases: np.ndarray,
@@ -150,21 +168,14 @@ class NativeWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> x @ W.T (..., out) in x's dtype."""
         x2 = x.reshape(-1, x.shape[-1])
-        y = torch.ops.roofline_cpu.qmatmul(x2, self.codes, self.d, self.m, self.bits)
+        if self.gemm_from and x2.shape[0] >= self.gemm_from:
+            y = cpu_gemm.native_matmul(self, x2.to(torch.bfloat16))
+        else:
+            y = torch.ops.roofline_cpu.qmatmul(x2, self.codes, self.d, self.m, self.bits)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _float(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-        """codes of rows (r, bytes) and their d, m (r, in / 32) -> (r, in) float32."""
-        r = codes.shape[0]
-        if self.bits == 4:
-            b = codes.view(r, -1, 16)
-            c = torch.cat([b & 15, b >> 4], dim=-1).float()  # (r, blocks, 32)
-        else:
-            c = codes.view(r, -1, QK).float()
-        w = c * d.float()[..., None]
-        if m is not None:
-            w = w + m.float()[..., None]
-        return w.reshape(r, self.in_features)
+        return cpu_gemm.native_float(codes, d, m, self.bits)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup): ids (...) -> (..., in) float32."""
@@ -200,5 +211,5 @@ def fuse(weights: list[NativeWeight]) -> NativeWeight | None:
         m = torch.empty(0, dtype=dtype)
     fused = NativeWeight(torch.cat([w.codes for w in weights]), d, m, first.bits, sum(w.out_features for w in weights),
                          first.in_features, sum(w.source_bytes for w in weights))
-    fused.source, fused.rounded = first.source, first.rounded
+    fused.source, fused.rounded, fused.gemm_from = first.source, first.rounded, first.gemm_from
     return fused

@@ -46,18 +46,20 @@ class CPUSupport:
     bf16_gemm: bool  # bfloat16 dot products in hardware (the dequantizing prefill path pays)
     block_n: int  # output rows per block of the int4 kernel's packed layout
     reason: str  # why not packed, for the load note
-    native: bool = False  # AVX2 without AVX-512: Roofline's own kernel (`cpu_native`) where it builds
+    native: bool = False  # AVX2 or AVX-512: Roofline's own kernel (`cpu_native`) where it builds
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """/proc/cpuinfo's flags of the first CPU (empty where there is none to read)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 @functools.cache
@@ -72,9 +74,9 @@ def cpu_support() -> CPUSupport:
     if capability not in ("AVX2", "AVX512"):
         return CPUSupport(False, False, 0, f"this CPU has no AVX2 (torch's CPU kernels: {capability}), where "
                                            "torch's int4 and int8 kernels are scalar loops")
-    flags = _cpu_flags()
+    flags = cpu_flags()
     bf16 = capability == "AVX512" and bool(flags & {"avx512_bf16", "amx_bf16"})
-    return CPUSupport(True, bf16, 64 if capability == "AVX512" else 32, "", native=capability == "AVX2")
+    return CPUSupport(True, bf16, 64 if capability == "AVX512" else 32, "", native=True)
 
 
 # --- the int4 kernel's packed layout ------------------------------------------------------------------
@@ -292,7 +294,9 @@ def affine_weight(codes: Callable[[int, int], np.ndarray], scales: np.ndarray, b
     """An affine-quantized matrix (`Int4Weight.from_affine_rows`'s arguments) as this CPU reads it fastest:
     for Roofline's own kernel where `support.native` and its groups are whole blocks of 32, else as int4 planes."""
     if support.native and group_size % QK == 0 and bits <= 8:
-        return NativeWeight.from_affine_rows(codes, scales, biases, shape, bits, group_size)
+        w = NativeWeight.from_affine_rows(codes, scales, biases, shape, bits, group_size)
+        w.gemm_from = DEQUANT_MIN_ROWS if support.bf16_gemm else 0
+        return w
     return Int4Weight.from_affine_rows(codes, scales, biases, shape, bits, group_size, support.block_n)
 
 
@@ -301,7 +305,9 @@ def int8_weight(weight: torch.Tensor, support: CPUSupport, source_bytes: int = 0
     `support.native` (the same codes and scales)."""
     w = Int8Weight(weight, source_bytes)
     if support.native and w.in_features % QK == 0:
-        return NativeWeight.from_int8_rows(w.q, w.scale, source_bytes)
+        nw = NativeWeight.from_int8_rows(w.q, w.scale, source_bytes)
+        nw.gemm_from = DEQUANT_MIN_ROWS if support.bf16_gemm else 0
+        return nw
     return w
 
 # Logits a head recomputes per row in float32 (`head_matmul`). The kernels round their output to bfloat16: at
