@@ -1,8 +1,8 @@
-// Roofline's own CPU matmul for quantized weights on an AVX2 CPU without AVX-512 (cpu_native.py builds and
-// loads it). torch's int4 kernel there widens every weight to float32 and FMAs it: about 2.5 weights a cycle,
-// a third of a core's memory bandwidth. Here, as in llama.cpp's q4_0 x q8_0 dot products, the activations are
-// rounded to int8 per block of 32 (scale max|x| / 127) and each block's products are summed in integers
-// (vpmaddubsw, vpmaddwd), 32 weights in about ten instructions.
+// Roofline's own CPU matmul for quantized weights on an x86-64 CPU with AVX2 (cpu_native.py builds and loads it).
+// torch's int4 kernel widens every weight to float32 and FMAs it: on AVX2 about 2.5 weights a cycle, a third of a
+// core's memory bandwidth. Here, as in llama.cpp's q4_0 x q8_0 dot products, the activations are rounded to int8
+// per block of 32 (scale max|x| / 127) and each block's products are summed in integers (vpmaddubsw and vpmaddwd,
+// or VNNI's vpdpbusd where the build has it), 32 weights in a few instructions.
 //
 // A matrix (N, K), K a multiple of 32, w = d * c + m per block of 32 inputs of a row:
 //   bits 4: codes (N, K / 2) uint8, byte j of a block = c[j] | c[j + 16] << 4, c in [0, 16)

@@ -1,18 +1,21 @@
-"""Roofline's own CPU matmul for quantized weights (`cpu_native.cpp`), for an AVX2 CPU without AVX-512.
+"""Roofline's own CPU matmul for quantized weights (`cpu_native.cpp`), on any x86-64 CPU with AVX2.
 
-There torch's int4 kernel widens each weight to float32 before its FMA and reads 2.7-3 GB/s of packed weights
-on one core (a 2-core AMD EPYC with AVX2, no AVX-512: docs/benchmarks.md, "Issue 27 on an AVX2 CPU"), a third of
-the core's bandwidth; its AVX-512 path reads about 15. `NativeWeight` holds a matrix as its codes and, per block of
-32 inputs, a scale and an offset (w = d * c + m), and multiplies it the way llama.cpp does on such CPUs: the
-activations rounded to int8 per block of 32 (max|x| / 127), integer products summed per block, scaled in float32.
+torch's int4 kernel widens each weight to float32 before its FMA: on an AVX2 CPU without AVX-512 it reads 2.7-3
+GB/s of packed weights a core (docs/benchmarks.md, "Issue 27 on an AVX2 CPU"), a third of the core's bandwidth,
+and on an AVX-512 one it still takes 1.6x this kernel's time (8-bit codes, as two int4 planes: 3.3x; "Issue 27 on
+an AVX-512 CPU with VNNI"). `NativeWeight` holds a matrix as its codes and, per block of 32 inputs, a scale and an
+offset (w = d * c + m), and multiplies it the way llama.cpp does on such CPUs: the activations rounded to int8 per
+block of 32 (max|x| / 127), integer products summed per block (VNNI's vpdpbusd where the CPU has it), scaled in
+float32. A prefill's rows, on a CPU with bfloat16 dot products, dequantize to oneDNN's bfloat16 GEMM instead
+(`gemm_from`, `cpu_gemm.native_matmul`), as torch's int4 weights do.
 
 Numerics: codes, scales and offsets are exact (float16 where every value of the matrix is, else float32); the
 activations' int8 rounding is the one rounded step, as in llama.cpp's q8_0 dot products. The output head's top
 logits are recomputed in float32 from exact rows (`cpu_packed.head_matmul`).
 
-The library is built at the first load on such a CPU with the system's C++ compiler against the installed torch
-(about 30 s), into the app's cache under a hash of the source, the flags and torch's version, and loaded from
-there after; where it cannot be built, torch's kernel is used and the load says why (`build_error`).
+The library is built at the first load with the system's C++ compiler against the installed torch (about 30 s),
+into the app's cache under a hash of the source, the flags (this CPU's VNNI among them) and torch's version, and
+loaded from there after; where it cannot be built, torch's kernel is used and the load says why (`build_error`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ QK = 32  # inputs a block
 FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-w")
 # The integer dot product in one instruction (vpdpbusd) where the CPU has it, 256 bits wide either way
 VNNI_FLAGS = {"avx512_vnni": ("-mavx512f", "-mavx512vl", "-mavx512vnni"), "avx_vnni": ("-mavxvnni",)}
-ENV = "ROOFLINE_TORCH_CPU_NATIVE"  # 0/off: torch's int4 kernel on an AVX2 CPU too
+ENV = "ROOFLINE_TORCH_CPU_NATIVE"  # 0/off: torch's int4 and int8 kernels instead
 
 
 @functools.cache

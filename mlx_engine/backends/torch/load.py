@@ -101,8 +101,8 @@ def cpu_pack_plan(device: torch.device) -> tuple[Any, tuple[str, ...]]:
         if error or not cpu_native.wanted():
             support = dataclasses.replace(support, native=False)
         if error:
-            return support, (f"{error}: torch's int4 kernel instead, which reads a third of the bytes a second "
-                             f"on this AVX2 CPU (docs/benchmarks.md)",)
+            return support, (f"{error}: torch's int4 kernel instead, slower at decode (half the tokens a second "
+                             f"on an AVX2 CPU, 0.8x on AVX-512: docs/benchmarks.md)",)
     return support, ()
 
 
