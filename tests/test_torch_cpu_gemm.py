@@ -74,22 +74,14 @@ def _float32(w: cpu_packed.CPUWeight) -> torch.Tensor:
     return w.dequantized(dtype=torch.float32)[: w.out_features]
 
 
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "mlx4_g64", "mlx4_g128", "mlx3_g32")  # codes of 4 bits or fewer
+
+
 @pytest.mark.parametrize("kind", list(FLOOR_UNITS))
 def test_prefill_gemm_against_the_float32_weights(kind):
     w = _weight(kind)
-    want_kind = "int8" if kind == "Q6_K" else "int4" if kind in ("Q4_0", "Q4_1", "Q4_K", "mlx4_g64", "mlx4_g128",
-                                                                    "mlx3_g32") else "int4x2"
-    assert cpu_packed.kind(w) == want_kind
-    ref = _float32(w)
-    g = torch.Generator().manual_seed(0)
-    for rows in ROWS:
-        x = torch.randn(rows, K, generator=g)
-        got = w.matmul(x)
-        assert got.shape == (rows, N) and got.dtype == torch.float32
-        assert_f32_close(got, x @ ref.T, FLOOR_UNITS[kind] * HEADROOM, f"{kind}, {rows} rows")
-        # sharper: the float32 GEMM of the bfloat16 operands, rounded once to bfloat16
-        exact = x.bfloat16().float() @ ref.bfloat16().float().T
-        assert ((got - exact).abs() <= BF16_EPS / 2 * exact.abs() + 1e-6 * exact.abs().max()).all(), (kind, rows)
+    assert cpu_packed.kind(w) == ("int8" if kind == "Q6_K" else "int4" if kind in FOUR_BIT else "int4x2")
+    _check_prefill(w, kind, torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("kind", list(FLOOR_UNITS))
@@ -99,19 +91,23 @@ def test_native_weights_prefill_through_the_same_gemm(kind):
     rounded once. Under the threshold they take the kernel (activations rounded to int8 per 32)."""
     assert cpu_native.build_error() == ""
     w = _weight(kind, native=True)
-    assert cpu_packed.kind(w) == ("native8r" if kind == "Q6_K" else "native4" if kind in (
-        "Q4_0", "Q4_1", "Q4_K", "mlx4_g64", "mlx4_g128", "mlx3_g32") else "native8")
-    ref = _float32(w)
+    assert cpu_packed.kind(w) == ("native8r" if kind == "Q6_K" else "native4" if kind in FOUR_BIT else "native8")
     g = torch.Generator().manual_seed(0)
+    _check_prefill(w, kind, g)
+    x = torch.randn(cpu_packed.DEQUANT_MIN_ROWS - 1, K, generator=g)
+    assert torch.equal(w.matmul(x), torch.ops.roofline_cpu.qmatmul(x, w.codes, w.d, w.m, w.bits))
+
+
+def _check_prefill(w: cpu_packed.CPUWeight, kind: str, g: torch.Generator) -> None:
+    ref = _float32(w)
     for rows in ROWS:
         x = torch.randn(rows, K, generator=g)
         got = w.matmul(x)
         assert got.shape == (rows, N) and got.dtype == torch.float32
-        assert_f32_close(got, x @ ref.T, FLOOR_UNITS[kind] * HEADROOM, f"native {kind}, {rows} rows")
+        assert_f32_close(got, x @ ref.T, FLOOR_UNITS[kind] * HEADROOM, f"{cpu_packed.kind(w)} {kind}, {rows} rows")
+        # sharper: the float32 GEMM of the bfloat16 operands, rounded once to bfloat16
         exact = x.bfloat16().float() @ ref.bfloat16().float().T
         assert ((got - exact).abs() <= BF16_EPS / 2 * exact.abs() + 1e-6 * exact.abs().max()).all(), (kind, rows)
-    x = torch.randn(cpu_packed.DEQUANT_MIN_ROWS - 1, K, generator=g)
-    assert torch.equal(w.matmul(x), torch.ops.roofline_cpu.qmatmul(x, w.codes, w.d, w.m, w.bits))
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q5_1", "mlx4_g128"])
