@@ -44,7 +44,6 @@ def _weight(kind: str, native: bool = False) -> cpu_packed.CPUWeight:
     from mlx_engine.loading.gguf_tensors import affine_from_gguf
 
     support = dataclasses.replace(cpu_packed.cpu_support(), native=native)
-    block_n = support.block_n
     rng = np.random.default_rng(sum(map(ord, kind)))
     if kind in ("Q4_K", "Q5_K", "Q6_K"):
         from tests.tiny_models import random_blocks

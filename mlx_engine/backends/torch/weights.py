@@ -2,8 +2,8 @@
 held packed. MLX affine-quantized weights (uint32 words packed low bits first, per-group scales and biases)
 stay packed on CUDA, where `triton_kernels.dequant_matmul` reads them (`QuantizedWeight`: bit widths and group
 sizes it supports; others are dequantized at load), and on an x86-64 CPU with AVX2, where Roofline's own kernel
-(`cpu_native`) or torch's int4 and int8 CPU kernels read them (`cpu_packed`). GGUF k-quants arrive as raw blocks (`kquant_weight`): packed as
-affine groups on CUDA and on the CPU. Elsewhere (a CPU without AVX2) quantized weights are dequantized once at
+(`cpu_native`) or torch's int4 and int8 CPU kernels read them (`cpu_packed`). GGUF k-quants arrive as raw blocks
+(`kquant_weight`): packed as affine groups on CUDA and on the CPU. Elsewhere (a CPU without AVX2) quantized weights are dequantized once at
 load, to float32: the portable path.
 """
 
