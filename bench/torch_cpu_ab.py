@@ -54,13 +54,19 @@ def main() -> None:
     tps: dict[str, list[float]] = {"A": [], "B": []}
     cpu: dict[str, list[float]] = {"A": [], "B": []}
     steal = {"A": 0, "B": 0}
+    step: dict[str, list[float]] = {"A": [], "B": []}
     same = True
     for r in range(args.rounds):
         prompt = [100 + (r * 7 + i) % 3000 for i in range(args.prompt_tokens)]
         tokens = {}
         for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
             c0, s0 = time.process_time(), steal_ticks()
-            events = list(engines[name].generate(GenerationRequest(prompt_token_ids=prompt, sampling=params)))
+            events, arrivals = [], []
+            for event in engines[name].generate(GenerationRequest(prompt_token_ids=prompt, sampling=params)):
+                events.append(event)
+                if event.token_ids:
+                    arrivals.append((time.perf_counter(), len(event.token_ids)))
+            step[name] += [(t1 - t0) * 1000 / n for (t0, _), (t1, n) in zip(arrivals[1:], arrivals[2:])]
             cpu[name].append((time.process_time() - c0) * 1000 / args.gen_tokens)
             steal[name] += steal_ticks() - s0
             tps[name].append(events[-1].stats.decode_tps)
@@ -72,6 +78,9 @@ def main() -> None:
     print(f"median A {a:.1f}, B {b:.1f}: B/A {b / a:.3f}; CPU ms a token (prefill included) A "
           f"{statistics.median(cpu['A']):.2f}, B {statistics.median(cpu['B']):.2f}; steal ticks A {steal['A']}, "
           f"B {steal['B']}; same greedy tokens: {same}")
+    fifth = {name: statistics.quantiles(step[name], n=5)[0] for name in step}
+    print(f"decode step ms, 20th percentile of every step's time: A {fifth['A']:.2f}, B {fifth['B']:.2f}: "
+          f"B/A {fifth['B'] / fifth['A']:.3f}")
     for e in engines.values():
         e.close()
 

@@ -325,7 +325,8 @@ def test_threads_are_the_runners(monkeypatch):
 @needs_kernels
 def test_compiled_decode_equals_eager(quantized_files):
     """The decode step through torch.compile (one row, and rows: a batched step, a speculative verification)
-    gives the eager step's tokens, and after its warm-up at load needs no new graph."""
+    gives the eager step's tokens, called directly and through dynamo, and after its warm-up at load needs no
+    new graph."""
     path, _ = quantized_files["Q4_1"]
     prompts = [PROMPT, PROMPT[5:19], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11]]
 
@@ -343,11 +344,17 @@ def test_compiled_decode_equals_eager(quantized_files):
         assert any("compiled by torch.compile" in n for n in compiled.info.notes), compiled.info
         halves = compiled.diagnostics().runner.model.compiled
         assert halves is not None and halves.warm
-        assert greedy(compiled, PROMPT, 16) == want_solo
-        assert batch(compiled) == want_batch
-        got_spec = [t for ev in compiled.generate(GenerationRequest(prompt_token_ids=PROMPT * 2, sampling=SamplingParams(
-            temperature=0.0, max_tokens=12, ignore_eos=True, speculative="prompt-lookup"))) for t in ev.token_ids]
-        assert got_spec == want_spec
+        # every part's one graph called directly, then the same through dynamo's calls with guards skipped,
+        # whose tensor checks would recompile a call that needed another graph
+        assert sorted(halves.direct) == [(rows, part) for rows in (1, 2) for part in range(4)]
+        for _ in range(2):
+            assert greedy(compiled, PROMPT, 16) == want_solo
+            assert batch(compiled) == want_batch
+            got_spec = [t for ev in compiled.generate(GenerationRequest(
+                prompt_token_ids=PROMPT * 2, sampling=SamplingParams(
+                    temperature=0.0, max_tokens=12, ignore_eos=True, speculative="prompt-lookup"))) for t in ev.token_ids]
+            assert got_spec == want_spec
+            halves.direct.clear()
         assert halves.recompiles == 0
 
 
@@ -403,3 +410,23 @@ def test_inductor_cache_under_the_app_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     CompiledHalves(4)
     assert cache_dir() == str(tmp_path / "mine")
+
+
+def test_direct_call_only_of_a_single_graph():
+    """`direct_call` runs a compiled function's one graph without dynamo's frame hook (on new inputs, not a
+    remembered output), and is refused before the first graph and once there are two to choose between."""
+    from mlx_engine.backends.torch.compiled import direct_call, own_code
+
+    def scaled_sine(x: torch.Tensor, k: float = 2.0) -> torch.Tensor:
+        return (x * k).sin()
+
+    fn = own_code(scaled_sine, "direct_test")
+    compiled = torch.compile(fn, backend="eager", fullgraph=True)
+    assert direct_call(fn) is None
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    compiled(x)
+    direct = direct_call(fn)
+    assert direct is not None
+    assert torch.equal(direct(y), (y * 2.0).sin())
+    compiled(x.double())  # a second graph: dynamo's guards must choose
+    assert direct_call(fn) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from typing import Any
 
 import torch
@@ -51,22 +52,37 @@ class CompiledHalves:
     """`attention_inputs`, `between_attentions` and `attend_and_output` compiled by inductor: the norms, rope,
     residuals, SiLU and the attention as fused C++ loops around the matmul kernels, in place of ~80 eager ops a
     layer, one call a layer. One graph serves every layer (the blocks are arguments), so each call's guards
-    would check those blocks' tensors again: once `warm`, calls skip guards (`skip_guard_eval_unsafe`), which is
-    sound because each compiled function holds one graph: one row (a decode step of one sequence), or any
-    2..max_rows rows (`dynamic`: batched steps, verifications), the attended length and the pools' slots dynamic
-    in both, as copies of the functions with code objects of their own (`own_code`). A call that would need
-    another graph raises before it runs and runs again with its guards, compiling it."""
+    would check those blocks' tensors again. Each compiled function holds one graph: one row (a decode step of
+    one sequence), or any 2..max_rows rows (`dynamic`: batched steps, verifications), the attended length and
+    the pools' slots dynamic in both, as copies of the functions with code objects of their own (`own_code`).
+    So once `warmed` (every layer called at the load's warm-up, each through its guards), a call goes straight
+    to the function dynamo made of its one graph (`direct_call`: no frame hook, no guards; ~15% of a decode
+    step at 1 thread and more at 2, docs/benchmarks.md "the decode graphs called directly"). A function that
+    came out of the warm-up with more than one graph keeps dynamo's call with guards skipped
+    (`skip_guard_eval_unsafe`, which still checks tensors' shapes): a call that would need another graph then
+    raises before it runs and runs again with its guards, compiling it."""
 
     def __init__(self, max_rows: int):
         use_app_cache()
         self.max_rows, self.warm, self.recompiles = max_rows, False, 0
-        self.fns = {rows: tuple(torch.compile(own_code(fn, rows), fullgraph=True)
-                                for fn in (attention_inputs, between_attentions, attend_and_output, head_matmul))
-                    for rows in (1, 2)}
+        self.code = {rows: tuple(own_code(fn, rows)
+                                 for fn in (attention_inputs, between_attentions, attend_and_output, head_matmul))
+                     for rows in (1, 2)}
+        self.fns = {rows: tuple(torch.compile(fn, fullgraph=True) for fn in fns) for rows, fns in self.code.items()}
+        self.direct: dict[tuple[int, int], Any] = {}  # (1 or 2 rows, part) -> direct_call's function, once warm
+
+    def warmed(self) -> None:
+        """After the warm-up: guards skipped, and each function of one graph called directly from now on."""
+        self.warm = True
+        self.direct = {(rows, part): f for rows, fns in self.code.items() for part, fn in enumerate(fns)
+                       if (f := direct_call(fn)) is not None}
 
     def run(self, part: int, rows: int, *args: Any) -> Any:
         """Part 0 (attention_inputs), 1 (between_attentions) or 2 (attend_and_output) of a forward of `rows`
         rows, or 3 (the packed head's `head_matmul`) of its logits, on `args`, inside `stance()`."""
+        direct = self.direct.get((min(rows, 2), part))
+        if direct is not None:
+            return direct(*args)
         fn = self.fns[min(rows, 2)][part]
         if not self.warm:
             _mark_dynamic(args, rows > 1)
@@ -84,6 +100,25 @@ class CompiledHalves:
     def stance(self) -> Any:
         """Around a forward's calls: guards skipped once warm (entered once a forward, not per call)."""
         return torch.compiler.set_stance(skip_guard_eval_unsafe=True) if self.warm else contextlib.nullcontext()
+
+
+def direct_call(fn: Any) -> Any:
+    """What dynamo runs in place of `fn` when its guards pass, as a plain function: the transformed code of
+    `fn`'s one cache entry, which gathers the graph's inputs from the arguments, calls the compiled graph (AOT
+    autograd's runtime wrapper around inductor's) and builds the return value. None where `fn` has no graph or
+    several (dynamo's guards choose between them), or where this torch has no such entries to read."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        entries = _debug_get_cache_entry_list(fn.__code__)
+    except (ImportError, AttributeError, TypeError):
+        return None
+    if len(entries) != 1:
+        return None
+    code = entries[0].code
+    if code.co_argcount != fn.__code__.co_argcount or code.co_freevars != fn.__code__.co_freevars:
+        return None
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def own_code(fn: Any, rows: Any) -> Any:

@@ -273,7 +273,7 @@ class TorchRunner(CacheRunner):
             self.model.compiled = None
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             return f"torch.compile failed here, so decode runs eagerly (slower): {first[:200]}"
-        self.model.compiled.warm = True
+        self.model.compiled.warmed()
         return f"decode steps compiled by torch.compile in {time.perf_counter() - start:.0f} s"
 
     @_torch_work
