@@ -20,13 +20,13 @@ from tests.torch_support import require
 
 torch = require("torch")
 
-from mlx_engine.backends.torch import cpu_gemm, cpu_native, cpu_packed  # noqa: E402
+from mlx_engine.backends.torch import cpu_features, cpu_gemm, cpu_native, cpu_packed  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not cpu_packed.cpu_support().bf16_gemm,
+pytestmark = pytest.mark.skipif(not cpu_features.cpu_support().bf16_gemm,
                                 reason="this CPU has no bfloat16 dot products: prefills take the int4/int8 kernels")
 
 N, K = 320, 512  # five blocks of 64 outputs; k-quants need whole 256-wide super-blocks
-ROWS = (cpu_packed.DEQUANT_MIN_ROWS, 128, 512)
+ROWS = (cpu_features.DEQUANT_MIN_ROWS, 128, 512)
 # max |got - float32| / (eps32 max |float32|) measured per type at 48, 128 and 512 rows (the largest of the three)
 FLOOR_UNITS = {"Q4_0": 27100, "Q4_1": 31900, "Q5_0": 30500, "Q5_1": 35700, "Q8_0": 29000, "Q4_K": 31600,
                "Q5_K": 29200, "Q6_K": 34000, "mlx4_g64": 28800, "mlx4_g128": 29100, "mlx8_g64": 29900,
@@ -43,7 +43,7 @@ def _weight(kind: str, native: bool = False) -> cpu_packed.CPUWeight:
     from mlx_engine.loading.gguf_quants import affine_codes
     from mlx_engine.loading.gguf_tensors import affine_from_gguf
 
-    support = dataclasses.replace(cpu_packed.cpu_support(), native=native)
+    support = dataclasses.replace(cpu_features.cpu_support(), native=native)
     rng = np.random.default_rng(sum(map(ord, kind)))
     if kind in ("Q4_K", "Q5_K", "Q6_K"):
         from tests.tiny_models import random_blocks
@@ -93,7 +93,7 @@ def test_native_weights_prefill_through_the_same_gemm(kind):
     assert cpu_packed.kind(w) == ("native8r" if kind == "Q6_K" else "native4" if kind in FOUR_BIT else "native8")
     g = torch.Generator().manual_seed(0)
     _check_prefill(w, kind, g)
-    x = torch.randn(cpu_packed.DEQUANT_MIN_ROWS - 1, K, generator=g)
+    x = torch.randn(cpu_features.DEQUANT_MIN_ROWS - 1, K, generator=g)
     assert torch.equal(w.matmul(x), torch.ops.roofline_cpu.qmatmul(x, w.codes, w.d, w.m, w.bits))
 
 

@@ -18,11 +18,11 @@ from tests.torch_support import require
 torch = require("torch")
 
 from mlx_engine import Engine  # noqa: E402
-from mlx_engine.backends.torch import cpu_native, cpu_packed  # noqa: E402
+from mlx_engine.backends.torch import cpu_features, cpu_native, cpu_packed  # noqa: E402
 from tests.test_torch_cpu_packed import quantized_files  # noqa: E402,F401  (the golden llama per GGUF type)
 
 pytestmark = pytest.mark.skipif(
-    platform.machine().lower() not in ("x86_64", "amd64") or not cpu_packed.cpu_support().packed,
+    platform.machine().lower() not in ("x86_64", "amd64") or not cpu_features.cpu_support().packed,
     reason="Roofline's kernel is AVX2 code for x86-64")
 
 
@@ -162,8 +162,8 @@ def test_a_build_that_cannot_happen_is_said_and_leaves_nothing(monkeypatch, tmp_
 @pytest.fixture
 def native_cpu(monkeypatch, built):
     """The engine's CPU plan with Roofline's kernel on, whatever this CPU's vector width."""
-    support = dataclasses.replace(cpu_packed.cpu_support(), native=True)
-    monkeypatch.setattr(cpu_packed, "cpu_support", lambda: support)
+    support = dataclasses.replace(cpu_features.cpu_support(), native=True)
+    monkeypatch.setattr(cpu_features, "cpu_support", lambda: support)
 
 
 def projections(block):

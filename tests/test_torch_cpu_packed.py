@@ -23,7 +23,7 @@ torch = require("torch")
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
 from mlx_engine.api import RooflineError  # noqa: E402
-from mlx_engine.backends.torch import cpu_packed  # noqa: E402
+from mlx_engine.backends.torch import cpu_features, cpu_packed  # noqa: E402
 from tests.tiny_models import (  # noqa: E402
     GOLDEN,
     folder_with_weights,
@@ -46,7 +46,7 @@ GREEDY_AGREED = {"mlx4": 0, "Q5_0": 2}
 GGUF_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int4x2", "Q5_0": "int4x2", "Q5_1": "int4x2"}
 BF16_EPS = 2.0**-7  # bfloat16's spacing at 1: a rounding moves a value by at most half of it, relatively
 
-needs_kernels = pytest.mark.skipif(not cpu_packed.cpu_support().packed,
+needs_kernels = pytest.mark.skipif(not cpu_features.cpu_support().packed,
                                    reason="this CPU has no AVX2 (or is not x86-64): the packed kernels are off here")
 
 
@@ -67,7 +67,7 @@ def greedy(engine: Engine, ids: list[int], n: int = 12) -> list[int]:
 
 @needs_kernels
 def test_pack_codes_is_the_kernels_layout():
-    assert cpu_packed.layout_ok(cpu_packed.cpu_support().block_n)
+    assert cpu_packed.layout_ok(cpu_features.cpu_support().block_n)
 
 
 def _affine(rng: np.random.Generator, n: int, k: int, bits: int, group: int):
@@ -89,7 +89,7 @@ def test_int4_planes_hold_the_codes_exactly_and_match_the_kernel_contract(bits, 
     rng = np.random.default_rng(bits * 1000 + n)
     k = 256
     q, s, b, w = _affine(rng, n, k, bits, group)
-    block_n = cpu_packed.cpu_support().block_n
+    block_n = cpu_features.cpu_support().block_n
     packed = cpu_packed.Int4Weight.from_affine(q, s, b, bits, group, block_n)
     assert packed.planes == (1 if bits <= 4 else 2) and packed.packed.shape[0] % block_n == 0
     codes = cpu_packed.unpack_codes(packed.packed, block_n)[:n].long()
@@ -107,8 +107,8 @@ def test_int4_planes_hold_the_codes_exactly_and_match_the_kernel_contract(bits, 
     got = packed.matmul(x)
     assert got.shape == (3, n) and got.dtype == torch.float32
     assert (got - want).abs().max() <= BF16_EPS * want.abs().max()  # one bfloat16 rounding of the sums, at most
-    if cpu_packed.cpu_support().bf16_gemm:  # a prefill's rows: dequantized to bfloat16, oneDNN's GEMM
-        xs = torch.randn(cpu_packed.DEQUANT_MIN_ROWS, k, generator=torch.Generator().manual_seed(3))
+    if cpu_features.cpu_support().bf16_gemm:  # a prefill's rows: dequantized to bfloat16, oneDNN's GEMM
+        xs = torch.randn(cpu_features.DEQUANT_MIN_ROWS, k, generator=torch.Generator().manual_seed(3))
         ref = xs @ own.T
         assert (packed.matmul(xs) - ref).abs().max() <= 4 * BF16_EPS * ref.abs().max()
 
@@ -138,13 +138,13 @@ def test_int8_rows_and_fusion():
     fused, widths = cpu_packed.fuse(int8)
     x = torch.randn(2, 64, generator=g)
     assert widths == [32, 16]
-    if cpu_packed.cpu_support().packed:
+    if cpu_features.cpu_support().packed:
         assert torch.equal(fused.matmul(x), torch.cat([q.matmul(x) for q in int8], 1))
     rng = np.random.default_rng(1)
     parts = [cpu_packed.Int4Weight.from_affine(*_affine(rng, n, 64, 4, 32)[:3], 4, 32, 64) for n in (48, 128)]
     fused, widths = cpu_packed.fuse(parts)
     assert fused.packed.shape == (192, 32) and widths == [64, 128]  # the first part padded to a whole block
-    if cpu_packed.cpu_support().packed:
+    if cpu_features.cpu_support().packed:
         y = fused.matmul(x)
         assert torch.equal(y[:, :48], parts[0].matmul(x)) and torch.equal(y[:, 64:], parts[1].matmul(x))
     assert cpu_packed.fuse([parts[0], int8[0]]) is None  # different formats
@@ -154,7 +154,7 @@ def test_int8_rows_and_fusion():
 def test_head_recomputes_its_top_logits_in_float32():
     rng = np.random.default_rng(2)
     q, s, b, _ = _affine(rng, 256, 128, 4, 32)
-    w = cpu_packed.Int4Weight.from_affine(q, s, b, 4, 32, cpu_packed.cpu_support().block_n)
+    w = cpu_packed.Int4Weight.from_affine(q, s, b, 4, 32, cpu_features.cpu_support().block_n)
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(2))
     exact = x @ w.dequantized(dtype=torch.float32).T
     got = cpu_packed.head_matmul(w, x, top=8)
@@ -236,7 +236,7 @@ def greedy_agrees(packed: Engine, ref: Engine, ids: list[int], tol: float, n: in
 def test_kquant_formats(quantized_files):
     path, _ = quantized_files["kquants"]
     with Engine.load(str(path), backend="torch", device="cpu") as engine:
-        if not cpu_packed.cpu_support().packed:
+        if not cpu_features.cpu_support().packed:
             pytest.skip("the portable path here")
         layer = engine.diagnostics().runner.model.layers[0]
         a, m = layer.self_attn, layer.mlp
@@ -259,9 +259,9 @@ def test_kquant_formats(quantized_files):
 def test_a_cpu_without_avx2_gets_the_portable_path(monkeypatch, quantized_files, machine, capability, why):
     monkeypatch.setattr(platform, "machine", lambda: machine)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    cpu_packed.cpu_support.cache_clear()
+    cpu_features.cpu_support.cache_clear()
     try:
-        support = cpu_packed.cpu_support()
+        support = cpu_features.cpu_support()
         assert not support.packed and why in support.reason
         path, ref = quantized_files["Q4_0"]
         with Engine.load(str(path), backend="torch", device="cpu") as e, \
@@ -270,7 +270,7 @@ def test_a_cpu_without_avx2_gets_the_portable_path(monkeypatch, quantized_files,
             assert len(e.info.warnings) == 1 and "the portable path" in e.info.warnings[0] and why in e.info.warnings[0]
             assert float(np.abs(e.forward_logits(PROMPT) - want.forward_logits(PROMPT)).max()) <= 1e-4
     finally:
-        cpu_packed.cpu_support.cache_clear()
+        cpu_features.cpu_support.cache_clear()
 
 
 def test_cpu_flags_pick_the_dequantizing_prefill(monkeypatch):
@@ -279,11 +279,11 @@ def test_cpu_flags_pick_the_dequantizing_prefill(monkeypatch):
                                     ("AVX512", {"avx512f"}, (True, False, 64)),
                                     ("AVX2", {"avx2", "amx_bf16"}, (True, False, 32))):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        monkeypatch.setattr(cpu_packed, "cpu_flags", lambda f=flags: f)
-        cpu_packed.cpu_support.cache_clear()
-        s = cpu_packed.cpu_support()
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda f=flags: f)
+        cpu_features.cpu_support.cache_clear()
+        s = cpu_features.cpu_support()
         assert (s.packed, s.bf16_gemm, s.block_n) == want
-    cpu_packed.cpu_support.cache_clear()
+    cpu_features.cpu_support.cache_clear()
 
 
 def test_the_exact_twin_by_environment(monkeypatch, quantized_files):

@@ -7,7 +7,7 @@ an AVX-512 CPU with VNNI"). `NativeWeight` holds a matrix as its codes and, per 
 offset (w = d * c + m), and multiplies it the way llama.cpp does on such CPUs: the activations rounded to int8 per
 block of 32 (max|x| / 127), integer products summed per block (VNNI's vpdpbusd where the CPU has it), scaled in
 float32. A prefill's rows, on a CPU with bfloat16 dot products, dequantize to oneDNN's bfloat16 GEMM instead
-(`gemm_from`, `cpu_gemm.native_matmul`), as torch's int4 weights do.
+(`cpu_features.DEQUANT_MIN_ROWS`, `cpu_gemm.native_matmul`), as torch's int4 weights do.
 
 Numerics: codes, scales and offsets are exact (float16 where every value of the matrix is, else float32); the
 activations' int8 rounding is the one rounded step, as in llama.cpp's q8_0 dot products. The output head's top
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mlx_engine.backends.torch import cpu_gemm
+from mlx_engine.backends.torch import cpu_features, cpu_gemm
 
 SOURCE = Path(__file__).with_name("cpu_native.cpp")
 QK = 32  # inputs a block
@@ -45,9 +45,7 @@ ENV = "ROOFLINE_TORCH_CPU_NATIVE"  # 0/off: torch's int4 and int8 kernels instea
 @functools.cache
 def flags() -> tuple[str, ...]:
     """FLAGS and this CPU's VNNI flags (AVX512-VNNI with AVX512VL, else AVX-VNNI), if any."""
-    from mlx_engine.backends.torch.cpu_packed import cpu_flags
-
-    have = cpu_flags()
+    have = cpu_features.cpu_flags()
     if "avx512_vnni" in have and "avx512vl" in have:
         return FLAGS + VNNI_FLAGS["avx512_vnni"]
     return FLAGS + VNNI_FLAGS["avx_vnni"] if "avx_vnni" in have else FLAGS
@@ -118,9 +116,6 @@ class NativeWeight:
         self.out_features, self.in_features = out_features, in_features
         self.source_bytes, self.source = source_bytes, f"{bits}-bit"
         self.rounded = False  # its codes are a float matrix rounded to int8 rows (`from_int8_rows`)
-        # Rows from which a matmul dequantizes to bfloat16 for oneDNN's GEMM (`cpu_gemm.native_matmul`): set by
-        # `cpu_packed` on a CPU with bfloat16 dot products, where a prefill runs faster so; 0: always the kernel
-        self.gemm_from = 0
 
     @classmethod
     def from_affine_rows(cls, codes: Callable[[int, int], np.ndarray], scales: np.ndarray, biases: np.ndarray,
@@ -171,7 +166,7 @@ class NativeWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> x @ W.T (..., out) in x's dtype."""
         x2 = x.reshape(-1, x.shape[-1])
-        if self.gemm_from and x2.shape[0] >= self.gemm_from:
+        if x2.shape[0] >= cpu_features.DEQUANT_MIN_ROWS and cpu_features.cpu_support().bf16_gemm:
             y = cpu_gemm.native_matmul(self, x2.to(torch.bfloat16))
         else:
             y = torch.ops.roofline_cpu.qmatmul(x2, self.codes, self.d, self.m, self.bits)
@@ -214,5 +209,5 @@ def fuse(weights: list[NativeWeight]) -> NativeWeight | None:
         m = torch.empty(0, dtype=dtype)
     fused = NativeWeight(torch.cat([w.codes for w in weights]), d, m, first.bits, sum(w.out_features for w in weights),
                          first.in_features, sum(w.source_bytes for w in weights))
-    fused.source, fused.rounded, fused.gemm_from = first.source, first.rounded, first.gemm_from
+    fused.source, fused.rounded = first.source, first.rounded
     return fused

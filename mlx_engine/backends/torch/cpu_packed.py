@@ -13,72 +13,25 @@
 Both kernels are vectorized (AVX2, AVX-512) for bfloat16 activations only; float32 takes a scalar loop
 40x slower. So rows go in as bfloat16 and come out as bfloat16, widened back to the model's dtype: scales
 and zeros are bfloat16 too (`describe` says what that rounds per format). A CPU without AVX2 (torch's
-DEFAULT kernels) gets the portable path instead: `cpu_support`.
+DEFAULT kernels) gets the portable path instead: `cpu_features.cpu_support`.
 """
 
 from __future__ import annotations
 
 import functools
-import platform
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mlx_engine.backends.torch import cpu_gemm
+from mlx_engine.backends.torch import cpu_features, cpu_gemm
+from mlx_engine.backends.torch.cpu_features import DEQUANT_MIN_ROWS, CPUSupport
 from mlx_engine.backends.torch.cpu_native import QK, NativeWeight
 from mlx_engine.backends.torch.cpu_native import fuse as fuse_native
 
 KERNEL_DTYPE = torch.bfloat16
 INT4_GROUP_SIZES = (32, 64, 128, 256)
-# Rows from which a matmul dequantizes its weight (to bfloat16, a slice of output rows at a time) and runs
-# oneDNN's bfloat16 GEMM (`cpu_gemm`), on a CPU with bfloat16 dot products (AVX512_BF16, AMX): the int4 kernel is
-# a float32 FMA loop, bound by compute at prefill (a prefill-sized gate: several times faster dequantized; the reading:
-# docs/benchmarks.md, "Measurements moved out of the code").
-DEQUANT_MIN_ROWS = 48
-
-
-@dataclass(frozen=True)
-class CPUSupport:
-    packed: bool  # the int4/int8 kernels are vectorized here
-    bf16_gemm: bool  # bfloat16 dot products in hardware (the dequantizing prefill path pays)
-    block_n: int  # output rows per block of the int4 kernel's packed layout
-    reason: str  # why not packed, for the load note
-    native: bool = False  # AVX2 or AVX-512: Roofline's own kernel (`cpu_native`) where it builds
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """/proc/cpuinfo's flags of the first CPU (empty where there is none to read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-@functools.cache
-def cpu_support() -> CPUSupport:
-    """What torch's CPU kernels do on this machine: its dispatch level (`get_cpu_capability`: AVX512,
-    AVX2, DEFAULT; ATEN_CPU_CAPABILITY lowers it) and the CPU's bfloat16 flags."""
-    machine = platform.machine().lower()
-    capability = torch.backends.cpu.get_cpu_capability()
-    if machine not in ("x86_64", "amd64"):
-        return CPUSupport(False, False, 0, f"torch's packed int4 CPU kernel is used on x86-64 only (this CPU: "
-                                           f"{machine})")
-    if capability not in ("AVX2", "AVX512"):
-        return CPUSupport(False, False, 0, f"this CPU has no AVX2 (torch's CPU kernels: {capability}), where "
-                                           "torch's int4 and int8 kernels are scalar loops")
-    flags = cpu_flags()
-    bf16 = capability == "AVX512" and bool(flags & {"avx512_bf16", "amx_bf16"})
-    return CPUSupport(True, bf16, 64 if capability == "AVX512" else 32, "", native=True)
-
-
 # --- the int4 kernel's packed layout ------------------------------------------------------------------
 # `_convert_weight_to_int4pack_for_cpu` (torch 2.13, aten/src/ATen/native/cpu/int4mm_kernel.cpp) stores
 # blocks of block_n output rows one after another, each (K, block_n / 2) bytes: byte j of input k holds row
@@ -213,7 +166,7 @@ class Int4Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> x @ W.T (..., out) in x's dtype."""
         x2 = _rows_2d(x)
-        if x2.shape[0] >= DEQUANT_MIN_ROWS and cpu_support().bf16_gemm:
+        if x2.shape[0] >= DEQUANT_MIN_ROWS and cpu_features.cpu_support().bf16_gemm:
             y = cpu_gemm.int4_matmul(self, x2)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(self._input(x2), self.packed, self.group_size,
@@ -265,7 +218,7 @@ class Int8Weight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows_2d(x)
-        if x2.shape[0] >= DEQUANT_MIN_ROWS and cpu_support().bf16_gemm:
+        if x2.shape[0] >= DEQUANT_MIN_ROWS and cpu_features.cpu_support().bf16_gemm:
             y = cpu_gemm.int8_matmul(self, x2)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)
@@ -294,9 +247,7 @@ def affine_weight(codes: Callable[[int, int], np.ndarray], scales: np.ndarray, b
     """An affine-quantized matrix (`Int4Weight.from_affine_rows`'s arguments) as this CPU reads it fastest:
     for Roofline's own kernel where `support.native` and its groups are whole blocks of 32, else as int4 planes."""
     if support.native and group_size % QK == 0 and bits <= 8:
-        w = NativeWeight.from_affine_rows(codes, scales, biases, shape, bits, group_size)
-        w.gemm_from = DEQUANT_MIN_ROWS if support.bf16_gemm else 0
-        return w
+        return NativeWeight.from_affine_rows(codes, scales, biases, shape, bits, group_size)
     return Int4Weight.from_affine_rows(codes, scales, biases, shape, bits, group_size, support.block_n)
 
 
@@ -305,9 +256,7 @@ def int8_weight(weight: torch.Tensor, support: CPUSupport, source_bytes: int = 0
     `support.native` (the same codes and scales)."""
     w = Int8Weight(weight, source_bytes)
     if support.native and w.in_features % QK == 0:
-        nw = NativeWeight.from_int8_rows(w.q, w.scale, source_bytes)
-        nw.gemm_from = DEQUANT_MIN_ROWS if support.bf16_gemm else 0
-        return nw
+        return NativeWeight.from_int8_rows(w.q, w.scale, source_bytes)
     return w
 
 # Logits a head recomputes per row in float32 (`head_matmul`). The kernels round their output to bfloat16: at

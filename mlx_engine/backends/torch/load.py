@@ -82,11 +82,11 @@ def cpu_pack_plan(device: torch.device) -> tuple[Any, tuple[str, ...]]:
     int4 kernel's layout `cpu_packed` reads; otherwise the portable path, said in a warning."""
     if device.type != "cpu":
         return None, ()
-    from mlx_engine.backends.torch import cpu_packed
+    from mlx_engine.backends.torch import cpu_features, cpu_packed
 
     if os.environ.get(CPU_PACKED_ENV, "1") in ("0", "off", "false"):
         return None, ()
-    support = cpu_packed.cpu_support()
+    support = cpu_features.cpu_support()
     reason = support.reason
     if support.packed and not cpu_packed.layout_ok(support.block_n):
         reason = (f"torch {torch.__version__}'s packed int4 layout is not the one this version reads "

@@ -280,7 +280,7 @@ class TorchRunner(CacheRunner):
     def warm_prefill(self) -> None:
         """One forward of a prefill's rows on scratch caches, so that the dequantizing GEMM path compiles its
         slices (`cpu_gemm`) at load rather than in the first prompt."""
-        from mlx_engine.backends.torch.cpu_packed import DEQUANT_MIN_ROWS, cpu_support
+        from mlx_engine.backends.torch.cpu_features import DEQUANT_MIN_ROWS, cpu_support
 
         if self.device.type != "cpu" or not cpu_support().bf16_gemm:
             return

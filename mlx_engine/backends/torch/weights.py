@@ -22,6 +22,7 @@ import torch
 from mlx_engine.api import ModelLoadError
 from mlx_engine.backends.torch import cpu_packed
 from mlx_engine.backends.torch import triton_kernels as tk
+from mlx_engine.backends.torch.cpu_features import CPUSupport
 from mlx_engine.backends.torch.model import FusedLinear, Model, RoPE, Weight
 
 
@@ -82,7 +83,7 @@ def _to_numpy(a: Any) -> np.ndarray:
 
 def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None, dtype: torch.dtype,
                     device: torch.device, source: str, packed: bool,
-                    cpu: cpu_packed.CPUSupport | None = None) -> dict[str, Weight]:
+                    cpu: CPUSupport | None = None) -> dict[str, Weight]:
     """The checkpoint's MLX arrays -> torch: float tensors in `dtype` on `device`; each quantized layer
     (`<path>.weight/.scales/.biases`) as a QuantizedWeight when `packed` (the Triton kernel's bit widths and
     group sizes), held for torch's CPU kernels with `cpu` (`cpu_packed`), else dequantized to a float tensor by
@@ -136,7 +137,7 @@ def convert_weights(weights: dict[str, Any], quantization: dict[str, Any] | None
 
 
 def cpu_affine_weight(words: Any, scales: Any, biases: Any, bits: int, group: int,
-                      cpu: cpu_packed.CPUSupport) -> Weight:
+                      cpu: CPUSupport) -> Weight:
     """An MLX affine-quantized matrix -> int4 planes (`cpu_packed.Int4Weight`; its codes read by
     mx.dequantize with unit scales and zero biases, exact in any of MLX's bit layouts), or int8 rows for a
     group size the int4 kernel lacks."""
@@ -170,7 +171,7 @@ KQUANT_CODE_BITS = {"Q4_K": 4, "Q5_K": 5}
 
 
 def kquant_weight(blocks: Any, ggml_type: str, dtype: torch.dtype, device: torch.device, packed: bool,
-                  cpu: cpu_packed.CPUSupport | None = None) -> Weight:
+                  cpu: CPUSupport | None = None) -> Weight:
     """A GGUF k-quant matrix's raw blocks (`load_checkpoint(kquant_blocks=True)`, uint8 (out, in / 256 *
     bytes per block)) -> packed for `dequant_matmul` (its sub-blocks as affine groups of 16 or 32, float32
     scales: `kernels_metal.reference.kquant_affine`); for torch's CPU kernels with `cpu` (Q4_K and Q5_K as
@@ -207,7 +208,7 @@ def kquant_weight(blocks: Any, ggml_type: str, dtype: torch.dtype, device: torch
 
 def build_model(args: Any, weights: dict[str, Any], quantization: dict[str, Any] | None, dtype: torch.dtype,
                 device: torch.device, source: str, freq_factors: Any = None, packed: bool = False,
-                cpu: cpu_packed.CPUSupport | None = None) -> Model:
+                cpu: CPUSupport | None = None) -> Model:
     """`weights` is emptied as they convert (each source array freed once converted). `cpu`: quantized
     weights held for torch's CPU kernels (`cpu_packed`), q/k/v and gate/up fused where they share a format."""
     for k in [k for k in weights if "rotary_emb.inv_freq" in k or (args.tie_word_embeddings and k.startswith("lm_head."))]:
