@@ -1,12 +1,15 @@
 """The torch CPU decode step as torch.compile graphs: `model.attention_inputs`, `between_attentions` and
 `attend_and_output` compiled by inductor, the attention (`model.paged_attention`) inside them, one call a layer,
-and the packed head's `cpu_packed.head_matmul` (`Model.compile_decode`)."""
+and the packed head's `cpu_packed.head_matmul` (`Model.compile_decode`); and a prefill's rows as the same halves
+around each cache view's eager attention (`outputs_then_inputs`), their matmuls' dequantization to bfloat16
+fused into the graphs."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -14,6 +17,11 @@ import torch
 from mlx_engine.backends.torch.cpu_packed import head_matmul
 from mlx_engine.backends.torch.model import (PagedRows, TransformerBlock, attention_inputs, attention_outputs,
                                              paged_attention)
+
+PREFILL = 3  # CompiledHalves' kind of a forward of more than max_rows rows
+# inductor's note on a loop that reads float16 scales and writes bfloat16 weights (the dequantizing prefill's):
+# nothing a user can act on
+warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node")
 
 
 def attend_and_output(block: TransformerBlock, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -27,6 +35,14 @@ def between_attentions(block: TransformerBlock, following: TransformerBlock, x: 
                        sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A block's attention and output half, and the next block's input half: one graph call a layer."""
     h = attend_and_output(block, x, q, k, v, rows)
+    return (h, *attention_inputs(following, h, cos, sin))
+
+
+def outputs_then_inputs(block: TransformerBlock, following: TransformerBlock, x: torch.Tensor, out: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A block's output half after its attention (run eagerly by the cache view: a prefill's rows), and the next
+    block's input half."""
+    h = attention_outputs(block, x, out)
     return (h, *attention_inputs(following, h, cos, sin))
 
 
@@ -54,7 +70,9 @@ class CompiledHalves:
     layer, one call a layer. One graph serves every layer (the blocks are arguments), so each call's guards
     would check those blocks' tensors again. Each compiled function holds one graph: one row (a decode step of
     one sequence), or any 2..max_rows rows (`dynamic`: batched steps, verifications), the attended length and
-    the pools' slots dynamic in both, as copies of the functions with code objects of their own (`own_code`).
+    the pools' slots dynamic in both, as copies of the functions with code objects of their own (`own_code`);
+    and a prefill's more rows (`PREFILL`, any number), whose attention (SDPA over the cache view) runs between
+    its graphs (1.2-1.5x a prefill's tokens a second: docs/benchmarks.md, "prefills through compiled halves").
     So once `warmed` (every layer called at the load's warm-up, each through its guards), a call goes straight
     to the function dynamo made of its one graph (`direct_call`: no frame hook, no guards; ~15% of a decode
     step at 1 thread and more at 2, docs/benchmarks.md "the decode graphs called directly"). A function that
@@ -68,8 +86,10 @@ class CompiledHalves:
         self.code = {rows: tuple(own_code(fn, rows)
                                  for fn in (attention_inputs, between_attentions, attend_and_output, head_matmul))
                      for rows in (1, 2)}
+        self.code[PREFILL] = tuple(own_code(fn, "prefill")
+                                   for fn in (attention_inputs, outputs_then_inputs, attention_outputs))
         self.fns = {rows: tuple(torch.compile(fn, fullgraph=True) for fn in fns) for rows, fns in self.code.items()}
-        self.direct: dict[tuple[int, int], Any] = {}  # (1 or 2 rows, part) -> direct_call's function, once warm
+        self.direct: dict[tuple[int, int], Any] = {}  # (kind, part) -> direct_call's function, once warm
 
     def warmed(self) -> None:
         """After the warm-up: guards skipped, and each function of one graph called directly from now on."""
@@ -77,13 +97,19 @@ class CompiledHalves:
         self.direct = {(rows, part): f for rows, fns in self.code.items() for part, fn in enumerate(fns)
                        if (f := direct_call(fn)) is not None}
 
+    def kind(self, rows: int) -> int:
+        """1: one row; 2: 2..max_rows rows; PREFILL: more (whose attention runs between the graphs)."""
+        return 1 if rows == 1 else 2 if rows <= self.max_rows else PREFILL
+
     def run(self, part: int, rows: int, *args: Any) -> Any:
-        """Part 0 (attention_inputs), 1 (between_attentions) or 2 (attend_and_output) of a forward of `rows`
-        rows, or 3 (the packed head's `head_matmul`) of its logits, on `args`, inside `stance()`."""
-        direct = self.direct.get((min(rows, 2), part))
+        """Part 0 (attention_inputs), 1 (between_attentions; a prefill's: outputs_then_inputs) or 2
+        (attend_and_output; a prefill's: attention_outputs) of a forward of `rows` rows, or 3 (the packed head's
+        `head_matmul`) of its logits, on `args`, inside `stance()`."""
+        kind = self.kind(rows)
+        direct = self.direct.get((kind, part))
         if direct is not None:
             return direct(*args)
-        fn = self.fns[min(rows, 2)][part]
+        fn = self.fns[kind][part]
         if not self.warm:
             _mark_dynamic(args, rows > 1)
             with _compile_options():

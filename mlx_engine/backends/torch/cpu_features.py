@@ -54,3 +54,10 @@ def cpu_support() -> CPUSupport:
     flags = cpu_flags()
     bf16 = capability == "AVX512" and bool(flags & {"avx512_bf16", "amx_bf16"})
     return CPUSupport(True, bf16, 64 if capability == "AVX512" else 32, "", native=True)
+
+
+@torch.compiler.assume_constant_result
+def bf16_gemm() -> bool:
+    """`cpu_support().bf16_gemm`, which torch.compile's tracing takes as a constant (it would otherwise trace
+    into `cpu_support`, whose cache it ignores, and stop at torch's capability query)."""
+    return cpu_support().bf16_gemm

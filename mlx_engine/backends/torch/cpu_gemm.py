@@ -127,8 +127,8 @@ def _int8_dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def _run(fn: Callable, elements: int, key: tuple, *args):
     """fn(*args), compiled for this shape (`key`) where that pays and torch.compile builds here."""
     global _eager_only
-    if _eager_only or elements < COMPILE_MIN_ELEMENTS:
-        return fn(*args)
+    if torch.compiler.is_compiling() or _eager_only or elements < COMPILE_MIN_ELEMENTS:
+        return fn(*args)  # inside a compiled prefill graph (`compiled.CompiledHalves`) its loop is that graph's
     key = (*key, torch.get_num_threads())  # inductor's C++ loops are built for the thread count of their compile
     if key in _built:
         return _compiled(fn, key)(*args)

@@ -166,7 +166,7 @@ class NativeWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> x @ W.T (..., out) in x's dtype."""
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] >= cpu_features.DEQUANT_MIN_ROWS and cpu_features.cpu_support().bf16_gemm:
+        if x2.shape[0] >= cpu_features.DEQUANT_MIN_ROWS and cpu_features.bf16_gemm():
             y = cpu_gemm.native_matmul(self, x2.to(torch.bfloat16))
         else:
             y = torch.ops.roofline_cpu.qmatmul(x2, self.codes, self.d, self.m, self.bits)

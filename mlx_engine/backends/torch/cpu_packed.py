@@ -166,7 +166,7 @@ class Int4Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> x @ W.T (..., out) in x's dtype."""
         x2 = _rows_2d(x)
-        if x2.shape[0] >= DEQUANT_MIN_ROWS and cpu_features.cpu_support().bf16_gemm:
+        if x2.shape[0] >= DEQUANT_MIN_ROWS and cpu_features.bf16_gemm():
             y = cpu_gemm.int4_matmul(self, x2)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(self._input(x2), self.packed, self.group_size,
@@ -218,7 +218,7 @@ class Int8Weight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows_2d(x)
-        if x2.shape[0] >= DEQUANT_MIN_ROWS and cpu_features.cpu_support().bf16_gemm:
+        if x2.shape[0] >= DEQUANT_MIN_ROWS and cpu_features.bf16_gemm():
             y = cpu_gemm.int8_matmul(self, x2)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)

@@ -369,7 +369,14 @@ class Model:
         cos, sin = self.rope.angles(caches[0].positions(B, L, ids.device))  # (B, 1, L, D/2)
         h = self.embed_tokens(ids)
         yield h
-        compiled = self.compiled if self.compiled is not None and B * L <= self.compiled.max_rows else None
+        compiled = self.compiled
+        if compiled is not None and B * L > compiled.max_rows:  # a prefill's rows, one sequence's
+            if B == 1:
+                with compiled.stance():
+                    yield from self._compiled_prefill(compiled, self.layers[:n], caches, row_major(h),
+                                                      row_major(cos), row_major(sin))
+                return
+            compiled = None
         if compiled is not None and not all(isinstance(c, PagedRowsView) and c.has_paged_rows(B) for c in caches[:n]):
             compiled = None
         if compiled is None:
@@ -396,6 +403,20 @@ class Model:
             else:
                 h = compiled.run(2, N, layer, h, q, k, v, r)
             yield h.view(B, L, -1)
+
+    def _compiled_prefill(self, compiled: Any, layers: list[TransformerBlock], caches: list[Any], h: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor):
+        """A prefill's layers as compiled halves (norms, projections with their dequantizing GEMMs, rope, MLP) around
+        each cache view's eager attention (its K/V write and SDPA), whose output goes in row-major."""
+        N = h.shape[1]
+        q, k, v = compiled.run(0, N, layers[0], h, cos, sin)
+        for i, (layer, c) in enumerate(zip(layers, caches)):
+            out = row_major(c.attention(q, k, v, layer.self_attn.scale))
+            if i + 1 < len(layers):
+                h, q, k, v = compiled.run(1, N, layer, layers[i + 1], h, out, cos, sin)
+            else:
+                h = compiled.run(2, N, layer, h, out)
+            yield h
 
     compiled: Any = None  # compiled.CompiledHalves: the blocks' halves as torch.compile graphs (compile_decode)
 

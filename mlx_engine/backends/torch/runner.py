@@ -27,6 +27,7 @@ from mlx_engine.backends.torch.kv import (
     PrefillView,
     TorchPagedCache,
 )
+from mlx_engine.backends.torch.cpu_features import DEQUANT_MIN_ROWS, cpu_support
 from mlx_engine.backends.torch.weights import build_model
 from mlx_engine.backends.torch.sampling import sample_rows
 from mlx_engine.backends.base import RunnerCapabilities
@@ -256,33 +257,38 @@ class TorchRunner(CacheRunner):
 
     @_torch_work
     def compile_decode(self) -> str:
-        """Compiles the decode-sized forwards (one row, and several: two graphs a part) by running them once on
-        scratch caches. Returns the note to show, or the warning when compiling failed (then all runs eager)."""
+        """Compiles the decode-sized forwards (one row, and several: two graphs a part) and a prefill's (more
+        rows) by running them once on scratch caches. Returns the note to show, or the warning when compiling
+        failed (then all runs eager)."""
+        import gc
         import time
 
         from mlx_engine.backends.torch.compiled import compile_errors
+        from mlx_engine.backends.torch.weights import trim_heap
 
         start = time.perf_counter()
         self.model.compile_decode(COMPILE_MAX_ROWS)
         try:
-            layers = self.scratch_layers()  # 3 rows (the graphs of 2..max rows), then 1 after them
-            for rows in (3, 1):
+            layers = self.scratch_layers()  # a prefill's rows, then 3 (the graphs of 2..max rows), then 1
+            for rows in (max(COMPILE_MAX_ROWS + 1, DEQUANT_MIN_ROWS), 3, 1):
                 h = self.model(torch.zeros(1, rows, dtype=torch.long, device=self.device), layers)
-                self.model.logits(h[0])
+                if rows <= COMPILE_MAX_ROWS:  # a prefill's logits are its last row's (the one-row graph)
+                    self.model.logits(h[0])
+                gc.collect()  # each batch's tracing and lowering, freed before the next one's (the load's peak)
+                trim_heap()
         except compile_errors() as e:
             self.model.compiled = None
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            return f"torch.compile failed here, so decode runs eagerly (slower): {first[:200]}"
+            return f"torch.compile failed here, so decode and prefill run eagerly (slower): {first[:200]}"
         self.model.compiled.warmed()
-        return f"decode steps compiled by torch.compile in {time.perf_counter() - start:.0f} s"
+        return f"decode steps and prefills compiled by torch.compile in {time.perf_counter() - start:.0f} s"
 
     @_torch_work
     def warm_prefill(self) -> None:
         """One forward of a prefill's rows on scratch caches, so that the dequantizing GEMM path compiles its
-        slices (`cpu_gemm`) at load rather than in the first prompt."""
-        from mlx_engine.backends.torch.cpu_features import DEQUANT_MIN_ROWS, cpu_support
-
-        if self.device.type != "cpu" or not cpu_support().bf16_gemm:
+        slices (`cpu_gemm`) at load rather than in the first prompt; none where the prefill's layers are
+        compiled graphs (`compile_decode` compiled them with those slices inside)."""
+        if self.device.type != "cpu" or not cpu_support().bf16_gemm or self.model.compiled is not None:
             return
         self.model(torch.zeros(1, DEQUANT_MIN_ROWS, dtype=torch.long, device=self.device), self.scratch_layers())
 
