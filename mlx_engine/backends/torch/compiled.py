@@ -72,7 +72,8 @@ class CompiledHalves:
     one sequence), or any 2..max_rows rows (`dynamic`: batched steps, verifications), the attended length and
     the pools' slots dynamic in both, as copies of the functions with code objects of their own (`own_code`);
     and a prefill's more rows (`PREFILL`, any number), whose attention (SDPA over the cache view) runs between
-    its graphs (1.2-1.5x a prefill's tokens a second: docs/benchmarks.md, "prefills through compiled halves").
+    its graphs (1.25-1.8x a prefill's tokens a second across two runs of the bench: docs/benchmarks.md,
+    "prefills through compiled halves").
     So once `warmed` (every layer called at the load's warm-up, each through its guards), a call goes straight
     to the function dynamo made of its one graph (`direct_call`: no frame hook, no guards; ~15% of a decode
     step at 1 thread and more at 2, docs/benchmarks.md "the decode graphs called directly"). A function that
@@ -149,8 +150,6 @@ def direct_call(fn: Any) -> Any:
 
 def own_code(fn: Any, rows: Any) -> Any:
     """A copy of `fn` with a code object of its own (named after `rows`), so that dynamo keeps its graphs apart."""
-    import types
-
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{rows}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
