@@ -75,8 +75,8 @@ class CompiledHalves:
     its graphs (1.25-1.8x a prefill's tokens a second across two runs of the bench: docs/benchmarks.md,
     "prefills through compiled halves").
     So once `warmed` (every layer called at the load's warm-up, each through its guards), a call goes straight
-    to the function dynamo made of its one graph (`direct_call`: no frame hook, no guards; ~15% of a decode
-    step at 1 thread and more at 2, docs/benchmarks.md "the decode graphs called directly"). A function that
+    to the function dynamo made of its one graph (`direct_call`: no frame hook, no guards; 6-18% of a decode
+    step in five A/B runs, docs/benchmarks.md "the decode graphs called directly"). A function that
     came out of the warm-up with more than one graph keeps dynamo's call with guards skipped
     (`skip_guard_eval_unsafe`, which still checks tensors' shapes): a call that would need another graph then
     raises before it runs and runs again with its guards, compiling it."""
