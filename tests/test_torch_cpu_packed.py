@@ -349,12 +349,12 @@ def test_compiled_decode_equals_eager(quantized_files):
         # every part's one graph called directly, then the same through dynamo's calls with guards skipped,
         # whose tensor checks would recompile a call that needed another graph
         assert sorted(halves.direct) == [(rows, part) for rows in (1, 2, 3) for part in range(4 if rows < 3 else 3)]
-        # measured equal here; bfloat16 GEMM outputs round at 2**-8, so a fused float32 sum in another order
-        # moves an output by at most about one such rounding
-        got = compiled.forward_logits(long_prompt)
-        assert float(np.abs(got - want_logits).max()) <= 2**-8 * float(np.abs(want_logits).max())
-        assert greedy(compiled, long_prompt, 8) == want_long
         for _ in range(2):
+            # measured equal here; bfloat16 GEMM outputs round at 2**-8, so a fused float32 sum in another order
+            # moves an output by at most about one such rounding
+            got = compiled.forward_logits(long_prompt)
+            assert float(np.abs(got - want_logits).max()) <= 2**-8 * float(np.abs(want_logits).max())
+            assert greedy(compiled, long_prompt, 8) == want_long
             assert greedy(compiled, PROMPT, 16) == want_solo
             assert batch(compiled) == want_batch
             got_spec = [t for ev in compiled.generate(GenerationRequest(
