@@ -25,6 +25,9 @@ namespace {
 
 constexpr int QK = 32;
 constexpr int MB = 4;       // activation rows sharing one unpacking of a block's codes
+// Rows ahead whose codes a row's loop prefetches: a decode step streams each matrix once, and the hardware's
+// prefetchers alone left one core at ~9 GB/s of codes (docs/benchmarks.md, "Issue 27 on an AMX Xeon")
+constexpr int64_t PF = 16;
 constexpr int64_t NT = 64;  // output rows a tile: their codes stay in L1/L2 across the activation rows
 
 inline float load_scale(const float* p) { return *p; }
@@ -44,6 +47,23 @@ inline int hsum(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// 4-bit codes four blocks a 512-bit register, in their packed order: the low nibbles of a block's 16 bytes are its
+// inputs 0-15 and the high ones 16-31, so the activations of each group of four blocks are stored as their inputs
+// 0-15 (4 x 16 bytes) then 16-31 (`quantize_rows`), and two vpdpbusd take the group without a shuffle
+#define ROOFLINE_AVX512 1
+constexpr bool GROUPED = true;
+
+// p[0..3], each in four adjacent lanes
+inline __m512 group_scales(const float* p) {
+  return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                               _mm512_castps128_ps512(_mm_loadu_ps(p)));
+}
+#else
+constexpr bool GROUPED = false;
+#endif
+constexpr int64_t GROUP = 4;  // blocks a 512-bit register of 4-bit codes
+
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
@@ -60,8 +80,10 @@ inline __m256i dot4(__m256i u, __m256i s) {
 }
 
 // x (M, K) -> xq int8 (M, K), dx = max|x| / 127 and sx = dx * sum(xq) per block: (M, K / 32). Rounds half to
-// even (vcvtps2dq under the default rounding mode), as the scalar nearbyint would
-void quantize_rows(const float* x, int64_t blocks, int8_t* xq, float* dx, float* sx) {
+// even (vcvtps2dq under the default rounding mode), as the scalar nearbyint would. `grouped`: each row's whole
+// groups of GROUP blocks in the 4-bit kernel's order (ROOFLINE_AVX512), the blocks after them in input order
+void quantize_rows(const float* x, int64_t M, int64_t nb, bool grouped, int8_t* xq, float* dx, float* sx) {
+  const int64_t blocks = M * nb, in_groups = grouped && GROUPED ? nb / GROUP * GROUP : 0;
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t i = 0; i < blocks; ++i) {
@@ -81,7 +103,15 @@ void quantize_rows(const float* x, int64_t blocks, int8_t* xq, float* dx, float*
     for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], id));
     const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * QK), _mm256_permutevar8x32_epi32(p, order));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(p, order);
+    const int64_t j = i % nb;
+    if (j < in_groups) {
+      int8_t* g = xq + (i - j) * QK + (j - j % GROUP) * QK + (j % GROUP) * 16;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(g), _mm256_castsi256_si128(ordered));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(g + GROUP * 16), _mm256_extracti128_si256(ordered, 1));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * QK), ordered);
+    }
     dx[i] = d;
     sx[i] = d * static_cast<float>(hsum(sum));
   }
@@ -121,6 +151,12 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, const int8_t* xq,
     const uint8_t* c = codes + n * row_bytes;
     const S* dn = d + n * nb;
     const S* mn = OFFSETS ? m + n * nb : nullptr;
+    if (n + PF < N) {  // the codes and scales of the row PF ahead
+      const char* ahead = reinterpret_cast<const char*>(c + PF * row_bytes);
+      for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(dn + PF * nb), _MM_HINT_T0);
+      if constexpr (OFFSETS) _mm_prefetch(reinterpret_cast<const char*>(mn + PF * nb), _MM_HINT_T0);
+    }
     __m256 offv[R];
     float off[R];
     for (int r = 0; r < R; ++r) {
@@ -146,6 +182,31 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, const int8_t* xq,
     __m256 acc0[R], acc1[R];
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
     int64_t b = 0;
+#ifdef ROOFLINE_AVX512
+    __m512 z0[R], z1[R];
+    if constexpr (BITS == 4) {  // two groups a step, an accumulator each; then a last group; then as below
+      const __m512i low = _mm512_set1_epi8(0x0F);
+      for (int r = 0; r < R; ++r) z0[r] = z1[r] = _mm512_setzero_ps();
+      auto group = [&](int64_t g, __m512* z) {
+        const __m512i raw = _mm512_loadu_si512(c + g * 16);
+        const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xq + r * K + g * QK;
+          const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr)),
+                                                hi, _mm512_loadu_si512(xr + GROUP * 16));
+          z[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), group_scales(ds + r * nb + g), z[r]);
+        }
+      };
+      for (; b + 2 * GROUP <= nb; b += 2 * GROUP) {
+        group(b, z0);
+        group(b + GROUP, z1);
+      }
+      if (b + GROUP <= nb) {
+        group(b, z0);
+        b += GROUP;
+      }
+    }
+#endif
     for (; b + 1 < nb; b += 2) {
       const __m256i q0 = block_codes<BITS>(c, b), q1 = block_codes<BITS>(c, b + 1);
       for (int r = 0; r < R; ++r) {
@@ -160,7 +221,10 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, const int8_t* xq,
         acc0[r] = _mm256_fmadd_ps(block_dot<BITS>(q0, xq + r * K + b * QK), _mm256_broadcast_ss(ds + r * nb + b), acc0[r]);
     }
     for (int r = 0; r < R; ++r) {
-      const float o = OFFSETS ? hsum(offv[r]) + off[r] : 0.f;
+      float o = OFFSETS ? hsum(offv[r]) + off[r] : 0.f;
+#ifdef ROOFLINE_AVX512
+      if constexpr (BITS == 4) o += _mm512_reduce_add_ps(_mm512_add_ps(z0[r], z1[r]));
+#endif
       y[r * N + n] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + o;
     }
   }
@@ -223,7 +287,7 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   const int64_t blocks = M * (K / QK);
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(blocks), sx(blocks);
-  quantize_rows(xf.data_ptr<float>(), blocks, xq.data(), dx.data(), sx.data());
+  quantize_rows(xf.data_ptr<float>(), M, K / QK, bits == 4, xq.data(), dx.data(), sx.data());
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   const bool half = d.scalar_type() == at::kHalf;

@@ -37,16 +37,17 @@ from mlx_engine.backends.torch import cpu_features, cpu_gemm
 SOURCE = Path(__file__).with_name("cpu_native.cpp")
 QK = 32  # inputs a block
 FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-w")
-# The integer dot product in one instruction (vpdpbusd) where the CPU has it, 256 bits wide either way
-VNNI_FLAGS = {"avx512_vnni": ("-mavx512f", "-mavx512vl", "-mavx512vnni"), "avx_vnni": ("-mavxvnni",)}
+# The integer dot product in one instruction (vpdpbusd) where the CPU has it: two blocks a 512-bit register with
+# AVX-512 (BW for its byte ops), else 256 bits wide
+VNNI_FLAGS = {"avx512_vnni": ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"), "avx_vnni": ("-mavxvnni",)}
 ENV = "ROOFLINE_TORCH_CPU_NATIVE"  # 0/off: torch's int4 and int8 kernels instead
 
 
 @functools.cache
 def flags() -> tuple[str, ...]:
-    """FLAGS and this CPU's VNNI flags (AVX512-VNNI with AVX512VL, else AVX-VNNI), if any."""
+    """FLAGS and this CPU's VNNI flags (AVX512-VNNI with AVX512VL and BW, else AVX-VNNI), if any."""
     have = cpu_features.cpu_flags()
-    if "avx512_vnni" in have and "avx512vl" in have:
+    if {"avx512_vnni", "avx512vl", "avx512bw"} <= have:
         return FLAGS + VNNI_FLAGS["avx512_vnni"]
     return FLAGS + VNNI_FLAGS["avx_vnni"] if "avx_vnni" in have else FLAGS
 
