@@ -13,7 +13,11 @@ saying so. llama.cpp runs in its own venv (never our dependency), built with GGM
 Each (file, runner, threads) is one worker process, loaded once; the rounds run every worker in turn, so that a
 burst of load on the machine falls on all of them, and the table gives medians over rounds. llama.cpp is loaded
 with use_extra_bufts=False for the main rows (its AMX path crashed on every evaluation of 2 or more tokens on a
-Xeon); --extra-bufts adds rows with them (the repacked Q4_0/IQ4 layouts, AMX where the CPU has it).
+Xeon); --extra-bufts adds rows with them (the repacked Q4_0/IQ4 layouts, AMX where the CPU has it). On a Xeon
+where a GGML_NATIVE build crashes so even without them (SIGSEGV at any evaluation of 2 or more tokens, 0.3.36),
+build the main rows' venv without AMX (GGML_NATIVE=OFF, the AVX-512 options on, GGML_AMX_*=OFF) and pass the
+AMX build as --amx-python: its rows (extra buffer types on) evaluate the prompt a token at a time, so that they
+give decode only.
 
 Each row: prompt of -p tokens (prefill tok/s), then -n greedy tokens (decode tok/s); the decode's % of the
 roofline = bytes a token reads (packed weights and the KV at the mean decode context, as each runner holds
@@ -109,9 +113,11 @@ def roofline_worker(path: str, backend: str, threads: int | None, context: int) 
     _serve(load, run)
 
 
-def llama_worker(path: str, threads: int, context: int, extra_bufts: bool, weights: int, kv_per_token: int) -> None:
+def llama_worker(path: str, threads: int, context: int, extra_bufts: bool, weights: int, kv_per_token: int,
+                 stepwise: bool = False) -> None:
     """`weights`, `kv_per_token`: the file's figures (`llama_figures`), read by the controller: gguf-py's
-    GGUFReader here took 155 MB of RSS (the vocabulary as numpy arrays), counted in llama.cpp's peak."""
+    GGUFReader here took 155 MB of RSS (the vocabulary as numpy arrays), counted in llama.cpp's peak.
+    `stepwise`: the prompt evaluated a token at a time (a build whose evaluations of 2 or more tokens crash)."""
     import llama_cpp
     import numpy as np
 
@@ -134,7 +140,8 @@ def llama_worker(path: str, threads: int, context: int, extra_bufts: bool, weigh
         llm = state["llm"]
         llm.reset()
         t = time.perf_counter()
-        llm.eval(prompt)
+        for part in ([[tok] for tok in prompt] if stepwise else [prompt]):
+            llm.eval(part)
         prefill = time.perf_counter() - t
         tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
         t = time.perf_counter()
@@ -232,6 +239,7 @@ def main() -> None:
     ap.add_argument("--runners", default="torch,mlx,llama", help="which runners (default torch,mlx,llama)")
     ap.add_argument("--extra-bufts", action="store_true", help="also llama.cpp with its extra buffer types")
     ap.add_argument("--llama-python", default=LLAMA_PYTHON, help=f"llama-cpp-python's interpreter ({LLAMA_PYTHON})")
+    ap.add_argument("--amx-python", help="also a llama.cpp built with AMX, decode only (prompt a token at a time)")
     ap.add_argument("--work-dir", default="/tmp/roofline-cpu-bench", help="where the requantized files go")
     ap.add_argument("--json", metavar="FILE", help="also write every measurement as JSON")
     ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -240,7 +248,7 @@ def main() -> None:
         kind, path, threads, context = args.worker[:4]
         if kind == "llama":
             return llama_worker(path, int(threads), int(context), args.worker[4] == "1", int(args.worker[5]),
-                                int(args.worker[6]))
+                                int(args.worker[6]), args.worker[7] == "1")
         return roofline_worker(path, kind, None if threads == "-" else int(threads), int(context))
 
     sys.path.insert(0, str(ROOT))
@@ -271,11 +279,15 @@ def main() -> None:
                 workers.append(Worker({"file": fname, "runner": "roofline torch", "threads": t},
                                       me + ["torch", str(path), str(t), str(context)]))
             if "llama" in runners:
-                for extra in ([False, True] if args.extra_bufts else [False]):
-                    workers.append(Worker({"file": fname, "runner": "llama.cpp" + (" +extra bufts" if extra else ""),
-                                           "threads": t}, [args.llama_python] + me[1:] + [
+                builds = [(args.llama_python, False, "")] + ([(args.llama_python, True, " +extra bufts")]
+                                                             if args.extra_bufts else [])
+                builds += [(args.amx_python, True, " AMX, decode only")] if args.amx_python else []
+                for python, extra, name in builds:
+                    stepwise = python == args.amx_python
+                    workers.append(Worker({"file": fname, "runner": "llama.cpp" + name, "threads": t,
+                                           "stepwise": stepwise}, [python] + me[1:] + [
                                                "llama", str(path), str(t), str(context), "1" if extra else "0",
-                                               *map(str, llama_figures(path))]))
+                                               *map(str, llama_figures(path)), "1" if stepwise else "0"]))
         if "mlx" in runners:
             workers.append(Worker({"file": fname, "runner": "roofline mlx", "threads": "-"},
                                   me + ["mlx", str(path), "-", str(context)]))
@@ -324,8 +336,9 @@ def markdown(rows: list[dict], machine: dict, args: argparse.Namespace) -> str:
         peer = by.get((r["file"], "llama.cpp", r["threads"] if r["threads"] != "-" else 1))
         ratio = (lambda k: f"{r[k] / peer[k]:.2f}" if peer and peer["ok"] and peer is not r else "")  # noqa: E731
         target = 1.3 * r["file_bytes"] + r["kv_bytes"]
+        prefill = "" if r.get("stepwise") else f"{r['prefill_tps']:.0f}"  # a token at a time: not a prefill
         out.append(f"| {r['file']} | {r['runner']} | {r['threads']} | {r['decode_tps']:.1f} | {ratio('decode_tps')} "
-                   f"| {r['prefill_tps']:.0f} | {ratio('prefill_tps')} | {100 * r['roofline']:.0f}% "
+                   f"| {prefill} | {ratio('prefill_tps') if prefill else ''} | {100 * r['roofline']:.0f}% "
                    f"| {r['bytes_per_token'] / 1e6:.0f} MB | {r['peak_bytes'] / 2**20:.0f} ({target / 2**20:.0f}) |")
     notes = sorted({n for r in rows for n in r.get("notes", []) + r.get("warnings", [])})
     if notes:
