@@ -279,11 +279,10 @@ def main() -> None:
                 workers.append(Worker({"file": fname, "runner": "roofline torch", "threads": t},
                                       me + ["torch", str(path), str(t), str(context)]))
             if "llama" in runners:
-                builds = [(args.llama_python, False, "")] + ([(args.llama_python, True, " +extra bufts")]
-                                                             if args.extra_bufts else [])
-                builds += [(args.amx_python, True, " AMX, decode only")] if args.amx_python else []
-                for python, extra, name in builds:
-                    stepwise = python == args.amx_python
+                builds = [(args.llama_python, False, "", False)]  # (interpreter, extra bufts, name, stepwise)
+                builds += [(args.llama_python, True, " +extra bufts", False)] if args.extra_bufts else []
+                builds += [(args.amx_python, True, " AMX, decode only", True)] if args.amx_python else []
+                for python, extra, name, stepwise in builds:
                     workers.append(Worker({"file": fname, "runner": "llama.cpp" + name, "threads": t,
                                            "stepwise": stepwise}, [python] + me[1:] + [
                                                "llama", str(path), str(t), str(context), "1" if extra else "0",
