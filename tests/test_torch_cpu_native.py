@@ -58,7 +58,7 @@ def pack4(c: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("offsets", [True, False])
 def test_the_kernel_is_its_contract(built, bits, dtype, offsets):
-    for K in (96, 128, 352, 576):  # 3, 4, 11, 18 blocks a row: the scales' 8-block step, its tail, an odd block, pairs
+    for K in (96, 128, 352, 576):  # 3, 4, 11, 18 blocks: scales 8 at a time and their tail, odd blocks, groups of 4
         contract(bits, dtype, offsets, K)
 
 

@@ -83,10 +83,10 @@ inline __m256i dot4(__m256i u, __m256i s) {
 // even (vcvtps2dq under the default rounding mode), as the scalar nearbyint would. `grouped`: each row's whole
 // groups of GROUP blocks in the 4-bit kernel's order (ROOFLINE_AVX512), the blocks after them in input order
 void quantize_rows(const float* x, int64_t M, int64_t nb, bool grouped, int8_t* xq, float* dx, float* sx) {
-  const int64_t blocks = M * nb, in_groups = grouped && GROUPED ? nb / GROUP * GROUP : 0;
+  const int64_t in_groups = grouped && GROUPED ? nb / GROUP * GROUP : 0;
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
-  for (int64_t i = 0; i < blocks; ++i) {
+  for (int64_t i = 0, j = 0; i < M * nb; ++i, j = j + 1 == nb ? 0 : j + 1) {  // j: block i's place in its row
     const float* v = x + i * QK;
     __m256 f[4];
     __m256 amax = _mm256_setzero_ps();
@@ -104,7 +104,6 @@ void quantize_rows(const float* x, int64_t M, int64_t nb, bool grouped, int8_t* 
     const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     const __m256i ordered = _mm256_permutevar8x32_epi32(p, order);
-    const int64_t j = i % nb;
     if (j < in_groups) {
       int8_t* g = xq + (i - j) * QK + (j - j % GROUP) * QK + (j % GROUP) * 16;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(g), _mm256_castsi256_si128(ordered));

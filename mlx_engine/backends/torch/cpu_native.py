@@ -37,8 +37,8 @@ from mlx_engine.backends.torch import cpu_features, cpu_gemm
 SOURCE = Path(__file__).with_name("cpu_native.cpp")
 QK = 32  # inputs a block
 FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-w")
-# The integer dot product in one instruction (vpdpbusd) where the CPU has it: two blocks a 512-bit register with
-# AVX-512 (BW for its byte ops), else 256 bits wide
+# The integer dot product in one instruction (vpdpbusd) where the CPU has it, 256 bits wide; with AVX-512 (BW for
+# its byte ops) 4-bit codes also four blocks a 512-bit register
 VNNI_FLAGS = {"avx512_vnni": ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"), "avx_vnni": ("-mavxvnni",)}
 ENV = "ROOFLINE_TORCH_CPU_NATIVE"  # 0/off: torch's int4 and int8 kernels instead
 
