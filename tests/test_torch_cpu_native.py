@@ -148,6 +148,17 @@ def test_fusion_widens_scales_and_fills_offsets(built):
         lambda lo, hi: affine(4, 32, False, True)[0][lo:hi], *affine(4, 32, False, True)[1:3], (70, 128), 4, 32)]) is None
 
 
+@pytest.mark.parametrize("have,extra", [
+    ({"avx512_vnni", "avx512vl", "avx512bw", "avx_vnni"}, ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni")),
+    ({"avx512_vnni", "avx512vl", "avx_vnni"}, ("-mavxvnni",)),  # no BW: the 512-bit path's byte ops are missing
+    ({"avx512_vnni", "avx512vl"}, ()),
+    (set(), ()),
+])
+def test_the_build_flags_follow_the_cpu(monkeypatch, have, extra):
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(have))
+    assert cpu_native.flags.__wrapped__() == cpu_native.FLAGS + extra
+
+
 def test_a_build_that_cannot_happen_is_said_and_leaves_nothing(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_native, "library_path", lambda: tmp_path / "k" / "roofline_cpu.so")
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
