@@ -1,10 +1,10 @@
 """Roofline's CPU matmul kernel (`roofline_cpu::qmatmul`) alone, one activation row (a decode step), on
 SmolLM2-135M's matrices: per token the 30 layers' fused q/k/v (960 x 576), o (576 x 576), fused gate/up (3072 x
-576) and down (576 x 1536), and the 49152-row output head, random codes and float16 scales, 4-bit with offsets
-and 8-bit. Two regimes: `hot`, each matrix called again and again (its codes in the caches: the kernel's
-arithmetic), and `cold`, a token's 121 distinct matrices in turn (as a decode step reads them: the memory's
-speed). Each checkout given runs in processes of its own, alternating, so that two builds of the kernel can be
-compared in one run:
+576) and down (576 x 1536), and the 49152-row output head, random codes and float16 scales: 4-bit and 5-bit
+with offsets, 8-bit without (a checkout whose kernel has no 5-bit codes prints "-" for them). Two regimes:
+`hot`, each matrix called again and again (its codes in the caches: the kernel's arithmetic), and `cold`, a
+token's 121 distinct matrices in turn (as a decode step reads them: the memory's speed). Each checkout given runs
+in processes of its own, alternating, so that two builds of the kernel can be compared in one run:
 
     uv run python bench/cpu_qmatmul.py [CHECKOUT ...] [--threads 1] [--rounds 3]
 
@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer's matmuls
 HEAD = (49152, 576)
+KINDS = (4, 5, 8)  # code widths
 
 
 def child(tree: str, threads: int) -> None:
@@ -42,10 +43,11 @@ def child(tree: str, threads: int) -> None:
     g = torch.Generator().manual_seed(0)
 
     def matrix(n: int, k: int, bits: int) -> tuple:
-        codes = (torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8) if bits == 4
+        row_bytes = {4: k // 2, 5: k // 2 + k // 8}
+        codes = (torch.randint(0, 256, (n, row_bytes[bits]), generator=g, dtype=torch.uint8) if bits in row_bytes
                  else torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8))
         d = torch.rand(n, k // 32, generator=g).half()
-        m = torch.randn(n, k // 32, generator=g).half() if bits == 4 else torch.empty(0, dtype=torch.half)
+        m = torch.randn(n, k // 32, generator=g).half() if bits != 8 else torch.empty(0, dtype=torch.half)
         return torch.randn(1, k, generator=g), codes, d, m, bits
 
     def p20(fn, repeats: int) -> float:
@@ -57,7 +59,11 @@ def child(tree: str, threads: int) -> None:
         return sorted(times)[len(times) // 5]
 
     out = {}
-    for bits in (4, 8):
+    for bits in KINDS:
+        try:
+            op(*matrix(8, 64, bits))
+        except RuntimeError:  # an older kernel's bits
+            continue
         layers = [[matrix(n, k, bits) for n, k in SHAPES] for _ in range(LAYERS)]
         head = matrix(*HEAD, bits)
         hot = sum(p20(lambda a=a: [op(*a) for _ in range(10)], 15) / 10 * LAYERS for a in layers[0])
@@ -87,8 +93,9 @@ def main() -> None:
             got[t].append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(f"ms a token, {args.threads} thread(s), median of {args.rounds} rounds (each a 20th percentile)")
     for t, runs in got.items():
-        cells = [f"{kind} {regime} {statistics.median(x[kind][regime] for x in runs):.2f}"
-                 for kind in ("4-bit", "8-bit") for regime in ("hot", "cold")]
+        cells = [f"{kind} {regime} " + (f"{statistics.median(x[kind][regime] for x in runs):.2f}"
+                                         if kind in runs[0] else "-")
+                 for kind in (f"{b}-bit" for b in KINDS) for regime in ("hot", "cold")]
         print(f"{t}: " + ", ".join(cells))
 
 

@@ -74,6 +74,7 @@ def _float32(w: cpu_packed.CPUWeight) -> torch.Tensor:
 
 
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "mlx4_g64", "mlx4_g128", "mlx3_g32")  # codes of 4 bits or fewer
+FIVE_BIT = ("Q5_0", "Q5_1", "Q5_K")
 
 
 @pytest.mark.parametrize("kind", list(FLOOR_UNITS))
@@ -90,7 +91,8 @@ def test_native_weights_prefill_through_the_same_gemm(kind):
     rounded once. Under the threshold they take the kernel (activations rounded to int8 per 32)."""
     assert cpu_native.build_error() == ""
     w = _weight(kind, native=True)
-    assert cpu_packed.kind(w) == ("native8r" if kind == "Q6_K" else "native4" if kind in FOUR_BIT else "native8")
+    assert cpu_packed.kind(w) == ("native8r" if kind == "Q6_K" else "native4" if kind in FOUR_BIT
+                                  else "native5" if kind in FIVE_BIT else "native8")
     g = torch.Generator().manual_seed(0)
     _check_prefill(w, kind, g)
     x = torch.randn(cpu_features.DEQUANT_MIN_ROWS - 1, K, generator=g)

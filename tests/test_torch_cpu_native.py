@@ -1,14 +1,18 @@
-"""Roofline's own AVX2 matmul for quantized weights (`backends/torch/cpu_native.py`, `cpu_native.cpp`): the
-kernel against its contract in float64 (the int8 rounding of the activations emulated), what `NativeWeight`
-holds exactly per format, the engine on it against the same weights in float32, and a build that cannot happen.
+"""Roofline's own CPU matmul for quantized weights (`backends/torch/cpu_native.py`, `cpu_native.cpp`): the
+kernel against its contract in float64 (the int8 rounding of the activations emulated) in this CPU's build and
+in the narrower ones it can run, its bfloat16 dequantization, what `NativeWeight` holds exactly per format, the
+engine on it against the same weights in float32, and a build that cannot happen.
 
-It runs on any x86-64 CPU with AVX2 (AVX-512 ones included, where the engine itself keeps torch's kernel)."""
+It runs on any x86-64 CPU with AVX2."""
 
 from __future__ import annotations
 
 import dataclasses
 import platform
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,11 +54,21 @@ def emulated(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor 
 
 def pack4(c: torch.Tensor) -> torch.Tensor:
     n, k = c.shape
-    b = c.view(n, k // 32, 32)
+    b = c.view(n, k // 32, 32) & 15
     return (b[..., :16] | (b[..., 16:] << 4)).reshape(n, k // 2).contiguous()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+def pack5(c: torch.Tensor) -> torch.Tensor:
+    """5-bit codes (N, K) -> the kernel's bytes: `pack4` of their low 4 bits, then per block the word whose bit j
+    is code j's fifth, written out bit by bit here (not as the loader's np.packbits does it)."""
+    n, k = c.shape
+    fifth = (c.view(n, k // 32, 32).to(torch.int64) >> 4) & 1
+    words = (fifth << torch.arange(32)).sum(-1)  # (N, blocks), below 2**32
+    le = torch.stack([(words >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8).reshape(n, k // 8)
+    return torch.cat([pack4(c), le], dim=1).contiguous()
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("offsets", [True, False])
 def test_the_kernel_is_its_contract(built, bits, dtype, offsets):
@@ -62,25 +76,36 @@ def test_the_kernel_is_its_contract(built, bits, dtype, offsets):
         contract(bits, dtype, offsets, K)
 
 
-def contract(bits, dtype, offsets, K):
+def random_weight(bits, dtype, offsets, K, N=200):
+    """Codes (N, K) as integers, the kernel's codes, d and m (empty without offsets)."""
     g = torch.Generator().manual_seed(bits * 10 + offsets + K)
-    N = 200  # a tile and a partial one
-    if bits == 4:
-        c = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
-        codes = pack4(c)
+    if bits in (4, 5):
+        c = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
+        codes = pack4(c) if bits == 4 else pack5(c)
     else:
         c = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
         codes = c
     d = (torch.rand(N, K // 32, generator=g) * 0.05 + 1e-3).to(dtype)
     m = (torch.randn(N, K // 32, generator=g) * 0.1).to(dtype) if offsets else torch.empty(0, dtype=dtype)
+    return c, codes, d, m
+
+
+def contract(bits, dtype, offsets, K):
+    c, codes, d, m = random_weight(bits, dtype, offsets, K)  # N = 200: a tile and a partial one
+    g = torch.Generator().manual_seed(K)
     for M in (1, 2, 3, 4, 5, 9):  # each row count of the kernel's 4-row blocks, and more than one block
         x = torch.randn(M, K, generator=g) * torch.linspace(0.1, 3, K)
         x[0, :32] = 0  # a block of zeros: its scale is 0
         y = torch.ops.roofline_cpu.qmatmul(x, codes, d, m, bits)
         want = emulated(x, c.to(torch.int32), d, m if offsets else None)
-        assert y.shape == (M, N) and y.dtype == torch.float32
+        assert y.shape == (M, c.shape[0]) and y.dtype == torch.float32
         # float32 sums of 3 and 11 blocks: measured 1.8e-7 of the largest output
         assert (y.double() - want).abs().max() <= 4e-6 * want.abs().max(), (M, K, bits, dtype, offsets)
+    # a prefill's weights: d c + m in float32, a product then a sum (torch's), rounded once to bfloat16
+    w = c.float().view(-1, K // 32, 32) * d.float()[..., None]
+    if offsets:
+        w = w + m.float()[..., None]
+    assert torch.equal(torch.ops.roofline_cpu.dequant(codes, d, m, bits), w.reshape(-1, K).to(torch.bfloat16))
 
 
 def test_the_kernel_refuses_what_it_cannot_read(built):
@@ -90,6 +115,10 @@ def test_the_kernel_refuses_what_it_cannot_read(built):
     x = torch.zeros(1, 64)
     with pytest.raises(RuntimeError, match=re.escape("codes (N, 32) uint8")):
         torch.ops.roofline_cpu.qmatmul(x, torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 2), torch.empty(0), 4)
+    with pytest.raises(RuntimeError, match=re.escape("codes (N, 40) uint8")):  # 5 bits: 32 + 8 bytes a row
+        torch.ops.roofline_cpu.qmatmul(x, torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2), torch.empty(0), 5)
+    with pytest.raises(RuntimeError, match="bits 4, 5 or 8, got 6"):
+        torch.ops.roofline_cpu.qmatmul(x, torch.zeros(4, 48, dtype=torch.uint8), torch.zeros(4, 2), torch.empty(0), 6)
     with pytest.raises(RuntimeError, match="m empty or as d"):
         torch.ops.roofline_cpu.qmatmul(x, torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 2),
                                        torch.zeros(4, 2, dtype=torch.float16), 8)
@@ -113,8 +142,9 @@ def affine(bits: int, group: int, symmetric: bool, f16: bool, n: int = 70, k: in
     (4, 32, False, True, (4, torch.float16, True)),  # Q4_1
     (4, 64, False, False, (4, torch.float32, True)),  # MLX 4-bit g64, float32 scales (not float16's)
     (8, 32, True, True, (8, torch.float16, False)),  # Q8_0: signed codes, no offsets
-    (5, 32, True, True, (8, torch.float16, False)),  # Q5_0
-    (5, 32, False, True, (8, torch.float16, True)),  # Q5_1
+    (5, 32, True, True, (5, torch.float16, True)),  # Q5_0: offsets -16 d
+    (5, 32, False, True, (5, torch.float16, True)),  # Q5_1
+    (6, 64, False, False, (8, torch.float32, True)),  # MLX 6-bit
     (3, 64, False, False, (4, torch.float32, True)),  # MLX 3-bit
 ])
 def test_what_a_native_weight_holds_exactly(bits, group, symmetric, f16, want):
@@ -136,8 +166,8 @@ def test_8bit_affine_offsets_round_in_floats_last_bit():
 
 def test_fusion_widens_scales_and_fills_offsets(built):
     parts = [cpu_native.NativeWeight.from_affine_rows(lambda lo, hi, q=q: q[lo:hi], s, b, q.shape, bits, 32)
-             for q, s, b, _ in (affine(8, 32, True, True, seed=1), affine(5, 32, False, False, seed=2))
-             for bits in [8 if q.max() > 31 else 5]]
+             for q, s, b, _ in (affine(8, 32, True, True, seed=1), affine(6, 32, False, False, seed=2))
+             for bits in [8 if q.max() > 63 else 6]]
     assert [(p.d.dtype, p.m.numel() > 0) for p in parts] == [(torch.float16, False), (torch.float32, True)]
     fused = cpu_native.fuse(parts)
     assert fused.d.dtype == torch.float32 and fused.out_features == 140
@@ -159,14 +189,46 @@ def test_the_build_flags_follow_the_cpu(monkeypatch, have, extra):
     assert cpu_native.flags.__wrapped__() == cpu_native.FLAGS + extra
 
 
+# The CPU's narrower builds, each run on its contract in a process of its own (a process loads one build of the
+# op): where this CPU is wider, its own build never takes their code paths (the 5-bit codes' bit spreading, the
+# 256-bit dot products)
+NARROWER_BUILDS = {"AVX-VNNI": ("avx_vnni", cpu_native.VNNI_FLAGS["avx_vnni"]), "AVX2": ("avx2", ())}
+_CONTRACT_IN_A_BUILD = """
+import sys
+from mlx_engine.backends.torch import cpu_native
+cpu_native.flags = lambda: cpu_native.FLAGS + tuple(sys.argv[1:])
+assert cpu_native.build_error() == "", cpu_native.build_error()
+import torch
+from tests.test_torch_cpu_native import contract
+for bits in (4, 5, 8):
+    for dtype in (torch.float16, torch.float32):
+        for offsets in (True, False):
+            for K in (96, 576):
+                contract(bits, dtype, offsets, K)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("name", list(NARROWER_BUILDS))
+def test_each_narrower_build_is_its_contract(name):
+    need, extra = NARROWER_BUILDS[name]
+    if need not in cpu_features.cpu_flags():
+        pytest.skip(f"this CPU has no {need}")
+    if cpu_native.flags() == cpu_native.FLAGS + extra:
+        pytest.skip(f"the {name} build is this CPU's own, tested above")
+    done = subprocess.run([sys.executable, "-c", _CONTRACT_IN_A_BUILD, *extra], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 def test_a_build_that_cannot_happen_is_said_and_leaves_nothing(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_native, "library_path", lambda: tmp_path / "k" / "roofline_cpu.so")
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     error = cpu_native.build_error.__wrapped__()
-    assert error.startswith("building Roofline's AVX2 kernel failed:") and "no-such-compiler" in error
+    assert error.startswith("building Roofline's CPU kernel failed:") and "no-such-compiler" in error
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
     error = cpu_native.build_error.__wrapped__()
-    assert error.startswith("building Roofline's AVX2 kernel with false failed")
+    assert error.startswith("building Roofline's CPU kernel with false failed")
     assert list((tmp_path / "k").iterdir()) == []  # no half-built library left
 
 
@@ -183,8 +245,8 @@ def projections(block):
     return [*qkv, a.o_proj, *([m.gate_up] if m.gate_up is not None else [m.gate_proj, m.up_proj]), m.down_proj]
 
 
-@pytest.mark.parametrize("kind,want", [("Q4_1", {"native4"}), ("Q8_0", {"native8"}), ("Q5_0", {"native8"}),
-                                       ("kquants", {"native4", "native8", "native8r"})])
+@pytest.mark.parametrize("kind,want", [("Q4_1", {"native4"}), ("Q8_0", {"native8"}), ("Q5_0", {"native5"}),
+                                       ("kquants", {"native4", "native5", "native8r"})])
 def test_engine_logits_on_the_kernel_against_float32(native_cpu, quantized_files, kind, want):
     path, ref_folder = quantized_files[kind]
     with Engine.load(str(path), backend="torch", device="cpu", compile=False) as engine, \
@@ -193,7 +255,7 @@ def test_engine_logits_on_the_kernel_against_float32(native_cpu, quantized_files
         held = {cpu_packed.kind(lin.weight) for b in model.layers for lin in projections(b)}
         assert held == want, held
         assert cpu_packed.kind(model.embed_tokens.weight).startswith("native")
-        assert "Roofline's AVX2 kernel" in engine.info.notes[0]
+        assert "Roofline's CPU kernel" in engine.info.notes[0]
         ids = [i % engine.info.vocab_size for i in [3, 17, 42, 99, 7, 64, 120, 5] * 3]
         a, b = engine.forward_logits(ids), ref.forward_logits(ids)
         rel = float(np.abs(a - b).max() / np.abs(b).max())
@@ -222,7 +284,7 @@ def test_greedy_tokens_on_the_kernel_against_mlx(native_cpu, quantized_files, ki
     path, _ = quantized_files[kind]
     with Engine.load(str(path), backend="torch", device="cpu", compile=False) as engine, \
             Engine.load(str(path)) as mlx:
-        assert any("Roofline's AVX2 kernel" in n for n in engine.info.notes)
+        assert any("Roofline's CPU kernel" in n for n in engine.info.notes)
         ids = [i % engine.info.vocab_size for i in PROMPT]
         scale = float(np.abs(mlx.forward_logits(ids)).max())
         tol = NATIVE_LOGITS_REL_TOL.get(kind, max(NATIVE_LOGITS_REL_TOL.values())) * scale

@@ -7,7 +7,9 @@ own dynamo cache each): the codes read from the int4 kernel's packed bytes, time
 rounded to bfloat16 once. An int4 slice comes out transposed, (in, out): for each input, a block's 32 packed
 bytes give its 64 outputs side by side (low nibbles, then high), so the loop is vector loads, shifts and FMAs
 with no gather, and `x @ W.T` is a plain (rows, in) x (in, out) GEMM, as fast in oneDNN as the other layout.
-Where torch.compile cannot build (no C++ compiler), the same function runs eagerly, a few times slower.
+Where torch.compile cannot build (no C++ compiler), the same function runs eagerly, a few times slower. A
+`NativeWeight`'s slice is dequantized by Roofline's kernel library instead (`roofline_cpu::dequant`, bit for bit
+`native_float` rounded to bfloat16): inductor's loop for its 4- and 5-bit codes took 7-10x the 8-bit one's time.
 
 Numerics: the weight is the float32 dequantization (`Int4Weight.dequantized`) rounded to bfloat16 once; the two
 planes of a 5-8 bit code are one integer here, q = c0 + 16 c1, so w = S q + B with S the first plane's scale and
@@ -68,23 +70,24 @@ def native_matmul(w: NativeWeight, x2: torch.Tensor) -> torch.Tensor:
 
 
 def native_slice(w: NativeWeight, lo: int, hi: int) -> torch.Tensor:
-    """Output rows [lo, hi) of `w` dequantized to bfloat16: (hi - lo, in)."""
-    m = w.m[lo:hi] if w.m.numel() else None
-    key = ("native", hi - lo, w.in_features, w.bits, str(w.d.dtype), m is not None)
-    return _run(_native_dequant, (hi - lo) * w.in_features, key, w.codes[lo:hi], w.d[lo:hi], m, w.bits)
-
-
-def _native_dequant(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int) -> torch.Tensor:
-    return native_float(codes, d, m, bits).to(torch.bfloat16)
+    """Output rows [lo, hi) of `w` dequantized to bfloat16 by the kernel's library: (hi - lo, in)."""
+    return torch.ops.roofline_cpu.dequant(w.codes[lo:hi], w.d[lo:hi], w.m[lo:hi] if w.m.numel() else w.m, w.bits)
 
 
 def native_float(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """A `NativeWeight`'s rows: codes (r, in / 2) uint8 (two 4-bit codes a byte: code j low, j + 16 high) or
-    (r, in) int8; d, m (r, in / 32) -> (r, in) float32, d c + m."""
+    """A `NativeWeight`'s rows: codes (r, in / 2) uint8 (two 4-bit codes a byte: code j low, j + 16 high), that
+    and a 32-bit word of fifth bits a block (5-bit codes, (r, in / 2 + in / 8)) or (r, in) int8; d, m (r, in / 32)
+    -> (r, in) float32, d c + m."""
     r = codes.shape[0]
-    if bits == 4:
-        b = codes.view(r, -1, 16)
-        c = torch.cat([b & 15, b >> 4], dim=-1).float()  # (r, blocks, 32)
+    if bits in (4, 5):
+        nb = d.shape[1]
+        b = codes[:, : nb * 16].reshape(r, nb, 16)
+        c = torch.cat([b & 15, b >> 4], dim=-1)  # (r, blocks, 32)
+        if bits == 5:
+            h = codes[:, nb * 16:].reshape(r, nb, 4, 1)
+            bit = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=codes.device)
+            c = c | ((h & bit) != 0).to(torch.uint8).reshape(r, nb, 32) << 4
+        c = c.float()
     else:
         c = codes.view(r, -1, 32).float()
     w = c * d.float()[..., None]

@@ -6,8 +6,11 @@
 //
 // A matrix (N, K), K a multiple of 32, w = d * c + m per block of 32 inputs of a row:
 //   bits 4: codes (N, K / 2) uint8, byte j of a block = c[j] | c[j + 16] << 4, c in [0, 16)
+//   bits 5: codes (N, K / 2 + K / 8) uint8: the low 4 bits of the codes as bits 4 (K / 2 bytes), then a 32-bit word
+//           a block (little-endian, bit j = bit 4 of c[j]), c in [0, 32): GGML's Q5_0 and Q5_1 blocks as stored
 //   bits 8: codes (N, K) int8, c in [-128, 128)
 //   d, m: (N, K / 32) float32 or float16 (both the same); m may be empty (no offsets).
+// `dequant` writes such a matrix's rows as bfloat16, for a prefill's GEMM.
 // y[r, n] = sum_b d[n, b] dx[r, b] sum_j c[n, b, j] xq[r, b, j] + m[n, b] dx[r, b] sum_j xq[r, b, j].
 
 #include <ATen/ATen.h>
@@ -19,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -116,14 +120,30 @@ void quantize_rows(const float* x, int64_t M, int64_t nb, bool grouped, int8_t* 
   }
 }
 
-// The 32 codes of block b of a row as unsigned bytes in input order (bits 4), or as signed bytes (bits 8)
+// The 32 codes of block b of a row as unsigned bytes in input order (bits 4 and 5), or as signed bytes (bits 8);
+// `high`: a 5-bit row's words of high bits
 template <int BITS>
-inline __m256i block_codes(const uint8_t* row, int64_t b) {
-  if constexpr (BITS == 4) {
-    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
-    return _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));
-  } else {
+inline __m256i block_codes(const uint8_t* row, const uint8_t* high, int64_t b) {
+  if constexpr (BITS == 8) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QK));
+  } else {
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
+    const __m256i low = _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));
+    if constexpr (BITS == 4) return low;
+    uint32_t h;
+    std::memcpy(&h, high + b * 4, 4);
+#ifdef ROOFLINE_AVX512
+    return _mm256_mask_add_epi8(low, static_cast<__mmask32>(h), low, _mm256_set1_epi8(16));
+#else
+    // bit j of h to byte j (GGML's bytes_from_bits_32): byte j holds h's byte j / 8, every bit but j's set, so
+    // it is all ones exactly where bit j is
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(h)),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                          _mm256_set1_epi64x(-1));
+    return _mm256_or_si256(low, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+#endif
   }
 }
 
@@ -142,12 +162,13 @@ inline __m256 block_dot(__m256i q, const int8_t* xr) {
 template <int BITS, typename S, bool OFFSETS, int R>
 void rows_kernel(const uint8_t* codes, const S* d, const S* m, const int8_t* xq, const float* dx, const float* sx,
                  int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
-  const int64_t nb = K / QK, nb8 = nb & ~int64_t{7}, row_bytes = BITS == 4 ? K / 2 : K;
+  const int64_t nb = K / QK, nb8 = nb & ~int64_t{7}, row_bytes = BITS == 8 ? K : BITS == 4 ? K / 2 : K / 2 + K / 8;
   thread_local std::vector<float> scratch;
   scratch.resize(R * nb);
   float* ds = scratch.data();
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = codes + n * row_bytes;
+    const uint8_t* h = c + K / 2;  // a 5-bit row's high bits
     const S* dn = d + n * nb;
     const S* mn = OFFSETS ? m + n * nb : nullptr;
     if (n + PF < N) {  // the codes and scales of the row PF ahead
@@ -183,12 +204,20 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, const int8_t* xq,
     int64_t b = 0;
 #ifdef ROOFLINE_AVX512
     __m512 z0[R], z1[R];
-    if constexpr (BITS == 4) {  // two groups a step, an accumulator each; then a last group; then as below
+    if constexpr (BITS != 8) {  // two groups a step, an accumulator each; then a last group; then as below
       const __m512i low = _mm512_set1_epi8(0x0F);
       for (int r = 0; r < R; ++r) z0[r] = z1[r] = _mm512_setzero_ps();
       auto group = [&](int64_t g, __m512* z) {
         const __m512i raw = _mm512_loadu_si512(c + g * 16);
-        const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        if constexpr (BITS == 5) {  // the four blocks' high bits of inputs 0-15, then of 16-31: a byte mask each
+          const __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + g * 4));
+          const __m128i split =
+              _mm_shuffle_epi8(words, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+          const __m512i sixteen = _mm512_set1_epi8(16);
+          lo = _mm512_mask_add_epi8(lo, static_cast<__mmask64>(_mm_cvtsi128_si64(split)), lo, sixteen);
+          hi = _mm512_mask_add_epi8(hi, static_cast<__mmask64>(_mm_extract_epi64(split, 1)), hi, sixteen);
+        }
         for (int r = 0; r < R; ++r) {
           const int8_t* xr = xq + r * K + g * QK;
           const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr)),
@@ -207,7 +236,7 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, const int8_t* xq,
     }
 #endif
     for (; b + 1 < nb; b += 2) {
-      const __m256i q0 = block_codes<BITS>(c, b), q1 = block_codes<BITS>(c, b + 1);
+      const __m256i q0 = block_codes<BITS>(c, h, b), q1 = block_codes<BITS>(c, h, b + 1);
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = xq + r * K + b * QK;
         acc0[r] = _mm256_fmadd_ps(block_dot<BITS>(q0, xr), _mm256_broadcast_ss(ds + r * nb + b), acc0[r]);
@@ -215,14 +244,14 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, const int8_t* xq,
       }
     }
     if (b < nb) {
-      const __m256i q0 = block_codes<BITS>(c, b);
+      const __m256i q0 = block_codes<BITS>(c, h, b);
       for (int r = 0; r < R; ++r)
         acc0[r] = _mm256_fmadd_ps(block_dot<BITS>(q0, xq + r * K + b * QK), _mm256_broadcast_ss(ds + r * nb + b), acc0[r]);
     }
     for (int r = 0; r < R; ++r) {
       float o = OFFSETS ? hsum(offv[r]) + off[r] : 0.f;
 #ifdef ROOFLINE_AVX512
-      if constexpr (BITS == 4) o += _mm512_reduce_add_ps(_mm512_add_ps(z0[r], z1[r]));
+      if constexpr (BITS != 8) o += _mm512_reduce_add_ps(_mm512_add_ps(z0[r], z1[r]));
 #endif
       y[r * N + n] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + o;
     }
@@ -268,31 +297,99 @@ void dispatch_offsets(const at::Tensor& codes, const at::Tensor& d, const at::Te
     run<BITS, S, false>(c, dp, nullptr, xq, dx, sx, M, K, N, y);
 }
 
-at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                   int64_t bits) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && d.dim() == 2, "qmatmul: x (M, K), codes and d 2-D");
-  TORCH_CHECK(bits == 4 || bits == 8, "qmatmul: bits 4 or 8, got ", bits);
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+// A weight's tensors as the kernel reads them, K inputs a row
+void check_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t K) {
+  TORCH_CHECK(codes.dim() == 2 && d.dim() == 2, "qmatmul: codes and d 2-D");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "qmatmul: bits 4, 5 or 8, got ", bits);
   TORCH_CHECK(K % QK == 0, "qmatmul: K a multiple of 32, got ", K);
-  TORCH_CHECK(codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar) && codes.is_contiguous() &&
-                  codes.size(1) == (bits == 4 ? K / 2 : K),
-              "qmatmul: codes (N, ", bits == 4 ? K / 2 : K, ") ", bits == 4 ? "uint8" : "int8", " contiguous");
+  const int64_t row_bytes = bits == 8 ? K : bits == 4 ? K / 2 : K / 2 + K / 8;
+  TORCH_CHECK(codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && codes.is_contiguous() &&
+                  codes.size(1) == row_bytes,
+              "qmatmul: codes (N, ", row_bytes, ") ", bits == 8 ? "int8" : "uint8", " contiguous");
   TORCH_CHECK((d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf) && d.is_contiguous() &&
-                  d.size(0) == N && d.size(1) == K / QK,
+                  d.size(0) == codes.size(0) && d.size(1) == K / QK,
               "qmatmul: d (N, K / 32) float32 or float16, contiguous");
   TORCH_CHECK(m.numel() == 0 || (m.scalar_type() == d.scalar_type() && m.is_contiguous() && m.sizes() == d.sizes()),
               "qmatmul: m empty or as d");
+}
+
+// float32 to bfloat16, to nearest with ties to even (as torch converts finite values)
+inline __m128i to_bf16(__m256 w) {
+  const __m256i u = _mm256_castps_si256(w);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// Rows [n0, n1) as bfloat16, d c + m in float32 (a product, then a sum: torch's order) rounded once
+template <int BITS, typename S, bool OFFSETS>
+void dequant_rows(const uint8_t* codes, const S* d, const S* m, int64_t K, int64_t n0, int64_t n1, uint16_t* out) {
+  const int64_t nb = K / QK, row_bytes = BITS == 8 ? K : BITS == 4 ? K / 2 : K / 2 + K / 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = codes + n * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i q = block_codes<BITS>(c, c + K / 2, b);
+      const __m256 dv = _mm256_set1_ps(load_scale(d + n * nb + b));
+      const __m256 mv = OFFSETS ? _mm256_set1_ps(load_scale(m + n * nb + b)) : _mm256_setzero_ps();
+      uint16_t* o = out + n * K + b * QK;
+      for (int j = 0; j < 4; ++j) {
+        const __m128i half = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+        const __m128i eight = j % 2 ? _mm_srli_si128(half, 8) : half;
+        const __m256i i32 = BITS == 8 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+        __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(i32), dv);
+        if constexpr (OFFSETS) w = _mm256_add_ps(w, mv);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * j), to_bf16(w));
+      }
+    }
+  }
+}
+
+template <int BITS, typename S>
+void dequant_dispatch(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t K, uint16_t* out) {
+  const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
+  const auto* dp = static_cast<const S*>(d.data_ptr());
+  const auto* mp = m.numel() > 0 ? static_cast<const S*>(m.data_ptr()) : nullptr;
+  at::parallel_for(0, codes.size(0), 16, [&](int64_t n0, int64_t n1) {
+    if (mp) dequant_rows<BITS, S, true>(c, dp, mp, K, n0, n1, out);
+    else dequant_rows<BITS, S, false>(c, dp, nullptr, K, n0, n1, out);
+  });
+}
+
+// codes, d, m as qmatmul's -> (N, K) bfloat16
+at::Tensor dequant(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits) {
+  check_weight(codes, d, m, bits, d.size(-1) * QK);
+  const int64_t K = d.size(1) * QK;
+  at::Tensor out = at::empty({codes.size(0), K}, codes.options().dtype(at::kBFloat16));
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const bool half = d.scalar_type() == at::kHalf;
+  auto each = [&]<int BITS>() {
+    half ? dequant_dispatch<BITS, uint16_t>(codes, d, m, K, o) : dequant_dispatch<BITS, float>(codes, d, m, K, o);
+  };
+  if (bits == 4) each.template operator()<4>();
+  else if (bits == 5) each.template operator()<5>();
+  else each.template operator()<8>();
+  return out;
+}
+
+at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                   int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && d.dim() == 2, "qmatmul: x (M, K), codes and d 2-D");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  check_weight(codes, d, m, bits, K);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t blocks = M * (K / QK);
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(blocks), sx(blocks);
-  quantize_rows(xf.data_ptr<float>(), M, K / QK, bits == 4, xq.data(), dx.data(), sx.data());
+  quantize_rows(xf.data_ptr<float>(), M, K / QK, bits != 8, xq.data(), dx.data(), sx.data());
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   const bool half = d.scalar_type() == at::kHalf;
   if (bits == 4) {
     if (half) dispatch_offsets<4, uint16_t>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
     else dispatch_offsets<4, float>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+  } else if (bits == 5) {
+    if (half) dispatch_offsets<5, uint16_t>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+    else dispatch_offsets<5, float>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
   } else {
     if (half) dispatch_offsets<8, uint16_t>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
     else dispatch_offsets<8, float>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
@@ -304,6 +401,10 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 
 TORCH_LIBRARY(roofline_cpu, lib) {
   lib.def("qmatmul(Tensor x, Tensor codes, Tensor d, Tensor m, int bits) -> Tensor");
+  lib.def("dequant(Tensor codes, Tensor d, Tensor m, int bits) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(roofline_cpu, CPU, lib) { lib.impl("qmatmul", &qmatmul); }
+TORCH_LIBRARY_IMPL(roofline_cpu, CPU, lib) {
+  lib.impl("qmatmul", &qmatmul);
+  lib.impl("dequant", &dequant);
+}

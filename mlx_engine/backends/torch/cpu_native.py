@@ -9,6 +9,9 @@ block of 32 (max|x| / 127), integer products summed per block (VNNI's vpdpbusd w
 float32. A prefill's rows, on a CPU with bfloat16 dot products, dequantize to oneDNN's bfloat16 GEMM instead
 (`cpu_features.DEQUANT_MIN_ROWS`, `cpu_gemm.native_matmul`), as torch's int4 weights do.
 
+Codes are held 4 bits a weight (Q4_0, Q4_1, Q4_K, MLX 2-4 bit), 5 (Q5_0, Q5_1, Q5_K, MLX 5-bit: as GGML stores
+Q5_0, the low 4 bits and a word of fifth bits a block, 37% fewer bytes a token than as int8) or 8 (the rest).
+
 Numerics: codes, scales and offsets are exact (float16 where every value of the matrix is, else float32); the
 activations' int8 rounding is the one rounded step, as in llama.cpp's q8_0 dot products. The output head's top
 logits are recomputed in float32 from exact rows (`cpu_packed.head_matmul`).
@@ -36,7 +39,8 @@ from mlx_engine.backends.torch import cpu_features, cpu_gemm
 
 SOURCE = Path(__file__).with_name("cpu_native.cpp")
 QK = 32  # inputs a block
-FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-w")
+# -ffp-contract=off: a product and a sum stay two roundings where written so (`dequant`: torch's order, bit for bit)
+FLAGS = ("-O3", "-std=c++20", "-ffp-contract=off", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-w")
 # The integer dot product in one instruction (vpdpbusd) where the CPU has it, 256 bits wide; with AVX-512 (BW for
 # its byte ops) 4-bit codes also four blocks a 512-bit register
 VNNI_FLAGS = {"avx512_vnni": ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"), "avx_vnni": ("-mavxvnni",)}
@@ -79,23 +83,24 @@ def build_error() -> str:
     if not path.exists():
         cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
         if cxx is None:
-            return "no C++ compiler (c++, g++ or $CXX) to build Roofline's AVX2 kernel"
+            return "no C++ compiler (c++, g++ or $CXX) to build Roofline's CPU kernel"
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built apart, then renamed: never half a file
             out = Path(tmp) / path.name
             try:
                 done = subprocess.run(_command(cxx, out), capture_output=True, text=True, timeout=600)
             except (OSError, subprocess.TimeoutExpired) as e:
-                return f"building Roofline's AVX2 kernel failed: {e}"
+                return f"building Roofline's CPU kernel failed: {e}"
             if done.returncode != 0:
                 last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-                return f"building Roofline's AVX2 kernel with {cxx} failed: {last}"
+                return f"building Roofline's CPU kernel with {cxx} failed: {last}"
             os.replace(out, path)
     try:
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as e:
-        return f"loading Roofline's AVX2 kernel ({path}) failed: {str(e).splitlines()[0]}"
+        return f"loading Roofline's CPU kernel ({path}) failed: {str(e).splitlines()[0]}"
     torch.library.register_fake("roofline_cpu::qmatmul")(_fake_qmatmul)
+    torch.library.register_fake("roofline_cpu::dequant")(_fake_dequant)
     return ""
 
 
@@ -103,13 +108,20 @@ def _fake_qmatmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torc
     return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
 
 
+def _fake_dequant(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
+    return d.new_empty((codes.shape[0], d.shape[1] * QK), dtype=torch.bfloat16)
+
+
 FROM_AFFINE_ROWS = 4096  # rows converted at once (the transients are a slice's, not an embedding's)
+ROW_BYTES = {4: lambda k: k // 2, 5: lambda k: k // 2 + k // 8, 8: lambda k: k}  # a row's codes, k inputs
 
 
 class NativeWeight:
     """A quantized matrix (out, in) for `roofline_cpu::qmatmul`: codes (out, in / 2) uint8, two 4-bit codes a
-    byte (byte j of a block: code j low, code j + 16 high), or (out, in) int8; d and m (out, in / 32) float16 or
-    float32, m empty where every offset is 0."""
+    byte (byte j of a block: code j low, code j + 16 high); 5-bit codes (out, in / 2 + in / 8) uint8, their low 4
+    bits so, then a little-endian 32-bit word a block of their fifth bits (bit j: code j's), as GGML's Q5_0 and
+    Q5_1 store them; or (out, in) int8; d and m (out, in / 32) float16 or float32, m empty where every offset
+    is 0."""
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, out_features: int,
                  in_features: int, source_bytes: int = 0):
@@ -123,36 +135,44 @@ class NativeWeight:
                          shape: tuple[int, int], bits: int, group_size: int) -> NativeWeight:
         """codes(lo, hi): rows [lo, hi)'s integers in [0, 2**bits); scales, biases (out, in / group) float32:
         w = scales * codes + biases per group (a multiple of 32). Codes of up to 4 bits are held as 4-bit
-        codes, offsets the biases; wider ones as int8: a symmetric matrix (biases -2**(bits-1) scales: Q8_0,
-        Q5_0) as its signed codes without offsets, others as their codes (up to 7 bits) with the biases, or
-        (8-bit affine) codes less 128 with biases + 128 scales, which rounds an offset in float32's last bit."""
+        codes and 5-bit ones (Q5_0, Q5_1, Q5_K) as 5-bit codes, offsets the biases (Q5_0's: -16 scales); wider
+        ones as int8: a symmetric matrix (biases -2**(bits-1) scales: Q8_0) as its signed codes without
+        offsets, others as their codes (6 or 7 bits) with the biases, or (8-bit affine) codes less 128 with
+        biases + 128 scales, which rounds an offset in float32's last bit."""
         n, k = shape
         s = np.asarray(scales, np.float32)
         b = np.asarray(biases, np.float32)
         rep = group_size // QK
         off = 2.0 ** (bits - 1)
         shift = 0
-        if bits > 4 and np.array_equal(b, np.float32(-off) * s):
+        if bits == 5:
+            pass
+        elif bits > 4 and np.array_equal(b, np.float32(-off) * s):
             shift, b = int(off), None
         elif bits == 8:
             shift, b = 128, b + np.float32(128) * s
         d, m = np.repeat(s, rep, axis=1), None if b is None else np.repeat(b, rep, axis=1)
         exact16 = all(a is None or np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (d, m))
         dtype = np.float16 if exact16 else np.float32
-        wide = bits > 4
-        out = torch.empty((n, k if wide else k // 2), dtype=torch.int8 if wide else torch.uint8)
+        held = 8 if bits > 5 else 5 if bits == 5 else 4
+        out = torch.empty((n, ROW_BYTES[held](k)), dtype=torch.int8 if held == 8 else torch.uint8)
         for lo in range(0, n, FROM_AFFINE_ROWS):
             hi = min(n, lo + FROM_AFFINE_ROWS)
             c = np.asarray(codes(lo, hi))
-            if wide:
+            if held == 8:
                 out[lo:hi] = torch.from_numpy((c.astype(np.int16) - shift).astype(np.int8))
+                continue
+            blocks = c.astype(np.uint8).reshape(hi - lo, k // QK, QK)
+            nibbles = ((blocks[..., :16] & 15) | ((blocks[..., 16:] & 15) << 4)).reshape(hi - lo, k // 2)
+            if held == 4:
+                out[lo:hi] = torch.from_numpy(nibbles)
             else:
-                blocks = c.astype(np.uint8).reshape(hi - lo, k // QK, QK)
-                out[lo:hi] = torch.from_numpy((blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(hi - lo, k // 2))
+                words = np.packbits(blocks >> 4, axis=-1, bitorder="little").reshape(hi - lo, k // 8)
+                out[lo:hi] = torch.from_numpy(np.concatenate([nibbles, words], axis=1))
         mt = torch.empty(0, dtype=torch.float16 if exact16 else torch.float32)
         if m is not None and np.any(m):
             mt = torch.from_numpy(np.ascontiguousarray(m.astype(dtype)))
-        return cls(out, torch.from_numpy(np.ascontiguousarray(d.astype(dtype))), mt, 8 if wide else 4, n, k)
+        return cls(out, torch.from_numpy(np.ascontiguousarray(d.astype(dtype))), mt, held, n, k)
 
     @classmethod
     def from_int8_rows(cls, q: torch.Tensor, scale: torch.Tensor, source_bytes: int = 0) -> NativeWeight:

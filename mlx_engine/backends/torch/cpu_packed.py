@@ -316,9 +316,11 @@ def describe(kind: str) -> str:
         "int4": "int4 groups (codes exact, scales and zeros rounded to bfloat16)",
         "int4x2": "two int4 planes (codes exact, scales and zeros rounded to bfloat16)",
         "int8": "int8 per output row (rounded: groups under 32 are not the int4 kernel's)",
-        "native4": "Roofline's AVX2 kernel, 4-bit codes (codes, scales and offsets exact; activations rounded to "
+        "native4": "Roofline's CPU kernel, 4-bit codes (codes, scales and offsets exact; activations rounded to "
                    "int8 per 32)",
-        "native8": "Roofline's AVX2 kernel, 8-bit codes (codes and scales exact; activations rounded to int8 per 32)",
-        "native8r": "Roofline's AVX2 kernel, int8 per output row (rounded: groups under 32; activations rounded "
+        "native5": "Roofline's CPU kernel, 5-bit codes (codes, scales and offsets exact; activations rounded to "
+                   "int8 per 32)",
+        "native8": "Roofline's CPU kernel, 8-bit codes (codes and scales exact; activations rounded to int8 per 32)",
+        "native8r": "Roofline's CPU kernel, int8 per output row (rounded: groups under 32; activations rounded "
                     "to int8 per 32)",
     }[kind]
