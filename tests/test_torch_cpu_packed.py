@@ -348,7 +348,8 @@ def test_compiled_decode_equals_eager(quantized_files):
         assert halves is not None and halves.warm
         # every part's one graph called directly, then the same through dynamo's calls with guards skipped,
         # whose tensor checks would recompile a call that needed another graph
-        assert sorted(halves.direct) == [(rows, part) for rows in (1, 2, 3) for part in range(4 if rows < 3 else 3)]
+        assert sorted(halves.direct) == [(rows, part, (0, 0) if part == 1 else () if part == 3 else (0,))
+                                         for rows in (1, 2, 3) for part in range(4 if rows < 3 else 3)]
         for _ in range(2):
             # measured equal here; bfloat16 GEMM outputs round at 2**-8, so a fused float32 sum in another order
             # moves an output by at most about one such rounding
@@ -362,6 +363,31 @@ def test_compiled_decode_equals_eager(quantized_files):
                     temperature=0.0, max_tokens=12, ignore_eos=True, speculative="prompt-lookup"))) for t in ev.token_ids]
             assert got_spec == want_spec
             halves.direct.clear()
+        assert halves.recompiles == 0
+
+
+@needs_kernels
+def test_layers_of_mixed_formats_each_format_its_own_graphs(tmp_path):
+    """A model whose layers mix quantizations (as Q4_K_M mixes Q5_0 and Q8_0) compiles each part once per
+    format of the blocks it is given, so that every call is a direct one: one graph a function, where one
+    function for all layers held two graphs for the layer pairs (0, 1) and (1, 2), chosen by guards every call."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from tests.tiny_models import random_llama_folder, write_gguf_from_folder
+
+    src = random_llama_folder(tmp_path / "src", layers=4, hidden=64, head_dim=16)
+    path = tmp_path / "mixed.gguf"
+    write_gguf_from_folder(src, path, {"blk.1.": "Q8_0", "blk.3.": "Q8_0"}, default_type="Q4_0")
+    ids = [5, 9, 17, 33, 2, 71, 8]
+    with Engine.load(str(path), backend="torch", device="cpu", compile=False) as eager:
+        want = greedy(eager, ids, 8)
+    with Engine.load(str(path), backend="torch", device="cpu", compile=True) as compiled:
+        halves = compiled.diagnostics().runner.model.compiled
+        assert {key[1:] for key in halves.direct if key[0] == 1} == {(0, (0,)), (1, (0, 1)), (1, (1, 0)), (2, (1,)),
+                                                                    (3, ())}
+        assert [len(_debug_get_cache_entry_list(fn.__code__)) for fn in halves.code.values()] == [1] * len(halves.code)
+        assert sorted(halves.direct) == sorted(halves.code)
+        assert greedy(compiled, ids, 8) == want
         assert halves.recompiles == 0
 
 

@@ -67,12 +67,14 @@ def use_app_cache() -> None:
 class CompiledHalves:
     """`attention_inputs`, `between_attentions` and `attend_and_output` compiled by inductor: the norms, rope,
     residuals, SiLU and the attention as fused C++ loops around the matmul kernels, in place of ~80 eager ops a
-    layer, one call a layer. One graph serves every layer (the blocks are arguments), so each call's guards
-    would check those blocks' tensors again. Each compiled function holds one graph: one row (a decode step of
-    one sequence), or any 2..max_rows rows (`dynamic`: batched steps, verifications), the attended length and
-    the pools' slots dynamic in both, as copies of the functions with code objects of their own (`own_code`);
-    and a prefill's more rows (`PREFILL`, any number), whose attention (SDPA over the cache view) runs between
-    its graphs (1.25-1.8x a prefill's tokens a second across two runs of the bench: docs/benchmarks.md,
+    layer, one call a layer. One graph serves every layer of a format (the blocks are arguments: their weights'
+    kinds, dtypes and shapes, `layout`), so each call's guards would check those blocks' tensors again. Each
+    compiled function holds one graph: one row (a decode step of one sequence), or any 2..max_rows rows
+    (`dynamic`: batched steps, verifications), the attended length and the pools' slots dynamic in both, for
+    one format of the blocks it is given (a file whose layers mix quantizations, as Q4_K_M's do, has a few),
+    as copies of the functions with code objects of their own (`own_code`); and a prefill's more rows
+    (`PREFILL`, any number), whose attention (SDPA over the cache view) runs between its graphs (1.25-1.8x a
+    prefill's tokens a second across two runs of the bench: docs/benchmarks.md,
     "prefills through compiled halves").
     So once `warmed` (every layer called at the load's warm-up, each through its guards), a call goes straight
     to the function dynamo made of its one graph (`direct_call`: no frame hook, no guards; 6-18% of a decode
@@ -84,19 +86,38 @@ class CompiledHalves:
     def __init__(self, max_rows: int):
         use_app_cache()
         self.max_rows, self.warm, self.recompiles = max_rows, False, 0
-        self.code = {rows: tuple(own_code(fn, rows)
-                                 for fn in (attention_inputs, between_attentions, attend_and_output, head_matmul))
-                     for rows in (1, 2)}
-        self.code[PREFILL] = tuple(own_code(fn, "prefill")
-                                   for fn in (attention_inputs, outputs_then_inputs, attention_outputs))
-        self.fns = {rows: tuple(torch.compile(fn, fullgraph=True) for fn in fns) for rows, fns in self.code.items()}
-        self.direct: dict[tuple[int, int], Any] = {}  # (kind, part) -> direct_call's function, once warm
+        self.parts = {rows: (attention_inputs, between_attentions, attend_and_output, head_matmul) for rows in (1, 2)}
+        self.parts[PREFILL] = (attention_inputs, outputs_then_inputs, attention_outputs)
+        # (kind, part, the formats of its blocks) -> the part's own copy, and that compiled
+        self.code: dict[tuple[int, int, tuple[int, ...]], Any] = {}
+        self.fns: dict[tuple[int, int, tuple[int, ...]], Any] = {}
+        self.direct: dict[tuple[int, int, tuple[int, ...]], Any] = {}  # -> direct_call's function, once warm
+        self._formats: dict[int, int] = {}  # id(block) -> its format's number
+        self._layouts: dict[Any, int] = {}  # a block's `layout` -> its number
 
     def warmed(self) -> None:
         """After the warm-up: guards skipped, and each function of one graph called directly from now on."""
         self.warm = True
-        self.direct = {(rows, part): f for rows, fns in self.code.items() for part, fn in enumerate(fns)
-                       if (f := direct_call(fn)) is not None}
+        self.direct = {key: f for key, fn in self.code.items() if (f := direct_call(fn)) is not None}
+
+    def _key(self, part: int, rows: int, args: tuple[Any, ...]) -> tuple[int, int, tuple[int, ...]]:
+        formats = []
+        for a in args:
+            if isinstance(a, TransformerBlock):
+                n = self._formats.get(id(a))
+                if n is None:  # once a block: the model holds its blocks as long as it holds this
+                    n = self._formats[id(a)] = self._layouts.setdefault(layout(a), len(self._layouts))
+                formats.append(n)
+        return self.kind(rows), part, tuple(formats)
+
+    def _compiled(self, key: tuple[int, int, tuple[int, ...]]) -> Any:
+        fn = self.fns.get(key)
+        if fn is None:
+            kind, part, formats = key
+            name = f"{'prefill' if kind == PREFILL else kind}{''.join(f'_{f}' for f in formats)}"
+            self.code[key] = own_code(self.parts[kind][part], name)
+            fn = self.fns[key] = torch.compile(self.code[key], fullgraph=True)
+        return fn
 
     def kind(self, rows: int) -> int:
         """1: one row; 2: 2..max_rows rows; PREFILL: more (whose attention runs between the graphs)."""
@@ -106,15 +127,16 @@ class CompiledHalves:
         """Part 0 (attention_inputs), 1 (between_attentions; a prefill's: outputs_then_inputs) or 2
         (attend_and_output; a prefill's: attention_outputs) of a forward of `rows` rows, or 3 (the packed head's
         `head_matmul`) of its logits, on `args`, inside `stance()`."""
-        kind = self.kind(rows)
-        direct = self.direct.get((kind, part))
+        key = self._key(part, rows, args)
+        direct = self.direct.get(key)
         if direct is not None:
             return direct(*args)
-        fn = self.fns[kind][part]
-        if not self.warm:
+        if not self.warm or key not in self.fns:  # a format first seen after the warm-up compiles as it would have
+            fn = self._compiled(key)
             _mark_dynamic(args, rows > 1)
-            with _compile_options():
+            with torch.compiler.set_stance("default"), _compile_options():
                 return fn(*args)
+        fn = self.fns[key]
         try:
             return fn(*args)
         except RuntimeError as e:
@@ -127,6 +149,23 @@ class CompiledHalves:
     def stance(self) -> Any:
         """Around a forward's calls: guards skipped once warm (entered once a forward, not per call)."""
         return torch.compiler.set_stance(skip_guard_eval_unsafe=True) if self.warm else contextlib.nullcontext()
+
+
+def layout(obj: Any, depth: int = 0) -> Any:
+    """What a graph traced through `obj` depends on: its classes, their attributes' values, and its tensors'
+    dtypes and shapes (not their contents), nested; two blocks of one layout trace to the same graph."""
+    if isinstance(obj, torch.Tensor):
+        return "tensor", obj.dtype, tuple(obj.shape)
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.dtype)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj).__name__, tuple(layout(x, depth + 1) for x in obj)
+    if isinstance(obj, dict):
+        return "dict", tuple((k, layout(v, depth + 1)) for k, v in sorted(obj.items()))
+    fields = getattr(obj, "__dict__", None)
+    if fields is None or depth > 6:
+        return type(obj).__qualname__
+    return type(obj).__qualname__, tuple((k, layout(v, depth + 1)) for k, v in sorted(fields.items()))
 
 
 def direct_call(fn: Any) -> Any:
