@@ -96,7 +96,7 @@ def test_native_weights_prefill_through_the_same_gemm(kind):
     g = torch.Generator().manual_seed(0)
     _check_prefill(w, kind, g)
     x = torch.randn(cpu_features.DEQUANT_MIN_ROWS - 1, K, generator=g)
-    assert torch.equal(w.matmul(x), torch.ops.roofline_cpu.qmatmul(x, w.codes, w.d, w.m, w.bits))
+    assert torch.equal(w.matmul(x), torch.ops.roofline_cpu.qmatmul(x, w.codes, w.d, w.m, w.bits, w.zero))
 
 
 def _check_prefill(w: cpu_packed.CPUWeight, kind: str, g: torch.Generator) -> None:

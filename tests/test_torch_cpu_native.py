@@ -70,7 +70,7 @@ def pack5(c: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("offsets", [True, False])
+@pytest.mark.parametrize("offsets", [True, False, "zero"])  # offsets m, none, or -zero d (a zero point)
 def test_the_kernel_is_its_contract(built, bits, dtype, offsets):
     for K in (96, 128, 352, 576):  # 3, 4, 11, 18 blocks: scales 8 at a time and their tail, odd blocks, groups of 4
         contract(bits, dtype, offsets, K)
@@ -78,7 +78,7 @@ def test_the_kernel_is_its_contract(built, bits, dtype, offsets):
 
 def random_weight(bits, dtype, offsets, K, N=200):
     """Codes (N, K) as integers, the kernel's codes, d and m (empty without offsets)."""
-    g = torch.Generator().manual_seed(bits * 10 + offsets + K)
+    g = torch.Generator().manual_seed(bits * 10 + (offsets is True) + K)
     if bits in (4, 5):
         c = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
         codes = pack4(c) if bits == 4 else pack5(c)
@@ -86,26 +86,27 @@ def random_weight(bits, dtype, offsets, K, N=200):
         c = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
         codes = c
     d = (torch.rand(N, K // 32, generator=g) * 0.05 + 1e-3).to(dtype)
-    m = (torch.randn(N, K // 32, generator=g) * 0.1).to(dtype) if offsets else torch.empty(0, dtype=dtype)
+    m = (torch.randn(N, K // 32, generator=g) * 0.1).to(dtype) if offsets is True else torch.empty(0, dtype=dtype)
     return c, codes, d, m
 
 
 def contract(bits, dtype, offsets, K):
     c, codes, d, m = random_weight(bits, dtype, offsets, K)  # N = 200: a tile and a partial one
+    zero = 2 ** (bits - 1) if offsets == "zero" else 0  # w = d (c - zero)
     g = torch.Generator().manual_seed(K)
     for M in (1, 2, 3, 4, 5, 9):  # each row count of the kernel's 4-row blocks, and more than one block
         x = torch.randn(M, K, generator=g) * torch.linspace(0.1, 3, K)
         x[0, :32] = 0  # a block of zeros: its scale is 0
-        y = torch.ops.roofline_cpu.qmatmul(x, codes, d, m, bits)
-        want = emulated(x, c.to(torch.int32), d, m if offsets else None)
+        y = torch.ops.roofline_cpu.qmatmul(x, codes, d, m, bits, zero)
+        want = emulated(x, c.to(torch.int32) - zero, d, m if offsets is True else None)
         assert y.shape == (M, c.shape[0]) and y.dtype == torch.float32
         # float32 sums of 3 and 11 blocks: measured 1.8e-7 of the largest output
         assert (y.double() - want).abs().max() <= 4e-6 * want.abs().max(), (M, K, bits, dtype, offsets)
-    # a prefill's weights: d c + m in float32, a product then a sum (torch's), rounded once to bfloat16
-    w = c.float().view(-1, K // 32, 32) * d.float()[..., None]
-    if offsets:
+    # a prefill's weights: d (c - zero) + m in float32, a product then a sum (torch's), rounded once to bfloat16
+    w = (c.float() - zero).view(-1, K // 32, 32) * d.float()[..., None]
+    if offsets is True:
         w = w + m.float()[..., None]
-    assert torch.equal(torch.ops.roofline_cpu.dequant(codes, d, m, bits), w.reshape(-1, K).to(torch.bfloat16))
+    assert torch.equal(torch.ops.roofline_cpu.dequant(codes, d, m, bits, zero), w.reshape(-1, K).to(torch.bfloat16))
 
 
 def test_the_kernel_refuses_what_it_cannot_read(built):
@@ -119,6 +120,9 @@ def test_the_kernel_refuses_what_it_cannot_read(built):
         torch.ops.roofline_cpu.qmatmul(x, torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2), torch.empty(0), 5)
     with pytest.raises(RuntimeError, match="bits 4, 5 or 8, got 6"):
         torch.ops.roofline_cpu.qmatmul(x, torch.zeros(4, 48, dtype=torch.uint8), torch.zeros(4, 2), torch.empty(0), 6)
+    with pytest.raises(RuntimeError, match=re.escape("zero in [0, 128], and m empty with it")):
+        torch.ops.roofline_cpu.qmatmul(x, torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2), torch.zeros(4, 2),
+                                       4, 8)
     with pytest.raises(RuntimeError, match="m empty or as d"):
         torch.ops.roofline_cpu.qmatmul(x, torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 2),
                                        torch.zeros(4, 2, dtype=torch.float16), 8)
@@ -138,11 +142,11 @@ def affine(bits: int, group: int, symmetric: bool, f16: bool, n: int = 70, k: in
 
 
 @pytest.mark.parametrize("bits,group,symmetric,f16,want", [
-    (4, 32, True, True, (4, torch.float16, True)),  # Q4_0: offsets -8 d
+    (4, 32, True, True, (4, torch.float16, False)),  # Q4_0: a zero point, 8
     (4, 32, False, True, (4, torch.float16, True)),  # Q4_1
     (4, 64, False, False, (4, torch.float32, True)),  # MLX 4-bit g64, float32 scales (not float16's)
     (8, 32, True, True, (8, torch.float16, False)),  # Q8_0: signed codes, no offsets
-    (5, 32, True, True, (5, torch.float16, True)),  # Q5_0: offsets -16 d
+    (5, 32, True, True, (5, torch.float16, False)),  # Q5_0: a zero point, 16
     (5, 32, False, True, (5, torch.float16, True)),  # Q5_1
     (6, 64, False, False, (8, torch.float32, True)),  # MLX 6-bit
     (3, 64, False, False, (4, torch.float32, True)),  # MLX 3-bit
@@ -151,6 +155,7 @@ def test_what_a_native_weight_holds_exactly(bits, group, symmetric, f16, want):
     q, s, b, w = affine(bits, group, symmetric, f16)
     nw = cpu_native.NativeWeight.from_affine_rows(lambda lo, hi: q[lo:hi], s, b, q.shape, bits, group)
     assert (nw.bits, nw.d.dtype, nw.m.numel() > 0) == want
+    assert nw.zero == (2 ** (bits - 1) if symmetric and bits <= 5 else 0)
     assert torch.equal(nw.dequantized(), torch.from_numpy(w))
     ids = torch.tensor([[0, 69], [33, 5]])
     assert torch.equal(nw.rows(ids), torch.from_numpy(w)[ids])
@@ -178,6 +183,22 @@ def test_fusion_widens_scales_and_fills_offsets(built):
         lambda lo, hi: affine(4, 32, False, True)[0][lo:hi], *affine(4, 32, False, True)[1:3], (70, 128), 4, 32)]) is None
 
 
+def test_fusion_keeps_a_shared_zero_point_and_writes_out_others(built):
+    def part(symmetric, seed):
+        q, s, b, _ = affine(4, 32, symmetric, True, seed=seed)
+        return cpu_native.NativeWeight.from_affine_rows(lambda lo, hi: q[lo:hi], s, b, q.shape, 4, 32)
+
+    q4_0, q4_0b, q4_1 = part(True, 3), part(True, 4), part(False, 5)
+    assert (q4_0.zero, q4_0.m.numel(), q4_1.zero) == (8, 0, 0)
+    x = torch.randn(3, 128)
+    for parts, zero in (([q4_0, q4_0b], 8), ([q4_0, q4_1], 0)):
+        fused = cpu_native.fuse(parts)
+        assert fused.zero == zero and (fused.m.numel() > 0) == (zero == 0)
+        assert torch.equal(fused.dequantized(), torch.cat([p.dequantized() for p in parts]))
+        # -8 d as an offset scales the same float32 sums by a power of two: the same outputs to the bit
+        assert torch.equal(fused.matmul(x), torch.cat([p.matmul(x) for p in parts], dim=1))
+
+
 @pytest.mark.parametrize("have,extra", [
     ({"avx512_vnni", "avx512vl", "avx512bw", "avx_vnni"}, ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni")),
     ({"avx512_vnni", "avx512vl", "avx_vnni"}, ("-mavxvnni",)),  # no BW: the 512-bit path's byte ops are missing
@@ -202,7 +223,7 @@ import torch
 from tests.test_torch_cpu_native import contract
 for bits in (4, 5, 8):
     for dtype in (torch.float16, torch.float32):
-        for offsets in (True, False):
+        for offsets in (True, False, "zero"):
             for K in (96, 576):
                 contract(bits, dtype, offsets, K)
 print("ok")

@@ -71,13 +71,15 @@ def native_matmul(w: NativeWeight, x2: torch.Tensor) -> torch.Tensor:
 
 def native_slice(w: NativeWeight, lo: int, hi: int) -> torch.Tensor:
     """Output rows [lo, hi) of `w` dequantized to bfloat16 by the kernel's library: (hi - lo, in)."""
-    return torch.ops.roofline_cpu.dequant(w.codes[lo:hi], w.d[lo:hi], w.m[lo:hi] if w.m.numel() else w.m, w.bits)
+    return torch.ops.roofline_cpu.dequant(w.codes[lo:hi], w.d[lo:hi], w.m[lo:hi] if w.m.numel() else w.m, w.bits,
+                                          w.zero)
 
 
-def native_float(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int) -> torch.Tensor:
+def native_float(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,
+                 zero: int = 0) -> torch.Tensor:
     """A `NativeWeight`'s rows: codes (r, in / 2) uint8 (two 4-bit codes a byte: code j low, j + 16 high), that
     and a 32-bit word of fifth bits a block (5-bit codes, (r, in / 2 + in / 8)) or (r, in) int8; d, m (r, in / 32)
-    -> (r, in) float32, d c + m."""
+    -> (r, in) float32, d (c - zero) + m."""
     r = codes.shape[0]
     if bits in (4, 5):
         nb = d.shape[1]
@@ -90,6 +92,8 @@ def native_float(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, b
         c = c.float()
     else:
         c = codes.view(r, -1, 32).float()
+    if zero:
+        c = c - zero
     w = c * d.float()[..., None]
     if m is not None:
         w = w + m.float()[..., None]

@@ -9,7 +9,8 @@
 //   bits 5: codes (N, K / 2 + K / 8) uint8: the low 4 bits of the codes as bits 4 (K / 2 bytes), then a 32-bit word
 //           a block (little-endian, bit j = bit 4 of c[j]), c in [0, 32): GGML's Q5_0 and Q5_1 blocks as stored
 //   bits 8: codes (N, K) int8, c in [-128, 128)
-//   d, m: (N, K / 32) float32 or float16 (both the same); m may be empty (no offsets).
+//   d, m: (N, K / 32) float32 or float16 (both the same); m may be empty: no offsets, or with `zero` the offsets
+//         -zero d (w = d (c - zero): Q4_0's and Q5_0's symmetric codes, whose offsets need no bytes of their own).
 // `dequant` writes such a matrix's rows as bfloat16, for a prefill's GEMM.
 // y[r, n] = sum_b d[n, b] dx[r, b] sum_j c[n, b, j] xq[r, b, j] + m[n, b] dx[r, b] sum_j xq[r, b, j].
 
@@ -159,9 +160,10 @@ inline __m256 block_dot(__m256i q, const int8_t* xr) {
 // Rows [n0, n1) against R activation rows. A row's block scales times the activations' (and its offsets' sum)
 // are taken 8 blocks at a time before its dot products, which then broadcast them from memory; two accumulators
 // a row, even and odd blocks, so that one FMA's latency does not bound a single-row decode
-template <int BITS, typename S, bool OFFSETS, int R>
-void rows_kernel(const uint8_t* codes, const S* d, const S* m, const int8_t* xq, const float* dx, const float* sx,
-                 int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+// OFF: 0 no offsets, 1 offsets m, 2 offsets zf d (a zero point: zf = -zero)
+template <int BITS, typename S, int OFF, int R>
+void rows_kernel(const uint8_t* codes, const S* d, const S* m, float zf, const int8_t* xq, const float* dx,
+                 const float* sx, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
   const int64_t nb = K / QK, nb8 = nb & ~int64_t{7}, row_bytes = BITS == 8 ? K : BITS == 4 ? K / 2 : K / 2 + K / 8;
   thread_local std::vector<float> scratch;
   scratch.resize(R * nb);
@@ -170,12 +172,12 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, const int8_t* xq,
     const uint8_t* c = codes + n * row_bytes;
     const uint8_t* h = c + K / 2;  // a 5-bit row's high bits
     const S* dn = d + n * nb;
-    const S* mn = OFFSETS ? m + n * nb : nullptr;
+    const S* mn = OFF == 1 ? m + n * nb : nullptr;
     if (n + PF < N) {  // the codes and scales of the row PF ahead
       const char* ahead = reinterpret_cast<const char*>(c + PF * row_bytes);
       for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(dn + PF * nb), _MM_HINT_T0);
-      if constexpr (OFFSETS) _mm_prefetch(reinterpret_cast<const char*>(mn + PF * nb), _MM_HINT_T0);
+      if constexpr (OFF == 1) _mm_prefetch(reinterpret_cast<const char*>(mn + PF * nb), _MM_HINT_T0);
     }
     __m256 offv[R];
     float off[R];
@@ -186,16 +188,16 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, const int8_t* xq,
     for (int64_t b = 0; b < nb8; b += 8) {
       const __m256 d8 = load8(dn + b);
       for (int r = 0; r < R; ++r) _mm256_storeu_ps(ds + r * nb + b, _mm256_mul_ps(d8, _mm256_loadu_ps(dx + r * nb + b)));
-      if constexpr (OFFSETS) {
-        const __m256 m8 = load8(mn + b);
+      if constexpr (OFF != 0) {
+        const __m256 m8 = OFF == 1 ? load8(mn + b) : d8;
         for (int r = 0; r < R; ++r) offv[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(sx + r * nb + b), offv[r]);
       }
     }
     for (int64_t b = nb8; b < nb; ++b) {
       const float db = load_scale(dn + b);
       for (int r = 0; r < R; ++r) ds[r * nb + b] = db * dx[r * nb + b];
-      if constexpr (OFFSETS) {
-        const float mb = load_scale(mn + b);
+      if constexpr (OFF != 0) {
+        const float mb = OFF == 1 ? load_scale(mn + b) : db;
         for (int r = 0; r < R; ++r) off[r] += mb * sx[r * nb + b];
       }
     }
@@ -249,7 +251,7 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, const int8_t* xq,
         acc0[r] = _mm256_fmadd_ps(block_dot<BITS>(q0, xq + r * K + b * QK), _mm256_broadcast_ss(ds + r * nb + b), acc0[r]);
     }
     for (int r = 0; r < R; ++r) {
-      float o = OFFSETS ? hsum(offv[r]) + off[r] : 0.f;
+      float o = OFF == 0 ? 0.f : OFF == 1 ? hsum(offv[r]) + off[r] : zf * (hsum(offv[r]) + off[r]);
 #ifdef ROOFLINE_AVX512
       if constexpr (BITS != 8) o += _mm512_reduce_add_ps(_mm512_add_ps(z0[r], z1[r]));
 #endif
@@ -258,8 +260,8 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, const int8_t* xq,
   }
 }
 
-template <int BITS, typename S, bool OFFSETS>
-void tile(const uint8_t* codes, const S* d, const S* m, const int8_t* xq, const float* dx, const float* sx,
+template <int BITS, typename S, int OFF>
+void tile(const uint8_t* codes, const S* d, const S* m, float zf, const int8_t* xq, const float* dx, const float* sx,
           int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
   const int64_t nb = K / QK;
   for (int64_t r0 = 0; r0 < M; r0 += MB) {
@@ -268,37 +270,40 @@ void tile(const uint8_t* codes, const S* d, const S* m, const int8_t* xq, const 
     const float *dr = dx + r0 * nb, *sr = sx + r0 * nb;
     float* yr = y + r0 * N;
     switch (rows) {
-      case 1: rows_kernel<BITS, S, OFFSETS, 1>(codes, d, m, xr, dr, sr, K, N, n0, n1, yr); break;
-      case 2: rows_kernel<BITS, S, OFFSETS, 2>(codes, d, m, xr, dr, sr, K, N, n0, n1, yr); break;
-      case 3: rows_kernel<BITS, S, OFFSETS, 3>(codes, d, m, xr, dr, sr, K, N, n0, n1, yr); break;
-      default: rows_kernel<BITS, S, OFFSETS, 4>(codes, d, m, xr, dr, sr, K, N, n0, n1, yr); break;
+      case 1: rows_kernel<BITS, S, OFF, 1>(codes, d, m, zf, xr, dr, sr, K, N, n0, n1, yr); break;
+      case 2: rows_kernel<BITS, S, OFF, 2>(codes, d, m, zf, xr, dr, sr, K, N, n0, n1, yr); break;
+      case 3: rows_kernel<BITS, S, OFF, 3>(codes, d, m, zf, xr, dr, sr, K, N, n0, n1, yr); break;
+      default: rows_kernel<BITS, S, OFF, 4>(codes, d, m, zf, xr, dr, sr, K, N, n0, n1, yr); break;
     }
   }
 }
 
-template <int BITS, typename S, bool OFFSETS>
-void run(const uint8_t* codes, const S* d, const S* m, const int8_t* xq, const float* dx, const float* sx,
+template <int BITS, typename S, int OFF>
+void run(const uint8_t* codes, const S* d, const S* m, float zf, const int8_t* xq, const float* dx, const float* sx,
          int64_t M, int64_t K, int64_t N, float* y) {
   // Whole tiles a thread; a decode step's few rows make a thread's share of N its tile
   at::parallel_for(0, (N + NT - 1) / NT, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      tile<BITS, S, OFFSETS>(codes, d, m, xq, dx, sx, M, K, N, t * NT, std::min(N, (t + 1) * NT), y);
+      tile<BITS, S, OFF>(codes, d, m, zf, xq, dx, sx, M, K, N, t * NT, std::min(N, (t + 1) * NT), y);
   });
 }
 
 template <int BITS, typename S>
-void dispatch_offsets(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, const int8_t* xq,
-                      const float* dx, const float* sx, int64_t M, int64_t K, int64_t N, float* y) {
+void dispatch_offsets(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t zero,
+                      const int8_t* xq, const float* dx, const float* sx, int64_t M, int64_t K, int64_t N, float* y) {
   const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
   const auto* dp = static_cast<const S*>(d.data_ptr());
   if (m.numel() > 0)
-    run<BITS, S, true>(c, dp, static_cast<const S*>(m.data_ptr()), xq, dx, sx, M, K, N, y);
+    run<BITS, S, 1>(c, dp, static_cast<const S*>(m.data_ptr()), 0.f, xq, dx, sx, M, K, N, y);
+  else if (zero != 0)
+    run<BITS, S, 2>(c, dp, nullptr, -static_cast<float>(zero), xq, dx, sx, M, K, N, y);
   else
-    run<BITS, S, false>(c, dp, nullptr, xq, dx, sx, M, K, N, y);
+    run<BITS, S, 0>(c, dp, nullptr, 0.f, xq, dx, sx, M, K, N, y);
 }
 
 // A weight's tensors as the kernel reads them, K inputs a row
-void check_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t K) {
+void check_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t zero,
+                  int64_t K) {
   TORCH_CHECK(codes.dim() == 2 && d.dim() == 2, "qmatmul: codes and d 2-D");
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "qmatmul: bits 4, 5 or 8, got ", bits);
   TORCH_CHECK(K % QK == 0, "qmatmul: K a multiple of 32, got ", K);
@@ -311,6 +316,8 @@ void check_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor
               "qmatmul: d (N, K / 32) float32 or float16, contiguous");
   TORCH_CHECK(m.numel() == 0 || (m.scalar_type() == d.scalar_type() && m.is_contiguous() && m.sizes() == d.sizes()),
               "qmatmul: m empty or as d");
+  TORCH_CHECK(zero >= 0 && zero <= 128 && (zero == 0 || m.numel() == 0),
+              "qmatmul: zero in [0, 128], and m empty with it");
 }
 
 // float32 to bfloat16, to nearest with ties to even (as torch converts finite values)
@@ -321,9 +328,10 @@ inline __m128i to_bf16(__m256 w) {
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-// Rows [n0, n1) as bfloat16, d c + m in float32 (a product, then a sum: torch's order) rounded once
+// Rows [n0, n1) as bfloat16, d (c - zero) + m in float32 (a product, then a sum: torch's order) rounded once
 template <int BITS, typename S, bool OFFSETS>
-void dequant_rows(const uint8_t* codes, const S* d, const S* m, int64_t K, int64_t n0, int64_t n1, uint16_t* out) {
+void dequant_rows(const uint8_t* codes, const S* d, const S* m, int zero, int64_t K, int64_t n0, int64_t n1,
+                  uint16_t* out) {
   const int64_t nb = K / QK, row_bytes = BITS == 8 ? K : BITS == 4 ? K / 2 : K / 2 + K / 8;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = codes + n * row_bytes;
@@ -335,7 +343,8 @@ void dequant_rows(const uint8_t* codes, const S* d, const S* m, int64_t K, int64
       for (int j = 0; j < 4; ++j) {
         const __m128i half = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
         const __m128i eight = j % 2 ? _mm_srli_si128(half, 8) : half;
-        const __m256i i32 = BITS == 8 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+        const __m256i i32 = _mm256_sub_epi32(BITS == 8 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight),
+                                             _mm256_set1_epi32(zero));
         __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(i32), dv);
         if constexpr (OFFSETS) w = _mm256_add_ps(w, mv);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * j), to_bf16(w));
@@ -345,25 +354,27 @@ void dequant_rows(const uint8_t* codes, const S* d, const S* m, int64_t K, int64
 }
 
 template <int BITS, typename S>
-void dequant_dispatch(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t K, uint16_t* out) {
+void dequant_dispatch(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int zero, int64_t K,
+                      uint16_t* out) {
   const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
   const auto* dp = static_cast<const S*>(d.data_ptr());
   const auto* mp = m.numel() > 0 ? static_cast<const S*>(m.data_ptr()) : nullptr;
   at::parallel_for(0, codes.size(0), 16, [&](int64_t n0, int64_t n1) {
-    if (mp) dequant_rows<BITS, S, true>(c, dp, mp, K, n0, n1, out);
-    else dequant_rows<BITS, S, false>(c, dp, nullptr, K, n0, n1, out);
+    if (mp) dequant_rows<BITS, S, true>(c, dp, mp, zero, K, n0, n1, out);
+    else dequant_rows<BITS, S, false>(c, dp, nullptr, zero, K, n0, n1, out);
   });
 }
 
 // codes, d, m as qmatmul's -> (N, K) bfloat16
-at::Tensor dequant(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits) {
-  check_weight(codes, d, m, bits, d.size(-1) * QK);
+at::Tensor dequant(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t zero) {
+  check_weight(codes, d, m, bits, zero, d.size(-1) * QK);
   const int64_t K = d.size(1) * QK;
   at::Tensor out = at::empty({codes.size(0), K}, codes.options().dtype(at::kBFloat16));
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const bool half = d.scalar_type() == at::kHalf;
   auto each = [&]<int BITS>() {
-    half ? dequant_dispatch<BITS, uint16_t>(codes, d, m, K, o) : dequant_dispatch<BITS, float>(codes, d, m, K, o);
+    const int z = static_cast<int>(zero);
+    half ? dequant_dispatch<BITS, uint16_t>(codes, d, m, z, K, o) : dequant_dispatch<BITS, float>(codes, d, m, z, K, o);
   };
   if (bits == 4) each.template operator()<4>();
   else if (bits == 5) each.template operator()<5>();
@@ -372,10 +383,10 @@ at::Tensor dequant(const at::Tensor& codes, const at::Tensor& d, const at::Tenso
 }
 
 at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                   int64_t bits) {
+                   int64_t bits, int64_t zero) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && d.dim() == 2, "qmatmul: x (M, K), codes and d 2-D");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  check_weight(codes, d, m, bits, K);
+  check_weight(codes, d, m, bits, zero, K);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t blocks = M * (K / QK);
   std::vector<int8_t> xq(M * K);
@@ -385,14 +396,14 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   float* yp = y.data_ptr<float>();
   const bool half = d.scalar_type() == at::kHalf;
   if (bits == 4) {
-    if (half) dispatch_offsets<4, uint16_t>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
-    else dispatch_offsets<4, float>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+    if (half) dispatch_offsets<4, uint16_t>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+    else dispatch_offsets<4, float>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
   } else if (bits == 5) {
-    if (half) dispatch_offsets<5, uint16_t>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
-    else dispatch_offsets<5, float>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+    if (half) dispatch_offsets<5, uint16_t>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+    else dispatch_offsets<5, float>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
   } else {
-    if (half) dispatch_offsets<8, uint16_t>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
-    else dispatch_offsets<8, float>(codes, d, m, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+    if (half) dispatch_offsets<8, uint16_t>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+    else dispatch_offsets<8, float>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
   }
   return y;
 }
@@ -400,8 +411,8 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 }  // namespace
 
 TORCH_LIBRARY(roofline_cpu, lib) {
-  lib.def("qmatmul(Tensor x, Tensor codes, Tensor d, Tensor m, int bits) -> Tensor");
-  lib.def("dequant(Tensor codes, Tensor d, Tensor m, int bits) -> Tensor");
+  lib.def("qmatmul(Tensor x, Tensor codes, Tensor d, Tensor m, int bits, int zero=0) -> Tensor");
+  lib.def("dequant(Tensor codes, Tensor d, Tensor m, int bits, int zero=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(roofline_cpu, CPU, lib) {

@@ -104,11 +104,12 @@ def build_error() -> str:
     return ""
 
 
-def _fake_qmatmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
+def _fake_qmatmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
+                  zero: int = 0) -> torch.Tensor:
     return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
 
 
-def _fake_dequant(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
+def _fake_dequant(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, zero: int = 0) -> torch.Tensor:
     return d.new_empty((codes.shape[0], d.shape[1] * QK), dtype=torch.bfloat16)
 
 
@@ -121,11 +122,11 @@ class NativeWeight:
     byte (byte j of a block: code j low, code j + 16 high); 5-bit codes (out, in / 2 + in / 8) uint8, their low 4
     bits so, then a little-endian 32-bit word a block of their fifth bits (bit j: code j's), as GGML's Q5_0 and
     Q5_1 store them; or (out, in) int8; d and m (out, in / 32) float16 or float32, m empty where every offset
-    is 0."""
+    is 0 or -zero d (`zero`: symmetric 4- and 5-bit codes, w = d (c - zero), Q4_0's and Q5_0's)."""
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, out_features: int,
-                 in_features: int, source_bytes: int = 0):
-        self.codes, self.d, self.m, self.bits = codes, d, m, bits
+                 in_features: int, source_bytes: int = 0, zero: int = 0):
+        self.codes, self.d, self.m, self.bits, self.zero = codes, d, m, bits, zero
         self.out_features, self.in_features = out_features, in_features
         self.source_bytes, self.source = source_bytes, f"{bits}-bit"
         self.rounded = False  # its codes are a float matrix rounded to int8 rows (`from_int8_rows`)
@@ -135,19 +136,23 @@ class NativeWeight:
                          shape: tuple[int, int], bits: int, group_size: int) -> NativeWeight:
         """codes(lo, hi): rows [lo, hi)'s integers in [0, 2**bits); scales, biases (out, in / group) float32:
         w = scales * codes + biases per group (a multiple of 32). Codes of up to 4 bits are held as 4-bit
-        codes and 5-bit ones (Q5_0, Q5_1, Q5_K) as 5-bit codes, offsets the biases (Q5_0's: -16 scales); wider
-        ones as int8: a symmetric matrix (biases -2**(bits-1) scales: Q8_0) as its signed codes without
-        offsets, others as their codes (6 or 7 bits) with the biases, or (8-bit affine) codes less 128 with
-        biases + 128 scales, which rounds an offset in float32's last bit."""
+        codes and 5-bit ones (Q5_0, Q5_1, Q5_K) as 5-bit codes, offsets the biases, or a zero point where the
+        biases are -2**(bits-1) scales (Q4_0, Q5_0: no offsets' bytes, 10% fewer a block); wider ones as int8:
+        a symmetric matrix (Q8_0) as its signed codes without offsets, others as their codes (6 or 7 bits) with
+        the biases, or (8-bit affine) codes less 128 with biases + 128 scales, which rounds an offset in
+        float32's last bit."""
         n, k = shape
         s = np.asarray(scales, np.float32)
         b = np.asarray(biases, np.float32)
         rep = group_size // QK
         off = 2.0 ** (bits - 1)
-        shift = 0
-        if bits == 5:
+        shift = zero = 0
+        symmetric = np.array_equal(b, np.float32(-off) * s)
+        if bits <= 5 and symmetric:
+            zero, b = int(off), None
+        elif bits == 5:
             pass
-        elif bits > 4 and np.array_equal(b, np.float32(-off) * s):
+        elif bits > 4 and symmetric:
             shift, b = int(off), None
         elif bits == 8:
             shift, b = 128, b + np.float32(128) * s
@@ -172,7 +177,7 @@ class NativeWeight:
         mt = torch.empty(0, dtype=torch.float16 if exact16 else torch.float32)
         if m is not None and np.any(m):
             mt = torch.from_numpy(np.ascontiguousarray(m.astype(dtype)))
-        return cls(out, torch.from_numpy(np.ascontiguousarray(d.astype(dtype))), mt, held, n, k)
+        return cls(out, torch.from_numpy(np.ascontiguousarray(d.astype(dtype))), mt, held, n, k, zero=zero)
 
     @classmethod
     def from_int8_rows(cls, q: torch.Tensor, scale: torch.Tensor, source_bytes: int = 0) -> NativeWeight:
@@ -190,11 +195,11 @@ class NativeWeight:
         if x2.shape[0] >= cpu_features.DEQUANT_MIN_ROWS and cpu_features.bf16_gemm():
             y = cpu_gemm.native_matmul(self, x2.to(torch.bfloat16))
         else:
-            y = torch.ops.roofline_cpu.qmatmul(x2, self.codes, self.d, self.m, self.bits)
+            y = torch.ops.roofline_cpu.qmatmul(x2, self.codes, self.d, self.m, self.bits, self.zero)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _float(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-        return cpu_gemm.native_float(codes, d, m, self.bits)
+        return cpu_gemm.native_float(codes, d, m, self.bits, self.zero)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup): ids (...) -> (..., in) float32."""
@@ -216,7 +221,8 @@ class NativeWeight:
 
 def fuse(weights: list[NativeWeight]) -> NativeWeight | None:
     """Matrices of one input side by side (q/k/v, gate/up), when their codes share a width: scales widened
-    to float32 if their dtypes differ, zero offsets where a part has none."""
+    to float32 if their dtypes differ, zero offsets where a part has none, a zero point's offsets (-zero d)
+    written out where the parts' zero points differ."""
     first = weights[0]
     if not all(isinstance(w, NativeWeight) and (w.bits, w.in_features, w.rounded) ==
                (first.bits, first.in_features, first.rounded)
@@ -224,11 +230,12 @@ def fuse(weights: list[NativeWeight]) -> NativeWeight | None:
         return None
     dtype = first.d.dtype if all(w.d.dtype == first.d.dtype for w in weights) else torch.float32
     d = torch.cat([w.d.to(dtype) for w in weights])
-    if any(w.m.numel() for w in weights):
-        m = torch.cat([w.m.to(dtype) if w.m.numel() else torch.zeros_like(w.d, dtype=dtype) for w in weights])
+    zero = first.zero if all(w.zero == first.zero and not w.m.numel() for w in weights) else 0
+    if any(w.m.numel() for w in weights) or any(w.zero != zero for w in weights):
+        m = torch.cat([w.m.to(dtype) if w.m.numel() else (-w.zero * w.d.float()).to(dtype) for w in weights])
     else:
         m = torch.empty(0, dtype=dtype)
     fused = NativeWeight(torch.cat([w.codes for w in weights]), d, m, first.bits, sum(w.out_features for w in weights),
-                         first.in_features, sum(w.source_bytes for w in weights))
+                         first.in_features, sum(w.source_bytes for w in weights), zero=zero)
     fused.source, fused.rounded = first.source, first.rounded
     return fused
