@@ -118,6 +118,8 @@ def test_the_kernel_refuses_what_it_cannot_read(built):
         torch.ops.roofline_cpu.qmatmul(x, torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 2), torch.empty(0), 4)
     with pytest.raises(RuntimeError, match=re.escape("codes (N, 40) uint8")):  # 5 bits: 32 + 8 bytes a row
         torch.ops.roofline_cpu.qmatmul(x, torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2), torch.empty(0), 5)
+    with pytest.raises(RuntimeError, match=re.escape("dequant: codes (N, 40) uint8")):  # named as the op it is
+        torch.ops.roofline_cpu.dequant(torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2), torch.empty(0), 5)
     with pytest.raises(RuntimeError, match="bits 4, 5 or 8, got 6"):
         torch.ops.roofline_cpu.qmatmul(x, torch.zeros(4, 48, dtype=torch.uint8), torch.zeros(4, 2), torch.empty(0), 6)
     with pytest.raises(RuntimeError, match=re.escape("zero in [0, 128], and m empty with it")):

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)  # a byte's bits, low first
 SLICE_ELEMENTS = 2**21  # weights dequantized at once: 4 MiB of bfloat16
 # Slices under this many weights dequantize eagerly: their loop is no faster compiled, and a compile (about a
 # second each) would be paid for every small shape of a tiny model
@@ -87,8 +88,7 @@ def native_float(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, b
         c = torch.cat([b & 15, b >> 4], dim=-1)  # (r, blocks, 32)
         if bits == 5:
             h = codes[:, nb * 16:].reshape(r, nb, 4, 1)
-            bit = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=codes.device)
-            c = c | ((h & bit) != 0).to(torch.uint8).reshape(r, nb, 32) << 4
+            c = c | ((h & _BITS.to(codes.device)) != 0).to(torch.uint8).reshape(r, nb, 32) << 4
         c = c.float()
     else:
         c = codes.view(r, -1, 32).float()

@@ -35,6 +35,9 @@ constexpr int MB = 4;       // activation rows sharing one unpacking of a block'
 constexpr int64_t PF = 16;
 constexpr int64_t NT = 64;  // output rows a tile: their codes stay in L1/L2 across the activation rows
 
+// A row's bytes of codes for K inputs (the layouts above)
+constexpr int64_t row_bytes_of(int64_t bits, int64_t K) { return bits == 8 ? K : bits == 4 ? K / 2 : K / 2 + K / 8; }
+
 inline float load_scale(const float* p) { return *p; }
 inline float load_scale(const uint16_t* p) { return _cvtsh_ss(*p); }
 
@@ -164,7 +167,7 @@ inline __m256 block_dot(__m256i q, const int8_t* xr) {
 template <int BITS, typename S, int OFF, int R>
 void rows_kernel(const uint8_t* codes, const S* d, const S* m, float zf, const int8_t* xq, const float* dx,
                  const float* sx, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
-  const int64_t nb = K / QK, nb8 = nb & ~int64_t{7}, row_bytes = BITS == 8 ? K : BITS == 4 ? K / 2 : K / 2 + K / 8;
+  const int64_t nb = K / QK, nb8 = nb & ~int64_t{7}, row_bytes = row_bytes_of(BITS, K);
   thread_local std::vector<float> scratch;
   scratch.resize(R * nb);
   float* ds = scratch.data();
@@ -302,22 +305,22 @@ void dispatch_offsets(const at::Tensor& codes, const at::Tensor& d, const at::Te
 }
 
 // A weight's tensors as the kernel reads them, K inputs a row
-void check_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t zero,
-                  int64_t K) {
-  TORCH_CHECK(codes.dim() == 2 && d.dim() == 2, "qmatmul: codes and d 2-D");
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "qmatmul: bits 4, 5 or 8, got ", bits);
-  TORCH_CHECK(K % QK == 0, "qmatmul: K a multiple of 32, got ", K);
-  const int64_t row_bytes = bits == 8 ? K : bits == 4 ? K / 2 : K / 2 + K / 8;
+void check_weight(const char* op, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits,
+                  int64_t zero, int64_t K) {
+  TORCH_CHECK(codes.dim() == 2 && d.dim() == 2, op, ": codes and d 2-D");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, op, ": bits 4, 5 or 8, got ", bits);
+  TORCH_CHECK(K % QK == 0, op, ": K a multiple of 32, got ", K);
+  const int64_t row_bytes = row_bytes_of(bits, K);
   TORCH_CHECK(codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && codes.is_contiguous() &&
                   codes.size(1) == row_bytes,
-              "qmatmul: codes (N, ", row_bytes, ") ", bits == 8 ? "int8" : "uint8", " contiguous");
+              op, ": codes (N, ", row_bytes, ") ", bits == 8 ? "int8" : "uint8", " contiguous");
   TORCH_CHECK((d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf) && d.is_contiguous() &&
                   d.size(0) == codes.size(0) && d.size(1) == K / QK,
-              "qmatmul: d (N, K / 32) float32 or float16, contiguous");
+              op, ": d (N, K / 32) float32 or float16, contiguous");
   TORCH_CHECK(m.numel() == 0 || (m.scalar_type() == d.scalar_type() && m.is_contiguous() && m.sizes() == d.sizes()),
-              "qmatmul: m empty or as d");
+              op, ": m empty or as d");
   TORCH_CHECK(zero >= 0 && zero <= 128 && (zero == 0 || m.numel() == 0),
-              "qmatmul: zero in [0, 128], and m empty with it");
+              op, ": zero in [0, 128], and m empty with it");
 }
 
 // float32 to bfloat16, to nearest with ties to even (as torch converts finite values)
@@ -332,7 +335,7 @@ inline __m128i to_bf16(__m256 w) {
 template <int BITS, typename S, bool OFFSETS>
 void dequant_rows(const uint8_t* codes, const S* d, const S* m, int zero, int64_t K, int64_t n0, int64_t n1,
                   uint16_t* out) {
-  const int64_t nb = K / QK, row_bytes = BITS == 8 ? K : BITS == 4 ? K / 2 : K / 2 + K / 8;
+  const int64_t nb = K / QK, row_bytes = row_bytes_of(BITS, K);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = codes + n * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
@@ -367,7 +370,7 @@ void dequant_dispatch(const at::Tensor& codes, const at::Tensor& d, const at::Te
 
 // codes, d, m as qmatmul's -> (N, K) bfloat16
 at::Tensor dequant(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t zero) {
-  check_weight(codes, d, m, bits, zero, d.size(-1) * QK);
+  check_weight("dequant", codes, d, m, bits, zero, d.size(-1) * QK);
   const int64_t K = d.size(1) * QK;
   at::Tensor out = at::empty({codes.size(0), K}, codes.options().dtype(at::kBFloat16));
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -386,7 +389,7 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                    int64_t bits, int64_t zero) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && d.dim() == 2, "qmatmul: x (M, K), codes and d 2-D");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  check_weight(codes, d, m, bits, zero, K);
+  check_weight("qmatmul", codes, d, m, bits, zero, K);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t blocks = M * (K / QK);
   std::vector<int8_t> xq(M * K);
@@ -395,16 +398,13 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   const bool half = d.scalar_type() == at::kHalf;
-  if (bits == 4) {
-    if (half) dispatch_offsets<4, uint16_t>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
-    else dispatch_offsets<4, float>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
-  } else if (bits == 5) {
-    if (half) dispatch_offsets<5, uint16_t>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
-    else dispatch_offsets<5, float>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
-  } else {
-    if (half) dispatch_offsets<8, uint16_t>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
-    else dispatch_offsets<8, float>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
-  }
+  auto each = [&]<int BITS>() {
+    if (half) dispatch_offsets<BITS, uint16_t>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+    else dispatch_offsets<BITS, float>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+  };
+  if (bits == 4) each.template operator()<4>();
+  else if (bits == 5) each.template operator()<5>();
+  else each.template operator()<8>();
   return y;
 }
 

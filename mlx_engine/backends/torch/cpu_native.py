@@ -148,11 +148,9 @@ class NativeWeight:
         off = 2.0 ** (bits - 1)
         shift = zero = 0
         symmetric = np.array_equal(b, np.float32(-off) * s)
-        if bits <= 5 and symmetric:
+        if symmetric and bits <= 5:  # a zero point: unsigned codes, no offsets' bytes
             zero, b = int(off), None
-        elif bits == 5:
-            pass
-        elif bits > 4 and symmetric:
+        elif symmetric:  # signed int8 codes
             shift, b = int(off), None
         elif bits == 8:
             shift, b = 128, b + np.float32(128) * s
