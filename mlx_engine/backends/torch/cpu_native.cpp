@@ -408,14 +408,236 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   return y;
 }
 
+// --- a decode step's layers (decode_layers) ---
+// One call for every layer of a decode-sized forward (N rows: one new token of each of N sequences, or a short
+// verification's): the norms, projections, rope, the K/V written to and read from the pools, attention, the
+// SiLU gate and the residuals, as the Python model's ops (model.py's TransformerBlock) compute them in float32,
+// with the projections through qmatmul above. Each layer's tensors and ints follow one another in `ws` and `meta`
+// (cpu_native.NativeStep writes them): tensors in_norm, post_norm, q_norm, k_norm, q_bias, k_bias, v_bias (empty
+// where the model has none), then the matrices (codes, d, m each): the n_qkv of q/k/v, o, the n_gu of gate/up,
+// down; ints n_qkv, n_gu, then the columns where q, k, v start in the q/k/v matrices' outputs side by side,
+// where gate and up start in the gate/up ones', the MLP's width, then each matrix's bits and zero.
+
+struct Matrix {
+  const at::Tensor *codes, *d, *m;
+  int64_t bits, zero;
+};
+
+at::Tensor matmul_of(const at::Tensor& x, const Matrix& w) { return qmatmul(x, *w.codes, *w.d, *w.m, w.bits, w.zero); }
+
+// Outputs of matrices of one input, side by side
+at::Tensor side_by_side(const at::Tensor& x, const std::vector<Matrix>& ws) {
+  if (ws.size() == 1) return matmul_of(x, ws[0]);
+  std::vector<at::Tensor> outs;
+  for (const Matrix& w : ws) outs.push_back(matmul_of(x, w));
+  return at::cat(outs, 1);
+}
+
+// rows (N, W) at column stride `stride`: each row of W values x / sqrt(mean(x^2) + eps) * w, in place
+void rms_norm_rows(float* x, int64_t rows, int64_t W, int64_t stride, const float* w, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* v = x + r * stride;
+    float ss = 0.f;
+    for (int64_t i = 0; i < W; ++i) ss += v[i] * v[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(W) + eps);
+    for (int64_t i = 0; i < W; ++i) v[i] = w[i] * (v[i] * inv);
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  int64_t j = 0;
+  float sum = 0.f;
+  if (D >= 16) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (; j + 16 <= D; j += 16) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), s1);
+    }
+    sum = hsum(_mm256_add_ps(s0, s1));
+  }
+  for (; j < D; ++j) sum += a[j] * b[j];
+  return sum;
+}
+
+void rope_heads(float* x, int64_t heads, int64_t D, const float* cos, const float* sin, float mscale,
+                bool traditional) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * D;
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
+      const float x1 = v[a] * mscale, x2 = v[b] * mscale;
+      v[a] = x1 * cos[i] - x2 * sin[i];
+      v[b] = x1 * sin[i] + x2 * cos[i];
+    }
+  }
+}
+
+at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArrayRef meta, at::TensorList pool_k,
+                         at::TensorList pool_v, at::TensorList writes, at::TensorList gathers, at::TensorList biases,
+                         const at::Tensor& cos, const at::Tensor& sin, int64_t Hq, int64_t Hkv, int64_t D, double eps_d,
+                         double scale_d, double mscale_d, bool traditional) {
+  const int64_t N = h_in.size(0), H = h_in.size(1), L = pool_k.size();
+  TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat, "decode_layers: h (N, hidden) float32");
+  TORCH_CHECK(pool_v.size() == pool_k.size() && writes.size() == pool_k.size() && gathers.size() == pool_k.size() &&
+                  biases.size() == pool_k.size(),
+              "decode_layers: a K pool, V pool, write, gather and bias a layer");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.numel() == N * (D / 2) && sin.sizes() == cos.sizes(),
+              "decode_layers: cos and sin (N, D / 2) float32");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && D % 2 == 0, "decode_layers: Hq a multiple of Hkv, D even");
+  const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
+  const float mscale = static_cast<float>(mscale_d);
+  const int64_t G = Hq / Hkv, qw = Hq * D, kw = Hkv * D;
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  const float *cp = cc.data_ptr<float>(), *sp = sc.data_ptr<float>();
+  at::Tensor h = h_in.contiguous().clone();
+  size_t t = 0, i = 0;
+  auto tensor = [&]() -> const at::Tensor& {
+    TORCH_CHECK(t < ws.size(), "decode_layers: fewer tensors than the layers' ints say");
+    return ws[t++];
+  };
+  auto integer = [&]() {
+    TORCH_CHECK(i < meta.size(), "decode_layers: fewer ints than the layers need");
+    return meta[i++];
+  };
+  auto vec = [&](const at::Tensor& x, int64_t n, const char* what) -> const float* {
+    if (x.numel() == 0) return nullptr;
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() == n, "decode_layers: ", what,
+                " float32 of ", n);
+    return x.data_ptr<float>();
+  };
+  for (int64_t layer = 0; layer < L; ++layer) {
+    const float* in_norm = vec(tensor(), H, "input norm");
+    const float* post_norm = vec(tensor(), H, "post-attention norm");
+    const float* q_norm = vec(tensor(), D, "q norm");
+    const float* k_norm = vec(tensor(), D, "k norm");
+    const float* q_bias = vec(tensor(), qw, "q bias");
+    const float* k_bias = vec(tensor(), kw, "k bias");
+    const float* v_bias = vec(tensor(), kw, "v bias");
+    TORCH_CHECK(in_norm && post_norm, "decode_layers: layer ", layer, " without its norms");
+    const int64_t n_qkv = integer(), n_gu = integer(), q_off = integer(), k_off = integer(), v_off = integer();
+    const int64_t g_off = integer(), u_off = integer(), inter = integer();
+    std::vector<Matrix> qkv, gu;
+    auto matrix = [&]() {
+      const at::Tensor &c = tensor(), &d = tensor(), &m = tensor();
+      const int64_t bits = integer(), zero = integer();
+      return Matrix{&c, &d, &m, bits, zero};
+    };
+    for (int64_t j = 0; j < n_qkv; ++j) qkv.push_back(matrix());
+    const Matrix o = matrix();
+    for (int64_t j = 0; j < n_gu; ++j) gu.push_back(matrix());
+    const Matrix down = matrix();
+    const at::Tensor& pk = pool_k[layer];
+    const at::Tensor& pv = pool_v[layer];
+    TORCH_CHECK(pk.scalar_type() == at::kFloat && pk.is_contiguous() && pk.dim() == 3 && pk.size(1) == Hkv &&
+                    pk.size(2) == D && pv.sizes() == pk.sizes() && pv.scalar_type() == at::kFloat &&
+                    pv.is_contiguous(),
+                "decode_layers: pools (slots, Hkv, D) float32 contiguous, layer ", layer);
+    float *pkp = pk.data_ptr<float>(), *pvp = pv.data_ptr<float>();
+    const int64_t slots = pk.size(0);
+    const at::Tensor &write = writes[layer], &gather = gathers[layer], &bias = biases[layer];
+    TORCH_CHECK(write.scalar_type() == at::kLong && write.is_contiguous() && write.numel() == N &&
+                    gather.scalar_type() == at::kLong && gather.is_contiguous() && gather.dim() == 2 &&
+                    gather.size(0) == N && bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
+                    bias.sizes() == gather.sizes(),
+                "decode_layers: write (N,) and gather (N, S) int64, bias (N, S) float32, contiguous, layer ", layer);
+    const int64_t S = gather.size(1);
+    const int64_t *wp = write.data_ptr<int64_t>(), *gp = gather.data_ptr<int64_t>();
+    const float* bp = bias.data_ptr<float>();
+
+    at::Tensor x = h.clone();
+    rms_norm_rows(x.data_ptr<float>(), N, H, H, in_norm, eps);
+    at::Tensor y = side_by_side(x, qkv);  // (N, q/k/v columns)
+    TORCH_CHECK(y.size(1) >= std::max({q_off + qw, k_off + kw, v_off + kw}), "decode_layers: q/k/v columns");
+    at::Tensor q = at::empty({N, qw}, h.options());
+    float *yp = y.data_ptr<float>(), *qp = q.data_ptr<float>();
+    const int64_t yw = y.size(1);
+    for (int64_t n = 0; n < N; ++n) {
+      float* yr = yp + n * yw;
+      float *qr = qp + n * qw, *kr = yr + k_off, *vr = yr + v_off;
+      for (int64_t j = 0; j < qw; ++j) qr[j] = yr[q_off + j] + (q_bias ? q_bias[j] : 0.f);
+      if (k_bias)
+        for (int64_t j = 0; j < kw; ++j) kr[j] += k_bias[j];
+      if (v_bias)
+        for (int64_t j = 0; j < kw; ++j) vr[j] += v_bias[j];
+      if (q_norm) rms_norm_rows(qr, Hq, D, D, q_norm, eps);
+      if (k_norm) rms_norm_rows(kr, Hkv, D, D, k_norm, eps);
+      rope_heads(qr, Hq, D, cp + n * (D / 2), sp + n * (D / 2), mscale, traditional);
+      rope_heads(kr, Hkv, D, cp + n * (D / 2), sp + n * (D / 2), mscale, traditional);
+      const int64_t slot = wp[n];
+      TORCH_CHECK(slot >= 0 && slot < slots, "decode_layers: write slot ", slot, " outside the pool's ", slots);
+      std::memcpy(pkp + slot * kw, kr, kw * sizeof(float));
+      std::memcpy(pvp + slot * kw, vr, kw * sizeof(float));
+    }
+    for (int64_t n = 0; n < N * S; ++n)
+      TORCH_CHECK(gp[n] >= 0 && gp[n] < slots, "decode_layers: gathered slot ", gp[n], " outside the pool's ", slots);
+    at::Tensor att = at::empty({N, qw}, h.options());
+    float* ap = att.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, G * S * D));
+    // a K/V head's rows read once for the G query heads that share it
+    at::parallel_for(0, N * Hkv, grain, [&](int64_t r0, int64_t r1) {
+      std::vector<float> p(G * S);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t n = r / Hkv, kvh = r % Hkv;
+        const int64_t* g = gp + n * S;
+        const float* bb = bp + n * S;
+        const float* qv = qp + n * qw + kvh * G * D;
+        for (int64_t s = 0; s < S; ++s) {
+          const float* kv = pkp + g[s] * kw + kvh * D;
+          for (int64_t e = 0; e < G; ++e) p[e * S + s] = dot(qv + e * D, kv, D) * scale + bb[s];
+        }
+        for (int64_t e = 0; e < G; ++e) {
+          float* pe = p.data() + e * S;
+          float top = -INFINITY, total = 0.f;
+          for (int64_t s = 0; s < S; ++s) top = std::max(top, pe[s]);
+          for (int64_t s = 0; s < S; ++s) total += (pe[s] = std::exp(pe[s] - top));
+          for (int64_t s = 0; s < S; ++s) pe[s] /= total;
+        }
+        float* out = ap + n * qw + kvh * G * D;
+        std::fill(out, out + G * D, 0.f);
+        for (int64_t s = 0; s < S; ++s) {
+          const float* vv = pvp + g[s] * kw + kvh * D;
+          for (int64_t e = 0; e < G; ++e) {
+            const float w = p[e * S + s];
+            if (w == 0.f) continue;
+            float* o = out + e * D;
+            for (int64_t j = 0; j < D; ++j) o[j] += w * vv[j];
+          }
+        }
+      }
+    });
+    h.add_(matmul_of(att, o));
+    x = h.clone();
+    rms_norm_rows(x.data_ptr<float>(), N, H, H, post_norm, eps);
+    at::Tensor z = side_by_side(x, gu);
+    TORCH_CHECK(z.size(1) >= std::max(g_off, u_off) + inter, "decode_layers: gate/up columns");
+    at::Tensor act = at::empty({N, inter}, h.options());
+    const float* zp = z.data_ptr<float>();
+    float* actp = act.data_ptr<float>();
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t j = 0; j < inter; ++j) {
+        const float g = zp[n * z.size(1) + g_off + j];
+        actp[n * inter + j] = g / (1.f + std::exp(-g)) * zp[n * z.size(1) + u_off + j];
+      }
+    h.add_(matmul_of(act, down));
+  }
+  TORCH_CHECK(t == ws.size() && i == meta.size(), "decode_layers: ", ws.size() - t, " tensors and ",
+              meta.size() - i, " ints left after ", L, " layers");
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(roofline_cpu, lib) {
   lib.def("qmatmul(Tensor x, Tensor codes, Tensor d, Tensor m, int bits, int zero=0) -> Tensor");
   lib.def("dequant(Tensor codes, Tensor d, Tensor m, int bits, int zero=0) -> Tensor");
+  lib.def("decode_layers(Tensor h, Tensor[] ws, int[] meta, Tensor(a!)[] pool_k, Tensor(b!)[] pool_v, Tensor[] write, "
+          "Tensor[] gather, Tensor[] bias, Tensor cos, Tensor sin, int Hq, int Hkv, int D, float eps, float scale, "
+          "float mscale, bool traditional) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(roofline_cpu, CPU, lib) {
   lib.impl("qmatmul", &qmatmul);
   lib.impl("dequant", &dequant);
+  lib.impl("decode_layers", &decode_layers);
 }

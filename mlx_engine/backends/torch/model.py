@@ -427,11 +427,38 @@ class Model:
 
         self.compiled = CompiledHalves(max_rows)
 
+    native: Any = None  # native_step.NativeStep: decode-sized forwards' layers as one C++ call (use_native_step)
+
+    def use_native_step(self) -> bool:
+        """Decode-sized forwards through `native_step.NativeStep` from now on, where every layer can run there."""
+        from mlx_engine.backends.torch.native_step import NativeStep
+
+        self.native = NativeStep.of(self)
+        return self.native is not None
+
+    def _native_forward(self, ids: torch.Tensor, caches: list[Any] | None,
+                        num_layers: int | None) -> torch.Tensor | None:
+        """The last layer's output (B, L, hidden) through the native step, or None where it does not serve."""
+        from mlx_engine.backends.torch.native_step import MAX_ROWS
+
+        B, L = ids.shape
+        N = B * L
+        n = len(self.layers) if num_layers is None else num_layers
+        if N > MAX_ROWS or caches is None or not all(isinstance(c, PagedRowsView) and c.has_paged_rows(B)
+                                                     for c in caches[:n]):
+            return None
+        cos, sin = self.rope.angles(caches[0].positions(B, L, ids.device))  # (B, 1, L, D/2)
+        h = self.embed_tokens(ids)
+        kv_shape = (self.args.num_key_value_heads, self.args.head_dim)
+        rows = [c.paged_rows(N, kv_shape, h.dtype) for c in caches[:n]]
+        return self.native(h.reshape(N, -1), rows, cos.reshape(N, -1), sin.reshape(N, -1)).view(B, L, -1)
+
     def __call__(self, ids: torch.Tensor, caches: list[Any] | None = None, num_layers: int | None = None) -> torch.Tensor:
         """ids (B, L) -> final hidden states (B, L, hidden), after the first `num_layers` layers (all: None)."""
-        h = None
-        for h in self.layer_outputs(ids, caches, num_layers):
-            pass
+        h = self._native_forward(ids, caches, num_layers) if self.native is not None else None
+        if h is None:
+            for h in self.layer_outputs(ids, caches, num_layers):
+                pass
         return self.norm(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from mlx_engine.backends.torch.kv import (
 )
 from mlx_engine.backends.torch.cpu_features import DEQUANT_MIN_ROWS, cpu_support
 from mlx_engine.backends.torch.weights import build_model
+from mlx_engine.backends.torch import native_step
 from mlx_engine.backends.torch.sampling import sample_rows
 from mlx_engine.backends.base import RunnerCapabilities
 from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers,
@@ -193,6 +194,7 @@ class TorchRunner(CacheRunner):
         tmodel = build_model(args, weights, ckpt.quantization, act_dtype, dev, str(ckpt.path), freq_factors,
                              packed=kernels, cpu=cpu)
         del weights
+        native = cpu is not None and native_step.wanted() and tmodel.use_native_step()
         tokenizer = ckpt.tokenizer or NoTokenizer(ckpt.path, ckpt.config)
         context = args.max_position_embeddings
         context = cap_context(context, max_context)
@@ -203,7 +205,8 @@ class TorchRunner(CacheRunner):
             weight_bytes=tmodel.weight_bytes, vocab_size=int(ckpt.config.get("vocab_size") or tokenizer.vocab_size),
             native=True, dtype=dtype_name, eos_token_ids=tuple(tokenizer.eos_token_ids), backend="torch",
             device=dev.type, has_tokenizer=ckpt.tokenizer is not None,
-            notes=cpu_pack_notes(tmodel) + ((f"{num_threads} CPU threads",) if dev.type == "cpu" else ()),
+            notes=cpu_pack_notes(tmodel) + ((f"{num_threads} CPU threads",) if dev.type == "cpu" else ())
+            + ((native_step.NOTE,) if native else ()),
             warnings=pack_warnings if ckpt.quantization else (),
         )
         runner = cls(tmodel, tokenizer, info, prefill_chunk_size, dev)
@@ -281,7 +284,8 @@ class TorchRunner(CacheRunner):
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             return f"torch.compile failed here, so decode and prefill run eagerly (slower): {first[:200]}"
         self.model.compiled.warmed()
-        return f"decode steps and prefills compiled by torch.compile in {time.perf_counter() - start:.0f} s"
+        what = "prefills and the output head" if self.model.native is not None else "decode steps and prefills"
+        return f"{what} compiled by torch.compile in {time.perf_counter() - start:.0f} s"
 
     @_torch_work
     def warm_prefill(self) -> None:

@@ -1,0 +1,98 @@
+"""A decode-sized forward's layers as one call of Roofline's CPU kernel library (`roofline_cpu::decode_layers`,
+cpu_native.cpp): the norms, q/k/v, rope, the K/V written to the paged pools and attended, the output projection,
+the MLP and the residuals of every layer, in C++ around the same quantized matmuls (`NativeWeight`), in place of a
+compiled graph call a layer. What the graphs left on the host was most of a step: at 2 threads a decode step's
+engine thread spent 34% of its time in the matmul kernels and 25% in Python, 14% in torch's dispatch
+(docs/benchmarks.md, "Issue 27: the decode step in one call").
+
+`NativeStep.of(model)` says whether a model can run so (every projection a `NativeWeight` without a bias past
+q/k/v, float32 activations) and lays its layers' tensors and ints out once, as the op reads them; a forward then
+hands it the rows' positions and each layer's pools (`PagedRows`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from mlx_engine.backends.torch.cpu_native import NativeWeight
+
+MAX_ROWS = 47  # rows a call (decode steps, batched or not, verifications); more: the dequantizing GEMM's prefill
+ENV = "ROOFLINE_TORCH_NATIVE_STEP"  # 0/off: the layers as compiled graphs (or eager ops), as before
+NOTE = "decode steps' layers in one call of Roofline's CPU kernel"
+
+
+def wanted() -> bool:
+    return os.environ.get(ENV, "1").lower() not in ("0", "off", "false")
+
+
+class NativeStep:
+    def __init__(self, tensors: list[torch.Tensor], ints: list[int], ends: list[tuple[int, int]], args: Any,
+                 scale: float, mscale: float, traditional: bool):
+        self.tensors, self.ints = tensors, ints
+        self.ends = ends  # [n]: where the first n layers' tensors and ints end
+        self.heads, self.kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.eps, self.scale, self.mscale, self.traditional = float(args.rms_norm_eps), scale, mscale, traditional
+
+    @classmethod
+    def of(cls, model: Any) -> NativeStep | None:
+        """The model's layers laid out for `decode_layers`, or None where one of them cannot run there."""
+        empty = torch.empty(0, dtype=torch.float32)
+        tensors: list[torch.Tensor] = []
+        ints: list[int] = []
+        ends = [(0, 0)]
+        args = model.args
+        for block in model.layers:
+            attn, mlp = block.self_attn, block.mlp
+            norms = [block.input_layernorm, block.post_attention_layernorm, attn.q_norm, attn.k_norm]
+            if any(n is not None and (n.eps != args.rms_norm_eps or not _vector(n.weight)) for n in norms):
+                return None
+            qkv = _group(attn.qkv, (attn.q_proj, attn.k_proj, attn.v_proj))
+            gate_up = _group(mlp.gate_up, (mlp.gate_proj, mlp.up_proj))
+            if qkv is None or gate_up is None:
+                return None
+            (qkv_mats, (q_off, k_off, v_off), biases), (gu_mats, (g_off, u_off), gu_biases) = qkv, gate_up
+            o, down = attn.o_proj, mlp.down_proj
+            if any(b is not None for b in gu_biases) or o.bias is not None or down.bias is not None \
+                    or not all(isinstance(w.weight, NativeWeight) for w in (o, down)) \
+                    or any(b is not None and not _vector(b) for b in biases):
+                return None
+            tensors += [n.weight if n is not None else empty for n in norms]
+            tensors += [b if b is not None else empty for b in biases]
+            ints += [len(qkv_mats), len(gu_mats), q_off, k_off, v_off, g_off, u_off, mlp.down_proj.weight.in_features]
+            for w in (*qkv_mats, o.weight, *gu_mats, down.weight):
+                tensors += [w.codes, w.d, w.m]
+                ints += [w.bits, w.zero]
+            ends.append((len(tensors), len(ints)))
+        first = model.layers[0].self_attn
+        return cls(tensors, ints, ends, args, first.scale, first.rope.mscale, first.rope.traditional)
+
+    def __call__(self, h: torch.Tensor, rows: list[Any], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """h (N, hidden) float32, the first len(rows) layers' `PagedRows`, cos and sin (N, head_dim / 2) -> the
+        output (N, hidden) of those layers."""
+        n = len(rows)
+        return torch.ops.roofline_cpu.decode_layers(
+            h, self.tensors[:self.ends[n][0]], self.ints[:self.ends[n][1]], [r.pool_k for r in rows],
+            [r.pool_v for r in rows], [r.write for r in rows], [r.gather for r in rows], [r.bias for r in rows], cos,
+            sin, self.heads, self.kv_heads, self.head_dim, self.eps, self.scale, self.mscale, self.traditional)
+
+
+def _vector(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous()
+
+
+def _group(fused: Any, linears: tuple[Any, ...]) -> tuple[list[NativeWeight], list[int], list[Any]] | None:
+    """Projections of one input as the op reads them: their matrices (one fused, or each its own), the column
+    where each part starts in those matrices' outputs side by side, and each part's bias."""
+    from mlx_engine.backends.torch.model import FusedLinear
+
+    if fused is not None:
+        if not isinstance(fused, FusedLinear) or not isinstance(fused.weight, NativeWeight):
+            return None
+        starts = [sum(fused.widths[:i]) for i in range(len(fused.widths))]
+        return [fused.weight], starts, list(fused.biases)
+    if not all(isinstance(lin.weight, NativeWeight) for lin in linears):
+        return None
+    widths = [lin.weight.out_features for lin in linears]
+    return [lin.weight for lin in linears], [sum(widths[:i]) for i in range(len(widths))], [lin.bias for lin in linears]

@@ -1,0 +1,175 @@
+"""A decode-sized forward's layers as one call of Roofline's CPU kernel library (`native_step.NativeStep`,
+`roofline_cpu::decode_layers`): its layers against the Python model's on the same paged rows (K/V written, the
+output), the engine's tokens and their logprobs with it against without it on each family the torch backend
+runs (llama, mistral, qwen2's q/k/v biases, qwen3's q/k norms; solo, batched, a speculative verification's rows,
+the self-draft's first layers), which models it takes, and what the op refuses."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.torch_support import require
+
+torch = require("torch")
+mx = pytest.importorskip("mlx.core")
+
+from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
+from mlx_engine.backends.torch import cpu_features, cpu_native, native_step  # noqa: E402
+from mlx_engine.backends.torch import model as tm  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64") or not cpu_features.cpu_support().packed,
+    reason="Roofline's kernel is AVX2 code for x86-64")
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+PROMPTS = [[(7 * i + 3) % 120 + 5 for i in range(24)], [(11 * i + 5) % 120 + 5 for i in range(9)],
+           [9, 8, 7, 6, 5, 4, 3, 2, 1, 11]]
+
+
+def quantized(family: str, dst: Path) -> Path:
+    """The golden `family` folder with every matrix MLX-quantized to 4 bits in groups of 32 (the kernel's
+    4-bit codes), the rest as it is."""
+    from safetensors.numpy import load_file, save_file
+
+    src = GOLDEN / family
+    config = json.loads((src / "config.json").read_text())
+    out = {}
+    for name, value in load_file(str(src / "model.safetensors")).items():
+        if value.ndim == 2 and name.endswith(".weight"):
+            path = name.removesuffix(".weight")
+            wq, s, b = mx.quantize(mx.array(value), group_size=32, bits=4)
+            out[name], out[f"{path}.scales"], out[f"{path}.biases"] = np.array(wq), np.array(s), np.array(b)
+        else:
+            out[name] = value
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    dst.mkdir(parents=True)
+    (dst / "config.json").write_text(json.dumps(config))
+    for extra in src.iterdir():
+        if extra.name not in ("config.json", "model.safetensors"):
+            (dst / extra.name).write_bytes(extra.read_bytes())
+    save_file(out, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    assert cpu_native.build_error() == "", cpu_native.build_error()
+    tmp = tmp_path_factory.mktemp("native-step")
+    return {f: quantized(f, tmp / f) for f in ("llama", "mistral", "qwen2", "qwen3")}
+
+
+def _load(path: Path, native: bool, monkeypatch) -> Engine:
+    monkeypatch.setattr(native_step, "wanted", lambda: native)
+    return Engine.load(str(path), backend="torch", device="cpu", compile=False, prefix_caching=False)
+
+
+def _run(engine: Engine, prompts: list[list[int]], n: int, **sampling) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy tokens and their logprobs, the prompts decoding side by side (batched steps)."""
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0, **sampling)
+    streams = [engine.generate(GenerationRequest(prompt_token_ids=p, sampling=params)) for p in prompts]
+    out = []
+    for events in streams:
+        events = list(events)
+        out.append(([t for e in events for t in e.token_ids], [lp.logprob for e in events for lp in e.logprobs]))
+    return out
+
+
+# max |logprob with the native step - without| over each family's tokens below, measured on a 2-core Intel Xeon
+# (AMX): llama, mistral, qwen2 2e-6 (the same matmuls; the norms' and softmax's float32 sums in another order);
+# qwen3 0.020, where such a last bit flipped one activation's int8 rounding in one prefill row (that row's layer
+# output 0.0127 off at a scale of 20; every other row 1e-5), as torch.compile's fused norms could. Headroom 3x
+LOGPROB_ATOL = 0.06
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_native_step_is_the_python_layers(folders, family, monkeypatch):
+    with _load(folders[family], False, monkeypatch) as ref:
+        assert ref.diagnostics().runner.model.native is None
+        want_solo = _run(ref, PROMPTS[:1], 16)
+        want_batch = _run(ref, PROMPTS, 10)
+        want_spec = _run(ref, [PROMPTS[2] * 3], 12, speculative="prompt-lookup")
+        want_self = _run(ref, [PROMPTS[0]], 12, speculative="self")
+    with _load(folders[family], True, monkeypatch) as engine:
+        assert engine.diagnostics().runner.model.native is not None
+        assert native_step.NOTE in engine.info.notes
+        for got, want in ((_run(engine, PROMPTS[:1], 16), want_solo), (_run(engine, PROMPTS, 10), want_batch),
+                          (_run(engine, [PROMPTS[2] * 3], 12, speculative="prompt-lookup"), want_spec),
+                          (_run(engine, [PROMPTS[0]], 12, speculative="self"), want_self)):
+            for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want):
+                assert tokens == want_tokens
+                assert np.abs(np.array(logprobs) - np.array(want_logprobs)).max() <= LOGPROB_ATOL
+
+
+def _rows(n: int, s: int, slots: int, hkv: int, d: int, seed: int) -> tm.PagedRows:
+    """Pools of random K/V; n new rows written to the last n of s slots (spread over the pool), each seeing the
+    slots up to its own."""
+    g = torch.Generator().manual_seed(seed)
+    where = torch.randperm(slots, generator=g)[:s]
+    visible = torch.arange(s)[None, :] <= torch.arange(s - n, s)[:, None]
+    bias = torch.zeros(n, s).masked_fill_(~visible, -math.inf)
+    return tm.PagedRows(torch.randn(slots, hkv, d, generator=g), torch.randn(slots, hkv, d, generator=g),
+                        where[s - n:].contiguous(), where[None].expand(n, s).contiguous(), bias)
+
+
+# max |native - Python| / max |Python| over a layer's output and the K/V it wrote, measured 4.8e-7 (output) and
+# 1.2e-7 (K) here; an int8 rounding of an activation that a last bit flips moves an output by ~1/127 of a block's
+# largest input times its weights, under 1e-3 of the output's scale on these models
+LAYER_RTOL = 1e-3
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("n,s", [(1, 1), (1, 37), (3, 20), (7, 7), (24, 24), (40, 47)])
+def test_one_layer_against_the_python_halves(folders, family, n, s, monkeypatch):
+    """A layer of each family through the op against `attention_inputs`, `paged_attention` and
+    `attention_outputs` (the compiled step's math, eagerly) on copies of the same pools."""
+    with _load(folders[family], True, monkeypatch) as engine:
+        model = engine.diagnostics().runner.model
+        a = model.args
+        step = native_step.NativeStep.of(model)
+        g = torch.Generator().manual_seed(n * 100 + s)
+        h = torch.randn(1, n, a.hidden_size, generator=g) * 2
+        cos, sin = model.rope.angles(torch.arange(s - n, s)[None])
+        mine, theirs = (_rows(n, s, 64, a.num_key_value_heads, a.head_dim, seed=s) for _ in range(2))
+        block = model.layers[0]
+        q, k, v = tm.attention_inputs(block, h, cos, sin)
+        want = tm.attention_outputs(block, h, tm.paged_attention(q, k, v, theirs, block.self_attn.scale))[0]
+        got = step(h[0], [mine], cos.reshape(n, -1), sin.reshape(n, -1))
+        assert float((got - want).abs().max()) <= LAYER_RTOL * float(want.abs().max())
+        for pool, ref in ((mine.pool_k, theirs.pool_k), (mine.pool_v, theirs.pool_v)):
+            assert float((pool - ref).abs().max()) <= LAYER_RTOL * float(ref.abs().max())
+            untouched = torch.ones(64, dtype=torch.bool)
+            untouched[mine.write] = False
+            assert torch.equal(pool[untouched], ref[untouched])  # nothing written but the new rows' slots
+
+
+def test_models_it_cannot_take_run_as_before(folders, monkeypatch):
+    """torch's own int4 kernel's weights (the kernel library turned off) are not the op's: no native step, no note."""
+    monkeypatch.setenv(cpu_native.ENV, "0")
+    with _load(folders["llama"], True, monkeypatch) as engine:
+        assert engine.diagnostics().runner.model.native is None
+        assert native_step.NOTE not in engine.info.notes
+
+
+def test_the_op_refuses_what_it_cannot_read(folders, monkeypatch):
+    with _load(folders["llama"], True, monkeypatch) as engine:
+        model = engine.diagnostics().runner.model
+        step, a = model.native, model.args
+        h = torch.zeros(1, a.hidden_size)
+        cos = sin = torch.zeros(1, a.head_dim // 2)
+        rows = _rows(1, 4, 16, a.num_key_value_heads, a.head_dim, 0)
+        half = tm.PagedRows(rows.pool_k.half(), rows.pool_v.half(), rows.write, rows.gather, rows.bias)
+        with pytest.raises(RuntimeError, match="pools .* float32"):
+            step(h, [half], cos, sin)
+        outside = tm.PagedRows(rows.pool_k, rows.pool_v, torch.tensor([16]), rows.gather[:1], rows.bias[:1])
+        with pytest.raises(RuntimeError, match="write slot 16 outside the pool's 16"):
+            step(h, [outside], cos, sin)
+        with pytest.raises(RuntimeError, match="fewer tensors"):
+            torch.ops.roofline_cpu.decode_layers(
+                h, step.tensors[:3], step.ints, [rows.pool_k], [rows.pool_v], [rows.write], [rows.gather], [rows.bias],
+                cos, sin, a.num_attention_heads, a.num_key_value_heads, a.head_dim, 1e-5, 0.25, 1.0, False)
