@@ -294,8 +294,9 @@ NATIVE_LOGITS_REL_TOL = {"Q4_1": 0.068, "Q8_0": 0.078, "Q5_0": 0.081, "kquants":
 # greedy tokens the kernel shares with the MLX backend before a near-tie parts them, where fewer than all 12,
 # measured on an AMD EPYC with AVX-512 and VNNI (the kernel's sums are the same integers on every x86-64 CPU): Q4_0
 # parts at its 9th token (MLX's top two logits 0.054 apart at 5.06), Q5_0 at its 3rd (0.059 at 3.66, where
-# torch's kernels part too), Q5_1 at its 6th (0.136 at 3.98)
-NATIVE_GREEDY_AGREED = {"Q4_0": 8, "Q5_0": 2, "Q5_1": 5}
+# torch's kernels part too), Q5_1 at its 6th (0.136 at 3.98); Q4_1 at its 4th (0.067 at 5.08) since the decode
+# step keeps its KV cache in float16 (with float32 KV it shares all 12, measured on an Intel Xeon with AMX)
+NATIVE_GREEDY_AGREED = {"Q4_0": 8, "Q4_1": 3, "Q5_0": 2, "Q5_1": 5}
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "kquants", "mlx4"])

@@ -473,6 +473,78 @@ void rope_heads(float* x, int64_t heads, int64_t D, const float* cos, const floa
   }
 }
 
+struct Heads {
+  int64_t N, S, Hkv, G, D, yw, k_off, v_off;
+  float scale;
+};
+
+// A pool's row of D values as float32: itself, or converted into `buf` (float16 pools)
+inline const float* row_f32(const float* p, float*, int64_t) { return p; }
+inline const float* row_f32(const uint16_t* p, float* buf, int64_t D) {
+  int64_t j = 0;
+  for (; j + 8 <= D; j += 8)
+    _mm256_storeu_ps(buf + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j))));
+  for (; j < D; ++j) buf[j] = _cvtsh_ss(p[j]);
+  return buf;
+}
+
+inline void store_row(float* dst, const float* src, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
+// to nearest, ties to even: as torch's .to(torch.float16)
+inline void store_row(uint16_t* dst, const float* src, int64_t D) {
+  int64_t j = 0;
+  for (; j + 8 <= D; j += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+  for (; j < D; ++j) dst[j] = _cvtss_sh(src[j], _MM_FROUND_TO_NEAREST_INT);
+}
+
+// The rows' K/V (in y, after rope) written to their slots, then each row's q heads (qp) attending to the slots it
+// gathers with its bias added to the scores, into ap (N, Hq * D). A K/V head's rows are read once for the G query
+// heads that share it.
+template <typename P>
+void attend(const Heads& a, const float* yp, const float* qp, const int64_t* wp, const int64_t* gp, const float* bp,
+            P* pkp, P* pvp, float* ap) {
+  const int64_t N = a.N, S = a.S, Hkv = a.Hkv, G = a.G, D = a.D, kw = Hkv * D, qw = Hkv * G * D;
+  const float scale = a.scale;
+  for (int64_t n = 0; n < N; ++n) {
+    store_row(pkp + wp[n] * kw, yp + n * a.yw + a.k_off, kw);
+    store_row(pvp + wp[n] * kw, yp + n * a.yw + a.v_off, kw);
+  }
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, G * S * D));
+  at::parallel_for(0, N * Hkv, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> p(G * S);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t n = r / Hkv, kvh = r % Hkv;
+      const int64_t* g = gp + n * S;
+      const float* bb = bp + n * S;
+      const float* qv = qp + n * qw + kvh * G * D;
+      std::vector<float> buf(D);
+      for (int64_t s = 0; s < S; ++s) {
+        const float* kv = row_f32(pkp + g[s] * kw + kvh * D, buf.data(), D);
+        for (int64_t e = 0; e < G; ++e) p[e * S + s] = dot(qv + e * D, kv, D) * scale + bb[s];
+      }
+      for (int64_t e = 0; e < G; ++e) {
+        float* pe = p.data() + e * S;
+        float top = -INFINITY, total = 0.f;
+        for (int64_t s = 0; s < S; ++s) top = std::max(top, pe[s]);
+        for (int64_t s = 0; s < S; ++s) total += (pe[s] = std::exp(pe[s] - top));
+        for (int64_t s = 0; s < S; ++s) pe[s] /= total;
+      }
+      float* out = ap + n * qw + kvh * G * D;
+      std::fill(out, out + G * D, 0.f);
+      for (int64_t s = 0; s < S; ++s) {
+        const float* vv = row_f32(pvp + g[s] * kw + kvh * D, buf.data(), D);
+        for (int64_t e = 0; e < G; ++e) {
+          const float w = p[e * S + s];
+          if (w == 0.f) continue;
+          float* o = out + e * D;
+          for (int64_t j = 0; j < D; ++j) o[j] += w * vv[j];
+        }
+      }
+    }
+  });
+}
+
 at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArrayRef meta, at::TensorList pool_k,
                          at::TensorList pool_v, at::TensorList writes, at::TensorList gathers, at::TensorList biases,
                          const at::Tensor& cos, const at::Tensor& sin, int64_t Hq, int64_t Hkv, int64_t D, double eps_d,
@@ -529,11 +601,10 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArray
     const Matrix down = matrix();
     const at::Tensor& pk = pool_k[layer];
     const at::Tensor& pv = pool_v[layer];
-    TORCH_CHECK(pk.scalar_type() == at::kFloat && pk.is_contiguous() && pk.dim() == 3 && pk.size(1) == Hkv &&
-                    pk.size(2) == D && pv.sizes() == pk.sizes() && pv.scalar_type() == at::kFloat &&
-                    pv.is_contiguous(),
-                "decode_layers: pools (slots, Hkv, D) float32 contiguous, layer ", layer);
-    float *pkp = pk.data_ptr<float>(), *pvp = pv.data_ptr<float>();
+    TORCH_CHECK((pk.scalar_type() == at::kFloat || pk.scalar_type() == at::kHalf) && pk.is_contiguous() &&
+                    pk.dim() == 3 && pk.size(1) == Hkv && pk.size(2) == D && pv.sizes() == pk.sizes() &&
+                    pv.scalar_type() == pk.scalar_type() && pv.is_contiguous(),
+                "decode_layers: pools (slots, Hkv, D) float32 or float16, contiguous, layer ", layer);
     const int64_t slots = pk.size(0);
     const at::Tensor &write = writes[layer], &gather = gathers[layer], &bias = biases[layer];
     TORCH_CHECK(write.scalar_type() == at::kLong && write.is_contiguous() && write.numel() == N &&
@@ -564,48 +635,17 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArray
       if (k_norm) rms_norm_rows(kr, Hkv, D, D, k_norm, eps);
       rope_heads(qr, Hq, D, cp + n * (D / 2), sp + n * (D / 2), mscale, traditional);
       rope_heads(kr, Hkv, D, cp + n * (D / 2), sp + n * (D / 2), mscale, traditional);
-      const int64_t slot = wp[n];
-      TORCH_CHECK(slot >= 0 && slot < slots, "decode_layers: write slot ", slot, " outside the pool's ", slots);
-      std::memcpy(pkp + slot * kw, kr, kw * sizeof(float));
-      std::memcpy(pvp + slot * kw, vr, kw * sizeof(float));
+      TORCH_CHECK(wp[n] >= 0 && wp[n] < slots, "decode_layers: write slot ", wp[n], " outside the pool's ", slots);
     }
     for (int64_t n = 0; n < N * S; ++n)
       TORCH_CHECK(gp[n] >= 0 && gp[n] < slots, "decode_layers: gathered slot ", gp[n], " outside the pool's ", slots);
     at::Tensor att = at::empty({N, qw}, h.options());
-    float* ap = att.data_ptr<float>();
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, G * S * D));
-    // a K/V head's rows read once for the G query heads that share it
-    at::parallel_for(0, N * Hkv, grain, [&](int64_t r0, int64_t r1) {
-      std::vector<float> p(G * S);
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t n = r / Hkv, kvh = r % Hkv;
-        const int64_t* g = gp + n * S;
-        const float* bb = bp + n * S;
-        const float* qv = qp + n * qw + kvh * G * D;
-        for (int64_t s = 0; s < S; ++s) {
-          const float* kv = pkp + g[s] * kw + kvh * D;
-          for (int64_t e = 0; e < G; ++e) p[e * S + s] = dot(qv + e * D, kv, D) * scale + bb[s];
-        }
-        for (int64_t e = 0; e < G; ++e) {
-          float* pe = p.data() + e * S;
-          float top = -INFINITY, total = 0.f;
-          for (int64_t s = 0; s < S; ++s) top = std::max(top, pe[s]);
-          for (int64_t s = 0; s < S; ++s) total += (pe[s] = std::exp(pe[s] - top));
-          for (int64_t s = 0; s < S; ++s) pe[s] /= total;
-        }
-        float* out = ap + n * qw + kvh * G * D;
-        std::fill(out, out + G * D, 0.f);
-        for (int64_t s = 0; s < S; ++s) {
-          const float* vv = pvp + g[s] * kw + kvh * D;
-          for (int64_t e = 0; e < G; ++e) {
-            const float w = p[e * S + s];
-            if (w == 0.f) continue;
-            float* o = out + e * D;
-            for (int64_t j = 0; j < D; ++j) o[j] += w * vv[j];
-          }
-        }
-      }
-    });
+    const Heads heads{N, S, Hkv, G, D, yw, k_off, v_off, scale};
+    if (pk.scalar_type() == at::kHalf)
+      attend(heads, yp, qp, wp, gp, bp, static_cast<uint16_t*>(pk.data_ptr()), static_cast<uint16_t*>(pv.data_ptr()),
+             att.data_ptr<float>());
+    else
+      attend(heads, yp, qp, wp, gp, bp, pk.data_ptr<float>(), pv.data_ptr<float>(), att.data_ptr<float>());
     h.add_(matmul_of(att, o));
     x = h.clone();
     rms_norm_rows(x.data_ptr<float>(), N, H, H, post_norm, eps);

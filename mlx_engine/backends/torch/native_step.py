@@ -20,7 +20,8 @@ from mlx_engine.backends.torch.cpu_native import NativeWeight
 
 MAX_ROWS = 47  # rows a call (decode steps, batched or not, verifications); more: the dequantizing GEMM's prefill
 ENV = "ROOFLINE_TORCH_NATIVE_STEP"  # 0/off: the layers as compiled graphs (or eager ops), as before
-NOTE = "decode steps' layers in one call of Roofline's CPU kernel"
+NOTE = "decode steps' layers in one call of Roofline's CPU kernel; KV cache in float16"
+KV_DTYPE = torch.float16  # the pools' (the op reads float32 or float16): K/V rounded once, when written
 
 
 def wanted() -> bool:

@@ -224,7 +224,9 @@ class TorchRunner(CacheRunner):
             runner.info = (dataclasses.replace(info, warnings=(*info.warnings, note)) if runner.model.compiled is None
                            else dataclasses.replace(info, notes=(*info.notes, note)))
             runner.warm_prefill()
-        itemsize = torch.empty((), dtype=act_dtype).element_size()
+        # the native step's pools hold float16, as llama.cpp's default KV: half the bytes its attention reads
+        kv_dtype = native_step.KV_DTYPE if native else act_dtype
+        itemsize = torch.empty((), dtype=kv_dtype).element_size()
         runner._shape = {"embed_bytes": tmodel.embed_bytes, "tied": args.tie_word_embeddings,
                          "layers": args.num_hidden_layers, "kv_heads": args.num_key_value_heads,
                          "head_dim": args.head_dim, "kv_itemsize": itemsize}
@@ -232,7 +234,7 @@ class TorchRunner(CacheRunner):
         if with_cache:
             runner.cache = TorchPagedCache.create_torch(
                 num_layers=args.num_hidden_layers, num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
-                dtype=act_dtype, device=dev, context_length=context, weight_bytes=tmodel.weight_bytes,
+                dtype=kv_dtype, device=dev, context_length=context, weight_bytes=tmodel.weight_bytes,
                 config=kv_config, model_id=runner.fingerprint, use_kernel=kernels)
             if kernels and dev.type == "cuda" and cuda_graphs is not False:
                 from mlx_engine.backends.torch.graphs import DecodeGraphs
