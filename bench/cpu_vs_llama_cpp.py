@@ -40,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_PYTHON = "/work/venvs/llamacpp/bin/python"
+RUNNERS = ("torch", "torch-eager", "mlx", "llama")
 FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}  # llama_ftype: LLAMA_FTYPE_MOSTLY_*
 
 
@@ -85,7 +86,8 @@ def _serve(load, run) -> None:
         out.flush()
 
 
-def roofline_worker(path: str, backend: str, threads: int | None, context: int) -> None:
+def roofline_worker(path: str, kind: str, threads: int | None, context: int) -> None:
+    """`kind`: mlx, torch, or torch-eager (the torch backend with compile=False)."""
     sys.path.insert(0, str(ROOT))
     from mlx_engine import Engine, GenerationRequest, SamplingParams
 
@@ -93,6 +95,8 @@ def roofline_worker(path: str, backend: str, threads: int | None, context: int) 
 
     def load() -> dict:
         options = {"threads": threads} if backend == "torch" else {}
+        if kind == "torch-eager":
+            options["compile"] = False
         e = state["engine"] = Engine.load(path, backend=backend, device="cpu", prefix_caching=False,
                                           max_context=context, **options)
         return {"name": e.info.name, "quantization": e.info.quantization, "weight_bytes": e.info.weight_bytes,
@@ -106,9 +110,11 @@ def roofline_worker(path: str, backend: str, threads: int | None, context: int) 
                 "bytes_per_token": e.decode_bytes_per_token(len(prompt) + gen // 2),
                 "kv_bytes": int(e.kv_stats().get("bytes_total") or 0)}
 
+    backend = "mlx" if kind == "mlx" else "torch"
     if backend == "torch":  # torch's libraries (about 270 MB of RSS) before the baseline, as llama.cpp's are,
         import mlx_engine.backends.torch.runner  # noqa: F401
-        import torch._dynamo  # noqa: F401  (and its compiler's, ~120 MB, the decode step compiled at load)
+    if kind == "torch":  # and its compiler's (~120 MB), where the prefill's halves are compiled at load
+        import torch._dynamo  # noqa: F401
         import torch._inductor.compile_fx  # noqa: F401
     _serve(load, run)
 
@@ -236,7 +242,8 @@ def main() -> None:
     ap.add_argument("-p", "--prompt-tokens", type=int, default=512)
     ap.add_argument("-n", "--gen-tokens", type=int, default=128)
     ap.add_argument("--files", default="Q4_1,Q4_0,Q8_0,Q4_K_M", help="which files (default Q4_1,Q4_0,Q8_0,Q4_K_M)")
-    ap.add_argument("--runners", default="torch,mlx,llama", help="which runners (default torch,mlx,llama)")
+    ap.add_argument("--runners", default="torch,mlx,llama",
+                    help="which runners (default torch,mlx,llama; also torch-eager: the torch backend, compile off)")
     ap.add_argument("--extra-bufts", action="store_true", help="also llama.cpp with its extra buffer types")
     ap.add_argument("--llama-python", default=LLAMA_PYTHON, help=f"llama-cpp-python's interpreter ({LLAMA_PYTHON})")
     ap.add_argument("--amx-python", help="also a llama.cpp built with AMX, decode only (prompt a token at a time)")
@@ -259,6 +266,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     threads = [int(t) for t in args.threads.split(",")]
     runners = args.runners.split(",")
+    if set(runners) - set(RUNNERS):
+        ap.error(f"--runners: {', '.join(sorted(set(runners) - set(RUNNERS)))} is not one of {', '.join(RUNNERS)}")
     unknown = [name for name in args.files.split(",") if name != "Q4_1" and name not in FTYPES]
     if unknown:
         ap.error(f"--files: {', '.join(unknown)} is not one of Q4_1 (the embedded file), {', '.join(FTYPES)} "
@@ -275,9 +284,10 @@ def main() -> None:
         me = [sys.executable, str(Path(__file__).resolve()), "--worker"]
         workers = []
         for t in threads:
-            if "torch" in runners:
-                workers.append(Worker({"file": fname, "runner": "roofline torch", "threads": t},
-                                      me + ["torch", str(path), str(t), str(context)]))
+            for kind, name in (("torch", "roofline torch"), ("torch-eager", "roofline torch, no compile")):
+                if kind in runners:
+                    workers.append(Worker({"file": fname, "runner": name, "threads": t},
+                                          me + [kind, str(path), str(t), str(context)]))
             if "llama" in runners:
                 builds = [(args.llama_python, False, "", False)]  # (interpreter, extra bufts, name, stepwise)
                 builds += [(args.llama_python, True, " +extra bufts", False)] if args.extra_bufts else []
