@@ -39,8 +39,10 @@ def runner_args(parser: argparse.ArgumentParser, backend: bool = True) -> None:
                    help="auto (default), cpu or cuda (cuda and cpu pick the torch backend's device)")
     r.add_argument("--threads", type=int, metavar="N",
                    help="CPU threads of the torch backend on the CPU (default: all the cores torch sees)")
-    r.add_argument("--no-compile", dest="compile", action="store_const", const=False, default=None,
-                   help="the torch backend on the CPU: run decode steps eagerly instead of compiling them at load")
+    r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="the torch backend on the CPU: compile prefills (and decode steps, where they are not one "
+                   "native call) with torch.compile at load: faster prefill, a slower load, more memory (default: "
+                   "on only where the decode step is not native)")
 
 
 def runner_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -52,7 +54,8 @@ def runner_options(args: argparse.Namespace) -> dict[str, Any]:
         raise RooflineError("--device cuda needs --backend torch (the MLX backend runs on Metal or the CPU)")
     if args.threads is not None and args.threads < 1:
         raise RooflineError(f"--threads {args.threads}: expected an integer >= 1")
-    for flag, value in (("--threads", args.threads), ("--no-compile", args.compile)):
+    compile_flag = "--compile" if args.compile else "--no-compile"
+    for flag, value in (("--threads", args.threads), (compile_flag, args.compile)):
         if value is not None and not torch_side:
             raise RooflineError(f"{flag} needs --backend torch (it sets the torch backend's CPU work)")
     chosen = (("backend", backend, "mlx"), ("device", args.device, "auto"), ("threads", args.threads, None),

@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backends", default="mlx,torch", help="the two sides, A,B (default mlx,torch)")
     from app.cli import runner_args
 
-    runner_args(p, backend=False)  # --device, --threads, --no-compile: of the non-MLX side(s); MLX runs where MLX runs
+    runner_args(p, backend=False)  # --device, --threads, --[no-]compile: of the non-MLX side(s); MLX runs where MLX runs
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
                    help="activation dtype of the non-MLX side(s) (default: the backend's; float16 on CUDA)")
     p.add_argument("--prompts", metavar="FILE",

@@ -285,8 +285,10 @@ LOAD_OPTIONS = {
     "the chat app, where a model picked in the app need not suit the draft named on its command line)",
     "self_draft_layers": "layers of the model that speculative='self' drafts with (default: half)",
     "threads": "backend='torch' on the CPU: torch's CPU threads (default: all the cores torch sees)",
-    "compile": "backend='torch' on the CPU: run decode steps as torch.compile graphs, compiled at load (default: "
-    "on with packed quantized weights; ROOFLINE_TORCH_COMPILE=0 turns the default off)",
+    "compile": "backend='torch' on the CPU: run prefills (and decode steps, where they are not one native call) as "
+    "torch.compile graphs, compiled at load: prefill 1.2-1.5x faster, the load 3-4x slower and 60-75 MB more memory "
+    "for SmolLM2 (default: on with packed quantized weights where the decode step is not native; "
+    "ROOFLINE_TORCH_COMPILE=0 turns the default off)",
     "cuda_graphs": "backend='torch' on CUDA: replay each batched decode step as a CUDA graph (default True; "
     "False launches its kernels one by one)",
     "distributed": "'pipeline' or 'tensor': the model across the ranks mlx.launch started, this process being rank 0 "

@@ -404,6 +404,10 @@ def test_cli_runner_options_on_every_command(monkeypatch, capsys):
                                                "backend's CPU work)")
     assert cli.main(["generate", "-p", "hi", "--backend", "torch", "--threads", "0"]) == 2
     assert "--threads 0: expected an integer >= 1" in capsys.readouterr().err
+    assert cli._parser().parse_args(["generate", "-p", "hi", "--compile"]).compile is True
+    assert cli.main(["generate", "-p", "hi", "--compile"]) == 2
+    assert capsys.readouterr().err.strip() == ("roofline: error: --compile needs --backend torch (it sets the torch "
+                                               "backend's CPU work)")
     args = cli._parser().parse_args(["serve", "--backend", "torch", "--device", "cpu", "--threads", "1"])
     assert cli.runner_options(args) == {"backend": "torch", "device": "cpu", "threads": 1}
     assert json.loads(json.dumps(cli.runner_options(cli._parser().parse_args(["chat"])))) == {}

@@ -115,6 +115,23 @@ def test_native_step_is_the_python_layers(folders, family, monkeypatch):
                 assert np.abs(np.array(logprobs) - np.array(want_logprobs)).max() <= LOGPROB_ATOL
 
 
+def test_no_compile_by_default_where_the_step_is_native(folders, monkeypatch):
+    """torch.compile would serve only prefills there (docs/benchmarks.md): by default the load compiles nothing;
+    compiled graphs stay the default where the step cannot be native, and ROOFLINE_TORCH_COMPILE=0 still rules."""
+    from mlx_engine.backends.torch.runner import COMPILE_ENV, default_compile
+
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    assert [default_compile(packed, native) for packed, native in ((True, True), (True, False), (False, False))] \
+        == [False, True, False]
+    monkeypatch.setattr(native_step, "wanted", lambda: True)
+    with Engine.load(str(folders["llama"]), backend="torch", device="cpu") as engine:
+        model = engine.diagnostics().runner.model
+        assert model.native is not None and model.compiled is None
+        assert not any("torch.compile" in n for n in (*engine.info.notes, *engine.info.warnings))
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    assert not default_compile(True, False)
+
+
 def _rows(n: int, s: int, slots: int, hkv: int, d: int, seed: int, dtype=torch.float32) -> tm.PagedRows:
     """Pools of random K/V; n new rows written to the last n of s slots (spread over the pool), each seeing the
     slots up to its own."""

@@ -41,6 +41,14 @@ TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 T = TypeVar("T")
 # ROOFLINE_TORCH_COMPILE=0: `compile` defaults to off (the test suite sets it: a compile costs tens of seconds)
 COMPILE_ENV = "ROOFLINE_TORCH_COMPILE"
+
+
+def default_compile(packed_cpu: bool, native: bool) -> bool:
+    """compile=None: on for packed CPU weights whose decode steps run as compiled graphs; off where the decode
+    step is native (`native_step`), since the graphs would then serve prefills only, for their 1.2-1.5x there at
+    the cost of a 3-4x slower load and 60-75 MB more peak memory (docs/benchmarks.md, "Issue 27: the decode step
+    in one call"); off with ROOFLINE_TORCH_COMPILE=0."""
+    return packed_cpu and not native and os.environ.get(COMPILE_ENV, "1") not in ("0", "off", "false")
 # Rows up to which a forward runs compiled (decode steps of up to this many sequences, speculative verifications):
 # below the rows where the packed matmuls switch to dequantizing (a guard inside the graph otherwise)
 COMPILE_MAX_ROWS = 47
@@ -151,8 +159,8 @@ class TorchRunner(CacheRunner):
         8 holds the draft as int8 for the CPU's int8 matmul, its float projections dropped (`draft_int8.quantize_int8`).
         `threads`: torch's CPU threads (default: all cores torch sees). `packed_cpu=False` (an int8 draft, made from
         float32 weights): quantized weights dequantized to float32 even where the CPU kernels could hold them.
-        `compile`: decode-sized forwards through torch.compile graphs (`compiled.CompiledHalves`), compiled at load
-        (default: on the CPU with packed weights, unless ROOFLINE_TORCH_COMPILE=0)."""
+        `compile`: decode-sized forwards and prefills through torch.compile graphs (`compiled.CompiledHalves`),
+        compiled at load (default: `default_compile`)."""
         import importlib
 
         from mlx_engine.kv.config import KVConfig
@@ -213,9 +221,9 @@ class TorchRunner(CacheRunner):
         runner.threads = num_threads
         if compile not in (None, True, False):
             raise RooflineError(f"compile={compile!r}: expected True, False or None (default: on the CPU with packed "
-                                "weights)")
+                                "weights where the decode step is not native)")
         if compile is None:
-            compile = cpu is not None and os.environ.get(COMPILE_ENV, "1") not in ("0", "off", "false")
+            compile = default_compile(cpu is not None, native)
         if compile:
             from mlx_engine.backends.torch.weights import trim_heap
 
