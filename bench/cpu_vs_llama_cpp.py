@@ -22,8 +22,8 @@ give decode only.
 Each row: prompt of -p tokens (prefill tok/s), then -n greedy tokens (decode tok/s); the decode's % of the
 roofline = bytes a token reads (packed weights and the KV at the mean decode context, as each runner holds
 them) x tok/s / the machine's copy bandwidth (`mlx_engine.roofline.measure_bandwidth`); memory = the worker's
-peak RSS less its RSS after imports (torch's and its compiler's modules for the torch rows: library code, as
-llama.cpp's), beside the target 1.3 x the file + the KV pool it allocated.
+peak RSS less its RSS after imports (torch's modules for the torch rows, and its compiler's for the compiled
+ones: library code, as llama.cpp's), beside the target 1.3 x the file + the KV pool it allocated.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_PYTHON = "/work/venvs/llamacpp/bin/python"
-RUNNERS = ("torch", "torch-eager", "mlx", "llama")
+RUNNERS = ("torch", "torch-compile", "mlx", "llama")
 FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}  # llama_ftype: LLAMA_FTYPE_MOSTLY_*
 
 
@@ -87,7 +87,7 @@ def _serve(load, run) -> None:
 
 
 def roofline_worker(path: str, kind: str, threads: int | None, context: int) -> None:
-    """`kind`: mlx, torch, or torch-eager (the torch backend with compile=False)."""
+    """`kind`: mlx, torch, or torch-compile (the torch backend with compile=True)."""
     sys.path.insert(0, str(ROOT))
     from mlx_engine import Engine, GenerationRequest, SamplingParams
 
@@ -95,8 +95,8 @@ def roofline_worker(path: str, kind: str, threads: int | None, context: int) -> 
 
     def load() -> dict:
         options = {"threads": threads} if backend == "torch" else {}
-        if kind == "torch-eager":
-            options["compile"] = False
+        if kind == "torch-compile":
+            options["compile"] = True
         e = state["engine"] = Engine.load(path, backend=backend, device="cpu", prefix_caching=False,
                                           max_context=context, **options)
         return {"name": e.info.name, "quantization": e.info.quantization, "weight_bytes": e.info.weight_bytes,
@@ -113,7 +113,7 @@ def roofline_worker(path: str, kind: str, threads: int | None, context: int) -> 
     backend = "mlx" if kind == "mlx" else "torch"
     if backend == "torch":  # torch's libraries (about 270 MB of RSS) before the baseline, as llama.cpp's are,
         import mlx_engine.backends.torch.runner  # noqa: F401
-    if kind == "torch":  # and its compiler's (~120 MB), where the prefill's halves are compiled at load
+    if kind == "torch-compile":  # and its compiler's (~120 MB), the prefill's halves compiled at load
         import torch._dynamo  # noqa: F401
         import torch._inductor.compile_fx  # noqa: F401
     _serve(load, run)
@@ -243,7 +243,7 @@ def main() -> None:
     ap.add_argument("-n", "--gen-tokens", type=int, default=128)
     ap.add_argument("--files", default="Q4_1,Q4_0,Q8_0,Q4_K_M", help="which files (default Q4_1,Q4_0,Q8_0,Q4_K_M)")
     ap.add_argument("--runners", default="torch,mlx,llama",
-                    help="which runners (default torch,mlx,llama; also torch-eager: the torch backend, compile off)")
+                    help="which runners (default torch,mlx,llama; also torch-compile: the torch backend, compile=True)")
     ap.add_argument("--extra-bufts", action="store_true", help="also llama.cpp with its extra buffer types")
     ap.add_argument("--llama-python", default=LLAMA_PYTHON, help=f"llama-cpp-python's interpreter ({LLAMA_PYTHON})")
     ap.add_argument("--amx-python", help="also a llama.cpp built with AMX, decode only (prompt a token at a time)")
@@ -284,7 +284,7 @@ def main() -> None:
         me = [sys.executable, str(Path(__file__).resolve()), "--worker"]
         workers = []
         for t in threads:
-            for kind, name in (("torch", "roofline torch"), ("torch-eager", "roofline torch, no compile")):
+            for kind, name in (("torch", "roofline torch"), ("torch-compile", "roofline torch, compiled")):
                 if kind in runners:
                     workers.append(Worker({"file": fname, "runner": name, "threads": t},
                                           me + [kind, str(path), str(t), str(context)]))

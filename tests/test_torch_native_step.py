@@ -1,5 +1,5 @@
 """A decode-sized forward's layers as one call of Roofline's CPU kernel library (`native_step.NativeStep`,
-`roofline_cpu::decode_layers`): its layers against the Python model's on the same paged rows (K/V written, the
+`roofline_cpu::forward_layers`): its layers against the Python model's on the same paged rows (K/V written, the
 output), the engine's tokens and their logprobs with it against without it on each family the torch backend
 runs (llama, mistral, qwen2's q/k/v biases, qwen3's q/k norms; solo, batched, a speculative verification's rows,
 the self-draft's first layers), which models it takes, and what the op refuses."""
@@ -64,7 +64,7 @@ def folders(tmp_path_factory):
     return {f: quantized(f, tmp / f) for f in ("llama", "mistral", "qwen2", "qwen3")}
 
 
-def _load(path: Path, native: bool, monkeypatch) -> Engine:
+def _load(path: Path, native: bool, monkeypatch, **options) -> Engine:
     """Without the native step, its pools' float16 all the same: the two differ in the layers' code only."""
     from mlx_engine.backends.torch.kv import TorchPagedCache
 
@@ -72,7 +72,7 @@ def _load(path: Path, native: bool, monkeypatch) -> Engine:
     monkeypatch.setattr(native_step, "wanted", lambda: native)
     monkeypatch.setattr(TorchPagedCache, "create_torch", classmethod(
         lambda cls, **kw: create(cls, **{**kw, "dtype": native_step.KV_DTYPE})))
-    return Engine.load(str(path), backend="torch", device="cpu", compile=False, prefix_caching=False)
+    return Engine.load(str(path), backend="torch", device="cpu", compile=False, prefix_caching=False, **options)
 
 
 def _run(engine: Engine, prompts: list[list[int]], n: int, **sampling) -> list[tuple[list[int], list[float]]]:
@@ -115,6 +115,21 @@ def test_native_step_is_the_python_layers(folders, family, monkeypatch):
                 assert np.abs(np.array(logprobs) - np.array(want_logprobs)).max() <= LOGPROB_ATOL
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_native_prefill_is_the_python_layers(folders, family, monkeypatch):
+    """A 150-token prompt in chunks of 64: two chunks through the op's prefill path (the second at an offset, its
+    mask past the chunk's own rows), the last 22 rows through its row-by-row attention, then decode."""
+    prompt = [(13 * i + 1) % 120 + 5 for i in range(150)]
+    got = {}
+    for native in (False, True):
+        with _load(folders[family], native, monkeypatch, prefill_chunk_size=64) as engine:
+            assert (engine.diagnostics().runner.model.native is not None) == native
+            got[native] = _run(engine, [prompt], 8)
+    (tokens, logprobs), (want_tokens, want_logprobs) = got[True][0], got[False][0]
+    assert tokens == want_tokens
+    assert np.abs(np.array(logprobs) - np.array(want_logprobs)).max() <= LOGPROB_ATOL
+
+
 def test_no_compile_by_default_where_the_step_is_native(folders, monkeypatch):
     """torch.compile would serve only prefills there (docs/benchmarks.md): by default the load compiles nothing;
     compiled graphs stay the default where the step cannot be native, and ROOFLINE_TORCH_COMPILE=0 still rules."""
@@ -140,11 +155,13 @@ def _rows(n: int, s: int, slots: int, hkv: int, d: int, seed: int, dtype=torch.f
     visible = torch.arange(s)[None, :] <= torch.arange(s - n, s)[:, None]
     bias = torch.zeros(n, s).masked_fill_(~visible, -math.inf)
     k, v = (torch.randn(slots, hkv, d, generator=g).to(dtype) for _ in range(2))
-    return tm.PagedRows(k, v, where[s - n:].contiguous(), where[None].expand(n, s).contiguous(), bias)
+    gather = where[None].expand(n, s)  # a prefill chunk's as `chunk_rows` gives it: one row expanded
+    return tm.PagedRows(k, v, where[s - n:].contiguous(), gather.contiguous() if n <= tm.GRAPH_ROWS else gather, bias)
 
 
 # max |native - Python| / max |Python| over a layer's output and the K it wrote, measured on a 2-core Intel Xeon
-# (AMX): outputs 3.2e-6 or less in 47 of the 48 cases, the K 5.2e-7 (float32 pools) and 1.8e-4 (float16: a last bit
+# (AMX): outputs 3.2e-6 or less in 47 of the 48 cases (the prefill-sized ones 2.5e-5 or less, mostly 0: the same
+# bfloat16 GEMM, whose input rounding absorbs the attention's last bits), the K 5.2e-7 (float32 pools) and 1.8e-4 (float16: a last bit
 # of float32 can move the value to the next float16, 4.9e-4 of the largest). One case, 40 rows over float16 pools,
 # 2.9e-3: such a K moved a row's attention output enough to flip one int8 rounding of the o projection's input
 # (a step of 1/127 of its block's largest value). Headroom: about 3x each
@@ -154,11 +171,12 @@ POOL_RTOL = 1e-3
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("n,s", [(1, 1), (1, 37), (3, 20), (7, 7), (24, 24), (40, 47)])
+@pytest.mark.parametrize("n,s", [(1, 1), (1, 37), (3, 20), (7, 7), (24, 24), (40, 47), (64, 64), (100, 160)])
 def test_one_layer_against_the_python_halves(folders, family, dtype, n, s, monkeypatch):
     """A layer of each family through the op against `attention_inputs`, `paged_attention` and
     `attention_outputs` (the compiled step's math, eagerly) on copies of the same pools, float32 or float16 (both
-    round the new K/V once, as written)."""
+    round the new K/V once, as written); from 48 rows (prefill chunks: the dequantizing GEMM, where the CPU has
+    bfloat16 dot products, and SDPA) the op's prefill path."""
     with _load(folders[family], True, monkeypatch) as engine:
         model = engine.diagnostics().runner.model
         a = model.args
@@ -166,7 +184,8 @@ def test_one_layer_against_the_python_halves(folders, family, dtype, n, s, monke
         g = torch.Generator().manual_seed(n * 100 + s)
         h = torch.randn(1, n, a.hidden_size, generator=g) * 2
         cos, sin = model.rope.angles(torch.arange(s - n, s)[None])
-        mine, theirs = (_rows(n, s, 64, a.num_key_value_heads, a.head_dim, s, dtype) for _ in range(2))
+        slots = max(64, 2 * s)
+        mine, theirs = (_rows(n, s, slots, a.num_key_value_heads, a.head_dim, s, dtype) for _ in range(2))
         block = model.layers[0]
         q, k, v = tm.attention_inputs(block, h, cos, sin)
         want = tm.attention_outputs(block, h, tm.paged_attention(q, k, v, theirs, block.self_attn.scale))[0]
@@ -175,7 +194,7 @@ def test_one_layer_against_the_python_halves(folders, family, dtype, n, s, monke
         for pool, ref in ((mine.pool_k, theirs.pool_k), (mine.pool_v, theirs.pool_v)):
             assert pool.dtype == dtype
             assert float((pool - ref).float().abs().max()) <= POOL_RTOL * float(ref.float().abs().max())
-            untouched = torch.ones(64, dtype=torch.bool)
+            untouched = torch.ones(slots, dtype=torch.bool)
             untouched[mine.write] = False
             assert torch.equal(pool[untouched], ref[untouched])  # nothing written but the new rows' slots
 
@@ -202,6 +221,7 @@ def test_the_op_refuses_what_it_cannot_read(folders, monkeypatch):
         with pytest.raises(RuntimeError, match="write slot 16 outside the pool's 16"):
             step(h, [outside], cos, sin)
         with pytest.raises(RuntimeError, match="fewer tensors"):
-            torch.ops.roofline_cpu.decode_layers(
+            torch.ops.roofline_cpu.forward_layers(
                 h, step.tensors[:3], step.ints, [rows.pool_k], [rows.pool_v], [rows.write], [rows.gather], [rows.bias],
-                cos, sin, a.num_attention_heads, a.num_key_value_heads, a.head_dim, 1e-5, 0.25, 1.0, False)
+                cos, sin, a.num_attention_heads, a.num_key_value_heads, a.head_dim, 1e-5, 0.25, 1.0, False, 48, 2**21,
+                48)

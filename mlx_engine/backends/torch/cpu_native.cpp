@@ -408,11 +408,11 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   return y;
 }
 
-// --- a decode step's layers (decode_layers) ---
-// One call for every layer of a decode-sized forward (N rows: one new token of each of N sequences, or a short
-// verification's): the norms, projections, rope, the K/V written to and read from the pools, attention, the
+// --- a forward's layers (forward_layers) ---
+// One call for every layer of a forward of N rows (one new token of each of N sequences, a verification's, a
+// prefill chunk's): the norms, projections, rope, the K/V written to and read from the pools, attention, the
 // SiLU gate and the residuals, as the Python model's ops (model.py's TransformerBlock) compute them in float32,
-// with the projections through qmatmul above. Each layer's tensors and ints follow one another in `ws` and `meta`
+// with the projections through qmatmul above, or from gemm_rows rows the prefill's dequantizing GEMM. Each layer's tensors and ints follow one another in `ws` and `meta`
 // (cpu_native.NativeStep writes them): tensors in_norm, post_norm, q_norm, k_norm, q_bias, k_bias, v_bias (empty
 // where the model has none), then the matrices (codes, d, m each): the n_qkv of q/k/v, o, the n_gu of gate/up,
 // down; ints n_qkv, n_gu, then the columns where q, k, v start in the q/k/v matrices' outputs side by side,
@@ -423,24 +423,84 @@ struct Matrix {
   int64_t bits, zero;
 };
 
-at::Tensor matmul_of(const at::Tensor& x, const Matrix& w) { return qmatmul(x, *w.codes, *w.d, *w.m, w.bits, w.zero); }
+// A layer's attention: N rows over S gathered slots (row n's at gather + n * gs: gs S, or 0 where every row
+// gathers the same), Hkv K/V heads of G query heads each, of D; the new K/V at k_off and v_off of q/k/v's yw columns
+struct Heads {
+  int64_t N, S, gs, Hkv, G, D, yw, k_off, v_off;
+  float scale;
+};
+
+// When to take a prefill's GEMM (cpu_gemm.native_matmul's, op for op): from `rows` rows of x, the weights
+// dequantized to bfloat16 `slice` elements at a time
+struct Gemm {
+  int64_t rows, slice;
+};
+
+at::Tensor matmul_of(const at::Tensor& x, const Matrix& w, const Gemm& gemm) {
+  if (x.size(0) < gemm.rows) return qmatmul(x, *w.codes, *w.d, *w.m, w.bits, w.zero);
+  const int64_t n = w.codes->size(0), step = std::max<int64_t>(1, gemm.slice / x.size(1));
+  const at::Tensor xb = x.to(at::kBFloat16);
+  std::vector<at::Tensor> outs;
+  for (int64_t lo = 0; lo < n; lo += step) {
+    const int64_t hi = std::min(n, lo + step);
+    const at::Tensor m = w.m->numel() ? w.m->slice(0, lo, hi) : *w.m;
+    outs.push_back(at::linear(xb, dequant(w.codes->slice(0, lo, hi), w.d->slice(0, lo, hi), m, w.bits, w.zero)));
+  }
+  return (outs.size() == 1 ? outs[0] : at::cat(outs, 1)).to(at::kFloat);
+}
 
 // Outputs of matrices of one input, side by side
-at::Tensor side_by_side(const at::Tensor& x, const std::vector<Matrix>& ws) {
-  if (ws.size() == 1) return matmul_of(x, ws[0]);
+at::Tensor side_by_side(const at::Tensor& x, const std::vector<Matrix>& ws, const Gemm& gemm) {
+  if (ws.size() == 1) return matmul_of(x, ws[0], gemm);
   std::vector<at::Tensor> outs;
-  for (const Matrix& w : ws) outs.push_back(matmul_of(x, w));
+  for (const Matrix& w : ws) outs.push_back(matmul_of(x, w, gemm));
   return at::cat(outs, 1);
 }
 
+// A prefill chunk's rows [n0, n1), which gather the same slots: its K/V gathered in float32 and attended by torch's
+// SDPA with the rows' biases as the mask, as the Python prefill attends a chunk (kv.PrefillView.attention)
+void attend_chunk(const Heads& a, int64_t n0, int64_t n1, const at::Tensor& q, const at::Tensor& pk,
+                  const at::Tensor& pv, const at::Tensor& gather, const at::Tensor& bias, at::Tensor& att) {
+  const int64_t r = n1 - n0, S = a.S, Hkv = a.Hkv, Hq = Hkv * a.G, D = a.D;
+  const at::Tensor slots = gather.select(0, n0);
+  auto heads = [&](const at::Tensor& pool) {
+    return pool.index_select(0, slots).to(at::kFloat).view({1, S, Hkv, D}).transpose(1, 2);
+  };
+  // a chunk from position 0, each row seeing the slots up to its own: SDPA's causal kernel, which skips the
+  // masked half (a chunk at an offset: the biases as the mask)
+  bool causal = S == r;
+  const float* bp = bias.data_ptr<float>() + n0 * S;
+  for (int64_t i = 0; causal && i < r; ++i)
+    for (int64_t j = 0; causal && j < S; ++j) causal = (j <= i) ? bp[i * S + j] == 0.f : bp[i * S + j] == -INFINITY;
+  const at::Tensor out = at::scaled_dot_product_attention(
+      q.slice(0, n0, n1).view({1, r, Hq, D}).transpose(1, 2), heads(pk), heads(pv),
+      causal ? std::optional<at::Tensor>() : std::optional<at::Tensor>(bias.slice(0, n0, n1).view({1, 1, r, S})), 0.0,
+      causal, static_cast<double>(a.scale), true);
+  att.slice(0, n0, n1).copy_(out.transpose(1, 2).reshape({r, Hq * D}));
+}
+
+// rows of a forward sharing row n's gathered slots, from n on
+int64_t chunk_end(const Heads& a, const int64_t* gp, int64_t n) {
+  int64_t e = n + 1;
+  while (e < a.N && std::memcmp(gp + e * a.gs, gp + n * a.gs, a.S * sizeof(int64_t)) == 0) ++e;
+  return e;
+}
+
 // rows (N, W) at column stride `stride`: each row of W values x / sqrt(mean(x^2) + eps) * w, in place
-void rms_norm_rows(float* x, int64_t rows, int64_t W, int64_t stride, const float* w, float eps) {
+// wide: the squares summed 8 lanes at a time (a prefill's rows); else in order, as the decode step was measured
+void rms_norm_rows(float* x, int64_t rows, int64_t W, int64_t stride, const float* w, float eps, bool wide = false) {
   for (int64_t r = 0; r < rows; ++r) {
     float* v = x + r * stride;
     float ss = 0.f;
-    for (int64_t i = 0; i < W; ++i) ss += v[i] * v[i];
+    int64_t i = 0;
+    if (wide) {
+      __m256 acc = _mm256_setzero_ps();
+      for (; i + 8 <= W; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(v + i), _mm256_loadu_ps(v + i), acc);
+      ss = hsum(acc);
+    }
+    for (; i < W; ++i) ss += v[i] * v[i];
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(W) + eps);
-    for (int64_t i = 0; i < W; ++i) v[i] = w[i] * (v[i] * inv);
+    for (i = 0; i < W; ++i) v[i] = w[i] * (v[i] * inv);
   }
 }
 
@@ -473,11 +533,6 @@ void rope_heads(float* x, int64_t heads, int64_t D, const float* cos, const floa
   }
 }
 
-struct Heads {
-  int64_t N, S, Hkv, G, D, yw, k_off, v_off;
-  float scale;
-};
-
 // A pool's row of D values as float32: itself, or converted into `buf` (float16 pools)
 inline const float* row_f32(const float* p, float*, int64_t) { return p; }
 inline const float* row_f32(const uint16_t* p, float* buf, int64_t D) {
@@ -498,24 +553,29 @@ inline void store_row(uint16_t* dst, const float* src, int64_t D) {
   for (; j < D; ++j) dst[j] = _cvtss_sh(src[j], _MM_FROUND_TO_NEAREST_INT);
 }
 
-// The rows' K/V (in y, after rope) written to their slots, then each row's q heads (qp) attending to the slots it
-// gathers with its bias added to the scores, into ap (N, Hq * D). A K/V head's rows are read once for the G query
-// heads that share it.
+// The rows' K/V (in y, after rope) written to their slots
 template <typename P>
-void attend(const Heads& a, const float* yp, const float* qp, const int64_t* wp, const int64_t* gp, const float* bp,
-            P* pkp, P* pvp, float* ap) {
-  const int64_t N = a.N, S = a.S, Hkv = a.Hkv, G = a.G, D = a.D, kw = Hkv * D, qw = Hkv * G * D;
-  const float scale = a.scale;
-  for (int64_t n = 0; n < N; ++n) {
+void write_rows(const Heads& a, const float* yp, const int64_t* wp, P* pkp, P* pvp) {
+  const int64_t kw = a.Hkv * a.D;
+  for (int64_t n = 0; n < a.N; ++n) {
     store_row(pkp + wp[n] * kw, yp + n * a.yw + a.k_off, kw);
     store_row(pvp + wp[n] * kw, yp + n * a.yw + a.v_off, kw);
   }
+}
+
+// Rows [n0, n1): each row's q heads (qp) attending to the slots it gathers with its bias added to the scores,
+// into ap (N, Hq * D). A K/V head's rows are read once for the G query heads that share it.
+template <typename P>
+void attend(const Heads& a, int64_t n0, int64_t n1, const float* qp, const int64_t* gp, const float* bp,
+            const P* pkp, const P* pvp, float* ap) {
+  const int64_t S = a.S, Hkv = a.Hkv, G = a.G, D = a.D, kw = Hkv * D, qw = Hkv * G * D;
+  const float scale = a.scale;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, G * S * D));
-  at::parallel_for(0, N * Hkv, grain, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(n0 * Hkv, n1 * Hkv, grain, [&](int64_t r0, int64_t r1) {
     std::vector<float> p(G * S);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t n = r / Hkv, kvh = r % Hkv;
-      const int64_t* g = gp + n * S;
+      const int64_t* g = gp + n * a.gs;
       const float* bb = bp + n * S;
       const float* qv = qp + n * qw + kvh * G * D;
       std::vector<float> buf(D);
@@ -545,36 +605,48 @@ void attend(const Heads& a, const float* yp, const float* qp, const int64_t* wp,
   });
 }
 
-at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArrayRef meta, at::TensorList pool_k,
-                         at::TensorList pool_v, at::TensorList writes, at::TensorList gathers, at::TensorList biases,
-                         const at::Tensor& cos, const at::Tensor& sin, int64_t Hq, int64_t Hkv, int64_t D, double eps_d,
-                         double scale_d, double mscale_d, bool traditional) {
+// x (N, H) float32 contiguous, each row normalized in place, rows in parallel
+void norm_rows(at::Tensor& x, const float* w, float eps, bool wide) {
+  const int64_t H = x.size(1);
+  float* p = x.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 16,
+                   [&](int64_t n0, int64_t n1) { rms_norm_rows(p + n0 * H, n1 - n0, H, H, w, eps, wide); });
+}
+
+at::Tensor forward_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArrayRef meta, at::TensorList pool_k,
+                          at::TensorList pool_v, at::TensorList writes, at::TensorList gathers, at::TensorList biases,
+                          const at::Tensor& cos, const at::Tensor& sin, int64_t Hq, int64_t Hkv, int64_t D,
+                          double eps_d, double scale_d, double mscale_d, bool traditional, int64_t gemm_rows,
+                          int64_t gemm_slice, int64_t chunk_rows) {
   const int64_t N = h_in.size(0), H = h_in.size(1), L = pool_k.size();
-  TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat, "decode_layers: h (N, hidden) float32");
+  TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat, "forward_layers: h (N, hidden) float32");
   TORCH_CHECK(pool_v.size() == pool_k.size() && writes.size() == pool_k.size() && gathers.size() == pool_k.size() &&
                   biases.size() == pool_k.size(),
-              "decode_layers: a K pool, V pool, write, gather and bias a layer");
+              "forward_layers: a K pool, V pool, write, gather and bias a layer");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.numel() == N * (D / 2) && sin.sizes() == cos.sizes(),
-              "decode_layers: cos and sin (N, D / 2) float32");
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && D % 2 == 0, "decode_layers: Hq a multiple of Hkv, D even");
+              "forward_layers: cos and sin (N, D / 2) float32");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && D % 2 == 0, "forward_layers: Hq a multiple of Hkv, D even");
   const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
   const float mscale = static_cast<float>(mscale_d);
   const int64_t G = Hq / Hkv, qw = Hq * D, kw = Hkv * D;
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
   const float *cp = cc.data_ptr<float>(), *sp = sc.data_ptr<float>();
+  TORCH_CHECK(gemm_rows >= 1 && gemm_slice >= 1 && chunk_rows >= 1,
+              "forward_layers: gemm_rows, gemm_slice and chunk_rows >= 1");
+  const Gemm gemm{gemm_rows, gemm_slice};
   at::Tensor h = h_in.contiguous().clone();
   size_t t = 0, i = 0;
   auto tensor = [&]() -> const at::Tensor& {
-    TORCH_CHECK(t < ws.size(), "decode_layers: fewer tensors than the layers' ints say");
+    TORCH_CHECK(t < ws.size(), "forward_layers: fewer tensors than the layers' ints say");
     return ws[t++];
   };
   auto integer = [&]() {
-    TORCH_CHECK(i < meta.size(), "decode_layers: fewer ints than the layers need");
+    TORCH_CHECK(i < meta.size(), "forward_layers: fewer ints than the layers need");
     return meta[i++];
   };
   auto vec = [&](const at::Tensor& x, int64_t n, const char* what) -> const float* {
     if (x.numel() == 0) return nullptr;
-    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() == n, "decode_layers: ", what,
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() == n, "forward_layers: ", what,
                 " float32 of ", n);
     return x.data_ptr<float>();
   };
@@ -586,7 +658,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArray
     const float* q_bias = vec(tensor(), qw, "q bias");
     const float* k_bias = vec(tensor(), kw, "k bias");
     const float* v_bias = vec(tensor(), kw, "v bias");
-    TORCH_CHECK(in_norm && post_norm, "decode_layers: layer ", layer, " without its norms");
+    TORCH_CHECK(in_norm && post_norm, "forward_layers: layer ", layer, " without its norms");
     const int64_t n_qkv = integer(), n_gu = integer(), q_off = integer(), k_off = integer(), v_off = integer();
     const int64_t g_off = integer(), u_off = integer(), inter = integer();
     std::vector<Matrix> qkv, gu;
@@ -604,26 +676,28 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArray
     TORCH_CHECK((pk.scalar_type() == at::kFloat || pk.scalar_type() == at::kHalf) && pk.is_contiguous() &&
                     pk.dim() == 3 && pk.size(1) == Hkv && pk.size(2) == D && pv.sizes() == pk.sizes() &&
                     pv.scalar_type() == pk.scalar_type() && pv.is_contiguous(),
-                "decode_layers: pools (slots, Hkv, D) float32 or float16, contiguous, layer ", layer);
+                "forward_layers: pools (slots, Hkv, D) float32 or float16, contiguous, layer ", layer);
     const int64_t slots = pk.size(0);
     const at::Tensor &write = writes[layer], &gather = gathers[layer], &bias = biases[layer];
     TORCH_CHECK(write.scalar_type() == at::kLong && write.is_contiguous() && write.numel() == N &&
-                    gather.scalar_type() == at::kLong && gather.is_contiguous() && gather.dim() == 2 &&
-                    gather.size(0) == N && bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
-                    bias.sizes() == gather.sizes(),
-                "decode_layers: write (N,) and gather (N, S) int64, bias (N, S) float32, contiguous, layer ", layer);
-    const int64_t S = gather.size(1);
+                    gather.scalar_type() == at::kLong && gather.dim() == 2 && gather.size(0) == N &&
+                    gather.stride(1) == 1 && (gather.stride(0) == gather.size(1) || gather.stride(0) == 0) &&
+                    bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.sizes() == gather.sizes(),
+                "forward_layers: write (N,) int64 and bias (N, S) float32 contiguous, gather (N, S) int64 row-major or "
+                "one row expanded, layer ", layer);
+    const int64_t S = gather.size(1), gs = gather.stride(0);
     const int64_t *wp = write.data_ptr<int64_t>(), *gp = gather.data_ptr<int64_t>();
     const float* bp = bias.data_ptr<float>();
 
     at::Tensor x = h.clone();
-    rms_norm_rows(x.data_ptr<float>(), N, H, H, in_norm, eps);
-    at::Tensor y = side_by_side(x, qkv);  // (N, q/k/v columns)
-    TORCH_CHECK(y.size(1) >= std::max({q_off + qw, k_off + kw, v_off + kw}), "decode_layers: q/k/v columns");
+    norm_rows(x, in_norm, eps, N >= chunk_rows);
+    at::Tensor y = side_by_side(x, qkv, gemm);  // (N, q/k/v columns)
+    TORCH_CHECK(y.size(1) >= std::max({q_off + qw, k_off + kw, v_off + kw}), "forward_layers: q/k/v columns");
     at::Tensor q = at::empty({N, qw}, h.options());
     float *yp = y.data_ptr<float>(), *qp = q.data_ptr<float>();
     const int64_t yw = y.size(1);
-    for (int64_t n = 0; n < N; ++n) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
       float* yr = yp + n * yw;
       float *qr = qp + n * qw, *kr = yr + k_off, *vr = yr + v_off;
       for (int64_t j = 0; j < qw; ++j) qr[j] = yr[q_off + j] + (q_bias ? q_bias[j] : 0.f);
@@ -635,33 +709,47 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArray
       if (k_norm) rms_norm_rows(kr, Hkv, D, D, k_norm, eps);
       rope_heads(qr, Hq, D, cp + n * (D / 2), sp + n * (D / 2), mscale, traditional);
       rope_heads(kr, Hkv, D, cp + n * (D / 2), sp + n * (D / 2), mscale, traditional);
-      TORCH_CHECK(wp[n] >= 0 && wp[n] < slots, "decode_layers: write slot ", wp[n], " outside the pool's ", slots);
     }
-    for (int64_t n = 0; n < N * S; ++n)
-      TORCH_CHECK(gp[n] >= 0 && gp[n] < slots, "decode_layers: gathered slot ", gp[n], " outside the pool's ", slots);
+    });
+    for (int64_t n = 0; n < N; ++n)
+      TORCH_CHECK(wp[n] >= 0 && wp[n] < slots, "forward_layers: write slot ", wp[n], " outside the pool's ", slots);
+    for (int64_t n = 0; n < (gs ? N : 1) * S; ++n)
+      TORCH_CHECK(gp[n] >= 0 && gp[n] < slots, "forward_layers: gathered slot ", gp[n], " outside the pool's ", slots);
     at::Tensor att = at::empty({N, qw}, h.options());
-    const Heads heads{N, S, Hkv, G, D, yw, k_off, v_off, scale};
-    if (pk.scalar_type() == at::kHalf)
-      attend(heads, yp, qp, wp, gp, bp, static_cast<uint16_t*>(pk.data_ptr()), static_cast<uint16_t*>(pv.data_ptr()),
-             att.data_ptr<float>());
-    else
-      attend(heads, yp, qp, wp, gp, bp, pk.data_ptr<float>(), pv.data_ptr<float>(), att.data_ptr<float>());
-    h.add_(matmul_of(att, o));
+    const Heads heads{N, S, gs, Hkv, G, D, yw, k_off, v_off, scale};
+    const bool half = pk.scalar_type() == at::kHalf;
+    auto* pk16 = static_cast<uint16_t*>(pk.data_ptr());
+    auto* pv16 = static_cast<uint16_t*>(pv.data_ptr());
+    if (half) write_rows(heads, yp, wp, pk16, pv16);
+    else write_rows(heads, yp, wp, pk.data_ptr<float>(), pv.data_ptr<float>());
+    // a prefill chunk's rows (chunk_rows or more sharing their slots) through SDPA, the others one by one
+    for (int64_t n = 0; n < N;) {
+      const int64_t e = chunk_end(heads, gp, n);
+      if (e - n >= chunk_rows) attend_chunk(heads, n, e, q, pk, pv, gather, bias, att);
+      else if (half) attend(heads, n, e, qp, gp, bp, pk16, pv16, att.data_ptr<float>());
+      else attend(heads, n, e, qp, gp, bp, pk.data_ptr<float>(), pv.data_ptr<float>(), att.data_ptr<float>());
+      n = e;
+    }
+    h.add_(matmul_of(att, o, gemm));
     x = h.clone();
-    rms_norm_rows(x.data_ptr<float>(), N, H, H, post_norm, eps);
-    at::Tensor z = side_by_side(x, gu);
-    TORCH_CHECK(z.size(1) >= std::max(g_off, u_off) + inter, "decode_layers: gate/up columns");
+    norm_rows(x, post_norm, eps, N >= chunk_rows);
+    at::Tensor z = side_by_side(x, gu, gemm);
+    TORCH_CHECK(z.size(1) >= std::max(g_off, u_off) + inter, "forward_layers: gate/up columns");
     at::Tensor act = at::empty({N, inter}, h.options());
     const float* zp = z.data_ptr<float>();
     float* actp = act.data_ptr<float>();
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t j = 0; j < inter; ++j) {
-        const float g = zp[n * z.size(1) + g_off + j];
-        actp[n * inter + j] = g / (1.f + std::exp(-g)) * zp[n * z.size(1) + u_off + j];
-      }
-    h.add_(matmul_of(act, down));
+    const int64_t zw = z.size(1);
+    if (N >= chunk_rows)  // torch's vectorized SiLU (the Python prefill's)
+      at::mul_out(act, at::silu(z.slice(1, g_off, g_off + inter)), z.slice(1, u_off, u_off + inter));
+    else
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t j = 0; j < inter; ++j) {
+          const float g = zp[n * zw + g_off + j];
+          actp[n * inter + j] = g / (1.f + std::exp(-g)) * zp[n * zw + u_off + j];
+        }
+    h.add_(matmul_of(act, down, gemm));
   }
-  TORCH_CHECK(t == ws.size() && i == meta.size(), "decode_layers: ", ws.size() - t, " tensors and ",
+  TORCH_CHECK(t == ws.size() && i == meta.size(), "forward_layers: ", ws.size() - t, " tensors and ",
               meta.size() - i, " ints left after ", L, " layers");
   return h;
 }
@@ -671,13 +759,13 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArray
 TORCH_LIBRARY(roofline_cpu, lib) {
   lib.def("qmatmul(Tensor x, Tensor codes, Tensor d, Tensor m, int bits, int zero=0) -> Tensor");
   lib.def("dequant(Tensor codes, Tensor d, Tensor m, int bits, int zero=0) -> Tensor");
-  lib.def("decode_layers(Tensor h, Tensor[] ws, int[] meta, Tensor(a!)[] pool_k, Tensor(b!)[] pool_v, Tensor[] write, "
+  lib.def("forward_layers(Tensor h, Tensor[] ws, int[] meta, Tensor(a!)[] pool_k, Tensor(b!)[] pool_v, Tensor[] write, "
           "Tensor[] gather, Tensor[] bias, Tensor cos, Tensor sin, int Hq, int Hkv, int D, float eps, float scale, "
-          "float mscale, bool traditional) -> Tensor");
+          "float mscale, bool traditional, int gemm_rows, int gemm_slice, int chunk_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(roofline_cpu, CPU, lib) {
   lib.impl("qmatmul", &qmatmul);
   lib.impl("dequant", &dequant);
-  lib.impl("decode_layers", &decode_layers);
+  lib.impl("forward_layers", &forward_layers);
 }

@@ -16,7 +16,7 @@ Numerics: codes, scales and offsets are exact (float16 where every value of the 
 activations' int8 rounding is the one rounded step, as in llama.cpp's q8_0 dot products. The output head's top
 logits are recomputed in float32 from exact rows (`cpu_packed.head_matmul`).
 
-The same library holds `decode_layers`: a decode-sized forward's layers (norms, rope, the paged pools' K/V written
+The same library holds `forward_layers`: a forward's layers (norms, rope, the paged pools' K/V written
 and attended, the MLP) in one call around these matmuls, which `native_step` lays the model out for.
 
 The library is built at the first load with the system's C++ compiler against the installed torch (about 30 s),

@@ -227,6 +227,12 @@ def row_major(t: torch.Tensor, *shape: int) -> torch.Tensor:
     return t.reshape(-1).view(shape or t.shape)
 
 
+# Rows up to which a forward runs compiled, reading `PagedRows` row-major (decode steps of up to this many
+# sequences, speculative verifications): below the rows where the packed matmuls switch to dequantizing (a guard
+# inside the graph otherwise). The native step takes more where nothing is compiled.
+GRAPH_ROWS = 47
+
+
 def rows_of(write: torch.Tensor, gather: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(write, gather, bias) of `PagedRows` from each row's slots (N, S) and a mask of those it sees (N, S),
     row-major (the compiled graphs assume their compile's strides), S padded to 2 with an unseen slot."""
@@ -242,7 +248,11 @@ def chunk_rows(write: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, 
     slots up to its own, S - L + i."""
     L, S = write.shape[0], slots.shape[0]
     visible = torch.arange(S, device=slots.device)[None, :] <= torch.arange(S - L, S, device=slots.device)[:, None]
-    return rows_of(write, slots[None].expand(L, S), visible)
+    if L <= GRAPH_ROWS:
+        return rows_of(write, slots[None].expand(L, S), visible)
+    # a prefill chunk's: its slots one row expanded (the native step reads it so), not L copies of S int64
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=slots.device).masked_fill_(~visible, -math.inf)
+    return write.contiguous(), slots[None].expand(L, S), bias
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: PagedRows, scale: float) -> torch.Tensor:
@@ -438,14 +448,13 @@ class Model:
 
     def _native_forward(self, ids: torch.Tensor, caches: list[Any] | None,
                         num_layers: int | None) -> torch.Tensor | None:
-        """The last layer's output (B, L, hidden) through the native step, or None where it does not serve."""
-        from mlx_engine.backends.torch.native_step import MAX_ROWS
-
+        """The last layer's output (B, L, hidden) through the native step, or None where it does not serve: no
+        paged cache, or more rows than a decode step's where the prefills are compiled."""
         B, L = ids.shape
         N = B * L
         n = len(self.layers) if num_layers is None else num_layers
-        if N > MAX_ROWS or caches is None or not all(isinstance(c, PagedRowsView) and c.has_paged_rows(B)
-                                                     for c in caches[:n]):
+        if (self.compiled is not None and N > GRAPH_ROWS) or caches is None or not all(
+                isinstance(c, PagedRowsView) and c.has_paged_rows(B) for c in caches[:n]):
             return None
         cos, sin = self.rope.angles(caches[0].positions(B, L, ids.device))  # (B, 1, L, D/2)
         h = self.embed_tokens(ids)

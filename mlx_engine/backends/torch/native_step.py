@@ -1,7 +1,8 @@
-"""A decode-sized forward's layers as one call of Roofline's CPU kernel library (`roofline_cpu::decode_layers`,
-cpu_native.cpp): the norms, q/k/v, rope, the K/V written to the paged pools and attended, the output projection,
-the MLP and the residuals of every layer, in C++ around the same quantized matmuls (`NativeWeight`), in place of a
-compiled graph call a layer. What the graphs left on the host was most of a step: at 2 threads a decode step's
+"""A forward's layers as one call of Roofline's CPU kernel library (`roofline_cpu::forward_layers`, cpu_native.cpp):
+the norms, q/k/v, rope, the K/V written to the paged pools and attended, the output projection, the MLP and the
+residuals of every layer, in C++ around the same quantized matmuls (`NativeWeight`: the kernel's for decode-sized
+forwards, the dequantizing bfloat16 GEMM from `cpu_features.DEQUANT_MIN_ROWS` rows, as `NativeWeight.matmul`), in
+place of a compiled graph call a layer or the eager ops. A prefill chunk's rows attend through torch's SDPA. What the graphs left on the host was most of a step: at 2 threads a decode step's
 engine thread spent 34% of its time in the matmul kernels and 25% in Python, 14% in torch's dispatch
 (docs/benchmarks.md, "Issue 27: the decode step in one call").
 
@@ -16,11 +17,12 @@ from typing import Any
 
 import torch
 
+from mlx_engine.backends.torch import cpu_features, cpu_gemm
 from mlx_engine.backends.torch.cpu_native import NativeWeight
 
-MAX_ROWS = 47  # rows a call (decode steps, batched or not, verifications); more: the dequantizing GEMM's prefill
+CHUNK_ROWS = 48  # rows of one sequence's chunk, at least, that attend through SDPA (fewer: the op's own loop)
 ENV = "ROOFLINE_TORCH_NATIVE_STEP"  # 0/off: the layers as compiled graphs (or eager ops), as before
-NOTE = "decode steps' layers in one call of Roofline's CPU kernel; KV cache in float16"
+NOTE = "decode steps' and prefills' layers in one call of Roofline's CPU kernel; KV cache in float16"
 KV_DTYPE = torch.float16  # the pools' (the op reads float32 or float16): K/V rounded once, when written
 
 
@@ -38,7 +40,7 @@ class NativeStep:
 
     @classmethod
     def of(cls, model: Any) -> NativeStep | None:
-        """The model's layers laid out for `decode_layers`, or None where one of them cannot run there."""
+        """The model's layers laid out for `forward_layers`, or None where one of them cannot run there."""
         empty = torch.empty(0, dtype=torch.float32)
         tensors: list[torch.Tensor] = []
         ints: list[int] = []
@@ -73,10 +75,12 @@ class NativeStep:
         """h (N, hidden) float32, the first len(rows) layers' `PagedRows`, cos and sin (N, head_dim / 2) -> the
         output (N, hidden) of those layers."""
         n = len(rows)
-        return torch.ops.roofline_cpu.decode_layers(
+        gemm_rows = cpu_features.DEQUANT_MIN_ROWS if cpu_features.bf16_gemm() else 2**62
+        return torch.ops.roofline_cpu.forward_layers(
             h, self.tensors[:self.ends[n][0]], self.ints[:self.ends[n][1]], [r.pool_k for r in rows],
             [r.pool_v for r in rows], [r.write for r in rows], [r.gather for r in rows], [r.bias for r in rows], cos,
-            sin, self.heads, self.kv_heads, self.head_dim, self.eps, self.scale, self.mscale, self.traditional)
+            sin, self.heads, self.kv_heads, self.head_dim, self.eps, self.scale, self.mscale, self.traditional,
+            gemm_rows, cpu_gemm.SLICE_ELEMENTS, CHUNK_ROWS)
 
 
 def _vector(t: Any) -> bool:

@@ -30,6 +30,7 @@ from mlx_engine.backends.torch.kv import (
 from mlx_engine.backends.torch.cpu_features import DEQUANT_MIN_ROWS, cpu_support
 from mlx_engine.backends.torch.weights import build_model
 from mlx_engine.backends.torch import native_step
+from mlx_engine.backends.torch.model import GRAPH_ROWS
 from mlx_engine.backends.torch.sampling import sample_rows
 from mlx_engine.backends.base import RunnerCapabilities
 from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers,
@@ -49,9 +50,7 @@ def default_compile(packed_cpu: bool, native: bool) -> bool:
     the cost of a 3-4x slower load and 60-75 MB more peak memory (docs/benchmarks.md, "Issue 27: the decode step
     in one call"); off with ROOFLINE_TORCH_COMPILE=0."""
     return packed_cpu and not native and os.environ.get(COMPILE_ENV, "1") not in ("0", "off", "false")
-# Rows up to which a forward runs compiled (decode steps of up to this many sequences, speculative verifications):
-# below the rows where the packed matmuls switch to dequantizing (a guard inside the graph otherwise)
-COMPILE_MAX_ROWS = 47
+COMPILE_MAX_ROWS = GRAPH_ROWS
 # A single sequence's prefill of at most this many positions (a speculative verification of k + 1 <= 17
 # tokens, a short prompt's last chunk) replays a CUDA graph as that many decode rows
 MAX_GRAPH_PREFILL = 17
