@@ -130,6 +130,22 @@ def test_native_prefill_is_the_python_layers(folders, family, monkeypatch):
     assert np.abs(np.array(logprobs) - np.array(want_logprobs)).max() <= LOGPROB_ATOL
 
 
+def test_head_in_one_call_is_its_torch_ops(folders, monkeypatch):
+    """`head_logits` (a decode step's head in one call) gives `head_ops`' logits bit for bit: the same kernel,
+    the same exact recomputation of each row's top logits."""
+    from mlx_engine.backends.torch import cpu_packed
+
+    with _load(folders["qwen3"], True, monkeypatch) as engine:
+        head = engine.diagnostics().runner.model.embed_tokens.weight
+        assert isinstance(head, cpu_native.NativeWeight)
+        g = torch.Generator().manual_seed(3)
+        for rows in (1, 5, 47):
+            x = torch.randn(1, rows, head.in_features, generator=g)
+            got, want = cpu_packed.head_matmul(head, x, top=16), cpu_packed.head_ops(head, x, top=16)
+            assert got.shape == want.shape == (1, rows, head.out_features)
+            assert torch.equal(got, want)
+
+
 def test_no_compile_by_default_where_the_step_is_native(folders, monkeypatch):
     """torch.compile would serve only prefills there (docs/benchmarks.md): by default the load compiles nothing;
     compiled graphs stay the default where the step cannot be native, and ROOFLINE_TORCH_COMPILE=0 still rules."""

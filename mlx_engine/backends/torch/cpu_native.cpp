@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -331,18 +332,20 @@ inline __m128i to_bf16(__m256 w) {
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-// Rows [n0, n1) as bfloat16, d (c - zero) + m in float32 (a product, then a sum: torch's order) rounded once
-template <int BITS, typename S, bool OFFSETS>
+// Rows [n0, n1) (or rows which[n0..n1) of the matrix, where `which` is given) as bfloat16 or float32, d (c - zero)
+// + m in float32 (a product, then a sum: torch's order, as cpu_gemm.native_float), bfloat16 rounded once
+template <int BITS, typename S, bool OFFSETS, typename OUT>
 void dequant_rows(const uint8_t* codes, const S* d, const S* m, int zero, int64_t K, int64_t n0, int64_t n1,
-                  uint16_t* out) {
+                  OUT* out, const int64_t* which = nullptr) {
   const int64_t nb = K / QK, row_bytes = row_bytes_of(BITS, K);
-  for (int64_t n = n0; n < n1; ++n) {
+  for (int64_t i = n0; i < n1; ++i) {
+    const int64_t n = which ? which[i] : i;
     const uint8_t* c = codes + n * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       const __m256i q = block_codes<BITS>(c, c + K / 2, b);
       const __m256 dv = _mm256_set1_ps(load_scale(d + n * nb + b));
       const __m256 mv = OFFSETS ? _mm256_set1_ps(load_scale(m + n * nb + b)) : _mm256_setzero_ps();
-      uint16_t* o = out + n * K + b * QK;
+      OUT* o = out + i * K + b * QK;
       for (int j = 0; j < 4; ++j) {
         const __m128i half = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
         const __m128i eight = j % 2 ? _mm_srli_si128(half, 8) : half;
@@ -350,7 +353,8 @@ void dequant_rows(const uint8_t* codes, const S* d, const S* m, int zero, int64_
                                              _mm256_set1_epi32(zero));
         __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(i32), dv);
         if constexpr (OFFSETS) w = _mm256_add_ps(w, mv);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * j), to_bf16(w));
+        if constexpr (std::is_same_v<OUT, float>) _mm256_storeu_ps(o + 8 * j, w);
+        else _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * j), to_bf16(w));
       }
     }
   }
@@ -405,6 +409,34 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   if (bits == 4) each.template operator()<4>();
   else if (bits == 5) each.template operator()<5>();
   else each.template operator()<8>();
+  return y;
+}
+
+// The output head: x (R, K) float32 -> logits (R, N) through qmatmul, each row's `top` largest recomputed in
+// float32 from their rows dequantized exactly and x unrounded: cpu_packed.head_matmul's ops, in one call
+at::Tensor head_logits(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                       int64_t bits, int64_t zero, int64_t top) {
+  at::Tensor y = qmatmul(x, codes, d, m, bits, zero);
+  const int64_t R = y.size(0), K = x.size(1), T = std::min(top, y.size(1));
+  TORCH_CHECK(T >= 1, "head_logits: top >= 1");
+  const at::Tensor idx = std::get<1>(y.topk(T, -1)).contiguous();  // (R, T)
+  at::Tensor rows = at::empty({R * T, K}, x.options().dtype(at::kFloat));
+  const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
+  const int64_t* which = idx.data_ptr<int64_t>();
+  float* o = rows.data_ptr<float>();
+  auto each = [&]<int BITS, typename S>() {
+    const auto* dp = static_cast<const S*>(d.data_ptr());
+    at::parallel_for(0, R * T, 8, [&](int64_t i0, int64_t i1) {
+      if (m.numel()) dequant_rows<BITS, S, true>(c, dp, static_cast<const S*>(m.data_ptr()), zero, K, i0, i1, o, which);
+      else dequant_rows<BITS, S, false>(c, dp, static_cast<const S*>(nullptr), zero, K, i0, i1, o, which);
+    });
+  };
+  const bool half = d.scalar_type() == at::kHalf;
+  auto by_scale = [&]<int BITS>() { half ? each.template operator()<BITS, uint16_t>() : each.template operator()<BITS, float>(); };
+  if (bits == 4) by_scale.template operator()<4>();
+  else if (bits == 5) by_scale.template operator()<5>();
+  else by_scale.template operator()<8>();
+  y.scatter_(1, idx, at::matmul(rows.view({R, T, K}), x.to(at::kFloat).view({R, K, 1})).select(2, 0));
   return y;
 }
 
@@ -759,6 +791,7 @@ at::Tensor forward_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArra
 TORCH_LIBRARY(roofline_cpu, lib) {
   lib.def("qmatmul(Tensor x, Tensor codes, Tensor d, Tensor m, int bits, int zero=0) -> Tensor");
   lib.def("dequant(Tensor codes, Tensor d, Tensor m, int bits, int zero=0) -> Tensor");
+  lib.def("head_logits(Tensor x, Tensor codes, Tensor d, Tensor m, int bits, int zero, int top) -> Tensor");
   lib.def("forward_layers(Tensor h, Tensor[] ws, int[] meta, Tensor(a!)[] pool_k, Tensor(b!)[] pool_v, Tensor[] write, "
           "Tensor[] gather, Tensor[] bias, Tensor cos, Tensor sin, int Hq, int Hkv, int D, float eps, float scale, "
           "float mscale, bool traditional, int gemm_rows, int gemm_slice, int chunk_rows) -> Tensor");
@@ -767,5 +800,6 @@ TORCH_LIBRARY(roofline_cpu, lib) {
 TORCH_LIBRARY_IMPL(roofline_cpu, CPU, lib) {
   lib.impl("qmatmul", &qmatmul);
   lib.impl("dequant", &dequant);
+  lib.impl("head_logits", &head_logits);
   lib.impl("forward_layers", &forward_layers);
 }

@@ -268,7 +268,17 @@ HEAD_EXACT_TOP = 64
 def head_matmul(w: CPUWeight, x: torch.Tensor, top: int = HEAD_EXACT_TOP) -> torch.Tensor:
     """The output head: x (..., in) -> logits (..., vocab) float32 through the kernel, each row's `top`
     largest recomputed in float32 from their dequantized rows and x unrounded (so that greedy decoding and
-    the top log-probabilities are those of the packed weights, not of the kernel's bfloat16 output)."""
+    the top log-probabilities are those of the packed weights, not of the kernel's bfloat16 output). Roofline's
+    kernel's weights, at a decode step's rows: the same ops in one call of its library (`head_logits`)."""
+    if isinstance(w, NativeWeight) and x.numel() < DEQUANT_MIN_ROWS * x.shape[-1]:
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        y = torch.ops.roofline_cpu.head_logits(x2, w.codes, w.d, w.m, w.bits, w.zero, top)
+        return y.view(*x.shape[:-1], -1)
+    return head_ops(w, x, top)
+
+
+def head_ops(w: CPUWeight, x: torch.Tensor, top: int = HEAD_EXACT_TOP) -> torch.Tensor:
+    """`head_matmul` as torch ops."""
     y = w.matmul(x).float()
     x2, y2 = x.reshape(-1, x.shape[-1]).float(), y.view(-1, y.shape[-1])
     idx = y2.topk(min(top, y2.shape[-1]), dim=-1).indices  # (R, top)
