@@ -285,7 +285,15 @@ void tile(const uint8_t* codes, const S* d, const S* m, float zf, const int8_t* 
 template <int BITS, typename S, int OFF>
 void run(const uint8_t* codes, const S* d, const S* m, float zf, const int8_t* xq, const float* dx, const float* sx,
          int64_t M, int64_t K, int64_t N, float* y) {
-  // Whole tiles a thread; a decode step's few rows make a thread's share of N its tile
+  if (M <= MB) {  // a decode step's rows: no tile to share across rows, so N in equal shares, one a thread
+    const int64_t T = std::min<int64_t>(at::get_num_threads(), N);
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        tile<BITS, S, OFF>(codes, d, m, zf, xq, dx, sx, M, K, N, N * t / T, N * (t + 1) / T, y);
+    });
+    return;
+  }
+  // Whole tiles a thread
   at::parallel_for(0, (N + NT - 1) / NT, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       tile<BITS, S, OFF>(codes, d, m, zf, xq, dx, sx, M, K, N, t * NT, std::min(N, (t + 1) * NT), y);
@@ -596,37 +604,40 @@ void write_rows(const Heads& a, const float* yp, const int64_t* wp, P* pkp, P* p
 }
 
 // Rows [n0, n1): each row's q heads (qp) attending to the slots it gathers with its bias added to the scores,
-// into ap (N, Hq * D). A K/V head's rows are read once for the G query heads that share it.
+// into ap (N, Hq * D). A K/V head's rows are read once for the G query heads that share it, unless there are too
+// few (row, K/V head) pairs to share out among the threads (a decode step of one sequence over SmolLM2's 3 K/V
+// heads: 3 for 2 threads), when each query head is an item (each head's sums the same either way).
 template <typename P>
 void attend(const Heads& a, int64_t n0, int64_t n1, const float* qp, const int64_t* gp, const float* bp,
             const P* pkp, const P* pvp, float* ap) {
   const int64_t S = a.S, Hkv = a.Hkv, G = a.G, D = a.D, kw = Hkv * D, qw = Hkv * G * D;
   const float scale = a.scale;
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, G * S * D));
-  at::parallel_for(n0 * Hkv, n1 * Hkv, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<float> p(G * S);
+  const int64_t pairs = (n1 - n0) * Hkv, split = pairs < 4 * at::get_num_threads() ? G : 1, Ge = G / split;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, Ge * S * D));
+  at::parallel_for(0, pairs * split, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> p(Ge * S);
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t n = r / Hkv, kvh = r % Hkv;
+      const int64_t n = n0 + r / (Hkv * split), kvh = r / split % Hkv, e0 = r % split * Ge;
       const int64_t* g = gp + n * a.gs;
       const float* bb = bp + n * S;
-      const float* qv = qp + n * qw + kvh * G * D;
+      const float* qv = qp + n * qw + (kvh * G + e0) * D;
       std::vector<float> buf(D);
       for (int64_t s = 0; s < S; ++s) {
         const float* kv = row_f32(pkp + g[s] * kw + kvh * D, buf.data(), D);
-        for (int64_t e = 0; e < G; ++e) p[e * S + s] = dot(qv + e * D, kv, D) * scale + bb[s];
+        for (int64_t e = 0; e < Ge; ++e) p[e * S + s] = dot(qv + e * D, kv, D) * scale + bb[s];
       }
-      for (int64_t e = 0; e < G; ++e) {
+      for (int64_t e = 0; e < Ge; ++e) {
         float* pe = p.data() + e * S;
         float top = -INFINITY, total = 0.f;
         for (int64_t s = 0; s < S; ++s) top = std::max(top, pe[s]);
         for (int64_t s = 0; s < S; ++s) total += (pe[s] = std::exp(pe[s] - top));
         for (int64_t s = 0; s < S; ++s) pe[s] /= total;
       }
-      float* out = ap + n * qw + kvh * G * D;
-      std::fill(out, out + G * D, 0.f);
+      float* out = ap + n * qw + (kvh * G + e0) * D;
+      std::fill(out, out + Ge * D, 0.f);
       for (int64_t s = 0; s < S; ++s) {
         const float* vv = row_f32(pvp + g[s] * kw + kvh * D, buf.data(), D);
-        for (int64_t e = 0; e < G; ++e) {
+        for (int64_t e = 0; e < Ge; ++e) {
           const float w = p[e * S + s];
           if (w == 0.f) continue;
           float* o = out + e * D;
