@@ -69,6 +69,7 @@ def env(**extra: str) -> dict[str, str]:
 def run_scenario(tmp_path: Path, mode: str, runs: list[dict], ranks: int = 2) -> list[dict]:
     spec, out = tmp_path / f"scenario-{mode}.json", tmp_path / f"results-{mode}.json"
     spec.write_text(json.dumps({"mode": mode, "runs": runs}))
+    out.unlink(missing_ok=True)  # a run of the same mode before this one must not stand in for a run that failed
     p = subprocess.run(launch_cmd(str(RANKS), str(spec), str(out), ranks=ranks), capture_output=True, text=True,
                        cwd=ROOT, env=env(), timeout=LAUNCH_TIMEOUT_S)
     assert out.exists(), f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
