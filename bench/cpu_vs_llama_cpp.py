@@ -137,8 +137,10 @@ def llama_worker(path: str, threads: int, context: int, extra_bufts: bool, weigh
 
     def load() -> dict:
         llama_cpp.llama_model_default_params = params
-        state["llm"] = llama_cpp.Llama(path, n_ctx=context, n_batch=512, n_ubatch=512, n_threads=threads,
-                                       n_threads_batch=threads, verbose=False)
+        # n_batch: the rows of llama-cpp-python's `scores`, which must hold the last position (512 rows failed
+        # with an IndexError at -p 512); the physical batch stays 512
+        state["llm"] = llama_cpp.Llama(path, n_ctx=context, n_batch=context, n_ubatch=min(512, context),
+                                       n_threads=threads, n_threads_batch=threads, verbose=False)
         return {"name": Path(path).name, "quantization": "", "weight_bytes": weights, "notes": [], "warnings": [],
                 "system": llama_cpp.llama_print_system_info().decode()}
 
