@@ -40,9 +40,9 @@ def runner_args(parser: argparse.ArgumentParser, backend: bool = True) -> None:
     r.add_argument("--threads", type=int, metavar="N",
                    help="CPU threads of the torch backend on the CPU (default: all the cores torch sees)")
     r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="the torch backend on the CPU: compile prefills (and decode steps, where they are not one "
-                   "native call) with torch.compile at load: faster prefill, a slower load, more memory (default: "
-                   "on only where the decode step is not native)")
+                   help="the torch backend on the CPU: run prefills (and decode steps, where they are not one "
+                   "native call) as torch.compile graphs, compiled at load: a slower load and more memory, prefill "
+                   "at most ~1.1x (default: on only where the layers are not one native call)")
 
 
 def runner_options(args: argparse.Namespace) -> dict[str, Any]:

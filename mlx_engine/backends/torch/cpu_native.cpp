@@ -544,21 +544,6 @@ void rms_norm_rows(float* x, int64_t rows, int64_t W, int64_t stride, const floa
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t D) {
-  int64_t j = 0;
-  float sum = 0.f;
-  if (D >= 16) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    for (; j + 16 <= D; j += 16) {
-      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
-      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), s1);
-    }
-    sum = hsum(_mm256_add_ps(s0, s1));
-  }
-  for (; j < D; ++j) sum += a[j] * b[j];
-  return sum;
-}
-
 void rope_heads(float* x, int64_t heads, int64_t D, const float* cos, const float* sin, float mscale,
                 bool traditional) {
   const int64_t half = D / 2;
@@ -571,16 +556,6 @@ void rope_heads(float* x, int64_t heads, int64_t D, const float* cos, const floa
       v[b] = x1 * sin[i] + x2 * cos[i];
     }
   }
-}
-
-// A pool's row of D values as float32: itself, or converted into `buf` (float16 pools)
-inline const float* row_f32(const float* p, float*, int64_t) { return p; }
-inline const float* row_f32(const uint16_t* p, float* buf, int64_t D) {
-  int64_t j = 0;
-  for (; j + 8 <= D; j += 8)
-    _mm256_storeu_ps(buf + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j))));
-  for (; j < D; ++j) buf[j] = _cvtsh_ss(p[j]);
-  return buf;
 }
 
 inline void store_row(float* dst, const float* src, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
@@ -603,10 +578,41 @@ void write_rows(const Heads& a, const float* yp, const int64_t* wp, P* pkp, P* p
   }
 }
 
+// W x 8 values of out += w v over the slots, the sums in registers (v: a pool's rows at `at`, float32 or float16)
+template <int W, typename P>
+void weighted_rows(const float* w, const int64_t* g, int64_t S, const P* at, int64_t kw, float* out) {
+  __m256 acc[W];
+  for (int i = 0; i < W; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    if (w[s] == 0.f) continue;
+    const __m256 wv = _mm256_set1_ps(w[s]);
+    const P* v = at + g[s] * kw;
+    for (int i = 0; i < W; ++i) acc[i] = _mm256_fmadd_ps(wv, load8(v + 8 * i), acc[i]);
+  }
+  for (int i = 0; i < W; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
+}
+
+template <typename P>
+void weighted_sum(const float* w, const int64_t* g, int64_t S, const P* at, int64_t kw, int64_t D, float* out) {
+  for (int64_t j = 0; j < D; j += 64) {
+    switch (std::min<int64_t>(64, D - j) / 8) {
+      case 8: weighted_rows<8>(w, g, S, at + j, kw, out + j); break;
+      case 7: weighted_rows<7>(w, g, S, at + j, kw, out + j); break;
+      case 6: weighted_rows<6>(w, g, S, at + j, kw, out + j); break;
+      case 5: weighted_rows<5>(w, g, S, at + j, kw, out + j); break;
+      case 4: weighted_rows<4>(w, g, S, at + j, kw, out + j); break;
+      case 3: weighted_rows<3>(w, g, S, at + j, kw, out + j); break;
+      case 2: weighted_rows<2>(w, g, S, at + j, kw, out + j); break;
+      default: weighted_rows<1>(w, g, S, at + j, kw, out + j); break;
+    }
+  }
+}
+
 // Rows [n0, n1): each row's q heads (qp) attending to the slots it gathers with its bias added to the scores,
-// into ap (N, Hq * D). A K/V head's rows are read once for the G query heads that share it, unless there are too
-// few (row, K/V head) pairs to share out among the threads (a decode step of one sequence over SmolLM2's 3 K/V
-// heads: 3 for 2 threads), when each query head is an item (each head's sums the same either way).
+// into ap (N, Hq * D); D a multiple of 8. Items are (row, K/V head) pairs, whose G query heads share the K/V rows
+// as they stream through the caches, or each query head where there are too few pairs to share out among the
+// threads (a decode step of one sequence over SmolLM2's 3 K/V heads: 3 for 2 threads). Scores 4 slots at a time
+// (four independent sums), the weighted V rows summed in registers.
 template <typename P>
 void attend(const Heads& a, int64_t n0, int64_t n1, const float* qp, const int64_t* gp, const float* bp,
             const P* pkp, const P* pvp, float* ap) {
@@ -621,28 +627,37 @@ void attend(const Heads& a, int64_t n0, int64_t n1, const float* qp, const int64
       const int64_t* g = gp + n * a.gs;
       const float* bb = bp + n * S;
       const float* qv = qp + n * qw + (kvh * G + e0) * D;
-      std::vector<float> buf(D);
-      for (int64_t s = 0; s < S; ++s) {
-        const float* kv = row_f32(pkp + g[s] * kw + kvh * D, buf.data(), D);
-        for (int64_t e = 0; e < Ge; ++e) p[e * S + s] = dot(qv + e * D, kv, D) * scale + bb[s];
-      }
+      const P* kh = pkp + kvh * D;
       for (int64_t e = 0; e < Ge; ++e) {
+        const float* q = qv + e * D;
         float* pe = p.data() + e * S;
-        float top = -INFINITY, total = 0.f;
-        for (int64_t s = 0; s < S; ++s) top = std::max(top, pe[s]);
-        for (int64_t s = 0; s < S; ++s) total += (pe[s] = std::exp(pe[s] - top));
-        for (int64_t s = 0; s < S; ++s) pe[s] /= total;
-      }
-      float* out = ap + n * qw + (kvh * G + e0) * D;
-      std::fill(out, out + Ge * D, 0.f);
-      for (int64_t s = 0; s < S; ++s) {
-        const float* vv = row_f32(pvp + g[s] * kw + kvh * D, buf.data(), D);
-        for (int64_t e = 0; e < Ge; ++e) {
-          const float w = p[e * S + s];
-          if (w == 0.f) continue;
-          float* o = out + e * D;
-          for (int64_t j = 0; j < D; ++j) o[j] += w * vv[j];
+        int64_t s = 0;
+        for (; s + 4 <= S; s += 4) {
+          const P *k0 = kh + g[s] * kw, *k1 = kh + g[s + 1] * kw, *k2 = kh + g[s + 2] * kw, *k3 = kh + g[s + 3] * kw;
+          __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+          for (int64_t j = 0; j < D; j += 8) {
+            const __m256 qj = _mm256_loadu_ps(q + j);
+            c0 = _mm256_fmadd_ps(qj, load8(k0 + j), c0);
+            c1 = _mm256_fmadd_ps(qj, load8(k1 + j), c1);
+            c2 = _mm256_fmadd_ps(qj, load8(k2 + j), c2);
+            c3 = _mm256_fmadd_ps(qj, load8(k3 + j), c3);
+          }
+          pe[s] = hsum(c0) * scale + bb[s];
+          pe[s + 1] = hsum(c1) * scale + bb[s + 1];
+          pe[s + 2] = hsum(c2) * scale + bb[s + 2];
+          pe[s + 3] = hsum(c3) * scale + bb[s + 3];
         }
+        for (; s < S; ++s) {
+          const P* k = kh + g[s] * kw;
+          __m256 c = _mm256_setzero_ps();
+          for (int64_t j = 0; j < D; j += 8) c = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8(k + j), c);
+          pe[s] = hsum(c) * scale + bb[s];
+        }
+        float top = -INFINITY, total = 0.f;
+        for (s = 0; s < S; ++s) top = std::max(top, pe[s]);
+        for (s = 0; s < S; ++s) total += (pe[s] = std::exp(pe[s] - top));
+        for (s = 0; s < S; ++s) pe[s] /= total;
+        weighted_sum(pe, g, S, pvp + kvh * D, kw, D, ap + n * qw + (kvh * G + e0 + e) * D);
       }
     }
   });
@@ -668,7 +683,7 @@ at::Tensor forward_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArra
               "forward_layers: a K pool, V pool, write, gather and bias a layer");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.numel() == N * (D / 2) && sin.sizes() == cos.sizes(),
               "forward_layers: cos and sin (N, D / 2) float32");
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && D % 2 == 0, "forward_layers: Hq a multiple of Hkv, D even");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && D % 8 == 0, "forward_layers: Hq a multiple of Hkv, D a multiple of 8");
   const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
   const float mscale = static_cast<float>(mscale_d);
   const int64_t G = Hq / Hkv, qw = Hq * D, kw = Hkv * D;

@@ -437,7 +437,7 @@ class Model:
 
         self.compiled = CompiledHalves(max_rows)
 
-    native: Any = None  # native_step.NativeStep: decode-sized forwards' layers as one C++ call (use_native_step)
+    native: Any = None  # native_step.NativeStep: a forward's layers as one C++ call (use_native_step)
 
     def use_native_step(self) -> bool:
         """Decode-sized forwards through `native_step.NativeStep` from now on, where every layer can run there."""

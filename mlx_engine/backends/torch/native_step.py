@@ -46,6 +46,8 @@ class NativeStep:
         ints: list[int] = []
         ends = [(0, 0)]
         args = model.args
+        if args.head_dim % 8:  # the op's attention reads heads 8 values at a time
+            return None
         for block in model.layers:
             attn, mlp = block.self_attn, block.mlp
             norms = [block.input_layernorm, block.post_attention_layernorm, attn.q_norm, attn.k_norm]

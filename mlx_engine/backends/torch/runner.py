@@ -45,10 +45,10 @@ COMPILE_ENV = "ROOFLINE_TORCH_COMPILE"
 
 
 def default_compile(packed_cpu: bool, native: bool) -> bool:
-    """compile=None: on for packed CPU weights whose decode steps run as compiled graphs; off where the decode
-    step is native (`native_step`), since the graphs would then serve prefills only, for their 1.2-1.5x there at
-    the cost of a 3-4x slower load and 60-75 MB more peak memory (docs/benchmarks.md, "Issue 27: the decode step
-    in one call"); off with ROOFLINE_TORCH_COMPILE=0."""
+    """compile=None: on for packed CPU weights whose decode steps run as compiled graphs; off where a forward's
+    layers are one native call (`native_step`), since the graphs would then serve prefills only, level with the
+    native prefill at 128 tokens and 1.05-1.15x at 512, at the cost of a 3-4x slower load and 60-85 MB more peak
+    memory (docs/benchmarks.md, "Issue 27: the decode step in one call"); off with ROOFLINE_TORCH_COMPILE=0."""
     return packed_cpu and not native and os.environ.get(COMPILE_ENV, "1") not in ("0", "off", "false")
 COMPILE_MAX_ROWS = GRAPH_ROWS
 # A single sequence's prefill of at most this many positions (a speculative verification of k + 1 <= 17
