@@ -72,7 +72,8 @@ def _load(path: Path, native: bool, monkeypatch, **options) -> Engine:
     monkeypatch.setattr(native_step, "wanted", lambda: native)
     monkeypatch.setattr(TorchPagedCache, "create_torch", classmethod(
         lambda cls, **kw: create(cls, **{**kw, "dtype": native_step.KV_DTYPE})))
-    return Engine.load(str(path), backend="torch", device="cpu", compile=False, prefix_caching=False, **options)
+    compile = options.pop("compile_", False)
+    return Engine.load(str(path), backend="torch", device="cpu", compile=compile, prefix_caching=False, **options)
 
 
 def _run(engine: Engine, prompts: list[list[int]], n: int, **sampling) -> list[tuple[list[int], list[float]]]:
@@ -144,6 +145,21 @@ def test_head_in_one_call_is_its_torch_ops(folders, monkeypatch):
             got, want = cpu_packed.head_matmul(head, x, top=16), cpu_packed.head_ops(head, x, top=16)
             assert got.shape == want.shape == (1, rows, head.out_features)
             assert torch.equal(got, want)
+
+
+def test_compile_asked_for_beside_the_native_step(folders, monkeypatch):
+    """compile=True with the step native: the prefills and the head (its one-call op inside the graph) compile,
+    decode stays native, and the tokens are the uncompiled engine's."""
+    prompt = [(13 * i + 1) % 120 + 5 for i in range(70)]
+    with _load(folders["qwen3"], True, monkeypatch) as plain:
+        want = _run(plain, [prompt], 8)
+    with _load(folders["qwen3"], True, monkeypatch, compile_=True) as engine:
+        model = engine.diagnostics().runner.model
+        assert model.native is not None and model.compiled is not None, engine.info.warnings
+        assert any("compiled by torch.compile" in n for n in engine.info.notes)
+        (tokens, logprobs), ((want_tokens, want_logprobs),) = _run(engine, [prompt], 8)[0], want
+        assert tokens == want_tokens
+        assert np.abs(np.array(logprobs) - np.array(want_logprobs)).max() <= LOGPROB_ATOL
 
 
 def test_no_compile_by_default_where_the_step_is_native(folders, monkeypatch):

@@ -755,19 +755,19 @@ at::Tensor forward_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArra
     float *yp = y.data_ptr<float>(), *qp = q.data_ptr<float>();
     const int64_t yw = y.size(1);
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      float* yr = yp + n * yw;
-      float *qr = qp + n * qw, *kr = yr + k_off, *vr = yr + v_off;
-      for (int64_t j = 0; j < qw; ++j) qr[j] = yr[q_off + j] + (q_bias ? q_bias[j] : 0.f);
-      if (k_bias)
-        for (int64_t j = 0; j < kw; ++j) kr[j] += k_bias[j];
-      if (v_bias)
-        for (int64_t j = 0; j < kw; ++j) vr[j] += v_bias[j];
-      if (q_norm) rms_norm_rows(qr, Hq, D, D, q_norm, eps);
-      if (k_norm) rms_norm_rows(kr, Hkv, D, D, k_norm, eps);
-      rope_heads(qr, Hq, D, cp + n * (D / 2), sp + n * (D / 2), mscale, traditional);
-      rope_heads(kr, Hkv, D, cp + n * (D / 2), sp + n * (D / 2), mscale, traditional);
-    }
+      for (int64_t n = n0; n < n1; ++n) {
+        float* yr = yp + n * yw;
+        float *qr = qp + n * qw, *kr = yr + k_off, *vr = yr + v_off;
+        for (int64_t j = 0; j < qw; ++j) qr[j] = yr[q_off + j] + (q_bias ? q_bias[j] : 0.f);
+        if (k_bias)
+          for (int64_t j = 0; j < kw; ++j) kr[j] += k_bias[j];
+        if (v_bias)
+          for (int64_t j = 0; j < kw; ++j) vr[j] += v_bias[j];
+        if (q_norm) rms_norm_rows(qr, Hq, D, D, q_norm, eps);
+        if (k_norm) rms_norm_rows(kr, Hkv, D, D, k_norm, eps);
+        rope_heads(qr, Hq, D, cp + n * (D / 2), sp + n * (D / 2), mscale, traditional);
+        rope_heads(kr, Hkv, D, cp + n * (D / 2), sp + n * (D / 2), mscale, traditional);
+      }
     });
     for (int64_t n = 0; n < N; ++n)
       TORCH_CHECK(wp[n] >= 0 && wp[n] < slots, "forward_layers: write slot ", wp[n], " outside the pool's ", slots);

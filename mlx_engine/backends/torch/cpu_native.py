@@ -104,11 +104,17 @@ def build_error() -> str:
         return f"loading Roofline's CPU kernel ({path}) failed: {str(e).splitlines()[0]}"
     torch.library.register_fake("roofline_cpu::qmatmul")(_fake_qmatmul)
     torch.library.register_fake("roofline_cpu::dequant")(_fake_dequant)
+    torch.library.register_fake("roofline_cpu::head_logits")(_fake_head_logits)
     return ""
 
 
 def _fake_qmatmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
                   zero: int = 0) -> torch.Tensor:
+    return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
+
+
+def _fake_head_logits(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, zero: int,
+                      top: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
 
 

@@ -2,12 +2,13 @@
 the norms, q/k/v, rope, the K/V written to the paged pools and attended, the output projection, the MLP and the
 residuals of every layer, in C++ around the same quantized matmuls (`NativeWeight`: the kernel's for decode-sized
 forwards, the dequantizing bfloat16 GEMM from `cpu_features.DEQUANT_MIN_ROWS` rows, as `NativeWeight.matmul`), in
-place of a compiled graph call a layer or the eager ops. A prefill chunk's rows attend through torch's SDPA. What the graphs left on the host was most of a step: at 2 threads a decode step's
-engine thread spent 34% of its time in the matmul kernels and 25% in Python, 14% in torch's dispatch
-(docs/benchmarks.md, "Issue 27: the decode step in one call").
+place of a compiled graph call a layer or the eager ops. A prefill chunk's rows attend through torch's SDPA. What
+the graphs left on the host was most of a step: at 2 threads a decode step's engine thread spent 34% of its time
+in the matmul kernels and 25% in Python, 14% in torch's dispatch (docs/benchmarks.md, "Issue 27: the decode step
+in one call").
 
 `NativeStep.of(model)` says whether a model can run so (every projection a `NativeWeight` without a bias past
-q/k/v, float32 activations) and lays its layers' tensors and ints out once, as the op reads them; a forward then
+q/k/v, float32 activations, a head_dim that is a multiple of 8) and lays its layers' tensors and ints out once, as the op reads them; a forward then
 hands it the rows' positions and each layer's pools (`PagedRows`)."""
 
 from __future__ import annotations
