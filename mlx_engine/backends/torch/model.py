@@ -440,7 +440,7 @@ class Model:
     native: Any = None  # native_step.NativeStep: a forward's layers as one C++ call (use_native_step)
 
     def use_native_step(self) -> bool:
-        """Decode-sized forwards through `native_step.NativeStep` from now on, where every layer can run there."""
+        """Forwards through `native_step.NativeStep` from now on, where every layer can run there."""
         from mlx_engine.backends.torch.native_step import NativeStep
 
         self.native = NativeStep.of(self)

@@ -50,6 +50,8 @@ def default_compile(packed_cpu: bool, native: bool) -> bool:
     native prefill at 128 tokens and 1.05-1.15x at 512, at the cost of a 3-4x slower load and 60-85 MB more peak
     memory (docs/benchmarks.md, "Issue 27: the decode step in one call"); off with ROOFLINE_TORCH_COMPILE=0."""
     return packed_cpu and not native and os.environ.get(COMPILE_ENV, "1") not in ("0", "off", "false")
+
+
 COMPILE_MAX_ROWS = GRAPH_ROWS
 # A single sequence's prefill of at most this many positions (a speculative verification of k + 1 <= 17
 # tokens, a short prompt's last chunk) replays a CUDA graph as that many decode rows
