@@ -500,18 +500,13 @@ at::Tensor side_by_side(const at::Tensor& x, const std::vector<Matrix>& ws, cons
 // A prefill chunk's rows [n0, n1), which gather the same slots: its K/V gathered in float32 and attended by torch's
 // SDPA with the rows' biases as the mask, as the Python prefill attends a chunk (kv.PrefillView.attention)
 void attend_chunk(const Heads& a, int64_t n0, int64_t n1, const at::Tensor& q, const at::Tensor& pk,
-                  const at::Tensor& pv, const at::Tensor& gather, const at::Tensor& bias, at::Tensor& att) {
+                  const at::Tensor& pv, const at::Tensor& gather, const at::Tensor& bias, bool causal,
+                  at::Tensor& att) {
   const int64_t r = n1 - n0, S = a.S, Hkv = a.Hkv, Hq = Hkv * a.G, D = a.D;
   const at::Tensor slots = gather.select(0, n0);
   auto heads = [&](const at::Tensor& pool) {
     return pool.index_select(0, slots).to(at::kFloat).view({1, S, Hkv, D}).transpose(1, 2);
   };
-  // a chunk from position 0, each row seeing the slots up to its own: SDPA's causal kernel, which skips the
-  // masked half (a chunk at an offset: the biases as the mask)
-  bool causal = S == r;
-  const float* bp = bias.data_ptr<float>() + n0 * S;
-  for (int64_t i = 0; causal && i < r; ++i)
-    for (int64_t j = 0; causal && j < S; ++j) causal = (j <= i) ? bp[i * S + j] == 0.f : bp[i * S + j] == -INFINITY;
   const at::Tensor out = at::scaled_dot_product_attention(
       q.slice(0, n0, n1).view({1, r, Hq, D}).transpose(1, 2), heads(pk), heads(pv),
       causal ? std::optional<at::Tensor>() : std::optional<at::Tensor>(bias.slice(0, n0, n1).view({1, 1, r, S})), 0.0,
@@ -519,11 +514,23 @@ void attend_chunk(const Heads& a, int64_t n0, int64_t n1, const at::Tensor& q, c
   att.slice(0, n0, n1).copy_(out.transpose(1, 2).reshape({r, Hq * D}));
 }
 
-// rows of a forward sharing row n's gathered slots, from n on
+// rows of a forward sharing row n's gathered slots, from n on (all of them where the rows are one row expanded)
 int64_t chunk_end(const Heads& a, const int64_t* gp, int64_t n) {
+  if (a.gs == 0) return a.N;
   int64_t e = n + 1;
   while (e < a.N && std::memcmp(gp + e * a.gs, gp + n * a.gs, a.S * sizeof(int64_t)) == 0) ++e;
   return e;
+}
+
+// Whether rows [n0, n1) of (N, S) biases see exactly the slots up to their own, from the first (a chunk from
+// position 0): then SDPA's causal kernel, which skips the masked half, serves (at an offset: the biases as the mask)
+bool causal_rows(const float* bp, int64_t n0, int64_t n1, int64_t S) {
+  if (S != n1 - n0) return false;
+  const float* b = bp + n0 * S;
+  for (int64_t i = 0; i < S; ++i)
+    for (int64_t j = 0; j < S; ++j)
+      if (b[i * S + j] != (j <= i ? 0.f : -INFINITY)) return false;
+  return true;
 }
 
 // rows (N, W) at column stride `stride`: each row of W values x / sqrt(mean(x^2) + eps) * w, in place
@@ -692,6 +699,12 @@ at::Tensor forward_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArra
   TORCH_CHECK(gemm_rows >= 1 && gemm_slice >= 1 && chunk_rows >= 1,
               "forward_layers: gemm_rows, gemm_slice and chunk_rows >= 1");
   const Gemm gemm{gemm_rows, gemm_slice};
+  // the last chunk's causal test: a prefill's layers share one bias tensor, so it runs once a forward
+  struct {
+    const float* bias = nullptr;
+    int64_t n0 = -1, n1 = -1;
+    bool causal = false;
+  } causal_of;
   at::Tensor h = h_in.contiguous().clone();
   size_t t = 0, i = 0;
   auto tensor = [&]() -> const at::Tensor& {
@@ -783,7 +796,11 @@ at::Tensor forward_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArra
     // a prefill chunk's rows (chunk_rows or more sharing their slots) through SDPA, the others one by one
     for (int64_t n = 0; n < N;) {
       const int64_t e = chunk_end(heads, gp, n);
-      if (e - n >= chunk_rows) attend_chunk(heads, n, e, q, pk, pv, gather, bias, att);
+      if (e - n >= chunk_rows) {
+        if (bp != causal_of.bias || n != causal_of.n0 || e != causal_of.n1)
+          causal_of = {bp, n, e, causal_rows(bp, n, e, S)};
+        attend_chunk(heads, n, e, q, pk, pv, gather, bias, causal_of.causal, att);
+      }
       else if (half) attend(heads, n, e, qp, gp, bp, pk16, pv16, att.data_ptr<float>());
       else attend(heads, n, e, qp, gp, bp, pk.data_ptr<float>(), pv.data_ptr<float>(), att.data_ptr<float>());
       n = e;

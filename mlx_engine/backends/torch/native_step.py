@@ -38,6 +38,8 @@ class NativeStep:
         self.ends = ends  # [n]: where the first n layers' tensors and ints end
         self.heads, self.kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         self.eps, self.scale, self.mscale, self.traditional = float(args.rms_norm_eps), scale, mscale, traditional
+        # rows from which the projections take the dequantizing GEMM (none where the CPU lacks bfloat16 products)
+        self.gemm_rows = cpu_features.DEQUANT_MIN_ROWS if cpu_features.bf16_gemm() else 2**62
 
     @classmethod
     def of(cls, model: Any) -> NativeStep | None:
@@ -78,12 +80,11 @@ class NativeStep:
         """h (N, hidden) float32, the first len(rows) layers' `PagedRows`, cos and sin (N, head_dim / 2) -> the
         output (N, hidden) of those layers."""
         n = len(rows)
-        gemm_rows = cpu_features.DEQUANT_MIN_ROWS if cpu_features.bf16_gemm() else 2**62
         return torch.ops.roofline_cpu.forward_layers(
             h, self.tensors[:self.ends[n][0]], self.ints[:self.ends[n][1]], [r.pool_k for r in rows],
             [r.pool_v for r in rows], [r.write for r in rows], [r.gather for r in rows], [r.bias for r in rows], cos,
             sin, self.heads, self.kv_heads, self.head_dim, self.eps, self.scale, self.mscale, self.traditional,
-            gemm_rows, cpu_gemm.SLICE_ELEMENTS, CHUNK_ROWS)
+            self.gemm_rows, cpu_gemm.SLICE_ELEMENTS, CHUNK_ROWS)
 
 
 def _vector(t: Any) -> bool:

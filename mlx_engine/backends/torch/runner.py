@@ -51,8 +51,6 @@ def default_compile(packed_cpu: bool, native: bool) -> bool:
     memory (docs/benchmarks.md, "Issue 27: the decode step in one call"); off with ROOFLINE_TORCH_COMPILE=0."""
     return packed_cpu and not native and os.environ.get(COMPILE_ENV, "1") not in ("0", "off", "false")
 
-
-COMPILE_MAX_ROWS = GRAPH_ROWS
 # A single sequence's prefill of at most this many positions (a speculative verification of k + 1 <= 17
 # tokens, a short prompt's last chunk) replays a CUDA graph as that many decode rows
 MAX_GRAPH_PREFILL = 17
@@ -281,12 +279,12 @@ class TorchRunner(CacheRunner):
         from mlx_engine.backends.torch.weights import trim_heap
 
         start = time.perf_counter()
-        self.model.compile_decode(COMPILE_MAX_ROWS)
+        self.model.compile_decode(GRAPH_ROWS)
         try:
             layers = self.scratch_layers()  # a prefill's rows, then 3 (the graphs of 2..max rows), then 1
-            for rows in (max(COMPILE_MAX_ROWS + 1, DEQUANT_MIN_ROWS), 3, 1):
+            for rows in (max(GRAPH_ROWS + 1, DEQUANT_MIN_ROWS), 3, 1):
                 h = self.model(torch.zeros(1, rows, dtype=torch.long, device=self.device), layers)
-                if rows <= COMPILE_MAX_ROWS:  # a prefill's logits are its last row's (the one-row graph)
+                if rows <= GRAPH_ROWS:  # a prefill's logits are its last row's (the one-row graph)
                     self.model.logits(h[0])
                 gc.collect()  # each batch's tracing and lowering, freed before the next one's (the load's peak)
                 trim_heap()
