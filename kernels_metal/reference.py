@@ -240,6 +240,20 @@ def dequantize_kquant(w_blocks: mx.array, ggml_type: str, out_features: int, in_
 KQUANT_AFFINE = {"Q2_K": (4, 16), "Q3_K": (4, 16), "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
 
 
+def kquant_scales(w_blocks: mx.array, ggml_type: str, out_features: int,
+                  in_features: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """A Q4_K or Q5_K matrix's two levels of scales: (d, dmin (out, in / 256) float32, each a float16's value;
+    sc, mn (out, in / 32) float32, integers in [0, 64)): block j of super-block s scales by d[s] sc[j] and is
+    offset by -dmin[s] mn[j], `kquant_affine`'s scales and biases."""
+    if ggml_type not in ("Q4_K", "Q5_K"):
+        raise ValueError(f"kquant_scales: Q4_K or Q5_K, not {ggml_type}")
+    b = w_blocks.reshape(-1, KQUANT_BLOCK_BYTES[ggml_type])
+    sc, mn = _q4k_scale_min(b[:, 4:16])
+    supers = in_features // 256
+    return (_fp16_at(b, 0).reshape(out_features, supers), _fp16_at(b, 2).reshape(out_features, supers),
+            sc.reshape(out_features, -1), mn.reshape(out_features, -1))
+
+
 def kquant_affine(w_blocks: mx.array, ggml_type: str, out_features: int,
                   in_features: int) -> tuple[mx.array, mx.array, mx.array, int, int]:
     """GGUF k-quant bytes -> (q uint8 (out, in), scales, biases float32 (out, in / group), bits, group):

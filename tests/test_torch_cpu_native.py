@@ -109,6 +109,48 @@ def contract(bits, dtype, offsets, K):
     assert torch.equal(torch.ops.roofline_cpu.dequant(codes, d, m, bits, zero), w.reshape(-1, K).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("bits", [4, 5])
+def test_two_level_scales_are_the_float32_ones(built, bits):
+    """Q4_K's and Q5_K's scales held as the file holds them (a 6-bit scale and offset a block, a float16 d and
+    dmin a super-block of 8) give every op the outputs of the same scales multiplied out in float32, bit for bit:
+    the products are exact. K = 768: three super-blocks a row, the AVX-512 path's groups of four blocks and pairs."""
+    from mlx_engine.backends.torch.cpu_native import NativeWeight
+
+    N, K = 200, 768
+    rng = np.random.default_rng(bits)
+    c = rng.integers(0, 2**bits, (N, K)).astype(np.uint8)
+    d = rng.uniform(1e-4, 2e-3, (N, K // 256)).astype(np.float16).astype(np.float32)
+    dmin = rng.uniform(0, 2e-3, (N, K // 256)).astype(np.float16).astype(np.float32)
+    sc, mn = (rng.integers(0, 64, (N, K // 32)).astype(np.float32) for _ in range(2))
+    two = NativeWeight.from_kquant(lambda lo, hi: c[lo:hi], d, dmin, sc, mn, (N, K), bits)
+    rep = lambda a: np.repeat(a, 8, axis=1)  # noqa: E731
+    flat = NativeWeight.from_affine_rows(lambda lo, hi: c[lo:hi], rep(d) * sc, -(rep(dmin) * mn), (N, K), bits, 32)
+    assert two.d.dtype == two.m.dtype == torch.uint8 and flat.d.dtype == torch.float32
+    assert two.d.shape == (N, K // 32 + K // 128)
+    code_bytes = N * K * bits // 8
+    assert (two.nbytes, flat.nbytes) == (code_bytes + 2 * N * (K // 32 + K // 128), code_bytes + 2 * 4 * N * K // 32)
+    g = torch.Generator().manual_seed(bits)
+    for M in (1, 2, 3, 4, 5, 9, 64):
+        x = torch.randn(M, K, generator=g)
+        got = torch.ops.roofline_cpu.qmatmul(x, two.codes, two.d, two.m, bits, 0)
+        assert torch.equal(got, torch.ops.roofline_cpu.qmatmul(x, flat.codes, flat.d, flat.m, bits, 0)), M
+    assert torch.equal(torch.ops.roofline_cpu.dequant(two.codes, two.d, two.m, bits, 0),
+                       torch.ops.roofline_cpu.dequant(flat.codes, flat.d, flat.m, bits, 0))
+    x = torch.randn(2, K, generator=g)
+    assert torch.equal(torch.ops.roofline_cpu.head_logits(x, two.codes, two.d, two.m, bits, 0, 16),
+                       torch.ops.roofline_cpu.head_logits(x, flat.codes, flat.d, flat.m, bits, 0, 16))
+    ids = torch.tensor([0, 7, N - 1])
+    assert torch.equal(two.rows(ids), flat.rows(ids)) and torch.equal(two.dequantized(), flat.dequantized())
+    scale, offset = (np.repeat(a, 32, 1) for a in (rep(d) * sc, rep(dmin) * mn))
+    assert torch.equal(two.dequantized(), torch.from_numpy(scale * c - offset))
+    assert cpu_native.fuse([two, two]).d.dtype == torch.uint8  # parts of one format keep it
+    mixed = cpu_native.fuse([two, flat])  # else multiplied out
+    assert mixed.d.dtype == torch.float32 and torch.equal(mixed.dequantized(), torch.cat([flat.dequantized()] * 2))
+    with pytest.raises(RuntimeError, match="two-level uint8 scales need K a multiple of 256, got 128"):
+        torch.ops.roofline_cpu.qmatmul(torch.zeros(1, 128), torch.zeros(4, 64, dtype=torch.uint8),
+                                       torch.zeros(4, 5, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8), 4)
+
+
 def test_the_kernel_refuses_what_it_cannot_read(built):
     x = torch.zeros(1, 48)
     with pytest.raises(RuntimeError, match="K a multiple of 32"):
@@ -278,6 +320,10 @@ def test_engine_logits_on_the_kernel_against_float32(native_cpu, quantized_files
         held = {cpu_packed.kind(lin.weight) for b in model.layers for lin in projections(b)}
         assert held == want, held
         assert cpu_packed.kind(model.embed_tokens.weight).startswith("native")
+        if kind == "kquants":  # Q4_K's and Q5_K's scales in two levels, as the file's (the others have none)
+            dtypes = {lin.weight.source: lin.weight.d.dtype for b in model.layers for lin in projections(b)
+                      if lin.weight.source in ("Q4_K", "Q5_K")}
+            assert dtypes == {"Q4_K": torch.uint8, "Q5_K": torch.uint8}, dtypes
         assert "Roofline's CPU kernel" in engine.info.notes[0]
         ids = [i % engine.info.vocab_size for i in [3, 17, 42, 99, 7, 64, 120, 5] * 3]
         a, b = engine.forward_logits(ids), ref.forward_logits(ids)

@@ -233,6 +233,21 @@ def greedy_agrees(packed: Engine, ref: Engine, ids: list[int], tol: float, n: in
     return n
 
 
+def test_int8_rows_rounded_a_slice_at_a_time_are_the_whole_matrix(monkeypatch):
+    """`Int8Weight.from_rows` (a k-quant head's float rows a slice at a time) rounds exactly as the whole matrix."""
+    monkeypatch.setattr(cpu_packed, "INT8_ROWS_ELEMENTS", 3 * 96)  # three rows a slice: 70 rows in 24 slices
+    w = torch.randn(70, 96, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 1, 70)[:, None]
+    calls = []
+
+    def rows(lo, hi):
+        calls.append((lo, hi))
+        return w[lo:hi]
+
+    a, b = cpu_packed.Int8Weight.from_rows(rows, tuple(w.shape)), cpu_packed.Int8Weight(w)
+    assert len(calls) == 24 and calls[-1] == (69, 70)
+    assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale) and (a.out_features, a.in_features) == (70, 96)
+
+
 def test_kquant_formats(quantized_files):
     path, _ = quantized_files["kquants"]
     with Engine.load(str(path), backend="torch", device="cpu") as engine:

@@ -80,8 +80,11 @@ def native_float(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, b
                  zero: int = 0) -> torch.Tensor:
     """A `NativeWeight`'s rows: codes (r, in / 2) uint8 (two 4-bit codes a byte: code j low, j + 16 high), that
     and a 32-bit word of fifth bits a block (5-bit codes, (r, in / 2 + in / 8)) or (r, in) int8; d, m (r, in / 32)
-    -> (r, in) float32, d (c - zero) + m."""
+    float, or two-level uint8 rows -> (r, in) float32, d (c - zero) + m."""
+    from mlx_engine.backends.torch.cpu_native import scales_f32  # cpu_native imports this module
+
     r = codes.shape[0]
+    d, m = scales_f32(d), None if m is None else scales_f32(m)
     if bits in (4, 5):
         nb = d.shape[1]
         b = codes[:, : nb * 16].reshape(r, nb, 16)

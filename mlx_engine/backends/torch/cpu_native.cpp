@@ -10,7 +10,10 @@
 //           a block (little-endian, bit j = bit 4 of c[j]), c in [0, 32): GGML's Q5_0 and Q5_1 blocks as stored
 //   bits 8: codes (N, K) int8, c in [-128, 128)
 //   d, m: (N, K / 32) float32 or float16 (both the same); m may be empty: no offsets, or with `zero` the offsets
-//         -zero d (w = d (c - zero): Q4_0's and Q5_0's symmetric codes, whose offsets need no bytes of their own).
+//         -zero d (w = d (c - zero): Q4_0's and Q5_0's symmetric codes, whose offsets need no bytes of their own);
+//         or, K a multiple of 256, (N, K / 32 + K / 128) uint8, two levels as GGML's k-quants hold them: a row's
+//         K / 32 6-bit scales, then a float16 a super-block of 8 blocks (d, or -dmin for m); a block's scale is
+//         their product, exact in float32.
 // `dequant` writes such a matrix's rows as bfloat16, for a prefill's GEMM.
 // y[r, n] = sum_b d[n, b] dx[r, b] sum_j c[n, b, j] xq[r, b, j] + m[n, b] dx[r, b] sum_j xq[r, b, j].
 
@@ -41,6 +44,23 @@ constexpr int64_t row_bytes_of(int64_t bits, int64_t K) { return bits == 8 ? K :
 
 inline float load_scale(const float* p) { return *p; }
 inline float load_scale(const uint16_t* p) { return _cvtsh_ss(*p); }
+
+// A weight's scales: row r (its nb blocks' scales, where `scale_row` puts it), block b's, or blocks b..b+7 (b a
+// multiple of 8). Two-level uint8 rows (the layouts above): the block's 6-bit scale times its super-block's float16
+template <typename S>
+constexpr int64_t scale_row_len(int64_t nb) { return std::is_same_v<S, uint8_t> ? nb + nb / 4 : nb; }
+template <typename S>
+inline const S* scale_row(const S* d, int64_t n, int64_t nb) { return d + n * scale_row_len<S>(nb); }
+inline float super_scale(const uint8_t* r, int64_t b, int64_t nb) {
+  uint16_t h;
+  std::memcpy(&h, r + nb + b / 8 * 2, 2);
+  return _cvtsh_ss(h);
+}
+template <typename S>
+inline float scale_at(const S* r, int64_t b, int64_t nb) {
+  if constexpr (std::is_same_v<S, uint8_t>) return super_scale(r, b, nb) * static_cast<float>(r[b]);
+  else return load_scale(r + b);
+}
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -75,6 +95,16 @@ constexpr int64_t GROUP = 4;  // blocks a 512-bit register of 4-bit codes
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+template <typename S>
+inline __m256 scales8(const S* r, int64_t b, int64_t nb) {
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + b));
+    const __m256 sub = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    return _mm256_mul_ps(sub, _mm256_set1_ps(super_scale(r, b, nb)));
+  } else {
+    return load8(r + b);
+  }
+}
 
 // u (unsigned bytes) . s (signed bytes), four adjacent products summed into each int32 lane. The pair sums of
 // vpmaddubsw saturate at int16, which these operands never reach (|u| <= 128, |s| <= 127)
@@ -175,13 +205,13 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, float zf, const i
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = codes + n * row_bytes;
     const uint8_t* h = c + K / 2;  // a 5-bit row's high bits
-    const S* dn = d + n * nb;
-    const S* mn = OFF == 1 ? m + n * nb : nullptr;
+    const S* dn = scale_row(d, n, nb);
+    const S* mn = OFF == 1 ? scale_row(m, n, nb) : nullptr;
     if (n + PF < N) {  // the codes and scales of the row PF ahead
       const char* ahead = reinterpret_cast<const char*>(c + PF * row_bytes);
       for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(dn + PF * nb), _MM_HINT_T0);
-      if constexpr (OFF == 1) _mm_prefetch(reinterpret_cast<const char*>(mn + PF * nb), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(dn + PF * scale_row_len<S>(nb)), _MM_HINT_T0);
+      if constexpr (OFF == 1) _mm_prefetch(reinterpret_cast<const char*>(mn + PF * scale_row_len<S>(nb)), _MM_HINT_T0);
     }
     __m256 offv[R];
     float off[R];
@@ -190,18 +220,18 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, float zf, const i
       off[r] = 0.f;
     }
     for (int64_t b = 0; b < nb8; b += 8) {
-      const __m256 d8 = load8(dn + b);
+      const __m256 d8 = scales8(dn, b, nb);
       for (int r = 0; r < R; ++r) _mm256_storeu_ps(ds + r * nb + b, _mm256_mul_ps(d8, _mm256_loadu_ps(dx + r * nb + b)));
       if constexpr (OFF != 0) {
-        const __m256 m8 = OFF == 1 ? load8(mn + b) : d8;
+        const __m256 m8 = OFF == 1 ? scales8(mn, b, nb) : d8;
         for (int r = 0; r < R; ++r) offv[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(sx + r * nb + b), offv[r]);
       }
     }
     for (int64_t b = nb8; b < nb; ++b) {
-      const float db = load_scale(dn + b);
+      const float db = scale_at(dn, b, nb);
       for (int r = 0; r < R; ++r) ds[r * nb + b] = db * dx[r * nb + b];
       if constexpr (OFF != 0) {
-        const float mb = OFF == 1 ? load_scale(mn + b) : db;
+        const float mb = OFF == 1 ? scale_at(mn, b, nb) : db;
         for (int r = 0; r < R; ++r) off[r] += mb * sx[r * nb + b];
       }
     }
@@ -323,9 +353,11 @@ void check_weight(const char* op, const at::Tensor& codes, const at::Tensor& d, 
   TORCH_CHECK(codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && codes.is_contiguous() &&
                   codes.size(1) == row_bytes,
               op, ": codes (N, ", row_bytes, ") ", bits == 8 ? "int8" : "uint8", " contiguous");
-  TORCH_CHECK((d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf) && d.is_contiguous() &&
-                  d.size(0) == codes.size(0) && d.size(1) == K / QK,
-              op, ": d (N, K / 32) float32 or float16, contiguous");
+  const bool two_level = d.scalar_type() == at::kByte;
+  TORCH_CHECK(!two_level || K % 256 == 0, op, ": two-level uint8 scales need K a multiple of 256, got ", K);
+  TORCH_CHECK((d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf || two_level) && d.is_contiguous() &&
+                  d.size(0) == codes.size(0) && d.size(1) == (two_level ? K / QK + K / 128 : K / QK),
+              op, ": d (N, K / 32) float32 or float16, or (N, K / 32 + K / 128) uint8, contiguous");
   TORCH_CHECK(m.numel() == 0 || (m.scalar_type() == d.scalar_type() && m.is_contiguous() && m.sizes() == d.sizes()),
               op, ": m empty or as d");
   TORCH_CHECK(zero >= 0 && zero <= 128 && (zero == 0 || m.numel() == 0),
@@ -351,8 +383,8 @@ void dequant_rows(const uint8_t* codes, const S* d, const S* m, int zero, int64_
     const uint8_t* c = codes + n * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       const __m256i q = block_codes<BITS>(c, c + K / 2, b);
-      const __m256 dv = _mm256_set1_ps(load_scale(d + n * nb + b));
-      const __m256 mv = OFFSETS ? _mm256_set1_ps(load_scale(m + n * nb + b)) : _mm256_setzero_ps();
+      const __m256 dv = _mm256_set1_ps(scale_at(scale_row(d, n, nb), b, nb));
+      const __m256 mv = OFFSETS ? _mm256_set1_ps(scale_at(scale_row(m, n, nb), b, nb)) : _mm256_setzero_ps();
       OUT* o = out + i * K + b * QK;
       for (int j = 0; j < 4; ++j) {
         const __m128i half = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
@@ -368,6 +400,17 @@ void dequant_rows(const uint8_t* codes, const S* d, const S* m, int zero, int64_
   }
 }
 
+// f.operator()<S>() for d's scale type: float32, float16 (uint16_t) or two-level uint8
+template <typename F>
+void by_scale_type(const at::Tensor& d, F&& f) {
+  if (d.scalar_type() == at::kHalf) f.template operator()<uint16_t>();
+  else if (d.scalar_type() == at::kByte) f.template operator()<uint8_t>();
+  else f.template operator()<float>();
+}
+
+// Blocks a row of d holds scales for (K / 32)
+int64_t scale_blocks(const at::Tensor& d) { return d.scalar_type() == at::kByte ? d.size(1) * 4 / 5 : d.size(1); }
+
 template <int BITS, typename S>
 void dequant_dispatch(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int zero, int64_t K,
                       uint16_t* out) {
@@ -382,14 +425,12 @@ void dequant_dispatch(const at::Tensor& codes, const at::Tensor& d, const at::Te
 
 // codes, d, m as qmatmul's -> (N, K) bfloat16
 at::Tensor dequant(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t zero) {
-  check_weight("dequant", codes, d, m, bits, zero, d.size(-1) * QK);
-  const int64_t K = d.size(1) * QK;
+  const int64_t K = scale_blocks(d) * QK;
+  check_weight("dequant", codes, d, m, bits, zero, K);
   at::Tensor out = at::empty({codes.size(0), K}, codes.options().dtype(at::kBFloat16));
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const bool half = d.scalar_type() == at::kHalf;
   auto each = [&]<int BITS>() {
-    const int z = static_cast<int>(zero);
-    half ? dequant_dispatch<BITS, uint16_t>(codes, d, m, z, K, o) : dequant_dispatch<BITS, float>(codes, d, m, z, K, o);
+    by_scale_type(d, [&]<typename S>() { dequant_dispatch<BITS, S>(codes, d, m, static_cast<int>(zero), K, o); });
   };
   if (bits == 4) each.template operator()<4>();
   else if (bits == 5) each.template operator()<5>();
@@ -409,10 +450,10 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   quantize_rows(xf.data_ptr<float>(), M, K / QK, bits != 8, xq.data(), dx.data(), sx.data());
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
-  const bool half = d.scalar_type() == at::kHalf;
   auto each = [&]<int BITS>() {
-    if (half) dispatch_offsets<BITS, uint16_t>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
-    else dispatch_offsets<BITS, float>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+    by_scale_type(d, [&]<typename S>() {
+      dispatch_offsets<BITS, S>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+    });
   };
   if (bits == 4) each.template operator()<4>();
   else if (bits == 5) each.template operator()<5>();
@@ -439,8 +480,7 @@ at::Tensor head_logits(const at::Tensor& x, const at::Tensor& codes, const at::T
       else dequant_rows<BITS, S, false>(c, dp, static_cast<const S*>(nullptr), zero, K, i0, i1, o, which);
     });
   };
-  const bool half = d.scalar_type() == at::kHalf;
-  auto by_scale = [&]<int BITS>() { half ? each.template operator()<BITS, uint16_t>() : each.template operator()<BITS, float>(); };
+  auto by_scale = [&]<int BITS>() { by_scale_type(d, [&]<typename S>() { each.template operator()<BITS, S>(); }); };
   if (bits == 4) by_scale.template operator()<4>();
   else if (bits == 5) by_scale.template operator()<5>();
   else by_scale.template operator()<8>();

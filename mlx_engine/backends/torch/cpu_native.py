@@ -119,11 +119,56 @@ def _fake_head_logits(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: 
 
 
 def _fake_dequant(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, zero: int = 0) -> torch.Tensor:
-    return d.new_empty((codes.shape[0], d.shape[1] * QK), dtype=torch.bfloat16)
+    return d.new_empty((codes.shape[0], scale_blocks(d) * QK), dtype=torch.bfloat16)
 
 
-FROM_AFFINE_ROWS = 4096  # rows converted at once (the transients are a slice's, not an embedding's)
+def two_level(scales: np.ndarray, supers: np.ndarray) -> torch.Tensor:
+    """A k-quant's scales as the kernel holds them (cpu_native.cpp's layouts): scales (n, nb) integers in
+    [0, 256), supers (n, nb / 8) float16 values -> (n, nb + nb / 4) uint8, a row's scales then its supers' bytes."""
+    n = scales.shape[0]
+    low = np.ascontiguousarray(scales, dtype=np.uint8)
+    high = np.ascontiguousarray(supers.astype(np.float16)).view(np.uint8).reshape(n, -1)
+    return torch.from_numpy(np.concatenate([low, high], axis=1))
+
+
+def scale_blocks(d: torch.Tensor) -> int:
+    """Blocks of 32 a row of scales `d` covers (two-level uint8 rows hold nb + nb / 4 bytes)."""
+    return d.shape[1] * 4 // 5 if d.dtype == torch.uint8 else d.shape[1]
+
+
+def scales_f32(d: torch.Tensor) -> torch.Tensor:
+    """Scales or offsets (n, nb) float32: two-level uint8 rows multiplied out (exact), others widened."""
+    if d.dtype != torch.uint8:
+        return d.float()
+    nb = scale_blocks(d)
+    supers = d[:, nb:].contiguous().view(torch.float16).float()
+    return d[:, :nb].float() * supers.repeat_interleave(8, dim=1)
+
+
 ROW_BYTES = {4: lambda k: k // 2, 5: lambda k: k // 2 + k // 8, 8: lambda k: k}  # a row's codes, k inputs
+# Codes converted at once (a few MB of uint8: the transients, several times that, are a slice's, not a matrix's)
+FROM_AFFINE_ELEMENTS = 1 << 21
+
+
+def _pack_codes(codes: Callable[[int, int], np.ndarray], n: int, k: int, held: int, shift: int) -> torch.Tensor:
+    """Rows' integer codes (codes(lo, hi), FROM_AFFINE_ELEMENTS at a time) in the kernel's layout for `held` bits:
+    4-bit nibbles, 5-bit nibbles and words of fifth bits, or int8 (the codes less `shift`)."""
+    out = torch.empty((n, ROW_BYTES[held](k)), dtype=torch.int8 if held == 8 else torch.uint8)
+    step = max(1, FROM_AFFINE_ELEMENTS // k)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        c = np.asarray(codes(lo, hi))
+        if held == 8:
+            out[lo:hi] = torch.from_numpy((c.astype(np.int16) - shift).astype(np.int8))
+            continue
+        blocks = c.astype(np.uint8).reshape(hi - lo, k // QK, QK)
+        nibbles = ((blocks[..., :16] & 15) | ((blocks[..., 16:] & 15) << 4)).reshape(hi - lo, k // 2)
+        if held == 4:
+            out[lo:hi] = torch.from_numpy(nibbles)
+        else:
+            words = np.packbits(blocks >> 4, axis=-1, bitorder="little").reshape(hi - lo, k // 8)
+            out[lo:hi] = torch.from_numpy(np.concatenate([nibbles, words], axis=1))
+    return out
 
 
 class NativeWeight:
@@ -131,7 +176,8 @@ class NativeWeight:
     byte (byte j of a block: code j low, code j + 16 high); 5-bit codes (out, in / 2 + in / 8) uint8, their low 4
     bits so, then a little-endian 32-bit word a block of their fifth bits (bit j: code j's), as GGML's Q5_0 and
     Q5_1 store them; or (out, in) int8; d and m (out, in / 32) float16 or float32, m empty where every offset
-    is 0 or -zero d (`zero`: symmetric 4- and 5-bit codes, w = d (c - zero), Q4_0's and Q5_0's)."""
+    is 0 or -zero d (`zero`: symmetric 4- and 5-bit codes, w = d (c - zero), Q4_0's and Q5_0's), or both in two
+    levels (`from_kquant`: uint8 rows, `two_level`)."""
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, out_features: int,
                  in_features: int, source_bytes: int = 0, zero: int = 0):
@@ -167,24 +213,21 @@ class NativeWeight:
         exact16 = all(a is None or np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (d, m))
         dtype = np.float16 if exact16 else np.float32
         held = 8 if bits > 5 else 5 if bits == 5 else 4
-        out = torch.empty((n, ROW_BYTES[held](k)), dtype=torch.int8 if held == 8 else torch.uint8)
-        for lo in range(0, n, FROM_AFFINE_ROWS):
-            hi = min(n, lo + FROM_AFFINE_ROWS)
-            c = np.asarray(codes(lo, hi))
-            if held == 8:
-                out[lo:hi] = torch.from_numpy((c.astype(np.int16) - shift).astype(np.int8))
-                continue
-            blocks = c.astype(np.uint8).reshape(hi - lo, k // QK, QK)
-            nibbles = ((blocks[..., :16] & 15) | ((blocks[..., 16:] & 15) << 4)).reshape(hi - lo, k // 2)
-            if held == 4:
-                out[lo:hi] = torch.from_numpy(nibbles)
-            else:
-                words = np.packbits(blocks >> 4, axis=-1, bitorder="little").reshape(hi - lo, k // 8)
-                out[lo:hi] = torch.from_numpy(np.concatenate([nibbles, words], axis=1))
+        out = _pack_codes(codes, n, k, held, shift)
         mt = torch.empty(0, dtype=torch.float16 if exact16 else torch.float32)
         if m is not None and np.any(m):
             mt = torch.from_numpy(np.ascontiguousarray(m.astype(dtype)))
         return cls(out, torch.from_numpy(np.ascontiguousarray(d.astype(dtype))), mt, held, n, k, zero=zero)
+
+    @classmethod
+    def from_kquant(cls, codes: Callable[[int, int], np.ndarray], d: np.ndarray, dmin: np.ndarray, sc: np.ndarray,
+                    mn: np.ndarray, shape: tuple[int, int], bits: int) -> NativeWeight:
+        """A Q4_K or Q5_K matrix (`kernels_metal.reference.kquant_scales`' d, dmin, sc, mn; codes(lo, hi) its
+        rows' integers) with its scales in two levels, as the file holds them: a block's 6-bit scale and offset
+        a byte each, a super-block's d and -dmin a float16 each (148 bytes a Q4_K super-block of 144, where
+        float32 scales and offsets a block took 192). The products are exact in float32: the same weights."""
+        n, k = shape
+        return cls(_pack_codes(codes, n, k, bits, 0), two_level(sc, d), two_level(mn, -dmin), bits, n, k)
 
     @classmethod
     def from_int8_rows(cls, q: torch.Tensor, scale: torch.Tensor, source_bytes: int = 0) -> NativeWeight:
@@ -236,10 +279,14 @@ def fuse(weights: list[NativeWeight]) -> NativeWeight | None:
                for w in weights):
         return None
     dtype = first.d.dtype if all(w.d.dtype == first.d.dtype for w in weights) else torch.float32
-    d = torch.cat([w.d.to(dtype) for w in weights])
+
+    def held(t: torch.Tensor) -> torch.Tensor:  # two-level rows kept where every part has them, else float32
+        return t if t.dtype == dtype else scales_f32(t).to(dtype)
+
+    d = torch.cat([held(w.d) for w in weights])
     zero = first.zero if all(w.zero == first.zero and not w.m.numel() for w in weights) else 0
     if any(w.m.numel() for w in weights) or any(w.zero != zero for w in weights):
-        m = torch.cat([w.m.to(dtype) if w.m.numel() else (-w.zero * w.d.float()).to(dtype) for w in weights])
+        m = torch.cat([held(w.m) if w.m.numel() else held(-w.zero * scales_f32(w.d)) for w in weights])
     else:
         m = torch.empty(0, dtype=dtype)
     fused = NativeWeight(torch.cat([w.codes for w in weights]), d, m, first.bits, sum(w.out_features for w in weights),

@@ -205,16 +205,43 @@ class Int4Weight:
         return self.out_features * self.in_features
 
 
+# Elements of a float matrix `Int8Weight.from_rows` rounds at once (4 MB of float32: its transients, a few times
+# that, stay beside a 1B model's ~800 MB instead of 100 MB over it)
+INT8_ROWS_ELEMENTS = 1 << 20
+
+
+def _round_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes (out, in) int8, scales (out,)): each row's scale max|w| / 127 in bfloat16, rounded up so that no code
+    passes 127, then each weight to the nearest code of that scale."""
+    w = weight.float()
+    scale = (w.abs().amax(1) / 127 * (1 + 2**-7)).clamp_min(1e-30).to(KERNEL_DTYPE)
+    return torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
 class Int8Weight:
     """A matrix rounded to int8 per output row for `aten._weight_int8pack_mm`: its scale max|w| / 127 in
     bfloat16 (rounded up, so that no code passes 127), then each weight to the nearest code of that scale."""
 
     def __init__(self, weight: torch.Tensor, source_bytes: int = 0):
-        w = weight.float()
-        self.scale = (w.abs().amax(1) / 127 * (1 + 2**-7)).clamp_min(1e-30).to(KERNEL_DTYPE)  # (out,)
-        self.q = torch.round(w / self.scale.float()[:, None]).clamp(-127, 127).to(torch.int8)  # (out, in)
+        self.q, self.scale = _round_int8(weight)
         self.out_features, self.in_features = self.q.shape
         self.source_bytes, self.source = source_bytes, "float"
+
+    @classmethod
+    def from_rows(cls, rows: Callable[[int, int], torch.Tensor], shape: tuple[int, int],
+                  source_bytes: int = 0) -> Int8Weight:
+        """rows(lo, hi): rows [lo, hi) of the float matrix, rounded a slice at a time (the same codes and scales:
+        each row's are its own), so that a float copy of a large matrix (a k-quant head) never exists whole."""
+        n, k = shape
+        w = cls.__new__(cls)
+        w.q, w.scale = torch.empty((n, k), dtype=torch.int8), torch.empty(n, dtype=KERNEL_DTYPE)
+        step = max(1, INT8_ROWS_ELEMENTS // k)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            w.q[lo:hi], w.scale[lo:hi] = _round_int8(rows(lo, hi))
+        w.out_features, w.in_features = n, k
+        w.source_bytes, w.source = source_bytes, "float"
+        return w
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows_2d(x)
@@ -251,10 +278,22 @@ def affine_weight(codes: Callable[[int, int], np.ndarray], scales: np.ndarray, b
     return Int4Weight.from_affine_rows(codes, scales, biases, shape, bits, group_size, support.block_n)
 
 
-def int8_weight(weight: torch.Tensor, support: CPUSupport, source_bytes: int = 0) -> Int8Weight | NativeWeight:
-    """A float matrix rounded to int8 per output row (`Int8Weight`), read by Roofline's own kernel where
-    `support.native` (the same codes and scales)."""
-    w = Int8Weight(weight, source_bytes)
+def kquant_weight(codes: Callable[[int, int], np.ndarray], d: np.ndarray, dmin: np.ndarray, sc: np.ndarray,
+                  mn: np.ndarray, shape: tuple[int, int], bits: int, support: CPUSupport) -> Int4Weight | NativeWeight:
+    """A Q4_K or Q5_K matrix (`kernels_metal.reference.kquant_scales`' scales, codes(lo, hi) its rows' codes): for
+    Roofline's own kernel with its scales in two levels as the file has them (`NativeWeight.from_kquant`), else
+    as affine groups of 32 (`affine_weight`, the scales multiplied out)."""
+    if support.native:
+        return NativeWeight.from_kquant(codes, d, dmin, sc, mn, shape, bits)
+    rep = lambda a: np.repeat(a, 8, axis=1)  # noqa: E731 - a super-block's scale for each of its 8 blocks
+    return affine_weight(codes, rep(d) * sc, -(rep(dmin) * mn), shape, bits, 32, support)
+
+
+def int8_weight(rows: Callable[[int, int], torch.Tensor], shape: tuple[int, int], support: CPUSupport,
+                source_bytes: int = 0) -> Int8Weight | NativeWeight:
+    """A float matrix, its rows [lo, hi) given by rows(lo, hi), rounded to int8 per output row
+    (`Int8Weight.from_rows`), read by Roofline's own kernel where `support.native` (the same codes and scales)."""
+    w = Int8Weight.from_rows(rows, shape, source_bytes)
     if support.native and w.in_features % QK == 0:
         return NativeWeight.from_int8_rows(w.q, w.scale, source_bytes)
     return w

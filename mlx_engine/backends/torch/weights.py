@@ -144,12 +144,15 @@ def cpu_affine_weight(words: Any, scales: Any, biases: Any, bits: int, group: in
     import mlx.core as mx
 
     source_bytes = sum(a.nbytes for a in (words, scales, biases))
+    n = words.shape[0]
     if group not in cpu_packed.INT4_GROUP_SIZES or bits > 8:
-        w = mx.dequantize(words, scales.astype(mx.float32), biases.astype(mx.float32), group, bits)
-        w8 = cpu_packed.int8_weight(torch.from_numpy(np.array(w)), cpu, source_bytes)
+        def rows(lo: int, hi: int) -> torch.Tensor:
+            return torch.from_numpy(np.array(mx.dequantize(words[lo:hi], scales[lo:hi].astype(mx.float32),
+                                                           biases[lo:hi].astype(mx.float32), group, bits)))
+
+        w8 = cpu_packed.int8_weight(rows, (n, words.shape[1] * 32 // bits), cpu, source_bytes)
         w8.source = f"{bits}-bit g{group}"
         return w8
-    n = words.shape[0]
     ones = mx.ones((1, scales.shape[1]), mx.float32)
 
     def codes(lo: int, hi: int) -> np.ndarray:  # rows [lo, hi)'s codes, as `from_affine_rows` packs them
@@ -174,24 +177,29 @@ def kquant_weight(blocks: Any, ggml_type: str, dtype: torch.dtype, device: torch
                   cpu: CPUSupport | None = None) -> Weight:
     """A GGUF k-quant matrix's raw blocks (`load_checkpoint(kquant_blocks=True)`, uint8 (out, in / 256 *
     bytes per block)) -> packed for `dequant_matmul` (its sub-blocks as affine groups of 16 or 32, float32
-    scales: `kernels_metal.reference.kquant_affine`); for torch's CPU kernels with `cpu` (Q4_K and Q5_K as
-    int4 planes of groups of 32, Q2_K, Q3_K and Q6_K, whose groups are 16, as int8 rows); or, unpacked,
+    scales: `kernels_metal.reference.kquant_affine`); for the CPU kernels with `cpu` (Q4_K and Q5_K as 4- and
+    5-bit codes with their scales in two levels for Roofline's kernel, else int4 planes of groups of 32; Q2_K,
+    Q3_K and Q6_K, whose groups are 16, as int8 rows); or, unpacked,
     dequantized and rounded to float16 as the MLX backend keeps them."""
     import mlx.core as mx
 
-    from kernels_metal.reference import KQUANT_BLOCK_BYTES, dequantize_kquant, kquant_affine
+    from kernels_metal.reference import KQUANT_BLOCK_BYTES, dequantize_kquant, kquant_affine, kquant_scales
     from mlx_engine.loading.gguf_tensors import pack_words
 
     out_features, in_features = blocks.shape[0], blocks.shape[1] // KQUANT_BLOCK_BYTES[ggml_type] * 256
-    if cpu is not None:
+    if cpu is not None:  # a slice of rows at a time: no whole matrix of codes or floats (a head's: 400 MB at 1B)
         if ggml_type in KQUANT_CODE_BITS:
-            q, scales, biases, _, group = kquant_affine(blocks, ggml_type, out_features, in_features)
-            qa = np.array(q)
-            w = cpu_packed.affine_weight(lambda lo, hi: qa[lo:hi], np.array(scales), np.array(biases), qa.shape,
-                                         KQUANT_CODE_BITS[ggml_type], group, cpu)
+            def codes(lo: int, hi: int) -> np.ndarray:
+                return np.array(kquant_affine(blocks[lo:hi], ggml_type, hi - lo, in_features)[0])
+
+            scales = [np.array(a) for a in kquant_scales(blocks, ggml_type, out_features, in_features)]
+            w = cpu_packed.kquant_weight(codes, *scales, (out_features, in_features), KQUANT_CODE_BITS[ggml_type],
+                                         cpu)
         else:
-            w = cpu_packed.int8_weight(torch.from_numpy(np.array(dequantize_kquant(blocks, ggml_type, out_features,
-                                                                                   in_features))), cpu)
+            def rows(lo: int, hi: int) -> torch.Tensor:
+                return torch.from_numpy(np.array(dequantize_kquant(blocks[lo:hi], ggml_type, hi - lo, in_features)))
+
+            w = cpu_packed.int8_weight(rows, (out_features, in_features), cpu)
         w.source_bytes, w.source = blocks.nbytes, ggml_type
         return w
     if packed:
