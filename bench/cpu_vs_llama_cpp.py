@@ -41,7 +41,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_PYTHON = "/work/venvs/llamacpp/bin/python"
 RUNNERS = ("torch", "torch-compile", "mlx", "llama")
-FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}  # llama_ftype: LLAMA_FTYPE_MOSTLY_*
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}  # llama_ftype: LLAMA_FTYPE_MOSTLY_*
+# --model 1b: TinyLlama-1.1B's shape (llama, untied head) with SmolLM2's vocabulary and tokenizer, random weights.
+# A model whose file dwarfs the libraries' code and the tokenizer, so that memory and decode read what scales.
+SHAPES = {"1b": {"embedding_length": 2048, "block_count": 22, "feed_forward_length": 5632,
+                 "attention.head_count": 32, "attention.head_count_kv": 4}}
 
 
 def _rss_bytes() -> int:
@@ -215,6 +219,60 @@ def requantize(src: Path, ftype: str, work: Path, llama_python: str) -> Path:
     return dst
 
 
+def synthetic_f16(shape: str, work: Path) -> Path:
+    """An F16 GGUF of SHAPES[shape] with the embedded file's tokenizer and chat template, weights drawn from
+    N(0, 0.02) (norms 1), written by gguf-py; llama.cpp's quantizer makes the bench's files from it."""
+    import gguf
+    import numpy as np
+
+    from mlx_engine.loading import embedded_model_path
+
+    dst = work / f"synthetic-{shape}.F16.gguf"
+    if dst.exists():
+        return dst
+    dims = SHAPES[shape]
+    src = gguf.GGUFReader(str(embedded_model_path()))
+    w = gguf.GGUFWriter(str(dst) + ".part", "llama")
+    w.add_name(f"synthetic {shape} (random weights)")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    for key, value in dims.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_uint32("llama.context_length", 8192)
+    w.add_uint32("llama.vocab_size", 49152)
+    w.add_uint32("llama.rope.dimension_count", dims["embedding_length"] // dims["attention.head_count"])
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    for key, field in src.fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            if kind == gguf.GGUFValueType.ARRAY:
+                w.add_array(key, field.contents())
+            else:
+                w.add_key_value(key, field.contents(), kind)
+    rng = np.random.default_rng(0)
+    d, ff = dims["embedding_length"], dims["feed_forward_length"]
+    kv = dims["attention.head_count_kv"] * d // dims["attention.head_count"]
+
+    def normal(rows: int, cols: int) -> np.ndarray:  # (rows, cols) as torch holds a Linear: out x in
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    w.add_tensor("token_embd.weight", normal(49152, d))
+    for i in range(dims["block_count"]):
+        for name, (rows, cols) in {"attn_q": (d, d), "attn_k": (kv, d), "attn_v": (kv, d), "attn_output": (d, d),
+                                   "ffn_gate": (ff, d), "ffn_up": (ff, d), "ffn_down": (d, ff)}.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", normal(rows, cols))
+        for name in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ones(d, dtype=np.float32))
+    w.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
+    w.add_tensor("output.weight", normal(49152, d))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    Path(str(dst) + ".part").rename(dst)
+    return dst
+
+
 def llama_figures(path: Path) -> tuple[int, int]:
     """(bytes of the weights llama.cpp reads a token, bytes of its f16 K and V a position) from the file's header."""
     from mlx_engine.loading.gguf_file import read_gguf
@@ -244,6 +302,9 @@ def main() -> None:
     ap.add_argument("-p", "--prompt-tokens", type=int, default=512)
     ap.add_argument("-n", "--gen-tokens", type=int, default=128)
     ap.add_argument("--files", default="Q4_1,Q4_0,Q8_0,Q4_K_M", help="which files (default Q4_1,Q4_0,Q8_0,Q4_K_M)")
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", *SHAPES),
+                    help="smollm2: the embedded file and its requantizations (default); 1b: a TinyLlama-1.1B-shaped "
+                         "model of random weights and SmolLM2's tokenizer, every file quantized from its F16")
     ap.add_argument("--runners", default="torch,mlx,llama",
                     help="which runners (default torch,mlx,llama; also torch-compile: the torch backend, compile=True)")
     ap.add_argument("--extra-bufts", action="store_true", help="also llama.cpp with its extra buffer types")
@@ -270,13 +331,17 @@ def main() -> None:
     runners = args.runners.split(",")
     if set(runners) - set(RUNNERS):
         ap.error(f"--runners: {', '.join(sorted(set(runners) - set(RUNNERS)))} is not one of {', '.join(RUNNERS)}")
-    unknown = [name for name in args.files.split(",") if name != "Q4_1" and name not in FTYPES]
+    unknown = [name for name in args.files.split(",") if name not in FTYPES]
     if unknown:
-        ap.error(f"--files: {', '.join(unknown)} is not one of Q4_1 (the embedded file), {', '.join(FTYPES)} "
-                 "(the embedded file requantized)")
-    src = embedded_model_path()
-    files = {name: src if name == "Q4_1" else requantize(src, name, work, args.llama_python)
-             for name in args.files.split(",")}
+        ap.error(f"--files: {', '.join(unknown)} is not one of {', '.join(FTYPES)} (Q4_1: the embedded file; the "
+                 "others requantized from it)")
+    if args.model == "smollm2":
+        src = embedded_model_path()
+        files = {name: src if name == "Q4_1" else requantize(src, name, work, args.llama_python)
+                 for name in args.files.split(",")}
+    else:
+        f16 = synthetic_f16(args.model, work)
+        files = {name: requantize(f16, name, work, args.llama_python) for name in args.files.split(",")}
     context = args.prompt_tokens + args.gen_tokens + 16
     prompts = [prompt_ids(args.prompt_tokens, 49152, seed) for seed in range(args.rounds)]
     started = {"date": time.strftime("%Y-%m-%d %H:%M"), "load_before": load_average(),
