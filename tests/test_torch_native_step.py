@@ -232,11 +232,37 @@ def test_one_layer_against_the_python_halves(folders, family, dtype, n, s, monke
 
 
 def test_models_it_cannot_take_run_as_before(folders, monkeypatch):
-    """torch's own int4 kernel's weights (the kernel library turned off) are not the op's: no native step, no note."""
+    """torch's own int4 kernel's weights (the kernel library turned off) are not the op's: no native step, no note
+    (the load's warning is the library's)."""
     monkeypatch.setenv(cpu_native.ENV, "0")
     with _load(folders["llama"], True, monkeypatch) as engine:
         assert engine.diagnostics().runner.model.native is None
         assert native_step.NOTE not in engine.info.notes
+
+
+def test_a_model_the_step_cannot_take_says_why(folders, monkeypatch):
+    """Weights the kernel holds in a model its one-call step cannot run: the layers run in Python, and the load
+    says why in a warning (never a silent slower path)."""
+    import dataclasses
+
+    with _load(folders["llama"], True, monkeypatch) as engine:
+        model = engine.diagnostics().runner.model
+        assert isinstance(native_step.NativeStep.layout(model), native_step.NativeStep)
+        args = model.args
+        monkeypatch.setattr(model, "args", dataclasses.replace(args, head_dim=12))
+        assert native_step.NativeStep.layout(model) == "head_dim 12 is not a multiple of 8"
+        monkeypatch.setattr(model, "args", args)
+        down = model.layers[1].mlp.down_proj
+        monkeypatch.setattr(down, "bias", torch.zeros(down.weight.out_features))
+        assert native_step.NativeStep.layout(model) == "layer 1 has biases past q/k/v, or ones not float32 vectors"
+        assert native_step.NativeStep.of(model) is None
+    why = "head_dim 12 is not a multiple of 8"
+    monkeypatch.setattr(native_step.NativeStep, "layout", classmethod(lambda cls, m: why))
+    with _load(folders["llama"], True, monkeypatch) as engine:
+        assert engine.diagnostics().runner.model.native is None and native_step.NOTE not in engine.info.notes
+        said = [w for w in engine.info.warnings if "Python layers" in w]
+        assert said == ["decode steps run as Python layers around the kernel, not in one call of it (head_dim 12 "
+                        "is not a multiple of 8): slower decode (docs/benchmarks.md, issue 27)"], engine.info.warnings
 
 
 def test_the_op_refuses_what_it_cannot_read(folders, monkeypatch):

@@ -439,12 +439,14 @@ class Model:
 
     native: Any = None  # native_step.NativeStep: a forward's layers as one C++ call (use_native_step)
 
-    def use_native_step(self) -> bool:
-        """Forwards through `native_step.NativeStep` from now on, where every layer can run there."""
+    def use_native_step(self) -> str:
+        """Forwards through `native_step.NativeStep` from now on, where every layer can run there: '' where they
+        do, else why not."""
         from mlx_engine.backends.torch.native_step import NativeStep
 
-        self.native = NativeStep.of(self)
-        return self.native is not None
+        step = NativeStep.layout(self)
+        self.native = step if isinstance(step, NativeStep) else None
+        return "" if self.native is not None else step
 
     def _native_forward(self, ids: torch.Tensor, caches: list[Any] | None,
                         num_layers: int | None) -> torch.Tensor | None:

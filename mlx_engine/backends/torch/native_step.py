@@ -8,8 +8,8 @@ in the matmul kernels and 25% in Python, 14% in torch's dispatch (docs/benchmark
 in one call").
 
 `NativeStep.of(model)` says whether a model can run so (every projection a `NativeWeight` without a bias past
-q/k/v, float32 activations, a head_dim that is a multiple of 8) and lays its layers' tensors and ints out once, as the op reads them; a forward then
-hands it the rows' positions and each layer's pools (`PagedRows`)."""
+q/k/v, float32 activations, a head_dim that is a multiple of 8; `layout`: or why not) and lays its layers' tensors
+and ints out once, as the op reads them; a forward then hands it the rows' positions and each layer's pools (`PagedRows`)."""
 
 from __future__ import annotations
 
@@ -44,28 +44,34 @@ class NativeStep:
     @classmethod
     def of(cls, model: Any) -> NativeStep | None:
         """The model's layers laid out for `forward_layers`, or None where one of them cannot run there."""
+        step = cls.layout(model)
+        return step if isinstance(step, NativeStep) else None
+
+    @classmethod
+    def layout(cls, model: Any) -> NativeStep | str:
+        """The model's layers laid out for `forward_layers`, or why one of them cannot run there (a phrase)."""
         empty = torch.empty(0, dtype=torch.float32)
         tensors: list[torch.Tensor] = []
         ints: list[int] = []
         ends = [(0, 0)]
         args = model.args
         if args.head_dim % 8:  # the op's attention reads heads 8 values at a time
-            return None
-        for block in model.layers:
+            return f"head_dim {args.head_dim} is not a multiple of 8"
+        for i, block in enumerate(model.layers):
             attn, mlp = block.self_attn, block.mlp
             norms = [block.input_layernorm, block.post_attention_layernorm, attn.q_norm, attn.k_norm]
             if any(n is not None and (n.eps != args.rms_norm_eps or not _vector(n.weight)) for n in norms):
-                return None
+                return f"layer {i}'s norms are not float32 vectors of the model's eps"
             qkv = _group(attn.qkv, (attn.q_proj, attn.k_proj, attn.v_proj))
             gate_up = _group(mlp.gate_up, (mlp.gate_proj, mlp.up_proj))
-            if qkv is None or gate_up is None:
-                return None
+            if qkv is None or gate_up is None or not all(isinstance(w.weight, NativeWeight)
+                                                         for w in (attn.o_proj, mlp.down_proj)):
+                return f"layer {i}'s projections are not all held for Roofline's CPU kernel"
             (qkv_mats, (q_off, k_off, v_off), biases), (gu_mats, (g_off, u_off), gu_biases) = qkv, gate_up
             o, down = attn.o_proj, mlp.down_proj
             if any(b is not None for b in gu_biases) or o.bias is not None or down.bias is not None \
-                    or not all(isinstance(w.weight, NativeWeight) for w in (o, down)) \
                     or any(b is not None and not _vector(b) for b in biases):
-                return None
+                return f"layer {i} has biases past q/k/v, or ones not float32 vectors"
             tensors += [n.weight if n is not None else empty for n in norms]
             tensors += [b if b is not None else empty for b in biases]
             ints += [len(qkv_mats), len(gu_mats), q_off, k_off, v_off, g_off, u_off, mlp.down_proj.weight.in_features]

@@ -201,7 +201,11 @@ class TorchRunner(CacheRunner):
         tmodel = build_model(args, weights, ckpt.quantization, act_dtype, dev, str(ckpt.path), freq_factors,
                              packed=kernels, cpu=cpu)
         del weights
-        native = cpu is not None and native_step.wanted() and tmodel.use_native_step()
+        why_not = tmodel.use_native_step() if cpu is not None and cpu.native and native_step.wanted() else None
+        native = why_not == ""
+        if why_not:  # the kernel holds the weights, but the step around it runs as Python layers: say so
+            pack_warnings += (f"decode steps run as Python layers around the kernel, not in one call of it "
+                              f"({why_not}): slower decode (docs/benchmarks.md, issue 27)",)
         tokenizer = ckpt.tokenizer or NoTokenizer(ckpt.path, ckpt.config)
         context = args.max_position_embeddings
         context = cap_context(context, max_context)
