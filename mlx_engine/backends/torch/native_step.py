@@ -9,7 +9,8 @@ in one call").
 
 `NativeStep.of(model)` says whether a model can run so (every projection a `NativeWeight` without a bias past
 q/k/v, float32 activations, a head_dim that is a multiple of 8; `layout`: or why not) and lays its layers' tensors
-and ints out once, as the op reads them; a forward then hands it the rows' positions and each layer's pools (`PagedRows`)."""
+and ints out once, as the op reads them; a forward then hands it the rows' positions and each layer's pools
+(`PagedRows`)."""
 
 from __future__ import annotations
 
