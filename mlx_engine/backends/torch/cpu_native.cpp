@@ -34,9 +34,11 @@ namespace {
 
 constexpr int QK = 32;
 constexpr int MB = 4;       // activation rows sharing one unpacking of a block's codes
-// Rows ahead whose codes a row's loop prefetches: a decode step streams each matrix once, and the hardware's
-// prefetchers alone left one core at ~9 GB/s of codes (docs/benchmarks.md, "Issue 27 on an AMX Xeon")
-constexpr int64_t PF = 16;
+// Bytes ahead whose codes a row's loop prefetches, into L2: a decode step streams each matrix once, and the
+// hardware's prefetchers alone left one core at ~9 GB/s of codes (docs/benchmarks.md, "Issue 27 on an AMX Xeon").
+// 16 rows ahead into L1 was tuned on SmolLM2's 288-byte rows; a 1.1B model's rows are 1-3 KB, where 16 KB ahead
+// into L2 read 1.2-1.7x the bytes a second on an AMD EPYC (docs/benchmarks.md, "Issue 27 at 1.1B")
+constexpr int64_t PF_BYTES = 16384;
 constexpr int64_t NT = 64;  // output rows a tile: their codes stay in L1/L2 across the activation rows
 
 // A row's bytes of codes for K inputs (the layouts above)
@@ -199,6 +201,7 @@ template <int BITS, typename S, int OFF, int R>
 void rows_kernel(const uint8_t* codes, const S* d, const S* m, float zf, const int8_t* xq, const float* dx,
                  const float* sx, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
   const int64_t nb = K / QK, nb8 = nb & ~int64_t{7}, row_bytes = row_bytes_of(BITS, K);
+  const int64_t pf = std::max<int64_t>(2, PF_BYTES / row_bytes);  // rows ahead
   thread_local std::vector<float> scratch;
   scratch.resize(R * nb);
   float* ds = scratch.data();
@@ -207,11 +210,11 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, float zf, const i
     const uint8_t* h = c + K / 2;  // a 5-bit row's high bits
     const S* dn = scale_row(d, n, nb);
     const S* mn = OFF == 1 ? scale_row(m, n, nb) : nullptr;
-    if (n + PF < N) {  // the codes and scales of the row PF ahead
-      const char* ahead = reinterpret_cast<const char*>(c + PF * row_bytes);
-      for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(dn + PF * scale_row_len<S>(nb)), _MM_HINT_T0);
-      if constexpr (OFF == 1) _mm_prefetch(reinterpret_cast<const char*>(mn + PF * scale_row_len<S>(nb)), _MM_HINT_T0);
+    if (n + pf < N) {  // the codes and scales of the row pf ahead
+      const char* ahead = reinterpret_cast<const char*>(c + pf * row_bytes);
+      for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T2);
+      _mm_prefetch(reinterpret_cast<const char*>(dn + pf * scale_row_len<S>(nb)), _MM_HINT_T2);
+      if constexpr (OFF == 1) _mm_prefetch(reinterpret_cast<const char*>(mn + pf * scale_row_len<S>(nb)), _MM_HINT_T2);
     }
     __m256 offv[R];
     float off[R];
