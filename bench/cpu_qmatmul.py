@@ -6,7 +6,10 @@ with offsets, 8-bit without (a checkout whose kernel has no 5-bit codes prints "
 token's 121 distinct matrices in turn (as a decode step reads them: the memory's speed). Each checkout given runs
 in processes of its own, alternating, so that two builds of the kernel can be compared in one run:
 
-    uv run python bench/cpu_qmatmul.py [CHECKOUT ...] [--threads 1] [--rounds 3]
+    uv run python bench/cpu_qmatmul.py [CHECKOUT ...] [--threads 1] [--rounds 3] [--model 1b]
+
+--model 1b: the matrices of `cpu_vs_llama_cpp.py --model 1b` instead (TinyLlama-1.1B's shape: 22 layers of
+q/k/v 2560 x 2048, o 2048 x 2048, gate/up 11264 x 2048, down 2048 x 5632, a 49152 x 2048 head).
 
 CHECKOUT: a tree of this repository (default: this one), e.g. a `git worktree` of main before a change. Prints,
 per checkout, each regime's milliseconds a token (20th percentile of a process's repeats; median over rounds).
@@ -23,13 +26,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = 30
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer's matmuls
-HEAD = (49152, 576)
+MODELS = {  # (layers, (out, in) of one layer's matmuls, the head's)
+    "smollm2": (30, [(960, 576), (576, 576), (3072, 576), (576, 1536)], (49152, 576)),
+    "1b": (22, [(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632)], (49152, 2048)),
+}
 KINDS = (4, 5, 8)  # code widths
 
 
-def child(tree: str, threads: int) -> None:
+def child(tree: str, threads: int, model: str) -> None:
     sys.path.insert(0, tree)
     import torch
 
@@ -58,6 +62,7 @@ def child(tree: str, threads: int) -> None:
             times.append(time.perf_counter() - t)
         return sorted(times)[len(times) // 5]
 
+    LAYERS, SHAPES, HEAD = MODELS[model]
     out = {}
     for bits in KINDS:
         try:
@@ -78,15 +83,17 @@ def main() -> None:
     ap.add_argument("trees", nargs="*", type=Path, help="checkouts to compare (default: this one)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model", default="smollm2", choices=list(MODELS), help="whose matrices (default smollm2)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child(args.child, args.threads)
+        return child(args.child, args.threads, args.model)
     trees = [t.resolve() for t in args.trees] or [ROOT]
     got: dict[Path, list[dict]] = {t: [] for t in trees}
     for r in range(args.rounds):
         for t in trees[r % len(trees):] + trees[:r % len(trees)]:
-            done = subprocess.run([sys.executable, __file__, "--child", str(t), "--threads", str(args.threads)],
+            done = subprocess.run([sys.executable, __file__, "--child", str(t), "--threads", str(args.threads),
+                                   "--model", args.model],
                                   capture_output=True, text=True)
             if done.returncode != 0:
                 raise SystemExit(f"cpu_qmatmul: {t}: {(done.stderr.strip().splitlines() or ['failed'])[-1]}")
