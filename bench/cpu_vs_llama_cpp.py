@@ -1,11 +1,14 @@
 """Decode and prefill on the CPU, in one run: Roofline's torch backend (packed int4/int8 weights), Roofline's
 MLX CPU backend and llama.cpp (llama-cpp-python), on the same GGUF files at the same thread counts.
 
-    uv run python bench/cpu_vs_llama_cpp.py [--threads 1,2] [--rounds 3] [-p 512] [-n 128] [--markdown]
+    uv run python bench/cpu_vs_llama_cpp.py [--threads 1,2] [--rounds 3] [-p 512] [-n 128] [--model 1b]
 
 Files: the embedded SmolLM2-135M-Instruct Q4_1, and Q4_0, Q8_0 and Q4_K_M requantized from it by llama.cpp's own
 quantizer (`llama_model_quantize`, allow_requantize) into --work-dir; a file a runner cannot load is a row
-saying so. llama.cpp runs in its own venv (never our dependency), built with GGML_NATIVE:
+saying so. `--model 1b`: every file quantized by the same quantizer from an F16 GGUF of TinyLlama-1.1B's shape
+with SmolLM2's tokenizer and random weights (`synthetic_f16`, 2.3 GB written once into --work-dir), where the
+weights, not library code or per-call costs, decide memory and decode; `--runners torch,llama` there (MLX's CPU
+rows would hold 4.7 GB of float32 copies). llama.cpp runs in its own venv (never our dependency), built with GGML_NATIVE:
 
     uv venv /work/venvs/llamacpp && CMAKE_ARGS="-DGGML_NATIVE=ON" \\
         uv pip install --python /work/venvs/llamacpp/bin/python llama-cpp-python gguf numpy
