@@ -179,6 +179,26 @@ def test_no_compile_by_default_where_the_step_is_native(folders, monkeypatch):
     assert not default_compile(True, False)
 
 
+def test_nothing_compiled_imports_no_compiler(folders):
+    """A load and a reply with nothing compiled (the CPU default) never import torch's compiler, torch._dynamo
+    (seconds and tens of MB at every start). In a process of its own: this one's tests compile."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from mlx_engine import Engine, GenerationRequest, SamplingParams\n"
+            f"with Engine.load({str(folders['llama'])!r}, backend='torch', device='cpu') as e:\n"
+            "    assert e.diagnostics().runner.model.native is not None\n"
+            "    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)\n"
+            "    out = list(e.generate(GenerationRequest(prompt_token_ids=[3, 17, 42] * 20, sampling=p)))\n"
+            "    assert out[-1].usage.completion_tokens == 4, out[-1]\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
 def _rows(n: int, s: int, slots: int, hkv: int, d: int, seed: int, dtype=torch.float32) -> tm.PagedRows:
     """Pools of random K/V; n new rows written to the last n of s slots (spread over the pool), each seeing the
     slots up to its own."""

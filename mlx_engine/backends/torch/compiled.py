@@ -14,9 +14,13 @@ from typing import Any
 
 import torch
 
+from mlx_engine.backends.torch import cpu_features
 from mlx_engine.backends.torch.cpu_packed import head_matmul
 from mlx_engine.backends.torch.model import (PagedRows, TransformerBlock, attention_inputs, attention_outputs,
                                              paged_attention)
+
+# where compiling starts, not at every import of the backend (cpu_features.bf16_gemm says why)
+torch.compiler.assume_constant_result(cpu_features.bf16_gemm)
 
 PREFILL = 3  # CompiledHalves' kind of a forward of more than max_rows rows
 # inductor's note on a loop that reads float16 scales and writes bfloat16 weights (the dequantizing prefill's):

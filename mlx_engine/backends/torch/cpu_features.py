@@ -56,8 +56,10 @@ def cpu_support() -> CPUSupport:
     return CPUSupport(True, bf16, 64 if capability == "AVX512" else 32, "", native=True)
 
 
-@torch.compiler.assume_constant_result
 def bf16_gemm() -> bool:
     """`cpu_support().bf16_gemm`, which torch.compile's tracing takes as a constant (it would otherwise trace
-    into `cpu_support`, whose cache it ignores, and stop at torch's capability query)."""
+    into `cpu_support`, whose cache it ignores, and stop at torch's capability query). `compiled` marks it so
+    when it is imported, where something compiles: the mark imports torch._dynamo, which a load with nothing
+    compiled (the CPU default) need not pay (3.4 s and 66 MB of peak RSS of a `roofline generate`:
+    docs/benchmarks.md, "Issue 27 at 1.1B")."""
     return cpu_support().bf16_gemm
