@@ -206,6 +206,25 @@ def test_what_a_native_weight_holds_exactly(bits, group, symmetric, f16, want):
     assert nw.nbytes == sum(t.numel() * t.element_size() for t in (nw.codes, nw.d, nw.m))
 
 
+def test_int8_rows_keep_their_scales_in_float16_where_exact(built):
+    """A float matrix's int8 rows (a Q6_K head's) hold their bfloat16 row scales as float16 where each is exactly
+    one (half the scales' bytes; the kernel's outputs the same bit for bit), else in float32."""
+    from mlx_engine.backends.torch.cpu_native import NativeWeight
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(70, 256, generator=g) * torch.linspace(1e-3, 1, 70)[:, None]
+    int8 = cpu_packed.Int8Weight(w)
+    held = NativeWeight.from_int8_rows(int8.q, int8.scale)
+    assert held.d.dtype == torch.float16 and held.d.shape == (70, 8)
+    wide = NativeWeight(int8.q.contiguous(), int8.scale.float()[:, None].expand(70, 8).contiguous(),
+                        torch.empty(0), 8, 70, 256)
+    x = torch.randn(3, 256, generator=g)
+    assert torch.equal(torch.ops.roofline_cpu.qmatmul(x, held.codes, held.d, held.m, 8, 0),
+                       torch.ops.roofline_cpu.qmatmul(x, wide.codes, wide.d, wide.m, 8, 0))
+    tiny = cpu_packed.Int8Weight(w * 1e-4)  # row scales under float16's normal range: not all exact there
+    assert NativeWeight.from_int8_rows(tiny.q, tiny.scale).d.dtype == torch.float32
+
+
 def test_8bit_affine_offsets_round_in_floats_last_bit():
     q, s, b, w = affine(8, 64, False, False)
     nw = cpu_native.NativeWeight.from_affine_rows(lambda lo, hi: q[lo:hi], s, b, q.shape, 8, 64)

@@ -232,9 +232,11 @@ class NativeWeight:
     @classmethod
     def from_int8_rows(cls, q: torch.Tensor, scale: torch.Tensor, source_bytes: int = 0) -> NativeWeight:
         """An int8 matrix with one scale per output row (`cpu_packed.Int8Weight`'s rounding), its scale
-        repeated per block."""
+        repeated per block: in float16 where every row's (bfloat16) is exactly a float16, half the bytes."""
         n, k = q.shape
-        d = scale.float()[:, None].expand(n, k // QK).contiguous()
+        wide = scale.float()
+        exact16 = bool(torch.equal(wide.half().float(), wide))
+        d = (wide.half() if exact16 else wide)[:, None].expand(n, k // QK).contiguous()
         w = cls(q.contiguous(), d, torch.empty(0, dtype=torch.float32), 8, n, k, source_bytes)
         w.rounded = True
         return w
