@@ -232,7 +232,8 @@ def test_one_layer_against_the_python_halves(folders, family, dtype, n, s, monke
     with _load(folders[family], True, monkeypatch) as engine:
         model = engine.diagnostics().runner.model
         a = model.args
-        step = native_step.NativeStep.of(model)
+        step = native_step.NativeStep.layout(model)
+        assert isinstance(step, native_step.NativeStep), step
         g = torch.Generator().manual_seed(n * 100 + s)
         h = torch.randn(1, n, a.hidden_size, generator=g) * 2
         cos, sin = model.rope.angles(torch.arange(s - n, s)[None])
@@ -275,7 +276,6 @@ def test_a_model_the_step_cannot_take_says_why(folders, monkeypatch):
         down = model.layers[1].mlp.down_proj
         monkeypatch.setattr(down, "bias", torch.zeros(down.weight.out_features))
         assert native_step.NativeStep.layout(model) == "layer 1 has biases past q/k/v, or ones not float32 vectors"
-        assert native_step.NativeStep.of(model) is None
     why = "head_dim 12 is not a multiple of 8"
     monkeypatch.setattr(native_step.NativeStep, "layout", classmethod(lambda cls, m: why))
     with _load(folders["llama"], True, monkeypatch) as engine:

@@ -412,7 +412,7 @@ void by_scale_type(const at::Tensor& d, F&& f) {
 }
 
 // Blocks a row of d holds scales for (K / 32)
-int64_t scale_blocks(const at::Tensor& d) { return d.scalar_type() == at::kByte ? d.size(1) * 4 / 5 : d.size(1); }
+int64_t scale_blocks(const at::Tensor& d) { return d.scalar_type() == at::kByte ? d.size(-1) * 4 / 5 : d.size(-1); }
 
 template <int BITS, typename S>
 void dequant_dispatch(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int zero, int64_t K,

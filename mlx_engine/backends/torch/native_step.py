@@ -7,9 +7,9 @@ the graphs left on the host was most of a step: at 2 threads a decode step's eng
 in the matmul kernels and 25% in Python, 14% in torch's dispatch (docs/benchmarks.md, "Issue 27: the decode step
 in one call").
 
-`NativeStep.of(model)` says whether a model can run so (every projection a `NativeWeight` without a bias past
-q/k/v, float32 activations, a head_dim that is a multiple of 8; `layout`: or why not) and lays its layers' tensors
-and ints out once, as the op reads them; a forward then hands it the rows' positions and each layer's pools
+`NativeStep.layout(model)` says whether a model can run so (every projection a `NativeWeight` without a bias past
+q/k/v, float32 activations, a head_dim that is a multiple of 8), and why not where it cannot, and lays its layers'
+tensors and ints out once, as the op reads them; a forward then hands it the rows' positions and each layer's pools
 (`PagedRows`)."""
 
 from __future__ import annotations
@@ -41,12 +41,6 @@ class NativeStep:
         self.eps, self.scale, self.mscale, self.traditional = float(args.rms_norm_eps), scale, mscale, traditional
         # rows from which the projections take the dequantizing GEMM (none where the CPU lacks bfloat16 products)
         self.gemm_rows = cpu_features.DEQUANT_MIN_ROWS if cpu_features.bf16_gemm() else 2**62
-
-    @classmethod
-    def of(cls, model: Any) -> NativeStep | None:
-        """The model's layers laid out for `forward_layers`, or None where one of them cannot run there."""
-        step = cls.layout(model)
-        return step if isinstance(step, NativeStep) else None
 
     @classmethod
     def layout(cls, model: Any) -> NativeStep | str:
