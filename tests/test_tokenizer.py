@@ -421,3 +421,21 @@ def test_detokenizer_long_stream_window_stays_small(smollm2):
         widths.append(len(detok.token_ids) - detok._start)
     assert max(widths) <= 8
     assert "".join([]) == "" and detok.finalize() == ""
+
+
+def test_a_built_tokenizer_leaves_the_files_strings_to_be_dropped() -> None:
+    """`_load_gguf` drops the vocabulary's Python strings once the tokenizer is built (8 MB at SmolLM2's 49k
+    tokens and merges, resident beside the weights the load converts next): the lengths stay, every other
+    field and the tokenizer are as before."""
+    g = read_gguf(embedded_model_path())
+    tok = Tokenizer.from_gguf(g.metadata)
+    before = dict(g.metadata)
+    ids = tok.encode("Hello, roofline!")
+    g.drop_strings()
+    dropped = sorted(k for k, v in g.metadata.items() if type(v).__name__ == "SkippedStrings")
+    assert dropped == ["tokenizer.ggml.merges", "tokenizer.ggml.tokens"]
+    assert g.metadata.keys() == before.keys()
+    assert all(len(g.metadata[k]) == len(before[k]) for k in dropped)
+    assert all(g.metadata[k] is v for k, v in before.items() if k not in dropped)
+    assert len(g.metadata["tokenizer.ggml.tokens"]) == 49152
+    assert tok.encode("Hello, roofline!") == ids and tok.decode(ids) == "Hello, roofline!"

@@ -128,6 +128,7 @@ def _load_gguf(path: Path, name: str, kquant_blocks: bool = False, lazy: bool = 
     check_tensor_types(g)
     config = gguf_config(g)
     tokenizer = Tokenizer.from_gguf(g.metadata)
+    g.drop_strings()  # the vocabulary's Python strings (8 MB at 49k tokens) are the tokenizer's now
     weights, quantization = gguf_weights(g, config, kquant_blocks, lazy)
     return Checkpoint(name, path, "gguf", config, weights, quantization, describe_quantization(g), tokenizer,
                       "float16")

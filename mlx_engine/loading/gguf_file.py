@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from mlx_engine._mlx_lm import bare_package
 from mlx_engine.api import ModelLoadError
+
+bare_package("gguf")  # its tables without its __init__'s writer and sentencepiece (mlx_engine._mlx_lm)
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
 # GGUF value types -> (struct format, numpy dtype)
 _SCALARS: dict[int, tuple[str, str]] = {
@@ -58,6 +61,13 @@ class GGUFFile:
 
     def tensor_types(self) -> set[str]:
         return {t.ggml_type for t in self.tensors}
+
+    def drop_strings(self) -> None:
+        """The tokenizer's string arrays (the vocabulary, the merges) as `SkippedStrings`: their lengths only, as
+        `read_gguf(strings=False)` reads them, once a tokenizer holds them."""
+        for key, value in self.metadata.items():
+            if key.startswith("tokenizer.") and isinstance(value, list) and value and isinstance(value[0], str):
+                self.metadata[key] = SkippedStrings(len(value))
 
 
 class SkippedStrings:
