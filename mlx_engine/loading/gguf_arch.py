@@ -15,11 +15,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, Keys
-from gguf.tensor_mapping import TensorNameMap
-
+from mlx_engine._mlx_lm import bare_package
 from mlx_engine.api import ModelLoadError
 from mlx_engine.loading.gguf_file import GGUFFile
+
+bare_package("gguf")  # its tables without its __init__'s writer and sentencepiece (mlx_engine._mlx_lm)
+from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, Keys  # noqa: E402
+from gguf.tensor_mapping import TensorNameMap  # noqa: E402
 
 # GGUF general.architecture -> the model_type that runs it (llama with experts: mixtral, `model_type_of`)
 ARCHITECTURES = {
