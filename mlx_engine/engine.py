@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import threading
 import time
@@ -82,7 +83,8 @@ class _EngineThread:
                     self._run(self._jobs.get_nowait())
                 except queue.Empty:
                     break
-            with one_blas_thread():  # once per step, not per host GEMM (backends.mlx.host_blas)
+            blas = any(s.runner.capabilities.host_blas for s in busy)
+            with one_blas_thread() if blas else contextlib.nullcontext():  # once a step, not per host GEMM
                 for scheduler in busy:
                     scheduler.step()
 

@@ -181,7 +181,8 @@ def test_no_compile_by_default_where_the_step_is_native(folders, monkeypatch):
 
 def test_nothing_compiled_imports_no_compiler(folders):
     """A load and a reply with nothing compiled (the CPU default) never import torch's compiler, torch._dynamo
-    (seconds and tens of MB at every start). In a process of its own: this one's tests compile."""
+    (seconds and tens of MB at every start), nor threadpoolctl (the MLX runner's host BLAS cap: this runner
+    declares `host_blas=False`). In a process of its own: this one's tests compile."""
     import subprocess
     import sys
 
@@ -192,7 +193,7 @@ def test_nothing_compiled_imports_no_compiler(folders):
             "    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)\n"
             "    out = list(e.generate(GenerationRequest(prompt_token_ids=[3, 17, 42] * 20, sampling=p)))\n"
             "    assert out[-1].usage.completion_tokens == 4, out[-1]\n"
-            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n")
+            "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'threadpoolctl'))))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-2000:]

@@ -44,6 +44,9 @@ class RunnerCapabilities:
     # > 1: the runner is an `InFlightDecode` (a pipeline of that many ranks): the scheduler may step the decoding
     # sequences in that many groups in turn, each group's step in flight while the others' run
     decode_groups: int = 1
+    # its steps may call numpy's BLAS (MLX's CPU backend's host GEMMs, `backends.mlx.host_blas`): the engine caps
+    # that BLAS at one thread around each step (threadpoolctl, about 33 us a step and 2 MB of RSS on first use)
+    host_blas: bool = True
 
     def reason(self, name: str) -> str:
         return self.why_not.get(name, f"this runner does not support {name}")

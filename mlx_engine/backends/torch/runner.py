@@ -253,7 +253,7 @@ class TorchRunner(CacheRunner):
                 runner.graphs = DecodeGraphs(tmodel, runner.cache.storage)
         kv_files = runner.cache is not None and runner.cache.capabilities.kv_files
         runner.capabilities = RunnerCapabilities(rollback=True, kv_files=kv_files, self_draft=True, hidden_states=True,
-                                                 max_batch=None, why_not={} if kv_files else {
+                                                 max_batch=None, host_blas=False, why_not={} if kv_files else {
                                                      "kv_files": "KV files are not supported on the torch backend"})
         runner.self_draft_layers = check_self_draft_layers(self_draft_layers, len(runner.model.layers))
         if draft_model is not None:
