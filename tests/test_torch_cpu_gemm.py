@@ -91,7 +91,7 @@ def test_native_weights_prefill_through_the_same_gemm(kind):
     rounded once. Under the threshold they take the kernel (activations rounded to int8 per 32)."""
     assert cpu_native.build_error() == ""
     w = _weight(kind, native=True)
-    assert cpu_packed.kind(w) == ("native8r" if kind == "Q6_K" else "native4" if kind in FOUR_BIT
+    assert cpu_packed.kind(w) == ("native6" if kind == "Q6_K" else "native4" if kind in FOUR_BIT
                                   else "native5" if kind in FIVE_BIT else "native8")
     g = torch.Generator().manual_seed(0)
     _check_prefill(w, kind, g)

@@ -79,12 +79,19 @@ def native_slice(w: NativeWeight, lo: int, hi: int) -> torch.Tensor:
 def native_float(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,
                  zero: int = 0) -> torch.Tensor:
     """A `NativeWeight`'s rows: codes (r, in / 2) uint8 (two 4-bit codes a byte: code j low, j + 16 high), that
-    and a 32-bit word of fifth bits a block (5-bit codes, (r, in / 2 + in / 8)) or (r, in) int8; d, m (r, in / 32)
-    float, or two-level uint8 rows -> (r, in) float32, d (c - zero) + m."""
+    and a 32-bit word of fifth bits a block (5-bit codes, (r, in / 2 + in / 8)), or 8 bytes a block of top bits
+    (6-bit codes, (r, in / 2 + in / 4)), or (r, in) int8; d, m (r, in / 32) float, or two-level uint8 rows, or
+    Q6_K's int8 rows (a scale a 16) -> (r, in) float32, d (c - zero) + m (6-bit: d (c - 32))."""
     from mlx_engine.backends.torch.cpu_native import scales_f32  # cpu_native imports this module
 
     r = codes.shape[0]
     d, m = scales_f32(d), None if m is None else scales_f32(m)
+    if bits == 6:
+        nb = d.shape[1] // 2
+        b = codes[:, : nb * 16].reshape(r, nb, 16)
+        top = codes[:, nb * 16:].reshape(r, nb, 1, 8) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+        c = (torch.cat([b & 15, b >> 4], dim=-1) | ((top & 3) << 4).reshape(r, nb, 32)).float() - 32
+        return (c.view(r, nb, 2, 16) * d.view(r, nb, 2, 1)).reshape(r, -1)
     if bits in (4, 5):
         nb = d.shape[1]
         b = codes[:, : nb * 16].reshape(r, nb, 16)

@@ -8,12 +8,17 @@
 //   bits 4: codes (N, K / 2) uint8, byte j of a block = c[j] | c[j + 16] << 4, c in [0, 16)
 //   bits 5: codes (N, K / 2 + K / 8) uint8: the low 4 bits of the codes as bits 4 (K / 2 bytes), then a 32-bit word
 //           a block (little-endian, bit j = bit 4 of c[j]), c in [0, 32): GGML's Q5_0 and Q5_1 blocks as stored
+//   bits 6: codes (N, K / 2 + K / 4) uint8: the low 4 bits of the codes as bits 4, then 8 bytes a block of their
+//           top 2 bits (byte i: those of c[i], c[i + 8], c[i + 16], c[i + 24] at bits 0, 2, 4, 6), c in [0, 64),
+//           w = d (c - 32) with a scale d per 16 inputs: GGML's Q6_K, whose d is the int8 scale of the 16 times
+//           its super-block's float16
 //   bits 8: codes (N, K) int8, c in [-128, 128)
 //   d, m: (N, K / 32) float32 or float16 (both the same); m may be empty: no offsets, or with `zero` the offsets
 //         -zero d (w = d (c - zero): Q4_0's and Q5_0's symmetric codes, whose offsets need no bytes of their own);
 //         or, K a multiple of 256, (N, K / 32 + K / 128) uint8, two levels as GGML's k-quants hold them: a row's
 //         K / 32 6-bit scales, then a float16 a super-block of 8 blocks (d, or -dmin for m); a block's scale is
-//         their product, exact in float32.
+//         their product, exact in float32; or, bits 6 only, (N, K / 16 + K / 128) int8: a row's K / 16 int8 scales
+//         (one a half block of 16), then a float16 a super-block of 8 blocks (Q6_K's, its d).
 // `dequant` writes such a matrix's rows as bfloat16, for a prefill's GEMM.
 // y[r, n] = sum_b d[n, b] dx[r, b] sum_j c[n, b, j] xq[r, b, j] + m[n, b] dx[r, b] sum_j xq[r, b, j].
 
@@ -42,7 +47,9 @@ constexpr int64_t PF_BYTES = 16384;
 constexpr int64_t NT = 64;  // output rows a tile: their codes stay in L1/L2 across the activation rows
 
 // A row's bytes of codes for K inputs (the layouts above)
-constexpr int64_t row_bytes_of(int64_t bits, int64_t K) { return bits == 8 ? K : bits == 4 ? K / 2 : K / 2 + K / 8; }
+constexpr int64_t row_bytes_of(int64_t bits, int64_t K) {
+  return bits == 8 ? K : bits == 4 ? K / 2 : bits == 5 ? K / 2 + K / 8 : K / 2 + K / 4;
+}
 
 inline float load_scale(const float* p) { return *p; }
 inline float load_scale(const uint16_t* p) { return _cvtsh_ss(*p); }
@@ -50,13 +57,21 @@ inline float load_scale(const uint16_t* p) { return _cvtsh_ss(*p); }
 // A weight's scales: row r (its nb blocks' scales, where `scale_row` puts it), block b's, or blocks b..b+7 (b a
 // multiple of 8). Two-level uint8 rows (the layouts above): the block's 6-bit scale times its super-block's float16
 template <typename S>
-constexpr int64_t scale_row_len(int64_t nb) { return std::is_same_v<S, uint8_t> ? nb + nb / 4 : nb; }
+constexpr int64_t scale_row_len(int64_t nb) {
+  return std::is_same_v<S, uint8_t> ? nb + nb / 4 : std::is_same_v<S, int8_t> ? 2 * nb + nb / 4 : nb;
+}
 template <typename S>
 inline const S* scale_row(const S* d, int64_t n, int64_t nb) { return d + n * scale_row_len<S>(nb); }
 inline float super_scale(const uint8_t* r, int64_t b, int64_t nb) {
   uint16_t h;
   std::memcpy(&h, r + nb + b / 8 * 2, 2);
   return _cvtsh_ss(h);
+}
+// A 6-bit row's scale of half block h (inputs 16 h to 16 h + 15): its int8 times its super-block's float16
+inline float half_scale(const int8_t* r, int64_t h, int64_t nb) {
+  uint16_t s;
+  std::memcpy(&s, r + 2 * nb + h / 16 * 2, 2);
+  return _cvtsh_ss(s) * static_cast<float>(r[h]);
 }
 template <typename S>
 inline float scale_at(const S* r, int64_t b, int64_t nb) {
@@ -167,6 +182,14 @@ inline __m256i block_codes(const uint8_t* row, const uint8_t* high, int64_t b) {
     const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
     const __m256i low = _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));
     if constexpr (BITS == 4) return low;
+    if constexpr (BITS == 6) {  // 64-bit lane k: codes 8k to 8k + 7, whose top bits are bits 2k, 2k + 1 of the 8 bytes
+      uint64_t t;
+      std::memcpy(&t, high + b * 8, 8);
+      const __m256i top = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(static_cast<int64_t>(t)),
+                                                             _mm256_set_epi64x(6, 4, 2, 0)),
+                                           _mm256_set1_epi8(3));
+      return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)), _mm256_set1_epi8(32));
+    }
     uint32_t h;
     std::memcpy(&h, high + b * 4, 4);
 #ifdef ROOFLINE_AVX512
@@ -184,13 +207,26 @@ inline __m256i block_codes(const uint8_t* row, const uint8_t* high, int64_t b) {
   }
 }
 
-// Block b's integer dot product with activation row xr, as float32 lanes. 8-bit codes are signed: vpdpbusd and
-// vpmaddubsw take one unsigned operand, so |c| goes with the activations given c's signs
+// Block b's integer dot product with activation row xr, as float32 lanes (lanes 0-3 its inputs 0-15, 4-7 the
+// rest). 8-bit codes, and 6-bit ones less 32, are signed: vpdpbusd and vpmaddubsw take one unsigned operand, so
+// |c| goes with the activations given c's signs
 template <int BITS>
 inline __m256 block_dot(__m256i q, const int8_t* xr) {
   __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
-  if constexpr (BITS == 8) return _mm256_cvtepi32_ps(dot4(_mm256_abs_epi8(q), _mm256_sign_epi8(xv, q)));
+  if constexpr (BITS == 8 || BITS == 6) return _mm256_cvtepi32_ps(dot4(_mm256_abs_epi8(q), _mm256_sign_epi8(xv, q)));
   else return _mm256_cvtepi32_ps(dot4(q, xv));
+}
+
+// A block's scales times the activations', as its dot product's lanes take them: one (broadcast), or a 6-bit
+// block's two, of its halves (lanes 0-3, 4-7), from a scratch row of two a block
+template <int BITS>
+inline __m256 block_scale(const float* ds, int64_t b) {
+  if constexpr (BITS == 6) {
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(ds + 2 * b)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  } else {
+    return _mm256_broadcast_ss(ds + b);
+  }
 }
 
 // Rows [n0, n1) against R activation rows. A row's block scales times the activations' (and its offsets' sum)
@@ -202,8 +238,9 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, float zf, const i
                  const float* sx, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
   const int64_t nb = K / QK, nb8 = nb & ~int64_t{7}, row_bytes = row_bytes_of(BITS, K);
   const int64_t pf = std::max<int64_t>(2, PF_BYTES / row_bytes);  // rows ahead
+  const int64_t dw = BITS == 6 ? 2 * nb : nb;  // a scratch row's scales: one a block, or one a half block
   thread_local std::vector<float> scratch;
-  scratch.resize(R * nb);
+  scratch.resize(R * dw);
   float* ds = scratch.data();
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = codes + n * row_bytes;
@@ -222,6 +259,22 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, float zf, const i
       offv[r] = _mm256_setzero_ps();
       off[r] = 0.f;
     }
+    if constexpr (BITS == 6) {  // 16 half blocks' scales a super-block of 8 blocks (K a multiple of 256)
+      const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+      for (int64_t b = 0; b < nb; b += 8) {
+        uint16_t h;
+        std::memcpy(&h, dn + 2 * nb + b / 4, 2);
+        const __m256 sup = _mm256_set1_ps(_cvtsh_ss(h));
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(dn + 2 * b));
+        const __m256 s0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), sup);
+        const __m256 s1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), sup);
+        for (int r = 0; r < R; ++r) {
+          const __m256 x8 = _mm256_loadu_ps(dx + r * nb + b);
+          _mm256_storeu_ps(ds + r * dw + 2 * b, _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(x8, first)));
+          _mm256_storeu_ps(ds + r * dw + 2 * b + 8, _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(x8, second)));
+        }
+      }
+    } else {
     for (int64_t b = 0; b < nb8; b += 8) {
       const __m256 d8 = scales8(dn, b, nb);
       for (int r = 0; r < R; ++r) _mm256_storeu_ps(ds + r * nb + b, _mm256_mul_ps(d8, _mm256_loadu_ps(dx + r * nb + b)));
@@ -238,12 +291,13 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, float zf, const i
         for (int r = 0; r < R; ++r) off[r] += mb * sx[r * nb + b];
       }
     }
+    }
     __m256 acc0[R], acc1[R];
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
     int64_t b = 0;
 #ifdef ROOFLINE_AVX512
     __m512 z0[R], z1[R];
-    if constexpr (BITS != 8) {  // two groups a step, an accumulator each; then a last group; then as below
+    if constexpr (BITS == 4 || BITS == 5) {  // two groups a step, an accumulator each; then a last group; then as below
       const __m512i low = _mm512_set1_epi8(0x0F);
       for (int r = 0; r < R; ++r) z0[r] = z1[r] = _mm512_setzero_ps();
       auto group = [&](int64_t g, __m512* z) {
@@ -278,19 +332,19 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, float zf, const i
       const __m256i q0 = block_codes<BITS>(c, h, b), q1 = block_codes<BITS>(c, h, b + 1);
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = xq + r * K + b * QK;
-        acc0[r] = _mm256_fmadd_ps(block_dot<BITS>(q0, xr), _mm256_broadcast_ss(ds + r * nb + b), acc0[r]);
-        acc1[r] = _mm256_fmadd_ps(block_dot<BITS>(q1, xr + QK), _mm256_broadcast_ss(ds + r * nb + b + 1), acc1[r]);
+        acc0[r] = _mm256_fmadd_ps(block_dot<BITS>(q0, xr), block_scale<BITS>(ds + r * dw, b), acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(block_dot<BITS>(q1, xr + QK), block_scale<BITS>(ds + r * dw, b + 1), acc1[r]);
       }
     }
     if (b < nb) {
       const __m256i q0 = block_codes<BITS>(c, h, b);
       for (int r = 0; r < R; ++r)
-        acc0[r] = _mm256_fmadd_ps(block_dot<BITS>(q0, xq + r * K + b * QK), _mm256_broadcast_ss(ds + r * nb + b), acc0[r]);
+        acc0[r] = _mm256_fmadd_ps(block_dot<BITS>(q0, xq + r * K + b * QK), block_scale<BITS>(ds + r * dw, b), acc0[r]);
     }
     for (int r = 0; r < R; ++r) {
       float o = OFF == 0 ? 0.f : OFF == 1 ? hsum(offv[r]) + off[r] : zf * (hsum(offv[r]) + off[r]);
 #ifdef ROOFLINE_AVX512
-      if constexpr (BITS != 8) o += _mm512_reduce_add_ps(_mm512_add_ps(z0[r], z1[r]));
+      if constexpr (BITS == 4 || BITS == 5) o += _mm512_reduce_add_ps(_mm512_add_ps(z0[r], z1[r]));
 #endif
       y[r * N + n] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + o;
     }
@@ -350,16 +404,21 @@ void dispatch_offsets(const at::Tensor& codes, const at::Tensor& d, const at::Te
 void check_weight(const char* op, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits,
                   int64_t zero, int64_t K) {
   TORCH_CHECK(codes.dim() == 2 && d.dim() == 2, op, ": codes and d 2-D");
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, op, ": bits 4, 5 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, op, ": bits 4, 5, 6 or 8, got ", bits);
   TORCH_CHECK(K % QK == 0, op, ": K a multiple of 32, got ", K);
   const int64_t row_bytes = row_bytes_of(bits, K);
   TORCH_CHECK(codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && codes.is_contiguous() &&
                   codes.size(1) == row_bytes,
               op, ": codes (N, ", row_bytes, ") ", bits == 8 ? "int8" : "uint8", " contiguous");
-  const bool two_level = d.scalar_type() == at::kByte;
-  TORCH_CHECK(!two_level || K % 256 == 0, op, ": two-level uint8 scales need K a multiple of 256, got ", K);
-  TORCH_CHECK((d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf || two_level) && d.is_contiguous() &&
-                  d.size(0) == codes.size(0) && d.size(1) == (two_level ? K / QK + K / 128 : K / QK),
+  const bool two_level = d.scalar_type() == at::kByte, halves = d.scalar_type() == at::kChar;
+  TORCH_CHECK(!(two_level || halves) || K % 256 == 0, op, ": two-level scales need K a multiple of 256, got ", K);
+  TORCH_CHECK(halves == (bits == 6), op, ": 6-bit codes take int8 scales a half block (Q6_K's), and only they");
+  TORCH_CHECK(!halves || (d.is_contiguous() && d.size(0) == codes.size(0) && d.size(1) == K / 16 + K / 128 &&
+                          m.numel() == 0 && zero == 0),
+              op, ": 6-bit codes' d (N, K / 16 + K / 128) int8 contiguous, m empty, zero 0");
+  TORCH_CHECK(halves || ((d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf || two_level) &&
+                          d.is_contiguous() && d.size(0) == codes.size(0) &&
+                          d.size(1) == (two_level ? K / QK + K / 128 : K / QK)),
               op, ": d (N, K / 32) float32 or float16, or (N, K / 32 + K / 128) uint8, contiguous");
   TORCH_CHECK(m.numel() == 0 || (m.scalar_type() == d.scalar_type() && m.is_contiguous() && m.sizes() == d.sizes()),
               op, ": m empty or as d");
@@ -386,15 +445,23 @@ void dequant_rows(const uint8_t* codes, const S* d, const S* m, int zero, int64_
     const uint8_t* c = codes + n * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       const __m256i q = block_codes<BITS>(c, c + K / 2, b);
-      const __m256 dv = _mm256_set1_ps(scale_at(scale_row(d, n, nb), b, nb));
-      const __m256 mv = OFFSETS ? _mm256_set1_ps(scale_at(scale_row(m, n, nb), b, nb)) : _mm256_setzero_ps();
+      __m256 dv[2];  // the scales of inputs 0-15 and 16-31
+      if constexpr (BITS == 6) {
+        dv[0] = _mm256_set1_ps(half_scale(scale_row(d, n, nb), 2 * b, nb));
+        dv[1] = _mm256_set1_ps(half_scale(scale_row(d, n, nb), 2 * b + 1, nb));
+      } else {
+        dv[0] = dv[1] = _mm256_set1_ps(scale_at(scale_row(d, n, nb), b, nb));
+      }
+      __m256 mv = _mm256_setzero_ps();
+      if constexpr (OFFSETS && BITS != 6) mv = _mm256_set1_ps(scale_at(scale_row(m, n, nb), b, nb));  // 6: none
       OUT* o = out + i * K + b * QK;
       for (int j = 0; j < 4; ++j) {
         const __m128i half = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
         const __m128i eight = j % 2 ? _mm_srli_si128(half, 8) : half;
-        const __m256i i32 = _mm256_sub_epi32(BITS == 8 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight),
+        const __m256i i32 = _mm256_sub_epi32(BITS == 8 || BITS == 6 ? _mm256_cvtepi8_epi32(eight)
+                                                                    : _mm256_cvtepu8_epi32(eight),
                                              _mm256_set1_epi32(zero));
-        __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(i32), dv);
+        __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(i32), dv[j / 2]);
         if constexpr (OFFSETS) w = _mm256_add_ps(w, mv);
         if constexpr (std::is_same_v<OUT, float>) _mm256_storeu_ps(o + 8 * j, w);
         else _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * j), to_bf16(w));
@@ -412,7 +479,10 @@ void by_scale_type(const at::Tensor& d, F&& f) {
 }
 
 // Blocks a row of d holds scales for (K / 32)
-int64_t scale_blocks(const at::Tensor& d) { return d.scalar_type() == at::kByte ? d.size(-1) * 4 / 5 : d.size(-1); }
+int64_t scale_blocks(const at::Tensor& d) {
+  return d.scalar_type() == at::kByte ? d.size(-1) * 4 / 5 : d.scalar_type() == at::kChar ? d.size(-1) * 4 / 9
+                                                                                          : d.size(-1);
+}
 
 template <int BITS, typename S>
 void dequant_dispatch(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int zero, int64_t K,
@@ -435,7 +505,8 @@ at::Tensor dequant(const at::Tensor& codes, const at::Tensor& d, const at::Tenso
   auto each = [&]<int BITS>() {
     by_scale_type(d, [&]<typename S>() { dequant_dispatch<BITS, S>(codes, d, m, static_cast<int>(zero), K, o); });
   };
-  if (bits == 4) each.template operator()<4>();
+  if (bits == 6) dequant_dispatch<6, int8_t>(codes, d, m, 0, K, o);
+  else if (bits == 4) each.template operator()<4>();
   else if (bits == 5) each.template operator()<5>();
   else each.template operator()<8>();
   return out;
@@ -450,7 +521,7 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   const int64_t blocks = M * (K / QK);
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(blocks), sx(blocks);
-  quantize_rows(xf.data_ptr<float>(), M, K / QK, bits != 8, xq.data(), dx.data(), sx.data());
+  quantize_rows(xf.data_ptr<float>(), M, K / QK, bits == 4 || bits == 5, xq.data(), dx.data(), sx.data());
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   auto each = [&]<int BITS>() {
@@ -458,7 +529,10 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
       dispatch_offsets<BITS, S>(codes, d, m, zero, xq.data(), dx.data(), sx.data(), M, K, N, yp);
     });
   };
-  if (bits == 4) each.template operator()<4>();
+  if (bits == 6)  // symmetric codes (less 32), no offsets (check_weight)
+    run<6, int8_t, 0>(static_cast<const uint8_t*>(codes.data_ptr()), static_cast<const int8_t*>(d.data_ptr()), nullptr,
+                      0.f, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+  else if (bits == 4) each.template operator()<4>();
   else if (bits == 5) each.template operator()<5>();
   else each.template operator()<8>();
   return y;
@@ -484,7 +558,8 @@ at::Tensor head_logits(const at::Tensor& x, const at::Tensor& codes, const at::T
     });
   };
   auto by_scale = [&]<int BITS>() { by_scale_type(d, [&]<typename S>() { each.template operator()<BITS, S>(); }); };
-  if (bits == 4) by_scale.template operator()<4>();
+  if (bits == 6) each.template operator()<6, int8_t>();
+  else if (bits == 4) by_scale.template operator()<4>();
   else if (bits == 5) by_scale.template operator()<5>();
   else by_scale.template operator()<8>();
   y.scatter_(1, idx, at::matmul(rows.view({R, T, K}), x.to(at::kFloat).view({R, K, 1})).select(2, 0));

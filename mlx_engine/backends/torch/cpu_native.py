@@ -10,7 +10,8 @@ float32. A prefill's rows, on a CPU with bfloat16 dot products, dequantize to on
 (`cpu_features.DEQUANT_MIN_ROWS`, `cpu_gemm.native_matmul`), as torch's int4 weights do.
 
 Codes are held 4 bits a weight (Q4_0, Q4_1, Q4_K, MLX 2-4 bit), 5 (Q5_0, Q5_1, Q5_K, MLX 5-bit: as GGML stores
-Q5_0, the low 4 bits and a word of fifth bits a block, 37% fewer bytes a token than as int8) or 8 (the rest).
+Q5_0, the low 4 bits and a word of fifth bits a block, 37% fewer bytes a token than as int8), 6 (Q6_K, with its
+int8 scale a 16 and float16 a super-block: 6.56 bits a weight where int8 rows took 8.5) or 8 (the rest).
 
 Numerics: codes, scales and offsets are exact (float16 where every value of the matrix is, else float32); the
 activations' int8 rounding is the one rounded step, as in llama.cpp's q8_0 dot products. The output head's top
@@ -131,13 +132,30 @@ def two_level(scales: np.ndarray, supers: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.concatenate([low, high], axis=1))
 
 
+def halves(sc: np.ndarray, supers: np.ndarray) -> torch.Tensor:
+    """Q6_K's scales as the kernel holds them: sc (n, in / 16) int8, supers (n, in / 256) float16 values ->
+    (n, in / 16 + in / 128) int8, a row's scales then its supers' bytes."""
+    n = sc.shape[0]
+    low = np.ascontiguousarray(sc, dtype=np.int8)
+    high = np.ascontiguousarray(supers.astype(np.float16)).view(np.int8).reshape(n, -1)
+    return torch.from_numpy(np.concatenate([low, high], axis=1))
+
+
 def scale_blocks(d: torch.Tensor) -> int:
-    """Blocks of 32 a row of scales `d` covers (two-level uint8 rows hold nb + nb / 4 bytes)."""
+    """Blocks of 32 a row of scales `d` covers (two-level uint8 rows hold nb + nb / 4 bytes, Q6_K's int8 ones
+    2 nb + nb / 4)."""
+    if d.dtype == torch.int8:
+        return d.shape[1] * 4 // 9
     return d.shape[1] * 4 // 5 if d.dtype == torch.uint8 else d.shape[1]
 
 
 def scales_f32(d: torch.Tensor) -> torch.Tensor:
-    """Scales or offsets (n, nb) float32: two-level uint8 rows multiplied out (exact), others widened."""
+    """Scales or offsets (n, nb) float32: two-level uint8 rows multiplied out (exact), others widened; Q6_K's
+    int8 rows (n, 2 nb), a scale a half block."""
+    if d.dtype == torch.int8:
+        nb = scale_blocks(d)
+        supers = d[:, 2 * nb:].contiguous().view(torch.float16).float()
+        return d[:, : 2 * nb].float() * supers.repeat_interleave(16, dim=1)
     if d.dtype != torch.uint8:
         return d.float()
     nb = scale_blocks(d)
@@ -145,14 +163,15 @@ def scales_f32(d: torch.Tensor) -> torch.Tensor:
     return d[:, :nb].float() * supers.repeat_interleave(8, dim=1)
 
 
-ROW_BYTES = {4: lambda k: k // 2, 5: lambda k: k // 2 + k // 8, 8: lambda k: k}  # a row's codes, k inputs
+ROW_BYTES = {4: lambda k: k // 2, 5: lambda k: k // 2 + k // 8, 6: lambda k: k // 2 + k // 4, 8: lambda k: k}
 # Codes converted at once (a few MB of uint8: the transients, several times that, are a slice's, not a matrix's)
 FROM_AFFINE_ELEMENTS = 1 << 21
 
 
 def _pack_codes(codes: Callable[[int, int], np.ndarray], n: int, k: int, held: int, shift: int) -> torch.Tensor:
     """Rows' integer codes (codes(lo, hi), FROM_AFFINE_ELEMENTS at a time) in the kernel's layout for `held` bits:
-    4-bit nibbles, 5-bit nibbles and words of fifth bits, or int8 (the codes less `shift`)."""
+    4-bit nibbles, 5-bit nibbles and words of fifth bits, 6-bit nibbles and 8 bytes a block of top bits, or int8
+    (the codes less `shift`)."""
     out = torch.empty((n, ROW_BYTES[held](k)), dtype=torch.int8 if held == 8 else torch.uint8)
     step = max(1, FROM_AFFINE_ELEMENTS // k)
     for lo in range(0, n, step):
@@ -165,6 +184,10 @@ def _pack_codes(codes: Callable[[int, int], np.ndarray], n: int, k: int, held: i
         nibbles = ((blocks[..., :16] & 15) | ((blocks[..., 16:] & 15) << 4)).reshape(hi - lo, k // 2)
         if held == 4:
             out[lo:hi] = torch.from_numpy(nibbles)
+        elif held == 6:  # byte i of a block: the top 2 bits of codes i, i + 8, i + 16, i + 24, low first
+            top = (blocks >> 4).reshape(hi - lo, k // QK, 4, 8)
+            packed = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)
+            out[lo:hi] = torch.from_numpy(np.concatenate([nibbles, packed.reshape(hi - lo, k // 4)], axis=1))
         else:
             words = np.packbits(blocks >> 4, axis=-1, bitorder="little").reshape(hi - lo, k // 8)
             out[lo:hi] = torch.from_numpy(np.concatenate([nibbles, words], axis=1))
@@ -228,6 +251,15 @@ class NativeWeight:
         float32 scales and offsets a block took 192). The products are exact in float32: the same weights."""
         n, k = shape
         return cls(_pack_codes(codes, n, k, bits, 0), two_level(sc, d), two_level(mn, -dmin), bits, n, k)
+
+    @classmethod
+    def from_q6k(cls, codes: Callable[[int, int], np.ndarray], sc: np.ndarray, d: np.ndarray,
+                 shape: tuple[int, int]) -> NativeWeight:
+        """A Q6_K matrix as the file holds it: codes(lo, hi) its rows' integers in [0, 64), sc (out, in / 16) its
+        int8 scales, d (out, in / 256) its float16 super-block scales; w = d sc (c - 32), each product exact in
+        float32 (`kernels_metal.reference.dequantize_kquant`'s values bit for bit)."""
+        n, k = shape
+        return cls(_pack_codes(codes, n, k, 6, 0), halves(sc, d), torch.empty(0, dtype=torch.float32), 6, n, k)
 
     @classmethod
     def from_int8_rows(cls, q: torch.Tensor, scale: torch.Tensor, source_bytes: int = 0) -> NativeWeight:

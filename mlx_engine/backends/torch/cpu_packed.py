@@ -7,8 +7,8 @@
   16^p s), so its codes stay exact: Q4_0, Q4_1, Q4_K, MLX 2-4 bit as one plane; Q8_0, Q5_*, MLX 5-8 bit
   as two (the input row repeated once per plane).
 - `Int8Weight`: `aten._weight_int8pack_mm`, one scale per output row. For the k-quants whose sub-blocks are
-  16 wide (Q2_K, Q3_K, Q6_K: the int4 kernel takes no group under 32): their float32 weights rounded to int8
-  per row, the one rounded format here.
+  16 wide (Q2_K, Q3_K, and Q6_K where Roofline's kernel is not built: the int4 kernel takes no group under 32):
+  their float32 weights rounded to int8 per row, the one rounded format here.
 
 Both kernels are vectorized (AVX2, AVX-512) for bfloat16 activations only; float32 takes a scalar loop
 40x slower. So rows go in as bfloat16 and come out as bfloat16, widened back to the model's dtype: scales
@@ -289,6 +289,16 @@ def kquant_weight(codes: Callable[[int, int], np.ndarray], d: np.ndarray, dmin: 
     return affine_weight(codes, rep(d) * sc, -(rep(dmin) * mn), shape, bits, 32, support)
 
 
+def q6k_weight(codes: Callable[[int, int], np.ndarray], sc: np.ndarray, d: np.ndarray, shape: tuple[int, int],
+               rows: Callable[[int, int], torch.Tensor], support: CPUSupport) -> Int8Weight | NativeWeight:
+    """A Q6_K matrix (codes(lo, hi) its rows' integers in [0, 64), sc and d its scales): for Roofline's own kernel
+    as 6-bit codes with the file's scales (`NativeWeight.from_q6k`, exact), else its float rows (rows(lo, hi))
+    rounded to int8 rows (`int8_weight`)."""
+    if support.native:
+        return NativeWeight.from_q6k(codes, sc, d, shape)
+    return int8_weight(rows, shape, support)
+
+
 def int8_weight(rows: Callable[[int, int], torch.Tensor], shape: tuple[int, int], support: CPUSupport,
                 source_bytes: int = 0) -> Int8Weight | NativeWeight:
     """A float matrix, its rows [lo, hi) given by rows(lo, hi), rounded to int8 per output row
@@ -368,6 +378,8 @@ def describe(kind: str) -> str:
         "native4": "Roofline's CPU kernel, 4-bit codes (codes, scales and offsets exact; activations rounded to "
                    "int8 per 32)",
         "native5": "Roofline's CPU kernel, 5-bit codes (codes, scales and offsets exact; activations rounded to "
+                   "int8 per 32)",
+        "native6": "Roofline's CPU kernel, 6-bit codes (codes and their scale a 16 exact; activations rounded to "
                    "int8 per 32)",
         "native8": "Roofline's CPU kernel, 8-bit codes (codes and scales exact; activations rounded to int8 per 32)",
         "native8r": "Roofline's CPU kernel, int8 per output row (rounded: groups under 32; activations rounded "

@@ -124,7 +124,7 @@ def cpu_pack_notes(model: Any) -> tuple[str, ...]:
             counts[key] = counts.get(key, 0) + 1
     if not counts:
         return ()
-    order = ["int4", "int4x2", "int8", "native4", "native5", "native8", "native8r"]
+    order = ["int4", "int4x2", "int8", "native4", "native5", "native6", "native8", "native8r"]
     kinds = sorted({k for k, _ in counts}, key=order.index)
     held = "; ".join(f"{cpu_packed.describe(k)}: " + ", ".join(f"{src} x{n}" for (kk, src), n in sorted(counts.items())
                                                              if kk == k) for k in kinds)

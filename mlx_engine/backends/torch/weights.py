@@ -178,8 +178,9 @@ def kquant_weight(blocks: Any, ggml_type: str, dtype: torch.dtype, device: torch
     """A GGUF k-quant matrix's raw blocks (`load_checkpoint(kquant_blocks=True)`, uint8 (out, in / 256 *
     bytes per block)) -> packed for `dequant_matmul` (its sub-blocks as affine groups of 16 or 32, float32
     scales: `kernels_metal.reference.kquant_affine`); for the CPU kernels with `cpu` (Q4_K and Q5_K as 4- and
-    5-bit codes with their scales in two levels for Roofline's kernel, else int4 planes of groups of 32; Q2_K,
-    Q3_K and Q6_K, whose groups are 16, as int8 rows); or, unpacked,
+    5-bit codes with their scales in two levels for Roofline's kernel, else int4 planes of groups of 32; Q6_K as
+    6-bit codes with its int8 scale a 16 for Roofline's kernel; Q2_K and Q3_K, and Q6_K elsewhere, whose groups
+    are 16, as int8 rows); or, unpacked,
     dequantized and rounded to float16 as the MLX backend keeps them."""
     import mlx.core as mx
 
@@ -199,7 +200,16 @@ def kquant_weight(blocks: Any, ggml_type: str, dtype: torch.dtype, device: torch
             def rows(lo: int, hi: int) -> torch.Tensor:
                 return torch.from_numpy(np.array(dequantize_kquant(blocks[lo:hi], ggml_type, hi - lo, in_features)))
 
-            w = cpu_packed.int8_weight(rows, (out_features, in_features), cpu)
+            if ggml_type == "Q6_K":
+                def q6_codes(lo: int, hi: int) -> np.ndarray:
+                    return np.array(kquant_affine(blocks[lo:hi], ggml_type, hi - lo, in_features)[0])
+
+                raw = np.asarray(blocks).reshape(out_features, -1, KQUANT_BLOCK_BYTES["Q6_K"])
+                sc = raw[:, :, 192:208].view(np.int8).reshape(out_features, -1)  # an int8 scale a 16
+                d = raw[:, :, 208:210].copy().view(np.float16).reshape(out_features, -1)
+                w = cpu_packed.q6k_weight(q6_codes, sc, d, (out_features, in_features), rows, cpu)
+            else:
+                w = cpu_packed.int8_weight(rows, (out_features, in_features), cpu)
         w.source_bytes, w.source = blocks.nbytes, ggml_type
         return w
     if packed:
