@@ -165,7 +165,7 @@ def q6k_blocks(N: int, K: int, seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize("K", [256, 768])
 def test_q6k_is_held_as_the_file_has_it(built, K):
-    """Q6_K as 6-bit codes with its int8 scale a 16 and float16 d a super-block (6.56 bits a weight, where int8
+    """Q6_K as 6-bit codes with its int8 scale per 16 and float16 d per super-block (6.56 bits a weight, where int8
     rows took 8.5): dequantized, its weights are the reference's (`dequantize_kquant`, gguf-py's) bit for bit;
     the kernel is its contract with a scale a half block (`q6k_contract`); fused parts keep the layout. K = 256
     and 768: one and three super-blocks a row, the kernel's block pairs and a lone last block."""

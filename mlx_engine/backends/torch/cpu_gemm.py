@@ -81,7 +81,7 @@ def native_float(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, b
     """A `NativeWeight`'s rows: codes (r, in / 2) uint8 (two 4-bit codes a byte: code j low, j + 16 high), that
     and a 32-bit word of fifth bits a block (5-bit codes, (r, in / 2 + in / 8)), or 8 bytes a block of top bits
     (6-bit codes, (r, in / 2 + in / 4)), or (r, in) int8; d, m (r, in / 32) float, or two-level uint8 rows, or
-    Q6_K's int8 rows (a scale a 16) -> (r, in) float32, d (c - zero) + m (6-bit: d (c - 32))."""
+    Q6_K's int8 rows (a scale per 16) -> (r, in) float32, d (c - zero) + m (6-bit: d (c - 32))."""
     from mlx_engine.backends.torch.cpu_native import scales_f32  # cpu_native imports this module
 
     r = codes.shape[0]

@@ -11,7 +11,7 @@ float32. A prefill's rows, on a CPU with bfloat16 dot products, dequantize to on
 
 Codes are held 4 bits a weight (Q4_0, Q4_1, Q4_K, MLX 2-4 bit), 5 (Q5_0, Q5_1, Q5_K, MLX 5-bit: as GGML stores
 Q5_0, the low 4 bits and a word of fifth bits a block, 37% fewer bytes a token than as int8), 6 (Q6_K, with its
-int8 scale a 16 and float16 a super-block: 6.56 bits a weight where int8 rows took 8.5) or 8 (the rest).
+int8 scale per 16 and a float16 one per super-block: 6.56 bits a weight where int8 rows took 8.5) or 8 (the rest).
 
 Numerics: codes, scales and offsets are exact (float16 where every value of the matrix is, else float32); the
 activations' int8 rounding is the one rounded step, as in llama.cpp's q8_0 dot products. The output head's top

@@ -379,8 +379,8 @@ def describe(kind: str) -> str:
                    "int8 per 32)",
         "native5": "Roofline's CPU kernel, 5-bit codes (codes, scales and offsets exact; activations rounded to "
                    "int8 per 32)",
-        "native6": "Roofline's CPU kernel, 6-bit codes (codes and their scale a 16 exact; activations rounded to "
-                   "int8 per 32)",
+        "native6": "Roofline's CPU kernel, 6-bit codes (codes and their int8 scales per 16 exact; activations "
+                   "rounded to int8 per 32)",
         "native8": "Roofline's CPU kernel, 8-bit codes (codes and scales exact; activations rounded to int8 per 32)",
         "native8r": "Roofline's CPU kernel, int8 per output row (rounded: groups under 32; activations rounded "
                     "to int8 per 32)",

@@ -179,7 +179,7 @@ def kquant_weight(blocks: Any, ggml_type: str, dtype: torch.dtype, device: torch
     bytes per block)) -> packed for `dequant_matmul` (its sub-blocks as affine groups of 16 or 32, float32
     scales: `kernels_metal.reference.kquant_affine`); for the CPU kernels with `cpu` (Q4_K and Q5_K as 4- and
     5-bit codes with their scales in two levels for Roofline's kernel, else int4 planes of groups of 32; Q6_K as
-    6-bit codes with its int8 scale a 16 for Roofline's kernel; Q2_K and Q3_K, and Q6_K elsewhere, whose groups
+    6-bit codes with its int8 scale per 16 for Roofline's kernel; Q2_K and Q3_K, and Q6_K elsewhere, whose groups
     are 16, as int8 rows); or, unpacked,
     dequantized and rounded to float16 as the MLX backend keeps them."""
     import mlx.core as mx
@@ -205,7 +205,7 @@ def kquant_weight(blocks: Any, ggml_type: str, dtype: torch.dtype, device: torch
                     return np.array(kquant_affine(blocks[lo:hi], ggml_type, hi - lo, in_features)[0])
 
                 raw = np.asarray(blocks).reshape(out_features, -1, KQUANT_BLOCK_BYTES["Q6_K"])
-                sc = raw[:, :, 192:208].view(np.int8).reshape(out_features, -1)  # an int8 scale a 16
+                sc = raw[:, :, 192:208].view(np.int8).reshape(out_features, -1)  # an int8 scale per 16
                 d = raw[:, :, 208:210].copy().view(np.float16).reshape(out_features, -1)
                 w = cpu_packed.q6k_weight(q6_codes, sc, d, (out_features, in_features), rows, cpu)
             else:
