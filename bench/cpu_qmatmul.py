@@ -1,7 +1,8 @@
 """Roofline's CPU matmul kernel (`roofline_cpu::qmatmul`) alone, one activation row (a decode step), on
 SmolLM2-135M's matrices: per token the 30 layers' fused q/k/v (960 x 576), o (576 x 576), fused gate/up (3072 x
 576) and down (576 x 1536), and the 49152-row output head, random codes and float16 scales: 4-bit and 5-bit
-with offsets, 8-bit without (a checkout whose kernel has no 5-bit codes prints "-" for them). Two regimes:
+with offsets, 8-bit without, 6-bit as Q6_K's (int8 scales per 16; `--model 1b` only, its K being multiples of 256)
+(a checkout whose kernel lacks a width prints "-" for it). Two regimes:
 `hot`, each matrix called again and again (its codes in the caches: the kernel's arithmetic), and `cold`, a
 token's 121 distinct matrices in turn (as a decode step reads them: the memory's speed). Each checkout given runs
 in processes of its own, alternating, so that two builds of the kernel can be compared in one run:
@@ -30,7 +31,7 @@ MODELS = {  # (layers, (out, in) of one layer's matmuls, the head's)
     "smollm2": (30, [(960, 576), (576, 576), (3072, 576), (576, 1536)], (49152, 576)),
     "1b": (22, [(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632)], (49152, 2048)),
 }
-KINDS = (4, 5, 8)  # code widths
+KINDS = (4, 5, 6, 8)  # code widths
 
 
 def child(tree: str, threads: int, model: str) -> None:
@@ -47,7 +48,12 @@ def child(tree: str, threads: int, model: str) -> None:
     g = torch.Generator().manual_seed(0)
 
     def matrix(n: int, k: int, bits: int) -> tuple:
-        row_bytes = {4: k // 2, 5: k // 2 + k // 8}
+        row_bytes = {4: k // 2, 5: k // 2 + k // 8, 6: k // 2 + k // 4}
+        if bits == 6:  # Q6_K's: an int8 scale per 16, a float16 one per 256
+            sc = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8).numpy()
+            d = cpu_native.halves(sc, torch.rand(n, k // 256, generator=g).numpy())
+            codes = torch.randint(0, 256, (n, row_bytes[6]), generator=g, dtype=torch.uint8)
+            return torch.randn(1, k, generator=g), codes, d, torch.empty(0, dtype=torch.int8), bits
         codes = (torch.randint(0, 256, (n, row_bytes[bits]), generator=g, dtype=torch.uint8) if bits in row_bytes
                  else torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8))
         d = torch.rand(n, k // 32, generator=g).half()
@@ -65,8 +71,10 @@ def child(tree: str, threads: int, model: str) -> None:
     LAYERS, SHAPES, HEAD = MODELS[model]
     out = {}
     for bits in KINDS:
+        if bits == 6 and any(k % 256 for _, k in SHAPES + [HEAD]):
+            continue  # two-level scales need K a multiple of 256: not SmolLM2's
         try:
-            op(*matrix(8, 64, bits))
+            op(*matrix(8, 256, bits))
         except RuntimeError:  # an older kernel's bits
             continue
         layers = [[matrix(n, k, bits) for n, k in SHAPES] for _ in range(LAYERS)]

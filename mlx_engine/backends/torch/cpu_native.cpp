@@ -137,8 +137,10 @@ inline __m256i dot4(__m256i u, __m256i s) {
 
 // x (M, K) -> xq int8 (M, K), dx = max|x| / 127 and sx = dx * sum(xq) per block: (M, K / 32). Rounds half to
 // even (vcvtps2dq under the default rounding mode), as the scalar nearbyint would. `grouped`: each row's whole
-// groups of GROUP blocks in the 4-bit kernel's order (ROOFLINE_AVX512), the blocks after them in input order
-void quantize_rows(const float* x, int64_t M, int64_t nb, bool grouped, int8_t* xq, float* dx, float* sx) {
+// groups of GROUP blocks in the 4-bit kernel's order (ROOFLINE_AVX512), the blocks after them in input order.
+// `hx`, where given: (M, 2 nb) the sums of xq a half block (the 6-bit kernel's offsets)
+void quantize_rows(const float* x, int64_t M, int64_t nb, bool grouped, int8_t* xq, float* dx, float* sx,
+                   float* hx = nullptr) {
   const int64_t in_groups = grouped && GROUPED ? nb / GROUP * GROUP : 0;
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
@@ -169,6 +171,10 @@ void quantize_rows(const float* x, int64_t M, int64_t nb, bool grouped, int8_t* 
     }
     dx[i] = d;
     sx[i] = d * static_cast<float>(hsum(sum));
+    if (hx) {
+      hx[2 * i] = static_cast<float>(hsum(_mm256_add_epi32(q[0], q[1])));
+      hx[2 * i + 1] = static_cast<float>(hsum(_mm256_add_epi32(q[2], q[3])));
+    }
   }
 }
 
@@ -270,8 +276,14 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, float zf, const i
         const __m256 s1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), sup);
         for (int r = 0; r < R; ++r) {
           const __m256 x8 = _mm256_loadu_ps(dx + r * nb + b);
-          _mm256_storeu_ps(ds + r * dw + 2 * b, _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(x8, first)));
-          _mm256_storeu_ps(ds + r * dw + 2 * b + 8, _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(x8, second)));
+          const __m256 d0 = _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(x8, first));
+          const __m256 d1 = _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(x8, second));
+          _mm256_storeu_ps(ds + r * dw + 2 * b, d0);
+          _mm256_storeu_ps(ds + r * dw + 2 * b + 8, d1);
+#ifdef ROOFLINE_AVX512  // the group path's codes are unsigned: less 32 the half blocks' sums, sx here (qmatmul)
+          offv[r] = _mm256_fmadd_ps(d0, _mm256_loadu_ps(sx + r * dw + 2 * b), offv[r]);
+          offv[r] = _mm256_fmadd_ps(d1, _mm256_loadu_ps(sx + r * dw + 2 * b + 8), offv[r]);
+#endif
         }
       }
     } else {
@@ -297,9 +309,9 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, float zf, const i
     int64_t b = 0;
 #ifdef ROOFLINE_AVX512
     __m512 z0[R], z1[R];
+    for (int r = 0; r < R; ++r) z0[r] = z1[r] = _mm512_setzero_ps();
     if constexpr (BITS == 4 || BITS == 5) {  // two groups a step, an accumulator each; then a last group; then as below
       const __m512i low = _mm512_set1_epi8(0x0F);
-      for (int r = 0; r < R; ++r) z0[r] = z1[r] = _mm512_setzero_ps();
       auto group = [&](int64_t g, __m512* z) {
         const __m512i raw = _mm512_loadu_si512(c + g * 16);
         __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
@@ -327,6 +339,37 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, float zf, const i
         b += GROUP;
       }
     }
+    if constexpr (BITS == 6) {  // every block (K a multiple of 256), its codes unsigned: offsets -32 sx above
+      const __m512i low = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+      // the 8 bytes of top bits of block j to 64-bit lanes 2j, 2j + 1; their codes 0-7, 8-15 (low nibbles), 16-23,
+      // 24-31 (high) take bits 0-1, 2-3, 4-5, 6-7, each shifted to its byte's bits 4-5 (what crosses into a
+      // neighbouring byte lands outside them)
+      const __m512i spread = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0);
+      const __m512i lo_shl = _mm512_set_epi64(2, 4, 2, 4, 2, 4, 2, 4), hi_shr = _mm512_set_epi64(2, 0, 2, 0, 2, 0, 2, 0);
+      const __m512i half0 = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+      const __m512i half1 = _mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1);
+      auto group = [&](int64_t g, __m512* z) {
+        const __m512i raw = _mm512_loadu_si512(c + g * 16);
+        const __m512i top = _mm512_permutexvar_epi64(
+            spread, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + g * 8))));
+        // a | (b & c): vpternlog's 0xF8
+        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(raw, low), _mm512_sllv_epi64(top, lo_shl), top2, 0xF8);
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
+                                                     _mm512_srlv_epi64(top, hi_shr), top2, 0xF8);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xq + r * K + g * QK;
+          const __m512 sc = _mm512_castps256_ps512(_mm256_loadu_ps(ds + r * dw + 2 * g));
+          const __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr));
+          const __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(xr + GROUP * 16));
+          z[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_permutexvar_ps(half0, sc), z[r]);
+          z[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_permutexvar_ps(half1, sc), z[r]);
+        }
+      };
+      for (; b + 2 * GROUP <= nb; b += 2 * GROUP) {
+        group(b, z0);
+        group(b + GROUP, z1);
+      }
+    }
 #endif
     for (; b + 1 < nb; b += 2) {
       const __m256i q0 = block_codes<BITS>(c, h, b), q1 = block_codes<BITS>(c, h, b + 1);
@@ -344,7 +387,8 @@ void rows_kernel(const uint8_t* codes, const S* d, const S* m, float zf, const i
     for (int r = 0; r < R; ++r) {
       float o = OFF == 0 ? 0.f : OFF == 1 ? hsum(offv[r]) + off[r] : zf * (hsum(offv[r]) + off[r]);
 #ifdef ROOFLINE_AVX512
-      if constexpr (BITS == 4 || BITS == 5) o += _mm512_reduce_add_ps(_mm512_add_ps(z0[r], z1[r]));
+      if constexpr (BITS == 6) o = -32.f * hsum(offv[r]);
+      if constexpr (BITS != 8) o += _mm512_reduce_add_ps(_mm512_add_ps(z0[r], z1[r]));
 #endif
       y[r * N + n] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + o;
     }
@@ -358,7 +402,7 @@ void tile(const uint8_t* codes, const S* d, const S* m, float zf, const int8_t* 
   for (int64_t r0 = 0; r0 < M; r0 += MB) {
     const int64_t rows = std::min<int64_t>(MB, M - r0);
     const int8_t* xr = xq + r0 * K;
-    const float *dr = dx + r0 * nb, *sr = sx + r0 * nb;
+    const float *dr = dx + r0 * nb, *sr = sx + r0 * (BITS == 6 ? 2 * nb : nb);  // 6: sums a half block
     float* yr = y + r0 * N;
     switch (rows) {
       case 1: rows_kernel<BITS, S, OFF, 1>(codes, d, m, zf, xr, dr, sr, K, N, n0, n1, yr); break;
@@ -520,8 +564,9 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t blocks = M * (K / QK);
   std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(blocks), sx(blocks);
-  quantize_rows(xf.data_ptr<float>(), M, K / QK, bits == 4 || bits == 5, xq.data(), dx.data(), sx.data());
+  std::vector<float> dx(blocks), sx(blocks), hx(bits == 6 ? 2 * blocks : 0);
+  quantize_rows(xf.data_ptr<float>(), M, K / QK, bits != 8, xq.data(), dx.data(), sx.data(),
+                bits == 6 ? hx.data() : nullptr);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   auto each = [&]<int BITS>() {
@@ -531,7 +576,7 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   };
   if (bits == 6)  // symmetric codes (less 32), no offsets (check_weight)
     run<6, int8_t, 0>(static_cast<const uint8_t*>(codes.data_ptr()), static_cast<const int8_t*>(d.data_ptr()), nullptr,
-                      0.f, xq.data(), dx.data(), sx.data(), M, K, N, yp);
+                      0.f, xq.data(), dx.data(), hx.data(), M, K, N, yp);
   else if (bits == 4) each.template operator()<4>();
   else if (bits == 5) each.template operator()<5>();
   else each.template operator()<8>();
