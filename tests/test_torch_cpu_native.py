@@ -168,7 +168,7 @@ def test_q6k_is_held_as_the_file_has_it(built, K):
     """Q6_K as 6-bit codes with its int8 scale per 16 and float16 d per super-block (6.56 bits a weight, where int8
     rows took 8.5): dequantized, its weights are the reference's (`dequantize_kquant`, gguf-py's) bit for bit;
     the kernel is its contract with a scale a half block (`q6k_contract`); fused parts keep the layout. K = 256
-    and 768: one and three super-blocks a row, the kernel's block pairs and a lone last block."""
+    and 768: one and three super-blocks a row."""
     w, want = q6k_contract(K)
     N = want.shape[0]
     assert (w.bits, cpu_packed.kind(w)) == (6, "native6")

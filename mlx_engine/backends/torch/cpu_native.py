@@ -123,22 +123,22 @@ def _fake_dequant(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: i
     return d.new_empty((codes.shape[0], scale_blocks(d) * QK), dtype=torch.bfloat16)
 
 
+def _with_supers(low: np.ndarray, supers: np.ndarray) -> torch.Tensor:
+    """A row's scales `low` (n, s) then its supers' float16 bytes, in low's dtype."""
+    high = np.ascontiguousarray(supers.astype(np.float16)).view(low.dtype).reshape(low.shape[0], -1)
+    return torch.from_numpy(np.concatenate([low, high], axis=1))
+
+
 def two_level(scales: np.ndarray, supers: np.ndarray) -> torch.Tensor:
     """A k-quant's scales as the kernel holds them (cpu_native.cpp's layouts): scales (n, nb) integers in
     [0, 256), supers (n, nb / 8) float16 values -> (n, nb + nb / 4) uint8, a row's scales then its supers' bytes."""
-    n = scales.shape[0]
-    low = np.ascontiguousarray(scales, dtype=np.uint8)
-    high = np.ascontiguousarray(supers.astype(np.float16)).view(np.uint8).reshape(n, -1)
-    return torch.from_numpy(np.concatenate([low, high], axis=1))
+    return _with_supers(np.ascontiguousarray(scales, dtype=np.uint8), supers)
 
 
 def halves(sc: np.ndarray, supers: np.ndarray) -> torch.Tensor:
     """Q6_K's scales as the kernel holds them: sc (n, in / 16) int8, supers (n, in / 256) float16 values ->
     (n, in / 16 + in / 128) int8, a row's scales then its supers' bytes."""
-    n = sc.shape[0]
-    low = np.ascontiguousarray(sc, dtype=np.int8)
-    high = np.ascontiguousarray(supers.astype(np.float16)).view(np.int8).reshape(n, -1)
-    return torch.from_numpy(np.concatenate([low, high], axis=1))
+    return _with_supers(np.ascontiguousarray(sc, dtype=np.int8), supers)
 
 
 def scale_blocks(d: torch.Tensor) -> int:
