@@ -62,7 +62,8 @@ def test_padding_rows_and_columns_go_to_the_scratch_block(engine):
     storage = engine.diagnostics().cache.storage
     graphs = DecodeGraphs(engine.diagnostics().runner.model, storage, capture=False)
     scratch, bs = storage.scratch_block, storage.block_size
-    assert scratch == storage.capacity and storage.k[0].shape[0] == (storage.capacity + 1) * bs
+    # on the CPU the pools map the whole context at once (kv._zero_pages); the scratch block follows the capacity
+    assert scratch == storage.capacity < storage.num_blocks and storage.k[0].shape[0] == (storage.num_blocks + 1) * bs
     step = DecodeStep(storage, positions=[4, 20, 39], new_slots=[4, 36, 87], tables=[[0], [1, 2], [3, 4, 5]])
     buf = graphs.host_inputs(np.array([11, 12, 13]), step, bucket=4, width=8)
     assert buf[:4].tolist() == [11, 12, 13, 0]  # ids; the padding row decodes token 0
@@ -89,8 +90,9 @@ def test_graphs_over_an_old_pool_are_dropped_when_it_grows():
         batch(engine, 4)
         before = storage.capacity
         assert {k[2] for k in graphs.graphs} == {before} and storage.num_blocks >= 2 * before
-        storage.ensure_capacity(before + 1)  # the pool doubles: its tensors move, the old graphs must go
-        assert storage.capacity == 2 * before and storage.k[0].shape[0] == (2 * before + 1) * storage.block_size
+        k0 = storage.k[0]
+        storage.ensure_capacity(before + 1)  # the capacity doubles (the scratch block moves): the old graphs must go
+        assert storage.capacity == 2 * before and storage.k[0] is k0  # a CPU pool maps the whole context already
         got, _ = batch(engine, 4)
         assert got == tokens
         assert {k[2] for k in graphs.graphs} == {2 * before}
@@ -180,8 +182,9 @@ def test_time_graph_forward_touches_only_the_scratch_block():
         assert cost_curve_key(runner).split("|")[1] == "torch-cpu-cuda-graphs"
 
 
-def test_prefill_chunk_default_is_512_on_the_cpu(engine):
-    assert engine.diagnostics().runner.prefill_chunk_size == 512 and engine.diagnostics().scheduler.token_budget == 512
+def test_prefill_chunk_default_is_256_on_the_cpu(engine):
+    """The torch runner's CPU chunk (runner.CPU_PREFILL_CHUNK); the step's token budget stays the scheduler's 512."""
+    assert engine.diagnostics().runner.prefill_chunk_size == 256 and engine.diagnostics().scheduler.token_budget == 512
 
 
 def test_greedy_tokens_taken_on_the_device_equal_the_samplers():
@@ -244,3 +247,28 @@ def test_device_draws_follow_the_samplers_distribution(params):
     again = Sampler(SP(seed=5, **params), 8)
     assert a == [int(sample_rows(torch.from_numpy(row)[None], [again])[0]) for _ in range(20)]
     assert len(set(a)) > 1
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_pools_keep_their_slots_as_the_capacity_grows(mapped):
+    """Both pool kinds: zeros where nothing was written, each written slot kept through the capacity's doubling
+    (torch.zeros pools copy the used blocks into the grown ones; mapped pools hold the whole context from the start)."""
+    from mlx_engine.backends.torch.kv import TorchKVStorage
+
+    st = TorchKVStorage(2, 64, 16, 3, 8, torch.float16, torch.device("cpu"), mapped=mapped)
+    assert st.capacity == 8 and st.nbytes == 2 * 2 * 9 * 16 * 3 * 8 * 2  # what capacity + 1 blocks address
+    assert st.k[0].shape[0] == (65 if mapped else 9) * 16
+    slots = torch.tensor([0, 17, 127])
+    k, v = torch.randn(3, 3, 8), torch.randn(3, 3, 8)
+    st.write(1, slots, k, v)
+    st.ensure_capacity(9)
+    assert st.capacity == 16 and st.k[1].shape[0] == (65 if mapped else 17) * 16
+    assert torch.equal(st.k[1][slots], k.half()) and torch.equal(st.v[1][slots], v.half())
+    assert not st.k[1][1:17].any() and not st.v[0].any()
+
+
+def test_mapped_pools_are_host_memory():
+    from mlx_engine.backends.torch.kv import TorchKVStorage
+
+    with pytest.raises(RooflineError, match="mapped KV pools are host memory; this storage is on meta"):
+        TorchKVStorage(1, 8, 16, 1, 8, torch.float16, torch.device("meta"), mapped=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 from typing import Any
 
 import torch
@@ -33,8 +34,13 @@ class TorchKVStorage:
     bits = None  # unquantized (kv_bits is refused on this backend)
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, use_kernel: bool = False):
+                 dtype: torch.dtype, device: torch.device, use_kernel: bool = False, mapped: bool | None = None):
         self.use_kernel = use_kernel  # decode through triton_kernels.paged_decode_attention (CUDA)
+        # host pools as anonymous maps of the whole context (`_zero_pages`; default on the CPU), else pools of
+        # torch.zeros that double as block ids are used (a device's memory is taken when allocated, not when written)
+        self.mapped = device.type == "cpu" if mapped is None else mapped
+        if self.mapped and device.type != "cpu":
+            raise RooflineError(f"mapped KV pools are host memory; this storage is on {device.type}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
         self.capacity = 0  # blocks addressable now; grows by doubling up to num_blocks as block ids are used
@@ -54,6 +60,12 @@ class TorchKVStorage:
         self.capacity = new
 
     def _grow(self, new: int, used: int) -> None:
+        if self.mapped:
+            if not self.k:  # the whole context's pools at once, resident only where written: nothing to copy later
+                self.k, self.v = ([_zero_pages(((self.num_blocks + 1) * self.block_size, self.num_kv_heads,
+                                                self.head_dim), self.dtype) for _ in range(self.num_layers)]
+                                  for _ in range(2))
+            return
         for pools in (self.k, self.v):
             for layer in range(self.num_layers):
                 grown = torch.zeros((new + 1) * self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
@@ -70,7 +82,10 @@ class TorchKVStorage:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """The pools' addressable bytes: capacity + 1 blocks a pool (on the CPU the mapping is the whole context's,
+        but a page of it is memory only once a slot on it is written)."""
+        slots = (self.capacity + 1) * self.block_size
+        return 2 * self.num_layers * slots * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def release(self, req_id: str | None) -> None:
         pass  # nothing kept beside the blocks
@@ -98,6 +113,16 @@ class TorchKVStorage:
         flat = slots.reshape(-1)
         return tuple(pool.index_select(0, flat).view(*slots.shape, *pool.shape[1:]).transpose(-3, -2)
                      for pool in (self.k[layer], self.v[layer]))
+
+
+def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor on an anonymous memory map: the kernel's zero pages until written, so what is resident
+    is the blocks handed out so far (never more than the capacity's), and unmapped when the tensor goes. Pools of
+    torch.zeros that double zeroed the grown half at once, copied the used half and left the outgrown pools as
+    holes in malloc's heap (SmolLM2 Q4_0, a 1,100-token prompt: 8-13 MB more peak RSS; docs/benchmarks.md)."""
+    count = math.prod(shape)
+    pages = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 
 class PrefillSlots:
