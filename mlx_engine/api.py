@@ -262,7 +262,7 @@ LOAD_OPTIONS = {
     "device": "'auto' (default), 'cpu' or 'cuda' (cuda: backend='torch' only)",
     "dtype": "activation dtype: 'float32', 'float16' or 'bfloat16' (default: float32 on MLX's CPU backend, "
     "the checkpoint's on Metal)",
-    "prefill_chunk_size": "tokens per prefill step (default 512; 4096 for backend='torch' on CUDA)",
+    "prefill_chunk_size": "tokens per prefill step (default 512; for backend='torch' 4096 on CUDA, 256 on the CPU)",
     "max_context": "cap the context length below the model's own",
     "block_size": "tokens per KV block: 16 (default) or 32",
     "kv_bits": "quantize the KV cache: 8 or 4 bits (default: None, the activation dtype)",

@@ -57,6 +57,9 @@ MAX_GRAPH_PREFILL = 17
 # Prefill tokens per forward on CUDA: at 512 a small model's forward is bound by its eager launches, whatever its
 # rows, so the chunk is large (docs/benchmarks.md, "Measurements moved out of the code").
 CUDA_PREFILL_CHUNK = 4096
+# On the CPU: as fast as 512 (the GEMM's rows past ~200 buy nothing) with half the chunk's activations, which set
+# the prefill's peak RSS (docs/benchmarks.md, "Issue 27: the prefill's working set")
+CPU_PREFILL_CHUNK = 256
 
 
 def cpu_matmul_seconds(a: np.ndarray, repeats: int, best_time: Callable[[Callable[[], Any], int], float]) -> float:
@@ -179,7 +182,7 @@ class TorchRunner(CacheRunner):
         check_draft_bits(draft_bits, draft_model, dev, dtype)
         num_threads = check_threads(threads, dev)
         if prefill_chunk_size is None:
-            prefill_chunk_size = CUDA_PREFILL_CHUNK if dev.type == "cuda" else 512
+            prefill_chunk_size = CUDA_PREFILL_CHUNK if dev.type == "cuda" else CPU_PREFILL_CHUNK
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise RooflineError(f"prefill_chunk_size={prefill_chunk_size!r}: expected an integer >= 1")
         kv_config = KVConfig(**kv_options)
