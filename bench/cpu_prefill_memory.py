@@ -1,7 +1,8 @@
 """The torch backend's prefill on the CPU against its peak memory, by prefill chunk: each chunk size in a process
 of its own, which loads the GGUF file (`Engine.load(backend="torch", device="cpu")`), prefills the same random
 prompt `--requests` times (one token decoded each, prefix caching off) and prints the best prefill tok/s and the
-process's peak RSS (VmHWM) less its RSS after importing the torch runner, as `cpu_vs_llama_cpp.py` counts it:
+process's peak RSS (`runner.peak_rss`, over the load and every request) less its RSS after importing the
+torch runner, as `cpu_vs_llama_cpp.py` counts it:
 
     uv run python bench/cpu_prefill_memory.py FILE.gguf [--chunks 512,256,128] [--prompt-tokens 512]
         [--context 640] [--threads 2] [--requests 4]
@@ -23,29 +24,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _rss_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
-
-
 def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
-    import mlx_engine.backends.torch.runner  # noqa: F401  (the baseline: torch and the runner imported)
     from mlx_engine import Engine, GenerationRequest, SamplingParams
+    from mlx_engine.backends.torch.runner import peak_rss, reset_peak_rss  # the baseline: torch and the runner
 
-    base = _rss_mib("VmRSS:")
+    reset_peak_rss()
+    base = peak_rss()  # VmHWM just reset: the RSS now
     engine = Engine.load(args.file, backend="torch", device="cpu", prefix_caching=False, max_context=args.context,
                          threads=args.threads, prefill_chunk_size=args.worker)
     rng = random.Random(0)
     prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
-    times = []
+    times, peak = [], peak_rss()  # the load's; the runner sets VmHWM back at each request's start
     for _ in range(args.requests):
         t = time.perf_counter()
         list(engine.generate(GenerationRequest(prompt_token_ids=prompt, sampling=SamplingParams(
             temperature=0.0, max_tokens=1, ignore_eos=True))))
         times.append(time.perf_counter() - t)
+        peak = max(peak, peak_rss())
     print(json.dumps({"chunk": args.worker, "prefill_tok_s": len(prompt) / min(times),
-                      "peak_mib": _rss_mib("VmHWM:") - base}))
+                      "peak_mib": (peak - base) / 2**20}))
 
 
 def main() -> None:

@@ -44,8 +44,9 @@ class TorchKVStorage:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
         self.capacity = 0  # blocks addressable now; grows by doubling up to num_blocks as block ids are used
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        # mapped: the whole context's pools now, resident only where written, so growing copies nothing
+        self.k: list[torch.Tensor] = [self._mapped_pool() for _ in range(num_layers)] if self.mapped else []
+        self.v: list[torch.Tensor] = [self._mapped_pool() for _ in range(num_layers)] if self.mapped else []
         self.ensure_capacity(min(num_blocks, INITIAL_BLOCKS))
 
     def ensure_capacity(self, num_blocks: int) -> None:
@@ -55,17 +56,16 @@ class TorchKVStorage:
             return
         new = min(self.num_blocks, max(num_blocks, 2 * self.capacity))
         used = self.capacity * self.block_size
-        with torch.inference_mode(False):  # normal tensors wherever they grow: the compiled step guards their kind
-            self._grow(new, used)
+        if not self.mapped:
+            with torch.inference_mode(False):  # normal tensors wherever they grow: the compiled step guards their kind
+                self._grow(new, used)
         self.capacity = new
 
+    def _mapped_pool(self) -> torch.Tensor:
+        with torch.inference_mode(False):  # a normal tensor, as the grown pools are
+            return _zero_pages(((self.num_blocks + 1) * self.block_size, self.num_kv_heads, self.head_dim), self.dtype)
+
     def _grow(self, new: int, used: int) -> None:
-        if self.mapped:
-            if not self.k:  # the whole context's pools at once, resident only where written: nothing to copy later
-                self.k, self.v = ([_zero_pages(((self.num_blocks + 1) * self.block_size, self.num_kv_heads,
-                                                self.head_dim), self.dtype) for _ in range(self.num_layers)]
-                                  for _ in range(2))
-            return
         for pools in (self.k, self.v):
             for layer in range(self.num_layers):
                 grown = torch.zeros((new + 1) * self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
