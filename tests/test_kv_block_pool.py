@@ -130,15 +130,17 @@ def test_allocate_in_order_free_in_reverse():
     # Full blocks are cached, partial ones not: a's 0, 1 and b's 3.
     assert [i for i, blk in enumerate(m.pool.blocks) if blk.block_hash is not None] == [0, 1, 3]
 
+    # Freed in reverse: the cached blocks (1, 0) go to the tail, the uncached partial one (2) to the head,
+    # ahead of the blocks never used, so the next allocation reuses it first.
     m.free("a")
-    assert free_ids(m) == [5, 6, 7, 8, 9, 2, 1, 0]
+    assert free_ids(m) == [2, 5, 6, 7, 8, 9, 1, 0]
     m.free("b")
-    assert free_ids(m) == [5, 6, 7, 8, 9, 2, 1, 0, 4, 3]
+    assert free_ids(m) == [4, 2, 5, 6, 7, 8, 9, 1, 0, 3]
     assert m.pool.num_cached_blocks() == 3 and m.block_table("a") == [] and m.num_tokens("a") == 0
 
-    # A miss that needs the whole pool takes blocks in eviction order and evicts every cached hash
-    # of a and b (then caches its own 10 full blocks).
-    assert prefill(m, "c", [7] * 40) == ([5, 6, 7, 8, 9, 2, 1, 0, 4, 3], 0)
+    # A miss that needs the whole pool takes the uncached blocks first, then the cached ones least
+    # recently freed first, evicting every cached hash of a and b (then caches its own 10 full blocks).
+    assert prefill(m, "c", [7] * 40) == ([4, 2, 5, 6, 7, 8, 9, 1, 0, 3], 0)
     assert m.pool.get_num_free_blocks() == 0 and free_ids(m) == []
     assert m.get_computed_blocks(a) == ([], 0)
     assert {blk.block_id for blk in m.pool.cached_block_hash_to_block.values()} == set(range(10))
@@ -223,16 +225,17 @@ def test_prefix_hit_shares_full_blocks():
     assert [b.block_id for b in m.get_computed_blocks(req0)[0]] == [0, 1, 2]
 
     m.free("0")
-    assert free_ids(m) == [5, 6, 7, 8, 9, 10, 3]
+    assert free_ids(m) == [3, 5, 6, 7, 8, 9, 10]
     m.free("1")
-    assert free_ids(m) == [5, 6, 7, 8, 9, 10, 3, 4, 2, 1, 0]
+    assert free_ids(m) == [4, 3, 5, 6, 7, 8, 9, 10, 2, 1, 0]
     assert m.pool.get_num_free_blocks() == 11
 
-    # Hit after the owners are gone: the cached blocks leave the free queue.
+    # Hit after the owners are gone: the cached blocks leave the free queue; the new partial block is the
+    # uncached one freed last.
     req2 = common + [3]
-    assert prefill(m, "2", req2) == ([5], 12)
-    assert ref_cnts(m, [0, 1, 2, 5]) == [1, 1, 1, 1]
-    assert free_ids(m) == [6, 7, 8, 9, 10, 3, 4]
+    assert prefill(m, "2", req2) == ([4], 12)
+    assert ref_cnts(m, [0, 1, 2, 4]) == [1, 1, 1, 1]
+    assert free_ids(m) == [3, 5, 6, 7, 8, 9, 10]
 
     # A different fingerprint (extra_key) misses the same tokens.
     other = KVCacheManager(m.pool, 4, extra_key=b"other")
@@ -250,7 +253,7 @@ def test_hash_collision_with_different_tokens_is_not_reused(monkeypatch):
     computed, n = m.get_computed_blocks([1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert [b.block_id for b in computed] == [0] and n == 4  # block 1's lookup finds block 0's tokens
     m.free("a")
-    assert free_ids(m) == [2, 3, 4, 5, 6, 7, 1, 0]
+    assert free_ids(m) == [1, 2, 3, 4, 5, 6, 7, 0]  # the uncached duplicate at the head, the cached block last
 
 
 def test_first_wins_for_identical_blocks():
@@ -263,7 +266,7 @@ def test_first_wins_for_identical_blocks():
     assert m.pool.cached_block_hash_to_block[m.pool.blocks[0].block_hash] is m.pool.blocks[0]
     m.free("a")
     m.free("b")
-    assert free_ids(m) == [4, 5, 6, 7, 1, 0, 3, 2]
+    assert free_ids(m) == [2, 3, 1, 4, 5, 6, 7, 0]  # uncached: b's 2, 3 (in id order), a's partial 1
     assert m.pool.num_cached_blocks() == 1
 
 
@@ -290,7 +293,8 @@ def test_caching_disabled():
     assert m.pool.num_cached_blocks() == 0
     assert m.get_computed_blocks(list(range(9))) == ([], 0)
     m.free("a")
-    assert free_ids(m) == [2, 3, 1, 0]
+    assert free_ids(m) == [0, 1, 2, 3]  # nothing cached: a's blocks first, in id order, then the unused
+    assert prefill(m, "b", list(range(10, 18))) == ([0, 1], 0)  # the same blocks again, not the unused 2, 3
 
 
 # ---- exhaustion ------------------------------------------------------------------------------------

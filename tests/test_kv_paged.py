@@ -495,8 +495,8 @@ def test_torch_backend_refuses_kv_key_bits(tmp_path: Path) -> None:
 def test_a_next_turn_in_two_runs_of_blocks_is_read_in_place_and_equals_contiguous(
         tmp_path: Path, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A next turn reuses its cached prefix's blocks and gets new blocks from the free queue's head, which do
-    not follow them: the CPU path attends to each run of blocks as a slice of the pool (no gather), with the
-    same numbers as a contiguous cache."""
+    not follow them where the last turn's next block is cached: the CPU path attends to each run of blocks as a
+    slice of the pool (no gather), with the same numbers as a contiguous cache."""
     import mlx_engine.kv.cache as kv_cache
     from mlx_engine.attention import host
 
@@ -507,7 +507,7 @@ def test_a_next_turn_in_two_runs_of_blocks_is_read_in_place_and_equals_contiguou
                         lambda self, r, n, start=0: seen.append(slots(self, r, n, start)) or seen[-1])
     folder = random_llama_folder(tmp_path / "m")
     with Engine.load(str(folder), block_size=16, prefill_chunk_size=7) as e:
-        first, _ = steps(e, PROMPT, 8)  # 52 tokens fed: blocks 0-2 full and cached, block 3 partial
+        first, _ = steps(e, PROMPT, 20)  # 64 tokens fed: blocks 0-3 full and cached
         turn2 = PROMPT + first[:3] + [(5 * i + 1) % 120 + 5 for i in range(20)]  # 68 tokens, 48 cached
         seen.clear()
         tokens, lps = steps(e, turn2, 6)
@@ -518,7 +518,8 @@ def test_a_next_turn_in_two_runs_of_blocks_is_read_in_place_and_equals_contiguou
     # float32 floor: 10.5 units (tests/tolerance.py) on an AMD EPYC; x5 headroom
     assert_f32_close(lps[..., 1], want[..., 1], 48, "next turn in place vs contiguous")
     # prefill chunks of 7 from position 48, then decode; blocks 0-2 hold the cached 48 tokens, the first
-    # request's block 3 went back to the free queue's tail, so the new tokens are in blocks 4 and 5
+    # request's block 3 (other tokens from 48) is cached at the free queue's tail, so the new tokens are in
+    # blocks 4 and 5
     assert seen[0] == [slice(0, 48), slice(64, 71)]
     assert seen[-1] == [slice(0, 48), slice(64, 64 + 73 - 48)]  # the last step's query at position 72
 

@@ -61,10 +61,11 @@ class KVCacheBlock:
 
 
 class FreeKVCacheBlockQueue:
-    """Doubly linked list of free blocks in eviction order: popleft() gives the least recently used.
+    """Doubly linked list of free blocks in eviction order: popleft() gives the next to reuse.
 
     Linked through the blocks' own prev/next fields (two sentinels, no per-op allocation), so a prefix
-    hit removes a block from the middle in O(1). Starts in block-id order; freed blocks go to the tail.
+    hit removes a block from the middle in O(1). Starts in block-id order; a freed block goes to the
+    tail (a cached one, to be evicted least recently used first) or to the head (`appendleft`).
     """
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
@@ -99,6 +100,17 @@ class FreeKVCacheBlockQueue:
         block.next_free_block, self.fake_free_list_tail.prev_free_block = self.fake_free_list_tail, block
         self.num_free_blocks += 1
 
+    def appendleft(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """`blocks` ahead of every free block, in their order: the next ones popleft() gives."""
+        for block in reversed(blocks):
+            if block.prev_free_block is not None or block.next_free_block is not None:
+                raise RuntimeError(f"appendleft() of block {block.block_id}, which is already in the free queue")
+            first = self.fake_free_list_head.next_free_block
+            assert first is not None
+            self.fake_free_list_head.next_free_block, block.prev_free_block = block, self.fake_free_list_head
+            block.next_free_block, first.prev_free_block = first, block
+            self.num_free_blocks += 1
+
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         out = []
         block = self.fake_free_list_head.next_free_block
@@ -123,7 +135,8 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Pop n blocks in LRU order, evicting any cached hash they carry; each returns with ref_cnt 1."""
+        """Pop n blocks from the free queue's head (freed uncached blocks, then never used ones, then cached
+        ones least recently used first), evicting any cached hash they carry; each returns with ref_cnt 1."""
         if n > self.free_block_queue.num_free_blocks:
             raise ValueError(f"Cannot get {n} free blocks from the pool ({self.get_num_free_blocks()} free)")
         out = []
@@ -173,14 +186,23 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """ref_cnt -= 1 for each block; one that reaches 0 joins the free queue's tail in the given
-        order (so the first given is evicted first). Cached blocks stay cached until evicted."""
+        """ref_cnt -= 1 for each block; one that reaches 0 joins the free queue: a cached block at the tail,
+        in the given order (the first given is evicted first), where it stays hittable until evicted; an
+        uncached one at the head, in block-id order (a next table's blocks follow one another), reused before
+        any block never written. So a pool's requests cycle through the fewest blocks (a CPU pool's pages are
+        resident once written: the torch backend's mapped pools), and a cached block outlives every uncached
+        one."""
+        uncached = []
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"free of block {block.block_id} with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                if block.block_hash is None:
+                    uncached.append(block)
+                else:
+                    self.free_block_queue.append(block)
+        self.free_block_queue.appendleft(sorted(uncached, key=lambda b: b.block_id))
 
     def get_num_free_blocks(self) -> int:
         """Blocks an allocation can take now, evictable cached blocks included."""
