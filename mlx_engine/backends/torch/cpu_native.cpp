@@ -29,6 +29,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -540,11 +541,14 @@ void dequant_dispatch(const at::Tensor& codes, const at::Tensor& d, const at::Te
   });
 }
 
-// codes, d, m as qmatmul's -> (N, K) bfloat16
-at::Tensor dequant(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t zero) {
+// codes, d, m as qmatmul's -> `out` (N, K) bfloat16, contiguous
+void dequant_to(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t zero,
+                at::Tensor& out) {
   const int64_t K = scale_blocks(d) * QK;
   check_weight("dequant", codes, d, m, bits, zero, K);
-  at::Tensor out = at::empty({codes.size(0), K}, codes.options().dtype(at::kBFloat16));
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == codes.size(0) && out.size(1) == K,
+              "dequant: out (", codes.size(0), ", ", K, ") bfloat16 contiguous");
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   auto each = [&]<int BITS>() {
     by_scale_type(d, [&]<typename S>() { dequant_dispatch<BITS, S>(codes, d, m, static_cast<int>(zero), K, o); });
@@ -553,6 +557,14 @@ at::Tensor dequant(const at::Tensor& codes, const at::Tensor& d, const at::Tenso
   else if (bits == 4) each.template operator()<4>();
   else if (bits == 5) each.template operator()<5>();
   else each.template operator()<8>();
+}
+
+// codes, d, m as qmatmul's -> (N, K) bfloat16
+at::Tensor dequant(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t zero) {
+  const int64_t K = scale_blocks(d) * QK;
+  check_weight("dequant", codes, d, m, bits, zero, K);
+  at::Tensor out = at::empty({codes.size(0), K}, codes.options().dtype(at::kBFloat16));
+  dequant_to(codes, d, m, bits, zero, out);
   return out;
 }
 
@@ -652,6 +664,72 @@ at::Tensor matmul_of(const at::Tensor& x, const Matrix& w, const Gemm& gemm) {
   return (outs.size() == 1 ? outs[0] : at::cat(outs, 1)).to(at::kFloat);
 }
 
+// The buffers of one forward's GEMM path (a prefill chunk's rows), a role each, grown to the largest a layer asks
+// and taken again by the next layer: the layers' transients then land on the same memory. As fresh tensors a layer,
+// malloc spread them over the heap's free space, which the load had handed back: a 1.1B model's 256-row chunk grew
+// the RSS by 103 MB where 42 MB were ever in use at once (docs/benchmarks.md, "Issue 27: one workspace a forward").
+// A role serves values whose lifetimes do not meet: F the normed input, then attention's output, then the MLP's
+// activation; YZ q/k/v's outputs, then gate/up's.
+struct Workspace {
+  enum Role { F, Q, YZ, XB, W, PART, ROLES };
+  std::array<at::Tensor, ROLES> bufs;  // bytes
+
+  at::Tensor get(Role r, at::IntArrayRef shape, at::ScalarType dtype) {
+    int64_t n = static_cast<int64_t>(c10::elementSize(dtype));
+    for (int64_t v : shape) n *= v;
+    at::Tensor& b = bufs[r];
+    if (!b.defined() || b.numel() < n) {
+      b = at::Tensor();  // the outgrown buffer freed before its successor is made
+      b = at::empty({n}, at::TensorOptions().dtype(at::kByte));
+    }
+    return b.narrow(0, 0, n).view(dtype).view(shape);
+  }
+};
+
+// x (N, K) float32 through matrices of that input, as `matmul_of`'s dequantizing GEMM computes them (bit for bit):
+// each slice of `gemm.slice` weights dequantized into the workspace, multiplied into it, and handed on as
+// put(column, part), part (N, s) bfloat16 of the outputs side by side from `column`
+template <typename Put>
+void gemm_parts(const at::Tensor& x, const std::vector<Matrix>& ms, const Gemm& gemm, Workspace& w, Put put) {
+  const int64_t N = x.size(0), K = x.size(1);
+  at::Tensor xb = w.get(Workspace::XB, {N, K}, at::kBFloat16);
+  xb.copy_(x);
+  int64_t col = 0;
+  for (const Matrix& m : ms) {
+    const int64_t n = m.codes->size(0), step = std::max<int64_t>(1, gemm.slice / K);
+    for (int64_t lo = 0; lo < n; lo += step) {
+      const int64_t hi = std::min(n, lo + step);
+      at::Tensor wt = w.get(Workspace::W, {hi - lo, K}, at::kBFloat16);
+      dequant_to(m.codes->slice(0, lo, hi), m.d->slice(0, lo, hi), m.m->numel() ? m.m->slice(0, lo, hi) : *m.m,
+                 m.bits, m.zero, wt);
+      at::Tensor part = w.get(Workspace::PART, {N, hi - lo}, at::kBFloat16);
+      at::mm_out(part, xb, wt.t());  // at::linear's product, into the workspace
+      put(col + lo, part);
+    }
+    col += n;
+  }
+}
+
+// Outputs of matrices of one input side by side (N, columns) in the workspace's `role`, in `dtype`: float32, or
+// bfloat16, which holds the GEMM's outputs as they are
+at::Tensor project(const at::Tensor& x, const std::vector<Matrix>& ms, const Gemm& gemm, Workspace& w,
+                   Workspace::Role role, at::ScalarType dtype) {
+  int64_t cols = 0;
+  for (const Matrix& m : ms) cols += m.codes->size(0);
+  at::Tensor y = w.get(role, {x.size(0), cols}, dtype);
+  gemm_parts(x, ms, gemm, w, [&](int64_t c, const at::Tensor& part) { y.narrow(1, c, part.size(1)).copy_(part); });
+  return y;
+}
+
+// h += x through one matrix
+void add_product(at::Tensor& h, const at::Tensor& x, const Matrix& m, const Gemm& gemm, Workspace& w) {
+  if (x.size(0) < gemm.rows) {
+    h.add_(matmul_of(x, m, gemm));
+    return;
+  }
+  gemm_parts(x, {m}, gemm, w, [&](int64_t c, const at::Tensor& part) { h.narrow(1, c, part.size(1)).add_(part); });
+}
+
 // Outputs of matrices of one input, side by side
 at::Tensor side_by_side(const at::Tensor& x, const std::vector<Matrix>& ws, const Gemm& gemm) {
   if (ws.size() == 1) return matmul_of(x, ws[0], gemm);
@@ -674,7 +752,7 @@ void attend_chunk(const Heads& a, int64_t n0, int64_t n1, const at::Tensor& q, c
       q.slice(0, n0, n1).view({1, r, Hq, D}).transpose(1, 2), heads(pk), heads(pv),
       causal ? std::optional<at::Tensor>() : std::optional<at::Tensor>(bias.slice(0, n0, n1).view({1, 1, r, S})), 0.0,
       causal, static_cast<double>(a.scale), true);
-  att.slice(0, n0, n1).copy_(out.transpose(1, 2).reshape({r, Hq * D}));
+  att.slice(0, n0, n1).view({1, r, Hq, D}).copy_(out.transpose(1, 2));
 }
 
 // rows of a forward sharing row n's gathered slots, from n on (all of them where the rows are one row expanded)
@@ -869,6 +947,7 @@ at::Tensor forward_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArra
     bool causal = false;
   } causal_of;
   at::Tensor h = h_in.contiguous().clone();
+  Workspace w;
   size_t t = 0, i = 0;
   auto tensor = [&]() -> const at::Tensor& {
     TORCH_CHECK(t < ws.size(), "forward_layers: fewer tensors than the layers' ints say");
@@ -923,11 +1002,12 @@ at::Tensor forward_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArra
     const int64_t *wp = write.data_ptr<int64_t>(), *gp = gather.data_ptr<int64_t>();
     const float* bp = bias.data_ptr<float>();
 
-    at::Tensor x = h.clone();
+    const bool wide = N >= gemm.rows && N >= chunk_rows;  // the GEMM path and SDPA: buffers in the workspace
+    at::Tensor x = wide ? w.get(Workspace::F, {N, H}, at::kFloat).copy_(h) : h.clone();
     norm_rows(x, in_norm, eps, N >= chunk_rows);
-    at::Tensor y = side_by_side(x, qkv, gemm);  // (N, q/k/v columns)
+    at::Tensor y = wide ? project(x, qkv, gemm, w, Workspace::YZ, at::kFloat) : side_by_side(x, qkv, gemm);
     TORCH_CHECK(y.size(1) >= std::max({q_off + qw, k_off + kw, v_off + kw}), "forward_layers: q/k/v columns");
-    at::Tensor q = at::empty({N, qw}, h.options());
+    at::Tensor q = wide ? w.get(Workspace::Q, {N, qw}, at::kFloat) : at::empty({N, qw}, h.options());
     float *yp = y.data_ptr<float>(), *qp = q.data_ptr<float>();
     const int64_t yw = y.size(1);
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -949,7 +1029,7 @@ at::Tensor forward_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArra
       TORCH_CHECK(wp[n] >= 0 && wp[n] < slots, "forward_layers: write slot ", wp[n], " outside the pool's ", slots);
     for (int64_t n = 0; n < (gs ? N : 1) * S; ++n)
       TORCH_CHECK(gp[n] >= 0 && gp[n] < slots, "forward_layers: gathered slot ", gp[n], " outside the pool's ", slots);
-    at::Tensor att = at::empty({N, qw}, h.options());
+    at::Tensor att = wide ? w.get(Workspace::F, {N, qw}, at::kFloat) : at::empty({N, qw}, h.options());
     const Heads heads{N, S, gs, Hkv, G, D, yw, k_off, v_off, scale};
     const bool half = pk.scalar_type() == at::kHalf;
     auto* pk16 = static_cast<uint16_t*>(pk.data_ptr());
@@ -968,24 +1048,35 @@ at::Tensor forward_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArra
       else attend(heads, n, e, qp, gp, bp, pk.data_ptr<float>(), pv.data_ptr<float>(), att.data_ptr<float>());
       n = e;
     }
-    h.add_(matmul_of(att, o, gemm));
-    x = h.clone();
+    add_product(h, att, o, gemm, w);
+    x = wide ? w.get(Workspace::F, {N, H}, at::kFloat).copy_(h) : h.clone();
     norm_rows(x, post_norm, eps, N >= chunk_rows);
-    at::Tensor z = side_by_side(x, gu, gemm);
+    at::Tensor z = wide ? project(x, gu, gemm, w, Workspace::YZ, at::kBFloat16) : side_by_side(x, gu, gemm);
     TORCH_CHECK(z.size(1) >= std::max(g_off, u_off) + inter, "forward_layers: gate/up columns");
-    at::Tensor act = at::empty({N, inter}, h.options());
-    const float* zp = z.data_ptr<float>();
-    float* actp = act.data_ptr<float>();
-    const int64_t zw = z.size(1);
-    if (N >= chunk_rows)  // torch's vectorized SiLU (the Python prefill's)
-      at::mul_out(act, at::silu(z.slice(1, g_off, g_off + inter)), z.slice(1, u_off, u_off + inter));
-    else
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t j = 0; j < inter; ++j) {
-          const float g = zp[n * zw + g_off + j];
-          actp[n * inter + j] = g / (1.f + std::exp(-g)) * zp[n * zw + u_off + j];
-        }
-    h.add_(matmul_of(act, down, gemm));
+    at::Tensor act;
+    if (wide) {
+      // torch's vectorized SiLU (the Python prefill's) on the gate's outputs made float32, times the up's. act's rows
+      // are padded: a strided view, which torch's loops take a row at a time as they took the gate's columns of a
+      // float32 z (the same vector and tail steps, so the same values bit for bit)
+      act = w.get(Workspace::F, {N, inter + 16}, at::kFloat).narrow(1, 0, inter);
+      act.copy_(z.slice(1, g_off, g_off + inter));
+      at::silu_(act);
+      act.mul_(z.slice(1, u_off, u_off + inter));
+    } else {
+      act = at::empty({N, inter}, h.options());
+      const float* zp = z.data_ptr<float>();
+      float* actp = act.data_ptr<float>();
+      const int64_t zw = z.size(1);
+      if (N >= chunk_rows)  // torch's vectorized SiLU (the Python prefill's)
+        at::mul_out(act, at::silu(z.slice(1, g_off, g_off + inter)), z.slice(1, u_off, u_off + inter));
+      else
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t j = 0; j < inter; ++j) {
+            const float g = zp[n * zw + g_off + j];
+            actp[n * inter + j] = g / (1.f + std::exp(-g)) * zp[n * zw + u_off + j];
+          }
+    }
+    add_product(h, act, down, gemm, w);
   }
   TORCH_CHECK(t == ws.size() && i == meta.size(), "forward_layers: ", ws.size() - t, " tensors and ",
               meta.size() - i, " ints left after ", L, " layers");
