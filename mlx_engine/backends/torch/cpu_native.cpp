@@ -651,19 +651,6 @@ struct Gemm {
   int64_t rows, slice;
 };
 
-at::Tensor matmul_of(const at::Tensor& x, const Matrix& w, const Gemm& gemm) {
-  if (x.size(0) < gemm.rows) return qmatmul(x, *w.codes, *w.d, *w.m, w.bits, w.zero);
-  const int64_t n = w.codes->size(0), step = std::max<int64_t>(1, gemm.slice / x.size(1));
-  const at::Tensor xb = x.to(at::kBFloat16);
-  std::vector<at::Tensor> outs;
-  for (int64_t lo = 0; lo < n; lo += step) {
-    const int64_t hi = std::min(n, lo + step);
-    const at::Tensor m = w.m->numel() ? w.m->slice(0, lo, hi) : *w.m;
-    outs.push_back(at::linear(xb, dequant(w.codes->slice(0, lo, hi), w.d->slice(0, lo, hi), m, w.bits, w.zero)));
-  }
-  return (outs.size() == 1 ? outs[0] : at::cat(outs, 1)).to(at::kFloat);
-}
-
 // The buffers of one forward's GEMM path (a prefill chunk's rows), a role each, grown to the largest a layer asks
 // and taken again by the next layer: the layers' transients then land on the same memory. As fresh tensors a layer,
 // malloc spread them over the heap's free space, which the load had handed back: a 1.1B model's 256-row chunk grew
@@ -686,7 +673,7 @@ struct Workspace {
   }
 };
 
-// x (N, K) float32 through matrices of that input, as `matmul_of`'s dequantizing GEMM computes them (bit for bit):
+// x (N, K) float32 through matrices of that input by the dequantizing GEMM (cpu_gemm.native_matmul's, op for op):
 // each slice of `gemm.slice` weights dequantized into the workspace, multiplied into it, and handed on as
 // put(column, part), part (N, s) bfloat16 of the outputs side by side from `column`
 template <typename Put>
@@ -703,7 +690,7 @@ void gemm_parts(const at::Tensor& x, const std::vector<Matrix>& ms, const Gemm& 
       dequant_to(m.codes->slice(0, lo, hi), m.d->slice(0, lo, hi), m.m->numel() ? m.m->slice(0, lo, hi) : *m.m,
                  m.bits, m.zero, wt);
       at::Tensor part = w.get(Workspace::PART, {N, hi - lo}, at::kBFloat16);
-      at::mm_out(part, xb, wt.t());  // at::linear's product, into the workspace
+      at::mm_out(part, xb, wt.t());  // F.linear's product, into the workspace
       put(col + lo, part);
     }
     col += n;
@@ -719,6 +706,13 @@ at::Tensor project(const at::Tensor& x, const std::vector<Matrix>& ms, const Gem
   at::Tensor y = w.get(role, {x.size(0), cols}, dtype);
   gemm_parts(x, ms, gemm, w, [&](int64_t c, const at::Tensor& part) { y.narrow(1, c, part.size(1)).copy_(part); });
   return y;
+}
+
+// x (N, K) float32 through one matrix -> (N, out) float32: the kernel's, or from `gemm.rows` rows the GEMM's
+at::Tensor matmul_of(const at::Tensor& x, const Matrix& w, const Gemm& gemm) {
+  if (x.size(0) < gemm.rows) return qmatmul(x, *w.codes, *w.d, *w.m, w.bits, w.zero);
+  Workspace own;  // a call's own: its buffers outlive it only as the output
+  return project(x, {w}, gemm, own, Workspace::YZ, at::kFloat);
 }
 
 // h += x through one matrix
