@@ -297,6 +297,16 @@ def test_caching_disabled():
     assert prefill(m, "b", list(range(10, 18))) == ([0, 1], 0)  # the same blocks again, not the unused 2, 3
 
 
+
+def test_a_bad_free_keeps_the_blocks_freed_before_it():
+    pool = BlockPool(4, enable_caching=False)
+    a, b = pool.get_new_blocks(2)
+    pool.free_blocks([b])
+    with pytest.raises(RuntimeError, match="free of block 1 with ref_cnt 0"):
+        pool.free_blocks([a, b])  # a is freed, then b a second time
+    assert [blk.block_id for blk in pool.free_block_queue.get_all_free_blocks()] == [0, 1, 2, 3]
+    assert pool.get_num_free_blocks() == 4 and a.ref_cnt == 0
+
 # ---- exhaustion ------------------------------------------------------------------------------------
 
 

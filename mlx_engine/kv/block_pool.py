@@ -193,16 +193,18 @@ class BlockPool:
         resident once written: the torch backend's mapped pools), and a cached block outlives every uncached
         one."""
         uncached = []
-        for block in ordered_blocks:
-            if block.ref_cnt <= 0:
-                raise RuntimeError(f"free of block {block.block_id} with ref_cnt {block.ref_cnt}")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    uncached.append(block)
-                else:
-                    self.free_block_queue.append(block)
-        self.free_block_queue.appendleft(sorted(uncached, key=lambda b: b.block_id))
+        try:
+            for block in ordered_blocks:
+                if block.ref_cnt <= 0:
+                    raise RuntimeError(f"free of block {block.block_id} with ref_cnt {block.ref_cnt}")
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    if block.block_hash is None:
+                        uncached.append(block)
+                    else:
+                        self.free_block_queue.append(block)
+        finally:  # the blocks freed before a bad one stay freed, as they did one by one
+            self.free_block_queue.appendleft(sorted(uncached, key=lambda b: b.block_id))
 
     def get_num_free_blocks(self) -> int:
         """Blocks an allocation can take now, evictable cached blocks included."""
