@@ -26,7 +26,9 @@ Each row: prompt of -p tokens (prefill tok/s), then -n greedy tokens (decode tok
 roofline = bytes a token reads (packed weights and the KV at the mean decode context, as each runner holds
 them) x tok/s / the machine's copy bandwidth (`mlx_engine.roofline.measure_bandwidth`); memory = the worker's
 peak RSS less its RSS after imports (torch's modules for the torch rows, and its compiler's for the compiled
-ones: library code, as llama.cpp's), beside the target 1.3 x the file + the KV pool it allocated.
+ones: library code, as llama.cpp's), beside the target 1.3 x the file + the KV pool it allocated, and the code
+pages that came in after the imports (resident executable file maps after the last request less the baseline's:
+the libraries' code as it first runs; at most that much of the peak, which can come before some of them).
 """
 
 from __future__ import annotations
@@ -65,6 +67,21 @@ def _peak_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
+def _code_bytes() -> int:
+    """Resident bytes of this process's executable file maps (libraries' and the interpreter's code): pages that
+    come in as the code first runs, after the imports' baseline, and stay (clean, shared, dropped under pressure
+    and read back from the file)."""
+    total, code = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=6)
+            if "-" in head[0] and not head[0].endswith(":"):
+                code = len(head) > 5 and "x" in head[1] and head[5].startswith("/")
+            elif code and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
 # --- workers: one process each, JSON lines on stdin/stdout ---------------------------------------------
 
 
@@ -72,7 +89,7 @@ def _serve(load, run) -> None:
     """The worker loop: load, say ready (or why not), then one `run` per request line."""
     out = sys.stdout
     sys.stdout = sys.stderr  # libraries' prints must not corrupt the protocol
-    base = _rss_bytes()
+    base, base_code = _rss_bytes(), _code_bytes()
     try:
         t = time.perf_counter()
         info = load()
@@ -88,7 +105,7 @@ def _serve(load, run) -> None:
             break
         result = run(req["prompt"], req["gen"])
         peak = max(peak, _peak_bytes())
-        result.update(peak_bytes=peak - base)
+        result.update(peak_bytes=peak - base, code_bytes=_code_bytes() - base_code)
         out.write(json.dumps(result) + "\n")
         out.flush()
 
@@ -394,6 +411,7 @@ def summarize(w: Worker, path: Path, bandwidth: float) -> dict:
         return row
     med = {k: statistics.median(x[k] for x in w.results) for k in ("prefill_tps", "decode_tps", "bytes_per_token")}
     row.update(med, peak_bytes=max(x["peak_bytes"] for x in w.results), kv_bytes=w.results[-1]["kv_bytes"],
+               code_bytes=max(x["code_bytes"] for x in w.results),
                file_bytes=path.stat().st_size, roofline=med["bytes_per_token"] * med["decode_tps"] / bandwidth)
     return row
 
@@ -405,12 +423,12 @@ def markdown(rows: list[dict], machine: dict, args: argparse.Namespace) -> str:
            f"after; prompt {args.prompt_tokens} tokens, {args.gen_tokens} decoded, medians of {args.rounds} "
            "interleaved rounds.", "",
            "| file | runner | threads | decode tok/s | x llama.cpp | prefill tok/s | x llama.cpp | decode % roofline "
-           "| bytes/token | peak MB (target) |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| bytes/token | peak MB (target) | code MB after imports |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if not r["ok"]:
             out.append(f"| {r['file']} | {r['runner']} | {r['threads']} | {r.get('error') or 'no result'} "
-                       "| | | | | | |")
+                       "| | | | | | | |")
             continue
         peer = by.get((r["file"], "llama.cpp", r["threads"] if r["threads"] != "-" else 1))
         ratio = (lambda k: f"{r[k] / peer[k]:.2f}" if peer and peer["ok"] and peer is not r else "")  # noqa: E731
@@ -418,7 +436,8 @@ def markdown(rows: list[dict], machine: dict, args: argparse.Namespace) -> str:
         prefill = "" if r.get("stepwise") else f"{r['prefill_tps']:.0f}"  # a token at a time: not a prefill
         out.append(f"| {r['file']} | {r['runner']} | {r['threads']} | {r['decode_tps']:.1f} | {ratio('decode_tps')} "
                    f"| {prefill} | {ratio('prefill_tps') if prefill else ''} | {100 * r['roofline']:.0f}% "
-                   f"| {r['bytes_per_token'] / 1e6:.0f} MB | {r['peak_bytes'] / 2**20:.0f} ({target / 2**20:.0f}) |")
+                   f"| {r['bytes_per_token'] / 1e6:.0f} MB | {r['peak_bytes'] / 2**20:.0f} ({target / 2**20:.0f}) "
+                   f"| {r['code_bytes'] / 2**20:.0f} |")
     notes = sorted({n for r in rows for n in r.get("notes", []) + r.get("warnings", [])})
     if notes:
         out += ["", "Load notes:"] + [f"- {n}" for n in notes]
