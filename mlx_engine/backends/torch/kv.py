@@ -55,10 +55,9 @@ class TorchKVStorage:
         if num_blocks <= self.capacity:
             return
         new = min(self.num_blocks, max(num_blocks, 2 * self.capacity))
-        used = self.capacity * self.block_size
         if not self.mapped:
             with torch.inference_mode(False):  # normal tensors wherever they grow: the compiled step guards their kind
-                self._grow(new, used)
+                self._grow(new, self.capacity * self.block_size)
         self.capacity = new
 
     def _mapped_pool(self) -> torch.Tensor:
