@@ -23,6 +23,9 @@ NO_DRAFT_MODEL = ("speculative='draft' needs a draft model: load one beside the 
 MAX_LOGPROBS = 20  # top alternatives per token, at most (OpenAI's limit)
 RESPONSE_FORMATS = ("json_object", "json_schema", "regex", "lark")
 DEFAULT_MAX_SEQS = 16  # sequences the scheduler runs at once unless Engine.load(max_seqs=...) says otherwise
+# OpenAI's reasoning_effort values; each reasoning family maps them onto its own switch (harmony's "Reasoning:" line,
+# a template's enable_thinking). "none" (and "minimal" where a family has no lower level) turns thinking off.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 
 class RooflineError(Exception):
@@ -95,8 +98,12 @@ class SamplingParams:
     # lookup, and with a draft model loaded by it too, each step the one predicted to gain most), None: off
     speculative: str | None = None
     num_draft_tokens: int = 4  # most draft tokens per verification (adapted per step within 1..this)
-    # structured output: the reply held to JSON, a JSON Schema, a regex or a Lark grammar; None: free text
+    # structured output: the reply held to JSON, a JSON Schema, a regex or a Lark grammar; None: free text. On a
+    # reasoning model it holds the answer, not the reasoning before it
     response_format: ResponseFormat | None = None
+    # a reasoning model's thinking, at most this many tokens: the engine then closes the reasoning (writes the
+    # family's closer) and the answer starts; None: no limit. A model without reasoning refuses it (RequestError)
+    reasoning_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -145,6 +152,9 @@ class SamplingParams:
             raise bad("num_draft_tokens", f"an integer in [1, {MAX_DRAFT_TOKENS}]")
         if self.response_format is not None and not isinstance(self.response_format, ResponseFormat):
             raise bad("response_format", "a ResponseFormat or None")
+        b = self.reasoning_budget
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
+            raise bad("reasoning_budget", "an integer >= 0 (0: no thinking) or None")
         for k, v in self.logit_bias.items():
             if not isinstance(k, int) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise RequestError(f"invalid sampling parameter logit_bias: expected {{token_id: number}}, got {k!r}: {v!r}")
@@ -159,6 +169,10 @@ class GenerationRequest:
     prompt: str | None = None  # raw text, tokenized as is (with BOS when the model adds one)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     add_generation_prompt: bool = True
+    # extra variables for the chat template (vLLM's and mlx-lm's field: {"enable_thinking": False}, ...)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's reasoning_effort (REASONING_EFFORTS), mapped by the model's reasoning family; None: the template's own
+    reasoning_effort: str | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.messages, self.prompt_token_ids, self.prompt)]
@@ -174,6 +188,13 @@ class GenerationRequest:
             ids = self.prompt_token_ids
             if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
                 raise RequestError("prompt_token_ids must be a non-empty list of non-negative integers")
+        if self.chat_template_kwargs is not None and not (
+                isinstance(self.chat_template_kwargs, dict) and all(isinstance(k, str) for k in self.chat_template_kwargs)):
+            raise RequestError("chat_template_kwargs must be an object of template variables ({\"enable_thinking\": "
+                               "false}, ...)")
+        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
+            raise RequestError(f"invalid reasoning_effort {self.reasoning_effort!r}: expected one of "
+                               f"{', '.join(map(repr, REASONING_EFFORTS))}")
 
 
 @dataclass(frozen=True)
@@ -181,6 +202,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those of the reasoning (GenerationEvent.reasoning)
 
     @property
     def total_tokens(self) -> int:
@@ -209,9 +231,13 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class GenerationEvent:
     """A step of a generation: new `text` (may be empty while a UTF-8 character or a possible stop
-    string is held back) and the new `token_ids`. The last event has `finish_reason`, `usage`, `stats`."""
+    string is held back) and the new `token_ids`. The last event has `finish_reason`, `usage`, `stats`.
+
+    On a reasoning model the reply is split on token ids as it streams: `reasoning` holds new text of the model's
+    thinking, `text` only the answer (the tags or channel markup around them in neither)."""
 
     text: str = ""
+    reasoning: str = ""
     token_ids: tuple[int, ...] = ()
     from_draft: tuple[bool, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
@@ -252,6 +278,9 @@ class ModelInfo:
     # False: no tokenizer files were found beside the weights, so the model takes and gives token ids only (no
     # text, no chat template): front ends say so at load, in their users' words
     has_tokenizer: bool = True
+    # the reasoning family the chat template and tokenizer show ("think": <think>...</think>, "harmony": gpt-oss's
+    # channels), or None: a model without reasoning, whose events never carry `reasoning`
+    reasoning: str | None = None
 
 
 # --- loading ----------------------------------------------------------------------------------------------
