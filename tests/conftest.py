@@ -1,4 +1,11 @@
+import os
+
 import pytest
+
+from tests.torch_support import SKIP_REASON
+
+# .ci/run sets it to a file: the node ids of the tests skipped for want of torch, one a line, for its second run
+TORCH_SKIPS = "ROOFLINE_TORCH_SKIPS"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -11,3 +18,22 @@ def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory):
         # of seconds on 2 cores); the tests that check the compiled step ask for it (compile=True)
         mp.setenv("ROOFLINE_TORCH_COMPILE", "0")
         yield
+
+
+def _record_torch_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
+    path = os.environ.get(TORCH_SKIPS)
+    if not path or not report.skipped:
+        return
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    if SKIP_REASON in reason:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(report.nodeid + "\n")
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _record_torch_skip(report)  # a module that needs torch throughout skips as it is collected
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _record_torch_skip(report)

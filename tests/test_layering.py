@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from tests.torch_support import available, require
+
 
 def imported_after(code: str) -> set[str]:
     probe = f"{code}\nimport sys\nprint(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
@@ -64,8 +66,14 @@ def preload_of(module: str) -> str:
     return ",".join(PRELOAD[prefix])
 
 
+def in_torch_backend(module: str) -> bool:
+    return module == TORCH_BACKEND or module.startswith(TORCH_BACKEND + ".")
+
+
 def every_module(*packages: str) -> list[str]:
-    """Every module and subpackage of `packages` (pkgutil's walk, the packages themselves included)."""
+    """Every module and subpackage of `packages` (pkgutil's walk, the packages themselves included); without torch
+    (the optional extra), the torch backend's modules are left out: test_the_torch_backend_keeps_the_rules checks
+    them where torch is installed."""
     import importlib
     import pkgutil
 
@@ -73,7 +81,7 @@ def every_module(*packages: str) -> list[str]:
     for name in packages:
         pkg = importlib.import_module(name)
         names += [name] + [m.name for m in pkgutil.walk_packages(pkg.__path__, name + ".")]
-    return names
+    return names if available("torch") else [n for n in names if not in_torch_backend(n)]
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +98,24 @@ def imports() -> dict[str, set[str]]:
     return {n: set(m.split()) for n, m in rows.items()}
 
 
-def test_the_walk_finds_every_module(imports: dict[str, set[str]]) -> None:
+def modules_in(*packages: str) -> set[str]:
+    """The module names of every .py file under `packages` (dotted), read from the tree, not imported."""
     root = Path(__file__).resolve().parent.parent
-    files = {".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
-             for folder in PACKAGES for f in (root / folder).rglob("*.py")}
-    assert files == set(imports)
+    return {".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            for package in packages for f in (root / Path(*package.split("."))).rglob("*.py")}
+
+
+def test_the_walk_finds_every_module(imports: dict[str, set[str]]) -> None:
+    assert {m for m in modules_in(*PACKAGES) if available("torch") or not in_torch_backend(m)} == set(imports)
+
+
+def test_the_torch_backend_keeps_the_rules(imports: dict[str, set[str]]) -> None:
+    """Where torch is installed, the probe imported every module of the torch backend too (the other tests here
+    then hold them to the rules); without it, this test skips and the rest check everything else."""
+    require("torch")
+    torch_modules = modules_in(TORCH_BACKEND)
+    assert torch_modules and torch_modules <= set(imports)
+    assert offenders({n: imports[n] for n in torch_modules}, "mlx_engine", lambda n: {"textual", "app"}) == {}
 
 
 def offenders(imports: dict[str, set[str]], package: str, banned: Any) -> dict[str, list[str]]:
@@ -110,7 +131,7 @@ def test_no_front_end_module_imports_mlx_torch_or_kernels(imports: dict[str, set
 def test_no_engine_module_imports_textual_or_app(imports: dict[str, set[str]]) -> None:
     """...nor torch, outside the optional torch backend (mlx_engine/backends/torch/)."""
     assert offenders(imports, "mlx_engine", lambda n: {"textual", "app"} | (
-        set() if n == TORCH_BACKEND or n.startswith(TORCH_BACKEND + ".") else {"torch", "triton"})) == {}
+        set() if in_torch_backend(n) else {"torch", "triton"})) == {}
 
 
 def test_kernels_never_import_the_engine(imports: dict[str, set[str]]) -> None:
