@@ -548,7 +548,8 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
 
 def cmd_kv(args: argparse.Namespace) -> int:
-    from mlx_engine.catalog import kv_bytes, kv_shape
+    from mlx_engine.catalog import kv_shape
+    from mlx_engine.memory import kv_bytes
     from mlx_engine.roofline import kv_dtype_here
 
     if args.context < 1 or args.batch < 1:

@@ -36,7 +36,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
-from mlx_engine.catalog import kv_bytes, kv_shape  # noqa: E402
+from mlx_engine.catalog import kv_shape  # noqa: E402
+from mlx_engine.memory import kv_bytes  # noqa: E402
 from mlx_engine.kv import BlockPool, KVCacheManager  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "founding_documents.txt"
@@ -312,7 +313,7 @@ def figure_quantized(args, doc: list[int], shape) -> list[str]:
         f"load on a built-in calibration text, not this one; keys quantized per channel, `kv_key_per_channel`, are "
         f"stored as they are, only the values smoothed and rotated). The reference "
         f"row's KV is unquantized in the activation dtype ({'fp16' if mx.metal.is_available() else 'float32 here'}); "
-        "bytes per token with fp16 scales and biases (a Mac) from `catalog.kv_bytes`, and as stored here "
+        "bytes per token with fp16 scales and biases (a Mac) from `memory.kv_bytes`, and as stored here "
         "(scales and biases in the float32 activation dtype) from `kv_stats()`:",
         "",
         "| KV | bytes/token (fp16) | of fp16 | bytes/token here | perplexity | change |",

@@ -3,7 +3,7 @@
 Sources (`loading.sources`): the embedded model, the Hugging Face cache, Ollama's and LM Studio's stores, and
 paths added by hand. A header costs a GGUF's whole metadata (its vocabulary is stepped over, not decoded) or a
 safetensors file's JSON; each summary is kept in a small cache keyed by the file's size and mtime, so listing
-fifty models reads fifty `stat`s.
+fifty models reads fifty `stat`s. `check_fit` refuses, from the same headers, a model that cannot fit.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from mlx_engine.api import ModelLoadError
-from mlx_engine.memory import FIT_CONTEXT, MemoryLimit, WeightsHeader, available_memory, estimate_fit
+from mlx_engine.memory import (FIT_CONTEXT, KVShape, MemoryLimit, WeightsHeader, available_memory, estimate_fit,
+                                held_weight_bytes, kv_bytes, metal_working_set)
 from mlx_engine.paths import cache_dir
 
 HEADER_CACHE_FILE = "model_headers.json"
@@ -44,18 +45,6 @@ class ModelSummary:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class KVShape:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    context_length: int
-    sliding_window: int | None = None  # tokens a sliding layer attends to
-    num_sliding_layers: int = 0  # of num_layers
-    num_experts: int = 0  # MoE: experts per layer (0: dense)
-    num_experts_per_tok: int = 0
 
 
 @dataclass(frozen=True)
@@ -304,7 +293,6 @@ def describe_model(ref: str | None, *, _cache: _HeaderCache | None = None,
         if _cache is None:
             cache.save()
     out_ref = "" if source == "embedded" else ref if source != "path" else str(path)
-    from mlx_engine.memory import metal_working_set
 
     return _summary(out_ref, name, source, path, kind, header, size, _available or available_memory(),
                     metal_working_set() is not None)
@@ -315,7 +303,6 @@ def scan_local_models(extra_refs: list[str] | tuple[str, ...] = ()) -> tuple[lis
     and one line for each entry that is not a whole model (an unfinished pull, a missing blob). Unreadable
     models are listed with `error` set, never raised."""
     from mlx_engine.loading.sources import list_hf_cache, list_lmstudio, list_ollama
-    from mlx_engine.memory import metal_working_set
 
     cache, available, metal = _HeaderCache(), available_memory(), metal_working_set() is not None
     hf, notes = list_hf_cache()
@@ -389,22 +376,31 @@ def kv_shape(ref: str | os.PathLike[str] | None) -> KVShape:
     return _config_kv_shape(_read_config(path), path / "config.json")
 
 
-def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None = None, itemsize: int = 2,
-             group_size: int = 64, key_bits: int | None = None, key_group_size: int | None = None) -> int:
-    """K and V of every layer for `batch` sequences of `context` tokens, a sliding layer's at most its window
-    (quantized: packed values plus a scale and a bias per group, in the activation dtype). `key_bits`: the keys' bits when they differ
-    from the values' `kv_bits` (None: the same). `key_group_size`: the keys' when it differs (per-channel
-    keys: a scale and bias per channel and block of that many tokens costs what per-token groups of that
-    many channels cost)."""
+def check_fit(model: str | None, backend: str, options: dict[str, Any]) -> None:
+    """Refuses (ModelLoadError, one line) a model whose weights and KV cannot fit, before any weight is read.
+    `options`: Engine.load's (max_context, kv_bits, kv_key_bits, kv_budget_bytes, dtype, draft_model)."""
+    if os.environ.get("ROOFLINE_SKIP_MEMORY_CHECK", "").lower() in ("1", "true", "yes"):
+        return
+    def option(name: str, allowed: tuple[int, ...] | None = None) -> int | None:  # bad values: the loader's error
+        v = options.get(name)
+        ok = isinstance(v, int) and not isinstance(v, bool) and v > 0 and (allowed is None or v in allowed)
+        return v if ok else None
 
-    def per_vector(bits: int | None, group: int) -> int:
-        if bits is None:
-            return shape.head_dim * itemsize
-        return shape.head_dim * bits // 8 + 2 * -(-shape.head_dim // group) * itemsize
-
-    k_bits = kv_bits if key_bits is None else key_bits
-    per_token = per_vector(k_bits, key_group_size or group_size) + per_vector(kv_bits, group_size)
-    # a sliding layer holds its window's tokens at most
-    window = min(context, shape.sliding_window) if shape.sliding_window else context
-    layer_tokens = (shape.num_layers - shape.num_sliding_layers) * context + shape.num_sliding_layers * window
-    return per_token * layer_tokens * shape.num_kv_heads * batch
+    metal = metal_working_set() is not None
+    dtype = options.get("dtype")
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(dtype if isinstance(dtype, str) else "", 0)
+    mem = model_memory(model, kv_bits=option("kv_bits", (4, 8)), key_bits=option("kv_key_bits", (4, 8)),
+                       itemsize=itemsize or None, metal=metal)
+    if mem is None:
+        return  # a header that cannot be read or sized: the loader says what is wrong with it
+    extra = 0
+    if isinstance(options.get("draft_model"), str) and options.get("draft_model") != model:
+        try:
+            draft = model_memory(options["draft_model"], metal=metal)
+        except ModelLoadError:
+            draft = None  # the loader says why (or, with draft_optional, warns and loads without it)
+        extra = held_weight_bytes(draft.weights, backend, metal)[0] if draft else 0  # held beside the model
+    fit = estimate_fit(mem.weights, mem.kv_per_token, mem.context_length, context=option("max_context"),
+                       kv_budget_bytes=option("kv_budget_bytes"), backend=backend, extra_bytes=extra, metal=metal)
+    if not fit.fits:
+        raise ModelLoadError(fit.refusal(mem.name))

@@ -1,5 +1,6 @@
 """Will a model fit? The memory this machine can give a model, what the model's weights take once loaded (from
-headers alone), and the check every load makes before it reads a weight.
+headers alone) and what its KV takes (`kv_bytes`): the numbers `catalog.check_fit` weighs at every load, before it
+reads a weight.
 
 "Can give": on a Mac the GPU's recommended working set (what Metal keeps resident without paging); elsewhere
 the RAM the kernel says is available, capped by whatever limit this process runs under — the address-space limit
@@ -203,33 +204,36 @@ def estimate_fit(weights: WeightsHeader, kv_per_token: int, model_context: int, 
     return Fit(held + extra_bytes + kv <= available.bytes, held + extra_bytes, kv, ctx, available, how)
 
 
-def check_fit(model: str | None, backend: str, options: dict[str, Any]) -> None:
-    """Refuses (ModelLoadError, one line) a model whose weights and KV cannot fit, before any weight is read.
-    `options`: Engine.load's (max_context, kv_bits, kv_key_bits, kv_budget_bytes, dtype, draft_model)."""
-    from mlx_engine.catalog import model_memory
+# ---- KV bytes ---------------------------------------------------------------------------------------------
 
-    if os.environ.get("ROOFLINE_SKIP_MEMORY_CHECK", "").lower() in ("1", "true", "yes"):
-        return
-    def option(name: str, allowed: tuple[int, ...] | None = None) -> int | None:  # bad values: the loader's error
-        v = options.get(name)
-        ok = isinstance(v, int) and not isinstance(v, bool) and v > 0 and (allowed is None or v in allowed)
-        return v if ok else None
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    context_length: int
+    sliding_window: int | None = None  # tokens a sliding layer attends to
+    num_sliding_layers: int = 0  # of num_layers
+    num_experts: int = 0  # MoE: experts per layer (0: dense)
+    num_experts_per_tok: int = 0
 
-    metal = metal_working_set() is not None
-    dtype = options.get("dtype")
-    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(dtype if isinstance(dtype, str) else "", 0)
-    mem = model_memory(model, kv_bits=option("kv_bits", (4, 8)), key_bits=option("kv_key_bits", (4, 8)),
-                       itemsize=itemsize or None, metal=metal)
-    if mem is None:
-        return  # a header that cannot be read or sized: the loader says what is wrong with it
-    extra = 0
-    if isinstance(options.get("draft_model"), str) and options.get("draft_model") != model:
-        try:
-            draft = model_memory(options["draft_model"], metal=metal)
-        except ModelLoadError:
-            draft = None  # the loader says why (or, with draft_optional, warns and loads without it)
-        extra = held_weight_bytes(draft.weights, backend, metal)[0] if draft else 0  # held beside the model
-    fit = estimate_fit(mem.weights, mem.kv_per_token, mem.context_length, context=option("max_context"),
-                       kv_budget_bytes=option("kv_budget_bytes"), backend=backend, extra_bytes=extra, metal=metal)
-    if not fit.fits:
-        raise ModelLoadError(fit.refusal(mem.name))
+
+def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None = None, itemsize: int = 2,
+             group_size: int = 64, key_bits: int | None = None, key_group_size: int | None = None) -> int:
+    """K and V of every layer for `batch` sequences of `context` tokens, a sliding layer's at most its window
+    (quantized: packed values plus a scale and a bias per group, in the activation dtype). `key_bits`: the keys' bits when they differ
+    from the values' `kv_bits` (None: the same). `key_group_size`: the keys' when it differs (per-channel
+    keys: a scale and bias per channel and block of that many tokens costs what per-token groups of that
+    many channels cost)."""
+
+    def per_vector(bits: int | None, group: int) -> int:
+        if bits is None:
+            return shape.head_dim * itemsize
+        return shape.head_dim * bits // 8 + 2 * -(-shape.head_dim // group) * itemsize
+
+    k_bits = kv_bits if key_bits is None else key_bits
+    per_token = per_vector(k_bits, key_group_size or group_size) + per_vector(kv_bits, group_size)
+    # a sliding layer holds its window's tokens at most
+    window = min(context, shape.sliding_window) if shape.sliding_window else context
+    layer_tokens = (shape.num_layers - shape.num_sliding_layers) * context + shape.num_sliding_layers * window
+    return per_token * layer_tokens * shape.num_kv_heads * batch

@@ -161,7 +161,7 @@ class Scheduler:
 
     def _cost_curve(self) -> CostCurve:
         if self.cost_curve is None:
-            from mlx_engine.speculative.cost import cached_cost_curve
+            from mlx_engine.speculative.timing import cached_cost_curve
 
             self.cost_curve = cached_cost_curve(self.runner)  # measured once per model and machine
         return self.cost_curve

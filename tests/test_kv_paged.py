@@ -396,7 +396,7 @@ def test_key_bits_logits_lie_between_8bit_and_4bit(tmp_path: Path, layout: str) 
 
 
 def test_kv_stats_and_bytes_per_block_with_key_bits(tmp_path: Path) -> None:
-    from mlx_engine.catalog import KVShape, kv_bytes
+    from mlx_engine.memory import KVShape, kv_bytes
     from mlx_engine.kv.paged import bytes_per_block
 
     folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)  # 2 layers, 2 KV heads, float32
@@ -729,7 +729,7 @@ def test_channel_keys_save_restore_round_trip_and_refuse_per_token_files(tmp_pat
 
 
 def test_kv_bytes_of_channel_keys(tmp_path: Path) -> None:
-    from mlx_engine.catalog import KVShape, kv_bytes
+    from mlx_engine.memory import KVShape, kv_bytes
     from mlx_engine.kv.paged import bytes_per_block
 
     folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)  # 2 layers, 2 KV heads, float32

@@ -394,7 +394,8 @@ def test_roofline_kv_counts_the_layers_the_engine_frees(tmp_path: Path) -> None:
     """`roofline kv`'s shape (the catalog's) names as sliding exactly the layers the engine keeps in a windowed
     pool, and counts them at the window: what such a layer holds in decode, to the block (at most
     cdiv(window, block_size) + 1 blocks)."""
-    from mlx_engine.catalog import kv_bytes, kv_shape
+    from mlx_engine.catalog import kv_shape
+    from mlx_engine.memory import kv_bytes
 
     folder = alternating_folder(tmp_path / "m")
     shape = kv_shape(str(folder))

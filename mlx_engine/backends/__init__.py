@@ -51,7 +51,7 @@ def load_runner(model: str | None, backend: str = "mlx", device: str = "auto", *
         runner.info = dataclasses.replace(runner.info, backend="mlx",
                                           device="metal" if mx.metal.is_available() else "cpu")
         return runner
-    from mlx_engine.memory import check_fit
+    from mlx_engine.catalog import check_fit
 
     check_fit(model, backend, options)  # refused before a weight is read, on every front end
     if backend == "torch":

@@ -46,7 +46,7 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
                     bits: int | None = None, group_size: int = 64, key_bits: int | None = None,
                     key_per_channel: bool = False) -> int:
     """K and V of one block across all layers (`key_bits`: the keys' bits, None: `bits`)."""
-    from mlx_engine.catalog import KVShape, kv_bytes
+    from mlx_engine.memory import KVShape, kv_bytes
 
     return kv_bytes(KVShape(num_layers, num_kv_heads, head_dim, 0), block_size, 1, bits, itemsize, group_size,
                     key_bits=key_bits, key_group_size=block_size if key_per_channel else None)

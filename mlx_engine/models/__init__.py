@@ -11,12 +11,10 @@ import mlx.nn as nn
 
 from mlx_engine._mlx_lm import bare_package
 from mlx_engine.api import ModelLoadError
-from mlx_engine.models.config import check_fields, normalize_config
+from mlx_engine.models.config import NATIVE_MODEL_TYPES, check_fields, normalize_config
 from mlx_engine.models.mlx_lm_classes import fallback_classes
 
 bare_package()  # before any model module imports mlx-lm's: without its __init__ (mlx_engine._mlx_lm)
-
-NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass

@@ -20,9 +20,10 @@ import inspect
 from typing import Any
 
 from mlx_engine.api import ModelLoadError
+from mlx_engine.models.layer_types import FULL, SLIDING, sliding_layers
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-_FULL, _SLIDING = "full_attention", "sliding_attention"
+NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # families written here (mlx_engine/models/<type>.py)
 # top-level fields of a multimodal config that its text model inherits when its text_config lacks them
 _INHERITED = ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype",
               "quantization", "quantization_config")
@@ -51,7 +52,6 @@ def normalize_config(config: dict[str, Any], source: str = "config.json") -> dic
 
 
 def _runnable(model_type: str | None) -> bool:
-    from mlx_engine.models import NATIVE_MODEL_TYPES
     from mlx_engine.models.mlx_lm_classes import mlx_lm_has
 
     return bool(model_type) and (model_type in NATIVE_MODEL_TYPES or mlx_lm_has(model_type))
@@ -115,8 +115,8 @@ def _lift_rope(config: dict[str, Any], source: str) -> None:
             config["rope_scaling"] = {**scaling, "rope_type": rope_type, "type": rope_type}
         return
     if all(isinstance(v, dict) for v in params.values()):  # one dict per layer type (Gemma 3)
-        full = params.get(_FULL) or next(iter(params.values()))
-        sliding = params.get(_SLIDING)
+        full = params.get(FULL) or next(iter(params.values()))
+        sliding = params.get(SLIDING)
         if sliding is not None:
             if "rope_theta" in sliding:
                 config["rope_local_base_freq"] = float(sliding["rope_theta"])
@@ -140,7 +140,7 @@ def _read_layer_types(config: dict[str, Any], source: str) -> None:
         if len(types) < n:
             raise ModelLoadError(f"{source}: layer_types has {len(types)} entries for num_hidden_layers={n}")
         types = config["layer_types"] = types[:n]
-    if _SLIDING in types and not config.get("sliding_window"):
+    if SLIDING in types and not config.get("sliding_window"):
         raise ModelLoadError(f"{source}: layer_types has sliding_attention layers but sliding_window is "
                              f"{config.get('sliding_window')!r} (expected the window in tokens)")
     if config.get("model_type") == "gemma3_text":
@@ -151,21 +151,10 @@ def _period(types: list[str], source: str) -> int:
     """P such that layer i is full attention iff (i + 1) % P == 0 (mlx-lm's gemma3_text), else ModelLoadError."""
     n = len(types)
     for p in range(1, n + 1):
-        if all((t == _FULL) == ((i + 1) % p == 0) for i, t in enumerate(types)):
+        if all((t == FULL) == ((i + 1) % p == 0) for i, t in enumerate(types)):
             return p
     raise ModelLoadError(f"{source}: layer_types {types} is not a repeating pattern of sliding layers ending in a "
                          "full-attention one, which is all gemma3_text runs")
-
-
-def sliding_layers(layer_types: list[str] | None, num_layers: int, window: int | None,
-                   default: str = "none") -> list[bool]:
-    """Which layers attend through a window: from `layer_types`, else `default` ("alternate": even layers, as
-    Gemma 2 and gpt-oss before transformers 5; "all"; "none"). No window: none."""
-    if not window:
-        return [False] * num_layers
-    if layer_types:
-        return [t == _SLIDING for t in layer_types[:num_layers]]
-    return [default == "all" or (default == "alternate" and i % 2 == 0) for i in range(num_layers)]
 
 
 # how a family without `layer_types` slides when it has a window (transformers' own defaults)
@@ -180,7 +169,7 @@ def qwen_layer_types(config: dict[str, Any], window: int | None) -> list[str] | 
         return config.get("layer_types")
     first = config.get("max_window_layers")
     first = 28 if first is None else int(first)
-    return [_SLIDING if i >= first else _FULL for i in range(int(config["num_hidden_layers"]))]
+    return [SLIDING if i >= first else FULL for i in range(int(config["num_hidden_layers"]))]
 
 
 def sliding_flags(config: dict[str, Any]) -> list[bool]:

@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_engine.models.config import sliding_layers
+from mlx_engine.models.layer_types import sliding_layers
 
 
 def fallback_classes(model_type: str) -> tuple[type, type] | None:

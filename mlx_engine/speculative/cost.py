@@ -108,16 +108,3 @@ def save_cost_curve(key: str, curve: CostCurve) -> None:
         os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
     except OSError:
         pass
-
-
-def cached_cost_curve(runner: ModelRunner) -> CostCurve:
-    """The verify cost curve, measured once per model, backend and machine (~4 s) and kept in `cache_dir()`."""
-    key = cost_curve_key(runner)
-    curve = load_cost_curve(key) if key is not None else None
-    if curve is None:
-        from mlx_engine.speculative.timing import measure_cost_curve
-
-        curve = measure_cost_curve(runner)
-        if key is not None:
-            save_cost_curve(key, curve)
-    return curve

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from mlx_engine.api import MAX_DRAFT_TOKENS, SamplingParams
 from mlx_engine.backends.base import ModelRunner
-from mlx_engine.speculative.cost import CostCurve
+from mlx_engine.speculative.cost import CostCurve, cost_curve_key, load_cost_curve, save_cost_curve
 
 
 def time_forward(runner: ModelRunner, width: int, context: int = 32, repeats: int = 2, first_layers: int | None = None,
@@ -113,3 +113,14 @@ def time_decode_step(runner: ModelRunner, batch: int, context: int = 64, repeats
     finally:
         for req in started:
             cache.drop_request(req)
+
+
+def cached_cost_curve(runner: ModelRunner) -> CostCurve:
+    """The verify cost curve, measured once per model, backend and machine (~4 s) and kept in `cache_dir()`."""
+    key = cost_curve_key(runner)
+    curve = load_cost_curve(key) if key is not None else None
+    if curve is None:
+        curve = measure_cost_curve(runner)
+        if key is not None:
+            save_cost_curve(key, curve)
+    return curve
