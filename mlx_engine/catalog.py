@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_engine.api import ModelLoadError
-from mlx_engine.memory import (FIT_CONTEXT, KVShape, MemoryLimit, WeightsHeader, available_memory, estimate_fit,
+from mlx_engine.memory import (KVShape, MemoryLimit, WeightsHeader, available_memory, estimate_fit,
                                 held_weight_bytes, kv_bytes, metal_working_set)
 from mlx_engine.paths import cache_dir
 

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -26,93 +22,8 @@ from mlx_engine.api import (
     SamplingParams,
 )
 from mlx_engine.backends.base import ModelRunner
-from mlx_engine.backends.mlx.host_blas import one_blas_thread
 from mlx_engine.diagnostics import Diagnostics
-
-T = TypeVar("T")
-
-class _EngineThread:
-    """One thread owns all MLX work (MLX streams are per thread). Between scheduler steps it runs the
-    submitted jobs (new requests, forward passes, KV saves), so requests join at the next step.
-
-    One per process, a daemon that never exits: MLX 0.32 on Linux aborts the process ("terminate called
-    without an active exception") at exit when a thread that ran MLX work has ended before it. Nor may it
-    be inside a native call when the interpreter finalizes: a daemon thread that takes the GIL back then is
-    ended by pthread_exit, whose unwinding through MLX's or OpenBLAS's C++ frames aborts the same way. So
-    at exit it parks: it finishes the step it is in and then waits, forever, on an event nobody sets.
-    """
-
-    PARK_TIMEOUT_S = 10.0
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
-        self._schedulers: list[Any] = []
-        self._stopping = False
-        self._parked = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="roofline-engine", daemon=True)
-        self._thread.start()
-        atexit.register(self.park)
-
-    def park(self) -> None:
-        """Called at interpreter exit: returns once the engine thread is idle for good (or after
-        PARK_TIMEOUT_S, if a step hangs)."""
-        self._stopping = True
-        self._jobs.put((lambda: None, Future()))  # wakes it if it waits for a job
-        self._parked.wait(self.PARK_TIMEOUT_S)
-
-    def _run(self, job: tuple[Callable[[], Any], Future]) -> None:
-        fn, future = job
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - delivered to the caller
-            future.set_exception(e)
-
-    def _loop(self) -> None:
-        while True:
-            if self._stopping:
-                self._parked.set()
-                threading.Event().wait()  # never returns: the process is exiting
-            busy = [s for s in self._schedulers if s.has_work()]
-            if not busy:
-                self._run(self._jobs.get())
-                continue
-            while True:  # every job waiting now runs before the next step
-                try:
-                    self._run(self._jobs.get_nowait())
-                except queue.Empty:
-                    break
-            blas = any(s.runner.capabilities.host_blas for s in busy)
-            with one_blas_thread() if blas else contextlib.nullcontext():  # once a step, not per host GEMM
-                for scheduler in busy:
-                    scheduler.step()
-
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        future: Future[T] = Future()
-        self._jobs.put((fn, future))
-        return future
-
-    def call(self, fn: Callable[[], T]) -> T:
-        return self.submit(fn).result()
-
-    def register(self, scheduler: Any) -> None:
-        self.call(lambda: self._schedulers.append(scheduler))
-
-    def unregister(self, scheduler: Any) -> None:
-        self.call(lambda: self._schedulers.remove(scheduler) if scheduler in self._schedulers else None)
-
-
-_shared_thread: _EngineThread | None = None
-_shared_lock = threading.Lock()
-
-
-def engine_thread() -> _EngineThread:
-    global _shared_thread
-    with _shared_lock:
-        if _shared_thread is None:
-            _shared_thread = _EngineThread()
-        return _shared_thread
+from mlx_engine.engine_thread import EngineThread, engine_thread
 
 
 class GenerationStream:
@@ -156,7 +67,7 @@ class Engine:
 
     info: ModelInfo
 
-    def __init__(self, thread: _EngineThread, runner: ModelRunner, info: ModelInfo):
+    def __init__(self, thread: EngineThread, runner: ModelRunner, info: ModelInfo):
         self._thread = thread
         self._runner = runner
         self.info = info

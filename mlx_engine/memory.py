@@ -16,9 +16,7 @@ import resource
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from mlx_engine.api import ModelLoadError
 
 FIT_CONTEXT = 4096  # tokens of KV a model must have room for when no max_context is asked (LM Studio's default)
 GB = 1e9

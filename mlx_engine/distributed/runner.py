@@ -125,7 +125,7 @@ class DistributedRunner:
         if threading.current_thread() is self._owner:
             self.release()
             return
-        from mlx_engine.engine import engine_thread
+        from mlx_engine.engine_thread import engine_thread
 
         try:  # between the engine's steps, as every collective of rank 0 runs
             engine_thread().submit(self.release).result(timeout=30)
