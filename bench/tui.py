@@ -38,10 +38,10 @@ from textual import events  # noqa: E402
 from textual.widgets import Markdown, TextArea  # noqa: E402
 
 from app.tui.app import RooflineApp  # noqa: E402
-from app.tui.fake_engine import FakeBackend, FakeEngine, FakeReply, FakeTokenizer  # noqa: E402
 from app.tui.store import ChatSettings  # noqa: E402
 from app.tui.widgets.messages import MessageView  # noqa: E402
 from mlx_engine.api import GenerationRequest, SamplingParams  # noqa: E402
+from tests.tui_fake_engine import FakeBackend, FakeEngine, FakeReply, FakeTokenizer  # noqa: E402
 
 KEY_INTERVAL_S = 0.05
 

@@ -20,7 +20,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data dir whose cached peaks spare the tests measuring this machine (the bandwidth's start-up check reads
     3 copies; none reads above 1 TB/s, so the full measurement never runs)."""
     from app.bench.machine import flops_label
-    from app.tui.chips import _cpu_name
+    from mlx_engine.roofline import _cpu_name
 
     h = tmp_path_factory.mktemp("home")
     (h / "bandwidth.json").write_text(json.dumps({"label": _cpu_name(), "bytes_per_s": 1e12, "median": 1e12,

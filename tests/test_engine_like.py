@@ -56,12 +56,12 @@ def server_fake() -> object:
 
 
 def tui_fake() -> object:
-    from app.tui.fake_engine import FakeEngine
+    from tests.tui_fake_engine import FakeEngine
 
     return FakeEngine()
 
 
-@pytest.mark.parametrize("make", [server_fake, tui_fake], ids=["tests.server_fakes", "app.tui.fake_engine"])
+@pytest.mark.parametrize("make", [server_fake, tui_fake], ids=["tests.server_fakes", "tests.tui_fake_engine"])
 def test_every_fake_engine_has_the_engine_surface(make) -> None:
     engine = make()
     assert mismatches(engine) == []

@@ -22,7 +22,7 @@ def kv_file(home, chat_id: int, model: str = "FakeLM-1M (test)"):
     from types import SimpleNamespace
 
     from app.tui.chat_kv import model_key
-    from app.tui.fake_engine import fake_info
+    from tests.tui_fake_engine import fake_info
 
     return home / "kv" / f"{chat_id}-{model_key(SimpleNamespace(info=fake_info(model)))}.safetensors"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from textual.widgets import Input, TextArea
 
-from app.tui.fake_engine import FakeReply
+from tests.tui_fake_engine import FakeReply
 from app.tui.widgets.stats import LiveStats
 from tests.tui_helpers import make_app, ready, send, wait_for
 

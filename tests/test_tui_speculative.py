@@ -9,7 +9,7 @@ from textual.geometry import Region
 from textual.widgets.markdown import MarkdownBlock, MarkdownFence
 
 from app.tui.drafted import add_marks, clip, draft_spans, overlaps
-from app.tui.fake_engine import FAKE_DRAFT_NAME, FakeReply
+from tests.tui_fake_engine import FAKE_DRAFT_NAME, FakeReply
 from app.tui.screens.settings import SettingsScreen, sampling_params
 from app.tui.store import ChatSettings, ChatStore
 from app.tui.streaming import TokenBuffer

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from app.tui import chips
-from app.tui.chips import Bandwidth, load_chips, lookup, machine_bandwidth
+from mlx_engine import roofline as chips
+from mlx_engine.roofline import Bandwidth, load_chips, lookup, machine_bandwidth
 from app.tui.store import ChatSettings, ChatStore
 from app.tui.streaming import TokenBuffer
 from app.tui.widgets.stats import LiveStats
@@ -188,7 +188,7 @@ def test_roofline_fraction_is_bytes_times_rate_over_bandwidth() -> None:
 
 
 def test_importing_the_app_loads_no_mlx() -> None:
-    probe = ("import app.tui, app.tui.app, app.tui.fake_engine, app.cli, sys; "
+    probe = ("import app.tui, app.tui.app, app.cli, sys; "
              "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -1,6 +1,6 @@
 """The machine a benchmark ran on, and its two rooflines: peak memory bandwidth (decode) and peak FLOP/s
 (prefill), from the chip table in assets/chips.json where it knows the chip, else measured and cached (the best
-reading kept: see app/tui/chips.py for the bandwidth, `measured_peak` for the FLOP/s)."""
+reading kept: see mlx_engine/roofline.py for the bandwidth, `measured_peak` for the FLOP/s)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.tui.chips import CHIPS_FILE, _cpu_name, detect_chip, machine_bandwidth
+from mlx_engine.roofline import CHIPS_FILE, _cpu_name, detect_chip, machine_bandwidth
 
 FLOPS_CACHE_NAME = "peak_flops.json"
 

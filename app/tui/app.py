@@ -17,7 +17,7 @@ from mlx_engine.api import RooflineError
 from app.tui.backend import EngineBackend
 from app.tui.chat_kv import ChatKV
 from app.tui.chat_screen import ChatScreen
-from app.tui.chips import Bandwidth
+from mlx_engine.roofline import Bandwidth
 from app.tui.reply import no_tokenizer_notice
 from app.tui.screens.help import HelpScreen
 from app.tui.screens.inspector import TokenInspector

@@ -11,7 +11,7 @@ from typing import Any
 
 from mlx_engine.api import EngineLike, GenerationRequest, SamplingParams
 
-from app.tui.chips import Bandwidth, machine_bandwidth
+from mlx_engine.roofline import Bandwidth, machine_bandwidth
 
 
 class EngineBackend:

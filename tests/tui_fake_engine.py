@@ -34,7 +34,7 @@ from mlx_engine.api import (
 from mlx_engine.catalog import ModelSummary
 
 from app.tui.backend import EngineBackend
-from app.tui.chips import Bandwidth
+from mlx_engine.roofline import Bandwidth
 
 FAKE_KV_FORMAT = "fake-kv-1"
 _PIECE = re.compile(r" ?[A-Za-z0-9]+| ?[^\sA-Za-z0-9]|\s+")
