@@ -1,5 +1,6 @@
 """`roofline bench` on the MLX backend and on the torch backend (CPU), and mlx-lm's own benchmark
-(`mlx_lm.benchmark`'s method), on the same model in one run; prints a Markdown section for docs/benchmarks.md.
+(`mlx_lm.benchmark`'s method), on the same model in one run; prints a Markdown section for
+docs/benchmarks/roofline-bench.md.
 
     uv run python bench/bench_vs_peers.py [--model M] [-p 512] [-n 128] [--batch 1] [--context 0] [--repeats 5]
 

@@ -9,7 +9,8 @@ The clients are not the project's dependencies: they live in a venv of their own
 
 It starts `roofline serve` on 127.0.0.1 (a free port, the embedded SmolLM2 unless --model), runs each case of
 bench/clients_cases.py in that venv's Python (one process per case: plain chat, streaming, tool calling as agent
-loops, structured output), prints a table, and with --write puts it at the end of docs/benchmarks.md. A row says
+loops, structured output), prints a table, and with --write puts it in docs/benchmarks/clients.md (in place of the
+section of the same heading, or at the end); docs/benchmarks.md's summary is updated by hand. A row says
 whether the protocol worked and the loop ended; a 135M model's answers are often wrong, and the table says so
 rather than hiding it. Clients' phone-home is switched off (litellm's cost map); all traffic is loopback.
 """
@@ -31,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = ROOT / "bench" / "clients_cases.py"
-BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+BENCHMARKS = ROOT / "docs" / "benchmarks" / "clients.md"  # the history; the summary is by hand
 HEADING = "## Third-party clients against `roofline serve` (issue 26)"
 PACKAGES = {"openai": "openai", "llm": "llm", "litellm": "litellm", "langchain": "langchain-openai",
             "pydantic_ai": "pydantic-ai-slim", "instructor": "instructor"}
@@ -159,7 +160,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a case may take (default 300)")
     ap.add_argument("--baseline", type=Path, help="also run every case against the server of this checkout (an "
                     "older commit's worktree), for a 'before' column")
-    ap.add_argument("--write", action="store_true", help=f"put the table at the end of {BENCHMARKS.relative_to(ROOT)}")
+    ap.add_argument("--write", action="store_true", help=f"put the table in {BENCHMARKS.relative_to(ROOT)}")
     args = ap.parse_args()
     python = args.clients_python
     if not Path(python).exists():

@@ -5,7 +5,8 @@ run, interleaved, so that load on the machine hits both alike.
 
 Each run is a fresh process (`roofline generate --json` on a fixed prompt of random token text, greedy, EOS
 ignored through -n): the mode is read when the model loads. Prints the load average before and after, each run's
-prefill and decode tok/s, and the medians with the on/off ratio, as a Markdown table for docs/benchmarks.md.
+prefill and decode tok/s, and the medians with the on/off ratio, as a Markdown table for
+docs/benchmarks/engine-vs-mlx-lm.md.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ paged KV cache: one greedy sequence after a 1,024-token context, then four at on
 8-bit KV for the single sequence. Two figures, medians over repeats within a process: the engine's `decode_tps`
 (wall clock: on a loaded machine mostly the load), and the process's CPU time per generated token (every thread's,
 `time.process_time`: the work done, which load shifts far less). The tables give each checkout's median (min-max)
-over rounds and the ratio after/before. Prints a markdown section for docs/benchmarks.md on stdout, progress on
-stderr.
+over rounds and the ratio after/before. Prints a markdown section for docs/benchmarks/engine-vs-mlx-lm.md on stdout,
+progress on stderr.
 """
 
 from __future__ import annotations

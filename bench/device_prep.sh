@@ -11,7 +11,8 @@
 #   run(command="bash bench/device_check.sh",       carry=[".dev/p2"], timeout_s=540)               # ~6 min
 # and, if the machine is still warm and time is left (its files are kept in /tmp/roofline-dev there):
 #   run(command="bash bench/device_check.sh server", timeout_s=330)                                # issue 7
-# Copy what they print into docs/benchmarks.md (the files come back under $OUT); then give the machine back.
+# Copy what they print into docs/benchmarks/h200.md (the files come back under $OUT; the headline figures into
+# docs/benchmarks.md); then give the machine back.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.dev/' .git/info/exclude 2>/dev/null || echo '/.dev/' >> .git/info/exclude

@@ -1,5 +1,5 @@
 """Two hosts simulated in network namespaces: decode tokens/s of pipeline and tensor parallel against the link's
-bandwidth, beside the link's roof (docs/benchmarks.md, issue 25).
+bandwidth, beside the link's roof (docs/benchmarks/distributed.md, issue 25).
 
     sudo python bench/distributed.py --rates 1mbit,10mbit,100mbit,off [--model PATH] [--markdown]
 

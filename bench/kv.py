@@ -13,7 +13,7 @@
    through `Engine.score` (quantized K/V smoothed as the engine stores them: `mlx_engine/kv/smoothing.py`).
 5. Decode tokens/s with paged against contiguous KV at 1K and 4K of context, runs alternating.
 
-Prints a markdown section for docs/benchmarks.md on stdout, progress on stderr. The embedded SmolLM2
+Prints a markdown section for docs/benchmarks/kv-cache.md on stdout, progress on stderr. The embedded SmolLM2
 by default. `--quick` shrinks every figure to a smoke test (its numbers are not the reported ones).
 """
 

@@ -7,7 +7,7 @@ A temporary home holds the models as a user's machine would: GGUF repos in the H
 manifests and blobs, LM Studio folders, each file a hard link to the embedded SmolLM2 GGUF (98 MB, a 49K-token
 vocabulary with its merges: what a header read steps over), so nothing is copied. Each listing runs as
 `roofline models --json` in a fresh process, as a user runs it; the figures are the median of the repeats.
-Prints a markdown section for docs/benchmarks.md on stdout.
+Prints a markdown section for docs/benchmarks/models-list.md on stdout.
 """
 
 from __future__ import annotations

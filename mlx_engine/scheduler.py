@@ -170,7 +170,7 @@ class Scheduler:
         """T_draft(1) / T(1): a draft model's step in target decode steps, timed beside a target step. Divided by
         the curve's T(1), timed minutes or runs before, a slow spell of the machine made the draft look dearer, and
         one such reading kept "auto" from drafting for the rest of a run, since only the proposals it makes correct
-        the figure (docs/benchmarks.md, "Measurements moved out of the code")."""
+        the figure (docs/benchmarks/code-figures.md, "Measurements moved out of the code")."""
         curve = self._cost_curve()
         if "draft" not in curve.draft_costs:
             from mlx_engine.speculative import timing

@@ -255,8 +255,8 @@ def test_kv_at_4_bits_counts_keys_per_channel() -> None:
 
 
 def test_generate_with_quantized_kv_options() -> None:
-    """8-bit KV stays faithful (the same answer); 4-bit runs (on a 135M model its replies drift: docs/benchmarks.md,
-    figure 4's chat check). A bad value is one clear line."""
+    """8-bit KV stays faithful (the same answer); 4-bit runs (on a 135M model its replies drift:
+    docs/benchmarks/kv-cache.md, figure 4's chat check). A bad value is one clear line."""
     r = roofline("generate", "-p", "What is the capital of France?", "--max-tokens", "8", "--json", "--kv-bits", "8",
                  "--block-size", "32")
     assert r.returncode == 0, r.stderr

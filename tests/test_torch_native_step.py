@@ -163,8 +163,9 @@ def test_compile_asked_for_beside_the_native_step(folders, monkeypatch):
 
 
 def test_no_compile_by_default_where_the_step_is_native(folders, monkeypatch):
-    """torch.compile would serve only prefills there (docs/benchmarks.md): by default the load compiles nothing;
-    compiled graphs stay the default where the step cannot be native, and ROOFLINE_TORCH_COMPILE=0 still rules."""
+    """torch.compile would serve only prefills there (docs/benchmarks/torch-cpu.md): by default the load compiles
+    nothing; compiled graphs stay the default where the step cannot be native, and ROOFLINE_TORCH_COMPILE=0 still
+    rules."""
     from mlx_engine.backends.torch.runner import COMPILE_ENV, default_compile
 
     monkeypatch.delenv(COMPILE_ENV, raising=False)

@@ -1,6 +1,6 @@
 """Attention on the host for MLX's CPU backend: `sdpa`, scaled dot-product attention in numpy's BLAS in float32
 (MLX's CPU SDPA is several times slower there), MLX's fused kernel elsewhere. The figures behind the thresholds:
-docs/benchmarks.md, "Figures the code's comments used to carry"."""
+docs/benchmarks/code-figures.md, "Figures the code's comments used to carry"."""
 
 from __future__ import annotations
 

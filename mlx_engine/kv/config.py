@@ -28,8 +28,8 @@ class KVConfig:
 
     def key_per_channel(self, head_dim: int) -> bool:
         """Whether keys are quantized per channel: as set, or by default for 4-bit keys (per token they cost SmolLM2
-        6-11% perplexity, per channel under 3%: docs/benchmarks.md, figure 4) when the block size divides the head
-        dim; 8-bit keys stay per token (within 0.2% already)."""
+        6-11% perplexity, per channel under 3%: docs/benchmarks/kv-cache.md, figure 4) when the block size divides the
+        head dim; 8-bit keys stay per token (within 0.2% already)."""
         if self.kv_key_per_channel is not None:
             return self.kv_key_per_channel
         key_bits = self.kv_key_bits or self.kv_bits

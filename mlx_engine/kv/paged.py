@@ -108,7 +108,7 @@ class PagedKVStorage:
         # Quantized keys and values are stored rotated by an orthonormal Hadamard matrix (QuaRot's trick): a few
         # key channels carry outliers (RoPE pairs of large norm), which wreck a 4-bit group's scale; the rotation
         # spreads every channel's energy over the whole head, and q . k is unchanged when q is rotated too
-        # (`queries`; values: `outputs` rotates back). Measured on SmolLM2 in docs/benchmarks.md (bench/kv.py,
+        # (`queries`; values: `outputs` rotates back). Measured on SmolLM2 in docs/benchmarks/kv-cache.md (bench/kv.py,
         # figure 4).
         self.key_rotation = (hadamard(head_dim).astype(dtype)
                              if rotation and bits is not None and head_dim & (head_dim - 1) == 0 else None)
@@ -116,7 +116,7 @@ class PagedKVStorage:
         self._build_transforms()
         # Layout of every pool array: token-major (slots, Hkv, last) is what the Metal kernel reads;
         # head-major (Hkv, slots, last) lets MLX's CPU SDPA read a sequence's run of slots in place, as fast as a
-        # contiguous buffer (docs/benchmarks.md, "Figures the code's comments used to carry").
+        # contiguous buffer (docs/benchmarks/code-figures.md, "Figures the code's comments used to carry").
         self.head_major = (not mx.metal.is_available()) if head_major is None else head_major
         self.slot_axis = 1 if self.head_major else 0
         # The pool is num_blocks blocks, but memory is committed as blocks are first used: the arrays hold

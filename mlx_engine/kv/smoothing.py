@@ -16,7 +16,7 @@ SmolLM2's later layers, are stored small. s = sqrt(rms(q) / rms(k - m_k)) per ch
 error away from the channels queries weigh most: a key's 4-bit error is about proportional to its norm
 |(k - m_k) s|, the score error to that times |q / s|, and this s minimizes the product of their means over the
 calibration text. All fixed per model (not per sequence), so prefix-cached blocks stay shareable and reads need
-no correction. Measured in docs/benchmarks.md (bench/kv.py, figure 4).
+no correction. Measured in docs/benchmarks/kv-cache.md (bench/kv.py, figure 4).
 """
 
 from __future__ import annotations

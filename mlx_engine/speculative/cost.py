@@ -29,8 +29,8 @@ class CostCurve:
     def cost(self, width: int) -> float:
         """T(width)/T(1), interpolated between measured widths, past the widest along the last slope. Not forced
         to grow with the width: on the torch CPU backend a forward over 4 rows can be cheaper than over 2 or 3 (one
-        thread's float32 matmul; docs/benchmarks.md, "Measurements moved out of the code"), so a dip in the curve
-        is a width worth drafting to, not noise to smooth over."""
+        thread's float32 matmul; docs/benchmarks/code-figures.md, "Measurements moved out of the code"), so a dip in the
+        curve is a width worth drafting to, not noise to smooth over."""
         ws = sorted(self.ratios)
         if width in self.ratios:
             return self.ratios[width]

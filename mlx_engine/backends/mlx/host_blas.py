@@ -2,7 +2,7 @@
 
 MLX's Linux CPU wheel links the reference (netlib) BLAS, several times slower than numpy's OpenBLAS, and its quantized
 matmul is compute-bound, so a token's quantized matvecs cost several times numpy's float32 GEMVs (the readings:
-docs/benchmarks.md, "Measurements moved out of the code"). So on the CPU backend:
+docs/benchmarks/code-figures.md, "Measurements moved out of the code"). So on the CPU backend:
 
 - resident weights (`use_host_weights`): when float32 copies of the model's projections fit the memory
   rule (`host_weights_fit`), every projection, at every row count, runs as one numpy GEMM on a float32
@@ -73,7 +73,7 @@ def one_blas_thread() -> Iterator[None]:
 
 # OpenBLAS's sgemm packs the whole weight for any row count, so a few rows cost several times one row's gemv. Up
 # to GEMV_MAX_ROWS rows, one gemv per row over column slices that stay in cache reads each weight from memory once
-# (the readings: docs/benchmarks.md, "Measurements moved out of the code").
+# (the readings: docs/benchmarks/code-figures.md, "Measurements moved out of the code").
 GEMV_MAX_ROWS = 8
 GEMV_SLICE_BYTES = 4 * 2**20  # a column slice of the weight: well inside a server CPU's L3
 

@@ -78,11 +78,11 @@ class CompiledHalves:
     one format of the blocks it is given (a file whose layers mix quantizations, as Q4_K_M's do, has a few),
     as copies of the functions with code objects of their own (`own_code`); and a prefill's more rows
     (`PREFILL`, any number), whose attention (SDPA over the cache view) runs between its graphs (1.25-1.8x a
-    prefill's tokens a second across two runs of the bench: docs/benchmarks.md,
+    prefill's tokens a second across two runs of the bench: docs/benchmarks/torch-cpu.md,
     "prefills through compiled halves").
     So once `warmed` (every layer called at the load's warm-up, each through its guards), a call goes straight
     to the function dynamo made of its one graph (`direct_call`: no frame hook, no guards; 6-18% of a decode
-    step in five A/B runs, docs/benchmarks.md "the decode graphs called directly"). A function that
+    step in five A/B runs, docs/benchmarks/torch-cpu.md "the decode graphs called directly"). A function that
     came out of the warm-up with more than one graph keeps dynamo's call with guards skipped
     (`skip_guard_eval_unsafe`, which still checks tensors' shapes): a call that would need another graph then
     raises before it runs and runs again with its guards, compiling it."""
@@ -219,8 +219,8 @@ def _compile_options() -> Any:
     """While tracing and compiling: dynamic dims each a symbol of their own (with duck shapes, two that happened
     to be equal at the first compile would share one, and guards, skipped once warm, would be what told them
     apart); and no `assert_size_stride` on every input and kernel output of every call (~20 a layer, 2-6% of a
-    decode step: docs/benchmarks.md, "the decode graphs without inductor's size asserts"), so that once the guards
-    are skipped nothing checks an input's strides: the callers hand the graphs row-major tensors
+    decode step: docs/benchmarks/torch-cpu.md, "the decode graphs without inductor's size asserts"), so that once the
+    guards are skipped nothing checks an input's strides: the callers hand the graphs row-major tensors
     (`model.row_major`), and the graphs' outputs, fed to the next call, have their graph's strides.
     Inductor's config patches are thread-local: this runs on the thread that compiles (the engine's)."""
     from torch._inductor import config as inductor_config

@@ -13,7 +13,7 @@ import torch
 # Rows from which a matmul dequantizes its weight (to bfloat16, a slice of output rows at a time) and runs
 # oneDNN's bfloat16 GEMM (`cpu_gemm`), on a CPU with bfloat16 dot products (AVX512_BF16, AMX): the int4 kernel is
 # a float32 FMA loop, bound by compute at prefill (a prefill-sized gate: several times faster dequantized; the reading:
-# docs/benchmarks.md, "Measurements moved out of the code").
+# docs/benchmarks/code-figures.md, "Measurements moved out of the code").
 DEQUANT_MIN_ROWS = 48
 
 
@@ -61,5 +61,5 @@ def bf16_gemm() -> bool:
     into `cpu_support`, whose cache it ignores, and stop at torch's capability query). `compiled` marks it so
     when it is imported, where something compiles: the mark imports torch._dynamo, which a load with nothing
     compiled (the CPU default) need not pay (3.4 s and 66 MB of peak RSS of a `roofline generate`:
-    docs/benchmarks.md, "Issue 27 at 1.1B")."""
+    docs/benchmarks/torch-cpu.md, "Issue 27 at 1.1B")."""
     return cpu_support().bf16_gemm

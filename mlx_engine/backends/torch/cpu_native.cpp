@@ -41,9 +41,10 @@ namespace {
 constexpr int QK = 32;
 constexpr int MB = 4;       // activation rows sharing one unpacking of a block's codes
 // Bytes ahead whose codes a row's loop prefetches, into L2: a decode step streams each matrix once, and the
-// hardware's prefetchers alone left one core at ~9 GB/s of codes (docs/benchmarks.md, "Issue 27 on an AMX Xeon").
-// 16 rows ahead into L1 was tuned on SmolLM2's 288-byte rows; a 1.1B model's rows are 1-3 KB, where 16 KB ahead
-// into L2 read 1.2-1.7x the bytes a second on an AMD EPYC (docs/benchmarks.md, "Issue 27 at 1.1B")
+// hardware's prefetchers alone left one core at ~9 GB/s of codes (docs/benchmarks/torch-cpu.md,
+// "Issue 27 on an AMX Xeon"). 16 rows ahead into L1 was tuned on SmolLM2's 288-byte rows; a 1.1B model's rows are
+// 1-3 KB, where 16 KB ahead into L2 read 1.2-1.7x the bytes a second on an AMD EPYC (docs/benchmarks/torch-cpu.md,
+// "Issue 27 at 1.1B")
 constexpr int64_t PF_BYTES = 16384;
 constexpr int64_t NT = 64;  // output rows a tile: their codes stay in L1/L2 across the activation rows
 
@@ -654,9 +655,9 @@ struct Gemm {
 // The buffers of one forward's GEMM path (a prefill chunk's rows), a role each, grown to the largest a layer asks
 // and taken again by the next layer: the layers' transients then land on the same memory. As fresh tensors a layer,
 // malloc spread them over the heap's free space, which the load had handed back: a 1.1B model's 256-row chunk grew
-// the RSS by 103 MB where 42 MB were ever in use at once (docs/benchmarks.md, "Issue 27: one workspace a forward").
-// A role serves values whose lifetimes do not meet: F the normed input, then attention's output, then the MLP's
-// activation; YZ q/k/v's outputs, then gate/up's.
+// the RSS by 103 MB where 42 MB were ever in use at once (docs/benchmarks/torch-cpu.md,
+// "Issue 27: one workspace a forward"). A role serves values whose lifetimes do not meet: F the normed input, then
+// attention's output, then the MLP's activation; YZ q/k/v's outputs, then gate/up's.
 struct Workspace {
   enum Role { F, Q, YZ, XB, W, PART, ROLES };
   std::array<at::Tensor, ROLES> bufs;  // bytes

@@ -1,9 +1,9 @@
 """Roofline's own CPU matmul for quantized weights (`cpu_native.cpp`), on any x86-64 CPU with AVX2.
 
-torch's int4 kernel widens each weight to float32 before its FMA: on an AVX2 CPU without AVX-512 it reads 2.7-3
-GB/s of packed weights a core (docs/benchmarks.md, "Issue 27 on an AVX2 CPU"), a third of the core's bandwidth,
-and on an AVX-512 one it still takes 1.6x this kernel's time (8-bit codes, as two int4 planes: 3.3x; "Issue 27 on
-an AVX-512 CPU with VNNI"). `NativeWeight` holds a matrix as its codes and, per block of 32 inputs, a scale and an
+torch's int4 kernel widens each weight to float32 before its FMA: on an AVX2 CPU without AVX-512 it reads 2.7-3 GB/s
+of packed weights a core (docs/benchmarks/torch-cpu.md, "Issue 27 on an AVX2 CPU"), a third of the core's bandwidth,
+and on an AVX-512 one it still takes 1.6x this kernel's time (8-bit codes, as two int4 planes: 3.3x; "Issue 27 on an
+AVX-512 CPU with VNNI"). `NativeWeight` holds a matrix as its codes and, per block of 32 inputs, a scale and an
 offset (w = d * c + m), and multiplies it the way llama.cpp does on such CPUs: the activations rounded to int8 per
 block of 32 (max|x| / 127), integer products summed per block (VNNI's vpdpbusd where the CPU has it), scaled in
 float32. A prefill's rows, on a CPU with bfloat16 dot products, dequantize to oneDNN's bfloat16 GEMM instead

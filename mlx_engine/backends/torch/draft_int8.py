@@ -18,7 +18,7 @@ from mlx_engine.backends.torch.model import Embedding, Linear, Model, weight_nby
 # Rows a call sends through the int8 matmul one by one; more are multiplied by the dequantized weight. A draft's
 # catch-up (the tokens prompt lookup copied or plain steps took since its last proposal) row by row costs a fixed
 # part and a steeper one a row than through the dequantized weight, whose fixed part is larger; they cross near
-# here (the readings: docs/benchmarks.md, "Issue 27 follow-ups")
+# here (the readings: docs/benchmarks/torch-cpu.md, "Issue 27 follow-ups")
 INT8_MAX_ROW_CALLS = 32
 
 

@@ -118,7 +118,7 @@ def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed host tensor on an anonymous memory map: the kernel's zero pages until written, so what is resident
     is the blocks handed out so far (never more than the capacity's), and unmapped when the tensor goes. Pools of
     torch.zeros that double zeroed the grown half at once, copied the used half and left the outgrown pools as
-    holes in malloc's heap (SmolLM2 Q4_0, a 1,100-token prompt: 8-13 MB more peak RSS; docs/benchmarks.md)."""
+    holes in malloc's heap (SmolLM2 Q4_0, a 1,100-token prompt: 8-13 MB more peak RSS; docs/benchmarks/torch-cpu.md)."""
     count = math.prod(shape)
     pages = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)

@@ -4,8 +4,8 @@ residuals of every layer, in C++ around the same quantized matmuls (`NativeWeigh
 forwards, the dequantizing bfloat16 GEMM from `cpu_features.DEQUANT_MIN_ROWS` rows, as `NativeWeight.matmul`), in
 place of a compiled graph call a layer or the eager ops. A prefill chunk's rows attend through torch's SDPA. What
 the graphs left on the host was most of a step: at 2 threads a decode step's engine thread spent 34% of its time
-in the matmul kernels and 25% in Python, 14% in torch's dispatch (docs/benchmarks.md, "Issue 27: the decode step
-in one call").
+in the matmul kernels and 25% in Python, 14% in torch's dispatch (docs/benchmarks/torch-cpu.md, "Issue 27: the decode
+step in one call").
 
 `NativeStep.layout(model)` says whether a model can run so (every projection a `NativeWeight` without a bias past
 q/k/v, float32 activations, a head_dim that is a multiple of 8), and why not where it cannot, and lays its layers'

@@ -48,17 +48,18 @@ def default_compile(packed_cpu: bool, native: bool) -> bool:
     """compile=None: on for packed CPU weights whose decode steps run as compiled graphs; off where a forward's
     layers are one native call (`native_step`), since the graphs would then serve prefills only, level with the
     native prefill at 128 tokens and 1.05-1.15x at 512, at the cost of a 3-4x slower load and 60-85 MB more peak
-    memory (docs/benchmarks.md, "Issue 27: the decode step in one call"); off with ROOFLINE_TORCH_COMPILE=0."""
+    memory (docs/benchmarks/torch-cpu.md, "Issue 27: the decode step in one call"); off with
+    ROOFLINE_TORCH_COMPILE=0."""
     return packed_cpu and not native and os.environ.get(COMPILE_ENV, "1") not in ("0", "off", "false")
 
 # A single sequence's prefill of at most this many positions (a speculative verification of k + 1 <= 17
 # tokens, a short prompt's last chunk) replays a CUDA graph as that many decode rows
 MAX_GRAPH_PREFILL = 17
 # Prefill tokens per forward on CUDA: at 512 a small model's forward is bound by its eager launches, whatever its
-# rows, so the chunk is large (docs/benchmarks.md, "Measurements moved out of the code").
+# rows, so the chunk is large (docs/benchmarks/code-figures.md, "Measurements moved out of the code").
 CUDA_PREFILL_CHUNK = 4096
 # On the CPU: as fast as 512 (the GEMM's rows past ~200 buy nothing) with half the chunk's activations, which set
-# the prefill's peak RSS (docs/benchmarks.md, "Issue 27: the prefill's working set")
+# the prefill's peak RSS (docs/benchmarks/torch-cpu.md, "Issue 27: the prefill's working set")
 CPU_PREFILL_CHUNK = 256
 
 
@@ -234,7 +235,7 @@ class TorchRunner(CacheRunner):
             from mlx_engine.backends.torch.weights import trim_heap
 
             note, info = runner.compile_decode(), runner.info
-            trim_heap()  # what tracing and lowering freed (~30 MB of SmolLM2's compile, docs/benchmarks.md)
+            trim_heap()  # what tracing and lowering freed (~30 MB of SmolLM2's compile, docs/benchmarks/torch-cpu.md)
             runner.info = (dataclasses.replace(info, warnings=(*info.warnings, note)) if runner.model.compiled is None
                            else dataclasses.replace(info, notes=(*info.notes, note)))
             runner.warm_prefill()

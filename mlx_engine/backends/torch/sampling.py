@@ -2,8 +2,8 @@
 
 The shared sampler runs in MLX on the host: with a CUDA model it would bring every row's logits to the host
 and draw there, where MLX's CPU backend's categorical draw is slow (its `exp` and `log`): at a large batch the
-sampling alone cost several of the GPU's whole decode steps (docs/benchmarks.md, "Measurements moved out of the
-code"). Here the same distribution is drawn on the device:
+sampling alone cost several of the GPU's whole decode steps (docs/benchmarks/code-figures.md, "Measurements moved out of
+the code"). Here the same distribution is drawn on the device:
 
 - greedy rows: the argmax (the first maximum, as MLX's);
 - the others: `Sampler._filtered`'s rule in torch (temperature first, then the top-k, top-p over the top-k

@@ -6,7 +6,7 @@
   tile by tile in registers, accumulated in float32.
 - `rms_norm`, `rope`, `silu_mul`: a decoder layer's elementwise work, one kernel each where torch launches
   8 (a norm), 9 (rope of q or k) and 2 (the MLP's gate): a decode step of a small model is bound by its
-  kernel count, not by bytes (docs/benchmarks.md, the H200 check).
+  kernel count, not by bytes (docs/benchmarks/h200.md, the H200 check).
 
 GGUF Q4_0 / Q4_1 / Q8_0 weights reach the kernel in that affine format (the loader's exact repack,
 `loading.gguf_tensors.affine_from_gguf`, or MLX's own); k-quants arrive dequantized at load.

@@ -250,7 +250,7 @@ def build_model(args: Any, weights: dict[str, Any], quantization: dict[str, Any]
 def _no_mlx_cache() -> Iterator[None]:
     """MLX's buffer cache off while the weights convert: each source array's buffers (a tensor's, read when taken)
     go back at once instead of staying cached for MLX arrays that never come (the ~100 MB an embedding's
-    conversion left there: docs/benchmarks.md, "Issue 27: the torch CPU load")."""
+    conversion left there: docs/benchmarks/torch-cpu.md, "Issue 27: the torch CPU load")."""
     import mlx.core as mx
 
     before = mx.set_cache_limit(0)
@@ -276,7 +276,7 @@ TRIM_BYTES = 2**20
 def trim_heap() -> None:
     """Under glibc, the heap's free pages handed back to the system, which malloc otherwise keeps for the process:
     the transients of converting one tensor, freed, would otherwise stay resident beside the next one's (the
-    readings: docs/benchmarks.md, "Issue 27 follow-ups" and "Issue 27: the torch CPU load")."""
+    readings: docs/benchmarks/torch-cpu.md, "Issue 27 follow-ups" and "Issue 27: the torch CPU load")."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
