@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
     p.add_argument("--model-b", help="a different checkpoint for the second side (default: --model); same tokenizer")
     p.add_argument("--backends", default="mlx,torch", help="the two sides, A,B (default mlx,torch)")
-    from app.cli import runner_args
+    from app.options import runner_args
 
     runner_args(p, backend=False)  # --device, --threads, --[no-]compile: of the non-MLX side(s); MLX runs where MLX runs
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
@@ -219,7 +219,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
         raise RooflineError("--device cuda needs a torch side (--backends mlx,torch)")
     if "torch" not in backends and args.dtype is not None:
         raise RooflineError(f"--dtype {args.dtype} sets the torch side's activations: it needs --backends mlx,torch")
-    from app.cli import runner_options
+    from app.options import runner_options
 
     options = runner_options(args)
     options.pop("device", None)

@@ -30,7 +30,7 @@ def int_list(flag: str, text: str, minimum: int) -> tuple[int, ...]:
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--model", "-m", help="GGUF file, model folder or HF repo id (default: the embedded SmolLM2)")
-    from app.cli import runner_args
+    from app.options import runner_args
 
     runner_args(b)
     b.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
@@ -59,7 +59,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      batches=int_list("--batch", args.batch, 1), contexts=int_list("--context", args.context, 0),
                      repeats=args.repeats)
     spec.validate()
-    from app.cli import runner_options
+    from app.options import runner_options
 
     options = runner_options(args)
     out = Path(args.json) if args.json else None

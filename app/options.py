@@ -1,0 +1,48 @@
+"""Options shared by the commands that run a model (chat, generate, serve, bench, parity): one definition, which
+the CLI and the bench and parity commands import, so none of them imports another."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from mlx_engine.api import RooflineError
+
+BACKENDS = ("mlx", "torch")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def runner_args(parser: argparse.ArgumentParser, backend: bool = True) -> None:
+    """The model runner's options, one definition for every command that runs a model (chat, generate, serve,
+    bench, parity: parity names its two sides with --backends instead of --backend)."""
+    r = parser.add_argument_group("model runner")
+    if backend:
+        r.add_argument("--backend", choices=BACKENDS, default="mlx",
+                       help="mlx (default: Metal on a Mac, MLX's CPU backend elsewhere) or torch (CUDA or the CPU: "
+                       "the fast path on Linux, where it reads quantized weights packed; the optional extra)")
+    r.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto (default), cpu or cuda (cuda and cpu pick the torch backend's device)")
+    r.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads of the torch backend on the CPU (default: all the cores torch sees)")
+    r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="the torch backend on the CPU: run prefills (and decode steps, where they are not one "
+                   "native call) as torch.compile graphs, compiled at load: a slower load and more memory, prefill "
+                   "at most ~1.1x (default: on only where the layers are not one native call)")
+
+
+def runner_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine.load's runner options from `runner_args` (those left at their defaults omitted), checked before
+    any model loads."""
+    backend = getattr(args, "backend", "mlx")
+    torch_side = backend == "torch" or "torch" in getattr(args, "backends", "")
+    if args.device == "cuda" and not torch_side:
+        raise RooflineError("--device cuda needs --backend torch (the MLX backend runs on Metal or the CPU)")
+    if args.threads is not None and args.threads < 1:
+        raise RooflineError(f"--threads {args.threads}: expected an integer >= 1")
+    compile_flag = "--compile" if args.compile else "--no-compile"
+    for flag, value in (("--threads", args.threads), (compile_flag, args.compile)):
+        if value is not None and not torch_side:
+            raise RooflineError(f"{flag} needs --backend torch (it sets the torch backend's CPU work)")
+    chosen = (("backend", backend, "mlx"), ("device", args.device, "auto"), ("threads", args.threads, None),
+              ("compile", args.compile, None))
+    return {k: v for k, v, default in chosen if v != default}
