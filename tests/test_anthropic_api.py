@@ -220,6 +220,8 @@ def test_a_bad_max_tokens_is_a_bad_request_in_anthropics_shape(client, model_id,
      "'thinking.budget_tokens': this model does not reason"),
     (HI, {"tools": [{"name": "x", "input_schema": {"type": "colour"}}]}, "'tools[0].input_schema' is not a JSON Schema"),
     (HI, {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "'tool_choice' names 'nope'"),
+    (HI, {"output_config": {"format": {"type": "json_schema", "schema": {"type": "colour"}}}},
+     "output_config.format: "),
     (HI, {"model": "claude-sonnet-4-5"}, "The model 'claude-sonnet-4-5' does not exist"),
 ])
 def test_refusals_name_the_field(client, model_id, messages, extra, words) -> None:
@@ -265,3 +267,10 @@ def test_the_api_key_as_x_api_key_or_a_bearer_token(engine, model_id) -> None:
         assert r.status_code == 401 and "x-api-key" in r.json()["error"]["message"]
         r = httpx.get(s.url + "/v1/models", headers={"x-api-key": KEY})  # the OpenAI routes take it too
         assert r.status_code == 200 and r.json()["data"][0]["id"] == model_id
+
+
+def test_output_config_format_holds_the_reply_to_a_schema(client, model_id) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}}, "required": ["answer"]}
+    r = client.messages.create(model=model_id, max_tokens=40, messages=HI, extra_body=GREEDY,
+                               output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert r.stop_reason == "end_turn" and list(json.loads(r.content[0].text)) == ["answer"]

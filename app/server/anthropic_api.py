@@ -288,7 +288,7 @@ def parse_messages(body: dict[str, Any], model_names: set[str], served_id: str, 
     except APIError as e:
         old, e.param = e.param, _param(e.param, turns.origin)
         if old and e.param:
-            e.message = e.message.replace(f"'{old}'", f"'{e.param}'")
+            e.message = e.message.replace(old, e.param)
         raise
     if job.format_param == "response_format":
         job.format_param = "output_config.format"
