@@ -172,6 +172,8 @@ BAD = [
      "messages[0] contains an unpaired UTF-16 surrogate"),
     ({**GOOD, "system": [{"type": "image"}]}, "'system[0].type' \"image\" is not supported"),
     ({**GOOD, "temperature": 1.5}, "'temperature' must be in [0, 1], got 1.5"),
+    ({**GOOD, "temperature": 3}, "'temperature' must be in [0, 1], got 3"),
+    ({**GOOD, "temperature": "hot"}, "'temperature' must be a number"),
     ({**GOOD, "top_k": "5"}, "'top_k' must be an integer"),
     ({**GOOD, "stop_sequences": "x"}, "'stop_sequences' must be an array of non-empty strings"),
     ({**GOOD, "tools": [{"name": "f"}]}, "'tools[0].input_schema' is required"),

@@ -278,6 +278,9 @@ def parse_messages(body: dict[str, Any], model_names: set[str], served_id: str, 
         for name in ("temperature", "top_p", "top_k", "stream"):
             if body.get(name) is not None:
                 chat[name] = body[name]
+    t = body.get("temperature")
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and not 0 <= t <= 1:  # Anthropic's range, not chat's
+        raise invalid(f"'temperature' must be in [0, 1], got {t}", "temperature")
     _tools(body, chat)
     _output_format(body, chat)
     metadata = body.get("metadata")
@@ -292,8 +295,6 @@ def parse_messages(body: dict[str, Any], model_names: set[str], served_id: str, 
         raise
     if job.format_param == "response_format":
         job.format_param = "output_config.format"
-    if job.sampling["temperature"] > 1:
-        raise invalid(f"'temperature' must be in [0, 1], got {body['temperature']}", "temperature")
     job.sampling["stop"] = _stop_sequences(body)
     _thinking(body, job, reasoning, job.max_tokens)
     return job
