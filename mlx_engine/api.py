@@ -247,6 +247,9 @@ class GenerationEvent:
     usage: Usage | None = None
     stats: Stats | None = None
     error: str | None = None
+    # the final event of a reply that a stop string ended (finish_reason "stop"): which of SamplingParams.stop it was
+    # (the text holds none of it); None where the reply ended otherwise (EOS, a grammar's end)
+    stop_string: str | None = None
 
     @property
     def done(self) -> bool:

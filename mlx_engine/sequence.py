@@ -123,6 +123,7 @@ class Sequence:
             usage=Usage(prompt_tokens=len(self.prompt), completion_tokens=self.n_out,
                         cached_prompt_tokens=self.num_cached),
             stats=stats,
+            stop_string=self.stops.hit if self.stops is not None else None,
         )
 
 

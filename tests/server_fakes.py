@@ -6,7 +6,9 @@ steers the reply: "[raise]" makes iteration raise after two tokens, "[error]" en
 event, "[slow]" sleeps 20 ms per token, "[long]" replies 40 tokens. With `prompt_logprobs` the first event gives
 token t of the prompt the log-probability -t / 100, its best alternative 'x' at -0.5. A named speculative mode marks every
 second token as drafted (final stats: half the drafts accepted, one per verification); "draft" is refused
-(no draft model), "auto" steps aside.
+(no draft model), "auto" steps aside. `FakeEngine(reasoning="think")` is a reasoning model: each reply first thinks
+THOUGHT, a character an event in `reasoning` (at most `reasoning_budget` of them; none with the template's
+`enable_thinking: false`), then answers.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from mlx_engine.api import (NO_DRAFT_MODEL, GenerationEvent, GenerationRequest, 
 VOCAB = 1000
 CONTEXT = 64
 REPLY = "Hello world"
+THOUGHT = "Hmm, hi."
 
 
 class FakeTokenizer:
@@ -32,7 +35,8 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([2] if add_special_tokens else []) + [min(ord(c), VOCAB - 1) for c in text]
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> list[int]:
         if any(m["content"] == "[template-error]" for m in messages):
             raise RequestError("chat template error: the template refused this conversation")
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt
@@ -52,7 +56,10 @@ class FakeStream:
         p = request.sampling
         text = engine.tokenizer.decode(ids)
         reply = REPLY * 4 if "[long]" in text else REPLY
-        self.tokens = [ord(c) for c in reply][:p.max_tokens]
+        thinks = engine.info.reasoning is not None and (request.chat_template_kwargs or {}).get("enable_thinking", True)
+        thought = THOUGHT[:p.reasoning_budget] if thinks else ""
+        self.num_thought = min(len(thought), p.max_tokens)  # the first tokens are reasoning
+        self.tokens = [ord(c) for c in thought + reply][:p.max_tokens]
         self.raise_at = 2 if "[raise]" in text else None
         self.error = "[error]" in text
         self.delay = 0.02 if "[slow]" in text else 0.0
@@ -71,7 +78,7 @@ class FakeStream:
     def __iter__(self) -> FakeStream:
         return self
 
-    def _end(self, reason: str, error: str | None = None, text: str = "") -> GenerationEvent:
+    def _end(self, reason: str, error: str | None = None, text: str = "", stop: str | None = None) -> GenerationEvent:
         self.done = True
         with self.engine.lock:
             self.engine.active -= 1
@@ -81,8 +88,9 @@ class FakeStream:
                       target_forwards=self.i - drafted)
         plps, self.prompt_lps = self.prompt_lps, ()  # when no token took them (max_tokens=0)
         return GenerationEvent(text=text, finish_reason=reason, error=error,  # type: ignore[arg-type]
-                               usage=Usage(self.num_prompt, self.i, self.engine.cached(self.num_prompt)), stats=stats,
-                               prompt_logprobs=plps)
+                               usage=Usage(self.num_prompt, self.i, self.engine.cached(self.num_prompt),
+                                           min(self.i, self.num_thought)),
+                               stats=stats, prompt_logprobs=plps, stop_string=stop)
 
     def __next__(self) -> GenerationEvent:
         if self.done:
@@ -100,6 +108,8 @@ class FakeStream:
             return self._end("length" if self.i == self.params.max_tokens else "stop")
         tok = self.tokens[self.i]
         self.i += 1
+        if self.i <= self.num_thought:
+            return GenerationEvent(reasoning=chr(tok), token_ids=(tok,), from_draft=(False,))
         self.out += chr(tok)
         lps: tuple[TokenLogprob, ...] = ()
         if self.params.logprobs is not None:
@@ -107,7 +117,7 @@ class FakeStream:
             lps = (TokenLogprob(tok, -0.25, top),)
         for s in self.params.stop:
             if s in self.out:
-                return self._end("stop")
+                return self._end("stop", stop=s)
         plps, self.prompt_lps = self.prompt_lps, ()
         return GenerationEvent(text=chr(tok), token_ids=(tok,), from_draft=(self.drafting and self.i % 2 == 0,),
                                logprobs=lps, prompt_logprobs=plps)
@@ -120,10 +130,10 @@ class FakeStream:
 
 
 class FakeEngine:
-    def __init__(self, name: str = "Fake-1B (Q4 test)"):
+    def __init__(self, name: str = "Fake-1B (Q4 test)", reasoning: str | None = None):
         self.info = ModelInfo(name=name, path="/fake", model_type="llama", source_format="gguf", num_parameters=1,
                               quantization="Q4_1", context_length=CONTEXT, weight_bytes=0, vocab_size=VOCAB,
-                              native=True, dtype="float32", eos_token_ids=(1,))
+                              native=True, dtype="float32", eos_token_ids=(1,), reasoning=reasoning)
         self.tokenizer = FakeTokenizer()
         self.lock = threading.Lock()
         self.active = 0
@@ -141,6 +151,8 @@ class FakeEngine:
             raise RequestError(f"the prompt is {len(ids)} tokens but the model's context is {CONTEXT} tokens")
         if request.sampling.speculative == "draft":
             raise RequestError(NO_DRAFT_MODEL)
+        if request.sampling.reasoning_budget is not None and self.info.reasoning is None:
+            raise RequestError("invalid sampling parameter reasoning_budget: this model does not reason")
         self.requests.append(request)
         self.streams.append(FakeStream(self, ids, request))
         return self.streams[-1]

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP app: routes, auth, body limits, admission, and the SSE response.
+"""The HTTP app, OpenAI-compatible (and Anthropic's Messages API): routes, auth, body limits, admission, and the SSE
+response.
 
 A request's life: read the body (<= 4 MiB) -> validate it into a Job -> wait for an admission slot (or 429)
 -> tokenize and submit on a worker thread (engine RequestError -> 400) -> stream or collect events while a
@@ -27,6 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from app.server.anthropic_api import parse_messages
+from app.server.anthropic_reply import MessagesFormatter, message_events, model_card, model_list
 from app.server.bridge import AdmissionGate, DisconnectWatch, Generation
 from app.server.errors import (
     APIError,
@@ -102,7 +105,12 @@ class Server:
                 "name": i.name, "context_length": i.context_length, "quantization": i.quantization,
                 "model_type": i.model_type, "num_parameters": i.num_parameters}
 
+    def _anthropic_card(self) -> dict[str, Any]:
+        return model_card(self.model_id, self.info.name, self.created)
+
     async def models(self, request: Request) -> Response:
+        if "anthropic-version" in request.headers:  # an Anthropic client: its shape
+            return JSONResponse(model_list(self._anthropic_card()))
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: Request) -> Response:
@@ -110,6 +118,8 @@ class Server:
         if name not in self.model_names:
             raise APIError(404, f"The model '{name}' does not exist: this server serves '{self.model_id}'",
                            "model", "model_not_found")
+        if "anthropic-version" in request.headers:
+            return JSONResponse(self._anthropic_card())
         return JSONResponse(self._model_card())
 
     async def metrics_text(self, request: Request) -> Response:
@@ -162,16 +172,34 @@ class Server:
     async def responses(self, request: Request) -> Response:
         return await self._complete(request, "responses")
 
+    async def messages(self, request: Request) -> Response:
+        return await self._complete(request, "messages")
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's `/v1/messages/count_tokens`: the rendered prompt's tokens, tools included."""
+        job = parse_messages(parse_body(await read_body(request, self.config.max_body_bytes)), self.model_names,
+                             self.model_id, self.info.context_length, self.info.vocab_size, self.info.reasoning,
+                             count_only=True)
+        try:
+            ids = await run_in_threadpool(self._encode_chat, job)
+        except RequestError as e:
+            raise from_request_error(str(e), {}) from None
+        return JSONResponse({"input_tokens": len(ids)})
+
     # ---- completions -------------------------------------------------------------------------------------
 
-    async def _complete(self, request: Request, endpoint: Endpoint | Literal["responses"]) -> Response:
+    async def _complete(self, request: Request, endpoint: Endpoint | Literal["responses", "messages"]) -> Response:
         t0 = time.perf_counter()
         body = parse_body(await read_body(request, self.config.max_body_bytes))
-        fmt: Formatter | ResponsesFormatter
+        fmt: Formatter | ResponsesFormatter | MessagesFormatter
         if endpoint == "responses":
             job = parse_responses(body, self.model_names, self.model_id, self.info.context_length,
                                   self.info.vocab_size)
             fmt = ResponsesFormatter(job, self.model_id, body)
+        elif endpoint == "messages":
+            job = parse_messages(body, self.model_names, self.model_id, self.info.context_length,
+                                 self.info.vocab_size, self.info.reasoning)
+            fmt = MessagesFormatter(job, self.model_id)
         else:
             job = parse_job(body, endpoint, self.model_names, self.model_id, self.info.context_length,
                             self.info.vocab_size)
@@ -209,15 +237,25 @@ class Server:
                 return await self._collect(gens, fmt, t0, watch)
         if isinstance(fmt, ResponsesFormatter):
             return EventStreamResponse(gens, self._response_events(gens[0], fmt, t0))
+        if isinstance(fmt, MessagesFormatter):
+            seen: list[bool] = []
+            return EventStreamResponse(gens, message_events(fmt, gens[0], lambda e: self._first_token(e, t0, seen),
+                                                            self.cancelled_message))
         return EventStreamResponse(gens, self._chunks(gens, fmt, t0))
 
-    def _submit(self, job: Job, fmt: Formatter | ResponsesFormatter) -> list[tuple[Any, int]]:
+    def _encode_chat(self, job: Job) -> list[int]:
+        """A chat job's prompt ids: its messages through the chat template, with the job's template variables."""
+        assert job.messages is not None
+        return self.engine.tokenizer.encode_chat(job.messages, add_generation_prompt=True,
+                                                 **(job.chat_template_kwargs or {}))
+
+    def _submit(self, job: Job, fmt: Formatter | ResponsesFormatter | MessagesFormatter) -> list[tuple[Any, int]]:
         """On a worker thread: tokenize every prompt and check it against the context, score the echoed prompts,
         then start a generation per prompt (all or none)."""
         tok = self.engine.tokenizer
         try:
             if job.messages is not None:
-                prompts = [(tok.encode_chat(job.messages, add_generation_prompt=True), "messages", None)]
+                prompts = [(self._encode_chat(job), "messages", None)]
             else:
                 prompts = [(tok.encode(p.text) if p.text is not None else list(p.token_ids or ()),
                             "prompt" if len(job.prompts) == 1 else f"prompt[{i}]", p.text)
@@ -269,8 +307,10 @@ class Server:
             kw["prompt_logprobs"] = job.top_logprobs
         elif max_tokens == 0:  # echo without logprobs and no reply: the engine still reads the prompt, once
             kw["prompt_logprobs"] = 0
-        return [GenerationRequest(prompt_token_ids=ids, sampling=SamplingParams(
-            max_tokens=max_tokens, seed=None if seed is None else seed + j, **kw)) for j in range(job.n)]
+        return [GenerationRequest(prompt_token_ids=ids, chat_template_kwargs=job.chat_template_kwargs,
+                                  sampling=SamplingParams(max_tokens=max_tokens,
+                                                          seed=None if seed is None else seed + j, **kw))
+                for j in range(job.n)]
 
     def _on_done(self, gen: Generation, final: GenerationEvent) -> None:
         self.generations.discard(gen)
@@ -297,11 +337,12 @@ class Server:
         seen: list[bool] = []
 
         async def one(gen: Generation) -> tuple[Choice, GenerationEvent]:
-            texts, lps, prompt_lps = [], [], []
+            texts, thoughts, lps, prompt_lps = [], [], [], []
             final: GenerationEvent | None = None
             async for event in gen.events():
                 self._first_token(event, t0, seen)
                 texts.append(event.text)
+                thoughts.append(event.reasoning)
                 lps.extend(event.logprobs)
                 prompt_lps.extend(event.prompt_logprobs)
                 final = event
@@ -309,7 +350,8 @@ class Server:
             if final.finish_reason == "error":
                 for other in gens:  # the request fails as a whole: its other prompts stop
                     other.cancel()
-            return Choice("".join(texts), tuple(lps), final.finish_reason, tuple(prompt_lps)), final
+            return Choice("".join(texts), tuple(lps), final.finish_reason, tuple(prompt_lps), "".join(thoughts),
+                          final.stop_string), final
 
         results = await asyncio.gather(*(one(g) for g in gens))
         finals = [final for _, final in results]
@@ -564,6 +606,8 @@ def create_app(engine: EngineLike, config: ServerConfig | None = None) -> Starle
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/responses", server.responses, methods=["POST"]),
+        Route("/v1/messages", server.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
@@ -577,7 +621,9 @@ def create_app(engine: EngineLike, config: ServerConfig | None = None) -> Starle
     config = server.config
     app.add_middleware(AuthMiddleware, api_key=config.api_key)
     app.add_middleware(JSONCORSMiddleware, allow_origin_regex=origin_pattern(config.allow_origins),
-                       allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"], max_age=600)
+                       allow_methods=["GET", "POST"], max_age=600,
+                       allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version",
+                                      "anthropic-beta"])
     app.add_middleware(RequestGuard, hosts=HostCheck(config.host, config.allow_hosts),
                        allow_origins=config.allow_origins, drain=server.drain)
     app.add_middleware(CountRequests, metrics=server.metrics, routes={r.path for r in routes})

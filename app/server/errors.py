@@ -1,4 +1,6 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with the HTTP status."""
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}` with the HTTP status; for Anthropic's
+clients (the Messages routes, or an `anthropic-version` header) in Anthropic's, `{"type": "error", "error": {"type",
+"message"}}`."""
 
 from __future__ import annotations
 
@@ -11,6 +13,20 @@ from starlette.responses import JSONResponse
 
 _TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
           429: "requests", 500: "server_error", 503: "server_error"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    529: "overloaded_error"}
+# Anthropic says "overloaded" with 529 where this server says 503 (draining, or the engine cannot take requests);
+# its clients retry both
+_ANTHROPIC_STATUS = {503: 529}
+
+
+def speaks_anthropic(scope: Any) -> bool:
+    """Whether a request (its ASGI scope) gets errors in Anthropic's shape: those to the Messages routes, and any
+    from an Anthropic client, which sends `anthropic-version` (its /v1/models calls)."""
+    path = scope.get("path", "")
+    return (path == "/v1/messages" or path.startswith("/v1/messages/")
+            or any(k == b"anthropic-version" for k, _ in scope.get("headers", ())))
 
 
 class APIError(Exception):
@@ -29,7 +45,20 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's shape, which has no `param`: the message names the field where it does not already."""
+        status = _ANTHROPIC_STATUS.get(self.status, self.status)
+        kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+        message = self.message
+        if self.param and self.param not in message:
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        """The error as a response, in Anthropic's shape (and status: 529 for 503) with `anthropic`."""
+        if anthropic:
+            return JSONResponse(self.anthropic_body(), status_code=_ANTHROPIC_STATUS.get(self.status, self.status),
+                                headers=self.headers)
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
@@ -56,7 +85,7 @@ def from_request_error(message: str, param_names: dict[str, str] | None = None) 
 
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return exc.response(speaks_anthropic(request.scope))
 
 
 async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -68,8 +97,9 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     else:
         message = str(exc.detail)
     code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
-    return APIError(exc.status_code, message, None, code).response()
+    return APIError(exc.status_code, message, None, code).response(speaks_anthropic(request.scope))
 
 
 async def server_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", None, "internal_error").response()
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", None,
+                    "internal_error").response(speaks_anthropic(request.scope))

@@ -1,5 +1,6 @@
 """What every request passes before a route: the Host header (DNS rebinding), the web page it comes from (Origin),
-the drain on shutdown, the API key, CORS, and the count for /metrics. Every refusal is in OpenAI's error shape.
+the drain on shutdown, the API key, CORS, and the count for /metrics. Every refusal is in OpenAI's error shape, or in
+Anthropic's for Anthropic's clients (`errors.speaks_anthropic`).
 
 Order, outermost first: `CountRequests` -> `RequestGuard` (Host, Origin, drain) -> `JSONCORSMiddleware` ->
 `AuthMiddleware` -> the routes. A preflight from an allowed page needs no key (CORS answers it before the key is
@@ -21,7 +22,7 @@ from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
-from app.server.errors import APIError
+from app.server.errors import APIError, speaks_anthropic
 from app.server.metrics import Metrics
 
 LOCAL_ORIGIN_PATTERN = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
@@ -112,7 +113,7 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        refusal = self._refusal(headers, scope["path"])
+        refusal = self._refusal(headers, scope["path"], speaks_anthropic(scope))
         if refusal is not None:
             return await refusal(scope, receive, send)
         self.drain.in_flight += 1
@@ -121,24 +122,25 @@ class RequestGuard:
         finally:
             self.drain.in_flight -= 1
 
-    def _refusal(self, headers: dict[bytes, bytes], path: str) -> Response | None:
+    def _refusal(self, headers: dict[bytes, bytes], path: str, anthropic: bool) -> Response | None:
         host = headers.get(b"host")
         if not self.hosts.allows(host):
             name = host_name(host.decode("latin-1")) if host else ""
             return APIError(403, f"Host {name!r} is not a name this server answers to (localhost, an IP address, or "
                             f"one given with --allow-host): a web page cannot reach it through a DNS name of its own. "
                             f"To serve under this name, start it with --allow-host {name}", None,
-                            "host_not_allowed").response()
+                            "host_not_allowed").response(anthropic)
         origin = headers.get(b"origin")
         if origin is not None and not self.origins.match(origin):  # "null" too: sandboxed frames send it
             message = f"requests from web pages of other sites are refused (Origin: {origin.decode('latin-1')})"
-            return APIError(403, message, None, "origin_not_allowed").response()
+            return APIError(403, message, None, "origin_not_allowed").response(anthropic)
         if self.drain.draining and path != "/metrics":
             retry = {"Retry-After": self.drain.retry_after(), "Connection": "close"}
             if path == "/health":
                 return JSONResponse({"status": "draining"}, status_code=503, headers=retry)
             return APIError(503, "the server is shutting down and takes no new requests: retry on another server, or "
-                            "on this one once it is back", None, "server_shutting_down", headers=retry).response()
+                            "on this one once it is back", None, "server_shutting_down",
+                            headers=retry).response(anthropic)
         return None
 
 
@@ -157,7 +159,8 @@ class JSONCORSMiddleware(CORSMiddleware):
 
 
 class AuthMiddleware:
-    """With an API key, every route but /health needs `Authorization: Bearer KEY` (else 401, OpenAI's shape)."""
+    """With an API key, every route but /health needs it, as `Authorization: Bearer KEY` (OpenAI's clients, and
+    Anthropic's given an auth token) or `x-api-key: KEY` (Anthropic's given an API key); else 401."""
 
     def __init__(self, app: Any, api_key: str | None, open_paths: tuple[str, ...] = ("/health",)):
         self.app = app
@@ -167,13 +170,15 @@ class AuthMiddleware:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or self.key is None or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
-        header = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        header, api_key = headers.get(b"authorization", b""), headers.get(b"x-api-key")
         scheme, _, token = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+        if ((scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key))
+                or (api_key is not None and hmac.compare_digest(api_key.strip(), self.key))):
             return await self.app(scope, receive, send)
-        message = ("Incorrect API key provided." if header else
-                   "You didn't provide an API key: send it as 'Authorization: Bearer KEY'.")
-        resp = APIError(401, message, None, "invalid_api_key").response()
+        message = ("Incorrect API key provided." if header or api_key is not None else
+                   "You didn't provide an API key: send it as 'Authorization: Bearer KEY' (or 'x-api-key: KEY').")
+        resp = APIError(401, message, None, "invalid_api_key").response(speaks_anthropic(scope))
         resp.headers["WWW-Authenticate"] = "Bearer"
         await resp(scope, receive, send)
 

@@ -68,6 +68,7 @@ class Job:
     echo: bool = False  # completions: the prompt comes back before the reply
     tools: Tools | None = None  # chat: functions offered (the reply is held to the tool-call JSON)
     format_param: str = "response_format"  # the field the reply's grammar came from, for the engine's errors
+    chat_template_kwargs: dict[str, Any] | None = None  # variables for the chat template ({"enable_thinking": False})
 
 
 # ---- the body ------------------------------------------------------------------------------------------

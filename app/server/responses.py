@@ -80,6 +80,8 @@ class Choice:
     logprobs: tuple[TokenLogprob, ...]
     finish_reason: str
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with `echo` and logprobs: the prompt's, from the engine
+    reasoning: str = ""  # a reasoning model's thinking (GenerationEvent.reasoning)
+    stop_string: str | None = None  # the stop string that ended it (GenerationEvent.stop_string)
 
 
 class Formatter:
