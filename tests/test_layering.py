@@ -174,3 +174,99 @@ def test_loading_a_model_skips_mlx_lms_init_but_keeps_it_whole() -> None:
             "from mlx_lm.models.cache import KVCache\nassert KVCache().offset == 0")
     mods = imported_after(code)
     assert "mlx_lm" in mods
+
+
+# ---- import circles -----------------------------------------------------------------------------------------
+
+# The one circle left, until the torch backend is split into layers (issue 49, item 2): model, its execution paths
+# and the CPU kernels' wrappers import each other. Any other circle, or a bigger one here, fails.
+KNOWN_CIRCLES = [{f"{TORCH_BACKEND}.{m}" for m in ("compiled", "cpu_gemm", "cpu_native", "cpu_packed", "model",
+                                                   "native_step")}]
+
+
+def import_graph(*packages: str) -> dict[str, set[str]]:
+    """module -> the modules of `packages` it imports, read from the source (module level and inside functions;
+    `if TYPE_CHECKING:` blocks left out). `from pkg import name` counts as importing `pkg.name` where that is a
+    module, else `pkg`."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    files = {m: root / Path(*m.split(".")) for m in modules_in(*packages)}
+    files = {m: (f / "__init__.py" if f.is_dir() else f.with_suffix(".py")) for m, f in files.items()}
+
+    def owner(name: str) -> str | None:  # the innermost module of ours that `name` is or lies in
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets: list[str] = []
+        nodes = [ast.parse(path.read_text())]
+        while nodes:
+            node = nodes.pop()
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                nodes.extend(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                targets += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parent + ([node.module] if node.module else []))
+                targets += [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            nodes.extend(ast.iter_child_nodes(node))
+        graph[module] = {o for t in targets if (o := owner(t)) and o != module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = set()
+                while True:
+                    w = stack.pop()
+                    component.add(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(component)
+    return found
+
+
+def test_circles_finds_a_circle_through_a_function_level_import() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles(graph) == [{"a", "b", "c"}]
+
+
+def test_no_import_circles() -> None:
+    """Inside app, mlx_engine and kernels_metal no module imports, directly or through others, one that imports it
+    back, at module level or inside a function."""
+    found = circles(import_graph(*PACKAGES))
+    assert [c for c in found if c not in KNOWN_CIRCLES] == []
