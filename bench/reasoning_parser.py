@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
-from mlx_engine.reasoning import ThinkParser, reasoning_for  # noqa: E402
+from mlx_engine.reasoning import ThinkParser, think_tags  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Explain why the sky is blue, step by step."}]
 
@@ -58,12 +58,12 @@ def main() -> None:
         tps["on"].append(t)
         assert reasoning, "the reply was not read as reasoning"
 
-    fmt = reasoning_for(thinking.tokenizer)
-    assert fmt is not None
+    tags = think_tags(thinking.tokenizer)
+    assert tags is not None
     reps = 200
     t0 = time.perf_counter()
     for _ in range(reps):
-        parser = ThinkParser(fmt.tags, opened=True)
+        parser = ThinkParser(tags, opened=True)
         for token_id, text in pieces:
             parser.feed(token_id, text)
     feed_us = (time.perf_counter() - t0) / (reps * len(pieces)) * 1e6

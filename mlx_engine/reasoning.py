@@ -7,8 +7,9 @@ Families (`ModelInfo.reasoning`):
   DeepSeek-R1, SmolLM3, Granite 3.3): text between the tags is reasoning. A generation prompt that already ends with
   an opened `<think>` (DeepSeek-R1, Qwen3's thinking-only models, or any template by its variables) starts the reply
   inside the reasoning: that is read per request from the rendered prompt's last tokens, not per model.
-- "harmony" (gpt-oss's channels) is reserved. Its parser (over `openai-harmony`) implements `ReasoningParser`, and
-  `reasoning_for` learns to recognise its template; until then gpt-oss is a model without reasoning here.
+- "harmony" (gpt-oss's channels) is reserved. It plugs in as a `ReasoningFormat` (recognised by `reasoning_for`
+  from its template and tokenizer) whose parser, over `openai-harmony`, implements `ReasoningParser`; until then
+  gpt-oss is a model without reasoning here.
 
 A tag that is one token of the vocabulary is matched by its id, so the same characters written by other tokens (a
 reply quoting "<think>") stay text; a tag spelled by several tokens is matched in the text, and text that may be its
@@ -99,11 +100,22 @@ class ThinkTags:
     close: str = CLOSE
 
 
-class ReasoningFormat:
-    """A loaded model's reasoning family and what its parsers share (built once at load: `reasoning_for`)."""
+class ReasoningFormat(Protocol):
+    """A loaded model's reasoning family (built once at load by `reasoning_for`): a parser for each request."""
 
-    def __init__(self, family: str, tokenizer: Any, tags: ThinkTags):
-        self.family = family
+    family: str  # ModelInfo.reasoning
+
+    def parser(self, prompt_ids: list[int], budget: int | None = None) -> ReasoningParser:
+        """The parser of a request whose prompt is `prompt_ids` (it may open the reasoning itself)."""
+        ...
+
+
+class ThinkFormat:
+    """The "think" family: `<think>` ... `</think>` (`ThinkParser`)."""
+
+    family = THINK
+
+    def __init__(self, tokenizer: Any, tags: ThinkTags):
         self.tags = tags
         self._decode = tokenizer.decode
 
@@ -114,7 +126,7 @@ class ReasoningFormat:
             return False
         return self._decode(tail).rstrip().endswith(self.tags.open)
 
-    def parser(self, prompt_ids: list[int], budget: int | None = None) -> ReasoningParser:
+    def parser(self, prompt_ids: list[int], budget: int | None = None) -> ThinkParser:
         return ThinkParser(self.tags, opened=self.opened(prompt_ids), budget=budget)
 
 
@@ -124,7 +136,7 @@ def reasoning_for(tokenizer: Any) -> ReasoningFormat | None:
     if not isinstance(template, str) or CLOSE not in template:
         return None
     tags = think_tags(tokenizer)
-    return None if tags is None else ReasoningFormat(THINK, tokenizer, tags)
+    return None if tags is None else ThinkFormat(tokenizer, tags)
 
 
 def reasoning_family(tokenizer: Any) -> str | None:

@@ -57,6 +57,16 @@ def test_thinking_switched_off_gives_no_reasoning(client, kw) -> None:
     assert (m.content, m.reasoning_content, r.usage.completion_tokens_details.reasoning_tokens) == (ANSWER, None, 0)
 
 
+def test_a_completion_prompt_that_opens_the_reasoning(client) -> None:
+    r = client.completions.create(model="default", prompt="Hi<think>", max_tokens=30, temperature=0)
+    c = r.choices[0]
+    assert (c.text, c.reasoning_content, r.usage.completion_tokens_details.reasoning_tokens) == (ANSWER, REASONING, 9)
+    chunks = list(client.completions.create(model="default", prompt="Hi<think>", max_tokens=30, temperature=0,
+                                            stream=True))
+    assert "".join(getattr(c.choices[0], "reasoning_content", None) or "" for c in chunks) == REASONING
+    assert "".join(c.choices[0].text for c in chunks) == ANSWER
+
+
 def test_responses_reasoning_item_before_the_message(client) -> None:
     r = client.responses.create(model="default", input="Hi?", max_output_tokens=30, temperature=0)
     assert [o.type for o in r.output] == ["reasoning", "message"]
