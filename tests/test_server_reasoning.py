@@ -5,15 +5,19 @@ scripted engine for what the server sends the template and for a model without r
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
 from mlx_engine import Engine
+from mlx_engine.api import GenerationEvent, Usage
 from openai.types.responses import (ResponseReasoningItem, ResponseReasoningSummaryPartAddedEvent,
                                     ResponseReasoningSummaryPartDoneEvent, ResponseReasoningSummaryTextDeltaEvent,
                                     ResponseReasoningSummaryTextDoneEvent)
 
 from app.server import create_app
+from app.server.responses_api import ResponsesFormatter, parse_responses, response_events
 from tests.server_fakes import REPLY, THOUGHT, FakeEngine, LiveServer
 from tests.think_models import ANSWER, REASONING, think_model_folder
 
@@ -157,10 +161,31 @@ def test_n_choices_each_stream_their_reasoning(fakes) -> None:
     (url, _), _ = fakes
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=10, json={
             "model": "default", "messages": HI, "n": 2, "stream": True, "max_tokens": 30}) as r:
-        import json
-
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     for i in (0, 1):
         deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
         assert "".join(d.get("reasoning_content", "") for d in deltas) == THOUGHT
         assert "".join(d.get("content") or "" for d in deltas) == REPLY
+
+
+async def test_a_tool_call_after_the_reasoning_is_the_next_output_item() -> None:
+    body = {"model": "fake", "input": "Weather?", "stream": True,
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]}
+    job = parse_responses(body, {"fake"}, "fake", context_length=4096, vocab_size=1000)
+    call = '{"tool_calls": [{"name": "f", "arguments": {}}]}'
+
+    async def events():
+        for r in ("Call ", "f."):
+            yield GenerationEvent(reasoning=r, token_ids=(5,))
+        for i in range(0, len(call), 7):
+            yield GenerationEvent(text=call[i:i + 7], token_ids=(6,))
+        yield GenerationEvent(finish_reason="stop", usage=Usage(3, 12, reasoning_tokens=3))
+
+    fmt = ResponsesFormatter(job, "fake", body)
+    out = [json.loads(b.split(b"data: ", 1)[1]) async for b in response_events(events(), fmt, True, lambda: "")]
+    added = [(e["output_index"], e["item"]["type"]) for e in out if e["type"] == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "function_call")]
+    final = out[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["reasoning", "function_call"]
+    assert final["output"][0]["summary"][0]["text"] == "Call f." and final["output"][1]["name"] == "f"
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 3
