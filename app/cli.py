@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from mlx_engine.api import SPECULATIVE_MODES, GenerationRequest, ResponseFormat, RooflineError, SamplingParams
+from mlx_engine.api import (REASONING_EFFORTS, SPECULATIVE_MODES, GenerationRequest, ResponseFormat, RooflineError,
+                            SamplingParams)
 
 from app.options import runner_args, runner_options
 
@@ -142,6 +143,15 @@ def _parser() -> argparse.ArgumentParser:
     fmt.add_argument("--json-schema", metavar="FILE", help="hold the reply to this JSON Schema (a .json file)")
     fmt.add_argument("--json-object", action="store_true", help="the reply is one JSON object (JSON mode)")
     fmt.add_argument("--regex", metavar="PATTERN", help="the reply is text this regular expression matches whole")
+    r = g.add_argument_group("reasoning models")
+    r.add_argument("--reasoning-effort", choices=REASONING_EFFORTS,
+                   help="how much a reasoning model thinks: none (or minimal) turns its thinking off; the rest leave "
+                   "the template's default, or reach a template that reads them (a model without reasoning ignores it)")
+    r.add_argument("--reasoning-budget", type=int, metavar="N",
+                   help="at most N tokens of thinking, then the model is made to close it and answer")
+    r.add_argument("--hide-reasoning", action="store_true",
+                   help="leave out the thinking (by default it streams to stderr, dimmed on a terminal; stdout has "
+                   "only the answer)")
     template_arg(g)
     runner_args(g)
     kv_args(g)
@@ -438,6 +448,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         response_format=fmt,
         speculative=_speculative(args),
         num_draft_tokens=args.num_draft_tokens,
+        reasoning_budget=args.reasoning_budget,
     )
     if args.raw:
         request = GenerationRequest(prompt=args.prompt, sampling=sampling)
@@ -445,17 +456,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}
         ]
-        request = GenerationRequest(messages=messages, sampling=sampling)
+        request = GenerationRequest(messages=messages, sampling=sampling, reasoning_effort=args.reasoning_effort)
     engine = _load_engine(args.model, no_tokenizer="error", **options)
     parts: list[str] = []
+    thoughts: list[str] = []
     final = None
-    for event in engine.generate(request):
-        parts.append(event.text)
-        if not args.json and event.text:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
-        if event.done:
-            final = event
+    thinking = _Thinking(show=not args.json and not args.hide_reasoning)
+    try:
+        for event in engine.generate(request):
+            parts.append(event.text)
+            thoughts.append(event.reasoning)
+            thinking.write(event.reasoning)
+            if not args.json and event.text:
+                thinking.end()
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            if event.done:
+                final = event
+    finally:
+        thinking.end()
     assert final is not None
     if final.finish_reason == "error":
         return _fail(f"generation failed: {final.error}")
@@ -464,9 +483,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = {
             "model": engine.info.name,
             "text": "".join(parts),
+            "reasoning": "".join(thoughts),
             "finish_reason": final.finish_reason,
             "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                      "cached_prompt_tokens": usage.cached_prompt_tokens},
+                      "cached_prompt_tokens": usage.cached_prompt_tokens, "reasoning_tokens": usage.reasoning_tokens},
             "stats": {"ttft_s": stats.ttft_s, "prefill_tps": stats.prefill_tps, "decode_tps": stats.decode_tps,
                       "peak_memory_bytes": stats.peak_memory_bytes, "target_forwards": stats.target_forwards,
                       "acceptance_rate": stats.acceptance_rate, "mean_accepted_tokens": stats.mean_accepted_tokens},
@@ -475,7 +495,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print()
         print(
-            f"[{final.finish_reason}] prompt {usage.prompt_tokens} tok, reply {usage.completion_tokens} tok | "
+            f"[{final.finish_reason}] prompt {usage.prompt_tokens} tok, reply {usage.completion_tokens} tok"
+            + (f" ({usage.reasoning_tokens} reasoning)" if usage.reasoning_tokens else "") + " | "
             f"ttft {stats.ttft_s * 1000:.0f} ms | prefill {stats.prefill_tps:.1f} tok/s | "
             f"decode {stats.decode_tps:.1f} tok/s | peak {stats.peak_memory_bytes / 2**20:.0f} MiB"
             + (f" | drafts: {stats.acceptance_rate:.0%} accepted, {stats.mean_accepted_tokens:.1f} a verification, "
@@ -485,6 +506,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+class _Thinking:
+    """A reasoning model's thinking on stderr as it streams, apart from the answer on stdout: dimmed on a terminal
+    (plain where NO_COLOR is set), and a line of its own before the answer."""
+
+    def __init__(self, show: bool):
+        self.show = show
+        self.dim = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+        self.open = False
+
+    def write(self, text: str) -> None:
+        if not self.show or not text:
+            return
+        if not self.open and self.dim:
+            sys.stderr.write("\x1b[2m")
+        self.open = True
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+    def end(self) -> None:
+        if self.open:
+            sys.stderr.write(("\x1b[0m" if self.dim else "") + "\n")
+            sys.stderr.flush()
+            self.open = False
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -24,6 +25,7 @@ from mlx_engine.api import (
 from mlx_engine.backends.base import ModelRunner
 from mlx_engine.diagnostics import Diagnostics
 from mlx_engine.engine_thread import EngineThread, engine_thread
+from mlx_engine.reasoning import reasoning_family, reasoning_for, template_kwargs
 
 
 class GenerationStream:
@@ -72,6 +74,7 @@ class Engine:
         self._runner = runner
         self.info = info
         self.tokenizer = runner.tokenizer
+        self._reasoning = reasoning_for(runner.tokenizer)  # agrees with info.reasoning (`reasoning_family`)
 
     @classmethod
     def load(cls, model: str | None = None, **options: Any) -> Engine:
@@ -93,6 +96,7 @@ class Engine:
                 thread.call(runner.release)
                 raise ModelLoadError(f"{runner.info.path} has no tokenizer, so a chat template cannot be used")
             runner.tokenizer.chat_template = template
+            runner.info = dataclasses.replace(runner.info, reasoning=reasoning_family(runner.tokenizer))
         engine = cls(thread, runner, runner.info)
         engine._scheduler = Scheduler(runner, max_seqs=opts.max_seqs)
         thread.register(engine._scheduler)
@@ -104,10 +108,16 @@ class Engine:
 
     def generate(self, request: GenerationRequest) -> GenerationStream:
         """Starts a generation and returns its event stream. Errors in the request (a prompt longer than
-        the context, token ids outside the vocabulary, a template error, a response format that does not compile)
-        raise RequestError here."""
+        the context, token ids outside the vocabulary, a template error, a response format that does not compile, a
+        reasoning budget for a model without reasoning) raise RequestError here."""
         prompt_ids = _prompt_ids(self._runner, request)
         _check_speculation(self._runner, request.sampling)
+        budget = request.sampling.reasoning_budget
+        if budget is not None and self._reasoning is None:
+            raise RequestError(f"invalid sampling parameter reasoning_budget={budget!r}: {self.info.name} does not "
+                               "reason (its chat template shows no reasoning family), so there is no thinking to limit")
+        # the parser reads the prompt: a generation prompt may open the reasoning itself
+        reasoning = self._reasoning.parser(prompt_ids, budget) if self._reasoning is not None else None
         constraint = None
         fmt = request.sampling.response_format
         if fmt is not None:  # compiled here: a bad schema fails this call, not the engine thread
@@ -116,7 +126,7 @@ class Engine:
             constraint = constrain(self.tokenizer, self.info.vocab_size, fmt)
         stream = GenerationStream()
         scheduler = self._scheduler
-        self._thread.submit(lambda: scheduler.add(prompt_ids, request.sampling, stream, constraint))
+        self._thread.submit(lambda: scheduler.add(prompt_ids, request.sampling, stream, constraint, reasoning))
         return stream
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
@@ -207,7 +217,9 @@ def _check_ids(runner: ModelRunner, ids: list[int], whole: bool = False) -> list
 def _prompt_ids(runner: ModelRunner, request: GenerationRequest) -> list[int]:
     """The token ids a request runs (chat template applied), checked against the context and the KV budget."""
     if request.messages is not None:
-        ids = runner.tokenizer.encode_chat(request.messages, add_generation_prompt=request.add_generation_prompt)
+        variables = template_kwargs(runner.info.reasoning, request.chat_template_kwargs, request.reasoning_effort)
+        ids = runner.tokenizer.encode_chat(request.messages, add_generation_prompt=request.add_generation_prompt,
+                                           **variables)
     elif request.prompt is not None:
         ids = runner.tokenizer.encode(request.prompt)
     else:

@@ -58,7 +58,8 @@ class Sampler:
         self.seed = seed % (1 << 64)
         self._key = mx.random.key(self.seed)
 
-        # (1, V) bool, set before each draw of a constrained request: the tokens its grammar allows
+        # (1, V) bool, set before each draw of a constrained request (the tokens its grammar allows) or of one whose
+        # reasoning budget ran out (its closer)
         self.allowed: mx.array | None = None
         self._bias: mx.array | None = None  # (V,) float32
         if params.logit_bias:
@@ -91,10 +92,11 @@ class Sampler:
 
     @property
     def plain(self) -> bool:
-        """No logit bias, no penalties and no response format: a token depends on the raw logits, the temperature,
-        the filters and this request's draws only, so a runner can sample where its logits are
-        (`ModelRunner.packed_sample`)."""
-        return self._bias is None and self._counts is None and self.params.response_format is None
+        """No logit bias, no penalties, no response format and no mask (a reasoning budget's forced closer): a token
+        depends on the raw logits, the temperature, the filters and this request's draws only, so a runner can sample
+        where its logits are (`ModelRunner.packed_sample`)."""
+        return (self._bias is None and self._counts is None and self.params.response_format is None
+                and self.allowed is None)
 
     # ---- state -------------------------------------------------------------------------------
 

@@ -15,6 +15,11 @@ A request with a response format (`structured.Constraint`) is not pipelined: eac
 sampled in the last one, since the grammar's mask for its next token depends on it. Speculating, its verification
 masks each row with the grammar's state after the drafts before it.
 
+On a reasoning model each emitted token goes through the request's `reasoning.ReasoningParser`, which splits the
+reply into reasoning and answer (stop strings and the grammar see the answer only). A reasoning budget is held
+exactly: once the tokens not yet read could reach it, the request reads them before the step (`Sequence.steered`),
+and at the budget its next draws are masked to the family's closer; speculating, its drafts stop short of it.
+
 On a pipeline of N ranks (`RunnerCapabilities.decode_groups` N > 1) a step that only decodes plain sequences
 decodes one of N groups of them in flight (`backends.base.InFlightDecode.launch`): the other ranks run that group's
 step while rank 0 finishes an earlier group's, whose tokens come back from the same call; each group's next step
@@ -66,9 +71,11 @@ class Scheduler:
         self.decode_groups = runner.capabilities.decode_groups
         self._flying: set[Sequence] = set()  # sequences whose step is in flight (their token is not back yet)
 
-    def add(self, prompt: list[int], params: SamplingParams, stream: Any, constraint: Any = None) -> None:
+    def add(self, prompt: list[int], params: SamplingParams, stream: Any, constraint: Any = None,
+            reasoning: Any = None) -> None:
         self._counter += 1
-        self.waiting.append(Sequence(f"req-{self._counter}", prompt, params, stream, constraint=constraint))
+        self.waiting.append(Sequence(f"req-{self._counter}", prompt, params, stream, constraint=constraint,
+                                     reasoning=reasoning))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -187,6 +194,9 @@ class Scheduler:
         if st is None:
             return None
         room = seq.max_new - seq.num_sampled - 1  # the verification samples one token more than it drafts
+        if seq.reasoning is not None:  # no draft past a reasoning budget, or into an answer whose grammar starts late
+            cap = seq.reasoning.draft_room(len(seq.unread), seq.constraint is not None)
+            room = room if cap is None else min(room, cap)
         if st.mode != "auto":
             return max(0, min(st.k, room))
         # the proposers with a candidate (prompt lookup: the last tokens recur; a draft model always has one, so one
@@ -206,8 +216,8 @@ class Scheduler:
         for seq in [s for s in self.running if s.stream.cancelled.is_set()]:
             self._retire(seq, "cancelled")
         self._admit()
-        for seq in [s for s in self.running if s.constraint is not None]:
-            self._read_all(seq)  # its grammar's next mask depends on the token it sampled last step
+        for seq in [s for s in self.running if s.steered()]:
+            self._read_all(seq)  # its next mask (a grammar's, a reasoning budget's) depends on the tokens sampled last
             if seq in self.running:
                 self._mask(seq)
         if not self.running:
@@ -312,6 +322,7 @@ class Scheduler:
         plainly (none prefilling, speculating, constrained, or wanting log-probabilities) and at least two do, the
         next ceil(n / decode_groups) of those not in flight; None: a step in lockstep."""
         if self.decode_groups < 2 or any(s.prefilling or s.spec is not None or s.constraint is not None
+                                         or (s.reasoning is not None and s.reasoning.budgeted)
                                          or not plain([s]) for s in self.running):
             return None
         decoding = [s for s in self.running if s.last is not None and s.num_sampled < s.max_new]
@@ -434,10 +445,15 @@ class Scheduler:
                     self._retire(s, "error", error=e)
 
     def _mask(self, seq: Sequence) -> None:
-        """A constrained sequence's mask for this step, before any forward is built: a grammar that fails (a dead
-        end, a resource limit) fails its own request, not the step's others."""
+        """A steered sequence's mask for this step, before any forward is built (its grammar's, narrowed or lifted
+        by its reasoning; None: no mask): a grammar that fails (a dead end, a resource limit) fails its own request,
+        not the step's others."""
         try:
-            seq.sampler.allowed = mx.array(seq.constraint.allowed())[None]
+            grammar = seq.grammar
+            allowed = None if grammar is None else grammar.allowed()
+            if seq.reasoning is not None:
+                allowed = seq.reasoning.mask(allowed, seq.sampler.vocab_size)
+            seq.sampler.allowed = None if allowed is None else mx.array(allowed)[None]
         except Exception as e:  # noqa: BLE001 - one request's failure is its own
             self._retire(seq, "error", error=e)
 
@@ -455,11 +471,15 @@ class Scheduler:
         self.runner.cache.record(seq.req_id, seq.cached_tokens())
         if token in self.runner.eos_ids and not seq.params.ignore_eos:
             return self._retire(seq, "stop")
-        if seq.constraint is not None and token not in self.runner.eos_ids:  # (EOS here: ignore_eos)
+        piece, reasoning = seq.detok.add_token(token), ""
+        if seq.reasoning is not None:
+            reasoning, piece = seq.reasoning.feed(token, piece)
+        if (seq.constraint is not None and token not in self.runner.eos_ids  # (EOS here: ignore_eos)
+                and (seq.reasoning is None or seq.reasoning.answer_token)):
             seq.constraint.consume(token)
         seq.n_out += 1
-        text, hit = seq.stops.feed(seq.detok.add_token(token))
-        seq.stream.events.put(seq.token_event(token, lp, text, from_draft))
+        text, hit = seq.stops.feed(piece)
+        seq.stream.events.put(seq.token_event(token, lp, text, from_draft, reasoning))
         if hit or (seq.constraint is not None and seq.constraint.done):
             return self._retire(seq, "stop")
         if seq.n_out >= seq.max_new:

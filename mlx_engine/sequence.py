@@ -17,6 +17,7 @@ from mlx_engine.api import GenerationEvent, RooflineError, SamplingParams, Stats
 from mlx_engine.stop import StopStringMatcher
 
 if TYPE_CHECKING:
+    from mlx_engine.reasoning import ReasoningParser
     from mlx_engine.speculative.policy import SpecState
     from mlx_engine.structured import Constraint
 
@@ -47,6 +48,7 @@ class Sequence:
     num_forwards: int = 0  # target forwards that sampled a token for it
     spec: SpecState | None = None  # when the request speculates
     constraint: Constraint | None = None  # when the request has a response format
+    reasoning: ReasoningParser | None = None  # on a reasoning model: splits the reply, holds its budget
     # SamplingParams.prompt_logprobs: per prefill chunk, (target log-probs (L,), top ids (L, k), top log-probs
     # (L, k)) as numpy, until the first event takes them
     prompt_scores: list[tuple[Any, Any, Any]] | None = None
@@ -58,6 +60,21 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.num_prefilled < len(self.prompt)
+
+    @property
+    def grammar(self) -> Constraint | None:
+        """The response format's grammar where it holds the next token: not while the reasoning before the answer
+        is open."""
+        if self.constraint is None or (self.reasoning is not None and not self.reasoning.answering):
+            return None
+        return self.constraint
+
+    def steered(self) -> bool:
+        """Its next draw depends on the tokens it sampled last (a grammar's mask, a reasoning budget about to run
+        out), or a mask from an earlier draw must be lifted: the scheduler reads them before the step."""
+        r = self.reasoning
+        return (self.constraint is not None or self.sampler.allowed is not None
+                or (r is not None and r.steers(len(self.unread))))
 
     def cached_tokens(self) -> list[int]:
         """The tokens whose K/V the cache holds (all known: a fed token was read before it is recorded)."""
@@ -85,23 +102,30 @@ class Sequence:
         return tuple(TokenLogprob(token_id=t, logprob=float(v), top=tuple(zip(i.tolist(), w.tolist())))
                      for t, v, i, w in zip(self.prompt[1:], lp.tolist(), ids, vals))
 
-    def token_event(self, token: int, lp: mx.array | None, text: str, from_draft: bool) -> GenerationEvent:
+    def token_event(self, token: int, lp: mx.array | None, text: str, from_draft: bool,
+                    reasoning: str = "") -> GenerationEvent:
         logprobs = (token_logprob(token, lp, self.params.logprobs),) if lp is not None else ()
-        return GenerationEvent(text=text, token_ids=(token,), from_draft=(from_draft,), logprobs=logprobs,
-                               prompt_logprobs=self.take_prompt_logprobs())
+        return GenerationEvent(text=text, reasoning=reasoning, token_ids=(token,), from_draft=(from_draft,),
+                               logprobs=logprobs, prompt_logprobs=self.take_prompt_logprobs())
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=len(self.prompt), completion_tokens=self.n_out, cached_prompt_tokens=self.num_cached,
+                     reasoning_tokens=self.reasoning.num_tokens if self.reasoning is not None else 0)
 
     def error_event(self, error: BaseException) -> GenerationEvent:
         msg = str(error) if isinstance(error, RooflineError) else f"{type(error).__name__}: {error}"
-        return GenerationEvent(finish_reason="error", error=msg,
-                               usage=Usage(len(self.prompt), self.n_out, self.num_cached))
+        return GenerationEvent(finish_reason="error", error=msg, usage=self.usage())
 
     def final_event(self, reason: str, peak_memory_bytes: Callable[[], int]) -> GenerationEvent:
-        """The last event: the text the stop matcher and detokenizer held back, usage and stats."""
-        tail = ""
+        """The last event: the text the stop matcher, the reasoning parser and the detokenizer held back, usage and
+        stats."""
+        tail = reasoning = ""
         if self.stops is not None and not self.stops.hit:
             held = self.detok.finalize()
             if reason == "length":  # max_tokens cut the last character's bytes: no character, not a U+FFFD
                 held = held.rstrip("\ufffd")
+            if self.reasoning is not None:
+                reasoning, held = self.reasoning.flush(held)
             tail = self.stops.flush(held)
         t_first = self.t_first or time.perf_counter()
         stats = Stats(
@@ -118,10 +142,10 @@ class Sequence:
                                         mean_accepted_tokens=st.num_accepted / st.num_verifies)
         return GenerationEvent(
             text=tail,
+            reasoning=reasoning,
             prompt_logprobs=self.take_prompt_logprobs(),  # when no token event took them (EOS first)
             finish_reason=reason,  # type: ignore[arg-type]
-            usage=Usage(prompt_tokens=len(self.prompt), completion_tokens=self.n_out,
-                        cached_prompt_tokens=self.num_cached),
+            usage=self.usage(),
             stats=stats,
             stop_string=self.stops.hit if self.stops is not None else None,
         )

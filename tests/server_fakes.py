@@ -6,9 +6,12 @@ steers the reply: "[raise]" makes iteration raise after two tokens, "[error]" en
 event, "[slow]" sleeps 20 ms per token, "[long]" replies 40 tokens. With `prompt_logprobs` the first event gives
 token t of the prompt the log-probability -t / 100, its best alternative 'x' at -0.5. A named speculative mode marks every
 second token as drafted (final stats: half the drafts accepted, one per verification); "draft" is refused
-(no draft model), "auto" steps aside. `FakeEngine(reasoning="think")` is a reasoning model: each reply first thinks
-THOUGHT, a character an event in `reasoning` (at most `reasoning_budget` of them; none with the template's
-`enable_thinking: false`), then answers.
+(no draft model), "auto" steps aside.
+
+`FakeEngine(reasoning="think")` is a reasoning model: its template ends the generation prompt with "<think>" (not
+with `enable_thinking=False` among the template variables, which the tokenizer keeps in `template_kwargs`), and a
+prompt ending so is answered with THOUGHT as reasoning events (one character a token), a closer token that gives no
+text (id 3), then the reply; a `reasoning_budget` cuts THOUGHT to that many tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from mlx_engine.api import (NO_DRAFT_MODEL, GenerationEvent, GenerationRequest, 
 VOCAB = 1000
 CONTEXT = 64
 REPLY = "Hello world"
-THOUGHT = "Hmm, hi."
+THOUGHT = "Let me see."
+CLOSER = 3
 
 
 class FakeTokenizer:
@@ -32,15 +36,22 @@ class FakeTokenizer:
     special_tokens = {"bos_token": "<s>", "eos_token": "</s>"}
     chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 
+    def __init__(self, thinks: bool = False):
+        self.thinks = thinks
+        self.template_kwargs: list[dict[str, Any]] = []  # each encode_chat's template variables
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([2] if add_special_tokens else []) + [min(ord(c), VOCAB - 1) for c in text]
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> list[int]:
+                    **kwargs: Any) -> list[int]:
         if any(m["content"] == "[template-error]" for m in messages):
             raise RequestError("chat template error: the template refused this conversation")
+        self.template_kwargs.append(kwargs)
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt
                                                                            else "")
+        if self.thinks and add_generation_prompt and kwargs.get("enable_thinking") is not False:
+            text += "<think>"
         return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -56,10 +67,10 @@ class FakeStream:
         p = request.sampling
         text = engine.tokenizer.decode(ids)
         reply = REPLY * 4 if "[long]" in text else REPLY
-        thinks = engine.info.reasoning is not None and (request.chat_template_kwargs or {}).get("enable_thinking", True)
-        thought = THOUGHT[:p.reasoning_budget] if thinks else ""
-        self.num_thought = min(len(thought), p.max_tokens)  # the first tokens are reasoning
-        self.tokens = [ord(c) for c in thought + reply][:p.max_tokens]
+        thought = THOUGHT[:p.reasoning_budget] if text.endswith("<think>") else ""
+        self.num_reasoning = len(thought) + 1 if thought or text.endswith("<think>") else 0  # the closer's too
+        self.tokens = ([ord(c) for c in thought] + [CLOSER] * bool(self.num_reasoning)
+                       + [ord(c) for c in reply])[:p.max_tokens]
         self.raise_at = 2 if "[raise]" in text else None
         self.error = "[error]" in text
         self.delay = 0.02 if "[slow]" in text else 0.0
@@ -87,10 +98,10 @@ class FakeStream:
                       acceptance_rate=0.5 if drafted else None, mean_accepted_tokens=1.0 if drafted else None,
                       target_forwards=self.i - drafted)
         plps, self.prompt_lps = self.prompt_lps, ()  # when no token took them (max_tokens=0)
+        usage = Usage(self.num_prompt, self.i, self.engine.cached(self.num_prompt),
+                      reasoning_tokens=min(self.i, self.num_reasoning))
         return GenerationEvent(text=text, finish_reason=reason, error=error,  # type: ignore[arg-type]
-                               usage=Usage(self.num_prompt, self.i, self.engine.cached(self.num_prompt),
-                                           min(self.i, self.num_thought)),
-                               stats=stats, prompt_logprobs=plps, stop_string=stop)
+                               usage=usage, stats=stats, prompt_logprobs=plps, stop_string=stop)
 
     def __next__(self) -> GenerationEvent:
         if self.done:
@@ -108,9 +119,9 @@ class FakeStream:
             return self._end("length" if self.i == self.params.max_tokens else "stop")
         tok = self.tokens[self.i]
         self.i += 1
-        if self.i <= self.num_thought:
-            return GenerationEvent(reasoning=chr(tok), token_ids=(tok,), from_draft=(False,))
-        self.out += chr(tok)
+        thinking = self.i <= self.num_reasoning
+        if not thinking:
+            self.out += chr(tok)
         lps: tuple[TokenLogprob, ...] = ()
         if self.params.logprobs is not None:
             top = ((tok, -0.25), (300, -1.5), (ord("x"), -2.0))[:self.params.logprobs]
@@ -119,8 +130,9 @@ class FakeStream:
             if s in self.out:
                 return self._end("stop", stop=s)
         plps, self.prompt_lps = self.prompt_lps, ()
-        return GenerationEvent(text=chr(tok), token_ids=(tok,), from_draft=(self.drafting and self.i % 2 == 0,),
-                               logprobs=lps, prompt_logprobs=plps)
+        text = "" if tok == CLOSER and thinking else chr(tok)
+        return GenerationEvent(text="" if thinking else text, reasoning=text if thinking else "", token_ids=(tok,),
+                               from_draft=(self.drafting and self.i % 2 == 0,), logprobs=lps, prompt_logprobs=plps)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -134,7 +146,7 @@ class FakeEngine:
         self.info = ModelInfo(name=name, path="/fake", model_type="llama", source_format="gguf", num_parameters=1,
                               quantization="Q4_1", context_length=CONTEXT, weight_bytes=0, vocab_size=VOCAB,
                               native=True, dtype="float32", eos_token_ids=(1,), reasoning=reasoning)
-        self.tokenizer = FakeTokenizer()
+        self.tokenizer = FakeTokenizer(thinks=reasoning is not None)
         self.lock = threading.Lock()
         self.active = 0
         self.requests: list[GenerationRequest] = []
@@ -152,7 +164,8 @@ class FakeEngine:
         if request.sampling.speculative == "draft":
             raise RequestError(NO_DRAFT_MODEL)
         if request.sampling.reasoning_budget is not None and self.info.reasoning is None:
-            raise RequestError("invalid sampling parameter reasoning_budget: this model does not reason")
+            raise RequestError(f"invalid sampling parameter reasoning_budget={request.sampling.reasoning_budget}: "
+                               f"{self.info.name} does not reason")
         self.requests.append(request)
         self.streams.append(FakeStream(self, ids, request))
         return self.streams[-1]

@@ -54,7 +54,7 @@ def test_a_reasoning_models_thinking_is_a_thinking_block(client, engine) -> None
     r = client.messages.create(**GOOD)
     assert [b.type for b in r.content] == ["thinking", "text"]
     assert r.content[0].thinking == THOUGHT and len(r.content[0].signature) == 64 and r.content[1].text == REPLY
-    assert r.stop_reason == "end_turn" and r.usage.output_tokens == len(THOUGHT) + len(REPLY)
+    assert r.stop_reason == "end_turn" and r.usage.output_tokens == len(THOUGHT) + 1 + len(REPLY)  # the closer is a token too
 
     with client.messages.stream(**GOOD) as stream:
         thought = [e.thinking for e in stream if e.type == "thinking"]
@@ -81,7 +81,7 @@ def test_a_thinking_stream_in_anthropics_order(url: str) -> None:
     assert data[5 + len(THOUGHT)]["content_block"] == {"type": "text", "text": ""}
     assert "".join(d["delta"]["text"] for d in text) == REPLY and {d["index"] for d in text} == {1}
     assert data[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
-    assert data[-2]["usage"]["output_tokens"] == len(THOUGHT) + len(REPLY)
+    assert data[-2]["usage"]["output_tokens"] == len(THOUGHT) + 1 + len(REPLY)
 
 
 def test_thinking_budget_and_disabled_reach_the_engine(client, engine) -> None:
@@ -116,10 +116,10 @@ def test_earlier_thinking_and_tool_results_in_the_prompt(client, engine) -> None
                             {"role": "tool", "content": "Error: no"}, {"role": "user", "content": "b"}]
     counted = client.messages.count_tokens(model="default", messages=messages)  # (past the fake's context of 64)
     assert counted.input_tokens == len('<user>a<assistant>{"tool_calls": [{"name": "f", "arguments": {}}]}'
-                                       "<tool>Error: no<user>b<assistant>")
+                                       "<tool>Error: no<user>b<assistant><think>")  # the template opens it
     client.messages.create(model="default", max_tokens=2, messages=[*messages[:1], {**messages[1], "content": [
         *messages[1]["content"][:2], {"type": "text", "text": "c"}]}, {"role": "user", "content": "d"}])
-    assert prompt_text(engine) == "<user>a<assistant>c<user>d<assistant>"
+    assert prompt_text(engine) == "<user>a<assistant>c<user>d<assistant><think>"
 
 
 def test_stop_sequences_are_named(client) -> None:
@@ -148,7 +148,7 @@ def test_a_failure_mid_stream_is_an_error_event(url: str, client, engine) -> Non
 
 def test_a_dropped_stream_cancels_its_generation(url: str, engine) -> None:
     before = len(engine.streams)
-    body = {**GOOD, "messages": [{"role": "user", "content": "[slow][long]"}], "stream": True}
+    body = {**GOOD, "max_tokens": 20, "messages": [{"role": "user", "content": "[slow][long]"}], "stream": True}
     with httpx.stream("POST", url + "/v1/messages", json=body, timeout=10) as r:
         assert next(r.iter_lines()) == "event: message_start"
     assert wait_until(lambda: engine.active == 0)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_engine.api import RequestError, SamplingParams
+from mlx_engine.reasoning import template_kwargs
 
 from app.server.errors import APIError
 from app.server.protocol import parse_job
@@ -45,6 +46,8 @@ FIELDS = {
     "min_p": near(0.1, 1), "repetition_penalty": near(1.1, 0), "ignore_eos": near(True),
     "speculative": near("auto", "off", "nope"), "num_draft_tokens": near(4, 17), "echo": near(True),
     "best_of": near(1, 2), "suffix": near("x"), "user": near("u"), "presence_penalty": near(1, 3),
+    "reasoning_effort": near("none", "high", "max"),
+    "chat_template_kwargs": near({"enable_thinking": False}, {"add_generation_prompt": True}),
 }
 chat_body = st.fixed_dictionaries({"model": near("fake", "other")},
                                   optional={"messages": st.lists(message, max_size=4) | json_value, **FIELDS})
@@ -59,11 +62,13 @@ responses_body = st.fixed_dictionaries({"model": near("fake")}, optional={
     "max_output_tokens": near(5, 0), "text": near({"format": {"type": "json_object"}}),
     "tools": st.lists(near({"type": "function", "name": "f"}, {"type": "web_search"}), max_size=2) | json_value,
     "tool_choice": near("auto", {"type": "function", "name": "f"}), "previous_response_id": near("r"),
-    "temperature": near(0.5), "stream": near(True)})
+    "temperature": near(0.5), "stream": near(True), "reasoning": near({"effort": "low"}, {"effort": "x"}, "high")})
 
 
 def engine_accepts(job) -> None:
-    """What the server does next with a Job: SamplingParams from it (a RequestError is a 400 there)."""
+    """What the server does next with a Job: the template's variables (never refused once parsed), SamplingParams
+    from it (a RequestError is a 400 there)."""
+    template_kwargs("think", job.chat_template_kwargs, job.reasoning_effort)
     try:
         SamplingParams(max_tokens=job.max_tokens if job.max_tokens is not None else 16,
                        prompt_logprobs=job.top_logprobs if job.echo and job.logprobs else

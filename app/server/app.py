@@ -21,6 +21,7 @@ from typing import Any, Literal
 import anyio
 from mlx_engine.api import (EngineLike, GenerationEvent, GenerationRequest, RequestError, RooflineError, SamplingParams,
                             Usage)
+from mlx_engine.reasoning import template_kwargs
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -44,7 +45,7 @@ from app.server.guard import (AuthMiddleware, CountRequests, Drain, HostCheck, J
 from app.server.metrics import KVStatsReader, Metrics
 from app.server.protocol import Endpoint, Job, model_slug, parse_body, parse_detokenize, parse_job, parse_tokenize
 from app.server.responses import DONE, Choice, Echo, Formatter, error_chunk, sse, token_bytes_fn, token_str
-from app.server.responses_api import ResponsesFormatter, parse_responses
+from app.server.responses_api import ResponsesFormatter, parse_responses, response_events
 from app.server.tools import ReplyStream
 
 MAX_BODY_BYTES = 4 * 2**20
@@ -82,6 +83,7 @@ class Server:
         self.config = config
         info = engine.info
         self.info = info
+        self.reasons = info.reasoning is not None  # replies carry reasoning apart from the answer
         self.model_id = model_slug(info.name)
         self.model_names = {self.model_id, "default", info.name}
         digest = hashlib.sha256(f"{info.name}|{info.path}|{info.quantization}|{info.dtype}".encode()).hexdigest()
@@ -203,7 +205,7 @@ class Server:
         else:
             job = parse_job(body, endpoint, self.model_names, self.model_id, self.info.context_length,
                             self.info.vocab_size)
-            fmt = Formatter(job, self.model_id, self.fingerprint, self.token_bytes)
+            fmt = Formatter(job, self.model_id, self.fingerprint, self.token_bytes, self.reasons)
         async with DisconnectWatch(request.receive) as watch:
             acquire = asyncio.ensure_future(self.gate.acquire())
             watch.on_gone(acquire.cancel)
@@ -246,8 +248,8 @@ class Server:
     def _encode_chat(self, job: Job) -> list[int]:
         """A chat job's prompt ids: its messages through the chat template, with the job's template variables."""
         assert job.messages is not None
-        return self.engine.tokenizer.encode_chat(job.messages, add_generation_prompt=True,
-                                                 **(job.chat_template_kwargs or {}))
+        variables = template_kwargs(self.info.reasoning, job.chat_template_kwargs, job.reasoning_effort)
+        return self.engine.tokenizer.encode_chat(job.messages, add_generation_prompt=True, **variables)
 
     def _submit(self, job: Job, fmt: Formatter | ResponsesFormatter | MessagesFormatter) -> list[tuple[Any, int]]:
         """On a worker thread: tokenize every prompt and check it against the context, score the echoed prompts,
@@ -390,12 +392,14 @@ class Server:
                     echo = fmt.echo_chunk(i, event.prompt_logprobs)
                     if echo is not None:
                         yield sse(echo)
+                if event.reasoning:  # its tokens' log-probabilities with it, where they gave no answer text
+                    yield sse(fmt.reasoning_chunk(event.reasoning, () if event.text else event.logprobs, i))
                 if holding:
                     held[i].append(event.text)
                     text = replies[i].feed(event.text)
                     if text:
                         yield sse(fmt.delta_chunk(text, (), i))
-                elif event.text or event.logprobs:
+                elif event.text or (event.logprobs and not event.reasoning):
                     yield sse(fmt.delta_chunk(event.text, event.logprobs, i))
                 reason = event.finish_reason
                 if reason is None:
@@ -424,60 +428,15 @@ class Server:
                 p.cancel()
 
     async def _response_events(self, gen: Generation, fmt: ResponsesFormatter, t0: float) -> AsyncIterator[bytes]:
-        """A Responses stream: created, in progress, the output item(s) with their deltas, then completed (or
-        incomplete at max_output_tokens; failed after an error). Text streams as it comes (with tools, once the
-        JSON shows a plain reply); function calls arrive whole once their JSON is complete."""
-        yield fmt.event("response.created", response=fmt.shell("in_progress"))
-        yield fmt.event("response.in_progress", response=fmt.shell("in_progress"))
-        item = fmt.message_item("", "in_progress") if fmt.job.tools is None else None
-        if item is not None:
-            for b in fmt.open_message(item):
-                yield b
-        # with tools the reply is JSON: held, but for a plain reply's text, which streams once the JSON shows it
-        held = ReplyStream() if fmt.job.tools is not None else None
-        parts: list[str] = []
         seen: list[bool] = []
-        final: GenerationEvent | None = None
-        async for event in gen.events():
-            self._first_token(event, t0, seen)
-            if event.text:
-                parts.append(event.text)
-                delta = event.text if held is None else held.feed(event.text)
-                if held is not None and delta and item is None:
-                    item = fmt.message_item("", "in_progress")
-                    for b in fmt.open_message(item):
-                        yield b
-                if delta and item is not None:
-                    yield fmt.text_delta(item["id"], delta)
-            final = event
-        assert final is not None and final.finish_reason is not None
-        reason = final.finish_reason
-        if reason in ("error", "cancelled"):
-            message = (f"the generation failed: {final.error}" if reason == "error" else self.cancelled_message())
-            code = "generation_failed" if reason == "error" else "cancelled"
-            failed = fmt.shell("failed")
-            failed["error"] = {"code": code, "message": message}
-            yield fmt.event("error", code=code, message=message, param=None)
-            yield fmt.event("response.failed", response=failed)
-            return
-        text = "".join(parts)
-        if item is not None:
-            item["content"][0]["text"] = text if held is None else fmt.output(text, reason)[0]["content"][0]["text"]
-            item["status"] = "completed" if reason == "stop" else "incomplete"
-            output = [item]
-            for b in fmt.close_message(item):
-                yield b
-        else:
-            output = fmt.output(text, reason)
-            if output[0]["type"] == "function_call":
-                for b in fmt.calls(output):
-                    yield b
-            else:
-                for b in [*fmt.open_message(output[0]), fmt.text_delta(output[0]["id"], output[0]["content"][0]["text"]),
-                          *fmt.close_message(output[0])]:
-                    yield b
-        done = "response.completed" if reason == "stop" else "response.incomplete"
-        yield fmt.event(done, response=fmt.finished(output, reason, total_usage([final], 1)))
+
+        async def events() -> AsyncIterator[GenerationEvent]:
+            async for event in gen.events():
+                self._first_token(event, t0, seen)
+                yield event
+
+        async for b in response_events(events(), fmt, self.reasons, self.cancelled_message):
+            yield b
 
     def cancel_all(self) -> None:
         for gen in list(self.generations):
@@ -522,7 +481,8 @@ def total_usage(finals: list[GenerationEvent], n: int) -> Usage:
 
     firsts = finals[::n]
     return Usage(prompt_tokens=total(firsts, "prompt_tokens"), completion_tokens=total(finals, "completion_tokens"),
-                 cached_prompt_tokens=total(firsts, "cached_prompt_tokens"))
+                 cached_prompt_tokens=total(firsts, "cached_prompt_tokens"),
+                 reasoning_tokens=total(finals, "reasoning_tokens"))
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -5,7 +5,9 @@ names for the extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`);
 decoding (`speculative`: "auto", "prompt-lookup", "self", "draft" or "off"; `num_draft_tokens`). Unknown
 fields are ignored, as vLLM does; fields that would change the answer and are not supported (`suffix`,
 best_of > 1, legacy `functions`) are refused rather than silently dropped. `response_format` (JSON mode, a JSON
-Schema) and chat `tools` become a grammar the reply is held to (`tools.py`, the engine's `structured.py`).
+Schema) and chat `tools` become a grammar the reply is held to (`tools.py`, the engine's `structured.py`). Chat
+takes vLLM's `chat_template_kwargs` (template variables: {"enable_thinking": false}) and OpenAI's `reasoning_effort`,
+which the model's reasoning family maps onto its template (`mlx_engine.reasoning.template_kwargs`).
 
 `n` replies per prompt, and on /v1/completions up to MAX_CHOICES prompts in one request (an array of strings or
 of token-id arrays): choice `index` = prompt * n + reply, at most MAX_CHOICES in all. With a `seed`, reply j
@@ -22,7 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mlx_engine.api import MAX_DRAFT_TOKENS, MAX_LOGPROBS, SPECULATIVE_MODES, ResponseFormat
+from mlx_engine.api import MAX_DRAFT_TOKENS, MAX_LOGPROBS, REASONING_EFFORTS, SPECULATIVE_MODES, ResponseFormat
+from mlx_engine.reasoning import RESERVED_TEMPLATE_VARIABLES
 
 from app.server.errors import APIError, invalid
 from app.server.tools import Tools, calls_as_text, closed, parse_tools, with_tools
@@ -68,7 +71,8 @@ class Job:
     echo: bool = False  # completions: the prompt comes back before the reply
     tools: Tools | None = None  # chat: functions offered (the reply is held to the tool-call JSON)
     format_param: str = "response_format"  # the field the reply's grammar came from, for the engine's errors
-    chat_template_kwargs: dict[str, Any] | None = None  # variables for the chat template ({"enable_thinking": False})
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: extra template variables
+    reasoning_effort: str | None = None  # chat: one of REASONING_EFFORTS
 
 
 # ---- the body ------------------------------------------------------------------------------------------
@@ -247,6 +251,7 @@ def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], s
     _response_format(f, s)
     _guided(f, s, job)
     _tools(body, job, s)
+    _reasoning(f, job)
 
     job.stream = bool(f.boolean("stream"))
     opts = f.get("stream_options")
@@ -539,6 +544,31 @@ def _guided(f: _Fields, s: dict[str, Any], job: Job) -> None:
             except Exception as e:  # noqa: BLE001 - the converter raises its own error types
                 raise invalid(f"'{name}' is not a grammar this server reads: {e}", name) from None
         s["response_format"] = ResponseFormat("lark", grammar=v)
+
+
+def _reasoning(f: _Fields, job: Job) -> None:
+    """`chat_template_kwargs` (an object of template variables, none of the request's own names) and
+    `reasoning_effort` (REASONING_EFFORTS): chat only, since a completion's prompt is not rendered by the template."""
+    if job.endpoint != "chat":
+        for name in ("chat_template_kwargs", "reasoning_effort"):
+            if f.get(name) is not None:
+                raise invalid(f"'{name}' is for /v1/chat/completions and /v1/responses: a completion's prompt is sent "
+                              "as it is, not rendered by the chat template", name, "unsupported_value")
+        return
+    variables = f.get("chat_template_kwargs")
+    if variables is not None:
+        if not isinstance(variables, dict):
+            raise f.wrong("chat_template_kwargs", "an object of template variables, like {\"enable_thinking\": false}")
+        reserved = [k for k in variables if k in RESERVED_TEMPLATE_VARIABLES]
+        if reserved:
+            raise invalid(f"'chat_template_kwargs' cannot set {reserved[0]!r}: it is the request's own field, not a "
+                          "template variable", "chat_template_kwargs")
+        job.chat_template_kwargs = variables
+    effort = f.string("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise invalid(f"'reasoning_effort' must be one of {', '.join(map(repr, REASONING_EFFORTS))}, got "
+                      f"{_short(effort)}", "reasoning_effort", "unsupported_value")
+    job.reasoning_effort = effort
 
 
 def _tools(body: dict[str, Any], job: Job, s: dict[str, Any]) -> None:

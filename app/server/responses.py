@@ -25,14 +25,19 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage_dict(u: Usage, accepted_draft_tokens: int | None = None) -> dict[str, Any]:
+def usage_dict(u: Usage, accepted_draft_tokens: int | None = None, reasoning: bool = False) -> dict[str, Any]:
     """OpenAI's usage object; `accepted_draft_tokens` (None: no draft token was verified) goes where OpenAI
-    counts accepted predicted-output tokens."""
+    counts accepted predicted-output tokens; with `reasoning` (a reasoning model), the reasoning tokens."""
     out: dict[str, Any] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                            "total_tokens": u.prompt_tokens + u.completion_tokens,
                            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+    details: dict[str, int] = {}
     if accepted_draft_tokens is not None:
-        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted_draft_tokens}
+        details["accepted_prediction_tokens"] = accepted_draft_tokens
+    if reasoning:
+        details["reasoning_tokens"] = u.reasoning_tokens
+    if details:
+        out["completion_tokens_details"] = details
     return out
 
 
@@ -80,16 +85,21 @@ class Choice:
     logprobs: tuple[TokenLogprob, ...]
     finish_reason: str
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with `echo` and logprobs: the prompt's, from the engine
-    reasoning: str = ""  # a reasoning model's thinking (GenerationEvent.reasoning)
+    reasoning: str = ""  # a reasoning model's thinking (GenerationEvent.reasoning), apart from `text`
     stop_string: str | None = None  # the stop string that ended it (GenerationEvent.stop_string)
 
 
 class Formatter:
     """Builds one request's chunks and final body: ids, timestamps, model and logprobs in OpenAI's shape. A
-    request has n choices per prompt (`Job.n`), `index` = prompt * n + reply."""
+    request has n choices per prompt (`Job.n`), `index` = prompt * n + reply. On a reasoning model (`reasoning`)
+    a chat message carries its thinking as `reasoning_content` and `reasoning` (vLLM's and OpenRouter's names, the
+    same text), streamed as deltas of those, a completion choice as `reasoning_content`; usage counts
+    `completion_tokens_details.reasoning_tokens`."""
 
-    def __init__(self, job: Job, model_id: str, fingerprint: str, token_bytes: Callable[[int], bytes]):
+    def __init__(self, job: Job, model_id: str, fingerprint: str, token_bytes: Callable[[int], bytes],
+                 reasoning: bool = False):
         self.job = job
+        self.reasoning = reasoning
         self.chat = job.endpoint == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -186,6 +196,14 @@ class Formatter:
         return self._chunk({"index": index, "text": text, "logprobs": self._logprobs(lps, index),
                             "finish_reason": None})
 
+    def reasoning_chunk(self, text: str, lps: tuple[TokenLogprob, ...], index: int = 0) -> dict[str, Any]:
+        """A delta of the reasoning (with the log-probabilities of tokens that gave no answer text)."""
+        if self.chat:
+            return self._chunk({"index": index, "delta": {"reasoning_content": text, "reasoning": text},
+                                "logprobs": self._logprobs(lps), "finish_reason": None})
+        return self._chunk({"index": index, "text": "", "reasoning_content": text,
+                            "logprobs": self._logprobs(lps, index), "finish_reason": None})
+
     def finish_chunk(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
         if self.chat:
             return self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason})
@@ -209,7 +227,7 @@ class Formatter:
     def usage_chunk(self, usage: Usage, accepted_draft_tokens: int | None = None) -> dict[str, Any]:
         obj = self._head("chat.completion.chunk" if self.chat else "text_completion")
         obj["choices"] = []
-        obj["usage"] = usage_dict(usage, accepted_draft_tokens)
+        obj["usage"] = usage_dict(usage, accepted_draft_tokens, self.reasoning)
         return obj
 
     # ---- whole responses ---------------------------------------------------------------------------------
@@ -222,6 +240,8 @@ class Formatter:
             obj["choices"] = []
             for i, c in enumerate(choices):
                 message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+                if self.reasoning:
+                    message["reasoning_content"] = message["reasoning"] = c.reasoning or None
                 reason = c.finish_reason
                 if self.job.tools is not None:
                     message["content"], calls = tools.reply(c.text)
@@ -234,10 +254,13 @@ class Formatter:
             obj["choices"] = []
             for i, c in enumerate(choices):
                 echo = self.echoes.get(i)
-                obj["choices"].append({"index": i, "text": (echo.text if echo else "") + c.text,
-                                       "logprobs": self._logprobs(c.logprobs, i, echo, c.prompt_logprobs),
-                                       "finish_reason": c.finish_reason})
-        obj["usage"] = usage_dict(usage, accepted_draft_tokens)
+                choice = {"index": i, "text": (echo.text if echo else "") + c.text,
+                          "logprobs": self._logprobs(c.logprobs, i, echo, c.prompt_logprobs),
+                          "finish_reason": c.finish_reason}
+                if self.reasoning:
+                    choice["reasoning_content"] = c.reasoning or None
+                obj["choices"].append(choice)
+        obj["usage"] = usage_dict(usage, accepted_draft_tokens, self.reasoning)
         return obj
 
 

@@ -4,7 +4,9 @@ A Responses body is translated to a chat-completions body (`instructions` and `i
 `max_output_tokens` -> max_tokens, `text.format` -> response_format, flat function tools -> chat tools) and
 validated by `parse_job`, so every rule, default and error of chat holds; errors name the Responses field. The
 reply comes back as a `response` object with `output` items (an assistant `message` of `output_text`, or
-`function_call`s), or as Responses' typed SSE events (`response.created` ... `response.completed`).
+`function_call`s), or as Responses' typed SSE events (`response.created` ... `response.completed`). A reasoning
+model's thinking comes first, as a `reasoning` item whose summary is the reasoning text (streamed as
+`response.reasoning_summary_text.delta` events); `reasoning.effort` is the chat's `reasoning_effort`.
 
 Stateless: nothing is stored, so `previous_response_id` and `conversation` are refused (send the whole
 conversation in `input`), and every response says `"store": false`. Built-in tools (web search, file search,
@@ -17,13 +19,15 @@ import json
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from mlx_engine.api import Usage
+from mlx_engine.api import GenerationEvent, Usage
 
 from app.server import tools
 from app.server.errors import APIError, invalid
 from app.server.protocol import Job, content_parts, parse_job
+from app.server.tools import ReplyStream
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -33,6 +37,7 @@ def _param(p: str | None, first_input: int) -> str | None:
     if p is None:
         return None
     p = re.sub(r"^max_tokens$", "max_output_tokens", p)
+    p = re.sub(r"^reasoning_effort$", "reasoning.effort", p)
     p = re.sub(r"^response_format(\.json_schema)?", "text.format", p)
     p = re.sub(r"^tools\[(\d+)\]\.function", r"tools[\1]", p)
     m = re.match(r"^messages\[(\d+)\]", p)
@@ -150,11 +155,18 @@ def parse_responses(body: dict[str, Any], model_names: set[str], served_id: str,
         elif fmt is not None:
             chat["response_format"] = fmt
     _tools(body, chat)
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise invalid("'reasoning' must be an object like {'effort': 'low'}", "reasoning")
+        chat["reasoning_effort"] = reasoning.get("effort")
+    chat["chat_template_kwargs"] = body.get("chat_template_kwargs")
     try:
         return parse_job(chat, "chat", model_names, served_id, context_length, vocab_size)
     except APIError as e:
         e.param = _param(e.param, first)
-        for old, new in (("'max_tokens'", "'max_output_tokens'"), ("'response_format'", "'text.format'")):
+        for old, new in (("'max_tokens'", "'max_output_tokens'"), ("'response_format'", "'text.format'"),
+                         ("'reasoning_effort'", "'reasoning.effort'")):
             e.message = e.message.replace(old, new)
         raise
 
@@ -169,24 +181,35 @@ class ResponsesFormatter:
         self.model = model_id
         self.body = body
         self.seq = 0
+        self.indexes: dict[str, int] = {}  # output item id -> its output_index, in the order the items open
+
+    def _place(self, item: dict[str, Any]) -> int:
+        return self.indexes.setdefault(item["id"], len(self.indexes))
 
     # ---- the response object -----------------------------------------------------------------------------
 
     def shell(self, status: str, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         b = self.body
         text = b.get("text") if isinstance(b.get("text"), dict) else {"format": {"type": "text"}}
+        asked = b.get("reasoning") if isinstance(b.get("reasoning"), dict) else {}
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
                 "incomplete_details": None, "instructions": b.get("instructions"),
                 "max_output_tokens": b.get("max_output_tokens"), "model": self.model, "output": output or [],
                 "parallel_tool_calls": bool(b.get("parallel_tool_calls")), "previous_response_id": None,
                 "temperature": self.job.sampling.get("temperature"), "top_p": self.job.sampling.get("top_p"),
                 "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [], "text": text,
-                "truncation": "disabled", "store": False, "metadata": b.get("metadata") or {}, "usage": None}
+                "truncation": "disabled", "store": False, "metadata": b.get("metadata") or {}, "usage": None,
+                "reasoning": {"effort": asked.get("effort"), "summary": asked.get("summary")}}
 
     @staticmethod
     def message_item(text: str, status: str = "completed") -> dict[str, Any]:
         return {"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+    @staticmethod
+    def reasoning_item(text: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex[:24],
+                "summary": [{"type": "summary_text", "text": text}]}
 
     @staticmethod
     def call_item(call: dict[str, Any]) -> dict[str, Any]:
@@ -209,14 +232,16 @@ class ResponsesFormatter:
             obj["incomplete_details"] = {"reason": "max_output_tokens"}
         obj["usage"] = {"input_tokens": usage.prompt_tokens,
                         "input_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
-                        "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                        "output_tokens": usage.completion_tokens,
+                        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
                         "total_tokens": usage.prompt_tokens + usage.completion_tokens}
         return obj
 
     def response(self, choices: list[Any], usage: Usage, accepted_draft_tokens: int | None = None) -> dict[str, Any]:
         """The whole body (what `Server._collect` returns for a request that does not stream)."""
         c = choices[0]
-        return self.finished(self.output(c.text, c.finish_reason), c.finish_reason, usage)
+        thought = [self.reasoning_item(c.reasoning)] if c.reasoning else []
+        return self.finished(thought + self.output(c.text, c.finish_reason), c.finish_reason, usage)
 
     # ---- events -------------------------------------------------------------------------------------------
 
@@ -226,27 +251,47 @@ class ResponsesFormatter:
         return (f"event: {kind}\ndata: ".encode() + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
                 + b"\n\n")
 
+    def open_reasoning(self, item: dict[str, Any]) -> list[bytes]:
+        k = self._place(item)
+        return [self.event("response.output_item.added", output_index=k, item={**item, "summary": []}),
+                self.event("response.reasoning_summary_part.added", item_id=item["id"], output_index=k,
+                           summary_index=0, part={"type": "summary_text", "text": ""})]
+
+    def reasoning_delta(self, item_id: str, delta: str) -> bytes:
+        return self.event("response.reasoning_summary_text.delta", item_id=item_id, output_index=self.indexes[item_id],
+                          summary_index=0, delta=delta)
+
+    def close_reasoning(self, item: dict[str, Any]) -> list[bytes]:
+        k, part = self.indexes[item["id"]], item["summary"][0]
+        return [self.event("response.reasoning_summary_text.done", item_id=item["id"], output_index=k,
+                           summary_index=0, text=part["text"]),
+                self.event("response.reasoning_summary_part.done", item_id=item["id"], output_index=k,
+                           summary_index=0, part=part),
+                self.event("response.output_item.done", output_index=k, item=item)]
+
     def open_message(self, item: dict[str, Any]) -> list[bytes]:
+        k = self._place(item)
         opened = {**item, "status": "in_progress", "content": []}
-        return [self.event("response.output_item.added", output_index=0, item=opened),
-                self.event("response.content_part.added", item_id=item["id"], output_index=0, content_index=0,
+        return [self.event("response.output_item.added", output_index=k, item=opened),
+                self.event("response.content_part.added", item_id=item["id"], output_index=k, content_index=0,
                            part={"type": "output_text", "text": "", "annotations": []})]
 
     def text_delta(self, item_id: str, delta: str) -> bytes:
-        return self.event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0, delta=delta,
-                          logprobs=[])
+        return self.event("response.output_text.delta", item_id=item_id, output_index=self.indexes[item_id],
+                          content_index=0, delta=delta, logprobs=[])
 
     def close_message(self, item: dict[str, Any]) -> list[bytes]:
-        part = item["content"][0]
-        return [self.event("response.output_text.done", item_id=item["id"], output_index=0, content_index=0,
+        k, part = self.indexes[item["id"]], item["content"][0]
+        return [self.event("response.output_text.done", item_id=item["id"], output_index=k, content_index=0,
                            text=part["text"], logprobs=[]),
-                self.event("response.content_part.done", item_id=item["id"], output_index=0, content_index=0,
+                self.event("response.content_part.done", item_id=item["id"], output_index=k, content_index=0,
                            part=part),
-                self.event("response.output_item.done", output_index=0, item=item)]
+                self.event("response.output_item.done", output_index=k, item=item)]
 
     def calls(self, items: list[dict[str, Any]]) -> list[bytes]:
         out = []
-        for k, item in enumerate(items):
+        for item in items:
+            k = self._place(item)
             out += [self.event("response.output_item.added", output_index=k,
                                item={**item, "arguments": "", "status": "in_progress"}),
                     self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
@@ -255,3 +300,81 @@ class ResponsesFormatter:
                                name=item["name"], arguments=item["arguments"]),
                     self.event("response.output_item.done", output_index=k, item=item)]
         return out
+
+
+async def response_events(events: AsyncIterator[GenerationEvent], fmt: ResponsesFormatter, reasons: bool,
+                          cancelled_message: Callable[[], str]) -> AsyncIterator[bytes]:
+    """A Responses stream over one generation's events: created, in progress, the output item(s) with their deltas,
+    then completed (or incomplete at max_output_tokens; failed after an error). Text streams as it comes (with tools,
+    once the JSON shows a plain reply); function calls arrive whole once their JSON is complete. On a reasoning model
+    (`reasons`) the reasoning item streams first and the message opens at the answer's first text."""
+    yield fmt.event("response.created", response=fmt.shell("in_progress"))
+    yield fmt.event("response.in_progress", response=fmt.shell("in_progress"))
+    item = fmt.message_item("", "in_progress") if fmt.job.tools is None and not reasons else None
+    if item is not None:
+        for b in fmt.open_message(item):
+            yield b
+    # with tools the reply is JSON: held, but for a plain reply's text, which streams once the JSON shows it
+    held = ReplyStream() if fmt.job.tools is not None else None
+    parts: list[str] = []
+    thought: dict[str, Any] | None = None  # the reasoning item
+    thinking: list[str] = []
+    thought_open = False
+    final: GenerationEvent | None = None
+    async for event in events:
+        if event.reasoning:
+            if thought is None:
+                thought, thought_open = fmt.reasoning_item(""), True
+                for b in fmt.open_reasoning(thought):
+                    yield b
+            thinking.append(event.reasoning)
+            yield fmt.reasoning_delta(thought["id"], event.reasoning)
+        if event.text:
+            if thought_open:  # the answer began: the reasoning is done
+                assert thought is not None
+                thought["summary"][0]["text"], thought_open = "".join(thinking), False
+                for b in fmt.close_reasoning(thought):
+                    yield b
+            parts.append(event.text)
+            delta = event.text if held is None else held.feed(event.text)
+            if delta and item is None:
+                item = fmt.message_item("", "in_progress")
+                for b in fmt.open_message(item):
+                    yield b
+            if delta and item is not None:
+                yield fmt.text_delta(item["id"], delta)
+        final = event
+    assert final is not None and final.finish_reason is not None
+    reason = final.finish_reason
+    if reason in ("error", "cancelled"):
+        message = f"the generation failed: {final.error}" if reason == "error" else cancelled_message()
+        code = "generation_failed" if reason == "error" else "cancelled"
+        failed = fmt.shell("failed")
+        failed["error"] = {"code": code, "message": message}
+        yield fmt.event("error", code=code, message=message, param=None)
+        yield fmt.event("response.failed", response=failed)
+        return
+    if thought_open:  # no answer text came after it
+        assert thought is not None
+        thought["summary"][0]["text"] = "".join(thinking)
+        for b in fmt.close_reasoning(thought):
+            yield b
+    text = "".join(parts)
+    if item is not None:
+        item["content"][0]["text"] = text if held is None else fmt.output(text, reason)[0]["content"][0]["text"]
+        item["status"] = "completed" if reason == "stop" else "incomplete"
+        output = [item]
+        for b in fmt.close_message(item):
+            yield b
+    else:
+        output = fmt.output(text, reason)
+        if output[0]["type"] == "function_call":
+            for b in fmt.calls(output):
+                yield b
+        else:
+            for b in [*fmt.open_message(output[0]), fmt.text_delta(output[0]["id"], output[0]["content"][0]["text"]),
+                      *fmt.close_message(output[0])]:
+                yield b
+    output = ([thought] if thought is not None else []) + output
+    done = "response.completed" if reason == "stop" else "response.incomplete"
+    yield fmt.event(done, response=fmt.finished(output, reason, final.usage or Usage(0, 0)))

@@ -26,12 +26,13 @@ def speculative_step(runner: ModelRunner, seq: Sequence, k: int) -> tuple[list[i
 
     draft: list[int] | mx.array = []
     q = None
-    constraint = seq.constraint  # a response format: drafts and rows held to its grammar
+    constraint = seq.grammar  # a response format: drafts and rows held to its grammar
+    allowed = sampler.allowed  # the scheduler's mask for the next token (`Scheduler._mask`), or None
     allowed_after = None if constraint is None else (lambda ds: mx.array(constraint.allowed_along(ds)[-1:]))
     if k:
         draft, q = state.proposer.propose(DraftInput(tokens, k, sampler, lambda a, b: cache.prefill_layers(req, a, b),
                                                      allowed_after))
-    sampler.allowed = None
+    sampler.allowed = allowed
     if constraint is not None and q is None:  # a copied draft (point mass): cut where the grammar refuses it
         draft = list(draft)[:constraint.consumable(list(draft))]
     m = len(draft)
@@ -41,7 +42,7 @@ def speculative_step(runner: ModelRunner, seq: Sequence, k: int) -> tuple[list[i
     layers = cache.prefill_layers(req, n0, n0 + m + 1)
     inputs = mx.concatenate([mx.array([tokens[-1]], dtype=mx.int32), d])[None]  # (1, m+1)
     logits = runner.verify_logits(inputs, layers)  # (m+1, V)
-    if constraint is not None:  # row i: what the grammar allows after the drafts before it
+    if constraint is not None and m:  # row i: what the grammar allows after the drafts before it
         sampler.allowed = mx.array(constraint.allowed_along(d.tolist()))
     p = sampler.probs_along(logits, d)  # (m+1, V)
     if q is None:

@@ -24,6 +24,7 @@ from mlx_engine.backends.mlx.load import (
 )
 from mlx_engine.loading import load_checkpoint
 from mlx_engine.models import BuiltModel, build_model, count_parameters
+from mlx_engine.reasoning import reasoning_family
 from mlx_engine.sampling import target_logprobs
 
 
@@ -130,6 +131,7 @@ class Runner(CacheRunner):
             notes=notes,
             warnings=warnings,
             has_tokenizer=ckpt.tokenizer is not None,
+            reasoning=reasoning_family(tokenizer),
         )
         runner = cls(built, tokenizer, info, prefill_chunk_size)
         runner._shape = decode_shape(ckpt.config, params, act_dtype)

@@ -37,6 +37,7 @@ from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, 
                                         model_fingerprint)
 from mlx_engine.backends.torch.load import (DEFAULT_CPU_THREADS, check_draft_bits, check_threads, cpu_pack_notes,
                                             cpu_pack_plan, pick_dtype, resolve_device, use_kernels)
+from mlx_engine.reasoning import reasoning_family
 
 TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 T = TypeVar("T")
@@ -219,7 +220,7 @@ class TorchRunner(CacheRunner):
             num_parameters=tmodel.num_parameters, quantization=ckpt.quant_label, context_length=context,
             weight_bytes=tmodel.weight_bytes, vocab_size=int(ckpt.config.get("vocab_size") or tokenizer.vocab_size),
             native=True, dtype=dtype_name, eos_token_ids=tuple(tokenizer.eos_token_ids), backend="torch",
-            device=dev.type, has_tokenizer=ckpt.tokenizer is not None,
+            device=dev.type, has_tokenizer=ckpt.tokenizer is not None, reasoning=reasoning_family(tokenizer),
             notes=cpu_pack_notes(tmodel) + ((f"{num_threads} CPU threads",) if dev.type == "cpu" else ())
             + ((native_step.NOTE,) if native else ()),
             warnings=pack_warnings if ckpt.quantization else (),
