@@ -241,6 +241,9 @@ class Server:
             err = from_request_error(str(e), _PARAM_NAMES)
             if err.param == "response_format":  # or the vLLM field the grammar came from
                 err.param = job.format_param
+                if job.tools is not None:  # each function's schema compiled alone at parsing; together they did not
+                    err.message = "the tools' parameter schemas cannot be held together: " + err.message.split(
+                        ": ", 2)[-1]
             raise err from None
         except RooflineError as e:
             raise APIError(503, f"the engine cannot take requests: {e}", None, "engine_unavailable") from None

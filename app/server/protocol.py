@@ -25,7 +25,8 @@ from typing import Any, Literal
 from mlx_engine.api import MAX_DRAFT_TOKENS, MAX_LOGPROBS, SPECULATIVE_MODES, ResponseFormat
 
 from app.server.errors import APIError, invalid
-from app.server.tools import Tools, calls_as_text, closed, parse_tools, with_tools
+from app.server.schemas import closed, schema_error
+from app.server.tools import Tools, calls_as_text, parse_tools, with_tools
 
 MAX_STOP = 4
 MAX_CHOICES = 64  # prompts x n in one request; each choice is one engine request
@@ -457,8 +458,8 @@ def _speculative(f: _Fields, s: dict[str, Any]) -> None:
 def _response_format(f: _Fields, s: dict[str, Any]) -> None:
     """OpenAI's `response_format`: text, json_object (JSON mode) or json_schema ({"name", "schema", "strict",
     "description"}; a missing schema means any JSON object). Objects that do not say are closed (`closed`), and with
-    `strict` every property is required, as OpenAI's strict replies carry every key. The engine compiles the schema
-    at submission, so a schema it cannot use is a 400 there."""
+    `strict` every property is required, as OpenAI's strict replies carry every key. A schema the grammar cannot
+    hold a reply to is a 400 naming `response_format.json_schema.schema` (`_held_schema`)."""
     v = f.get("response_format")
     if v is None:
         return
@@ -483,8 +484,18 @@ def _response_format(f: _Fields, s: dict[str, Any]) -> None:
             raise invalid(f"'response_format.json_schema.{name}' must be {expected}, got {_kind(spec[name])}",
                           f"response_format.json_schema.{name}")
     schema = spec.get("schema")
-    s["response_format"] = (ResponseFormat("json_schema", schema=closed(schema, require_all=bool(spec.get("strict"))))
+    s["response_format"] = (_held_schema(closed(schema, require_all=bool(spec.get("strict"))),
+                                         "response_format.json_schema.schema")
                             if schema is not None else ResponseFormat("json_object"))
+
+
+def _held_schema(schema: dict[str, Any], param: str) -> ResponseFormat:
+    """The format holding a reply to `schema`, checked now (no model needed): a schema llguidance cannot compile, or
+    one that admits no value, is a 400 naming `param` with the compiler's one-line reason, never a 500 later."""
+    error = schema_error(schema)
+    if error is not None:
+        raise invalid(f"'{param}' is not a JSON Schema a reply can be held to: {error}", param, "invalid_schema")
+    return ResponseFormat("json_schema", schema=schema)
 
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -518,7 +529,7 @@ def _guided(f: _Fields, s: dict[str, Any], job: Job) -> None:
                 raise invalid(f"'{name}' is not valid JSON ({e})", name) from None
         if not isinstance(v, dict):
             raise invalid(f"'{name}' must be a JSON Schema object, got {_kind(v)}", name)
-        s["response_format"] = ResponseFormat("json_schema", schema=closed(v))
+        s["response_format"] = _held_schema(closed(v), name)
     elif kind == "regex":
         if not isinstance(v, str):
             raise invalid(f"'{name}' must be a string, got {_kind(v)}", name)

@@ -154,8 +154,10 @@ def parse_responses(body: dict[str, Any], model_names: set[str], served_id: str,
         return parse_job(chat, "chat", model_names, served_id, context_length, vocab_size)
     except APIError as e:
         e.param = _param(e.param, first)
-        for old, new in (("'max_tokens'", "'max_output_tokens'"), ("'response_format'", "'text.format'")):
+        for old, new in (("'max_tokens'", "'max_output_tokens'"), ("'response_format'", "'text.format'"),
+                         ("'response_format.json_schema.", "'text.format.")):
             e.message = e.message.replace(old, new)
+        e.message = re.sub(r"'tools\[(\d+)\]\.function\.", r"'tools[\1].", e.message)
         raise
 
 

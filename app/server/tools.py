@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.server.errors import invalid
+from app.server.schemas import closed, has_local_refs, rebased, schema_error
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -43,10 +44,16 @@ class Tools:
         return [f for f in self.functions if f["name"] == self.choice]
 
     def schema(self) -> dict[str, Any]:
-        """The JSON Schema a reply is held to."""
-        calls = []
+        """The JSON Schema a reply is held to. A function whose parameters refer into themselves (pydantic's `$defs`
+        and `"$ref": "#/$defs/Address"`, or "#" for recursion) has them under the root's `$defs`, named after the
+        function, its references rewritten to point there: inline, they would resolve against this schema's root."""
+        calls, defs = [], {}
         for f in self._offered():
-            calls.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+            arguments = f["parameters"]
+            if has_local_refs(arguments):
+                defs[f["name"]] = rebased(arguments, f"#/$defs/{f['name']}")  # a NAME needs no escaping in a pointer
+                arguments = {"$ref": f"#/$defs/{f['name']}"}
+            calls.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": arguments},
                           "required": ["name", "arguments"], "additionalProperties": False})
         array: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
                                  "minItems": 1}
@@ -54,11 +61,10 @@ class Tools:
             array["maxItems"] = 1
         call = {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"],
                 "additionalProperties": False}
-        if self.choice != "auto":
-            return call
         reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
                  "additionalProperties": False}
-        return {"anyOf": [call, reply]}
+        schema = call if self.choice != "auto" else {"anyOf": [call, reply]}
+        return {**schema, "$defs": defs} if defs else schema
 
     def system_prompt(self) -> str:
         listed = json.dumps([{k: f[k] for k in ("name", "description", "parameters") if k in f}
@@ -72,43 +78,6 @@ class Tools:
         else:
             lines.append(f"Call {'a function' if self.choice == 'required' else self.choice}: answer {call}.")
         return "\n".join(lines)
-
-
-def closed(schema: Any, require_all: bool = False) -> Any:
-    """The schema with `additionalProperties: false` on every object that does not say, as llama.cpp's and xgrammar's
-    (vLLM's) schema converters read an unspecified one: otherwise a small model pads a reply with properties the
-    schema never declared, until max_tokens. `require_all`: every property required too (OpenAI's `strict: true`,
-    whose replies always carry every key). `allOf` branches are left open: closing each would refuse the others'
-    properties."""
-    if isinstance(schema, list):
-        return [closed(s, require_all) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed(v, require_all) if k in ("items", "anyOf", "oneOf", "prefixItems") else v
-           for k, v in schema.items()}
-    if isinstance(schema.get("additionalProperties"), dict):
-        out["additionalProperties"] = closed(schema["additionalProperties"], require_all)
-    if isinstance(schema.get("properties"), dict):
-        out["properties"] = {k: closed(v, require_all) for k, v in schema["properties"].items()}
-        if require_all:
-            out["required"] = list(schema["properties"])
-    for key in ("$defs", "definitions"):
-        if isinstance(schema.get(key), dict):
-            out[key] = {k: closed(v, require_all) for k, v in schema[key].items()}
-    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
-        out["additionalProperties"] = False
-    return out
-
-
-def schema_error(schema: dict[str, Any]) -> str | None:
-    """Why the JSON Schema cannot hold a reply (llguidance's reason, one line), or None when it can."""
-    from llguidance import LLMatcher
-
-    try:
-        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
-    except (ValueError, TypeError) as e:
-        error = str(e)
-    return error.strip().splitlines()[0] if error and error.strip() else None
 
 
 def parse_tools(body: dict[str, Any]) -> Tools | None:
