@@ -42,7 +42,7 @@ from app.server.metrics import KVStatsReader, Metrics
 from app.server.protocol import Endpoint, Job, model_slug, parse_body, parse_detokenize, parse_job, parse_tokenize
 from app.server.responses import DONE, Choice, Echo, Formatter, error_chunk, sse, token_bytes_fn, token_str
 from app.server.responses_api import ResponsesFormatter, parse_responses
-from app.server.tools import ReplyStream
+from app.server.tool_formats import detect
 
 MAX_BODY_BYTES = 4 * 2**20
 _PARAM_NAMES = {"logprobs": "top_logprobs"}  # SamplingParams field -> request field, where they differ
@@ -88,6 +88,9 @@ class Server:
         self.metrics = Metrics()
         self.kv = KVStatsReader(engine.kv_stats)
         self.token_bytes = token_bytes_fn(engine.tokenizer)
+        # how this model calls tools, from its chat template's text (a tokenizer without a template: the JSON format)
+        self.tool_format = detect(getattr(engine.tokenizer, "chat_template", None),
+                                  lambda text: engine.tokenizer.encode(text, add_special_tokens=False))
         self.generations: set[Generation] = set()
         self.drain = Drain()
 
@@ -122,7 +125,7 @@ class Server:
 
     async def tokenize(self, request: Request) -> Response:
         job = parse_tokenize(parse_body(await read_body(request, self.config.max_body_bytes)), self.model_names,
-                             self.model_id)
+                             self.model_id, self.tool_format)
         tok = self.engine.tokenizer
 
         def run() -> list[int]:
@@ -170,11 +173,11 @@ class Server:
         fmt: Formatter | ResponsesFormatter
         if endpoint == "responses":
             job = parse_responses(body, self.model_names, self.model_id, self.info.context_length,
-                                  self.info.vocab_size)
+                                  self.info.vocab_size, self.tool_format)
             fmt = ResponsesFormatter(job, self.model_id, body)
         else:
             job = parse_job(body, endpoint, self.model_names, self.model_id, self.info.context_length,
-                            self.info.vocab_size)
+                            self.info.vocab_size, self.tool_format)
             fmt = Formatter(job, self.model_id, self.fingerprint, self.token_bytes)
         async with DisconnectWatch(request.receive) as watch:
             acquire = asyncio.ensure_future(self.gate.acquire())
@@ -217,7 +220,8 @@ class Server:
         tok = self.engine.tokenizer
         try:
             if job.messages is not None:
-                prompts = [(tok.encode_chat(job.messages, add_generation_prompt=True), "messages", None)]
+                prompts = [(tok.encode_chat(job.messages, add_generation_prompt=True, **job.chat_template_kwargs),
+                            "messages", None)]
             else:
                 prompts = [(tok.encode(p.text) if p.text is not None else list(p.token_ids or ()),
                             "prompt" if len(job.prompts) == 1 else f"prompt[{i}]", p.text)
@@ -339,9 +343,8 @@ class Server:
         finals: dict[int, GenerationEvent] = {}
         seen: list[bool] = []
         started: set[int] = set()
-        holding = fmt.job.tools is not None  # a tool-calling reply: its JSON is held, a plain reply's text streams
-        held: dict[int, list[str]] = {i: [] for i in range(len(gens))} if holding else {}
-        replies = {i: ReplyStream() for i in range(len(gens))} if holding else {}
+        # a tool-calling reply is read in the model's tool-call format: text and calls go out as it shows them
+        readers = {i: fmt.job.tool_format.stream() for i in range(len(gens))} if fmt.job.tools is not None else {}
         try:
             while len(finals) < len(gens):
                 i, event = await events.get()
@@ -351,11 +354,9 @@ class Server:
                     echo = fmt.echo_chunk(i, event.prompt_logprobs)
                     if echo is not None:
                         yield sse(echo)
-                if holding:
-                    held[i].append(event.text)
-                    text = replies[i].feed(event.text)
-                    if text:
-                        yield sse(fmt.delta_chunk(text, (), i))
+                if readers:
+                    for delta in readers[i].feed(event.text):
+                        yield sse(fmt.tool_delta_chunk(delta, i))
                 elif event.text or event.logprobs:
                     yield sse(fmt.delta_chunk(event.text, event.logprobs, i))
                 reason = event.finish_reason
@@ -369,12 +370,11 @@ class Server:
                     for gen in gens:
                         gen.cancel()
                     break
-                if holding:
-                    streamed = replies[i].mode in ("text", "done")
-                    for chunk in fmt.tool_reply_chunks("".join(held[i]), reason, i, streamed):
-                        yield sse(chunk)
-                else:
-                    yield sse(fmt.finish_chunk(reason, i))
+                if readers:
+                    for delta in readers[i].finish():
+                        yield sse(fmt.tool_delta_chunk(delta, i))
+                    reason = "tool_calls" if readers[i].called else reason
+                yield sse(fmt.finish_chunk(reason, i))
             else:
                 if fmt.job.include_usage:
                     ordered = [finals[i] for i in range(len(gens))]
@@ -386,16 +386,15 @@ class Server:
 
     async def _response_events(self, gen: Generation, fmt: ResponsesFormatter, t0: float) -> AsyncIterator[bytes]:
         """A Responses stream: created, in progress, the output item(s) with their deltas, then completed (or
-        incomplete at max_output_tokens; failed after an error). Text streams as it comes (with tools, once the
-        JSON shows a plain reply); function calls arrive whole once their JSON is complete."""
+        incomplete at max_output_tokens; failed after an error). Text streams as it comes (with tools, as the
+        model's tool-call format shows it); function calls arrive whole once the reply is complete."""
         yield fmt.event("response.created", response=fmt.shell("in_progress"))
         yield fmt.event("response.in_progress", response=fmt.shell("in_progress"))
         item = fmt.message_item("", "in_progress") if fmt.job.tools is None else None
         if item is not None:
             for b in fmt.open_message(item):
                 yield b
-        # with tools the reply is JSON: held, but for a plain reply's text, which streams once the JSON shows it
-        held = ReplyStream() if fmt.job.tools is not None else None
+        reader = fmt.job.tool_format.stream() if fmt.job.tools is not None else None
         parts: list[str] = []
         seen: list[bool] = []
         final: GenerationEvent | None = None
@@ -403,12 +402,12 @@ class Server:
             self._first_token(event, t0, seen)
             if event.text:
                 parts.append(event.text)
-                delta = event.text if held is None else held.feed(event.text)
-                if held is not None and delta and item is None:
-                    item = fmt.message_item("", "in_progress")
-                    for b in fmt.open_message(item):
-                        yield b
-                if delta and item is not None:
+                texts = [event.text] if reader is None else [d.content for d in reader.feed(event.text) if d.content]
+                for delta in texts:
+                    if item is None:
+                        item = fmt.message_item("", "in_progress")
+                        for b in fmt.open_message(item):
+                            yield b
                     yield fmt.text_delta(item["id"], delta)
             final = event
         assert final is not None and final.finish_reason is not None
@@ -421,22 +420,28 @@ class Server:
             yield fmt.event("error", code=code, message=message, param=None)
             yield fmt.event("response.failed", response=failed)
             return
-        text = "".join(parts)
-        if item is not None:
-            item["content"][0]["text"] = text if held is None else fmt.output(text, reason)[0]["content"][0]["text"]
-            item["status"] = "completed" if reason == "stop" else "incomplete"
-            output = [item]
+        for delta in [d.content for d in reader.finish() if d.content] if reader is not None else []:
+            if item is None:
+                item = fmt.message_item("", "in_progress")
+                for b in fmt.open_message(item):
+                    yield b
+            yield fmt.text_delta(item["id"], delta)
+        output = fmt.output("".join(parts), reason)
+        said = next((o for o in output if o["type"] == "message"), None)
+        calls = [o for o in output if o["type"] == "function_call"]
+        if item is not None:  # its text streamed: the same item, with the reply's text as parsed
+            item["content"][0]["text"] = said["content"][0]["text"] if said is not None else ""
+            item["status"] = said["status"] if said is not None else "completed"
             for b in fmt.close_message(item):
                 yield b
-        else:
-            output = fmt.output(text, reason)
-            if output[0]["type"] == "function_call":
-                for b in fmt.calls(output):
-                    yield b
-            else:
-                for b in [*fmt.open_message(output[0]), fmt.text_delta(output[0]["id"], output[0]["content"][0]["text"]),
-                          *fmt.close_message(output[0])]:
-                    yield b
+        elif said is not None:
+            item = said
+            for b in [*fmt.open_message(item), fmt.text_delta(item["id"], item["content"][0]["text"]),
+                      *fmt.close_message(item)]:
+                yield b
+        for b in fmt.calls(calls, first=1 if item is not None else 0):
+            yield b
+        output = ([item] if item is not None else []) + calls
         done = "response.completed" if reason == "stop" else "response.incomplete"
         yield fmt.event(done, response=fmt.finished(output, reason, total_usage([final], 1)))
 

@@ -5,7 +5,8 @@ names for the extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`);
 decoding (`speculative`: "auto", "prompt-lookup", "self", "draft" or "off"; `num_draft_tokens`). Unknown
 fields are ignored, as vLLM does; fields that would change the answer and are not supported (`suffix`,
 best_of > 1, legacy `functions`) are refused rather than silently dropped. `response_format` (JSON mode, a JSON
-Schema) and chat `tools` become a grammar the reply is held to (`tools.py`, the engine's `structured.py`).
+Schema, checked in `schemas.py`) and chat `tools` become a grammar the reply is held to (`tools.py`, in the model's
+tool-call format: `tool_formats.py`; the engine's `structured.py`).
 
 `n` replies per prompt, and on /v1/completions up to MAX_CHOICES prompts in one request (an array of strings or
 of token-id arrays): choice `index` = prompt * n + reply, at most MAX_CHOICES in all. With a `seed`, reply j
@@ -26,7 +27,8 @@ from mlx_engine.api import MAX_DRAFT_TOKENS, MAX_LOGPROBS, SPECULATIVE_MODES, Re
 
 from app.server.errors import APIError, invalid
 from app.server.schemas import closed, schema_error
-from app.server.tools import Tools, calls_as_text, parse_tools, with_tools
+from app.server.tool_formats import JSON, ToolFormat
+from app.server.tools import Tools, history_calls, parse_tools
 
 MAX_STOP = 4
 MAX_CHOICES = 64  # prompts x n in one request; each choice is one engine request
@@ -56,7 +58,7 @@ class Job:
 
     endpoint: Endpoint
     model: str
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     prompts: list[Prompt] = field(default_factory=list)  # completions: n choices each
     n: int = 1  # replies per prompt
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs, without max_tokens
@@ -67,7 +69,9 @@ class Job:
     logprobs: bool = False
     top_logprobs: int = 0
     echo: bool = False  # completions: the prompt comes back before the reply
-    tools: Tools | None = None  # chat: functions offered (the reply is held to the tool-call JSON)
+    tools: Tools | None = None  # chat: functions offered (the reply is held to the tool-call format's grammar)
+    tool_format: ToolFormat = JSON  # the model's way of calling tools (tool_formats.py): earlier calls, replies
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # the template's extra variables (tools)
     format_param: str = "response_format"  # the field the reply's grammar came from, for the engine's errors
 
 
@@ -173,16 +177,17 @@ def _short(v: Any) -> str:
 
 
 def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], served_id: str,
-              context_length: int, vocab_size: int) -> Job:
-    """Validates an OpenAI body for `endpoint` ("chat" or "completion"). Raises APIError (4xx)."""
+              context_length: int, vocab_size: int, tool_format: ToolFormat = JSON) -> Job:
+    """Validates an OpenAI body for `endpoint` ("chat" or "completion"); tools and earlier calls take the model's
+    `tool_format`. Raises APIError (4xx)."""
     f = _Fields(body)
     if "model" not in body or body["model"] is None:
         raise invalid("you must provide a model parameter ('model': the id /v1/models lists, or 'default')",
                       "model", "missing_required_parameter")
-    job = Job(endpoint=endpoint, model=_model(f, model_names, served_id))
+    job = Job(endpoint=endpoint, model=_model(f, model_names, served_id), tool_format=tool_format)
 
     if endpoint == "chat":
-        job.messages = _messages(body)
+        job.messages = _messages(body, tool_format)
     else:
         job.prompts = _prompts(body, vocab_size)
 
@@ -278,14 +283,16 @@ class TokenizeJob:
     """A validated /tokenize body (vLLM's shape): a prompt, or messages through the chat template."""
 
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
 
-def parse_tokenize(body: dict[str, Any], model_names: set[str], served_id: str) -> TokenizeJob:
-    """/tokenize: {"prompt": str} or {"messages": [...]}, `model` optional. Raises APIError (4xx)."""
+def parse_tokenize(body: dict[str, Any], model_names: set[str], served_id: str, tool_format: ToolFormat = JSON
+                   ) -> TokenizeJob:
+    """/tokenize: {"prompt": str} or {"messages": [...]} (earlier calls in the model's `tool_format`), `model`
+    optional. Raises APIError (4xx)."""
     f = _Fields(body)
     _model(f, model_names, served_id)
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
@@ -296,7 +303,7 @@ def parse_tokenize(body: dict[str, Any], model_names: set[str], served_id: str) 
     if has_prompt:
         job.prompt = _text(f.string("prompt") or "", "prompt")
     else:
-        job.messages = _messages(body)
+        job.messages = _messages(body, tool_format)
     job.add_special_tokens = _or(f.boolean("add_special_tokens"), True)
     job.add_generation_prompt = _or(f.boolean("add_generation_prompt"), True)
     job.return_token_strs = _or(f.boolean("return_token_strs"), False)
@@ -319,7 +326,7 @@ def _or(v: Any, default: Any) -> Any:
     return default if v is None else v
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _messages(body: dict[str, Any], tool_format: ToolFormat = JSON) -> list[dict[str, Any]]:
     if "messages" not in body or body["messages"] is None:
         raise invalid("'messages' is required: a non-empty array of {'role', 'content'}", "messages",
                       "missing_required_parameter")
@@ -350,7 +357,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
                           f"{p}.content")
         text = _text(content, f"{p}.content")
         if role == "assistant" and m.get("tool_calls") is not None:  # its calls, as the model writes them
-            text = calls_as_text(text, m["tool_calls"], f"{p}.tool_calls")
+            out.append(tool_format.history(text, history_calls(m["tool_calls"], f"{p}.tool_calls")))
+            continue
         out.append({"role": "system" if role == "developer" else role, "content": text})
     return out
 
@@ -552,7 +560,8 @@ def _guided(f: _Fields, s: dict[str, Any], job: Job) -> None:
 
 
 def _tools(body: dict[str, Any], job: Job, s: dict[str, Any]) -> None:
-    """Chat `tools`: the conversation gets their instructions and the reply their JSON grammar (`tools.py`)."""
+    """Chat `tools`: the conversation offers them and the reply is held to a call of them, in the model's tool-call
+    format (`tool_formats.py`)."""
     if job.endpoint != "chat":
         for name in ("tools", "tool_choice", "functions", "function_call"):
             if body.get(name) is not None:
@@ -566,9 +575,9 @@ def _tools(body: dict[str, Any], job: Job, s: dict[str, Any]) -> None:
         raise invalid(f"'{job.format_param}' cannot be combined with 'tools': a tool-calling reply is held to the "
                       "tool call format", job.format_param, "unsupported_value")
     if job.logprobs:
-        raise invalid("'logprobs' is not supported with 'tools' (the reply's tokens are the tool-call JSON)",
+        raise invalid("'logprobs' is not supported with 'tools' (the reply's tokens are the tool-call format's)",
                       "logprobs", "unsupported_value")
     assert job.messages is not None
     job.format_param = "tools"  # the grammar comes from their schemas
-    job.messages = with_tools(job.messages, job.tools)
-    s["response_format"] = ResponseFormat("json_schema", schema=job.tools.schema())
+    job.messages, job.chat_template_kwargs = job.tool_format.render(job.messages, job.tools)
+    s["response_format"] = job.tool_format.grammar(job.tools)

@@ -21,9 +21,9 @@ from typing import Any
 
 from mlx_engine.api import Usage
 
-from app.server import tools
 from app.server.errors import APIError, invalid
 from app.server.protocol import Job, content_parts, parse_job
+from app.server.tool_formats import JSON, ToolFormat
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -122,8 +122,9 @@ def _tools(body: dict[str, Any], chat: dict[str, Any]) -> None:
 
 
 def parse_responses(body: dict[str, Any], model_names: set[str], served_id: str, context_length: int,
-                    vocab_size: int) -> Job:
-    """A Responses body -> the chat Job that serves it. Raises APIError naming the Responses field."""
+                    vocab_size: int, tool_format: ToolFormat = JSON) -> Job:
+    """A Responses body -> the chat Job that serves it (tools in the model's `tool_format`). Raises APIError naming
+    the Responses field."""
     for name, why in (("previous_response_id", "this server stores no responses: send the whole conversation in "
                                                "'input'"),
                       ("conversation", "this server stores no conversations: send the whole conversation in 'input'")):
@@ -151,7 +152,7 @@ def parse_responses(body: dict[str, Any], model_names: set[str], served_id: str,
             chat["response_format"] = fmt
     _tools(body, chat)
     try:
-        return parse_job(chat, "chat", model_names, served_id, context_length, vocab_size)
+        return parse_job(chat, "chat", model_names, served_id, context_length, vocab_size, tool_format)
     except APIError as e:
         e.param = _param(e.param, first)
         for old, new in (("'max_tokens'", "'max_output_tokens'"), ("'response_format'", "'text.format'"),
@@ -197,11 +198,12 @@ class ResponsesFormatter:
                 "name": fn["name"], "arguments": fn["arguments"], "status": "completed"}
 
     def output(self, text: str, finish_reason: str) -> list[dict[str, Any]]:
-        """The output items of a finished reply (a tool-calling one parsed from its JSON)."""
+        """The output items of a finished reply: a message, or a tool-calling one's calls (after its text, where it
+        wrote some first), parsed in the model's tool-call format."""
         if self.job.tools is not None:
-            content, calls = tools.reply(text)
+            content, calls = self.job.tool_format.parse(text)
             if calls:
-                return [self.call_item(c) for c in calls]
+                return ([self.message_item(content)] if content else []) + [self.call_item(c) for c in calls]
             text = content or ""
         return [self.message_item(text, "completed" if finish_reason == "stop" else "incomplete")]
 
@@ -246,9 +248,10 @@ class ResponsesFormatter:
                            part=part),
                 self.event("response.output_item.done", output_index=0, item=item)]
 
-    def calls(self, items: list[dict[str, Any]]) -> list[bytes]:
+    def calls(self, items: list[dict[str, Any]], first: int = 0) -> list[bytes]:
+        """The events of function-call items, whole, at output indices from `first`."""
         out = []
-        for k, item in enumerate(items):
+        for k, item in enumerate(items, first):
             out += [self.event("response.output_item.added", output_index=k,
                                item={**item, "arguments": "", "status": "in_progress"}),
                     self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
