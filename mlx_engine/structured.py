@@ -2,7 +2,8 @@
 behind llama.cpp's and vLLM's guided decoding).
 
 `Engine.generate` compiles the request's `ResponseFormat` into a `Constraint` on the caller's thread, so a bad
-schema is a RequestError there and never reaches the engine thread. The scheduler then, for each token of a
+schema, or one that admits no text at all (`{"$ref": "#"}`: no first token fits), is a RequestError there and never
+reaches the engine thread. The scheduler then, for each token of a
 constrained request: reads the token it sampled last (a host sync: the next mask depends on it), feeds it to
 the matcher, and masks the row's logits to the tokens the grammar allows before the sampler's penalties,
 temperature and filters (`Sampler.allowed`). Log-probabilities are those of the masked distribution, the one
@@ -21,13 +22,19 @@ import threading
 from typing import Any
 
 import numpy as np
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from mlx_engine.api import RequestError, ResponseFormat, RooflineError
 
 # Between JSON tokens: nothing, one space, or a newline and up to 20 spaces or tabs of indent (llama.cpp's
 # json-schema-to-grammar rule). Unbounded whitespace lets a small model pad a reply with blank lines forever.
 JSON_WHITESPACE = r"(?:\x20|\x0A[\x20\x09]{0,20})?"
+# oneOf is read as anyOf (llama.cpp's and xgrammar's reading): llguidance otherwise refuses every oneOf whose
+# branches it cannot prove disjoint, and a reply matching two branches is the rare price.
+JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE, "coerce_one_of": True}
+# What a dead start reads as: llguidance names only its stop reason ("NoExtensionBias") and dumps parser state.
+DEAD_START = ("it admits no text: no first token fits (a rule or $ref that leads only back to itself, as "
+              '{"$ref": "#"})')
 
 _lock = threading.Lock()
 
@@ -52,7 +59,7 @@ def grammar(fmt: ResponseFormat) -> str:
     if fmt.type in ("json_object", "json_schema"):
         schema = fmt.schema if fmt.type == "json_schema" else {"type": "object"}
         try:
-            return LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_pattern": JSON_WHITESPACE})
+            return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         except (ValueError, TypeError) as e:
             raise RequestError(f"response format json_schema: the schema is not a JSON object ({e})") from None
     if fmt.type == "regex":
@@ -63,29 +70,76 @@ def grammar(fmt: ResponseFormat) -> str:
 _WHAT = {"json_object": "JSON", "json_schema": "the JSON Schema", "regex": "the regex", "lark": "the Lark grammar"}
 
 
-def constrain(tokenizer: Any, vocab_size: int, fmt: ResponseFormat) -> Constraint:
-    """A fresh matcher for one request. RequestError when the schema, regex or grammar is invalid or uses what
-    llguidance does not support (its message says what and where)."""
-    matcher = LLMatcher(_lltokenizer(tokenizer, vocab_size), grammar(fmt), log_level=0)
+def _matcher_error(matcher: LLMatcher) -> str | None:
+    """Why the matcher cannot start (one line), or None: a grammar that compiles may still allow no first token."""
     if matcher.is_error():
-        raise RequestError(f"response format {fmt.type}: {_WHAT[fmt.type]} cannot be used: "
-                           f"{_one_line(matcher.get_error())}")
+        return _one_line(matcher.get_error())
+    matcher.compute_bitmask()
+    return DEAD_START if matcher.is_error() else None
+
+
+def constrain(tokenizer: Any, vocab_size: int, fmt: ResponseFormat) -> Constraint:
+    """A fresh matcher for one request. RequestError when the schema, regex or grammar is invalid, uses what
+    llguidance does not support (its message says what and where) or admits no text."""
+    matcher = LLMatcher(_lltokenizer(tokenizer, vocab_size), grammar(fmt), log_level=0)
+    error = _matcher_error(matcher)
+    if error is not None:
+        raise RequestError(f"response format {fmt.type}: {_WHAT[fmt.type]} cannot be used: {error}")
     return Constraint(matcher, vocab_size, tuple(tokenizer.eos_token_ids))
 
 
-def check_format(fmt: ResponseFormat) -> None:
-    """RequestError, worded as `constrain`'s, for a schema, regex or grammar llguidance cannot compile; needs no
-    tokenizer, so a front end can check a format before the model loads."""
-    error = LLMatcher.validate_grammar(grammar(fmt), None)
+class _Bytes:
+    """A tokenizer whose tokens are the 256 bytes (and an end): over it a grammar allows a first token exactly when
+    it admits some text, whatever the model's tokenizer."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b""]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+_bytes_tokenizer: LLTokenizer | None = None
+
+
+def format_error(fmt: ResponseFormat) -> str | None:
+    """Why llguidance cannot hold a reply to the format (its reason, one line), or None when it can. Needs no model:
+    a front end checks a format, or a tool's schema, before anything loads or runs."""
+    global _bytes_tokenizer
+    try:
+        source = grammar(fmt)
+    except RequestError as e:
+        return str(e).split(": ", 1)[-1]
+    error = LLMatcher.validate_grammar(source, None)
     if error:
-        raise RequestError(f"response format {fmt.type}: {_WHAT[fmt.type]} cannot be used: {_one_line(error)}")
+        return _one_line(error)
+    with _lock:
+        if _bytes_tokenizer is None:
+            _bytes_tokenizer = LLTokenizer(TokenizerWrapper(_Bytes()), slices=[])
+    return _matcher_error(LLMatcher(_bytes_tokenizer, source, log_level=0))
+
+
+def check_format(fmt: ResponseFormat) -> None:
+    """RequestError, worded as `constrain`'s, for a schema, regex or grammar llguidance cannot compile or that admits
+    no text; needs no tokenizer, so a front end can check a format before the model loads."""
+    error = format_error(fmt)
+    if error is not None:
+        raise RequestError(f"response format {fmt.type}: {_WHAT[fmt.type]} cannot be used: {error}")
+
+
+# llguidance's runtime errors carry the parser's state and the whole grammar (hundreds of lines): never shown
+MAX_REASON = 200
 
 
 def _one_line(message: str) -> str:
-    """llguidance's first line, and its "error: ..." line where it draws the place in the source beneath."""
+    """llguidance's first line, and its "error: ..." line where it draws the place in the source beneath; at most
+    MAX_REASON characters."""
     lines = [line.strip() for line in message.strip().splitlines()]
     detail = next((line for line in lines[1:] if line.startswith("error:")), None)
-    return f"{lines[0]} ({detail})" if lines and detail else (lines[0] if lines else "unknown error")
+    out = f"{lines[0]} ({detail})" if lines and detail else (lines[0] if lines else "unknown error")
+    return out if len(out) <= MAX_REASON else out[:MAX_REASON - 3] + "..."
 
 
 class Constraint:
@@ -101,7 +155,8 @@ class Constraint:
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
         if self.matcher.is_error() or not mask.any():
-            raise RooflineError(f"the response format allows no next token: {self.matcher.get_error() or 'dead end'}")
+            reason = _one_line(self.matcher.get_error()) if self.matcher.is_error() else "dead end"
+            raise RooflineError(f"the response format allows no next token: {reason}")
         return mask
 
     def consumable(self, tokens: list[int]) -> int:
@@ -112,7 +167,8 @@ class Constraint:
 
     def _rollback(self, n: int) -> None:
         if n and not self.matcher.rollback(n):
-            raise RooflineError(f"the response format could not roll back {n} tokens: {self.matcher.get_error()}")
+            raise RooflineError(f"the response format could not roll back {n} tokens: "
+                                f"{_one_line(self.matcher.get_error())}")
 
     def allowed_along(self, tokens: list[int]) -> np.ndarray:
         """(len(tokens) + 1, vocab_size) bool: row i is what the grammar allows after tokens[:i] (a speculative
@@ -133,7 +189,7 @@ class Constraint:
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise RooflineError(f"token {token} breaks the response format: {self.matcher.get_error()}")
+            raise RooflineError(f"token {token} breaks the response format: {_one_line(self.matcher.get_error())}")
 
     @property
     def done(self) -> bool:

@@ -221,7 +221,7 @@ def test_a_bad_max_tokens_is_a_bad_request_in_anthropics_shape(client, model_id,
     (HI, {"tools": [{"name": "x", "input_schema": {"type": "colour"}}]}, "'tools[0].input_schema' is not a JSON Schema"),
     (HI, {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "'tool_choice' names 'nope'"),
     (HI, {"output_config": {"format": {"type": "json_schema", "schema": {"type": "colour"}}}},
-     "output_config.format: "),
+     "'output_config.format' is not a JSON Schema"),
     (HI, {"model": "claude-sonnet-4-5"}, "The model 'claude-sonnet-4-5' does not exist"),
 ])
 def test_refusals_name_the_field(client, model_id, messages, extra, words) -> None:

@@ -197,7 +197,7 @@ def test_control_token_strings_in_user_text_stay_text(server, engine) -> None:
 
 def test_structured_output_through_the_clients_parse_helper(client, model_id) -> None:
     """`client.chat.completions.parse` with a pydantic model (the strict JSON Schema it sends), a schema streamed,
-    JSON mode: replies that parse; a schema the engine cannot use is a 400 naming response_format."""
+    JSON mode: replies that parse; a schema the engine cannot use is a 400 naming response_format.json_schema.schema."""
     import json
 
     import pydantic
@@ -225,7 +225,7 @@ def test_structured_output_through_the_clients_parse_helper(client, model_id) ->
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model_id, messages=HI, max_tokens=5, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "colour"}}})
-    assert e.value.param == "response_format" and "colour" in e.value.message
+    assert e.value.param == "response_format.json_schema.schema" and "colour" in e.value.message
     # vLLM's fields, as a client written for vLLM sends them
     r = client.chat.completions.create(model=model_id, messages=HI, max_tokens=5, temperature=0,
                                        extra_body={"guided_choice": ["Paris", "Lyon", "Marseille"]})

@@ -147,9 +147,11 @@ def test_tool_replies_format_as_openai_messages_and_chunks() -> None:
     assert second["finish_reason"] == "stop" and second["message"]["content"] == "two"
     assert "tool_calls" not in second["message"]
     assert third["finish_reason"] == "length" and third["message"]["content"] == '{"tool_calls": [{"na'
-    chunks = fmt.tool_reply_chunks('{"tool_calls": [{"name": "add", "arguments": {}}]}', "stop", 0)
-    assert chunks[0]["choices"][0]["delta"]["tool_calls"][0]["index"] == 0
-    assert chunks[1]["choices"][0]["finish_reason"] == "tool_calls"
+    reader = fmt.job.tool_format.stream()  # streamed: a call goes out whole once its JSON is complete
+    assert reader.feed('{"tool_calls": [{"name": "add", "arguments": {}}]}') == [] and not reader.called
+    [delta] = reader.finish()
+    chunk = fmt.tool_delta_chunk(delta, 0)
+    assert chunk["choices"][0]["delta"]["tool_calls"][0]["index"] == 0 and reader.called
 
 
 def responses_error(body: dict) -> APIError:

@@ -14,7 +14,7 @@ import pytest
 from llguidance import LLMatcher
 
 from mlx_engine import Engine, GenerationRequest, RequestError, ResponseFormat, SamplingParams
-from mlx_engine.structured import grammar
+from mlx_engine.structured import check_format, grammar
 from tests.tiny_models import random_llama_folder, write_gguf_from_folder
 
 PATTERN = r"[a-c]{2,4}-[0-9]{1,3}"
@@ -310,10 +310,16 @@ def test_rows_along_a_draft_are_the_grammar_after_each_prefix(engine) -> None:
     (lambda: ResponseFormat("json_schema", schema={"type": "colour"}),
      "response format json_schema: the JSON Schema cannot be used: .*colour"),
     (lambda: ResponseFormat("lark", grammar="start: missing_rule"), "the Lark grammar cannot be used: .*missing_rule"),
+    # compiles, but admits no text: was a failed generation quoting the parser's state
+    (lambda: ResponseFormat("json_schema", schema={"$ref": "#"}), r"the JSON Schema cannot be used: it admits no text"),
+    (lambda: ResponseFormat("lark", grammar="start: start"), "the Lark grammar cannot be used: it admits no text"),
 ])
 def test_a_format_that_does_not_compile_is_refused_at_generate(engine, fmt, match: str) -> None:
-    with pytest.raises(RequestError, match=match):
+    with pytest.raises(RequestError, match=match) as e:
         engine.generate(GenerationRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(response_format=fmt())))
+    assert "\n" not in str(e.value) and len(str(e.value)) < 300
+    with pytest.raises(RequestError, match=match):  # the same words before a model loads (the CLI's check)
+        check_format(fmt())
     assert run(engine, None, max_tokens=3, ignore_eos=True)[0]  # the engine still serves
 
 

@@ -46,7 +46,7 @@ from app.server.metrics import KVStatsReader, Metrics
 from app.server.protocol import Endpoint, Job, model_slug, parse_body, parse_detokenize, parse_job, parse_tokenize
 from app.server.responses import DONE, Choice, Echo, Formatter, error_chunk, sse, token_bytes_fn, token_str
 from app.server.responses_api import ResponsesFormatter, parse_responses, response_events
-from app.server.tools import ReplyStream
+from app.server.tool_formats import detect
 
 MAX_BODY_BYTES = 4 * 2**20
 _PARAM_NAMES = {"logprobs": "top_logprobs"}  # SamplingParams field -> request field, where they differ
@@ -93,6 +93,9 @@ class Server:
         self.metrics = Metrics()
         self.kv = KVStatsReader(engine.kv_stats)
         self.token_bytes = token_bytes_fn(engine.tokenizer)
+        # how this model calls tools, from its chat template's text (a tokenizer without a template: the JSON format)
+        self.tool_format = detect(getattr(engine.tokenizer, "chat_template", None),
+                                  lambda text: engine.tokenizer.encode(text, add_special_tokens=False))
         self.generations: set[Generation] = set()
         self.drain = Drain()
 
@@ -134,7 +137,7 @@ class Server:
 
     async def tokenize(self, request: Request) -> Response:
         job = parse_tokenize(parse_body(await read_body(request, self.config.max_body_bytes)), self.model_names,
-                             self.model_id)
+                             self.model_id, self.tool_format)
         tok = self.engine.tokenizer
 
         def run() -> list[int]:
@@ -196,7 +199,7 @@ class Server:
         fmt: Formatter | ResponsesFormatter | MessagesFormatter
         if endpoint == "responses":
             job = parse_responses(body, self.model_names, self.model_id, self.info.context_length,
-                                  self.info.vocab_size)
+                                  self.info.vocab_size, self.tool_format)
             fmt = ResponsesFormatter(job, self.model_id, body)
         elif endpoint == "messages":
             job = parse_messages(body, self.model_names, self.model_id, self.info.context_length,
@@ -204,7 +207,7 @@ class Server:
             fmt = MessagesFormatter(job, self.model_id)
         else:
             job = parse_job(body, endpoint, self.model_names, self.model_id, self.info.context_length,
-                            self.info.vocab_size)
+                            self.info.vocab_size, self.tool_format)
             fmt = Formatter(job, self.model_id, self.fingerprint, self.token_bytes, self.reasons)
         async with DisconnectWatch(request.receive) as watch:
             acquire = asyncio.ensure_future(self.gate.acquire())
@@ -249,7 +252,8 @@ class Server:
         """A chat job's prompt ids: its messages through the chat template, with the job's template variables."""
         assert job.messages is not None
         variables = template_kwargs(self.info.reasoning, job.chat_template_kwargs, job.reasoning_effort)
-        return self.engine.tokenizer.encode_chat(job.messages, add_generation_prompt=True, **variables)
+        return self.engine.tokenizer.encode_chat(job.messages, add_generation_prompt=True,
+                                                 **{**variables, **job.tool_variables})
 
     def _submit(self, job: Job, fmt: Formatter | ResponsesFormatter | MessagesFormatter) -> list[tuple[Any, int]]:
         """On a worker thread: tokenize every prompt and check it against the context, score the echoed prompts,
@@ -281,6 +285,9 @@ class Server:
             err = from_request_error(str(e), _PARAM_NAMES)
             if err.param == "response_format":  # or the vLLM field the grammar came from
                 err.param = job.format_param
+                if job.tools is not None:  # each function's schema compiled alone at parsing; together they did not
+                    err.message = "the tools' parameter schemas cannot be held together: " + err.message.split(
+                        ": ", 2)[-1]
             raise err from None
         except RooflineError as e:
             raise APIError(503, f"the engine cannot take requests: {e}", None, "engine_unavailable") from None
@@ -380,9 +387,8 @@ class Server:
         finals: dict[int, GenerationEvent] = {}
         seen: list[bool] = []
         started: set[int] = set()
-        holding = fmt.job.tools is not None  # a tool-calling reply: its JSON is held, a plain reply's text streams
-        held: dict[int, list[str]] = {i: [] for i in range(len(gens))} if holding else {}
-        replies = {i: ReplyStream() for i in range(len(gens))} if holding else {}
+        # a tool-calling reply is read in the model's tool-call format: text and calls go out as it shows them
+        readers = {i: fmt.job.tool_format.stream() for i in range(len(gens))} if fmt.job.tools is not None else {}
         try:
             while len(finals) < len(gens):
                 i, event = await events.get()
@@ -394,11 +400,9 @@ class Server:
                         yield sse(echo)
                 if event.reasoning:  # its tokens' log-probabilities with it, where they gave no answer text
                     yield sse(fmt.reasoning_chunk(event.reasoning, () if event.text else event.logprobs, i))
-                if holding:
-                    held[i].append(event.text)
-                    text = replies[i].feed(event.text)
-                    if text:
-                        yield sse(fmt.delta_chunk(text, (), i))
+                if readers:
+                    for delta in readers[i].feed(event.text):
+                        yield sse(fmt.tool_delta_chunk(delta, i))
                 elif event.text or (event.logprobs and not event.reasoning):
                     yield sse(fmt.delta_chunk(event.text, event.logprobs, i))
                 reason = event.finish_reason
@@ -412,12 +416,11 @@ class Server:
                     for gen in gens:
                         gen.cancel()
                     break
-                if holding:
-                    streamed = replies[i].mode in ("text", "done")
-                    for chunk in fmt.tool_reply_chunks("".join(held[i]), reason, i, streamed):
-                        yield sse(chunk)
-                else:
-                    yield sse(fmt.finish_chunk(reason, i))
+                if readers:
+                    for delta in readers[i].finish():
+                        yield sse(fmt.tool_delta_chunk(delta, i))
+                    reason = "tool_calls" if readers[i].called else reason
+                yield sse(fmt.finish_chunk(reason, i))
             else:
                 if fmt.job.include_usage:
                     ordered = [finals[i] for i in range(len(gens))]

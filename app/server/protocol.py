@@ -5,9 +5,10 @@ names for the extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`);
 decoding (`speculative`: "auto", "prompt-lookup", "self", "draft" or "off"; `num_draft_tokens`). Unknown
 fields are ignored, as vLLM does; fields that would change the answer and are not supported (`suffix`,
 best_of > 1, legacy `functions`) are refused rather than silently dropped. `response_format` (JSON mode, a JSON
-Schema) and chat `tools` become a grammar the reply is held to (`tools.py`, the engine's `structured.py`). Chat
-takes vLLM's `chat_template_kwargs` (template variables: {"enable_thinking": false}) and OpenAI's `reasoning_effort`,
-which the model's reasoning family maps onto its template (`mlx_engine.reasoning.template_kwargs`).
+Schema, checked in `schemas.py`) and chat `tools` become a grammar the reply is held to (`tools.py`, in the model's
+tool-call format: `tool_formats.py`; the engine's `structured.py`). Chat takes vLLM's `chat_template_kwargs` (template
+variables: {"enable_thinking": false}) and OpenAI's `reasoning_effort`, which the model's reasoning family maps onto
+its template (`mlx_engine.reasoning.template_kwargs`).
 
 `n` replies per prompt, and on /v1/completions up to MAX_CHOICES prompts in one request (an array of strings or
 of token-id arrays): choice `index` = prompt * n + reply, at most MAX_CHOICES in all. With a `seed`, reply j
@@ -28,7 +29,9 @@ from mlx_engine.api import MAX_DRAFT_TOKENS, MAX_LOGPROBS, REASONING_EFFORTS, SP
 from mlx_engine.reasoning import RESERVED_TEMPLATE_VARIABLES
 
 from app.server.errors import APIError, invalid
-from app.server.tools import Tools, calls_as_text, closed, parse_tools, with_tools
+from app.server.schemas import closed, schema_error
+from app.server.tool_formats import JSON, ToolFormat
+from app.server.tools import Tools, history_calls, parse_tools
 
 MAX_STOP = 4
 MAX_CHOICES = 64  # prompts x n in one request; each choice is one engine request
@@ -58,7 +61,7 @@ class Job:
 
     endpoint: Endpoint
     model: str
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     prompts: list[Prompt] = field(default_factory=list)  # completions: n choices each
     n: int = 1  # replies per prompt
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs, without max_tokens
@@ -69,9 +72,11 @@ class Job:
     logprobs: bool = False
     top_logprobs: int = 0
     echo: bool = False  # completions: the prompt comes back before the reply
-    tools: Tools | None = None  # chat: functions offered (the reply is held to the tool-call JSON)
+    tools: Tools | None = None  # chat: functions offered (the reply is held to the tool-call format's grammar)
+    tool_format: ToolFormat = JSON  # the model's way of calling tools (tool_formats.py): earlier calls, replies
+    tool_variables: dict[str, Any] = field(default_factory=dict)  # the template's variables for the tools
     format_param: str = "response_format"  # the field the reply's grammar came from, for the engine's errors
-    chat_template_kwargs: dict[str, Any] | None = None  # chat: extra template variables
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: the request's own template variables
     reasoning_effort: str | None = None  # chat: one of REASONING_EFFORTS
 
 
@@ -177,16 +182,17 @@ def _short(v: Any) -> str:
 
 
 def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], served_id: str,
-              context_length: int, vocab_size: int) -> Job:
-    """Validates an OpenAI body for `endpoint` ("chat" or "completion"). Raises APIError (4xx)."""
+              context_length: int, vocab_size: int, tool_format: ToolFormat = JSON) -> Job:
+    """Validates an OpenAI body for `endpoint` ("chat" or "completion"); tools and earlier calls take the model's
+    `tool_format`. Raises APIError (4xx)."""
     f = _Fields(body)
     if "model" not in body or body["model"] is None:
         raise invalid("you must provide a model parameter ('model': the id /v1/models lists, or 'default')",
                       "model", "missing_required_parameter")
-    job = Job(endpoint=endpoint, model=_model(f, model_names, served_id))
+    job = Job(endpoint=endpoint, model=_model(f, model_names, served_id), tool_format=tool_format)
 
     if endpoint == "chat":
-        job.messages = _messages(body)
+        job.messages = _messages(body, tool_format)
     else:
         job.prompts = _prompts(body, vocab_size)
 
@@ -283,14 +289,16 @@ class TokenizeJob:
     """A validated /tokenize body (vLLM's shape): a prompt, or messages through the chat template."""
 
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
 
-def parse_tokenize(body: dict[str, Any], model_names: set[str], served_id: str) -> TokenizeJob:
-    """/tokenize: {"prompt": str} or {"messages": [...]}, `model` optional. Raises APIError (4xx)."""
+def parse_tokenize(body: dict[str, Any], model_names: set[str], served_id: str, tool_format: ToolFormat = JSON
+                   ) -> TokenizeJob:
+    """/tokenize: {"prompt": str} or {"messages": [...]} (earlier calls in the model's `tool_format`), `model`
+    optional. Raises APIError (4xx)."""
     f = _Fields(body)
     _model(f, model_names, served_id)
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
@@ -301,7 +309,7 @@ def parse_tokenize(body: dict[str, Any], model_names: set[str], served_id: str) 
     if has_prompt:
         job.prompt = _text(f.string("prompt") or "", "prompt")
     else:
-        job.messages = _messages(body)
+        job.messages = _messages(body, tool_format)
     job.add_special_tokens = _or(f.boolean("add_special_tokens"), True)
     job.add_generation_prompt = _or(f.boolean("add_generation_prompt"), True)
     job.return_token_strs = _or(f.boolean("return_token_strs"), False)
@@ -324,7 +332,7 @@ def _or(v: Any, default: Any) -> Any:
     return default if v is None else v
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _messages(body: dict[str, Any], tool_format: ToolFormat = JSON) -> list[dict[str, Any]]:
     if "messages" not in body or body["messages"] is None:
         raise invalid("'messages' is required: a non-empty array of {'role', 'content'}", "messages",
                       "missing_required_parameter")
@@ -355,7 +363,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
                           f"{p}.content")
         text = _text(content, f"{p}.content")
         if role == "assistant" and m.get("tool_calls") is not None:  # its calls, as the model writes them
-            text = calls_as_text(text, m["tool_calls"], f"{p}.tool_calls")
+            out.append(tool_format.history(text, history_calls(m["tool_calls"], f"{p}.tool_calls")))
+            continue
         out.append({"role": "system" if role == "developer" else role, "content": text})
     return out
 
@@ -463,8 +472,8 @@ def _speculative(f: _Fields, s: dict[str, Any]) -> None:
 def _response_format(f: _Fields, s: dict[str, Any]) -> None:
     """OpenAI's `response_format`: text, json_object (JSON mode) or json_schema ({"name", "schema", "strict",
     "description"}; a missing schema means any JSON object). Objects that do not say are closed (`closed`), and with
-    `strict` every property is required, as OpenAI's strict replies carry every key. The engine compiles the schema
-    at submission, so a schema it cannot use is a 400 there."""
+    `strict` every property is required, as OpenAI's strict replies carry every key. A schema the grammar cannot
+    hold a reply to is a 400 naming `response_format.json_schema.schema` (`_held_schema`)."""
     v = f.get("response_format")
     if v is None:
         return
@@ -489,8 +498,18 @@ def _response_format(f: _Fields, s: dict[str, Any]) -> None:
             raise invalid(f"'response_format.json_schema.{name}' must be {expected}, got {_kind(spec[name])}",
                           f"response_format.json_schema.{name}")
     schema = spec.get("schema")
-    s["response_format"] = (ResponseFormat("json_schema", schema=closed(schema, require_all=bool(spec.get("strict"))))
+    s["response_format"] = (_held_schema(closed(schema, require_all=bool(spec.get("strict"))),
+                                         "response_format.json_schema.schema")
                             if schema is not None else ResponseFormat("json_object"))
+
+
+def _held_schema(schema: dict[str, Any], param: str) -> ResponseFormat:
+    """The format holding a reply to `schema`, checked now (no model needed): a schema llguidance cannot compile, or
+    one that admits no value, is a 400 naming `param` with the compiler's one-line reason, never a 500 later."""
+    error = schema_error(schema)
+    if error is not None:
+        raise invalid(f"'{param}' is not a JSON Schema a reply can be held to: {error}", param, "invalid_schema")
+    return ResponseFormat("json_schema", schema=schema)
 
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -524,7 +543,7 @@ def _guided(f: _Fields, s: dict[str, Any], job: Job) -> None:
                 raise invalid(f"'{name}' is not valid JSON ({e})", name) from None
         if not isinstance(v, dict):
             raise invalid(f"'{name}' must be a JSON Schema object, got {_kind(v)}", name)
-        s["response_format"] = ResponseFormat("json_schema", schema=closed(v))
+        s["response_format"] = _held_schema(closed(v), name)
     elif kind == "regex":
         if not isinstance(v, str):
             raise invalid(f"'{name}' must be a string, got {_kind(v)}", name)
@@ -572,7 +591,8 @@ def _reasoning(f: _Fields, job: Job) -> None:
 
 
 def _tools(body: dict[str, Any], job: Job, s: dict[str, Any]) -> None:
-    """Chat `tools`: the conversation gets their instructions and the reply their JSON grammar (`tools.py`)."""
+    """Chat `tools`: the conversation offers them and the reply is held to a call of them, in the model's tool-call
+    format (`tool_formats.py`)."""
     if job.endpoint != "chat":
         for name in ("tools", "tool_choice", "functions", "function_call"):
             if body.get(name) is not None:
@@ -586,9 +606,9 @@ def _tools(body: dict[str, Any], job: Job, s: dict[str, Any]) -> None:
         raise invalid(f"'{job.format_param}' cannot be combined with 'tools': a tool-calling reply is held to the "
                       "tool call format", job.format_param, "unsupported_value")
     if job.logprobs:
-        raise invalid("'logprobs' is not supported with 'tools' (the reply's tokens are the tool-call JSON)",
+        raise invalid("'logprobs' is not supported with 'tools' (the reply's tokens are the tool-call format's)",
                       "logprobs", "unsupported_value")
     assert job.messages is not None
     job.format_param = "tools"  # the grammar comes from their schemas
-    job.messages = with_tools(job.messages, job.tools)
-    s["response_format"] = ResponseFormat("json_schema", schema=job.tools.schema())
+    job.messages, job.tool_variables = job.tool_format.render(job.messages, job.tools)
+    s["response_format"] = job.tool_format.grammar(job.tools)

@@ -14,8 +14,8 @@ from typing import Any
 
 from mlx_engine.api import TokenLogprob, Usage
 
-from app.server import tools
 from app.server.protocol import Job
+from app.server.tool_formats import Delta
 
 DONE = b"data: [DONE]\n\n"
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -209,20 +209,10 @@ class Formatter:
             return self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason})
         return self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason})
 
-    def tool_reply_chunks(self, text: str, finish_reason: str, index: int = 0, streamed: bool = False
-                          ) -> list[dict[str, Any]]:
-        """The end of a tool-calling choice: its calls (or, when its plain reply was not `streamed` already, its
-        content), then its finish reason ("tool_calls" when it called)."""
-        if streamed:
-            return [self.finish_chunk(finish_reason, index)]
-        content, calls = tools.reply(text)
-        if calls:
-            delta: dict[str, Any] = {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}
-            finish_reason = "tool_calls"
-        else:
-            delta = {"content": content}
-        return [self._chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None}),
-                self.finish_chunk(finish_reason, index)]
+    def tool_delta_chunk(self, delta: Delta, index: int = 0) -> dict[str, Any]:
+        """A piece of a tool-calling choice (`tool_formats.Delta`): its text, or a piece of one of its calls."""
+        body = {"content": delta.content} if delta.call is None else {"tool_calls": [delta.call]}
+        return self._chunk({"index": index, "delta": body, "logprobs": None, "finish_reason": None})
 
     def usage_chunk(self, usage: Usage, accepted_draft_tokens: int | None = None) -> dict[str, Any]:
         obj = self._head("chat.completion.chunk" if self.chat else "text_completion")
@@ -244,7 +234,7 @@ class Formatter:
                     message["reasoning_content"] = message["reasoning"] = c.reasoning or None
                 reason = c.finish_reason
                 if self.job.tools is not None:
-                    message["content"], calls = tools.reply(c.text)
+                    message["content"], calls = self.job.tool_format.parse(c.text)
                     if calls:
                         message["tool_calls"], reason = calls, "tool_calls"
                 obj["choices"].append({"index": i, "message": message, "logprobs": self._logprobs(c.logprobs),

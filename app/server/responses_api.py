@@ -24,10 +24,9 @@ from typing import Any
 
 from mlx_engine.api import GenerationEvent, Usage
 
-from app.server import tools
 from app.server.errors import APIError, invalid
 from app.server.protocol import Job, content_parts, parse_job
-from app.server.tools import ReplyStream
+from app.server.tool_formats import JSON, ToolFormat
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -127,8 +126,9 @@ def _tools(body: dict[str, Any], chat: dict[str, Any]) -> None:
 
 
 def parse_responses(body: dict[str, Any], model_names: set[str], served_id: str, context_length: int,
-                    vocab_size: int) -> Job:
-    """A Responses body -> the chat Job that serves it. Raises APIError naming the Responses field."""
+                    vocab_size: int, tool_format: ToolFormat = JSON) -> Job:
+    """A Responses body -> the chat Job that serves it (tools in the model's `tool_format`). Raises APIError naming
+    the Responses field."""
     for name, why in (("previous_response_id", "this server stores no responses: send the whole conversation in "
                                                "'input'"),
                       ("conversation", "this server stores no conversations: send the whole conversation in 'input'")):
@@ -162,12 +162,13 @@ def parse_responses(body: dict[str, Any], model_names: set[str], served_id: str,
         chat["reasoning_effort"] = reasoning.get("effort")
     chat["chat_template_kwargs"] = body.get("chat_template_kwargs")
     try:
-        return parse_job(chat, "chat", model_names, served_id, context_length, vocab_size)
+        return parse_job(chat, "chat", model_names, served_id, context_length, vocab_size, tool_format)
     except APIError as e:
         e.param = _param(e.param, first)
         for old, new in (("'max_tokens'", "'max_output_tokens'"), ("'response_format'", "'text.format'"),
-                         ("'reasoning_effort'", "'reasoning.effort'")):
+                         ("'reasoning_effort'", "'reasoning.effort'"), ("'response_format.json_schema.", "'text.format.")):
             e.message = e.message.replace(old, new)
+        e.message = re.sub(r"'tools\[(\d+)\]\.function\.", r"'tools[\1].", e.message)
         raise
 
 
@@ -218,11 +219,12 @@ class ResponsesFormatter:
                 "name": fn["name"], "arguments": fn["arguments"], "status": "completed"}
 
     def output(self, text: str, finish_reason: str) -> list[dict[str, Any]]:
-        """The output items of a finished reply (a tool-calling one parsed from its JSON)."""
+        """The output items of a finished reply: a message, or a tool-calling one's calls (after its text, where it
+        wrote some first), parsed in the model's tool-call format."""
         if self.job.tools is not None:
-            content, calls = tools.reply(text)
+            content, calls = self.job.tool_format.parse(text)
             if calls:
-                return [self.call_item(c) for c in calls]
+                return ([self.message_item(content)] if content else []) + [self.call_item(c) for c in calls]
             text = content or ""
         return [self.message_item(text, "completed" if finish_reason == "stop" else "incomplete")]
 
@@ -289,6 +291,7 @@ class ResponsesFormatter:
                 self.event("response.output_item.done", output_index=k, item=item)]
 
     def calls(self, items: list[dict[str, Any]]) -> list[bytes]:
+        """The events of function-call items, whole, each at the next output index."""
         out = []
         for item in items:
             k = self._place(item)
@@ -306,16 +309,15 @@ async def response_events(events: AsyncIterator[GenerationEvent], fmt: Responses
                           cancelled_message: Callable[[], str]) -> AsyncIterator[bytes]:
     """A Responses stream over one generation's events: created, in progress, the output item(s) with their deltas,
     then completed (or incomplete at max_output_tokens; failed after an error). Text streams as it comes (with tools,
-    once the JSON shows a plain reply); function calls arrive whole once their JSON is complete. On a reasoning model
-    (`reasons`) the reasoning item streams first and the message opens at the answer's first text."""
+    as the model's tool-call format shows it); function calls arrive whole once the reply is complete. On a reasoning
+    model (`reasons`) the reasoning item streams first and the message opens at the answer's first text."""
     yield fmt.event("response.created", response=fmt.shell("in_progress"))
     yield fmt.event("response.in_progress", response=fmt.shell("in_progress"))
     item = fmt.message_item("", "in_progress") if fmt.job.tools is None and not reasons else None
     if item is not None:
         for b in fmt.open_message(item):
             yield b
-    # with tools the reply is JSON: held, but for a plain reply's text, which streams once the JSON shows it
-    held = ReplyStream() if fmt.job.tools is not None else None
+    reader = fmt.job.tool_format.stream() if fmt.job.tools is not None else None
     parts: list[str] = []
     thought: dict[str, Any] | None = None  # the reasoning item
     thinking: list[str] = []
@@ -336,12 +338,12 @@ async def response_events(events: AsyncIterator[GenerationEvent], fmt: Responses
                 for b in fmt.close_reasoning(thought):
                     yield b
             parts.append(event.text)
-            delta = event.text if held is None else held.feed(event.text)
-            if delta and item is None:
-                item = fmt.message_item("", "in_progress")
-                for b in fmt.open_message(item):
-                    yield b
-            if delta and item is not None:
+            texts = [event.text] if reader is None else [d.content for d in reader.feed(event.text) if d.content]
+            for delta in texts:
+                if item is None:
+                    item = fmt.message_item("", "in_progress")
+                    for b in fmt.open_message(item):
+                        yield b
                 yield fmt.text_delta(item["id"], delta)
         final = event
     assert final is not None and final.finish_reason is not None
@@ -359,22 +361,27 @@ async def response_events(events: AsyncIterator[GenerationEvent], fmt: Responses
         thought["summary"][0]["text"] = "".join(thinking)
         for b in fmt.close_reasoning(thought):
             yield b
-    text = "".join(parts)
-    if item is not None:
-        item["content"][0]["text"] = text if held is None else fmt.output(text, reason)[0]["content"][0]["text"]
-        item["status"] = "completed" if reason == "stop" else "incomplete"
-        output = [item]
+    for delta in [d.content for d in reader.finish() if d.content] if reader is not None else []:
+        if item is None:
+            item = fmt.message_item("", "in_progress")
+            for b in fmt.open_message(item):
+                yield b
+        yield fmt.text_delta(item["id"], delta)
+    output = fmt.output("".join(parts), reason)
+    said = next((o for o in output if o["type"] == "message"), None)
+    calls = [o for o in output if o["type"] == "function_call"]
+    if item is not None:  # its text streamed: the same item, with the reply's text as parsed
+        item["content"][0]["text"] = said["content"][0]["text"] if said is not None else ""
+        item["status"] = said["status"] if said is not None else "completed"
         for b in fmt.close_message(item):
             yield b
-    else:
-        output = fmt.output(text, reason)
-        if output[0]["type"] == "function_call":
-            for b in fmt.calls(output):
-                yield b
-        else:
-            for b in [*fmt.open_message(output[0]), fmt.text_delta(output[0]["id"], output[0]["content"][0]["text"]),
-                      *fmt.close_message(output[0])]:
-                yield b
-    output = ([thought] if thought is not None else []) + output
+    elif said is not None:
+        item = said
+        for b in [*fmt.open_message(item), fmt.text_delta(item["id"], item["content"][0]["text"]),
+                  *fmt.close_message(item)]:
+            yield b
+    for b in fmt.calls(calls):
+        yield b
+    output = ([thought] if thought is not None else []) + ([item] if item is not None else []) + calls
     done = "response.completed" if reason == "stop" else "response.incomplete"
     yield fmt.event(done, response=fmt.finished(output, reason, final.usage or Usage(0, 0)))

@@ -1,5 +1,6 @@
-"""Tool calling for any model: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, answered through a JSON
-grammar (llama.cpp's "generic" tool-call format).
+"""Tool calling: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` (`parse_tools` -> `Tools`), and the JSON
+format for models whose chat template has no tool markup (llama.cpp's "generic" tool-call format; `JsonTools` in
+`tool_formats.py`, beside the models' own formats).
 
 A system message tells the model which functions it may call and that it answers with one JSON object:
 `{"tool_calls": [{"name": ..., "arguments": {...}}]}` to call functions, or `{"response": "..."}` to reply. The
@@ -10,8 +11,7 @@ so every call names a declared function and its arguments are valid against that
 
 Earlier turns go back to the model in the same JSON: an assistant message's `tool_calls` become its content; tool
 results keep the role "tool" (the chat template renders them). Streamed, a plain reply's text goes out as it is
-generated (`ReplyStream`); calls go out whole once their JSON is complete. Parsing a model's own native tool format
-(`<tool_call>` blocks and the like) is not done: every model answers in this one format.
+generated (`ReplyStream`); calls go out whole once their JSON is complete.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.server.errors import invalid
+from app.server.schemas import closed, has_local_refs, rebased, schema_error
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -37,32 +38,51 @@ class Tools:
     choice: str = "auto"
     parallel: bool = False
 
-    def _offered(self) -> list[dict[str, Any]]:
+    def offered(self) -> list[dict[str, Any]]:
+        """The functions the model may call: all of them, or the one `choice` names."""
         if self.choice in ("auto", "required"):
             return list(self.functions)
         return [f for f in self.functions if f["name"] == self.choice]
 
-    def schema(self) -> dict[str, Any]:
-        """The JSON Schema a reply is held to."""
-        calls = []
-        for f in self._offered():
-            calls.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+    @property
+    def many(self) -> bool:
+        """Whether a reply may hold several calls."""
+        return self.parallel and self.choice in ("auto", "required")
+
+    def call_schemas(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """One JSON Schema per offered function for one call, `{"name": <it>, "arguments": {...}}`, and the `$defs`
+        they refer to, for the root of the schema that holds them. A function whose parameters refer into themselves
+        (pydantic's `$defs` and `"$ref": "#/$defs/Address"`, or "#" for recursion) has them under those `$defs`,
+        named after the function, its references rewritten to point there: inline, they would resolve against the
+        bigger schema's root."""
+        calls, defs = [], {}
+        for f in self.offered():
+            arguments = f["parameters"]
+            if has_local_refs(arguments):
+                defs[f["name"]] = rebased(arguments, f"#/$defs/{f['name']}")  # a NAME needs no escaping in a pointer
+                arguments = {"$ref": f"#/$defs/{f['name']}"}
+            calls.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": arguments},
                           "required": ["name", "arguments"], "additionalProperties": False})
+        return calls, defs
+
+    def schema(self) -> dict[str, Any]:
+        """The JSON Schema a reply in the JSON format is held to: `{"tool_calls": [...]}`, or under "auto"
+        `{"response": "..."}` too."""
+        calls, defs = self.call_schemas()
         array: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
                                  "minItems": 1}
-        if not self.parallel or self.choice not in ("auto", "required"):
+        if not self.many:
             array["maxItems"] = 1
         call = {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"],
                 "additionalProperties": False}
-        if self.choice != "auto":
-            return call
         reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
                  "additionalProperties": False}
-        return {"anyOf": [call, reply]}
+        schema = call if self.choice != "auto" else {"anyOf": [call, reply]}
+        return {**schema, "$defs": defs} if defs else schema
 
     def system_prompt(self) -> str:
         listed = json.dumps([{k: f[k] for k in ("name", "description", "parameters") if k in f}
-                             for f in self._offered()], ensure_ascii=False)
+                             for f in self.offered()], ensure_ascii=False)
         call = '{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}'
         lines = [f"You can call these functions (their arguments as JSON Schema): {listed}",
                  "Answer with one JSON object only."]
@@ -72,43 +92,6 @@ class Tools:
         else:
             lines.append(f"Call {'a function' if self.choice == 'required' else self.choice}: answer {call}.")
         return "\n".join(lines)
-
-
-def closed(schema: Any, require_all: bool = False) -> Any:
-    """The schema with `additionalProperties: false` on every object that does not say, as llama.cpp's and xgrammar's
-    (vLLM's) schema converters read an unspecified one: otherwise a small model pads a reply with properties the
-    schema never declared, until max_tokens. `require_all`: every property required too (OpenAI's `strict: true`,
-    whose replies always carry every key). `allOf` branches are left open: closing each would refuse the others'
-    properties."""
-    if isinstance(schema, list):
-        return [closed(s, require_all) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed(v, require_all) if k in ("items", "anyOf", "oneOf", "prefixItems") else v
-           for k, v in schema.items()}
-    if isinstance(schema.get("additionalProperties"), dict):
-        out["additionalProperties"] = closed(schema["additionalProperties"], require_all)
-    if isinstance(schema.get("properties"), dict):
-        out["properties"] = {k: closed(v, require_all) for k, v in schema["properties"].items()}
-        if require_all:
-            out["required"] = list(schema["properties"])
-    for key in ("$defs", "definitions"):
-        if isinstance(schema.get(key), dict):
-            out[key] = {k: closed(v, require_all) for k, v in schema[key].items()}
-    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
-        out["additionalProperties"] = False
-    return out
-
-
-def schema_error(schema: dict[str, Any]) -> str | None:
-    """Why the JSON Schema cannot hold a reply (llguidance's reason, one line), or None when it can."""
-    from llguidance import LLMatcher
-
-    try:
-        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
-    except (ValueError, TypeError) as e:
-        error = str(e)
-    return error.strip().splitlines()[0] if error and error.strip() else None
 
 
 def parse_tools(body: dict[str, Any]) -> Tools | None:
@@ -196,8 +179,9 @@ def with_tools(messages: list[dict[str, str]], tools: Tools) -> list[dict[str, s
     return out
 
 
-def calls_as_text(content: str, tool_calls: Any, param: str) -> str:
-    """An assistant message's `tool_calls` (OpenAI's shape) as the JSON the model answers with, after any text."""
+def history_calls(tool_calls: Any, param: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` (OpenAI's shape) -> [{"name", "arguments"}], the arguments parsed (or, not
+    being JSON, the text the client sent). Raises APIError naming `param`."""
     if not isinstance(tool_calls, list) or not tool_calls:
         raise invalid(f"'{param}' must be a non-empty array of tool calls", param)
     calls = []
@@ -212,8 +196,19 @@ def calls_as_text(content: str, tool_calls: Any, param: str) -> str:
         except ValueError:
             arguments = fn["arguments"]  # as the client sent it
         calls.append({"name": fn["name"], "arguments": arguments})
+    return calls
+
+
+def calls_as_text(content: str, calls: list[dict[str, Any]]) -> str:
+    """Calls ([{"name", "arguments"}]) as the JSON the model answers with, after any text."""
     text = json.dumps({"tool_calls": calls}, ensure_ascii=False)
     return f"{content}\n{text}" if content else text
+
+
+def openai_call(name: str, arguments: Any) -> dict[str, Any]:
+    """One call as OpenAI's message carries it: a fresh id, `arguments` as JSON text (a string stays as it is)."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": text}}
 
 
 def reply(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
@@ -226,9 +221,7 @@ def reply(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
         content = partial.feed(text)
         return (content if partial.mode in ("text", "done") else text), None
     if "tool_calls" in value:
-        return None, [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                       "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-                      for c in value["tool_calls"]]
+        return None, [openai_call(c["name"], c["arguments"]) for c in value["tool_calls"]]
     return value["response"], None
 
 
