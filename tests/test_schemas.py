@@ -15,7 +15,7 @@ from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from app.server.errors import APIError
 from app.server.protocol import parse_job
 from app.server.responses_api import parse_responses
-from app.server.schemas import closed, rebased, schema_error
+from app.toolcalls.schemas import closed, rebased, schema_error
 from mlx_engine.api import ResponseFormat
 from mlx_engine.structured import grammar
 from tests.test_cli import assert_one_line_error, roofline

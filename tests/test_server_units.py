@@ -112,7 +112,7 @@ def test_after_tool_results_the_model_is_told_it_may_answer() -> None:
 
 
 def test_closed_adds_no_extra_properties_where_the_schema_is_silent() -> None:
-    from app.server.tools import closed
+    from app.toolcalls.tools import closed
 
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}},
                                                "c": {"type": "array", "items": {"type": "object"}},
@@ -129,7 +129,7 @@ def test_closed_adds_no_extra_properties_where_the_schema_is_silent() -> None:
 
 
 def test_tool_replies_format_as_openai_messages_and_chunks() -> None:
-    from app.server.tools import reply
+    from app.toolcalls.tools import reply
 
     content, calls = reply('{"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]}')
     assert content is None and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
@@ -214,7 +214,7 @@ def test_a_plain_tool_reply_streams_as_it_comes(full: str) -> None:
     import json
     import random
 
-    from app.server.tools import ReplyStream
+    from app.toolcalls.tools import ReplyStream
 
     want = json.loads(full)
     rng = random.Random(7)

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from app.server import create_app
 from app.server.protocol import parse_job
-from app.server.tool_formats import JSON, HermesTools, JsonTools, detect
+from app.toolcalls.tool_formats import JSON, HermesTools, JsonTools, detect
 from mlx_engine.structured import grammar
 from tests.server_fakes import LiveServer
 from tests.test_schemas import BYTES, PERSON

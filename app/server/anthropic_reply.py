@@ -20,7 +20,7 @@ from typing import Any
 
 from mlx_engine.api import GenerationEvent, Usage
 
-from app.server import tools
+from app.toolcalls import tools
 from app.server.bridge import Generation
 from app.server.protocol import Job
 from app.server.responses import Choice

@@ -29,9 +29,10 @@ from mlx_engine.api import MAX_DRAFT_TOKENS, MAX_LOGPROBS, REASONING_EFFORTS, SP
 from mlx_engine.reasoning import RESERVED_TEMPLATE_VARIABLES
 
 from app.server.errors import APIError, invalid
-from app.server.schemas import closed, schema_error
-from app.server.tool_formats import JSON, ToolFormat
-from app.server.tools import Tools, history_calls, parse_tools
+from app.toolcalls.schemas import closed, schema_error
+from app.toolcalls.tool_formats import JSON, ToolFormat
+from app.server.tool_request import history_calls, parse_tools
+from app.toolcalls.tools import Tools
 
 MAX_STOP = 4
 MAX_CHOICES = 64  # prompts x n in one request; each choice is one engine request

@@ -15,7 +15,7 @@ from typing import Any
 from mlx_engine.api import TokenLogprob, Usage
 
 from app.server.protocol import Job
-from app.server.tool_formats import Delta
+from app.toolcalls.tool_formats import Delta
 
 DONE = b"data: [DONE]\n\n"
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

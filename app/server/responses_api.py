@@ -26,7 +26,7 @@ from mlx_engine.api import GenerationEvent, Usage
 
 from app.server.errors import APIError, invalid
 from app.server.protocol import Job, content_parts, parse_job
-from app.server.tool_formats import JSON, ToolFormat
+from app.toolcalls.tool_formats import JSON, ToolFormat
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 

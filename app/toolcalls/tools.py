@@ -1,4 +1,5 @@
-"""Tool calling: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` (`parse_tools` -> `Tools`), and the JSON
+"""Tool calling: the functions offered (`Tools`, each checked by `function_spec`; the server reads them from OpenAI's
+`tools`, `tool_choice` and `parallel_tool_calls`, the chat app from MCP servers), and the JSON
 format for models whose chat template has no tool markup (llama.cpp's "generic" tool-call format; `JsonTools` in
 `tool_formats.py`, beside the models' own formats).
 
@@ -22,8 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from app.server.errors import invalid
-from app.server.schemas import closed, has_local_refs, rebased, schema_error
+from app.toolcalls.schemas import closed, has_local_refs, rebased, schema_error
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -94,65 +94,39 @@ class Tools:
         return "\n".join(lines)
 
 
-def parse_tools(body: dict[str, Any]) -> Tools | None:
-    """`tools`, `tool_choice` and `parallel_tool_calls` of a chat request -> Tools, or None when none are offered
-    (no tools, or tool_choice "none": the model replies in plain text). Raises APIError (400)."""
-    for name in ("functions", "function_call"):
-        if body.get(name) is not None:
-            raise invalid(f"'{name}' (deprecated by OpenAI) is not supported: send 'tools' and 'tool_choice'", name,
-                          "unsupported_value")
-    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise invalid(f"'parallel_tool_calls' must be a boolean, got {type(parallel).__name__}", "parallel_tool_calls")
-    if tools is None or tools == []:
-        if choice not in (None, "none", "auto"):
-            raise invalid("'tool_choice' needs 'tools': no function is offered", "tool_choice")
-        return None
-    if not isinstance(tools, list):
-        raise invalid("'tools' must be an array of {'type': 'function', 'function': {...}}", "tools")
-    functions = []
-    for i, t in enumerate(tools):
-        p = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
-            raise invalid(f"'{p}' must be an object like {{'type': 'function', 'function': {{'name': ...}}}}", p)
-        fn = t["function"]
-        name = fn.get("name")
-        if not isinstance(name, str) or not NAME.match(name):
-            raise invalid(f"'{p}.function.name' must be 1-64 letters, digits, '_', '-' or '.', got {name!r}",
-                          f"{p}.function.name")
-        if any(f["name"] == name for f in functions):
-            raise invalid(f"'{p}.function.name': {name!r} is offered twice", f"{p}.function.name")
-        description = fn.get("description")
-        if description is not None and not isinstance(description, str):
-            raise invalid(f"'{p}.function.description' must be a string", f"{p}.function.description")
-        parameters = fn.get("parameters", EMPTY_PARAMETERS)
-        if not isinstance(parameters, dict):
-            raise invalid(f"'{p}.function.parameters' must be a JSON Schema object", f"{p}.function.parameters")
-        strict = fn.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise invalid(f"'{p}.function.strict' must be a boolean", f"{p}.function.strict")
-        parameters = closed(parameters or EMPTY_PARAMETERS, require_all=bool(strict))
-        error = schema_error(parameters)
-        if error is not None:
-            raise invalid(f"'{p}.function.parameters' is not a JSON Schema a reply can be held to: {error}",
-                          f"{p}.function.parameters", "invalid_schema")
-        functions.append({"name": name, **({"description": description} if description else {}),
-                          "parameters": parameters})
-    if choice is None or choice == "auto":
-        mode = "auto"
-    elif choice == "none":
-        return None
-    elif choice == "required":
-        mode = "required"
-    elif (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
-          and isinstance(choice["function"].get("name"), str)):
-        mode = choice["function"]["name"]
-        if not any(f["name"] == mode for f in functions):
-            raise invalid(f"'tool_choice' names {mode!r}, which is not among the tools", "tool_choice")
-    else:
-        raise invalid("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
-                      "{'name': ...}}", "tool_choice")
-    return Tools(tuple(functions), mode, bool(parallel))  # one call a reply unless asked (llama.cpp's default)
+class ToolSpecError(ValueError):
+    """A function's declaration that cannot be offered: `message` names the field (`param`); `code` is OpenAI's."""
+
+    def __init__(self, message: str, param: str, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def function_spec(fn: dict[str, Any], where: str) -> dict[str, Any]:
+    """One declared function ({"name", "description", "parameters", "strict"}) -> {"name", "description",
+    "parameters"} as offered: its objects closed, its schema checked against the grammar. `where` names it in errors
+    ("tools[0].function"). Raises ToolSpecError."""
+    name = fn.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise ToolSpecError(f"'{where}.name' must be 1-64 letters, digits, '_', '-' or '.', got {name!r}",
+                            f"{where}.name")
+    description = fn.get("description")
+    if description is not None and not isinstance(description, str):
+        raise ToolSpecError(f"'{where}.description' must be a string", f"{where}.description")
+    parameters = fn.get("parameters", EMPTY_PARAMETERS)
+    if not isinstance(parameters, dict):
+        raise ToolSpecError(f"'{where}.parameters' must be a JSON Schema object", f"{where}.parameters")
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ToolSpecError(f"'{where}.strict' must be a boolean", f"{where}.strict")
+    parameters = closed(parameters or EMPTY_PARAMETERS, require_all=bool(strict))
+    error = schema_error(parameters)
+    if error is not None:
+        raise ToolSpecError(f"'{where}.parameters' is not a JSON Schema a reply can be held to: {error}",
+                            f"{where}.parameters", "invalid_schema")
+    return {"name": name, **({"description": description} if description else {}), "parameters": parameters}
 
 
 # Follows the last of a run of tool results when the model may reply ("auto"). Without it a small model copies the
@@ -177,26 +151,6 @@ def with_tools(messages: list[dict[str, str]], tools: Tools) -> list[dict[str, s
             line = AFTER_RESULTS.format(s="s" if run > 1 else "", verb="have" if run > 1 else "has")
             out[i] = {**m, "content": f"{m['content']}\n\n{line}"}
     return out
-
-
-def history_calls(tool_calls: Any, param: str) -> list[dict[str, Any]]:
-    """An assistant message's `tool_calls` (OpenAI's shape) -> [{"name", "arguments"}], the arguments parsed (or, not
-    being JSON, the text the client sent). Raises APIError naming `param`."""
-    if not isinstance(tool_calls, list) or not tool_calls:
-        raise invalid(f"'{param}' must be a non-empty array of tool calls", param)
-    calls = []
-    for j, c in enumerate(tool_calls):
-        q = f"{param}[{j}]"
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
-            raise invalid(f"'{q}' must be like {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
-                          "'arguments': '<JSON text>'}}", q)
-        try:
-            arguments = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
-        except ValueError:
-            arguments = fn["arguments"]  # as the client sent it
-        calls.append({"name": fn["name"], "arguments": arguments})
-    return calls
 
 
 def calls_as_text(content: str, calls: list[dict[str, Any]]) -> str:

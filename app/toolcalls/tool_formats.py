@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from mlx_engine.api import ResponseFormat
 
-from app.server.tools import ReplyStream, Tools, calls_as_text, openai_call, reply, with_tools
+from app.toolcalls.tools import ReplyStream, Tools, calls_as_text, openai_call, reply, with_tools
 
 
 @dataclass(frozen=True)
