@@ -128,6 +128,15 @@ def test_no_front_end_module_imports_mlx_torch_or_kernels(imports: dict[str, set
     assert offenders(imports, "app", lambda n: {"mlx", "mlx_lm", "torch", "triton", "kernels_metal"}) == {}
 
 
+def test_the_chat_app_and_the_shared_tool_calls_keep_apart_from_the_web_server(imports: dict[str, set[str]]) -> None:
+    """The TUI never imports the server (its web stack: starlette) nor, until a config asks for MCP servers, the MCP
+    SDK; app/toolcalls, which both use, imports neither Textual nor the web stack."""
+    tui = {n: m for n, m in imports.items() if n.startswith("app.tui")}
+    assert tui and offenders(tui, "app", lambda n: {"starlette", "uvicorn", "mcp"}) == {}
+    shared = imported_after("import app.toolcalls.tools, app.toolcalls.tool_formats, app.toolcalls.schemas")
+    assert not {"starlette", "uvicorn", "textual", "mcp"} & shared  # (the probe above preloads textual for app)
+
+
 def test_no_engine_module_imports_textual_or_app(imports: dict[str, set[str]]) -> None:
     """...nor torch, outside the optional torch backend (mlx_engine/backends/torch/)."""
     assert offenders(imports, "mlx_engine", lambda n: {"textual", "app"} | (

@@ -3,7 +3,8 @@
 `FakeBackend(script=[...])` hands out `FakeEngine`s whose replies come from the script in order (the last
 one repeats); a `FakeReply` can stop at a token and wait (`hold_after`, released by `release()`), end in an
 engine error (`error_after`), or mark tokens as drafted (`drafted`, with speculative stats). A FakeEngine
-refuses speculative="draft" unless made with `draft_model=True`. It keeps a pretend prefix cache of 16-token
+refuses speculative="draft" unless made with `draft_model=True`. `FakeReply.call` / `FakeReply.answer` are a
+reply in the JSON tool-call format (a tool call, or text). It keeps a pretend prefix cache of 16-token
 blocks (the conversations it has generated or restored), reports hits in `usage.cached_prompt_tokens`, and
 saves and restores it as JSON files (`kv_calls` records each call).
 """
@@ -108,6 +109,17 @@ class FakeReply:
     drafted: tuple[bool, ...] = ()
     acceptance_rate: float | None = None
     mean_accepted_tokens: float | None = None
+
+    # A model offered tools in the JSON format (templates without tool markup) answers one JSON object
+    @classmethod
+    def call(cls, name: str, arguments: dict) -> FakeReply:
+        """A reply calling the tool `name`."""
+        return cls(json.dumps({"tool_calls": [{"name": name, "arguments": arguments}]}))
+
+    @classmethod
+    def answer(cls, text: str) -> FakeReply:
+        """A reply in text while tools are offered."""
+        return cls(json.dumps({"response": text}))
 
 
 class FakeStream:

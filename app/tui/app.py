@@ -10,6 +10,7 @@ from typing import Any
 from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
+from textual.message import Message
 from textual.screen import Screen
 
 from mlx_engine.api import RooflineError
@@ -18,19 +19,27 @@ from app.tui.backend import EngineBackend
 from app.tui.chat_kv import ChatKV
 from app.tui.chat_screen import ChatScreen
 from mlx_engine.roofline import Bandwidth
+from app.tui.mcp.config import ConfigError, config_path, load_config
+from app.tui.mcp.hub import MCPHub
 from app.tui.reply import no_tokenizer_notice
 from app.tui.screens.help import HelpScreen
 from app.tui.screens.inspector import TokenInspector
+from app.tui.screens.mcp import MCPScreen, status_line
 from app.tui.screens.picker import ModelPicker
 from app.tui.store import ChatSettings, ChatStore, data_dir
 from app.tui.widgets.messages import MessageView
 from app.tui.widgets.prompt import NEWLINE_KEYS, PromptInput
 from app.tui.widgets.sidebar import ChatList
 from app.tui.widgets.stats import LEGEND
+from app.tui.widgets.tool_call import ToolCallView
 
 THEMES = ("textual-dark", "textual-light")
 CHAT_ACTIONS = {"new_chat", "pick_model", "settings", "inspect", "toggle_sidebar", "focus_chats", "delete_chat",
-                "rename_chat", "regenerate", "stop", "copy_last"}
+                "rename_chat", "regenerate", "stop", "copy_last", "mcp"}
+
+
+class McpChanged(Message):
+    """An MCP server's state changed (posted from the hub's thread)."""
 
 
 class RooflineApp(App):
@@ -48,6 +57,7 @@ class RooflineApp(App):
         Binding("ctrl+o", "focus_chats", "Open chat", show=False,
                 tooltip="Move to the chat list (showing it if hidden): arrows pick a chat, Enter opens it"),
         Binding("f4", "toggle_theme", "Dark/light", show=False, tooltip="Switch between dark and light themes"),
+        Binding("f5", "mcp", "MCP", show=False, tooltip="MCP servers: their state and tools; r there reloads mcp.json"),
     ]
 
     def __init__(self, backend: Any = None, model: str | None = None, home: Path | str | None = None,
@@ -68,6 +78,11 @@ class RooflineApp(App):
         self.default_settings = default_settings or ChatSettings()
         self._tokenizers: list[tuple[str, Any]] | None = None
         self.chat_screen = ChatScreen()
+        self.mcp = MCPHub(self.home / "mcp-logs", on_change=lambda: self.post_message(McpChanged()))
+        self.mcp_config_path = config_path(self.home)
+        self.mcp_error: str | None = None  # the config file cannot be used: no server runs
+        self.mcp_config_notes: list[str] = []  # server entries left out of the config
+        self._mcp_seen: dict[str, tuple[str, str | None]] = {}  # server -> (status, error) last shown
         theme = self.store.get_pref("theme")
         if theme in THEMES:
             self.theme = theme
@@ -83,14 +98,17 @@ class RooflineApp(App):
             self.notify(self.store.notice, title="Chat database", severity="warning", timeout=15)
         self.load_model(self.requested_model)
         self.measure_bandwidth()
+        self.reload_mcp()
 
     def on_unmount(self) -> None:
         gen = self.chat_screen.gen
         if gen is not None:  # keep what was shown: the partial reply, marked stopped
             gen.cancel()
             self.store.update_message(gen.message_id, gen.view.content, "stopped")
+        self.chat_screen.stop_tools()  # a call waiting or running is saved as stopped
         self.chat_kv.flush(timeout=5.0)  # a reply's KV still being written
         self.store.close()
+        self.mcp.close()  # the servers' processes end with the app
 
     @work(thread=True, exclusive=True, group="bandwidth")
     def measure_bandwidth(self) -> None:
@@ -104,6 +122,42 @@ class RooflineApp(App):
     def _set_bandwidth(self, bw: Bandwidth) -> None:
         self.bandwidth = bw
         self.chat_screen.show_stats()
+
+    # ---- MCP servers ---------------------------------------------------------------------------------
+
+    def reload_mcp(self) -> None:
+        """(Re)reads mcp.json and restarts its servers on the hub's thread; what is wrong is a line in the chat."""
+        self.mcp_error, self.mcp_config_notes, self._mcp_seen = None, [], {}
+        try:
+            config = load_config(self.mcp_config_path)
+        except ConfigError as e:
+            self.mcp_error = str(e)
+            self.chat_screen.note(f"MCP config {e}; running without MCP servers.")
+            config = None
+        if config is not None:
+            self.mcp_config_notes = config.errors
+            for line in config.errors:
+                self.chat_screen.note(f"MCP config {line}; that server is left out.")
+        if config is not None or self.mcp.states():
+            self.mcp.start(config.servers if config is not None else [])
+        self.on_mcp_changed()
+
+    def on_mcp_changed(self, message: McpChanged | None = None) -> None:
+        states = self.mcp.states()
+        line = status_line(states, self.mcp_error)
+        status = self.chat_screen.query_one("#mcp-status")
+        status.update(line)
+        status.display = bool(line)
+        for s in states:  # each failure once, as a line in the chat
+            if s.status == "failed" and self._mcp_seen.get(s.name) != (s.status, s.error):
+                self.chat_screen.note(f"MCP server '{s.name}' {s.error}")
+            self._mcp_seen[s.name] = (s.status, s.error)
+        if isinstance(self.screen, MCPScreen):
+            self.screen.show()
+
+    def action_mcp(self) -> None:
+        if not isinstance(self.screen, MCPScreen):
+            self.push_screen(MCPScreen())
 
     # ---- models --------------------------------------------------------------------------------------
 
@@ -269,6 +323,7 @@ class RooflineApp(App):
             ("Input", [("enter", "Send the message (an empty one is not sent)"),
                        (",".join(NEWLINE_KEYS), "Insert a newline"), ("tab", "Move focus to the next widget")]),
             ("Focused message", rows(MessageView.BINDINGS)),
+            ("Tool call asking to run", rows(ToolCallView.BINDINGS) + [("escape", "Stop the turn's calls")]),
             ("Chat list", [("enter", "Open the highlighted chat")] + rows(ChatList.BINDINGS)),
             ("Token inspector", rows(TokenInspector.BINDINGS)),
             ("Stats bar", LEGEND),
@@ -292,6 +347,9 @@ class RooflineApp(App):
         yield SystemCommand("Toggle sidebar", "Show or hide the chat list (ctrl+b)", self.action_toggle_sidebar)
         yield SystemCommand("Go to the chat list", "Pick a chat with the arrows, Enter opens it (ctrl+o)",
                             self.action_focus_chats)
+        yield SystemCommand("MCP servers", "The MCP servers' state and tools (F5)", self.action_mcp)
+        yield SystemCommand("Reload MCP config", f"Read {self.mcp_config_path} again and restart its servers",
+                            self.reload_mcp)
         yield SystemCommand("Toggle dark/light", "Switch between the dark and light theme (F4)",
                             self.action_toggle_theme)
         yield SystemCommand("Help", "Every key binding (F1)", self.action_help)

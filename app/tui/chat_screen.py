@@ -11,18 +11,20 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, ProgressBar, Static
 
 from app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
-from app.tui.reply import Generation, ReplyRunner, model_messages, no_tokenizer_notice
+from app.tui.reply import Generation, ReplyRunner, no_tokenizer_notice
 from app.tui.screens.settings import SettingsScreen
-from app.tui.store import Chat, ChatSettings
+from app.tui.store import Chat, ChatSettings, Message
+from app.tui.tool_runner import ToolRunner, chat_messages
 from app.tui.widgets.messages import MessageView
 from app.tui.widgets.prompt import PromptInput
 from app.tui.widgets.sidebar import ChatList, Sidebar
 from app.tui.widgets.stats import LiveStats, StatsBar
+from app.tui.widgets.tool_call import ToolCallView
 
 WELCOME = "Ask anything. Enter sends, ctrl+j adds a line, Esc stops a reply, F1 lists every key."
 
 
-class ChatScreen(ReplyRunner, Screen):
+class ChatScreen(ToolRunner, ReplyRunner, Screen):
     BINDINGS = [
         Binding("escape", "stop", "Stop", tooltip="Stop the reply (keeps the partial text) or cancel an edit"),
         Binding("ctrl+r", "regenerate", "Regen", tooltip="Regenerate the last reply"),
@@ -37,6 +39,7 @@ class ChatScreen(ReplyRunner, Screen):
         self.sidebar_choice: bool | None = None  # set once the user toggles the sidebar
         self.chat: Chat | None = None
         self.gen: Generation | None = None
+        self.init_tools()
         self.editing: MessageView | None = None
         self.stats = LiveStats()
 
@@ -52,6 +55,7 @@ class ChatScreen(ReplyRunner, Screen):
                 with Horizontal(id="loading"):
                     yield Static("Loading model…", id="loading-label", markup=False)
                     yield ProgressBar(total=None, show_eta=False, show_percentage=False, id="loading-bar")
+                yield Static("", id="mcp-status", markup=False)
                 yield PromptInput(id="prompt", placeholder="Loading model…", disabled=True)
                 yield StatsBar(id="stats")
         yield Footer()
@@ -128,6 +132,7 @@ class ChatScreen(ReplyRunner, Screen):
         """Shows `chat` (None: a fresh, unsaved chat that is created on the first message)."""
         if self.gen is not None:
             self.gen.cancel()
+        self.stop_tools()
         self.cancel_edit()
         self.chat = chat
         transcript = self.query_one("#transcript", VerticalScroll)
@@ -135,8 +140,10 @@ class ChatScreen(ReplyRunner, Screen):
         self.sub_title_for_chat()
         messages = self.rapp.store.messages(chat.id) if chat is not None else []
         if messages:
-            await transcript.mount_all([MessageView(m.role, m.content, m.id, m.status, m.stats.get("error"))
-                                        for m in messages])
+            views = [message_view(m) for m in messages]
+            for view, after in zip(views, views[1:]):  # a reply that only called tools: its calls say it all
+                view.display = not (view.role == "assistant" and not view.content and isinstance(after, ToolCallView))
+            await transcript.mount_all(views)
         else:
             await transcript.mount(Static(WELCOME, id="welcome"))
         transcript.scroll_end(animate=False)
@@ -233,6 +240,10 @@ class ChatScreen(ReplyRunner, Screen):
         if self.gen is not None:
             self.notify("A reply is still streaming: Esc stops it.", severity="warning", timeout=3)
             return
+        if self.tool_worker is not None:
+            self.notify("A tool call is waiting or running: y, a or n answers it, Esc stops the turn.",
+                        severity="warning", timeout=4)
+            return
         if self.rapp.engine is None:
             self.notify("No model is loaded: ctrl+l picks one.", severity="error")
             return
@@ -261,14 +272,14 @@ class ChatScreen(ReplyRunner, Screen):
     def history(self) -> list[dict[str, str]]:
         """The chat as the model sees it: the system prompt, then every message but failed replies."""
         assert self.chat is not None
-        return model_messages(self.chat.settings.system_prompt, [(v.role, v.content, v.status)
-                                                                 for v in self.query(MessageView)])
+        return chat_messages(self.chat.settings.system_prompt, list(self.query(MessageView)),
+                             self.tool_format(self.rapp.engine))
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":
-            return self.gen is not None or self.editing is not None
+            return self.gen is not None or self.editing is not None or self.tool_worker is not None
         if action == "regenerate":
-            return True if self.gen is None and self.chat is not None else None
+            return True if self.gen is None and self.tool_worker is None and self.chat is not None else None
         return True
 
     # ---- stop, regenerate, edit, copy ----------------------------------------------------------------------
@@ -276,6 +287,8 @@ class ChatScreen(ReplyRunner, Screen):
     def action_stop(self) -> None:
         if self.gen is not None:
             self.gen.cancel()
+        elif self.tool_worker is not None:
+            self.stop_tools()
         elif self.editing is not None:
             self.cancel_edit()
             self.query_one(PromptInput).clear()
@@ -298,7 +311,7 @@ class ChatScreen(ReplyRunner, Screen):
             await v.remove()
 
     async def action_regenerate(self) -> None:
-        if self.gen is not None or self.chat is None or self.rapp.engine is None:
+        if self.gen is not None or self.tool_worker is not None or self.chat is None or self.rapp.engine is None:
             return
         views = list(self.query(MessageView))
         if not views:
@@ -321,7 +334,7 @@ class ChatScreen(ReplyRunner, Screen):
     async def message_request(self, event: MessageView.Requested) -> None:
         view = event.view
         if event.action == "edit":
-            if self.gen is not None:
+            if self.gen is not None or self.tool_worker is not None:
                 self.notify("Stop the reply first (Esc).", severity="warning")
                 return
             self.editing = view
@@ -340,3 +353,9 @@ class ChatScreen(ReplyRunner, Screen):
                 self.notify("Only the last reply can be regenerated; edit a message to branch earlier.", timeout=3)
         elif event.action == "inspect":
             self.rapp.action_inspect(view.content)
+
+
+def message_view(m: Message) -> MessageView:
+    if m.role == "tool":
+        return ToolCallView(m.stats.get("tool_call") or {}, m.content, m.id, m.status)
+    return MessageView(m.role, m.content, m.id, m.status, m.stats.get("error"))

@@ -64,6 +64,7 @@ class Generation:
     last_drain: float = 0.0
     drain_timer: Any = None
     finished: bool = False
+    offer: Any = None  # tool_runner.Offer: the MCP tools offered, and the reply read back through the tool format
 
     def cancel(self) -> None:
         self.cancel_requested = True
@@ -114,22 +115,26 @@ class ReplyRunner:
             self.notify(f"Chat settings: {e}", severity="error")  # type: ignore[attr-defined]
             return
         messages = self.history()  # type: ignore[attr-defined]
+        offer = self.tool_offer(engine)  # type: ignore[attr-defined]
+        request = (offer.request(messages, sampling) if offer is not None
+                   else GenerationRequest(messages=messages, sampling=sampling))
         row = self.rapp.store.add_message(self.chat.id, "assistant", "", status="streaming")
         view = MessageView("assistant", "", row.id, status="streaming")
         transcript = self.query_one("#transcript", VerticalScroll)  # type: ignore[attr-defined]
         await transcript.mount(view)
         transcript.anchor()
-        self.gen = Generation(self.chat.id, row.id, view, engine)
+        self.gen = Generation(self.chat.id, row.id, view, engine, offer=offer)
         self.refresh_bindings()  # type: ignore[attr-defined]
         self.stats = LiveStats(streaming=True, model=engine.info.name)
         self.show_stats()  # type: ignore[attr-defined]
-        self.run_generation(self.gen, GenerationRequest(messages=messages, sampling=sampling))
+        self.run_generation(self.gen, request)
 
     @work(thread=True, exclusive=True, group="generate")
     def run_generation(self, gen: Generation, request: GenerationRequest) -> None:
         post = self.post_message  # type: ignore[attr-defined]
         try:
-            gen.prompt_tokens = len(gen.engine.tokenizer.encode_chat(request.messages))
+            variables = request.chat_template_kwargs or {}  # the tools, for a template that renders them
+            gen.prompt_tokens = len(gen.engine.tokenizer.encode_chat(request.messages, **variables))
             gen.stream = gen.engine.generate(request)
         except RooflineError as e:
             post(ReplyFailed(gen, str(e)))
@@ -163,6 +168,8 @@ class ReplyRunner:
             return
         gen.last_drain = time.perf_counter()
         d = gen.buffer.drain()
+        if gen.offer is not None:  # a call's JSON is not shown; the reply's text is
+            d.text, d.drafted = gen.offer.feed(d.text), []
         if d.text and gen.view.is_attached:
             await gen.view.write(d.text, d.drafted)
         elif d.text:
@@ -209,11 +216,14 @@ class ReplyRunner:
         if gen.drain_timer is not None:
             gen.drain_timer.stop()
         rest = gen.buffer.drain()
+        if gen.offer is not None:
+            rest.text, rest.drafted = gen.offer.feed(rest.text) + gen.offer.finish(), []
         if rest.text and gen.view.is_attached:
             await gen.view.write(rest.text, rest.drafted)
         elif rest.text:
             gen.view.content += rest.text
         status = FINISH_STATUS.get(reason or "error", "error")
+        calls = gen.offer.calls() if gen.offer is not None and status == "done" else []
         stats: dict[str, Any] = {}
         if error:
             stats["error"] = error
@@ -234,12 +244,15 @@ class ReplyRunner:
             self.save_kv(gen)
         if gen.view.is_attached:
             await gen.view.finish(status, error)
+            gen.view.display = not (calls and not gen.view.content)  # the calls below say it all
         if self.gen is gen:
             self.gen = None
             self.refresh_bindings()  # type: ignore[attr-defined]
         self.show_stats()  # type: ignore[attr-defined]
         if error:
             self.notify(error, title="Reply failed", severity="error", timeout=6)  # type: ignore[attr-defined]
+        if calls and self.chat is not None and self.chat.id == gen.chat_id:
+            self.run_tool_calls(gen.chat_id, calls)  # type: ignore[attr-defined]
 
     def save_kv(self, gen: Generation) -> None:
         """Persists the conversation's KV, reply included, from the store (the chat may no longer be on screen)."""
