@@ -117,6 +117,7 @@ async def test_a_call_allowed_once_runs_and_its_result_goes_back(tmp_path: Path,
         assert view.call == CALL_ADD and app.focused is view
         await pilot.press("y")
         await answered(pilot, "It is 5.")
+        assert app.focused is app.chat_screen.query_one("#prompt")  # typing is not taken for the call's keys
         assert transcript(app) == [("user", "done", "What is 2 + 3?"), ("assistant", "done", ""),
                                    ("tool", "done", "5"), ("assistant", "done", "It is 5.")]
         first, second = backend.engine.requests
@@ -161,6 +162,22 @@ async def test_always_allows_the_tool_for_the_chat_and_deny_tells_the_model(tmp_
         assert tool_views(app)[2].status == "denied" and tool_views(app)[2].content == DECLINED
         assert backend.engine.requests[-1].messages[-1] == {
             "role": "tool", "content": DECLINED + "\n\n" + AFTER_RESULTS.format(s="", verb="has")}
+
+
+async def test_esc_stops_a_call_waiting_for_approval(tmp_path: Path, server_script: Path) -> None:
+    configure(tmp_path, {"demo": demo(server_script)})
+    app, backend = make_app(tmp_path, script=[FakeReply.call("add", {"a": 2, "b": 3}), "Hello."])
+    async with app.run_test(size=(110, 40)) as pilot:
+        await ready(pilot)
+        await connected(pilot)
+        await send(pilot, "What is 2 + 3?")
+        await asking(pilot)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.chat_screen.tool_worker is None, what="the turn stopped")
+        assert transcript(app)[-1] == ("tool", "stopped", "The user stopped this call, so it has no result.")
+        assert len(backend.engine.requests) == 1  # the model was not asked to go on
+        await send(pilot, "Hi")
+        await answered(pilot, "Hello.")
 
 
 async def test_a_slow_call_times_out_and_the_model_is_told(tmp_path: Path, server_script: Path) -> None:

@@ -225,6 +225,8 @@ class ToolRunner:
         key = (call["server"], call["tool"])
         if key not in allowed:
             answer = await view.ask()
+            # typing goes to the input again, not to the call's keys (e edits, r regenerates)
+            self.query_one("#prompt").focus()  # type: ignore[attr-defined]
             if answer == "deny":
                 self._settle(view, DECLINED, "denied")
                 return

@@ -50,7 +50,7 @@ def describe(states: list[Any], path: Path, config_error: str | None, notes: lis
         lines += [f"  left out: {line}" for line in s.skipped]
         if s.error:
             lines.append(f"  {s.error}")
-        if s.log is not None and s.status == "failed":
+        if s.log is not None and s.status == "failed" and s.log.exists() and s.log.stat().st_size:
             lines.append(f"  its stderr: {s.log}")
     if notes:
         lines += ["", *notes]
