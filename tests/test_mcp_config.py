@@ -114,7 +114,8 @@ def test_results_and_errors_read_as_one_text() -> None:
     assert result_text(SimpleNamespace(content=[text, image], structured_content=None)) == "5\n[image: image/png]"
     assert result_text(SimpleNamespace(content=[], structured_content={"r": 1})) == '{"r": 1}'
     assert result_text(SimpleNamespace(content=[], structured_content=None)) == "(no output)"
-    long = result_text(SimpleNamespace(content=[SimpleNamespace(type="text", text="x" * 4010)], structured_content=None))
+    many = SimpleNamespace(content=[SimpleNamespace(type="text", text="x" * 4010)], structured_content=None)
+    long = result_text(many)
     assert long == "x" * 4000 + "\n[... 10 more characters cut]"
     group = ExceptionGroup("outer", [ExceptionGroup("inner", [ConnectionError("All connection attempts failed")])])
     assert describe(group) == "All connection attempts failed"
