@@ -171,7 +171,10 @@ class HarmonyParser:
 
     @property
     def answering(self) -> bool:
-        return self._state == _BROKEN or (self._state == _CONTENT and self._channel == "final")
+        return self._state == _BROKEN or (self._state == _CONTENT and self._answer_message())
+
+    def _answer_message(self) -> bool:
+        return self._channel in ("final", None) and self._recipient is None
 
     @property
     def budgeted(self) -> bool:
@@ -251,7 +254,7 @@ class HarmonyParser:
                 self.num_tokens += self._header
         else:
             self._header += 1
-        self._answer_token = self._state == _CONTENT and token_id != MESSAGE and self._channel == "final"
+        self._answer_token = self._state == _CONTENT and token_id != MESSAGE and self._answer_message()
         if not delta:
             return "", ""
         if self._channel == "analysis":
