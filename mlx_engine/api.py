@@ -210,6 +210,15 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call the model wrote in its own format (harmony's `commentary to=functions.NAME`): `arguments` is
+    the JSON text as written."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class Stats:
     ttft_s: float  # submit to first token
     prefill_tps: float  # prompt tokens actually computed / prefill seconds
@@ -250,6 +259,8 @@ class GenerationEvent:
     # the final event of a reply that a stop string ended (finish_reason "stop"): which of SamplingParams.stop it was
     # (the text holds none of it); None where the reply ended otherwise (EOS, a grammar's end)
     stop_string: str | None = None
+    # the final event of a reply that called functions in its model's own format (harmony); () otherwise
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @property
     def done(self) -> bool:

@@ -148,6 +148,7 @@ class Sequence:
             usage=self.usage(),
             stats=stats,
             stop_string=self.stops.hit if self.stops is not None else None,
+            tool_calls=self.reasoning.tool_calls if self.reasoning is not None else (),
         )
 
 
