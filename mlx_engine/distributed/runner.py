@@ -103,6 +103,7 @@ class DistributedRunner:
                           "'prompt-lookup' or 'draft'",
             "hidden_states": "are not available with --distributed: each rank holds only its layers"})
         self.closed = False
+        self._resting = False  # the other ranks wait on the doorbell (`rest`)
         self._pending: deque[InFlight] = deque()  # forwards in flight, oldest first (`launch`)
         self._landed: list[tuple[Any, Any]] = []  # (tag, tokens) of those finished, not yet returned
         self._owner = threading.current_thread()  # the engine thread: the only one that may use the channel
@@ -112,6 +113,10 @@ class DistributedRunner:
         # off the engine thread, where no collective may run)
         self.shards = self.gather_figures()
         atexit.register(self._at_exit)  # the other ranks end when rank 0 does, even without Engine.close
+        if node.doorbell is not None:
+            from mlx_engine.engine_thread import engine_thread
+
+            engine_thread().on_idle(self.rest)
 
     @property
     def model(self) -> Any:
@@ -132,9 +137,23 @@ class DistributedRunner:
         except Exception:  # noqa: BLE001 - exiting anyway; the other ranks then report rank 0 lost
             pass
 
+    def rest(self) -> None:
+        """The engine is idle: the other ranks wait on the doorbell, which costs them no CPU, until the next plan."""
+        if self._resting or self.closed or self.node.doorbell is None or self._pending:
+            return
+        self._send({"do": "rest"}, "telling the ranks to rest")
+        self._resting = True
+
     def _send(self, plan: dict[str, Any], doing: str = "sending a step's plan", settle: bool = True) -> None:
         if threading.current_thread() is not self._owner:
             raise RooflineError("a distributed runner's collectives run on the engine thread only")
+        if self._resting:
+            assert self.node.doorbell is not None
+            try:
+                self.node.doorbell.ring()
+            except OSError as e:
+                raise RooflineError(f"rank 0 could not wake the other ranks ({e}): a rank has ended") from None
+            self._resting = False
         if settle:  # every rank takes its plans in order: the forwards in flight end before anything else
             self._finish_pending()
         plan["ops"] = self.log.take()
@@ -216,6 +235,11 @@ class DistributedRunner:
             self._send({"do": "stop"}, "telling the ranks to stop")
         except RooflineError:
             pass  # they are gone already
+        if self.node.doorbell is not None:
+            from mlx_engine.engine_thread import engine_thread
+
+            engine_thread().off_idle(self.rest)
+            self.node.doorbell.close()
         if self.local.draft is not None:
             self.local.draft.release()
         self.cache = self.local.cache = None
