@@ -21,7 +21,7 @@ from typing import Any
 from mlx_engine.api import GenerationEvent, ToolCall, Usage
 
 from app.server.bridge import Generation
-from app.server.harmony_tools import reply
+from app.server.harmony_tools import tool_reply
 from app.server.protocol import Job
 from app.server.responses import Choice
 
@@ -78,7 +78,7 @@ class MessagesFormatter:
         wrote them without a grammar) stays text, as written."""
         if self.job.tools is None:
             return text, []
-        content, calls = reply(self.job.tool_format, text, engine_calls)
+        content, calls = tool_reply(self.job.tool_format, text, engine_calls)
         texts, uses = [content] if content else [], []
         for c in calls or ():
             fn = c["function"]

@@ -9,9 +9,11 @@ reads it (`mlx_engine.harmony`), so the reply's text holds only its answer and t
 
 The reply is not held to a grammar: the engine holds a grammar to the answer only (the `final` channel's content), and
 a call lives in the headers and content of a `commentary` message, ended by `<|call|>`, an end-of-sequence token the
-scheduler retires on before a grammar could read it. So the arguments are what the model wrote (gpt-oss writes JSON),
-`tool_choice` "required" or a named function is asked for in the developer message's instructions but not enforced,
-and a reply ends at its first call (`<|call|>` ends the generation), so `parallel_tool_calls` changes nothing.
+scheduler retires on before a grammar could read it (a Lark grammar over the whole reply, markup tokens by id and
+`%json` for the arguments, compiles in llguidance; the engine has no mode that holds the whole reply to one). So the
+arguments are what the model wrote (gpt-oss writes JSON), `tool_choice` "required" or a named function is asked for
+in the developer message's instructions but not enforced, and a reply ends at its first call (`<|call|>` ends the
+generation), so `parallel_tool_calls` changes nothing.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class HarmonyTools:
         return None  # the engine's grammar holds the answer, not a commentary message (the module's docstring)
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
-        return text, None  # the calls are the engine's (`reply`); the text is the answer alone
+        return text, None  # the calls are the engine's (`tool_reply`); the text is the answer alone
 
     def stream(self) -> ToolStream:
         return _Answer()
@@ -87,7 +89,8 @@ class _Answer:
         return []
 
 
-def reply(fmt: ToolFormat, text: str, calls: tuple[ToolCall, ...]) -> tuple[str | None, list[dict[str, Any]] | None]:
+def tool_reply(fmt: ToolFormat, text: str, calls: tuple[ToolCall, ...]
+               ) -> tuple[str | None, list[dict[str, Any]] | None]:
     """A finished tool-calling reply -> (content, OpenAI tool_calls or None): the calls the engine read in the
     model's own format (`GenerationEvent.tool_calls`), else those `fmt` reads from the text."""
     if calls:

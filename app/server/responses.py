@@ -14,7 +14,7 @@ from typing import Any
 
 from mlx_engine.api import TokenLogprob, ToolCall, Usage
 
-from app.server.harmony_tools import reply
+from app.server.harmony_tools import tool_reply
 from app.server.protocol import Job
 from app.server.tool_formats import Delta
 
@@ -236,7 +236,7 @@ class Formatter:
                     message["reasoning_content"] = message["reasoning"] = c.reasoning or None
                 reason = c.finish_reason
                 if self.job.tools is not None:
-                    message["content"], calls = reply(self.job.tool_format, c.text, c.tool_calls)
+                    message["content"], calls = tool_reply(self.job.tool_format, c.text, c.tool_calls)
                     if calls:
                         message["tool_calls"], reason = calls, "tool_calls"
                 obj["choices"].append({"index": i, "message": message, "logprobs": self._logprobs(c.logprobs),

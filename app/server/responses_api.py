@@ -25,7 +25,7 @@ from typing import Any
 from mlx_engine.api import GenerationEvent, ToolCall, Usage
 
 from app.server.errors import APIError, invalid
-from app.server.harmony_tools import reply
+from app.server.harmony_tools import tool_reply
 from app.server.protocol import Job, content_parts, parse_job
 from app.server.tool_formats import JSON, ToolFormat
 
@@ -223,7 +223,7 @@ class ResponsesFormatter:
         """The output items of a finished reply: a message, or a tool-calling one's calls (after its text, where it
         wrote some first), parsed in the model's tool-call format (or read by the engine: `engine_calls`)."""
         if self.job.tools is not None:
-            content, calls = reply(self.job.tool_format, text, engine_calls)
+            content, calls = tool_reply(self.job.tool_format, text, engine_calls)
             if calls:
                 return ([self.message_item(content)] if content else []) + [self.call_item(c) for c in calls]
             text = content or ""
