@@ -36,7 +36,8 @@ MARKERS = {"<|start|>": START, "<|end|>": END, "<|message|>": MESSAGE, "<|channe
 ENDS = (END, RETURN, CALL)
 FUNCTIONS = "functions."
 _env_lock = threading.Lock()
-_formats: weakref.WeakKeyDictionary[Any, HarmonyFormat | None] = weakref.WeakKeyDictionary()
+# a tokenizer's HarmonyFormat, or why it has none (its vocabulary is not o200k's)
+_formats: weakref.WeakKeyDictionary[Any, HarmonyFormat | str] = weakref.WeakKeyDictionary()
 
 
 def is_harmony(tokenizer: Any) -> bool:
@@ -67,16 +68,16 @@ def vocab_text(tokenizer: Any) -> bytes:
 
 def write_vocab(tokenizer: Any, folder: Path) -> Path:
     """`folder`/o200k_base.tiktoken written from the tokenizer (kept where already there and whole). ValueError where
-    the tokenizer's vocabulary is not o200k's."""
-    path = folder / VOCAB_FILE
-    if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == VOCAB_SHA256:
-        return path
+    the tokenizer's vocabulary is not o200k's: checked even where the file is there, since another model wrote it."""
     try:
         text = vocab_text(tokenizer)
     except KeyError:
         raise ValueError("its vocabulary is not byte-level BPE, so it is not o200k's") from None
     if hashlib.sha256(text).hexdigest() != VOCAB_SHA256:
         raise ValueError("its vocabulary differs from o200k_base's")
+    path = folder / VOCAB_FILE
+    if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == VOCAB_SHA256:
+        return path
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_bytes(text)
@@ -105,6 +106,33 @@ def harmony_format(tokenizer: Any) -> HarmonyFormat | None:
     o200k's (openai-harmony could not read its replies)."""
     if not is_harmony(tokenizer):
         return None
+    found = _read(tokenizer)
+    return found if isinstance(found, HarmonyFormat) else None
+
+
+def harmony_warning(tokenizer: Any) -> str | None:
+    """Why a tokenizer that looks like gpt-oss's (its chat template writes the harmony markup, which it has as tokens
+    of its own) is not read as harmony (`ModelInfo.warnings`), or None. Such a model's replies are shown as they are,
+    markup and tool calls included, with no reasoning split from them."""
+    template = getattr(tokenizer, "chat_template", None)
+    backend = getattr(tokenizer, "backend", None)
+    if not isinstance(template, str) or "<|channel|>" not in template or backend is None:
+        return None
+    ids = {text: backend.token_to_id(text) for text in MARKERS}
+    if any(i is None for i in ids.values()):
+        return None  # the markup is text to this tokenizer: not a harmony model
+    head = ("the chat template writes gpt-oss's harmony format, but openai-harmony cannot read this tokenizer's "
+            "replies (")
+    tail = "): replies come back as they are, markup included, with no reasoning or tool calls read from them"
+    if not is_harmony(tokenizer):
+        moved = ", ".join(f"{t} is {i}, not {MARKERS[t]}" for t, i in ids.items() if i != MARKERS[t])
+        return f"{head}its markup tokens are not at o200k_harmony's ids: {moved}{tail}"
+    found = _read(tokenizer)
+    return None if isinstance(found, HarmonyFormat) else f"{head}{found}{tail}"
+
+
+def _read(tokenizer: Any) -> HarmonyFormat | str:
+    """The tokenizer's HarmonyFormat, or why it cannot have one; once per tokenizer."""
     try:
         return _formats[tokenizer]
     except (KeyError, TypeError):
@@ -112,9 +140,9 @@ def harmony_format(tokenizer: Any) -> HarmonyFormat | None:
     from mlx_engine.paths import cache_dir
 
     try:
-        fmt: HarmonyFormat | None = HarmonyFormat(load_encoding(write_vocab(tokenizer, cache_dir() / "harmony").parent))
-    except ValueError:
-        fmt = None
+        fmt: HarmonyFormat | str = HarmonyFormat(load_encoding(write_vocab(tokenizer, cache_dir() / "harmony").parent))
+    except ValueError as e:
+        fmt = str(e)
     try:
         _formats[tokenizer] = fmt
     except TypeError:  # not weakly referable: built again next time

@@ -188,3 +188,27 @@ def test_the_engine_reads_gpt_oss_as_harmony(engine, fmt) -> None:
     ids = [t for e in events for t in e.token_ids]
     assert ids[:3] == [CHANNEL, *fmt.final, MESSAGE]  # no room to think: the final header, forced
     assert "".join(e.reasoning for e in events) == "" and events[-1].usage.reasoning_tokens == 0
+
+
+def test_a_harmony_template_on_another_vocabulary_is_a_warning(tok) -> None:
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models
+
+    from mlx_engine.harmony import MARKERS, harmony_warning
+
+    letters = {chr(65 + i): i for i in range(26)}
+
+    def tokenizer(vocab: dict[str, int], template: str = "<|start|>user<|channel|>") -> Tokenizer:
+        hf = HF(models.BPE(vocab=vocab, merges=[]))
+        hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MARKERS])
+        return Tokenizer(hf, chat_template=template)
+
+    at_its_ids = tokenizer({**letters, **MARKERS})  # the markup where o200k_harmony has it, 26 tokens before it
+    assert reasoning_family(at_its_ids) is None
+    assert "(its vocabulary has 26 base tokens, o200k has 199998)" in harmony_warning(at_its_ids)
+    moved = harmony_warning(tokenizer(letters))
+    assert "its markup tokens are not at o200k_harmony's ids: <|start|> is 26, not 200006" in moved
+    assert harmony_warning(tokenizer({**letters, **MARKERS}, "{{ messages }}")) is None  # no harmony template
+    assert harmony_warning(Tokenizer(HF(models.BPE(vocab=letters, merges=[])), chat_template="<|channel|>")) is None
+    assert harmony_warning(tok) is None

@@ -47,7 +47,7 @@ from app.server.metrics import KVStatsReader, Metrics
 from app.server.protocol import Endpoint, Job, model_slug, parse_body, parse_detokenize, parse_job, parse_tokenize
 from app.server.responses import DONE, Choice, Echo, Formatter, error_chunk, sse, token_bytes_fn, token_str
 from app.server.responses_api import ResponsesFormatter, parse_responses, response_events
-from app.server.tool_formats import detect
+from app.server.harmony_tools import call_deltas, tool_format_for
 
 MAX_BODY_BYTES = 4 * 2**20
 log = logging.getLogger("uvicorn.error")  # where uvicorn logs, so `serve --log-level` governs it
@@ -98,9 +98,9 @@ class Server:
         self.metrics = Metrics()
         self.kv = KVStatsReader(engine.kv_stats)
         self.token_bytes = token_bytes_fn(engine.tokenizer)
-        # how this model calls tools, from its chat template's text (a tokenizer without a template: the JSON format)
-        self.tool_format = detect(getattr(engine.tokenizer, "chat_template", None),
-                                  lambda text: engine.tokenizer.encode(text, add_special_tokens=False))
+        # how this model calls tools: harmony's, or from its chat template's text (no template: the JSON format)
+        self.tool_format = tool_format_for(info.reasoning, getattr(engine.tokenizer, "chat_template", None),
+                                           lambda text: engine.tokenizer.encode(text, add_special_tokens=False))
         self.generations: set[Generation] = set()
         self.drain = Drain()
 
@@ -192,7 +192,7 @@ class Server:
         """Anthropic's `/v1/messages/count_tokens`: the rendered prompt's tokens, tools included."""
         job = parse_messages(parse_body(await self._body(request)), self.model_names,
                              self.model_id, self.info.context_length, self.info.vocab_size, self.info.reasoning,
-                             count_only=True)
+                             self.tool_format, count_only=True)
         try:
             ids = await run_in_threadpool(self._encode_chat, job)
         except RequestError as e:
@@ -211,7 +211,7 @@ class Server:
             fmt = ResponsesFormatter(job, self.model_id, body)
         elif endpoint == "messages":
             job = parse_messages(body, self.model_names, self.model_id, self.info.context_length,
-                                 self.info.vocab_size, self.info.reasoning)
+                                 self.info.vocab_size, self.info.reasoning, self.tool_format)
             fmt = MessagesFormatter(job, self.model_id)
         else:
             job = parse_job(body, endpoint, self.model_names, self.model_id, self.info.context_length,
@@ -371,7 +371,7 @@ class Server:
                 for other in gens:  # the request fails as a whole: its other prompts stop
                     other.cancel()
             return Choice("".join(texts), tuple(lps), final.finish_reason, tuple(prompt_lps), "".join(thoughts),
-                          final.stop_string), final
+                          final.stop_string, final.tool_calls), final
 
         results = await asyncio.gather(*(one(g) for g in gens))
         finals = [final for _, final in results]
@@ -427,10 +427,10 @@ class Server:
                     for gen in gens:
                         gen.cancel()
                     break
-                if readers:
-                    for delta in readers[i].finish():
+                if readers:  # what the reader held, then the calls the engine read in the model's own format
+                    for delta in [*readers[i].finish(), *call_deltas(event.tool_calls)]:
                         yield sse(fmt.tool_delta_chunk(delta, i))
-                    reason = "tool_calls" if readers[i].called else reason
+                    reason = "tool_calls" if readers[i].called or event.tool_calls else reason
                 yield sse(fmt.finish_chunk(reason, i))
             else:
                 if fmt.job.include_usage:
