@@ -28,17 +28,6 @@ CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|messag
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory):
-    old = os.environ.get("ROOFLINE_CACHE_DIR")
-    os.environ["ROOFLINE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    yield Path(os.environ["ROOFLINE_CACHE_DIR"])
-    if old is None:
-        del os.environ["ROOFLINE_CACHE_DIR"]
-    else:
-        os.environ["ROOFLINE_CACHE_DIR"] = old
-
-
-@pytest.fixture(scope="module")
 def tok(tmp_path_factory, cache) -> Tokenizer:
     return Tokenizer.from_folder(harmony_tokenizer_files(tmp_path_factory.mktemp("harmony") / "tok"))
 

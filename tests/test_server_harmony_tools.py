@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 from pathlib import Path
 
 import anthropic
@@ -30,17 +29,6 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                             "parameters": PARAMETERS}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 GREEDY = {"temperature": 0, "max_tokens": 40}
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory):
-    old = os.environ.get("ROOFLINE_CACHE_DIR")
-    os.environ["ROOFLINE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    yield Path(os.environ["ROOFLINE_CACHE_DIR"])
-    if old is None:
-        del os.environ["ROOFLINE_CACHE_DIR"]
-    else:
-        os.environ["ROOFLINE_CACHE_DIR"] = old
 
 
 @pytest.fixture(scope="module")
