@@ -6,6 +6,12 @@ engine error (`error_after`), or mark tokens as drafted (`drafted`, with specula
 refuses speculative="draft" unless made with `draft_model=True`. It keeps a pretend prefix cache of 16-token
 blocks (the conversations it has generated or restored), reports hits in `usage.cached_prompt_tokens`, and
 saves and restores it as JSON files (`kv_calls` records each call).
+
+A FakeEngine made with `reasoning="think"` (`FakeBackend(reasoning=...)`) is a reasoning model: a reply's `thought`
+streams first as `GenerationEvent.reasoning` (a token a piece), then a closer token with no text, then the answer, and
+`usage.reasoning_tokens` counts the thought and the closer, as the engine counts its tags. A request whose
+`reasoning_effort` is "none" or "minimal" (or whose template variables set enable_thinking false) gets the answer
+alone. A model without reasoning never thinks, whatever its script says.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from mlx_engine.api import (
     Usage,
 )
 from mlx_engine.catalog import ModelSummary
+from mlx_engine.reasoning import EFFORTS_OFF
 
 from app.tui.backend import EngineBackend
 from mlx_engine.roofline import Bandwidth
@@ -108,6 +115,16 @@ class FakeReply:
     drafted: tuple[bool, ...] = ()
     acceptance_rate: float | None = None
     mean_accepted_tokens: float | None = None
+    thought: str = ""  # a reasoning model's thinking before `text` (hold_after, error_after and drafted count it)
+
+
+FAKE_CLOSER = "</think>"  # the token that ends a thought: the engine gives it no text
+
+
+def thinks(request: GenerationRequest) -> bool:
+    """Whether a reasoning model thinks for `request` (mlx_engine.reasoning.template_kwargs' rule for "think")."""
+    variables = request.chat_template_kwargs or {}
+    return request.reasoning_effort not in EFFORTS_OFF and variables.get("enable_thinking") is not False
 
 
 class FakeStream:
@@ -136,11 +153,11 @@ class FakeStream:
 FAKE_DRAFT_NAME = "FakeDraft-100K (test)"
 
 
-def fake_info(name: str = "FakeLM-1M (test)", context_length: int = 2048) -> ModelInfo:
+def fake_info(name: str = "FakeLM-1M (test)", context_length: int = 2048, reasoning: str | None = None) -> ModelInfo:
     return ModelInfo(name=name, path="/fake/" + name, model_type="llama", source_format="gguf",
                      num_parameters=1_000_000, quantization="Q4_1", context_length=context_length,
                      weight_bytes=50 * 2**20, vocab_size=49152, native=True, dtype="float32",
-                     eos_token_ids=(1,))
+                     eos_token_ids=(1,), reasoning=reasoning)
 
 
 class FakeEngine:
@@ -177,6 +194,9 @@ class FakeEngine:
             raise RequestError(f"prompt is {len(prompt_ids)} tokens, longer than the context ({self.info.context_length})")
         if request.sampling.speculative == "draft" and not self.draft_model:
             raise RequestError(NO_DRAFT_MODEL)
+        if request.sampling.reasoning_budget is not None and self.info.reasoning is None:
+            raise RequestError(f"invalid sampling parameter reasoning_budget={request.sampling.reasoning_budget}: "
+                               f"{self.info.name} does not reason")
         self.requests.append(request)
         reply = self.script[min(self._next, len(self.script) - 1)]
         self._next += 1
@@ -190,7 +210,10 @@ class FakeEngine:
              stream: FakeStream) -> None:
         num_prompt = len(prompt_ids)
         fed = list(prompt_ids)
-        pieces = self.tokenizer.pieces(reply.text)
+        thought = self.tokenizer.pieces(reply.thought) if self.info.reasoning and thinks(request) else []
+        if thought:
+            thought.append(FAKE_CLOSER)
+        pieces = thought + self.tokenizer.pieces(reply.text)
         max_tokens = request.sampling.max_tokens
         start = time.perf_counter()
         if self.ttft_s:
@@ -226,7 +249,12 @@ class FakeEngine:
             fed.append(token)
             from_draft = i < len(drafted) and drafted[i]
             num_drafted += from_draft
-            stream.events.put(GenerationEvent(text=piece, token_ids=(token,), from_draft=(from_draft,)))
+            if i < len(thought):
+                text = "" if piece == FAKE_CLOSER else piece
+                event = GenerationEvent(reasoning=text, token_ids=(token,), from_draft=(from_draft,))
+            else:
+                event = GenerationEvent(text=piece, token_ids=(token,), from_draft=(from_draft,))
+            stream.events.put(event)
             n += 1
             if first is None:
                 first = time.perf_counter()
@@ -240,8 +268,8 @@ class FakeEngine:
                       mean_accepted_tokens=reply.mean_accepted_tokens if drafted else None)
         if self.paged and finish != "error":
             self.cached.append(fed)
-        stream.events.put(GenerationEvent(finish_reason=finish, usage=Usage(num_prompt, n, num_cached), stats=stats,
-                                          error=error))
+        usage = Usage(num_prompt, n, num_cached, reasoning_tokens=min(n, len(thought)))
+        stream.events.put(GenerationEvent(finish_reason=finish, usage=usage, stats=stats, error=error))
 
     # ---- the pretend prefix cache and its files ----------------------------------------------------------
 
@@ -311,8 +339,9 @@ class FakeBackend(EngineBackend):
                  load_delay_s: float = 0.0, models: list[ModelSummary] | None = None, fail: dict[str, str] | None = None,
                  bandwidth: Bandwidth | None = None, ttft_s: float = 0.0, paged: bool = True, block_size: int = 16,
                  draft_model: bool = False, no_tokenizer: tuple[str, ...] = (), pull_bytes: int = 40 * 2**20,
-                 pull_hold_at: float | None = None):
+                 pull_hold_at: float | None = None, reasoning: str | None = None):
         self.script = script
+        self.reasoning = reasoning  # ModelInfo.reasoning of every model it loads
         self.no_tokenizer = no_tokenizer  # refs whose model comes without tokenizer files (token ids only)
         # pulls: `pull_bytes` in 20 chunks; with `pull_hold_at` (a fraction) the pull waits there until
         # `release_pull()` or a cancel; `pulls` records each pull's ref and how it ended
@@ -352,7 +381,7 @@ class FakeBackend(EngineBackend):
             if not Path(key).exists():
                 raise ModelLoadError(f"{key}: no such file or folder, and not a model in the Hugging Face cache")
             name = Path(key).name
-        info = fake_info(name)
+        info = fake_info(name, reasoning=self.reasoning)
         tokenizer = self.load_tokenizer(ref)
         if key in self.no_tokenizer:
             info, tokenizer = dataclasses.replace(info, has_tokenizer=False), NoFakeTokenizer(name)
