@@ -1,5 +1,6 @@
 """The chat screen: sidebar of saved chats, the transcript, the input and the stats bar; sending, editing,
-regenerating. Running a reply is `ReplyRunner`'s job (reply.py)."""
+regenerating. Running a reply is `ReplyRunner`'s job (reply.py); a reasoning model's keys are `ThinkingControls`'
+(thinking.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from app.tui.reply import Generation, ReplyRunner, model_messages, no_tokenizer_notice
 from app.tui.screens.settings import SettingsScreen
 from app.tui.store import Chat, ChatSettings
+from app.tui.thinking import ThinkingControls
 from app.tui.widgets.messages import MessageView
 from app.tui.widgets.prompt import PromptInput
 from app.tui.widgets.sidebar import ChatList, Sidebar
@@ -22,12 +24,13 @@ from app.tui.widgets.stats import LiveStats, StatsBar
 WELCOME = "Ask anything. Enter sends, ctrl+j adds a line, Esc stops a reply, F1 lists every key."
 
 
-class ChatScreen(ReplyRunner, Screen):
+class ChatScreen(ReplyRunner, ThinkingControls, Screen):
     BINDINGS = [
         Binding("escape", "stop", "Stop", tooltip="Stop the reply (keeps the partial text) or cancel an edit"),
         Binding("ctrl+r", "regenerate", "Regen", tooltip="Regenerate the last reply"),
         Binding("f3", "copy_last", "Copy", show=False, tooltip="Copy the last reply to the clipboard (OSC 52)"),
         Binding("f2", "rename_chat", "Rename", show=False, tooltip="Rename this chat"),
+        Binding("f5", "toggle_thought", "Thinking", tooltip="Show/hide thinking: the focused reply's, else the last one's"),
     ]
 
     NARROW = 90  # below this width the sidebar starts hidden (ctrl+b shows it)
@@ -135,8 +138,8 @@ class ChatScreen(ReplyRunner, Screen):
         self.sub_title_for_chat()
         messages = self.rapp.store.messages(chat.id) if chat is not None else []
         if messages:
-            await transcript.mount_all([MessageView(m.role, m.content, m.id, m.status, m.stats.get("error"))
-                                        for m in messages])
+            await transcript.mount_all([MessageView(m.role, m.content, m.id, m.status, m.stats.get("error"),
+                                                    m.reasoning, m.stats) for m in messages])
         else:
             await transcript.mount(Static(WELCOME, id="welcome"))
         transcript.scroll_end(animate=False)
@@ -144,6 +147,7 @@ class ChatScreen(ReplyRunner, Screen):
         saved = [m.stats for m in messages if m.role == "assistant" and "completion_tokens" in m.stats]
         self.stats = LiveStats.from_saved(saved[-1]) if saved else LiveStats()
         self.show_stats()
+        self.refresh_bindings()
         if chat is not None and self.rapp.engine is not None:
             self.rapp.chat_kv.restore(self.rapp.engine, chat.id)
 
@@ -265,6 +269,9 @@ class ChatScreen(ReplyRunner, Screen):
                                                                  for v in self.query(MessageView)])
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        thinking = self.check_thinking_action(action)
+        if thinking is not None:
+            return thinking
         if action == "stop":
             return self.gen is not None or self.editing is not None
         if action == "regenerate":

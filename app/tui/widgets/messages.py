@@ -1,4 +1,5 @@
-"""One message of the transcript: a role/status line over the text (Markdown for replies, streamed)."""
+"""One message of the transcript: a role/status line over the text (Markdown for replies, streamed), and a
+reasoning model's thinking between them (collapsed)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from textual.widgets.markdown import MarkdownStream
 from app.tui.drafted import add_marks
 from app.tui.segments import DEFAULT_SEGMENT_CHARS, MarkdownSegmenter, cuts_render_alike
 from app.tui.widgets.segment import MarkdownSegment
+from app.tui.widgets.thought import ThoughtView, saved_figure
 
 STATUS_LABELS = {
     "done": "",
@@ -87,10 +89,18 @@ class MessageView(Vertical, can_focus=True):
     block boundary where that renders the same), so each append lays out only the last segment."""
 
     def __init__(self, role: str, content: str, message_id: int | None = None, status: str = "done",
-                 error: str | None = None) -> None:
+                 error: str | None = None, reasoning: str = "", reasoning_figures: dict[str, Any] | None = None) -> None:
+        """`reasoning`: a reply's thinking; `reasoning_figures`: the stats saved with it (its reasoning_tokens and
+        reasoning_s, for the thought's header)."""
         super().__init__(classes=f"-{role}")
         self.role = role
         self.content = content
+        self.reasoning = reasoning
+        self.thought: ThoughtView | None = None
+        if reasoning:
+            figures = reasoning_figures or {}
+            self.thought = ThoughtView(reasoning, saved_figure(figures.get("reasoning_tokens")),
+                                       saved_figure(figures.get("reasoning_s")))
         self.message_id = message_id
         self.error = error
         self._stream: MarkdownStream | None = None
@@ -104,6 +114,8 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Static(self._role_line(), classes="role", markup=False)
+        if self.thought is not None:
+            yield self.thought
         if self.role == "assistant":
             yield MarkdownSegment(self.content, classes="body", drafted=self.drafted)
         else:
@@ -144,7 +156,7 @@ class MessageView(Vertical, can_focus=True):
         self.content += fragment
         if self._segmenter is None:
             self._segmenter = MarkdownSegmenter(self.segment_chars)
-            self._segments = [self.query_one(Markdown)]
+            self._segments = [self.query_children(MarkdownSegment).first()]
             self._segmenter.feed(self.content[: -len(fragment)])  # text the widget was created with
         at = len(self.content) - len(fragment)  # where the next piece starts in the reply
         for new_segment, piece in self._segmenter.feed(fragment):
@@ -161,6 +173,19 @@ class MessageView(Vertical, can_focus=True):
         if len(self._segments) > 2 and now - self._last_hide >= self.HIDE_EVERY_S:
             self._last_hide = now
             await self.hide_far_segments()
+
+    async def write_reasoning(self, fragment: str, num_tokens: int, seconds: float, done: bool = False) -> None:
+        """Appends streamed thinking (the thought block appears with the first), with its token count and seconds
+        so far; `done`: the thinking ended (the answer started)."""
+        self.reasoning += fragment
+        if self.thought is None:
+            if not fragment:
+                return
+            self.thought = ThoughtView(streaming=True)
+            await self.mount(self.thought, after=self.query_one(".role"))
+        await self.thought.write(fragment, num_tokens, seconds)
+        if done and self.thought.streaming:
+            await self.thought.finish(num_tokens, seconds)
 
     async def _stop_stream(self) -> None:
         if self._stream is not None:
@@ -212,8 +237,11 @@ class MessageView(Vertical, can_focus=True):
             self._width = event.size.width
             await self._show_segments()
 
-    async def finish(self, status: str, error: str | None = None) -> None:
+    async def finish(self, status: str, error: str | None = None, reasoning_tokens: int | None = None,
+                     reasoning_s: float | None = None) -> None:
         await self._stop_stream()
+        if self.thought is not None:
+            await self.thought.finish(reasoning_tokens, reasoning_s)
         if len(self._segments) > 1 and self._segmenter is not None and not cuts_render_alike(
                 self.content, self._segmenter.cuts):
             await self._show_segments()
