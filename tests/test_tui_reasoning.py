@@ -1,12 +1,13 @@
 """A reasoning model in the chat app: its thinking streams into a collapsed block above the answer, F5 expands it,
-it is saved with the chat and never sent back; a model without reasoning shows none of it. Against the scripted
-fake engine."""
+it is saved with the chat (a schema migration keeps older databases) and never sent back; F9 and the settings set
+the thinking effort; a model without reasoning shows none of it. Against the scripted fake engine."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.tui.store import ChatStore
+from app.tui.screens.settings import NO_REASONING, SettingsScreen
+from app.tui.store import ChatSettings, ChatStore
 from app.tui.streaming import TokenBuffer
 from app.tui.widgets.messages import MessageView
 from app.tui.widgets.stats import LiveStats
@@ -81,10 +82,10 @@ async def test_f5_acts_on_the_focused_reply_else_the_last_and_is_in_help_and_the
         await pilot.press("f5")
         assert (shown(first), shown(last)) == (True, True)
         titles = {c.title for c in app.get_system_commands(app.chat_screen)}
-        assert "Show or hide thinking" in titles
+        assert {"Show or hide thinking", "Thinking effort"} <= titles
         rows = dict(dict(app.key_sections())["Chat"])
-        assert "thinking" in rows["f5"]
-        assert "f5 Thinking" in screen_text(app)  # the footer
+        assert "thinking" in rows["f5"] and "thinking effort" in rows["f9"].lower()
+        assert "f5 Thinking" in screen_text(app) and "f9 Effort" in screen_text(app)  # the footer
 
 
 @pytest.mark.asyncio
@@ -143,19 +144,70 @@ async def test_stopped_while_thinking_keeps_the_partial_thought(tmp_path) -> Non
 
 
 @pytest.mark.asyncio
+async def test_f9_and_the_settings_set_the_thinking_effort_of_the_request(tmp_path) -> None:
+    app, backend = make_app(tmp_path, script=[FakeReply(ANSWER, thought=THOUGHT)], reasoning="think")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        prompt = app.chat_screen.query_one("#prompt")
+        assert prompt.border_subtitle == "thinking: default (F9)"
+        await send(pilot, "default")
+        await idle(pilot)
+        assert backend.engine.requests[-1].reasoning_effort is None  # the model's own
+        await pilot.press("f9")
+        assert app.chat_screen.chat.settings.reasoning_effort == "none"
+        assert prompt.border_subtitle == "thinking: off (F9)"
+        await send(pilot, "off")
+        await idle(pilot)
+        assert backend.engine.requests[-1].reasoning_effort == "none"
+        assert replies(app)[-1].thought is None and replies(app)[-1].content == ANSWER  # it did not think
+        await pilot.press("f9", "f9")
+        assert app.chat_screen.chat.settings.reasoning_effort == "medium"
+        await pilot.press("ctrl+s")
+        screen = app.screen
+        assert isinstance(screen, SettingsScreen)
+        field = screen.query_one("#reasoning_effort")
+        assert field.value == "medium" and not field.disabled
+        field.value = "sometimes"
+        await pilot.press("ctrl+s")
+        assert "Thinking: 'sometimes' is not one of default, off, low, medium, high" in str(
+            screen.query_one("#error").render())
+        field.value = "high"
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is app.chat_screen, what="settings saved")
+        await send(pilot, "high")
+        await idle(pilot)
+        assert backend.engine.requests[-1].reasoning_effort == "high"
+        chat_id = app.chat_screen.chat.id
+    store = ChatStore(tmp_path / "chats.db")
+    assert store.get_chat(chat_id).settings.reasoning_effort == "high"
+    store.close()
+
+
+@pytest.mark.asyncio
 async def test_a_model_without_reasoning_shows_none_of_it(tmp_path) -> None:
     app, backend = make_app(tmp_path, script=[FakeReply(ANSWER, thought=THOUGHT)])
+    app.default_settings = ChatSettings(temperature=0.0, reasoning_effort="high")  # kept from a model that reasons
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         assert app.engine.info.reasoning is None
         await send(pilot, "q")
         await idle(pilot)
         assert transcript(app)[-1] == ("assistant", "done", ANSWER) and replies(app)[0].thought is None
+        assert backend.engine.requests[-1].reasoning_effort is None  # never sent to a model without reasoning
         text = screen_text(app)
-        assert "Thinking" not in text and "thinking" not in text
-        await pilot.press("f5")  # nothing to act on
+        assert "Thinking" not in text and "Effort" not in text and "thinking" not in text
+        assert app.chat_screen.query_one("#prompt").border_subtitle is None
+        await pilot.press("f9", "f5")  # nothing to act on
+        assert app.chat_screen.chat.settings.reasoning_effort == "high"
         titles = {c.title for c in app.get_system_commands(app.chat_screen)}
-        assert "Show or hide thinking" not in titles
+        assert not {"Show or hide thinking", "Thinking effort"} & titles
+        await pilot.press("ctrl+s")
+        screen = app.screen
+        field = screen.query_one("#reasoning_effort")
+        assert field.disabled and NO_REASONING in screen_text(app)
+        await pilot.press("ctrl+s")  # saved as it was, for the next model that reasons
+        await wait_for(pilot, lambda: app.screen is app.chat_screen, what="settings saved")
+        assert app.chat_screen.chat.settings.reasoning_effort == "high"
 
 
 def test_token_buffer_keeps_the_thinking_apart_with_its_tokens() -> None:
@@ -184,4 +236,5 @@ def test_the_stats_bar_keeps_the_thinking_share_of_a_saved_reply() -> None:
     s = LiveStats(prompt_tokens=5, reply_tokens=20, reasoning_tokens=12)
     assert "reply 20 (12 thinking)" in s.render_line()
     assert LiveStats.from_saved(s.to_saved()).reasoning_tokens == 12
-    assert "thinking" not in LiveStats(reply_tokens=20).render_line() and "reasoning_tokens" not in LiveStats().to_saved()
+    assert "thinking" not in LiveStats(reply_tokens=20).render_line()
+    assert "reasoning_tokens" not in LiveStats().to_saved()

@@ -291,6 +291,9 @@ class RooflineApp(App):
         if cs.replies_with_thoughts():
             yield SystemCommand("Show or hide thinking", "Expand or collapse the reasoning of the focused reply, else "
                                 "the last one (F5)", cs.action_toggle_thought)
+        if cs.model_reasons():
+            yield SystemCommand("Thinking effort", "Step this chat's thinking effort: default, off, low, medium, "
+                                "high (F9)", cs.action_cycle_effort)
         yield SystemCommand("Rename chat", "Rename this chat (F2)", self.action_rename_chat)
         yield SystemCommand("Delete chat", "Delete this chat after confirming", self.action_delete_chat)
         yield SystemCommand("Toggle sidebar", "Show or hide the chat list (ctrl+b)", self.action_toggle_sidebar)

@@ -30,7 +30,10 @@ class ChatScreen(ReplyRunner, ThinkingControls, Screen):
         Binding("ctrl+r", "regenerate", "Regen", tooltip="Regenerate the last reply"),
         Binding("f3", "copy_last", "Copy", show=False, tooltip="Copy the last reply to the clipboard (OSC 52)"),
         Binding("f2", "rename_chat", "Rename", show=False, tooltip="Rename this chat"),
-        Binding("f5", "toggle_thought", "Thinking", tooltip="Show/hide thinking: the focused reply's, else the last one's"),
+        Binding("f5", "toggle_thought", "Thinking",
+                tooltip="Show/hide thinking: the focused reply's, else the last one's"),
+        Binding("f9", "cycle_effort", "Effort",
+                tooltip="Thinking effort of this chat: default/off/low/medium/high"),
     ]
 
     NARROW = 90  # below this width the sidebar starts hidden (ctrl+b shows it)
@@ -97,6 +100,8 @@ class ChatScreen(ReplyRunner, ThinkingControls, Screen):
             prompt.placeholder = "No model loaded: ctrl+l picks one"
         if ready and self.app.screen is self:
             prompt.focus()
+        self.show_effort()
+        self.refresh_bindings()
         self.show_stats()
 
     def show_stats(self) -> None:
@@ -147,6 +152,7 @@ class ChatScreen(ReplyRunner, ThinkingControls, Screen):
         saved = [m.stats for m in messages if m.role == "assistant" and "completion_tokens" in m.stats]
         self.stats = LiveStats.from_saved(saved[-1]) if saved else LiveStats()
         self.show_stats()
+        self.show_effort()
         self.refresh_bindings()
         if chat is not None and self.rapp.engine is not None:
             self.rapp.chat_kv.restore(self.rapp.engine, chat.id)
@@ -213,18 +219,25 @@ class ChatScreen(ReplyRunner, ThinkingControls, Screen):
     def current_settings(self) -> ChatSettings:
         return self.chat.settings if self.chat else self.rapp.default_settings
 
+    def apply_settings(self, settings: ChatSettings) -> None:
+        """This chat's settings from now on (saved), or those of new chats while none is open."""
+        if self.chat is not None:
+            self.chat.settings = settings
+            self.rapp.store.save_settings(self.chat.id, settings)
+        else:
+            self.rapp.default_settings = settings
+        self.show_effort()
+
     def open_settings(self) -> None:
         def done(settings: ChatSettings | None) -> None:
             if settings is None:
                 return
-            if self.chat is not None:
-                self.chat.settings = settings
-                self.rapp.store.save_settings(self.chat.id, settings)
-            else:
-                self.rapp.default_settings = settings
+            self.apply_settings(settings)
             self.notify("Settings saved", timeout=2)
 
-        self.app.push_screen(SettingsScreen(self.current_settings(), self.chat.title if self.chat else ""), done)
+        engine = self.rapp.engine
+        self.app.push_screen(SettingsScreen(self.current_settings(), self.chat.title if self.chat else "",
+                                            reasons=engine is not None and engine.info.reasoning is not None), done)
 
     # ---- sending ------------------------------------------------------------------------------------------
 

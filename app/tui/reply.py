@@ -120,8 +120,11 @@ class ReplyRunner:
             self.notify(no_tokenizer_notice(engine.info.name), severity="error")  # type: ignore[attr-defined]
             return
         messages = self.history()  # type: ignore[attr-defined]
+        # a model without reasoning is sent no effort: the chat may keep one from a model that had it
+        effort = self.chat.settings.reasoning_effort if engine.info.reasoning is not None else None
         try:
-            request = GenerationRequest(messages=messages, sampling=sampling_params(self.chat.settings))
+            request = GenerationRequest(messages=messages, sampling=sampling_params(self.chat.settings),
+                                        reasoning_effort=effort)
         except RooflineError as e:
             self.notify(f"Chat settings: {e}", severity="error")  # type: ignore[attr-defined]
             return

@@ -71,6 +71,9 @@ class ChatSettings:
     seed: int | None = None
     speculative: str | None = "auto"  # None: off; "auto" speculates only where the backend and acceptance say it pays
     num_draft_tokens: int = 4
+    # a reasoning model's thinking effort (mlx_engine.api.REASONING_EFFORTS; "none" turns thinking off), None: the
+    # model's own default; a model without reasoning is sent none
+    reasoning_effort: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

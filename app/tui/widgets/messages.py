@@ -89,7 +89,8 @@ class MessageView(Vertical, can_focus=True):
     block boundary where that renders the same), so each append lays out only the last segment."""
 
     def __init__(self, role: str, content: str, message_id: int | None = None, status: str = "done",
-                 error: str | None = None, reasoning: str = "", reasoning_figures: dict[str, Any] | None = None) -> None:
+                 error: str | None = None, reasoning: str = "",
+                 reasoning_figures: dict[str, Any] | None = None) -> None:
         """`reasoning`: a reply's thinking; `reasoning_figures`: the stats saved with it (its reasoning_tokens and
         reasoning_s, for the thought's header)."""
         super().__init__(classes=f"-{role}")

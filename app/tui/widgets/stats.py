@@ -87,7 +87,8 @@ class LiveStats:
             f"{'▶ ' if self.streaming else ''}{self.decode_tps:.1f} tok/s",
             f"TTFT {self.ttft_s:.2f} s" if self.ttft_s is not None else "TTFT –",
             f"prompt {self.prompt_tokens}" + (f" ({self.cached_tokens:,} cached)" if self.cached_tokens else "")
-            + f" · reply {self.reply_tokens}" + (f" ({self.reasoning_tokens} thinking)" if self.reasoning_tokens else ""),
+            + f" · reply {self.reply_tokens}"
+            + (f" ({self.reasoning_tokens} thinking)" if self.reasoning_tokens else ""),
             f"ctx {used:,}/{self.context_length:,}",
         ])
         if self.acceptance_rate is not None:
