@@ -238,3 +238,32 @@ def test_the_stats_bar_keeps_the_thinking_share_of_a_saved_reply() -> None:
     assert LiveStats.from_saved(s.to_saved()).reasoning_tokens == 12
     assert "thinking" not in LiveStats(reply_tokens=20).render_line()
     assert "reasoning_tokens" not in LiveStats().to_saved()
+
+
+def test_roofline_chat_takes_the_thinking_effort_of_new_chats(monkeypatch, capsys) -> None:
+    import app.tui as tui_pkg
+    import app.tui.app as tui_app
+    from app import cli
+
+    made: list[dict] = []
+
+    class App:
+        def __init__(self, **kwargs) -> None:
+            made.append(kwargs)
+
+        def run(self) -> None:
+            pass
+
+    monkeypatch.setattr(tui_app, "RooflineApp", App)
+    assert cli.main(["chat", "--reasoning-effort", "low"]) == 0
+    assert made[-1]["default_settings"] == ChatSettings(reasoning_effort="low")
+    assert cli.main(["chat"]) == 0 and made[-1]["default_settings"] == ChatSettings()
+    seen: dict = {}
+    monkeypatch.setattr(tui_pkg, "run", lambda model, **options: seen.update(options) or 0)
+    assert cli.cmd_chat(cli.argparse.Namespace(model=None, device="auto", threads=None, compile=None)) == 0
+    assert seen == {}  # `roofline` alone: the model's own effort
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["chat", "--reasoning-effort", "lots"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("roofline: error: --reasoning-effort 'lots': expected one of none, minimal, "
+                                       "low, medium, high\n")
