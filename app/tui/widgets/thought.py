@@ -44,9 +44,8 @@ class ThoughtView(Vertical):
     ThoughtView { height: auto; }
     ThoughtView > .thought-header { height: 1; width: auto; color: $text-muted; text-style: italic; }
     ThoughtView > .thought-header:hover { color: $text; }
-    ThoughtView > ThoughtBody { display: none; color: $text-muted; margin: 0 0 1 2; padding: 0;
+    ThoughtView > ThoughtBody { display: none; color: $text-muted; margin: 0 0 0 2; padding: 0;
                                 background: transparent; }
-    ThoughtView > ThoughtBody > MarkdownParagraph { margin: 0; }
     ThoughtView.-expanded > ThoughtBody { display: block; }
     """
 
