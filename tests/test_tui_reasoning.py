@@ -139,6 +139,7 @@ async def test_stopped_while_thinking_keeps_the_partial_thought(tmp_path) -> Non
         (view,) = replies(app)
         assert view.status == "stopped" and view.content == ""
         assert header(view).startswith("▸ Thought for 4 tokens / ")
+        assert "▸ Thought for 4 tokens / 0." in screen_text(app)  # the header is not cut to what it said before
         (_, reply) = app.store.messages(app.chat_screen.chat.id)
         assert (reply.status, reply.reasoning, reply.stats["reasoning_tokens"]) == ("stopped", "The user asks for", 4)
 

@@ -42,7 +42,7 @@ class ThoughtView(Vertical):
 
     DEFAULT_CSS = """
     ThoughtView { height: auto; }
-    ThoughtView > .thought-header { height: 1; width: auto; color: $text-muted; text-style: italic; }
+    ThoughtView > .thought-header { height: 1; color: $text-muted; text-style: italic; }
     ThoughtView > .thought-header:hover { color: $text; }
     ThoughtView > ThoughtBody { display: none; color: $text-muted; margin: 0 0 0 2; padding: 0;
                                 background: transparent; }
@@ -74,6 +74,7 @@ class ThoughtView(Vertical):
         return f"{arrow} Thought" + (f" for {figures}" if figures else "")
 
     def _show_header(self) -> None:
+        # no layout: the header is one row as wide as the message, whatever it says
         if self.is_mounted:
             self.query_one(".thought-header", Static).update(self.header(), layout=False)
 
