@@ -5,7 +5,7 @@ one repeats); a `FakeReply` can stop at a token and wait (`hold_after`, released
 engine error (`error_after`), or mark tokens as drafted (`drafted`, with speculative stats). A FakeEngine
 refuses speculative="draft" unless made with `draft_model=True`. It keeps a pretend prefix cache of 16-token
 blocks (the conversations it has generated or restored), reports hits in `usage.cached_prompt_tokens`, and
-saves and restores it as JSON files (`kv_calls` records each call).
+saves and restores it as JSON files (`kv_calls` records each call). Its tokenizer is tests/tui_fake_tokenizer.py's.
 
 A FakeEngine made with `reasoning="think"` (`FakeBackend(reasoning=...)`) is a reasoning model: a reply's `thought`
 streams first as `GenerationEvent.reasoning` (a token a piece), then a closer token with no text, then the answer, and
@@ -22,7 +22,6 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,66 +41,9 @@ from mlx_engine.reasoning import EFFORTS_OFF
 
 from app.tui.backend import EngineBackend
 from mlx_engine.roofline import Bandwidth
+from tests.tui_fake_tokenizer import FakeTokenizer, NoFakeTokenizer
 
 FAKE_KV_FORMAT = "fake-kv-1"
-_PIECE = re.compile(r" ?[A-Za-z0-9]+| ?[^\sA-Za-z0-9]|\s+")
-
-
-class FakeTokenizer:
-    """Words (with their leading space) and single other characters as tokens; ids handed out on first sight.
-    `non_ascii_split` > 1 splits non-ASCII characters into their UTF-8 bytes, as a byte-level BPE does
-    for a script it has few merges for."""
-
-    def __init__(self, name: str = "fake", non_ascii_split: int = 1):
-        self.name = name
-        self.non_ascii_split = non_ascii_split
-        self._ids: dict[str, int] = {"<s>": 0, "</s>": 1}
-        self._pieces: list[str] = ["<s>", "</s>"]
-        self._lock = threading.Lock()
-
-    def _id(self, piece: str) -> int:
-        with self._lock:
-            if piece not in self._ids:
-                self._ids[piece] = len(self._pieces)
-                self._pieces.append(piece)
-            return self._ids[piece]
-
-    def pieces(self, text: str) -> list[str]:
-        out: list[str] = []
-        for p in _PIECE.findall(text):
-            if self.non_ascii_split > 1 and not p.isascii():
-                for ch in p:  # like a byte-level BPE without merges for this script: one piece per UTF-8 byte
-                    out.extend([ch] if ch.isascii() else [f"<0x{b:02X}>" for b in ch.encode()])
-            else:
-                out.append(p)
-        return out
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = [self._id(p) for p in self.pieces(text)]
-        return ([0] if add_special_tokens else []) + ids
-
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return "".join(self._pieces[i] for i in ids if not (skip_special_tokens and i < 2))
-
-    def id_to_piece(self, token_id: int) -> str:
-        if not 0 <= token_id < len(self._pieces):
-            raise RequestError(f"token id {token_id} is out of range (vocabulary size {len(self._pieces)})")
-        return self._pieces[token_id]
-
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-        if add_generation_prompt:
-            text += "<|assistant|>\n"
-        return [0] + self.encode(text, add_special_tokens=False)
-
-
-class NoFakeTokenizer(FakeTokenizer):
-    """A model without tokenizer files: text is refused as the engine refuses it."""
-
-    def _refuse(self, *args, **kwargs) -> list[int]:
-        raise RequestError(f"{self.name} has no tokenizer (tokenizer.json): send prompt_token_ids instead of text")
-
-    encode = encode_chat = _refuse
 
 
 @dataclass
