@@ -48,6 +48,7 @@ async def test_thinking_streams_collapsed_above_the_answer_and_f5_expands_it(tmp
                        and replies(app)[0].thought.num_tokens == 5, what="five tokens of thinking")
         (view,) = replies(app)
         assert header(view) == "▸ Thinking… (5 tokens)" and not shown(view)
+        await wait_for(pilot, lambda: "reply 5 (5 thinking)" in screen_text(app), what="the stats bar's share")
         assert view.content == "" and "The user asks" not in screen_text(app)
         await pilot.press("f5")  # expanded while it streams: what came so far, then the rest as it comes
         assert shown(view) and "The user asks for six" in screen_text(app)

@@ -213,6 +213,7 @@ class ReplyRunner:
         s.streaming = True
         s.prompt_tokens = gen.prompt_tokens
         s.reply_tokens = n
+        s.reasoning_tokens = gen.buffer.reasoning_tokens
         if first is not None:
             s.ttft_s = first - gen.started_at
             elapsed = time.perf_counter() - first

@@ -24,7 +24,7 @@ class LiveStats:
     ttft_s: float | None = None
     prompt_tokens: int = 0
     reply_tokens: int = 0
-    reasoning_tokens: int = 0  # of reply_tokens, a reasoning model's thinking (known when the reply ends)
+    reasoning_tokens: int = 0  # of reply_tokens, a reasoning model's thinking (the final usage's once it ends)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (or a restored chat)
     context_length: int = 0
     weight_bytes: int = 0
