@@ -18,7 +18,7 @@ from app.tui.backend import EngineBackend
 from app.tui.chat_kv import ChatKV
 from app.tui.chat_screen import ChatScreen
 from mlx_engine.roofline import Bandwidth
-from app.tui.reply import no_tokenizer_notice
+from app.tui.reply import no_tokenizer_notice, reasoning_figures
 from app.tui.screens.help import HelpScreen
 from app.tui.screens.inspector import TokenInspector
 from app.tui.screens.picker import ModelPicker
@@ -88,7 +88,8 @@ class RooflineApp(App):
         gen = self.chat_screen.gen
         if gen is not None:  # keep what was shown: the partial reply, marked stopped
             gen.cancel()
-            self.store.update_message(gen.message_id, gen.view.content, "stopped")
+            self.store.update_message(gen.message_id, gen.view.content, "stopped", reasoning_figures(gen),
+                                      reasoning=gen.view.reasoning)
         self.chat_kv.flush(timeout=5.0)  # a reply's KV still being written
         self.store.close()
 
@@ -287,6 +288,12 @@ class RooflineApp(App):
         yield SystemCommand("Regenerate reply", "Replace the last reply with a new one (ctrl+r)", cs.action_regenerate)
         yield SystemCommand("Stop reply", "Stop the streaming reply, keeping its text (Esc)", cs.action_stop)
         yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard (F3)", cs.action_copy_last)
+        if cs.replies_with_thoughts():
+            yield SystemCommand("Show or hide thinking", "Expand or collapse the reasoning of the focused reply, else "
+                                "the last one (F5)", cs.action_toggle_thought)
+        if cs.model_reasons():
+            yield SystemCommand("Thinking effort", "Step this chat's thinking effort: default, off, low, medium, "
+                                "high (F9)", cs.action_cycle_effort)
         yield SystemCommand("Rename chat", "Rename this chat (F2)", self.action_rename_chat)
         yield SystemCommand("Delete chat", "Delete this chat after confirming", self.action_delete_chat)
         yield SystemCommand("Toggle sidebar", "Show or hide the chat list (ctrl+b)", self.action_toggle_sidebar)

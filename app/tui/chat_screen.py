@@ -1,5 +1,6 @@
 """The chat screen: sidebar of saved chats, the transcript, the input and the stats bar; sending, editing,
-regenerating. Running a reply is `ReplyRunner`'s job (reply.py)."""
+regenerating. Running a reply is `ReplyRunner`'s job (reply.py); a reasoning model's keys are `ThinkingControls`'
+(thinking.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from app.tui.reply import Generation, ReplyRunner, model_messages, no_tokenizer_notice
 from app.tui.screens.settings import SettingsScreen
 from app.tui.store import Chat, ChatSettings
+from app.tui.thinking import ThinkingControls
 from app.tui.widgets.messages import MessageView
 from app.tui.widgets.prompt import PromptInput
 from app.tui.widgets.sidebar import ChatList, Sidebar
@@ -22,12 +24,16 @@ from app.tui.widgets.stats import LiveStats, StatsBar
 WELCOME = "Ask anything. Enter sends, ctrl+j adds a line, Esc stops a reply, F1 lists every key."
 
 
-class ChatScreen(ReplyRunner, Screen):
+class ChatScreen(ReplyRunner, ThinkingControls, Screen):
     BINDINGS = [
         Binding("escape", "stop", "Stop", tooltip="Stop the reply (keeps the partial text) or cancel an edit"),
         Binding("ctrl+r", "regenerate", "Regen", tooltip="Regenerate the last reply"),
         Binding("f3", "copy_last", "Copy", show=False, tooltip="Copy the last reply to the clipboard (OSC 52)"),
         Binding("f2", "rename_chat", "Rename", show=False, tooltip="Rename this chat"),
+        Binding("f5", "toggle_thought", "Thinking",
+                tooltip="Show/hide thinking: the focused reply's, else the last one's"),
+        Binding("f9", "cycle_effort", "Effort",
+                tooltip="Thinking effort of this chat: default/off/low/medium/high"),
     ]
 
     NARROW = 90  # below this width the sidebar starts hidden (ctrl+b shows it)
@@ -94,6 +100,8 @@ class ChatScreen(ReplyRunner, Screen):
             prompt.placeholder = "No model loaded: ctrl+l picks one"
         if ready and self.app.screen is self:
             prompt.focus()
+        self.show_effort()
+        self.refresh_bindings()
         self.show_stats()
 
     def show_stats(self) -> None:
@@ -135,8 +143,8 @@ class ChatScreen(ReplyRunner, Screen):
         self.sub_title_for_chat()
         messages = self.rapp.store.messages(chat.id) if chat is not None else []
         if messages:
-            await transcript.mount_all([MessageView(m.role, m.content, m.id, m.status, m.stats.get("error"))
-                                        for m in messages])
+            await transcript.mount_all([MessageView(m.role, m.content, m.id, m.status, m.stats.get("error"),
+                                                    m.reasoning, m.stats) for m in messages])
         else:
             await transcript.mount(Static(WELCOME, id="welcome"))
         transcript.scroll_end(animate=False)
@@ -144,6 +152,8 @@ class ChatScreen(ReplyRunner, Screen):
         saved = [m.stats for m in messages if m.role == "assistant" and "completion_tokens" in m.stats]
         self.stats = LiveStats.from_saved(saved[-1]) if saved else LiveStats()
         self.show_stats()
+        self.show_effort()
+        self.refresh_bindings()
         if chat is not None and self.rapp.engine is not None:
             self.rapp.chat_kv.restore(self.rapp.engine, chat.id)
 
@@ -209,18 +219,25 @@ class ChatScreen(ReplyRunner, Screen):
     def current_settings(self) -> ChatSettings:
         return self.chat.settings if self.chat else self.rapp.default_settings
 
+    def apply_settings(self, settings: ChatSettings) -> None:
+        """This chat's settings from now on (saved), or those of new chats while none is open."""
+        if self.chat is not None:
+            self.chat.settings = settings
+            self.rapp.store.save_settings(self.chat.id, settings)
+        else:
+            self.rapp.default_settings = settings
+        self.show_effort()
+
     def open_settings(self) -> None:
         def done(settings: ChatSettings | None) -> None:
             if settings is None:
                 return
-            if self.chat is not None:
-                self.chat.settings = settings
-                self.rapp.store.save_settings(self.chat.id, settings)
-            else:
-                self.rapp.default_settings = settings
+            self.apply_settings(settings)
             self.notify("Settings saved", timeout=2)
 
-        self.app.push_screen(SettingsScreen(self.current_settings(), self.chat.title if self.chat else ""), done)
+        engine = self.rapp.engine
+        self.app.push_screen(SettingsScreen(self.current_settings(), self.chat.title if self.chat else "",
+                                            reasons=engine is not None and engine.info.reasoning is not None), done)
 
     # ---- sending ------------------------------------------------------------------------------------------
 
@@ -265,6 +282,9 @@ class ChatScreen(ReplyRunner, Screen):
                                                                  for v in self.query(MessageView)])
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        thinking = self.check_thinking_action(action)
+        if thinking is not None:
+            return thinking
         if action == "stop":
             return self.gen is not None or self.editing is not None
         if action == "regenerate":
