@@ -39,16 +39,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mlx_engine.backends.torch import cpu_features, cpu_gemm
+from mlx_engine.backends.torch import cpu_features, cpu_gemm, switches
 
 SOURCE = Path(__file__).with_name("cpu_native.cpp")
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)  # a byte's bits, low first
 QK = 32  # inputs a block
 # -ffp-contract=off: a product and a sum stay two roundings where written so (`dequant`: torch's order, bit for bit)
 FLAGS = ("-O3", "-std=c++20", "-ffp-contract=off", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-w")
 # The integer dot product in one instruction (vpdpbusd) where the CPU has it, 256 bits wide; with AVX-512 (BW for
 # its byte ops) 4-bit codes also four blocks a 512-bit register
 VNNI_FLAGS = {"avx512_vnni": ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"), "avx_vnni": ("-mavxvnni",)}
-ENV = "ROOFLINE_TORCH_CPU_NATIVE"  # 0/off: torch's int4 and int8 kernels instead
 
 
 @functools.cache
@@ -68,11 +68,6 @@ def _command(cxx: str, out: Path) -> list[str]:
             f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
 
 
-def wanted() -> bool:
-    """Unless the environment turns it off (ROOFLINE_TORCH_CPU_NATIVE=0)."""
-    return os.environ.get(ENV, "1").lower() not in ("0", "off", "false")
-
-
 def library_path() -> Path:
     from mlx_engine.paths import cache_dir
 
@@ -85,7 +80,7 @@ def build_error() -> str:
     """'' once the library is loaded (built first if its cache has none); else why it is not, in a line."""
     path = library_path()
     if not path.exists():
-        cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+        cxx = switches.cxx() or shutil.which("c++") or shutil.which("g++")
         if cxx is None:
             return "no C++ compiler (c++, g++ or $CXX) to build Roofline's CPU kernel"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -161,6 +156,38 @@ def scales_f32(d: torch.Tensor) -> torch.Tensor:
     nb = scale_blocks(d)
     supers = d[:, nb:].contiguous().view(torch.float16).float()
     return d[:, :nb].float() * supers.repeat_interleave(8, dim=1)
+
+
+def native_float(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,
+                 zero: int = 0) -> torch.Tensor:
+    """A `NativeWeight`'s rows: codes (r, in / 2) uint8 (two 4-bit codes a byte: code j low, j + 16 high), that
+    and a 32-bit word of fifth bits a block (5-bit codes, (r, in / 2 + in / 8)), or 8 bytes a block of top bits
+    (6-bit codes, (r, in / 2 + in / 4)), or (r, in) int8; d, m (r, in / 32) float, or two-level uint8 rows, or
+    Q6_K's int8 rows (a scale per 16) -> (r, in) float32, d (c - zero) + m (6-bit: d (c - 32))."""
+    r = codes.shape[0]
+    d, m = scales_f32(d), None if m is None else scales_f32(m)
+    if bits == 6:
+        nb = d.shape[1] // 2
+        b = codes[:, : nb * 16].reshape(r, nb, 16)
+        top = codes[:, nb * 16:].reshape(r, nb, 1, 8) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+        c = (torch.cat([b & 15, b >> 4], dim=-1) | ((top & 3) << 4).reshape(r, nb, 32)).float() - 32
+        return (c.view(r, nb, 2, 16) * d.view(r, nb, 2, 1)).reshape(r, -1)
+    if bits in (4, 5):
+        nb = d.shape[1]
+        b = codes[:, : nb * 16].reshape(r, nb, 16)
+        c = torch.cat([b & 15, b >> 4], dim=-1)  # (r, blocks, 32)
+        if bits == 5:
+            h = codes[:, nb * 16:].reshape(r, nb, 4, 1)
+            c = c | ((h & _BITS.to(codes.device)) != 0).to(torch.uint8).reshape(r, nb, 32) << 4
+        c = c.float()
+    else:
+        c = codes.view(r, -1, 32).float()
+    if zero:
+        c = c - zero
+    w = c * d.float()[..., None]
+    if m is not None:
+        w = w + m.float()[..., None]
+    return w.reshape(r, -1)
 
 
 ROW_BYTES = {4: lambda k: k // 2, 5: lambda k: k // 2 + k // 8, 6: lambda k: k // 2 + k // 4, 8: lambda k: k}
@@ -283,7 +310,7 @@ class NativeWeight:
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _float(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-        return cpu_gemm.native_float(codes, d, m, self.bits, self.zero)
+        return native_float(codes, d, m, self.bits, self.zero)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup): ids (...) -> (..., in) float32."""
