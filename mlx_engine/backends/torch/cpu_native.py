@@ -1,4 +1,4 @@
-"""Roofline's own CPU matmul for quantized weights (`cpu_native.cpp`), on any x86-64 CPU with AVX2.
+"""Roofline's own CPU matmul for quantized weights (`cpu_kernel/`), on any x86-64 CPU with AVX2.
 
 torch's int4 kernel widens each weight to float32 before its FMA: on an AVX2 CPU without AVX-512 it reads 2.7-3 GB/s
 of packed weights a core (docs/benchmarks/torch-cpu.md, "Issue 27 on an AVX2 CPU"), a third of the core's bandwidth,
@@ -41,7 +41,8 @@ import torch
 
 from mlx_engine.backends.torch import cpu_features, cpu_gemm, switches
 
-SOURCE = Path(__file__).with_name("cpu_native.cpp")
+KERNEL_DIR = Path(__file__).with_name("cpu_kernel")
+SOURCE = KERNEL_DIR / "cpu_native.cpp"  # the translation unit: it includes every part (cpu_kernel/*.h)
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)  # a byte's bits, low first
 QK = 32  # inputs a block
 # -ffp-contract=off: a product and a sum stay two roundings where written so (`dequant`: torch's order, bit for bit)
@@ -68,10 +69,16 @@ def _command(cxx: str, out: Path) -> list[str]:
             f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
 
 
+def sources() -> list[Path]:
+    """The library's sources: the translation unit and every part it includes, by name (the build's cache key)."""
+    return sorted(p for p in KERNEL_DIR.iterdir() if p.suffix in (".cpp", ".h"))
+
+
 def library_path() -> Path:
     from mlx_engine.paths import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags()).encode() + torch.__version__.encode()).hexdigest()
+    key = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sources()) + " ".join(flags()).encode()
+                         + torch.__version__.encode()).hexdigest()
     return cache_dir() / "torch-native" / key[:16] / "roofline_cpu.so"
 
 
@@ -125,7 +132,7 @@ def _with_supers(low: np.ndarray, supers: np.ndarray) -> torch.Tensor:
 
 
 def two_level(scales: np.ndarray, supers: np.ndarray) -> torch.Tensor:
-    """A k-quant's scales as the kernel holds them (cpu_native.cpp's layouts): scales (n, nb) integers in
+    """A k-quant's scales as the kernel holds them (cpu_kernel/formats.h): scales (n, nb) integers in
     [0, 256), supers (n, nb / 8) float16 values -> (n, nb + nb / 4) uint8, a row's scales then its supers' bytes."""
     return _with_supers(np.ascontiguousarray(scales, dtype=np.uint8), supers)
 

@@ -1,5 +1,5 @@
-"""A forward's layers as one call of Roofline's CPU kernel library (`roofline_cpu::forward_layers`, cpu_native.cpp):
-the norms, q/k/v, rope, the K/V written to the paged pools and attended, the output projection, the MLP and the
+"""A forward's layers as one call of Roofline's CPU kernel library (`roofline_cpu::forward_layers`,
+cpu_kernel/layers.h): the norms, q/k/v, rope, the K/V written to the paged pools and attended, the output projection, the MLP and the
 residuals of every layer, in C++ around the same quantized matmuls (`NativeWeight`: the kernel's for decode-sized
 forwards, the dequantizing bfloat16 GEMM from `cpu_features.DEQUANT_MIN_ROWS` rows, as `NativeWeight.matmul`), in
 place of a compiled graph call a layer or the eager ops. A prefill chunk's rows attend through torch's SDPA. What
