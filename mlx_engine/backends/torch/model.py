@@ -4,7 +4,8 @@ Pure math: state lives in the cache views passed in (`kv.py`). A view gives the 
 tokens (`positions(B, L)`) and does attention (`attention(q, k, v, scale)`, writing k/v to its storage).
 A weight is a float tensor or a packed one with a matmul and a row lookup of its own (`PackedWeight`):
 how each format is held, and the checkpoint's arrays converted, is `weights.py`'s; the int8 draft's
-weights are `draft_int8.py`'s.
+weights are `draft_int8.py`'s. The layers run eagerly here; the other ways to run them (Roofline's kernel in one
+call, torch.compile graphs) are `paths`', which imports this module and never the other way.
 """
 
 from __future__ import annotations
