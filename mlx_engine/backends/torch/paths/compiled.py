@@ -16,11 +16,9 @@ import torch
 
 from mlx_engine.backends.torch import cpu_features
 from mlx_engine.backends.torch.cpu_packed import head_matmul
-from mlx_engine.backends.torch.inductor import compile_errors, own_code, use_app_cache
+from mlx_engine.backends.torch.inductor import own_code, use_app_cache
 from mlx_engine.backends.torch.model import (Model, PagedRows, TransformerBlock, attention_inputs,
                                              attention_outputs, paged_attention, row_major)
-
-__all__ = ["CompiledHalves", "compile_errors", "decode_layers", "direct_call", "head_logits", "prefill_layers"]
 
 # where compiling starts, not at every import of the backend (cpu_features.bf16_gemm says why)
 torch.compiler.assume_constant_result(cpu_features.bf16_gemm)
