@@ -1,4 +1,4 @@
-// A forward's layers in one call (`forward_layers`): the layer loop around the parts above.
+// A forward's layers in one call (`forward_layers`): the layer loop around the parts it includes.
 
 #pragma once
 
@@ -10,13 +10,14 @@ namespace {
 
 // --- a forward's layers (forward_layers) ---
 // One call for every layer of a forward of N rows (one new token of each of N sequences, a verification's, a
-// prefill chunk's): the norms, projections, rope, the K/V written to and read from the pools, attention, the
-// SiLU gate and the residuals, as the Python model's ops (model.py's TransformerBlock) compute them in float32,
-// with the projections through qmatmul above, or from gemm_rows rows the prefill's dequantizing GEMM. Each layer's tensors and ints follow one another in `ws` and `meta`
-// (cpu_native.NativeStep writes them): tensors in_norm, post_norm, q_norm, k_norm, q_bias, k_bias, v_bias (empty
-// where the model has none), then the matrices (codes, d, m each): the n_qkv of q/k/v, o, the n_gu of gate/up,
-// down; ints n_qkv, n_gu, then the columns where q, k, v start in the q/k/v matrices' outputs side by side,
-// where gate and up start in the gate/up ones', the MLP's width, then each matrix's bits and zero.
+// prefill chunk's): the norms, projections, rope, the K/V written to and read from the pools, attention, the SiLU
+// gate and the residuals, as the Python model's ops (model.py's TransformerBlock) compute them in float32, with the
+// projections through qmatmul (qmatmul.h), or from gemm_rows rows the prefill's dequantizing GEMM. Each layer's
+// tensors and ints follow one another in `ws` and `meta` (paths/native_step.py's NativeStep writes them): tensors
+// in_norm, post_norm, q_norm, k_norm, q_bias, k_bias, v_bias (empty where the model has none), then the matrices
+// (codes, d, m each): the n_qkv of q/k/v, o, the n_gu of gate/up, down; ints n_qkv, n_gu, then the columns where q,
+// k, v start in the q/k/v matrices' outputs side by side, where gate and up start in the gate/up ones', the MLP's
+// width, then each matrix's bits and zero.
 
 
 at::Tensor forward_layers(const at::Tensor& h_in, at::TensorList ws, at::IntArrayRef meta, at::TensorList pool_k,
