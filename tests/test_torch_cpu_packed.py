@@ -316,6 +316,10 @@ def test_the_exact_twin_by_environment(monkeypatch, quantized_files):
     ({"compile": "yes"}, "compile='yes': expected True, False or None"),
     ({"backend": "mlx", "threads": 2}, "threads needs backend='torch'"),
     ({"backend": "mlx", "compile": True}, "compile needs backend='torch'"),
+    ({"native_step": 1}, r"native_step=1: expected True, False or None \(default: on, unless ROOFLINE_TORCH_NATIVE"),
+    ({"cpu_kernel": "off"}, "cpu_kernel='off': expected True, False or None"),
+    ({"backend": "mlx", "native_step": False}, "native_step needs backend='torch'"),
+    ({"backend": "mlx", "cpu_kernel": True}, "cpu_kernel needs backend='torch'"),
 ])
 def test_bad_runner_options(options, message):
     options = {"backend": "torch", "device": "cpu", **options}

@@ -76,7 +76,7 @@ def check_threads(threads: Any, device: torch.device) -> int:
 
 def check_switch(name: str, value: Any, switch: switches.Switch) -> bool:
     """An on/off load option: True or False as given, None the default (`switch`'s)."""
-    if value not in (None, True, False):
+    if value is not None and not isinstance(value, bool):
         raise RooflineError(f"{name}={value!r}: expected True, False or None (default: on, unless {switch.name}=0)")
     return switch.on() if value is None else value
 
