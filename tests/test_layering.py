@@ -158,6 +158,16 @@ def test_the_torch_backend_reads_the_environment_in_one_module() -> None:
     assert readers == ["switches.py"], readers
 
 
+def test_roofline_switches_are_read_in_two_modules() -> None:
+    """Every ROOFLINE_* variable the engine reads, and the help text that says what it does, is in
+    `mlx_engine/switches.py` or, for the torch backend, `backends/torch/switches.py`: no other module both reads the
+    environment and names a ROOFLINE_* variable."""
+    root = Path(__file__).resolve().parent.parent
+    readers = sorted(str(f.relative_to(root)) for f in (root / "mlx_engine").rglob("*.py")
+                     if re.search(r"os\.environ|getenv", text := f.read_text()) and re.search(r"[\"']ROOFLINE_", text))
+    assert readers == ["mlx_engine/backends/torch/switches.py", "mlx_engine/switches.py"], readers
+
+
 def test_reading_gguf_skips_gguf_pys_init_but_keeps_it_whole() -> None:
     """The GGUF reader and architecture tables import gguf-py's `constants` and `tensor_mapping` without its
     package __init__, which imports its writer, sentencepiece and yaml (2 MB of RSS and 0.1 s at every GGUF

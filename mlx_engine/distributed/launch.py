@@ -22,8 +22,9 @@ from typing import Any, Iterator, NoReturn
 
 from mlx_engine.api import RooflineError
 from mlx_engine.distributed.plan import hostfile_text, read_hostfile_peers
+from mlx_engine.switches import DISTRIBUTED_TIMEOUT
 
-TIMEOUT_ENV = "ROOFLINE_DISTRIBUTED_TIMEOUT"
+TIMEOUT_ENV = DISTRIBUTED_TIMEOUT.name
 DEFAULT_TIMEOUT_S = 30.0
 EXIT_RANK_LOST = 3  # the exit status of a run stopped because a rank is gone
 NO_LAUNCHER = ("--distributed needs its ranks started by mlx.launch, e.g. `mlx.launch --hostfile hosts.json -- "
@@ -66,7 +67,7 @@ def detect_launch(env: dict[str, str] | None = None) -> Launch | None:
 
 
 def timeout_s() -> float:
-    raw = os.environ.get(TIMEOUT_ENV, "")
+    raw = DISTRIBUTED_TIMEOUT.raw()
     try:
         value = float(raw) if raw else DEFAULT_TIMEOUT_S
     except ValueError:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
-import os
 import threading
 import zlib
 from collections import deque
@@ -26,6 +25,7 @@ from mlx_engine.distributed.mirror import MirroredCache, PlanLog, PlannedLayers,
 from mlx_engine.distributed.node import Node
 from mlx_engine.distributed.stage import MIN_DECODE_ROWS_PER_MICRO_BATCH, InFlight, micro_batches
 from mlx_engine.kv.views import PackedView, PagedDecodeView
+from mlx_engine.switches import PIPELINE_DECODE_ROWS, PIPELINE_IN_FLIGHT, PIPELINE_MICRO_BATCHES, Variable
 
 
 def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
@@ -34,30 +34,25 @@ def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
     return sample(logits, samplers)
 
 
-MICRO_BATCHES_ENV = "ROOFLINE_PIPELINE_MICRO_BATCHES"
-DECODE_ROWS_ENV = "ROOFLINE_PIPELINE_DECODE_ROWS"
-IN_FLIGHT_ENV = "ROOFLINE_PIPELINE_IN_FLIGHT"
-
-
-def _whole_env(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
+def _whole_env(variable: Variable, default: int) -> int:
+    raw = variable.raw()
     if not raw:
         return default
     if not raw.isdigit() or int(raw) < 1:
-        raise RooflineError(f"{name}={raw!r}: expected a whole number >= 1")
+        raise RooflineError(f"{variable.name}={raw!r}: expected a whole number >= 1")
     return int(raw)
 
 
 def micro_batch_count(num_ranks: int) -> int:
     """Micro-batches a pipelined forward may be cut into: one per rank, or $ROOFLINE_PIPELINE_MICRO_BATCHES (1: never
     cut; for measuring what they gain)."""
-    return _whole_env(MICRO_BATCHES_ENV, num_ranks)
+    return _whole_env(PIPELINE_MICRO_BATCHES, num_ranks)
 
 
 def min_decode_rows() -> int:
     """Sequences each micro-batch of a decode step needs: MIN_DECODE_ROWS_PER_MICRO_BATCH, or
     $ROOFLINE_PIPELINE_DECODE_ROWS (for measuring where cutting pays)."""
-    return _whole_env(DECODE_ROWS_ENV, MIN_DECODE_ROWS_PER_MICRO_BATCH)
+    return _whole_env(PIPELINE_DECODE_ROWS, MIN_DECODE_ROWS_PER_MICRO_BATCH)
 
 
 def decode_groups(mode: str, num_ranks: int) -> int:
@@ -65,9 +60,9 @@ def decode_groups(mode: str, num_ranks: int) -> int:
     pipeline rank with $ROOFLINE_PIPELINE_IN_FLIGHT=1; else 1 (lockstep), and always for tensor parallel. Off by
     default: each group's step reads the rank's weights again, which costs more CPU per token than the overlap
     gained where the ranks share cores (measured on the 2-core box: docs/distributed.md)."""
-    raw = os.environ.get(IN_FLIGHT_ENV, "")
+    raw = PIPELINE_IN_FLIGHT.raw()
     if raw not in ("", "0", "1"):
-        raise RooflineError(f"{IN_FLIGHT_ENV}={raw!r}: expected 1 (a decode step of each group of sequences in "
+        raise RooflineError(f"{PIPELINE_IN_FLIGHT.name}={raw!r}: expected 1 (a decode step of each group of sequences in "
                             "flight on the pipeline) or 0 (every rank in lockstep, the default)")
     return num_ranks if mode == "pipeline" and raw == "1" else 1
 
