@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from mlx_engine.api import (REASONING_EFFORTS, SPECULATIVE_MODES, GenerationRequest, ResponseFormat, RooflineError,
+from mlx_engine.api import (SPECULATIVE_MODES, GenerationRequest, ResponseFormat, RooflineError,
                             SamplingParams)
 
-from app.options import runner_args, runner_options
+from app.options import reasoning_effort_arg, runner_args, runner_options
 
 EXIT_USAGE = 2
 MODEL_HELP = ("GGUF file, model folder, ORG/NAME[:QUANT] (Hugging Face; pulled when missing), ollama:NAME[:TAG] or "
@@ -144,9 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     fmt.add_argument("--json-object", action="store_true", help="the reply is one JSON object (JSON mode)")
     fmt.add_argument("--regex", metavar="PATTERN", help="the reply is text this regular expression matches whole")
     r = g.add_argument_group("reasoning models")
-    r.add_argument("--reasoning-effort", choices=REASONING_EFFORTS,
-                   help="how much a reasoning model thinks: none (or minimal) turns its thinking off; the rest leave "
-                   "the template's default, or reach a template that reads them (a model without reasoning ignores it)")
+    reasoning_effort_arg(r)
     r.add_argument("--reasoning-budget", type=int, metavar="N",
                    help="at most N tokens of thinking, then the model is made to close it and answer")
     r.add_argument("--hide-reasoning", action="store_true",
@@ -163,6 +161,8 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="open the chat app (the default when run with no arguments in a terminal)")
     c.add_argument("--model", "-m", help=MODEL_HELP)
+    reasoning_effort_arg(c.add_argument_group("reasoning models"),
+                         "; in the app, the thinking effort of new chats (F9 or ctrl+s changes a chat's own)")
     runner_args(c)
     kv_args(c)
     distributed_arg(c)
@@ -363,6 +363,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         _own_terminal()
     if "draft_model" in options:  # a model picked in the app need not suit the draft: then it loads without one
         options["draft_optional"] = True
+    if getattr(args, "reasoning_effort", None) is not None:  # `roofline` alone has no such argument
+        options["reasoning_effort"] = args.reasoning_effort
     return run(args.model, **options)
 
 

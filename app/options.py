@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mlx_engine.api import RooflineError
+from mlx_engine.api import REASONING_EFFORTS, RooflineError
 
 BACKENDS = ("mlx", "torch")
 DEVICES = ("auto", "cpu", "cuda")
@@ -28,6 +28,15 @@ def runner_args(parser: argparse.ArgumentParser, backend: bool = True) -> None:
                    help="the torch backend on the CPU: run prefills (and decode steps, where they are not one "
                    "native call) as torch.compile graphs, compiled at load: a slower load and more memory, prefill "
                    "at most ~1.1x (default: on only where the layers are not one native call)")
+
+
+def reasoning_effort_arg(group: argparse._ActionsContainer, applies_to: str = "") -> None:
+    """--reasoning-effort, one definition for the commands that take it (generate, chat); `applies_to` ends its help
+    with what it sets there."""
+    group.add_argument("--reasoning-effort", choices=REASONING_EFFORTS,
+                       help="how much a reasoning model thinks: none (or minimal) turns its thinking off; the rest "
+                       "leave the template's default, or reach a template that reads them (a model without reasoning "
+                       "ignores it)" + applies_to)
 
 
 def runner_options(args: argparse.Namespace) -> dict[str, Any]:

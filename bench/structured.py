@@ -136,7 +136,8 @@ TOOL_PROMPTS = [("What's the weather in Paris?", "get_weather", {"city": "Paris"
 def tool_calls(engine: Engine, grammar: bool, max_tokens: int) -> dict[str, int]:
     """The server's tool prompt for each question, with and without its grammar: replies that are a call of a
     declared function with valid arguments, of the right function, and with the right arguments."""
-    from app.server.tools import parse_tools, with_tools
+    from app.server.tool_request import parse_tools
+    from app.toolcalls.tools import with_tools
 
     tools = parse_tools({"tools": TOOLS, "tool_choice": "auto"})
     assert tools is not None

@@ -5,7 +5,7 @@ that a spell of load from other tenants falls on both. On a shared 2-core machin
 
     uv run python bench/torch_cpu_ab.py VARIANT [MODEL] [--threads 1] [--rounds 10] [-p 128] [-n 32]
 
-VARIANT patches what B's load will build, e.g. `from mlx_engine.backends.torch import compiled;
+VARIANT patches what B's load will build, e.g. `from mlx_engine.backends.torch.paths import compiled;
 compiled.SOME_SETTING = ...`. MODEL: a GGUF file or folder (default: the embedded SmolLM2 Q4_1). Prints each
 round's decode tok/s, the medians and B/A, the process CPU ms per generated token, the machine's steal time
 (/proc/stat) during each side's requests, and whether A and B gave the same greedy tokens.

@@ -210,6 +210,15 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call the model wrote in its own format (harmony's `commentary to=functions.NAME`): `arguments` is
+    the JSON text as written."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class Stats:
     ttft_s: float  # submit to first token
     prefill_tps: float  # prompt tokens actually computed / prefill seconds
@@ -250,6 +259,8 @@ class GenerationEvent:
     # the final event of a reply that a stop string ended (finish_reason "stop"): which of SamplingParams.stop it was
     # (the text holds none of it); None where the reply ended otherwise (EOS, a grammar's end)
     stop_string: str | None = None
+    # the final event of a reply that called functions in its model's own format (harmony); () otherwise
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @property
     def done(self) -> bool:
@@ -321,6 +332,12 @@ LOAD_OPTIONS = {
     "torch.compile graphs, compiled at load: for SmolLM2 prefill level at 128 tokens and 1.05-1.15x at 512, the load "
     "3-4x slower and 60-85 MB more memory (default: on with packed quantized weights where the layers are not one "
     "native call; ROOFLINE_TORCH_COMPILE=0 turns the default off)",
+    "cpu_kernel": "backend='torch' on the CPU: quantized weights read by Roofline's own CPU kernel, built at the first "
+    "load with the system's C++ compiler (default True where it builds; False: torch's int4 and int8 kernels, "
+    "slower at decode; ROOFLINE_TORCH_CPU_NATIVE=0 turns the default off)",
+    "native_step": "backend='torch' on the CPU: a forward's layers (decode steps, verifications, prefills) in one call "
+    "of Roofline's CPU kernel, where the model's layers allow it (default True; False: the layers as Python around "
+    "the kernel's matmuls, slower at decode; ROOFLINE_TORCH_NATIVE_STEP=0 turns the default off)",
     "cuda_graphs": "backend='torch' on CUDA: replay each batched decode step as a CUDA graph (default True; "
     "False launches its kernels one by one)",
     "distributed": "'pipeline' or 'tensor': the model across the ranks mlx.launch started, this process being rank 0 "

@@ -19,6 +19,7 @@ from mlx_engine.api import ModelLoadError
 from mlx_engine.memory import (KVShape, MemoryLimit, WeightsHeader, available_memory, estimate_fit,
                                 held_weight_bytes, kv_bytes, metal_working_set)
 from mlx_engine.paths import cache_dir
+from mlx_engine.switches import SKIP_MEMORY_CHECK
 
 HEADER_CACHE_FILE = "model_headers.json"
 HEADER_CACHE_FORMAT = 2  # 2: KV shapes with sliding layers and experts
@@ -379,7 +380,7 @@ def kv_shape(ref: str | os.PathLike[str] | None) -> KVShape:
 def check_fit(model: str | None, backend: str, options: dict[str, Any]) -> None:
     """Refuses (ModelLoadError, one line) a model whose weights and KV cannot fit, before any weight is read.
     `options`: Engine.load's (max_context, kv_bits, kv_key_bits, kv_budget_bytes, dtype, draft_model)."""
-    if os.environ.get("ROOFLINE_SKIP_MEMORY_CHECK", "").lower() in ("1", "true", "yes"):
+    if SKIP_MEMORY_CHECK.raw().lower() in ("1", "true", "yes"):
         return
     def option(name: str, allowed: tuple[int, ...] | None = None) -> int | None:  # bad values: the loader's error
         v = options.get(name)

@@ -25,6 +25,7 @@ from mlx_engine.api import (
 from mlx_engine.backends.base import ModelRunner
 from mlx_engine.diagnostics import Diagnostics
 from mlx_engine.engine_thread import EngineThread, engine_thread
+from mlx_engine.harmony import harmony_warning
 from mlx_engine.reasoning import reasoning_family, reasoning_for, template_kwargs
 
 
@@ -97,6 +98,9 @@ class Engine:
                 raise ModelLoadError(f"{runner.info.path} has no tokenizer, so a chat template cannot be used")
             runner.tokenizer.chat_template = template
             runner.info = dataclasses.replace(runner.info, reasoning=reasoning_family(runner.tokenizer))
+        warning = harmony_warning(runner.tokenizer)
+        if warning is not None:  # else a gpt-oss-like model would answer with its raw markup and no word why
+            runner.info = dataclasses.replace(runner.info, warnings=(*runner.info.warnings, warning))
         engine = cls(thread, runner, runner.info)
         engine._scheduler = Scheduler(runner, max_seqs=opts.max_seqs)
         thread.register(engine._scheduler)

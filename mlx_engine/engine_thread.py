@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 from mlx_engine.backends.mlx.host_blas import one_blas_thread
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class EngineThread:
@@ -33,6 +35,7 @@ class EngineThread:
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._schedulers: list[Any] = []
+        self._idle_hooks: list[Callable[[], None]] = []  # run when no scheduler has work, before the thread waits
         self._stopping = False
         self._parked = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="roofline-engine", daemon=True)
@@ -62,6 +65,11 @@ class EngineThread:
                 threading.Event().wait()  # never returns: the process is exiting
             busy = [s for s in self._schedulers if s.has_work()]
             if not busy:
+                for hook in self._idle_hooks:
+                    try:
+                        hook()
+                    except Exception as e:  # noqa: BLE001 - a hook's failure is its runner's, reported at its next use
+                        log.warning("an engine idle hook failed: %s", e)
                 self._run(self._jobs.get())
                 continue
             while True:  # every job waiting now runs before the next step
@@ -84,6 +92,15 @@ class EngineThread:
 
     def register(self, scheduler: Any) -> None:
         self.call(lambda: self._schedulers.append(scheduler))
+
+    def on_idle(self, hook: Callable[[], None]) -> None:
+        """`hook` runs on this thread whenever it is about to wait with no scheduler's work left (a distributed
+        runner rests its other ranks then). It must return quickly and be harmless to call twice. Callable from any
+        thread, this one included (a runner loads on it): the loop reads a copy of the list."""
+        self._idle_hooks = [*self._idle_hooks, hook]
+
+    def off_idle(self, hook: Callable[[], None]) -> None:
+        self._idle_hooks = [h for h in self._idle_hooks if h != hook]
 
     def unregister(self, scheduler: Any) -> None:
         self.call(lambda: self._schedulers.remove(scheduler) if scheduler in self._schedulers else None)

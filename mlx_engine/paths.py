@@ -3,13 +3,14 @@ graphs)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from mlx_engine.switches import CACHE_DIR
 
 
 def cache_dir() -> Path:
     """`ROOFLINE_CACHE_DIR`, else platformdirs' user cache dir."""
-    if path := os.environ.get("ROOFLINE_CACHE_DIR"):
+    if path := CACHE_DIR.raw():
         return Path(path).expanduser()
     from platformdirs import user_cache_dir
 

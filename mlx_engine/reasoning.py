@@ -7,9 +7,9 @@ Families (`ModelInfo.reasoning`):
   DeepSeek-R1, SmolLM3, Granite 3.3): text between the tags is reasoning. A generation prompt that already ends with
   an opened `<think>` (DeepSeek-R1, Qwen3's thinking-only models, or any template by its variables) starts the reply
   inside the reasoning: that is read per request from the rendered prompt's last tokens, not per model.
-- "harmony" (gpt-oss's channels) is reserved. It plugs in as a `ReasoningFormat` (recognised by `reasoning_for`
-  from its template and tokenizer) whose parser, over `openai-harmony`, implements `ReasoningParser`; until then
-  gpt-oss is a model without reasoning here.
+- "harmony" (gpt-oss's channels, `harmony.py`): the tokenizer spells the harmony markup as o200k_harmony's tokens
+  and the template writes it; `openai-harmony` parses the reply: `analysis` is reasoning, `final` the answer,
+  `commentary` to a function a tool call (`GenerationEvent.tool_calls`).
 
 A tag that is one token of the vocabulary is matched by its id, so the same characters written by other tokens (a
 reply quoting "<think>") stay text; a tag spelled by several tokens is matched in the text, and text that may be its
@@ -25,13 +25,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from mlx_engine.api import RequestError
+from mlx_engine.api import RequestError, ToolCall
 
 THINK = "think"
-HARMONY = "harmony"  # reserved: gpt-oss's analysis/final channels
+HARMONY = "harmony"  # gpt-oss's analysis/final channels (harmony.py)
 OPEN, CLOSE = "<think>", "</think>"
-# reasoning_effort values that turn a "think" template's thinking off (its enable_thinking variable)
+# reasoning_effort values that turn a "think" template's thinking off (its enable_thinking variable); harmony cannot
+# turn it off, so they are its lowest effort
 EFFORTS_OFF = ("none", "minimal")
+HARMONY_EFFORTS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high"}
 # names encode_chat and the renderer take themselves: a request's template variables cannot be one of them
 RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "special_tokens", "source", "literal")
 _PROMPT_TAIL = 16  # tokens of the prompt read for an opened tag: the tag and the whitespace after it
@@ -87,6 +89,11 @@ class ReasoningParser(Protocol):
         where a grammar starts (`constrained`); None: no limit."""
         ...
 
+    @property
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        """The functions the reply called in its family's own format, read after `flush` (the final event's)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ThinkTags:
@@ -132,6 +139,10 @@ class ThinkFormat:
 
 def reasoning_for(tokenizer: Any) -> ReasoningFormat | None:
     """The reasoning family the tokenizer's chat template shows, or None (a model without reasoning)."""
+    from mlx_engine.harmony import harmony_format, is_harmony
+
+    if is_harmony(tokenizer):
+        return harmony_format(tokenizer)
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or CLOSE not in template:
         return None
@@ -163,15 +174,17 @@ def template_kwargs(family: str | None, chat_template_kwargs: Mapping[str, Any] 
     """The variables a request adds to the chat template: its own `chat_template_kwargs`, then what its
     `reasoning_effort` means for the family: on "think", "none" and "minimal" set `enable_thinking=False` (unless the
     request set `enable_thinking` itself), other values leave the template's default; the effort itself is passed as
-    `reasoning_effort` too (templates that read it, like gpt-oss's). A model without reasoning gets the variables as
-    given, which its template ignores."""
+    `reasoning_effort` too (templates that read it, like gpt-oss's: its "Reasoning:" line, on "harmony" only low,
+    medium or high, so "none" and "minimal" are "low"). A model without reasoning gets the variables as given, which
+    its template ignores."""
     out = dict(chat_template_kwargs or {})
     reserved = [k for k in out if k in RESERVED_TEMPLATE_VARIABLES]
     if reserved:
         raise RequestError(f"invalid chat_template_kwargs: {reserved[0]!r} is the request's own field, not a template "
                            "variable")
     if reasoning_effort is not None:
-        out.setdefault("reasoning_effort", reasoning_effort)
+        out.setdefault("reasoning_effort", HARMONY_EFFORTS.get(reasoning_effort, reasoning_effort) if family == HARMONY
+                          else reasoning_effort)
         if family == THINK and reasoning_effort in EFFORTS_OFF:
             out.setdefault("enable_thinking", False)
     return out
@@ -202,6 +215,8 @@ class ThinkParser:
         self._held = ""  # text not yet given out: whitespace, or what may begin a tag
         self._began = False  # reasoning text given out (its leading whitespace is dropped)
         self._forced = 0  # closer tokens written under the budget
+
+    tool_calls: tuple[ToolCall, ...] = ()  # think templates' tool calls are the server's grammar's, not parsed here
 
     @property
     def answer_token(self) -> bool:

@@ -148,6 +148,9 @@ class Sequence:
             usage=self.usage(),
             stats=stats,
             stop_string=self.stops.hit if self.stops is not None else None,
+            # a call is whole once the model ends it (harmony's <|call|> ends the reply): cut by max_tokens, its
+            # arguments are a prefix, and no call
+            tool_calls=self.reasoning.tool_calls if self.reasoning is not None and reason == "stop" else (),
         )
 
 

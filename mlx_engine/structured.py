@@ -107,7 +107,6 @@ _bytes_tokenizer: LLTokenizer | None = None
 def format_error(fmt: ResponseFormat) -> str | None:
     """Why llguidance cannot hold a reply to the format (its reason, one line), or None when it can. Needs no model:
     a front end checks a format, or a tool's schema, before anything loads or runs."""
-    global _bytes_tokenizer
     try:
         source = grammar(fmt)
     except RequestError as e:
@@ -115,10 +114,16 @@ def format_error(fmt: ResponseFormat) -> str | None:
     error = LLMatcher.validate_grammar(source, None)
     if error:
         return _one_line(error)
+    return _matcher_error(LLMatcher(bytes_tokenizer(), source, log_level=0))
+
+
+def bytes_tokenizer() -> LLTokenizer:
+    """llguidance's view of `_Bytes` (built once): a grammar's text checked with no model loaded."""
+    global _bytes_tokenizer
     with _lock:
         if _bytes_tokenizer is None:
             _bytes_tokenizer = LLTokenizer(TokenizerWrapper(_Bytes()), slices=[])
-    return _matcher_error(LLMatcher(_bytes_tokenizer, source, log_level=0))
+        return _bytes_tokenizer
 
 
 def check_format(fmt: ResponseFormat) -> None:

@@ -37,3 +37,31 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _record_torch_skip(report)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The embedded model, loaded once per test module that asks for `engine` and defines none of its own."""
+    from mlx_engine import Engine
+
+    with Engine.load() as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    """`roofline serve`'s app over `engine` on a free loopback port, for the module's tests."""
+    from app.server import create_app
+    from tests.server_fakes import LiveServer
+
+    with LiveServer(create_app(engine), drain_s=5) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory):
+    """A cache dir of the module's own (ROOFLINE_CACHE_DIR), for tests of what the engine writes there."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("cache")
+        mp.setenv("ROOFLINE_CACHE_DIR", str(path))
+        yield path

@@ -196,12 +196,12 @@ class LiveServer:
     """`roofline serve`'s uvicorn serving `app` on a free loopback port in a daemon thread. `should_exit = True` is
     what SIGTERM does: the drain begins."""
 
-    def __init__(self, app: Any, drain_s: float = 2.0):
+    def __init__(self, app: Any, drain_s: float = 2.0, **listener: Any):
         from app.server.listener import DrainingServer, uvicorn_config
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn_config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        config = uvicorn_config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", **listener)
         self.server = DrainingServer(config, app.state.server, drain_s)
         self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
 
@@ -226,3 +226,20 @@ def wait_until(cond: Any, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return cond()
+
+
+def raw_request(url: str, head: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Sends `head` as it is (no client would), returns (status, headers, body)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        try:
+            sock.sendall(head)
+        except OSError:  # the server answered and closed before taking it all
+            pass
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    top, _, body = data.partition(b"\r\n\r\n")
+    lines = top.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body

@@ -13,7 +13,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-from mlx_engine import Engine
 
 from app.server import ServerConfig, create_app
 from tests.server_fakes import LiveServer
@@ -28,17 +27,6 @@ WEATHER = {"name": "get_weather", "description": "Current weather in a city",
 CHAT_WEATHER = {"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
                                                  "parameters": WEATHER["input_schema"]}}
 ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return Engine.load()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with LiveServer(create_app(engine), drain_s=5) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

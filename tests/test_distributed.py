@@ -314,42 +314,59 @@ def kill_launch(proc: subprocess.Popen) -> None:
         proc.communicate()
 
 
-def test_serve_concurrent_requests_match_alone(tmp_path):
-    """Three requests at once through `roofline serve --distributed pipeline` reply as each does alone."""
+def start_serve(port: int, stdin: int | None = None) -> subprocess.Popen:
+    """`roofline serve --distributed pipeline` on two ranks, once its /health answers."""
     import http.client
+
+    proc = subprocess.Popen(launch_cmd("-m", "app.cli", "serve", "--distributed", "pipeline", "--port", str(port)),
+                            stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env=env())
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_launch(proc)
+            raise AssertionError(proc.stdout.read() if proc.stdout else "did not start")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return proc
+        except OSError:
+            time.sleep(0.5)
+
+
+def complete(port: int, prompt: str) -> str:
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    c.request("POST", "/v1/completions", json.dumps({"model": "default", "prompt": prompt, "max_tokens": 8,
+                                                  "temperature": 0}),
+              {"Content-Type": "application/json"})
+    r = c.getresponse()
+    body = json.loads(r.read())
+    assert r.status == 200, body
+    return body["choices"][0]["text"]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_serve_concurrent_requests_match_alone(tmp_path):
+    """Three requests at once through `roofline serve --distributed pipeline` reply as each does alone; idle, the
+    ranks cost no CPU (rank 1 used to poll MLX's receive at 40-90% of a core: it rests on the doorbell now)."""
     import threading
 
     port = free_port_base()
-    proc = subprocess.Popen(launch_cmd("-m", "app.cli", "serve", "--distributed", "pipeline", "--port", str(port)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env())
-
-    def complete(prompt: str) -> str:
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        c.request("POST", "/v1/completions", json.dumps({"model": "default", "prompt": prompt, "max_tokens": 8,
-                                                      "temperature": 0}),
-                  {"Content-Type": "application/json"})
-        r = c.getresponse()
-        body = json.loads(r.read())
-        assert r.status == 200, body
-        return body["choices"][0]["text"]
-
+    proc = start_serve(port)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
         prompts = ["The capital of France is", "1, 2, 3, 4,", "Roses are red, violets"]
-        alone = [complete(p) for p in prompts]
+        alone = [complete(port, p) for p in prompts]
         together: list[str | None] = [None] * 3
 
         def one(i: int) -> None:
-            together[i] = complete(prompts[i])
+            together[i] = complete(port, prompts[i])
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
         for t in threads:
@@ -357,6 +374,14 @@ def test_serve_concurrent_requests_match_alone(tmp_path):
         for t in threads:
             t.join()
         assert together == alone and all(alone), (together, alone)
+        ranks = [rank_pid(proc.pid, r) for r in (0, 1)]
+        assert None not in ranks
+        time.sleep(0.5)  # the engine goes idle and rests the other rank
+        before = [cpu_seconds(pid) for pid in ranks]
+        time.sleep(3.0)
+        used = [cpu_seconds(pid) - b for pid, b in zip(ranks, before)]
+        assert max(used) < 0.15, used  # under 5% of a core each
+        assert complete(port, prompts[0]) == alone[0]  # and the doorbell wakes it
     finally:
         rank0 = rank_pid(proc.pid, 0)
         if rank0 is not None:
@@ -371,6 +396,46 @@ def test_serve_concurrent_requests_match_alone(tmp_path):
     warnings = [line for line in out.splitlines() if "[WARN]" in line]
     assert len(warnings) <= 1 and all("rank 0 exited with code 130" in w for w in warnings), out[-3000:]
     assert "error" not in out, out[-3000:]
+
+
+def test_stopping_the_launcher_ends_every_rank(tmp_path):
+    """SIGTERM to mlx.launch ends it without a word to its ranks (MLX 0.32): each sees its stdin pipe close, rank 0
+    stops as on SIGTERM (the server drains) and rank 1 once rank 0 has stopped it; no rank is left, the port is free."""
+    port = free_port_base()
+    proc = start_serve(port, stdin=subprocess.PIPE)  # a pipe, as a terminal's launcher has: not /dev/null
+    ranks = [rank_pid(proc.pid, r) for r in (0, 1)]
+    try:
+        assert None not in ranks
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
+        assert not left, f"ranks {left} still running 10 s after the launcher was stopped"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free again
+    finally:
+        for pid in ranks:
+            if pid is not None and Path(f"/proc/{pid}").exists():
+                os.kill(pid, signal.SIGKILL)
+        kill_launch(proc)
+
+
+def test_a_resting_rank_ends_when_rank_0_dies(tmp_path):
+    """Rank 0 killed while the engine is idle: rank 1, resting on the doorbell, sees its connection close and ends at
+    once with a line that says so (it would otherwise wait for a plan that never comes)."""
+    port = free_port_base()
+    proc = start_serve(port)
+    try:
+        complete(port, "Hi")
+        time.sleep(0.5)
+        rank0, rank1 = rank_pid(proc.pid, 0), rank_pid(proc.pid, 1)
+        assert rank0 is not None and rank1 is not None
+        os.kill(rank0, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        kill_launch(proc)
+    assert "rank 1: rank 0 ended while this rank rested (its doorbell connection closed)" in out, out[-3000:]
 
 
 def test_rank_killed_mid_generation_ends_the_run(tmp_path):

@@ -158,6 +158,25 @@ def test_only_the_torch_backend_imports_torch() -> None:
     assert not offenders, offenders
 
 
+def test_the_torch_backend_reads_the_environment_in_one_module() -> None:
+    """The torch backend's environment variables are read (and inductor's cache dir set) in `switches.py` only, each
+    with its help text there; what a user sets per model is a load option."""
+    root = Path(__file__).resolve().parent.parent
+    folder = root / "mlx_engine" / "backends" / "torch"
+    readers = sorted(str(f.relative_to(folder)) for f in folder.rglob("*.py") if "os.environ" in f.read_text())
+    assert readers == ["switches.py"], readers
+
+
+def test_roofline_switches_are_read_in_two_modules() -> None:
+    """Every ROOFLINE_* variable the engine reads, and the help text that says what it does, is in
+    `mlx_engine/switches.py` or, for the torch backend, `backends/torch/switches.py`: no other module both reads the
+    environment and names a ROOFLINE_* variable."""
+    root = Path(__file__).resolve().parent.parent
+    readers = sorted(str(f.relative_to(root)) for f in (root / "mlx_engine").rglob("*.py")
+                     if re.search(r"os\.environ|getenv", text := f.read_text()) and re.search(r"[\"']ROOFLINE_", text))
+    assert readers == ["mlx_engine/backends/torch/switches.py", "mlx_engine/switches.py"], readers
+
+
 def test_reading_gguf_skips_gguf_pys_init_but_keeps_it_whole() -> None:
     """The GGUF reader and architecture tables import gguf-py's `constants` and `tensor_mapping` without its
     package __init__, which imports its writer, sentencepiece and yaml (2 MB of RSS and 0.1 s at every GGUF
@@ -186,11 +205,6 @@ def test_loading_a_model_skips_mlx_lms_init_but_keeps_it_whole() -> None:
 
 
 # ---- import circles -----------------------------------------------------------------------------------------
-
-# The one circle left, until the torch backend is split into layers (issue 49, item 2): model, its execution paths
-# and the CPU kernels' wrappers import each other. Any other circle, or a bigger one here, fails.
-KNOWN_CIRCLES = [{f"{TORCH_BACKEND}.{m}" for m in ("compiled", "cpu_gemm", "cpu_native", "cpu_packed", "model",
-                                                   "native_step")}]
 
 
 def import_graph(*packages: str) -> dict[str, set[str]]:
@@ -278,4 +292,4 @@ def test_no_import_circles() -> None:
     """Inside app, mlx_engine and kernels_metal no module imports, directly or through others, one that imports it
     back, at module level or inside a function."""
     found = circles(import_graph(*PACKAGES))
-    assert [c for c in found if c not in KNOWN_CIRCLES] == []
+    assert found == []

@@ -8,32 +8,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import pydantic
 import pytest
-from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+from llguidance import LLMatcher
 
 from app.server.errors import APIError
 from app.server.protocol import parse_job
 from app.server.responses_api import parse_responses
 from app.toolcalls.schemas import closed, rebased, schema_error
 from mlx_engine.api import ResponseFormat
-from mlx_engine.structured import grammar
+from mlx_engine.structured import bytes_tokenizer, grammar
 from tests.test_cli import assert_one_line_error, roofline
+from tests.schema_models import Node, Person
 
 
-class Address(pydantic.BaseModel):
-    street: str
-    city: str
-
-
-class Person(pydantic.BaseModel):
-    name: str
-    address: Address
-
-
-class Node(pydantic.BaseModel):
-    name: str
-    children: list[Node]
 
 
 # What pydantic 2 emits for Person: the nested model in $defs, referred to from the root.
@@ -62,17 +49,7 @@ def responses_error(body: dict[str, Any]) -> APIError:
     return e.value
 
 
-class _Bytes:
-    eos_token_id = 256
-    bos_token_id = None
-    tokens = [bytes([i]) for i in range(256)] + [b""]
-    special_token_ids = [256]
-
-    def __call__(self, text: bytes) -> list[int]:
-        return list(text)
-
-
-BYTES = LLTokenizer(TokenizerWrapper(_Bytes()), slices=[])
+BYTES = bytes_tokenizer()
 
 
 def accepts(schema: dict[str, Any], text: str) -> bool:

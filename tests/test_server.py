@@ -11,24 +11,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from mlx_engine import Engine, GenerationRequest, SamplingParams
+from mlx_engine import GenerationRequest, SamplingParams
 
-from app.server import create_app
-from tests.server_fakes import LiveServer, wait_until
+from tests.server_fakes import wait_until
 from tests.tolerance import assert_f32_close
 
 HI = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return Engine.load()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with LiveServer(create_app(engine), drain_s=5) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from app.server import ServerConfig, create_app
-from tests.server_fakes import REPLY, FakeEngine, LiveServer, wait_until
+from tests.server_fakes import REPLY, FakeEngine, LiveServer, raw_request, wait_until
 
 LONG = {"model": "default", "prompt": "[long][slow]", "max_tokens": 44, "stream": True}  # 44 tokens, 20 ms each
 
@@ -60,23 +60,6 @@ def test_a_server_bound_to_a_name_answers_to_it() -> None:
 
 
 # ---- malformed HTTP and refused preflights in OpenAI's shape ------------------------------------------------
-
-
-def raw_request(url: str, head: bytes) -> tuple[int, dict[str, str], bytes]:
-    """Sends `head` as it is (no client would), returns (status, headers, body)."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        try:
-            sock.sendall(head)
-        except OSError:  # the server answered and closed before taking it all
-            pass
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    top, _, body = data.partition(b"\r\n\r\n")
-    lines = top.decode("latin-1").split("\r\n")
-    headers = dict(line.split(": ", 1) for line in lines[1:])
-    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
 
 
 @pytest.mark.parametrize("head, status, code, words", [

@@ -4,29 +4,16 @@ against a live server on the embedded model: the replies validate; a schema that
 from __future__ import annotations
 
 import openai
-import pydantic
 import pytest
 from mlx_engine import Engine
 
 from app.server import create_app
 from tests.server_fakes import LiveServer
+from tests.schema_models import Address, Node, Person
 
 BOB = [{"role": "user", "content": "Bob lives at 1 Main St, Springfield. Save him."}]
 
 
-class Address(pydantic.BaseModel):
-    street: str
-    city: str
-
-
-class Person(pydantic.BaseModel):
-    name: str
-    address: Address
-
-
-class Node(pydantic.BaseModel):
-    name: str
-    children: list[Node]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The compiled decode step's attention (`model.paged_attention`, what `compiled.CompiledHalves` traces into its
+"""The compiled decode step's attention (`model.paged_attention`, what `paths.compiled.CompiledHalves` traces into its
 graphs) against each cache view's eager attention, on the views' own slots (`paged_rows`): a batched decode step
 of sequences of different lengths, a prefill chunk after cached positions (a speculative verification), both
 packed into one forward, and the contiguous buffer of the compile's warm-up. Eager torch ops here, so no

@@ -1,5 +1,6 @@
-"""Roofline's own CPU matmul for quantized weights (`backends/torch/cpu_native.py`, `cpu_native.cpp`): the
-kernel against its contract in float64 (the int8 rounding of the activations emulated) in this CPU's build and
+"""Roofline's own CPU matmul for quantized weights (`backends/torch/cpu_native.py`, `cpu_kernel/`): the
+kernel against its contract in float64 (`cpu_reference.qmatmul`: the int8 rounding of the activations emulated) in
+this CPU's build and
 in the narrower ones it can run, its bfloat16 dequantization, what `NativeWeight` holds exactly per format, the
 engine on it against the same weights in float32, and a build that cannot happen.
 
@@ -22,7 +23,7 @@ from tests.torch_support import require
 torch = require("torch")
 
 from mlx_engine import Engine  # noqa: E402
-from mlx_engine.backends.torch import cpu_features, cpu_native, cpu_packed  # noqa: E402
+from mlx_engine.backends.torch import cpu_features, cpu_native, cpu_packed, cpu_reference  # noqa: E402
 from tests.test_torch_cpu_packed import quantized_files  # noqa: E402,F401  (the golden llama per GGUF type)
 
 pytestmark = pytest.mark.skipif(
@@ -34,22 +35,6 @@ pytestmark = pytest.mark.skipif(
 def built():
     error = cpu_native.build_error()
     assert error == "", error
-
-
-def emulated(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-    """The kernel's contract in float64: x rounded to int8 per block of 32 (scale max|x| / 127, half to even),
-    then sum_b d dx sum(c xq) + m dx sum(xq); w the codes (N, K) as integers."""
-    M, K = x.shape
-    xb = x.float().view(M, K // 32, 32)
-    dx = xb.abs().amax(-1) / 127
-    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
-    xq = torch.round(xb * inv[..., None]).double()  # (M, B, 32)
-    cb = w.double().view(w.shape[0], K // 32, 32)  # (N, B, 32)
-    isum = torch.einsum("mbj,nbj->mnb", xq, cb)
-    y = (isum * d.double()[None] * dx.double()[:, None]).sum(-1)
-    if m is not None:
-        y = y + (m.double()[None] * (dx.double() * xq.sum(-1))[:, None]).sum(-1)
-    return y
 
 
 def pack4(c: torch.Tensor) -> torch.Tensor:
@@ -98,7 +83,7 @@ def contract(bits, dtype, offsets, K):
         x = torch.randn(M, K, generator=g) * torch.linspace(0.1, 3, K)
         x[0, :32] = 0  # a block of zeros: its scale is 0
         y = torch.ops.roofline_cpu.qmatmul(x, codes, d, m, bits, zero)
-        want = emulated(x, c.to(torch.int32) - zero, d, m if offsets is True else None)
+        want = torch.from_numpy(cpu_reference.qmatmul(x.numpy(), codes.numpy(), d.numpy(), m.numpy(), bits, zero))
         assert y.shape == (M, c.shape[0]) and y.dtype == torch.float32
         # float32 sums of 3 and 11 blocks: measured 1.8e-7 of the largest output
         assert (y.double() - want).abs().max() <= 4e-6 * want.abs().max(), (M, K, bits, dtype, offsets)

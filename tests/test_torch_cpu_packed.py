@@ -316,6 +316,10 @@ def test_the_exact_twin_by_environment(monkeypatch, quantized_files):
     ({"compile": "yes"}, "compile='yes': expected True, False or None"),
     ({"backend": "mlx", "threads": 2}, "threads needs backend='torch'"),
     ({"backend": "mlx", "compile": True}, "compile needs backend='torch'"),
+    ({"native_step": 1}, r"native_step=1: expected True, False or None \(default: on, unless ROOFLINE_TORCH_NATIVE"),
+    ({"cpu_kernel": "off"}, "cpu_kernel='off': expected True, False or None"),
+    ({"backend": "mlx", "native_step": False}, "native_step needs backend='torch'"),
+    ({"backend": "mlx", "cpu_kernel": True}, "cpu_kernel needs backend='torch'"),
 ])
 def test_bad_runner_options(options, message):
     options = {"backend": "torch", "device": "cpu", **options}
@@ -359,7 +363,7 @@ def test_compiled_decode_equals_eager(quantized_files):
             temperature=0.0, max_tokens=12, ignore_eos=True, speculative="prompt-lookup"))) for t in ev.token_ids]
     with Engine.load(str(path), backend="torch", device="cpu", compile=True) as compiled:
         assert any("compiled by torch.compile" in n for n in compiled.info.notes), compiled.info
-        halves = compiled.diagnostics().runner.model.compiled
+        halves = compiled.diagnostics().runner.paths.compiled
         assert halves is not None and halves.warm
         # every part's one graph called directly, then the same through dynamo's calls with guards skipped,
         # whose tensor checks would recompile a call that needed another graph
@@ -397,7 +401,7 @@ def test_layers_of_mixed_formats_each_format_its_own_graphs(tmp_path):
     with Engine.load(str(path), backend="torch", device="cpu", compile=False) as eager:
         want = greedy(eager, ids, 8)
     with Engine.load(str(path), backend="torch", device="cpu", compile=True) as compiled:
-        halves = compiled.diagnostics().runner.model.compiled
+        halves = compiled.diagnostics().runner.paths.compiled
         assert {key[1:] for key in halves.direct if key[0] == 1} == {(0, (0,)), (1, (0, 1)), (1, (1, 0)), (2, (1,)),
                                                                     (3, ())}
         assert [len(_debug_get_cache_entry_list(fn.__code__)) for fn in halves.code.values()] == [1] * len(halves.code)
@@ -451,7 +455,7 @@ def test_smollm2_packed_greedy_against_mlx_and_batched_equals_solo():
 def test_inductor_cache_under_the_app_cache_dir(monkeypatch, tmp_path):
     """Compiled graphs cache under ROOFLINE_CACHE_DIR (a later load skips inductor's code generation and C++
     builds); a TORCHINDUCTOR_CACHE_DIR the user set wins."""
-    from mlx_engine.backends.torch.compiled import CompiledHalves
+    from mlx_engine.backends.torch.paths.compiled import CompiledHalves
 
     monkeypatch.setenv("ROOFLINE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -467,7 +471,8 @@ def test_inductor_cache_under_the_app_cache_dir(monkeypatch, tmp_path):
 def test_direct_call_only_of_a_single_graph():
     """`direct_call` runs a compiled function's one graph without dynamo's frame hook (on new inputs, not a
     remembered output), and is refused before the first graph and once there are two to choose between."""
-    from mlx_engine.backends.torch.compiled import direct_call, own_code
+    from mlx_engine.backends.torch.inductor import own_code
+    from mlx_engine.backends.torch.paths.compiled import direct_call
 
     def scaled_sine(x: torch.Tensor, k: float = 2.0) -> torch.Tensor:
         return (x * k).sin()

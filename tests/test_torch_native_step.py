@@ -20,7 +20,8 @@ torch = require("torch")
 mx = pytest.importorskip("mlx.core")
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
-from mlx_engine.backends.torch import cpu_features, cpu_native, native_step  # noqa: E402
+from mlx_engine.backends.torch import cpu_features, cpu_native  # noqa: E402
+from mlx_engine.backends.torch.paths import native_step  # noqa: E402
 from mlx_engine.backends.torch import model as tm  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -69,11 +70,11 @@ def _load(path: Path, native: bool, monkeypatch, **options) -> Engine:
     from mlx_engine.backends.torch.kv import TorchPagedCache
 
     create = TorchPagedCache.create_torch.__func__
-    monkeypatch.setattr(native_step, "wanted", lambda: native)
     monkeypatch.setattr(TorchPagedCache, "create_torch", classmethod(
         lambda cls, **kw: create(cls, **{**kw, "dtype": native_step.KV_DTYPE})))
     compile = options.pop("compile_", False)
-    return Engine.load(str(path), backend="torch", device="cpu", compile=compile, prefix_caching=False, **options)
+    return Engine.load(str(path), backend="torch", device="cpu", compile=compile, prefix_caching=False,
+                       native_step=native, **options)
 
 
 def _run(engine: Engine, prompts: list[list[int]], n: int, **sampling) -> list[tuple[list[int], list[float]]]:
@@ -99,13 +100,13 @@ LOGPROB_ATOL = 0.1
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_native_step_is_the_python_layers(folders, family, monkeypatch):
     with _load(folders[family], False, monkeypatch) as ref:
-        assert ref.diagnostics().runner.model.native is None
+        assert ref.diagnostics().runner.paths.native is None
         want_solo = _run(ref, PROMPTS[:1], 16)
         want_batch = _run(ref, PROMPTS, 10)
         want_spec = _run(ref, [PROMPTS[2] * 3], 12, speculative="prompt-lookup")
         want_self = _run(ref, [PROMPTS[0]], 12, speculative="self")
     with _load(folders[family], True, monkeypatch) as engine:
-        assert engine.diagnostics().runner.model.native is not None
+        assert engine.diagnostics().runner.paths.native is not None
         assert native_step.NOTE in engine.info.notes
         assert engine.diagnostics().runner.cache.storage.dtype == torch.float16
         for got, want in ((_run(engine, PROMPTS[:1], 16), want_solo), (_run(engine, PROMPTS, 10), want_batch),
@@ -124,7 +125,7 @@ def test_native_prefill_is_the_python_layers(folders, family, monkeypatch):
     got = {}
     for native in (False, True):
         with _load(folders[family], native, monkeypatch, prefill_chunk_size=64) as engine:
-            assert (engine.diagnostics().runner.model.native is not None) == native
+            assert (engine.diagnostics().runner.paths.native is not None) == native
             got[native] = _run(engine, [prompt], 8)
     (tokens, logprobs), (want_tokens, want_logprobs) = got[True][0], got[False][0]
     assert tokens == want_tokens
@@ -154,8 +155,8 @@ def test_compile_asked_for_beside_the_native_step(folders, monkeypatch):
     with _load(folders["qwen3"], True, monkeypatch) as plain:
         want = _run(plain, [prompt], 8)
     with _load(folders["qwen3"], True, monkeypatch, compile_=True) as engine:
-        model = engine.diagnostics().runner.model
-        assert model.native is not None and model.compiled is not None, engine.info.warnings
+        paths = engine.diagnostics().runner.paths
+        assert paths.native is not None and paths.compiled is not None, engine.info.warnings
         assert any("compiled by torch.compile" in n for n in engine.info.notes)
         (tokens, logprobs), ((want_tokens, want_logprobs),) = _run(engine, [prompt], 8)[0], want
         assert tokens == want_tokens
@@ -166,17 +167,17 @@ def test_no_compile_by_default_where_the_step_is_native(folders, monkeypatch):
     """torch.compile would serve only prefills there (docs/benchmarks/torch-cpu.md): by default the load compiles
     nothing; compiled graphs stay the default where the step cannot be native, and ROOFLINE_TORCH_COMPILE=0 still
     rules."""
-    from mlx_engine.backends.torch.runner import COMPILE_ENV, default_compile
+    from mlx_engine.backends.torch.runner import default_compile
+    from mlx_engine.backends.torch.switches import COMPILE
 
-    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    monkeypatch.delenv(COMPILE.name, raising=False)
     assert [default_compile(packed, native) for packed, native in ((True, True), (True, False), (False, False))] \
         == [False, True, False]
-    monkeypatch.setattr(native_step, "wanted", lambda: True)
     with Engine.load(str(folders["llama"]), backend="torch", device="cpu") as engine:
-        model = engine.diagnostics().runner.model
-        assert model.native is not None and model.compiled is None
+        paths = engine.diagnostics().runner.paths
+        assert paths.native is not None and paths.compiled is None
         assert not any("torch.compile" in n for n in (*engine.info.notes, *engine.info.warnings))
-    monkeypatch.setenv(COMPILE_ENV, "0")
+    monkeypatch.setenv(COMPILE.name, "0")
     assert not default_compile(True, False)
 
 
@@ -190,7 +191,7 @@ def test_nothing_compiled_imports_no_compiler(folders):
     code = ("import sys\n"
             "from mlx_engine import Engine, GenerationRequest, SamplingParams\n"
             f"with Engine.load({str(folders['llama'])!r}, backend='torch', device='cpu') as e:\n"
-            "    assert e.diagnostics().runner.model.native is not None\n"
+            "    assert e.diagnostics().runner.paths.native is not None\n"
             "    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)\n"
             "    out = list(e.generate(GenerationRequest(prompt_token_ids=[3, 17, 42] * 20, sampling=p)))\n"
             "    assert out[-1].usage.completion_tokens == 4, out[-1]\n"
@@ -257,9 +258,8 @@ def test_one_layer_against_the_python_halves(folders, family, dtype, n, s, monke
 def test_models_it_cannot_take_run_as_before(folders, monkeypatch):
     """torch's own int4 kernel's weights (the kernel library turned off) are not the op's: no native step, no note
     (the load's warning is the library's)."""
-    monkeypatch.setenv(cpu_native.ENV, "0")
-    with _load(folders["llama"], True, monkeypatch) as engine:
-        assert engine.diagnostics().runner.model.native is None
+    with _load(folders["llama"], True, monkeypatch, cpu_kernel=False) as engine:
+        assert engine.diagnostics().runner.paths.native is None
         assert native_step.NOTE not in engine.info.notes
 
 
@@ -281,7 +281,7 @@ def test_a_model_the_step_cannot_take_says_why(folders, monkeypatch):
     why = "head_dim 12 is not a multiple of 8"
     monkeypatch.setattr(native_step.NativeStep, "layout", classmethod(lambda cls, m: why))
     with _load(folders["llama"], True, monkeypatch) as engine:
-        assert engine.diagnostics().runner.model.native is None and native_step.NOTE not in engine.info.notes
+        assert engine.diagnostics().runner.paths.native is None and native_step.NOTE not in engine.info.notes
         said = [w for w in engine.info.warnings if "Python layers" in w]
         assert said == ["decode steps run as Python layers around the kernel, not in one call of it (head_dim 12 "
                         "is not a multiple of 8): slower decode (docs/benchmarks.md, issue 27)"], engine.info.warnings
@@ -289,8 +289,8 @@ def test_a_model_the_step_cannot_take_says_why(folders, monkeypatch):
 
 def test_the_op_refuses_what_it_cannot_read(folders, monkeypatch):
     with _load(folders["llama"], True, monkeypatch) as engine:
-        model = engine.diagnostics().runner.model
-        step, a = model.native, model.args
+        runner = engine.diagnostics().runner
+        step, a = runner.paths.native, runner.model.args
         h = torch.zeros(1, a.hidden_size)
         cos = sin = torch.zeros(1, a.head_dim // 2)
         rows = _rows(1, 4, 16, a.num_key_value_heads, a.head_dim, 0)

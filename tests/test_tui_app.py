@@ -516,13 +516,13 @@ async def test_help_lists_every_binding_and_the_palette_has_every_action(tmp_pat
         assert isinstance(app.screen, HelpScreen)
         text = screen_text(app)
         for key in ("f1", "ctrl+n", "ctrl+l", "ctrl+s", "ctrl+t", "ctrl+b", "ctrl+o", "f4", "escape", "ctrl+r", "f3",
-                    "f2", "enter", "ctrl+j", "ctrl+p", "ctrl+q", "f5", "f8"):
+                    "f2", "enter", "ctrl+j", "ctrl+p", "ctrl+q", "f5", "f6", "f8", "f9"):
             assert key in text, key
         await pilot.press("escape")
         titles = {c.title for c in app.get_system_commands(app.chat_screen)}
         assert {"New chat", "Pick model", "Chat settings", "Token inspector", "Regenerate reply", "Stop reply",
                 "Copy last reply", "Rename chat", "Delete chat", "Toggle sidebar", "Go to the chat list",
-                "Toggle dark/light", "Help"} <= titles
+                "MCP servers", "Reload MCP config", "Toggle dark/light", "Help"} <= titles
 
 
 async def test_theme_toggle_persists_and_80x24_is_usable(tmp_path) -> None:

@@ -137,3 +137,26 @@ def test_light_theme(snap_compare, tmp_path, theme) -> None:
         await settle(pilot)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+THOUGHT = ("The user asks why decode is slow. Each token reads every weight once, so tokens/s is at most the memory "
+           "bandwidth over the model's bytes.\n\nA 94 MiB model at 100 GB/s: about 1,000 tok/s at best.")
+
+
+@pytest.mark.parametrize("expanded", [False, True], ids=["collapsed", "expanded"])
+def test_reply_with_a_thought(snap_compare, tmp_path, expanded) -> None:
+    app, _ = make_app(tmp_path, script=[FakeReply("Decode is **memory bound**: it reads every weight per token.",
+                                                  thought=THOUGHT)], reasoning="think")
+
+    async def run_before(pilot) -> None:
+        await ready(pilot)
+        await send(pilot, "Why is decode slow?")
+        await wait_for(pilot, lambda: app.chat_screen.gen is None and len(app.chat_screen.query("MessageView")) == 2)
+        if expanded:
+            await pilot.press("f5")
+        thought = app.chat_screen.query("MessageView").last().thought
+        thought.seconds = 2.4  # the fake's thinking time varies between runs
+        thought.query_one(".thought-header").update(thought.header())
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

@@ -6,7 +6,13 @@ engine error (`error_after`), or mark tokens as drafted (`drafted`, with specula
 refuses speculative="draft" unless made with `draft_model=True`. `FakeReply.call` / `FakeReply.answer` are a
 reply in the JSON tool-call format (a tool call, or text). It keeps a pretend prefix cache of 16-token
 blocks (the conversations it has generated or restored), reports hits in `usage.cached_prompt_tokens`, and
-saves and restores it as JSON files (`kv_calls` records each call).
+saves and restores it as JSON files (`kv_calls` records each call). Its tokenizer is tests/tui_fake_tokenizer.py's.
+
+A FakeEngine made with `reasoning="think"` (`FakeBackend(reasoning=...)`) is a reasoning model: a reply's `thought`
+streams first as `GenerationEvent.reasoning` (a token a piece), then a closer token with no text, then the answer, and
+`usage.reasoning_tokens` counts the thought and the closer, as the engine counts its tags. A request whose
+`reasoning_effort` is "none" or "minimal" (or whose template variables set enable_thinking false) gets the answer
+alone. A model without reasoning never thinks, whatever its script says.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,69 +38,13 @@ from mlx_engine.api import (
     Usage,
 )
 from mlx_engine.catalog import ModelSummary
+from mlx_engine.reasoning import EFFORTS_OFF
 
 from app.tui.backend import EngineBackend
 from mlx_engine.roofline import Bandwidth
+from tests.tui_fake_tokenizer import FakeTokenizer, NoFakeTokenizer
 
 FAKE_KV_FORMAT = "fake-kv-1"
-_PIECE = re.compile(r" ?[A-Za-z0-9]+| ?[^\sA-Za-z0-9]|\s+")
-
-
-class FakeTokenizer:
-    """Words (with their leading space) and single other characters as tokens; ids handed out on first sight.
-    `non_ascii_split` > 1 splits non-ASCII characters into their UTF-8 bytes, as a byte-level BPE does
-    for a script it has few merges for."""
-
-    def __init__(self, name: str = "fake", non_ascii_split: int = 1):
-        self.name = name
-        self.non_ascii_split = non_ascii_split
-        self._ids: dict[str, int] = {"<s>": 0, "</s>": 1}
-        self._pieces: list[str] = ["<s>", "</s>"]
-        self._lock = threading.Lock()
-
-    def _id(self, piece: str) -> int:
-        with self._lock:
-            if piece not in self._ids:
-                self._ids[piece] = len(self._pieces)
-                self._pieces.append(piece)
-            return self._ids[piece]
-
-    def pieces(self, text: str) -> list[str]:
-        out: list[str] = []
-        for p in _PIECE.findall(text):
-            if self.non_ascii_split > 1 and not p.isascii():
-                for ch in p:  # like a byte-level BPE without merges for this script: one piece per UTF-8 byte
-                    out.extend([ch] if ch.isascii() else [f"<0x{b:02X}>" for b in ch.encode()])
-            else:
-                out.append(p)
-        return out
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = [self._id(p) for p in self.pieces(text)]
-        return ([0] if add_special_tokens else []) + ids
-
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return "".join(self._pieces[i] for i in ids if not (skip_special_tokens and i < 2))
-
-    def id_to_piece(self, token_id: int) -> str:
-        if not 0 <= token_id < len(self._pieces):
-            raise RequestError(f"token id {token_id} is out of range (vocabulary size {len(self._pieces)})")
-        return self._pieces[token_id]
-
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-        if add_generation_prompt:
-            text += "<|assistant|>\n"
-        return [0] + self.encode(text, add_special_tokens=False)
-
-
-class NoFakeTokenizer(FakeTokenizer):
-    """A model without tokenizer files: text is refused as the engine refuses it."""
-
-    def _refuse(self, *args, **kwargs) -> list[int]:
-        raise RequestError(f"{self.name} has no tokenizer (tokenizer.json): send prompt_token_ids instead of text")
-
-    encode = encode_chat = _refuse
 
 
 @dataclass
@@ -109,6 +58,16 @@ class FakeReply:
     drafted: tuple[bool, ...] = ()
     acceptance_rate: float | None = None
     mean_accepted_tokens: float | None = None
+    thought: str = ""  # a reasoning model's thinking before `text` (hold_after, error_after and drafted count it)
+
+
+FAKE_CLOSER = "</think>"  # the token that ends a thought: the engine gives it no text
+
+
+def thinks(request: GenerationRequest) -> bool:
+    """Whether a reasoning model thinks for `request` (mlx_engine.reasoning.template_kwargs' rule for "think")."""
+    variables = request.chat_template_kwargs or {}
+    return request.reasoning_effort not in EFFORTS_OFF and variables.get("enable_thinking") is not False
 
     # A model offered tools in the JSON format (templates without tool markup) answers one JSON object
     @classmethod
@@ -148,11 +107,11 @@ class FakeStream:
 FAKE_DRAFT_NAME = "FakeDraft-100K (test)"
 
 
-def fake_info(name: str = "FakeLM-1M (test)", context_length: int = 2048) -> ModelInfo:
+def fake_info(name: str = "FakeLM-1M (test)", context_length: int = 2048, reasoning: str | None = None) -> ModelInfo:
     return ModelInfo(name=name, path="/fake/" + name, model_type="llama", source_format="gguf",
                      num_parameters=1_000_000, quantization="Q4_1", context_length=context_length,
                      weight_bytes=50 * 2**20, vocab_size=49152, native=True, dtype="float32",
-                     eos_token_ids=(1,))
+                     eos_token_ids=(1,), reasoning=reasoning)
 
 
 class FakeEngine:
@@ -189,6 +148,9 @@ class FakeEngine:
             raise RequestError(f"prompt is {len(prompt_ids)} tokens, longer than the context ({self.info.context_length})")
         if request.sampling.speculative == "draft" and not self.draft_model:
             raise RequestError(NO_DRAFT_MODEL)
+        if request.sampling.reasoning_budget is not None and self.info.reasoning is None:
+            raise RequestError(f"invalid sampling parameter reasoning_budget={request.sampling.reasoning_budget}: "
+                               f"{self.info.name} does not reason")
         self.requests.append(request)
         reply = self.script[min(self._next, len(self.script) - 1)]
         self._next += 1
@@ -202,7 +164,10 @@ class FakeEngine:
              stream: FakeStream) -> None:
         num_prompt = len(prompt_ids)
         fed = list(prompt_ids)
-        pieces = self.tokenizer.pieces(reply.text)
+        thought = self.tokenizer.pieces(reply.thought) if self.info.reasoning and thinks(request) else []
+        if thought:
+            thought.append(FAKE_CLOSER)
+        pieces = thought + self.tokenizer.pieces(reply.text)
         max_tokens = request.sampling.max_tokens
         start = time.perf_counter()
         if self.ttft_s:
@@ -238,7 +203,12 @@ class FakeEngine:
             fed.append(token)
             from_draft = i < len(drafted) and drafted[i]
             num_drafted += from_draft
-            stream.events.put(GenerationEvent(text=piece, token_ids=(token,), from_draft=(from_draft,)))
+            if i < len(thought):
+                text = "" if piece == FAKE_CLOSER else piece
+                event = GenerationEvent(reasoning=text, token_ids=(token,), from_draft=(from_draft,))
+            else:
+                event = GenerationEvent(text=piece, token_ids=(token,), from_draft=(from_draft,))
+            stream.events.put(event)
             n += 1
             if first is None:
                 first = time.perf_counter()
@@ -252,8 +222,8 @@ class FakeEngine:
                       mean_accepted_tokens=reply.mean_accepted_tokens if drafted else None)
         if self.paged and finish != "error":
             self.cached.append(fed)
-        stream.events.put(GenerationEvent(finish_reason=finish, usage=Usage(num_prompt, n, num_cached), stats=stats,
-                                          error=error))
+        usage = Usage(num_prompt, n, num_cached, reasoning_tokens=min(n, len(thought)))
+        stream.events.put(GenerationEvent(finish_reason=finish, usage=usage, stats=stats, error=error))
 
     # ---- the pretend prefix cache and its files ----------------------------------------------------------
 
@@ -323,8 +293,9 @@ class FakeBackend(EngineBackend):
                  load_delay_s: float = 0.0, models: list[ModelSummary] | None = None, fail: dict[str, str] | None = None,
                  bandwidth: Bandwidth | None = None, ttft_s: float = 0.0, paged: bool = True, block_size: int = 16,
                  draft_model: bool = False, no_tokenizer: tuple[str, ...] = (), pull_bytes: int = 40 * 2**20,
-                 pull_hold_at: float | None = None):
+                 pull_hold_at: float | None = None, reasoning: str | None = None):
         self.script = script
+        self.reasoning = reasoning  # ModelInfo.reasoning of every model it loads
         self.no_tokenizer = no_tokenizer  # refs whose model comes without tokenizer files (token ids only)
         # pulls: `pull_bytes` in 20 chunks; with `pull_hold_at` (a fraction) the pull waits there until
         # `release_pull()` or a cancel; `pulls` records each pull's ref and how it ended
@@ -364,7 +335,7 @@ class FakeBackend(EngineBackend):
             if not Path(key).exists():
                 raise ModelLoadError(f"{key}: no such file or folder, and not a model in the Hugging Face cache")
             name = Path(key).name
-        info = fake_info(name)
+        info = fake_info(name, reasoning=self.reasoning)
         tokenizer = self.load_tokenizer(ref)
         if key in self.no_tokenizer:
             info, tokenizer = dataclasses.replace(info, has_tokenizer=False), NoFakeTokenizer(name)

@@ -4,7 +4,7 @@ that serves them, on the same engine path as chat completions.
 As the Responses API does, a Messages body is translated to a chat-completions body and validated by `parse_job`, so
 chat's rules, defaults, tool grammar and batching hold; errors name the Messages field. `system` becomes a system
 message; a turn's content blocks become chat messages: text blocks the turn's text, `tool_use` blocks the assistant's
-tool calls (the JSON the model answers with, `tools.calls_as_text`), `tool_result` blocks tool messages (the chat
+tool calls (in the model's tool-call format, as chat's: `tool_formats.py`), `tool_result` blocks tool messages (the chat
 template renders them). `thinking` and `redacted_thinking` blocks are dropped: chat templates show earlier turns
 without their reasoning. `tools` (`input_schema`) and `tool_choice` become chat tools, so a call is held to its
 schema by the same grammar (tools.py). `thinking` maps onto the engine's reasoning contract: a budget is
@@ -22,6 +22,7 @@ from typing import Any
 
 from app.server.errors import APIError, invalid
 from app.server.protocol import Job, _kind, _text, content_parts, parse_job
+from app.toolcalls.tool_formats import JSON, ToolFormat
 
 ROLES = ("user", "assistant")
 THINKING_TYPES = ("enabled", "disabled", "adaptive")
@@ -253,10 +254,11 @@ def _thinking(body: dict[str, Any], job: Job, reasoning: str | None, max_tokens:
 
 
 def parse_messages(body: dict[str, Any], model_names: set[str], served_id: str, context_length: int,
-                   vocab_size: int, reasoning: str | None, count_only: bool = False) -> Job:
+                   vocab_size: int, reasoning: str | None, tool_format: ToolFormat = JSON, count_only: bool = False
+                   ) -> Job:
     """A Messages body -> the chat Job that serves it (`count_only`: a count_tokens body, without max_tokens).
-    `reasoning` is the model's reasoning family (`ModelInfo.reasoning`). Raises APIError naming the Messages
-    field."""
+    `reasoning` is the model's reasoning family (`ModelInfo.reasoning`); tools and earlier calls take the model's
+    `tool_format`. Raises APIError naming the Messages field."""
     turns = _Turns()
     if body.get("system") is not None:
         turns.system(body["system"])
@@ -287,7 +289,7 @@ def parse_messages(body: dict[str, Any], model_names: set[str], served_id: str, 
     if metadata is not None and not isinstance(metadata, dict):
         raise invalid(f"'metadata' must be an object, got {_kind(metadata)}", "metadata")
     try:
-        job = parse_job(chat, "chat", model_names, served_id, context_length, vocab_size)
+        job = parse_job(chat, "chat", model_names, served_id, context_length, vocab_size, tool_format)
     except APIError as e:
         old, e.param = e.param, _param(e.param, turns.origin)
         if old and e.param:

@@ -4,8 +4,8 @@ order, and the model list in Anthropic's shape.
 A stream: `message_start` (the message, no content yet), then each content block as `content_block_start`, its
 deltas and `content_block_stop` (a `ping` after the first start), then `message_delta` (stop reason, usage) and
 `message_stop`. Blocks: `thinking` (the engine's `reasoning` text, as `thinking_delta`s, closed by a
-`signature_delta`), `text` (`text_delta`s; under tools the plain reply's text once its JSON shows it,
-`tools.ReplyStream`), `tool_use` (whole once its JSON is complete: one `input_json_delta`). A failure after the
+`signature_delta`), `text` (`text_delta`s; under tools the text as the model's tool-call format shows it:
+`tool_formats.ToolStream`), `tool_use` (whole once its JSON is complete: one `input_json_delta`). A failure after the
 stream began is an `error` event, which ends it.
 """
 
@@ -18,10 +18,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from mlx_engine.api import GenerationEvent, Usage
+from mlx_engine.api import GenerationEvent, ToolCall, Usage
 
-from app.toolcalls import tools
 from app.server.bridge import Generation
+from app.server.harmony_tools import tool_reply
 from app.server.protocol import Job
 from app.server.responses import Choice
 
@@ -72,20 +72,32 @@ class MessagesFormatter:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": usage_dict(usage)}
 
-    def reply(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """A finished reply's text and its tool_use blocks (a tool-calling reply is parsed from its JSON)."""
+    def reply(self, text: str, engine_calls: tuple[ToolCall, ...] = ()) -> tuple[str, list[dict[str, Any]]]:
+        """A finished reply's text and its tool_use blocks (a tool-calling reply is read in the model's tool-call
+        format, or its calls by the engine: `engine_calls`). A call whose arguments are not a JSON object (the model
+        wrote them without a grammar) stays text, as written."""
         if self.job.tools is None:
             return text, []
-        content, calls = tools.reply(text)
-        return content or "", [{"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24],
-                                "name": c["function"]["name"], "input": json.loads(c["function"]["arguments"])}
-                               for c in calls or ()]
+        content, calls = tool_reply(self.job.tool_format, text, engine_calls)
+        texts, uses = [content] if content else [], []
+        for c in calls or ():
+            fn = c["function"]
+            try:
+                arguments = json.loads(fn["arguments"])
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                texts.append(f"{fn['name']}({fn['arguments']})")
+                continue
+            uses.append({"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": fn["name"],
+                         "input": arguments})
+        return "\n".join(texts), uses
 
     def response(self, choices: list[Choice], usage: Usage, accepted_draft_tokens: int | None = None
                  ) -> dict[str, Any]:
         """The whole body (what `Server._collect` returns for a request that does not stream)."""
         c = choices[0]
-        text, uses = self.reply(c.text)
+        text, uses = self.reply(c.text, c.tool_calls)
         content: list[dict[str, Any]] = []
         if c.reasoning:
             content.append({"type": "thinking", "thinking": c.reasoning, "signature": signature(c.reasoning)})
@@ -158,8 +170,9 @@ async def message_events(fmt: MessagesFormatter, gen: Generation, on_event: Call
     token). Thinking and text stream as they come; tool calls arrive whole once their JSON is complete."""
     yield fmt.event("message_start", message=fmt.shell(Usage(gen.prompt_tokens, 0)))
     blocks = _Blocks(fmt)
-    held = tools.ReplyStream() if fmt.job.tools is not None else None
+    held = fmt.job.tool_format.stream() if fmt.job.tools is not None else None
     parts: list[str] = []
+    sent = ""  # the text that went out
     final: GenerationEvent | None = None
     async for event in gen.events():
         on_event(event)
@@ -168,7 +181,8 @@ async def message_events(fmt: MessagesFormatter, gen: Generation, on_event: Call
                 yield b
         if event.text:
             parts.append(event.text)
-            delta = event.text if held is None else held.feed(event.text)
+            delta = event.text if held is None else "".join(d.content or "" for d in held.feed(event.text))
+            sent += delta
             if delta:
                 for b in blocks.delta("text", delta):
                     yield b
@@ -180,10 +194,10 @@ async def message_events(fmt: MessagesFormatter, gen: Generation, on_event: Call
         message = f"the generation failed: {final.error}" if reason == "error" else cancelled_message()
         yield fmt.event("error", error={"type": kind, "message": message})
         return
-    text, uses = fmt.reply("".join(parts))
+    text, uses = fmt.reply("".join(parts), final.tool_calls)
     out: list[bytes] = []
-    if held is not None and held.mode not in ("text", "done") and text:  # not streamed: a cut or odd reply
-        out += blocks.delta("text", text)
+    if text.startswith(sent) and text != sent:  # what the format held back (a cut reply), or a call kept as text
+        out += blocks.delta("text", text[len(sent):])
     out += blocks.close()
     for block in uses:
         out += blocks.tool_use(block)

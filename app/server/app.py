@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from mlx_engine.reasoning import template_kwargs
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
@@ -46,9 +47,10 @@ from app.server.metrics import KVStatsReader, Metrics
 from app.server.protocol import Endpoint, Job, model_slug, parse_body, parse_detokenize, parse_job, parse_tokenize
 from app.server.responses import DONE, Choice, Echo, Formatter, error_chunk, sse, token_bytes_fn, token_str
 from app.server.responses_api import ResponsesFormatter, parse_responses, response_events
-from app.toolcalls.tool_formats import detect
+from app.server.harmony_tools import call_deltas, tool_format_for
 
 MAX_BODY_BYTES = 4 * 2**20
+log = logging.getLogger("uvicorn.error")  # where uvicorn logs, so `serve --log-level` governs it
 _PARAM_NAMES = {"logprobs": "top_logprobs"}  # SamplingParams field -> request field, where they differ
 
 
@@ -58,6 +60,9 @@ class ServerConfig:
     max_concurrency: int | None = 16  # requests running at once; None: no limit
     max_queue: int = 64  # requests waiting for a slot before new ones get 429
     max_body_bytes: int = MAX_BODY_BYTES
+    # from the head's arrival to the whole body: a client that trickles its body (or stops sending it) holds a
+    # request slot until then, and gets a 408
+    body_timeout_s: float = 30.0
     metrics_wait_s: float = 0.25  # how long /metrics waits for fresh KV figures from a busy engine
     # A request without max_tokens may generate up to the rest of the context (OpenAI's rule), but no more
     # than this: the engine reserves KV for prompt + max_tokens at admission, so whole-context defaults
@@ -93,11 +98,14 @@ class Server:
         self.metrics = Metrics()
         self.kv = KVStatsReader(engine.kv_stats)
         self.token_bytes = token_bytes_fn(engine.tokenizer)
-        # how this model calls tools, from its chat template's text (a tokenizer without a template: the JSON format)
-        self.tool_format = detect(getattr(engine.tokenizer, "chat_template", None),
-                                  lambda text: engine.tokenizer.encode(text, add_special_tokens=False))
+        # how this model calls tools: harmony's, or from its chat template's text (no template: the JSON format)
+        self.tool_format = tool_format_for(info.reasoning, getattr(engine.tokenizer, "chat_template", None),
+                                           lambda text: engine.tokenizer.encode(text, add_special_tokens=False))
         self.generations: set[Generation] = set()
         self.drain = Drain()
+
+    async def _body(self, request: Request) -> bytes:
+        return await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)
 
     # ---- routes ----------------------------------------------------------------------------------------
 
@@ -136,7 +144,7 @@ class Server:
     # ---- the tokenizer (vLLM's routes: lm-evaluation-harness tokenizes through them, with no download) -----
 
     async def tokenize(self, request: Request) -> Response:
-        job = parse_tokenize(parse_body(await read_body(request, self.config.max_body_bytes)), self.model_names,
+        job = parse_tokenize(parse_body(await self._body(request)), self.model_names,
                              self.model_id, self.tool_format)
         tok = self.engine.tokenizer
 
@@ -155,7 +163,7 @@ class Server:
         return JSONResponse(out)
 
     async def detokenize(self, request: Request) -> Response:
-        ids = parse_detokenize(parse_body(await read_body(request, self.config.max_body_bytes)), self.model_names,
+        ids = parse_detokenize(parse_body(await self._body(request)), self.model_names,
                                self.model_id, self.info.vocab_size)
         return JSONResponse({"prompt": await run_in_threadpool(self.engine.tokenizer.decode, ids)})
 
@@ -182,9 +190,9 @@ class Server:
 
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's `/v1/messages/count_tokens`: the rendered prompt's tokens, tools included."""
-        job = parse_messages(parse_body(await read_body(request, self.config.max_body_bytes)), self.model_names,
+        job = parse_messages(parse_body(await self._body(request)), self.model_names,
                              self.model_id, self.info.context_length, self.info.vocab_size, self.info.reasoning,
-                             count_only=True)
+                             self.tool_format, count_only=True)
         try:
             ids = await run_in_threadpool(self._encode_chat, job)
         except RequestError as e:
@@ -195,7 +203,7 @@ class Server:
 
     async def _complete(self, request: Request, endpoint: Endpoint | Literal["responses", "messages"]) -> Response:
         t0 = time.perf_counter()
-        body = parse_body(await read_body(request, self.config.max_body_bytes))
+        body = parse_body(await self._body(request))
         fmt: Formatter | ResponsesFormatter | MessagesFormatter
         if endpoint == "responses":
             job = parse_responses(body, self.model_names, self.model_id, self.info.context_length,
@@ -203,7 +211,7 @@ class Server:
             fmt = ResponsesFormatter(job, self.model_id, body)
         elif endpoint == "messages":
             job = parse_messages(body, self.model_names, self.model_id, self.info.context_length,
-                                 self.info.vocab_size, self.info.reasoning)
+                                 self.info.vocab_size, self.info.reasoning, self.tool_format)
             fmt = MessagesFormatter(job, self.model_id)
         else:
             job = parse_job(body, endpoint, self.model_names, self.model_id, self.info.context_length,
@@ -296,6 +304,9 @@ class Server:
         """One prompt's n engine requests, checked against the context (`what` names the prompt in errors). With a
         seed, reply j samples with seed + j."""
         ctx, n = self.info.context_length, len(ids)
+        if n == 0:  # "" on a model whose tokenizer adds no BOS: nothing to continue from
+            raise invalid(f"'{what}' is empty: it gives no tokens, and this model adds none before a prompt; send some "
+                          "text", what)
         if n >= ctx:
             verb = "are" if what == "messages" else "is"
             raise invalid(f"This model's maximum context length is {ctx} tokens, but the {what} {verb} {n} "
@@ -360,7 +371,7 @@ class Server:
                 for other in gens:  # the request fails as a whole: its other prompts stop
                     other.cancel()
             return Choice("".join(texts), tuple(lps), final.finish_reason, tuple(prompt_lps), "".join(thoughts),
-                          final.stop_string), final
+                          final.stop_string, final.tool_calls), final
 
         results = await asyncio.gather(*(one(g) for g in gens))
         finals = [final for _, final in results]
@@ -416,10 +427,10 @@ class Server:
                     for gen in gens:
                         gen.cancel()
                     break
-                if readers:
-                    for delta in readers[i].finish():
+                if readers:  # what the reader held, then the calls the engine read in the model's own format
+                    for delta in [*readers[i].finish(), *call_deltas(event.tool_calls)]:
                         yield sse(fmt.tool_delta_chunk(delta, i))
-                    reason = "tool_calls" if readers[i].called else reason
+                    reason = "tool_calls" if readers[i].called or event.tool_calls else reason
                 yield sse(fmt.finish_chunk(reason, i))
             else:
                 if fmt.job.include_usage:
@@ -488,9 +499,25 @@ def total_usage(finals: list[GenerationEvent], n: int) -> Usage:
                  reasoning_tokens=total(finals, "reasoning_tokens"))
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or 413 past `limit` bytes. An oversized body is read on (and dropped) up to 4x the limit so
-    the client gets the 413 instead of a broken pipe."""
+async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    """The body, or 413 past `limit` bytes (an oversized body is read on, and dropped, up to 4x the limit so the
+    client gets the 413 instead of a broken pipe), or 408 when it has not all come within `timeout_s`. A client that
+    hangs up before its body is whole is one line in the log, not a traceback."""
+    try:
+        with anyio.fail_after(timeout_s):
+            return await _read_body(request, limit)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive whole within {timeout_s:g} s", None,
+                       "request_timeout", headers={"connection": "close"}) from None
+    except ClientDisconnect:
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.info("%s closed the connection before its %s %s body arrived whole", client, request.method,
+                 request.url.path)
+        raise APIError(400, "the client closed the connection before the request body arrived whole", None,
+                       "client_closed") from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     too_big = None
     if declared is not None:

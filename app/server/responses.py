@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from mlx_engine.api import TokenLogprob, Usage
+from mlx_engine.api import TokenLogprob, ToolCall, Usage
 
+from app.server.harmony_tools import tool_reply
 from app.server.protocol import Job
 from app.toolcalls.tool_formats import Delta
 
@@ -87,6 +88,7 @@ class Choice:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with `echo` and logprobs: the prompt's, from the engine
     reasoning: str = ""  # a reasoning model's thinking (GenerationEvent.reasoning), apart from `text`
     stop_string: str | None = None  # the stop string that ended it (GenerationEvent.stop_string)
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls the engine read in the model's own format (harmony's)
 
 
 class Formatter:
@@ -234,7 +236,7 @@ class Formatter:
                     message["reasoning_content"] = message["reasoning"] = c.reasoning or None
                 reason = c.finish_reason
                 if self.job.tools is not None:
-                    message["content"], calls = self.job.tool_format.parse(c.text)
+                    message["content"], calls = tool_reply(self.job.tool_format, c.text, c.tool_calls)
                     if calls:
                         message["tool_calls"], reason = calls, "tool_calls"
                 obj["choices"].append({"index": i, "message": message, "logprobs": self._logprobs(c.logprobs),

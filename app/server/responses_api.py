@@ -22,9 +22,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from mlx_engine.api import GenerationEvent, Usage
+from mlx_engine.api import GenerationEvent, ToolCall, Usage
 
 from app.server.errors import APIError, invalid
+from app.server.harmony_tools import tool_reply
 from app.server.protocol import Job, content_parts, parse_job
 from app.toolcalls.tool_formats import JSON, ToolFormat
 
@@ -218,11 +219,11 @@ class ResponsesFormatter:
         return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
                 "name": fn["name"], "arguments": fn["arguments"], "status": "completed"}
 
-    def output(self, text: str, finish_reason: str) -> list[dict[str, Any]]:
+    def output(self, text: str, finish_reason: str, engine_calls: tuple[ToolCall, ...] = ()) -> list[dict[str, Any]]:
         """The output items of a finished reply: a message, or a tool-calling one's calls (after its text, where it
-        wrote some first), parsed in the model's tool-call format."""
+        wrote some first), parsed in the model's tool-call format (or read by the engine: `engine_calls`)."""
         if self.job.tools is not None:
-            content, calls = self.job.tool_format.parse(text)
+            content, calls = tool_reply(self.job.tool_format, text, engine_calls)
             if calls:
                 return ([self.message_item(content)] if content else []) + [self.call_item(c) for c in calls]
             text = content or ""
@@ -243,7 +244,7 @@ class ResponsesFormatter:
         """The whole body (what `Server._collect` returns for a request that does not stream)."""
         c = choices[0]
         thought = [self.reasoning_item(c.reasoning)] if c.reasoning else []
-        return self.finished(thought + self.output(c.text, c.finish_reason), c.finish_reason, usage)
+        return self.finished(thought + self.output(c.text, c.finish_reason, c.tool_calls), c.finish_reason, usage)
 
     # ---- events -------------------------------------------------------------------------------------------
 
@@ -367,7 +368,7 @@ async def response_events(events: AsyncIterator[GenerationEvent], fmt: Responses
             for b in fmt.open_message(item):
                 yield b
         yield fmt.text_delta(item["id"], delta)
-    output = fmt.output("".join(parts), reason)
+    output = fmt.output("".join(parts), reason, final.tool_calls)
     said = next((o for o in output if o["type"] == "message"), None)
     calls = [o for o in output if o["type"] == "function_call"]
     if item is not None:  # its text streamed: the same item, with the reply's text as parsed

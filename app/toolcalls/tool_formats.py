@@ -63,8 +63,8 @@ class ToolFormat(Protocol):
         """The conversation offering `tools`, and the chat template's extra variables."""
         ...
 
-    def grammar(self, tools: Tools) -> ResponseFormat:
-        """What the reply is held to."""
+    def grammar(self, tools: Tools) -> ResponseFormat | None:
+        """What the reply is held to (None: nothing; the model writes its own format)."""
         ...
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:

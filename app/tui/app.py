@@ -21,7 +21,7 @@ from app.tui.chat_screen import ChatScreen
 from mlx_engine.roofline import Bandwidth
 from app.tui.mcp.config import ConfigError, config_path, load_config
 from app.tui.mcp.hub import MCPHub
-from app.tui.reply import no_tokenizer_notice
+from app.tui.reply import no_tokenizer_notice, reasoning_figures
 from app.tui.screens.help import HelpScreen
 from app.tui.screens.inspector import TokenInspector
 from app.tui.screens.mcp import MCPScreen, status_line
@@ -57,7 +57,7 @@ class RooflineApp(App):
         Binding("ctrl+o", "focus_chats", "Open chat", show=False,
                 tooltip="Move to the chat list (showing it if hidden): arrows pick a chat, Enter opens it"),
         Binding("f4", "toggle_theme", "Dark/light", show=False, tooltip="Switch between dark and light themes"),
-        Binding("f5", "mcp", "MCP", show=False, tooltip="MCP servers: their state and tools; r there reloads mcp.json"),
+        Binding("f6", "mcp", "MCP", show=False, tooltip="MCP servers: their state and tools; r there reloads mcp.json"),
     ]
 
     def __init__(self, backend: Any = None, model: str | None = None, home: Path | str | None = None,
@@ -104,7 +104,8 @@ class RooflineApp(App):
         gen = self.chat_screen.gen
         if gen is not None:  # keep what was shown: the partial reply, marked stopped
             gen.cancel()
-            self.store.update_message(gen.message_id, gen.view.content, "stopped")
+            self.store.update_message(gen.message_id, gen.view.content, "stopped", reasoning_figures(gen),
+                                      reasoning=gen.view.reasoning)
         self.chat_screen.stop_tools()  # a call waiting or running is saved as stopped
         self.chat_kv.flush(timeout=5.0)  # a reply's KV still being written
         self.store.close()
@@ -342,12 +343,18 @@ class RooflineApp(App):
         yield SystemCommand("Regenerate reply", "Replace the last reply with a new one (ctrl+r)", cs.action_regenerate)
         yield SystemCommand("Stop reply", "Stop the streaming reply, keeping its text (Esc)", cs.action_stop)
         yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard (F3)", cs.action_copy_last)
+        if cs.replies_with_thoughts():
+            yield SystemCommand("Show or hide thinking", "Expand or collapse the reasoning of the focused reply, else "
+                                "the last one (F5)", cs.action_toggle_thought)
+        if cs.model_reasons():
+            yield SystemCommand("Thinking effort", "Step this chat's thinking effort: default, off, low, medium, "
+                                "high (F9)", cs.action_cycle_effort)
         yield SystemCommand("Rename chat", "Rename this chat (F2)", self.action_rename_chat)
         yield SystemCommand("Delete chat", "Delete this chat after confirming", self.action_delete_chat)
         yield SystemCommand("Toggle sidebar", "Show or hide the chat list (ctrl+b)", self.action_toggle_sidebar)
         yield SystemCommand("Go to the chat list", "Pick a chat with the arrows, Enter opens it (ctrl+o)",
                             self.action_focus_chats)
-        yield SystemCommand("MCP servers", "The MCP servers' state and tools (F5)", self.action_mcp)
+        yield SystemCommand("MCP servers", "The MCP servers' state and tools (F6)", self.action_mcp)
         yield SystemCommand("Reload MCP config", f"Read {self.mcp_config_path} again and restart its servers",
                             self.reload_mcp)
         yield SystemCommand("Toggle dark/light", "Switch between the dark and light theme (F4)",

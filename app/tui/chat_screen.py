@@ -1,5 +1,6 @@
 """The chat screen: sidebar of saved chats, the transcript, the input and the stats bar; sending, editing,
-regenerating. Running a reply is `ReplyRunner`'s job (reply.py)."""
+regenerating. Running a reply is `ReplyRunner`'s job (reply.py), its MCP tool calls `ToolRunner`'s (tool_runner.py); a
+reasoning model's keys are `ThinkingControls`' (thinking.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from app.tui.reply import Generation, ReplyRunner, no_tokenizer_notice
 from app.tui.screens.settings import SettingsScreen
 from app.tui.store import Chat, ChatSettings, Message
+from app.tui.thinking import ThinkingControls
 from app.tui.tool_runner import ToolRunner, chat_messages
 from app.tui.widgets.messages import MessageView
 from app.tui.widgets.prompt import PromptInput
@@ -24,12 +26,16 @@ from app.tui.widgets.tool_call import ToolCallView
 WELCOME = "Ask anything. Enter sends, ctrl+j adds a line, Esc stops a reply, F1 lists every key."
 
 
-class ChatScreen(ToolRunner, ReplyRunner, Screen):
+class ChatScreen(ToolRunner, ReplyRunner, ThinkingControls, Screen):
     BINDINGS = [
         Binding("escape", "stop", "Stop", tooltip="Stop the reply (keeps the partial text) or cancel an edit"),
         Binding("ctrl+r", "regenerate", "Regen", tooltip="Regenerate the last reply"),
         Binding("f3", "copy_last", "Copy", show=False, tooltip="Copy the last reply to the clipboard (OSC 52)"),
         Binding("f2", "rename_chat", "Rename", show=False, tooltip="Rename this chat"),
+        Binding("f5", "toggle_thought", "Thinking",
+                tooltip="Show/hide thinking: the focused reply's, else the last one's"),
+        Binding("f9", "cycle_effort", "Effort",
+                tooltip="Thinking effort of this chat: default/off/low/medium/high"),
     ]
 
     NARROW = 90  # below this width the sidebar starts hidden (ctrl+b shows it)
@@ -98,6 +104,8 @@ class ChatScreen(ToolRunner, ReplyRunner, Screen):
             prompt.placeholder = "No model loaded: ctrl+l picks one"
         if ready and self.app.screen is self:
             prompt.focus()
+        self.show_effort()
+        self.refresh_bindings()
         self.show_stats()
 
     def show_stats(self) -> None:
@@ -142,7 +150,8 @@ class ChatScreen(ToolRunner, ReplyRunner, Screen):
         if messages:
             views = [message_view(m) for m in messages]
             for view, after in zip(views, views[1:]):  # a reply that only called tools: its calls say it all
-                view.display = not (view.role == "assistant" and not view.content and isinstance(after, ToolCallView))
+                view.display = not (view.role == "assistant" and not view.content and not view.reasoning
+                                    and isinstance(after, ToolCallView))
             await transcript.mount_all(views)
         else:
             await transcript.mount(Static(WELCOME, id="welcome"))
@@ -151,6 +160,8 @@ class ChatScreen(ToolRunner, ReplyRunner, Screen):
         saved = [m.stats for m in messages if m.role == "assistant" and "completion_tokens" in m.stats]
         self.stats = LiveStats.from_saved(saved[-1]) if saved else LiveStats()
         self.show_stats()
+        self.show_effort()
+        self.refresh_bindings()
         if chat is not None and self.rapp.engine is not None:
             self.rapp.chat_kv.restore(self.rapp.engine, chat.id)
 
@@ -216,18 +227,25 @@ class ChatScreen(ToolRunner, ReplyRunner, Screen):
     def current_settings(self) -> ChatSettings:
         return self.chat.settings if self.chat else self.rapp.default_settings
 
+    def apply_settings(self, settings: ChatSettings) -> None:
+        """This chat's settings from now on (saved), or those of new chats while none is open."""
+        if self.chat is not None:
+            self.chat.settings = settings
+            self.rapp.store.save_settings(self.chat.id, settings)
+        else:
+            self.rapp.default_settings = settings
+        self.show_effort()
+
     def open_settings(self) -> None:
         def done(settings: ChatSettings | None) -> None:
             if settings is None:
                 return
-            if self.chat is not None:
-                self.chat.settings = settings
-                self.rapp.store.save_settings(self.chat.id, settings)
-            else:
-                self.rapp.default_settings = settings
+            self.apply_settings(settings)
             self.notify("Settings saved", timeout=2)
 
-        self.app.push_screen(SettingsScreen(self.current_settings(), self.chat.title if self.chat else ""), done)
+        engine = self.rapp.engine
+        self.app.push_screen(SettingsScreen(self.current_settings(), self.chat.title if self.chat else "",
+                                            reasons=engine is not None and engine.info.reasoning is not None), done)
 
     # ---- sending ------------------------------------------------------------------------------------------
 
@@ -276,6 +294,9 @@ class ChatScreen(ToolRunner, ReplyRunner, Screen):
                              self.tool_format(self.rapp.engine))
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        thinking = self.check_thinking_action(action)
+        if thinking is not None:
+            return thinking
         if action == "stop":
             return self.gen is not None or self.editing is not None or self.tool_worker is not None
         if action == "regenerate":
@@ -358,4 +379,4 @@ class ChatScreen(ToolRunner, ReplyRunner, Screen):
 def message_view(m: Message) -> MessageView:
     if m.role == "tool":
         return ToolCallView(m.stats.get("tool_call") or {}, m.content, m.id, m.status)
-    return MessageView(m.role, m.content, m.id, m.status, m.stats.get("error"))
+    return MessageView(m.role, m.content, m.id, m.status, m.stats.get("error"), m.reasoning, m.stats)

@@ -30,7 +30,7 @@ KV_SAVED_STATUSES = ("done", "stopped", "length")
 
 def model_messages(system_prompt: str, turns: Iterable[tuple[str, str, str]]) -> list[dict[str, str]]:
     """The chat as the model sees it: the system prompt, then every (role, content, status) turn but failed
-    or empty replies."""
+    or empty replies. A reply's reasoning is never among them: chat templates drop earlier turns' thinking."""
     msgs: list[dict[str, str]] = []
     if system_prompt.strip():
         msgs.append({"role": "system", "content": system_prompt})
@@ -39,6 +39,17 @@ def model_messages(system_prompt: str, turns: Iterable[tuple[str, str, str]]) ->
             continue
         msgs.append({"role": role, "content": content})
     return msgs
+
+
+def reasoning_figures(gen: Generation, final: Any = None) -> dict[str, Any]:
+    """What the store keeps of a reply's thinking beside its text: its tokens (the final usage's where there is one)
+    and seconds; nothing for a reply without thinking."""
+    buffer = gen.buffer
+    if not gen.view.reasoning:
+        return {}
+    usage = final.usage if final is not None else None
+    tokens = usage.reasoning_tokens if usage is not None else buffer.reasoning_tokens
+    return {"reasoning_tokens": tokens, "reasoning_s": round(buffer.reasoning_s, 3)}
 
 
 def no_tokenizer_notice(name: str) -> str:
@@ -109,15 +120,18 @@ class ReplyRunner:
         if not engine.info.has_tokenizer:  # said at load; nothing is saved into the chat
             self.notify(no_tokenizer_notice(engine.info.name), severity="error")  # type: ignore[attr-defined]
             return
+        messages = self.history()  # type: ignore[attr-defined]
+        # a model without reasoning is sent no effort: the chat may keep one from a model that had it
+        effort = self.chat.settings.reasoning_effort if engine.info.reasoning is not None else None
         try:
-            sampling = sampling_params(self.chat.settings)
+            request = GenerationRequest(messages=messages, sampling=sampling_params(self.chat.settings),
+                                        reasoning_effort=effort)
         except RooflineError as e:
             self.notify(f"Chat settings: {e}", severity="error")  # type: ignore[attr-defined]
             return
-        messages = self.history()  # type: ignore[attr-defined]
         offer = self.tool_offer(engine)  # type: ignore[attr-defined]
-        request = (offer.request(messages, sampling) if offer is not None
-                   else GenerationRequest(messages=messages, sampling=sampling))
+        if offer is not None:
+            request = offer.request(request)
         row = self.rapp.store.add_message(self.chat.id, "assistant", "", status="streaming")
         view = MessageView("assistant", "", row.id, status="streaming")
         transcript = self.query_one("#transcript", VerticalScroll)  # type: ignore[attr-defined]
@@ -168,6 +182,7 @@ class ReplyRunner:
             return
         gen.last_drain = time.perf_counter()
         d = gen.buffer.drain()
+        await self.show_reasoning(gen, d.reasoning)
         if gen.offer is not None:  # a call's JSON is not shown; the reply's text is
             d.text, d.drafted = gen.offer.feed(d.text), []
         if d.text and gen.view.is_attached:
@@ -181,7 +196,22 @@ class ReplyRunner:
         now = time.perf_counter()
         if now - gen.last_saved >= SAVE_PARTIAL_EVERY_S:
             gen.last_saved = now
-            self.rapp.store.update_message(gen.message_id, gen.view.content, "streaming")
+            self.rapp.store.update_message(gen.message_id, gen.view.content, "streaming", reasoning_figures(gen),
+                                           reasoning=gen.view.reasoning)
+
+    async def show_reasoning(self, gen: Generation, fragment: str) -> None:
+        """New thinking into the reply's thought block, and its figures while it streams (tags give no text)."""
+        view, buffer = gen.view, gen.buffer
+        if not fragment and (view.thought is None or not view.thought.streaming):
+            return
+        if not view.is_attached:
+            view.reasoning += fragment
+            return
+        new = view.thought is None
+        await view.write_reasoning(fragment, buffer.reasoning_tokens, buffer.reasoning_s,
+                                   done=buffer.reasoning_ended_at is not None)
+        if new:
+            self.refresh_bindings()  # type: ignore[attr-defined]  # the key that expands it applies now
 
     def update_live_stats(self, gen: Generation) -> None:
         n = gen.buffer.total_tokens
@@ -190,6 +220,7 @@ class ReplyRunner:
         s.streaming = True
         s.prompt_tokens = gen.prompt_tokens
         s.reply_tokens = n
+        s.reasoning_tokens = gen.buffer.reasoning_tokens
         if first is not None:
             s.ttft_s = first - gen.started_at
             elapsed = time.perf_counter() - first
@@ -216,6 +247,7 @@ class ReplyRunner:
         if gen.drain_timer is not None:
             gen.drain_timer.stop()
         rest = gen.buffer.drain()
+        await self.show_reasoning(gen, rest.reasoning)
         if gen.offer is not None:
             rest.text, rest.drafted = gen.offer.feed(rest.text) + gen.offer.finish(), []
         if rest.text and gen.view.is_attached:
@@ -234,17 +266,20 @@ class ReplyRunner:
             s.ttft_s, s.decode_tps = st.ttft_s, st.decode_tps
             s.acceptance_rate, s.mean_accepted_tokens = st.acceptance_rate, st.mean_accepted_tokens
             s.target_forwards = st.target_forwards
+            s.reasoning_tokens = u.reasoning_tokens
             stats.update(s.to_saved())
             self.fill_bytes(gen.engine, s)
+        stats.update(reasoning_figures(gen, final))
         self.stats.streaming = False
         store = self.rapp.store
-        store.update_message(gen.message_id, gen.view.content, status, stats)
+        store.update_message(gen.message_id, gen.view.content, status, stats, reasoning=gen.view.reasoning)
         store.touch(gen.chat_id)
         if status in KV_SAVED_STATUSES:
             self.save_kv(gen)
         if gen.view.is_attached:
-            await gen.view.finish(status, error)
-            gen.view.display = not (calls and not gen.view.content)  # the calls below say it all
+            await gen.view.finish(status, error, stats.get("reasoning_tokens"), stats.get("reasoning_s"))
+            # a reply that only called tools: the calls below say it all (its thinking, if any, stays)
+            gen.view.display = not (calls and not gen.view.content and not gen.view.reasoning)
         if self.gen is gen:
             self.gen = None
             self.refresh_bindings()  # type: ignore[attr-defined]

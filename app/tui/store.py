@@ -2,6 +2,9 @@
 
 Each message is written when it completes; a streaming reply is written as it goes (status "streaming")
 so a killed app loses nothing already shown, and is read back as "interrupted".
+
+The schema's version is SQLite's `user_version`; a database of an older version is brought up to date when it is
+opened (`MIGRATIONS`), so chats saved by an earlier Roofline open in a later one.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS chats (
@@ -32,11 +35,16 @@ CREATE TABLE IF NOT EXISTS messages (
     content TEXT NOT NULL,
     status TEXT NOT NULL DEFAULT 'done',
     stats TEXT NOT NULL DEFAULT '',
-    created REAL NOT NULL
+    created REAL NOT NULL,
+    reasoning TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS messages_by_chat ON messages(chat_id, id);
 CREATE TABLE IF NOT EXISTS prefs (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+# (version, SQL): what brings a database of an earlier version to this one; SCHEMA above is the latest whole
+MIGRATIONS = [
+    (2, "ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT ''"),  # a reply's thinking, shown collapsed
+]
 
 
 def data_dir() -> Path:
@@ -63,6 +71,9 @@ class ChatSettings:
     seed: int | None = None
     speculative: str | None = "auto"  # None: off; "auto" speculates only where the backend and acceptance say it pays
     num_draft_tokens: int = 4
+    # a reasoning model's thinking effort (mlx_engine.api.REASONING_EFFORTS; "none" turns thinking off), None: the
+    # model's own default; a model without reasoning is sent none
+    reasoning_effort: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -95,6 +106,7 @@ class Message:
     content: str
     status: str = "done"  # "done" | "stopped" | "error" | "streaming" | "interrupted" | "length"
     stats: dict[str, Any] = field(default_factory=dict)
+    reasoning: str = ""  # a reasoning model's thinking before `content` (never sent back to the model)
 
 
 class ChatStore:
@@ -133,8 +145,7 @@ class ChatStore:
             row = conn.execute("PRAGMA quick_check").fetchone()
             if row is None or row[0] != "ok":
                 raise sqlite3.DatabaseError(f"integrity check failed: {row[0] if row else 'no answer'}")
-            conn.executescript(SCHEMA)
-            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            _migrate(conn)
         except BaseException:
             conn.close()
             raise
@@ -205,27 +216,29 @@ class ChatStore:
 
     def messages(self, chat_id: int) -> list[Message]:
         rows = self.conn.execute(
-            "SELECT id, chat_id, role, content, status, stats FROM messages WHERE chat_id=? ORDER BY id", (chat_id,)
-        ).fetchall()
+            "SELECT id, chat_id, role, content, status, stats, reasoning FROM messages WHERE chat_id=? ORDER BY id",
+            (chat_id,)).fetchall()
         out = []
         for r in rows:
             status = "interrupted" if r[4] == "streaming" else r[4]
-            out.append(Message(r[0], r[1], r[2], r[3], status, _stats(r[5])))
+            out.append(Message(r[0], r[1], r[2], r[3], status, _stats(r[5]), r[6]))
         return out
 
     def add_message(self, chat_id: int, role: str, content: str, status: str = "done",
-                    stats: dict[str, Any] | None = None) -> Message:
+                    stats: dict[str, Any] | None = None, reasoning: str = "") -> Message:
         cur = self.conn.execute(
-            "INSERT INTO messages(chat_id, role, content, status, stats, created) VALUES (?, ?, ?, ?, ?, ?)",
-            (chat_id, role, content, status, json.dumps(stats) if stats else "", time.time()),
+            "INSERT INTO messages(chat_id, role, content, status, stats, created, reasoning) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (chat_id, role, content, status, json.dumps(stats) if stats else "", time.time(), reasoning),
         )
         self.touch(chat_id)
-        return Message(int(cur.lastrowid), chat_id, role, content, status, stats or {})
+        return Message(int(cur.lastrowid), chat_id, role, content, status, stats or {}, reasoning)
 
-    def update_message(self, message_id: int, content: str, status: str, stats: dict[str, Any] | None = None) -> None:
+    def update_message(self, message_id: int, content: str, status: str, stats: dict[str, Any] | None = None,
+                       reasoning: str | None = None) -> None:
+        """`reasoning` None leaves the message's reasoning as it is."""
         self.conn.execute(
-            "UPDATE messages SET content=?, status=?, stats=? WHERE id=?",
-            (content, status, json.dumps(stats) if stats else "", message_id),
+            "UPDATE messages SET content=?, status=?, stats=?, reasoning=coalesce(?, reasoning) WHERE id=?",
+            (content, status, json.dumps(stats) if stats else "", reasoning, message_id),
         )
 
     def delete_messages_from(self, chat_id: int, message_id: int) -> None:
@@ -241,6 +254,29 @@ class ChatStore:
     def set_pref(self, key: str, value: str) -> None:
         self.conn.execute("INSERT INTO prefs(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
                           (key, value))
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Creates the schema in a new database, or brings an older one up to SCHEMA_VERSION, in one transaction (a
+    second app opening the same file at once waits, then finds the work done). A newer database is left as it is."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        fresh = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='messages'").fetchone() is None
+        if not fresh:
+            for to, sql in MIGRATIONS:
+                if version < to:
+                    conn.execute(sql)
+        for statement in SCHEMA.split(";"):  # executescript would commit the transaction first
+            if statement.strip():
+                conn.execute(statement)
+        if version < SCHEMA_VERSION:
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
 
 
 def _stats(text: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from textual.containers import VerticalScroll
 from textual.worker import Worker
 
-from mlx_engine.api import EngineLike, GenerationRequest, SamplingParams
+from mlx_engine.api import EngineLike, GenerationRequest
 
 from app.toolcalls.tool_formats import ToolFormat, ToolStream, detect
 from app.toolcalls.tools import Tools
@@ -56,10 +56,13 @@ class Offer:
     def __post_init__(self) -> None:
         self.reader = self.fmt.stream()
 
-    def request(self, messages: list[dict[str, Any]], sampling: SamplingParams) -> GenerationRequest:
-        msgs, variables = self.fmt.render(messages, self.tools)
-        return GenerationRequest(messages=msgs, sampling=dataclasses.replace(
-            sampling, response_format=self.fmt.grammar(self.tools)), chat_template_kwargs=variables or None)
+    def request(self, request: GenerationRequest) -> GenerationRequest:
+        """`request` (the chat's messages, sampling and thinking effort) offering the tools: the conversation and
+        template variables as the format renders them, the reply held to its grammar."""
+        msgs, variables = self.fmt.render(request.messages, self.tools)
+        return dataclasses.replace(request, messages=msgs, chat_template_kwargs=variables or None,
+                                   sampling=dataclasses.replace(request.sampling,
+                                                                response_format=self.fmt.grammar(self.tools)))
 
     def feed(self, text: str) -> str:
         """Generated text -> the reply's text to show (a call's JSON is not shown)."""

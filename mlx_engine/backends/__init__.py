@@ -62,7 +62,7 @@ def load_runner(model: str | None, backend: str = "mlx", device: str = "auto", *
 
     if device == "cuda":
         raise RooflineError("device='cuda' needs backend='torch': the MLX backend runs on Metal or the CPU")
-    for name in ("threads", "compile"):
+    for name in ("threads", "compile", "cpu_kernel", "native_step"):
         if options.pop(name, None) is not None:
             raise RooflineError(f"{name} needs backend='torch' (device='cpu'): the MLX backend has no such option")
     if options.pop("cuda_graphs", None) is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlx_engine.distributed.launch import (EXIT_RANK_LOST, NO_LAUNCHER, TIMEOUT_ENV, DistributedError, RankLostError,
-                                           detect_launch, exit_if_lost, exit_now, stop_on_sigterm)
+                                           detect_launch, exit_if_lost, exit_now, stop_on_sigterm, watch_launcher)
 from mlx_engine.distributed.plan import (MODES, RankShare, bytes_per_token, check_mode, file_tensor_sizes, link_roof,
                                          shares_on_paper)
 
@@ -44,6 +44,7 @@ def load_runner(model: str | None, mode: str, **options: Any) -> Any:
     from mlx_engine.distributed.runner import DistributedRunner
 
     _one_at_a_time()
+    watch_launcher(0)
     runner = DistributedRunner(load_node(model, mode, options))
     _active.append(runner)
     return runner
@@ -59,6 +60,8 @@ def serve_rank(model: str | None, mode: str, **options: Any) -> int:
 
     # the same options as rank 0's Engine.load: its engine's own (max_seqs, chat_template) are rank 0's alone
     options = {k: v for k, v in options.items() if k not in ("backend", "device", *ENGINE_OPTIONS)}
+    launch = detect_launch()
+    watch_launcher(launch.rank if launch is not None else 1)
     return serve_plans(load_node(model, mode, options))
 
 

@@ -22,8 +22,9 @@ from typing import Any, Iterator, NoReturn
 
 from mlx_engine.api import RooflineError
 from mlx_engine.distributed.plan import hostfile_text, read_hostfile_peers
+from mlx_engine.switches import DISTRIBUTED_TIMEOUT
 
-TIMEOUT_ENV = "ROOFLINE_DISTRIBUTED_TIMEOUT"
+TIMEOUT_ENV = DISTRIBUTED_TIMEOUT.name
 DEFAULT_TIMEOUT_S = 30.0
 EXIT_RANK_LOST = 3  # the exit status of a run stopped because a rank is gone
 NO_LAUNCHER = ("--distributed needs its ranks started by mlx.launch, e.g. `mlx.launch --hostfile hosts.json -- "
@@ -66,7 +67,7 @@ def detect_launch(env: dict[str, str] | None = None) -> Launch | None:
 
 
 def timeout_s() -> float:
-    raw = os.environ.get(TIMEOUT_ENV, "")
+    raw = DISTRIBUTED_TIMEOUT.raw()
     try:
         value = float(raw) if raw else DEFAULT_TIMEOUT_S
     except ValueError:
@@ -239,3 +240,37 @@ def stop_on_sigterm(rank: int) -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, handler)
+
+
+LAUNCHER_GONE_GRACE_S = 60.0  # how long another rank serves on once the launcher is gone, for rank 0's drain
+
+
+def watch_launcher(rank: int) -> None:
+    """Ends this rank when the `mlx.launch` that started it is gone. The launcher holds every local rank's stdin
+    pipe; stopped by SIGTERM or SIGINT it dies without ending them (MLX 0.32), so the pipe's end is the news: rank 0
+    then stops as on SIGTERM (`roofline serve` drains), and another rank ends once rank 0 has stopped it or, at the
+    latest, LAUNCHER_GONE_GRACE_S later. A rank on another host (ssh -tt) has a terminal for stdin, whose hangup
+    (SIGHUP) ends it already."""
+    import stat
+
+    try:
+        if not stat.S_ISFIFO(os.fstat(0).st_mode):
+            return
+    except OSError:
+        return
+
+    def watch() -> None:
+        while True:
+            try:
+                if not os.read(0, 65536):  # whatever the launcher forwards from its own stdin is not for us
+                    break
+            except OSError:
+                break
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            time.sleep(LAUNCHER_GONE_GRACE_S)
+            stop(f"rank {rank}: the launcher (mlx.launch) has ended and rank 0 did not stop this rank within "
+                 f"{LAUNCHER_GONE_GRACE_S:.0f} s")
+
+    threading.Thread(target=watch, name="roofline-launcher-watch", daemon=True).start()

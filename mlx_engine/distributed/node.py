@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from mlx_engine.api import ModelLoadError, RooflineError
 from mlx_engine.distributed.channel import PlanChannel
+from mlx_engine.distributed.doorbell import Doorbell
 from mlx_engine.distributed.launch import Deadline, Launch, join, timeout_s
 from mlx_engine.distributed.plan import check_mode
 from mlx_engine.distributed.stage import Stage
@@ -40,6 +41,7 @@ class Node:
     channel: PlanChannel
     layers: tuple[int, int]  # this rank's decoder layers [start, end) of the whole model
     num_layers: int  # the whole model's
+    doorbell: Doorbell | None = None  # the ranks' rest while rank 0 is idle (None: they wait in MLX's receive)
 
     @property
     def rank(self) -> int:
@@ -89,6 +91,7 @@ def load_node(model: str | None, mode: str, options: dict[str, Any]) -> Node:
     rank, size = group.rank(), group.size()
     deadline = Deadline(rank, seconds) if rank == 0 else None
     channel = PlanChannel(group, deadline, _peers(launch, rank, size))
+    doorbell = Doorbell.open(channel, launch)
     if rank != 0:
         options = {k: v for k, v in options.items() if k not in RANK0_ONLY}
     where: dict[str, Any] = {}
@@ -129,7 +132,7 @@ def load_node(model: str | None, mode: str, options: dict[str, Any]) -> Node:
     _agree_on_blocks(local, channel, options)
     stage = Stage(mode, local.model, group, local.model.args.hidden_size, getattr(mx, local.info.dtype),
                   _waiting(deadline, channel.peers), lambda layers: _kv_state(local, layers))
-    return Node(mode, group, launch, local, stage, channel, where["layers"], where["num_layers"])
+    return Node(mode, group, launch, local, stage, channel, where["layers"], where["num_layers"], doorbell)
 
 
 def _kv_state(local: Runner, layers: list[Any]) -> list[mx.array]:

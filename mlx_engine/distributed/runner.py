@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
-import os
 import threading
 import zlib
 from collections import deque
@@ -26,6 +25,7 @@ from mlx_engine.distributed.mirror import MirroredCache, PlanLog, PlannedLayers,
 from mlx_engine.distributed.node import Node
 from mlx_engine.distributed.stage import MIN_DECODE_ROWS_PER_MICRO_BATCH, InFlight, micro_batches
 from mlx_engine.kv.views import PackedView, PagedDecodeView
+from mlx_engine.switches import PIPELINE_DECODE_ROWS, PIPELINE_IN_FLIGHT, PIPELINE_MICRO_BATCHES, Variable
 
 
 def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
@@ -34,30 +34,25 @@ def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
     return sample(logits, samplers)
 
 
-MICRO_BATCHES_ENV = "ROOFLINE_PIPELINE_MICRO_BATCHES"
-DECODE_ROWS_ENV = "ROOFLINE_PIPELINE_DECODE_ROWS"
-IN_FLIGHT_ENV = "ROOFLINE_PIPELINE_IN_FLIGHT"
-
-
-def _whole_env(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
+def _whole_env(variable: Variable, default: int) -> int:
+    raw = variable.raw()
     if not raw:
         return default
     if not raw.isdigit() or int(raw) < 1:
-        raise RooflineError(f"{name}={raw!r}: expected a whole number >= 1")
+        raise RooflineError(f"{variable.name}={raw!r}: expected a whole number >= 1")
     return int(raw)
 
 
 def micro_batch_count(num_ranks: int) -> int:
     """Micro-batches a pipelined forward may be cut into: one per rank, or $ROOFLINE_PIPELINE_MICRO_BATCHES (1: never
     cut; for measuring what they gain)."""
-    return _whole_env(MICRO_BATCHES_ENV, num_ranks)
+    return _whole_env(PIPELINE_MICRO_BATCHES, num_ranks)
 
 
 def min_decode_rows() -> int:
     """Sequences each micro-batch of a decode step needs: MIN_DECODE_ROWS_PER_MICRO_BATCH, or
     $ROOFLINE_PIPELINE_DECODE_ROWS (for measuring where cutting pays)."""
-    return _whole_env(DECODE_ROWS_ENV, MIN_DECODE_ROWS_PER_MICRO_BATCH)
+    return _whole_env(PIPELINE_DECODE_ROWS, MIN_DECODE_ROWS_PER_MICRO_BATCH)
 
 
 def decode_groups(mode: str, num_ranks: int) -> int:
@@ -65,9 +60,9 @@ def decode_groups(mode: str, num_ranks: int) -> int:
     pipeline rank with $ROOFLINE_PIPELINE_IN_FLIGHT=1; else 1 (lockstep), and always for tensor parallel. Off by
     default: each group's step reads the rank's weights again, which costs more CPU per token than the overlap
     gained where the ranks share cores (measured on the 2-core box: docs/distributed.md)."""
-    raw = os.environ.get(IN_FLIGHT_ENV, "")
+    raw = PIPELINE_IN_FLIGHT.raw()
     if raw not in ("", "0", "1"):
-        raise RooflineError(f"{IN_FLIGHT_ENV}={raw!r}: expected 1 (a decode step of each group of sequences in "
+        raise RooflineError(f"{PIPELINE_IN_FLIGHT.name}={raw!r}: expected 1 (a decode step of each group of sequences in "
                             "flight on the pipeline) or 0 (every rank in lockstep, the default)")
     return num_ranks if mode == "pipeline" and raw == "1" else 1
 
@@ -103,6 +98,7 @@ class DistributedRunner:
                           "'prompt-lookup' or 'draft'",
             "hidden_states": "are not available with --distributed: each rank holds only its layers"})
         self.closed = False
+        self._resting = False  # the other ranks wait on the doorbell (`rest`)
         self._pending: deque[InFlight] = deque()  # forwards in flight, oldest first (`launch`)
         self._landed: list[tuple[Any, Any]] = []  # (tag, tokens) of those finished, not yet returned
         self._owner = threading.current_thread()  # the engine thread: the only one that may use the channel
@@ -112,6 +108,10 @@ class DistributedRunner:
         # off the engine thread, where no collective may run)
         self.shards = self.gather_figures()
         atexit.register(self._at_exit)  # the other ranks end when rank 0 does, even without Engine.close
+        if node.doorbell is not None:
+            from mlx_engine.engine_thread import engine_thread
+
+            engine_thread().on_idle(self.rest)
 
     @property
     def model(self) -> Any:
@@ -132,9 +132,23 @@ class DistributedRunner:
         except Exception:  # noqa: BLE001 - exiting anyway; the other ranks then report rank 0 lost
             pass
 
+    def rest(self) -> None:
+        """The engine is idle: the other ranks wait on the doorbell, which costs them no CPU, until the next plan."""
+        if self._resting or self.closed or self.node.doorbell is None or self._pending:
+            return
+        self._send({"do": "rest"}, "telling the ranks to rest")
+        self._resting = True
+
     def _send(self, plan: dict[str, Any], doing: str = "sending a step's plan", settle: bool = True) -> None:
         if threading.current_thread() is not self._owner:
             raise RooflineError("a distributed runner's collectives run on the engine thread only")
+        if self._resting:
+            assert self.node.doorbell is not None
+            try:
+                self.node.doorbell.ring()
+            except OSError as e:
+                raise RooflineError(f"rank 0 could not wake the other ranks ({e}): a rank has ended") from None
+            self._resting = False
         if settle:  # every rank takes its plans in order: the forwards in flight end before anything else
             self._finish_pending()
         plan["ops"] = self.log.take()
@@ -216,6 +230,11 @@ class DistributedRunner:
             self._send({"do": "stop"}, "telling the ranks to stop")
         except RooflineError:
             pass  # they are gone already
+        if self.node.doorbell is not None:
+            from mlx_engine.engine_thread import engine_thread
+
+            engine_thread().off_idle(self.rest)
+            self.node.doorbell.close()
         if self.local.draft is not None:
             self.local.draft.release()
         self.cache = self.local.cache = None

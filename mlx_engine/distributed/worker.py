@@ -34,6 +34,8 @@ def serve_plans(node: Node) -> int:
                 kind = plan["do"]
                 if kind == "stop":
                     return 0
+                if kind == "rest" and node.doorbell is not None and not node.doorbell.wait():
+                    return _fail(rank, "rank 0 ended while this rank rested (its doorbell connection closed)")
                 if kind == "gather":
                     node.channel.gather_json(node.figures())
                 elif kind == "forward":

@@ -1,4 +1,5 @@
-"""Per-chat settings: system prompt, sampling and speculative decoding, validated by the engine's SamplingParams."""
+"""Per-chat settings: system prompt, sampling, speculative decoding and a reasoning model's thinking effort,
+validated by the engine's SamplingParams."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from textual.widgets import Button, Input, Label, Static, TextArea
 from mlx_engine.api import SPECULATIVE_MODES, RequestError, SamplingParams
 
 from app.tui.store import ChatSettings
+from app.tui.thinking import EFFORT_CHOICES, effort_label, parse_effort
 
 # (field, label, Input type, help)
 FIELDS = [
@@ -24,7 +26,9 @@ FIELDS = [
     ("seed", "Seed", "integer", "empty = random"),
     ("speculative", "Speculative", "text", "auto/prompt-lookup/self/draft/off"),
     ("num_draft_tokens", "Draft tokens", "integer", "most per verification, 1-16"),
+    ("reasoning_effort", "Thinking", "text", "/".join(EFFORT_CHOICES)),
 ]
+NO_REASONING = "this model does not reason"  # the thinking field's hint where it is disabled
 SPECULATIVE_OFF = "off"
 SPECULATIVE_CHOICES = (*SPECULATIVE_MODES, SPECULATIVE_OFF)
 
@@ -50,6 +54,7 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
     SettingsScreen Grid .hint { color: $text-muted; }
     SettingsScreen Grid Input { background: $boost; }
     SettingsScreen Grid Input:focus { background: $primary 30%; }
+    SettingsScreen Grid Input:disabled { background: transparent; }
     SettingsScreen #error { color: $error; height: auto; }
     SettingsScreen Horizontal { height: auto; align-horizontal: right; }
     SettingsScreen Button { margin-left: 2; }
@@ -57,10 +62,13 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save", priority=True)]
     AUTO_FOCUS = "#system_prompt"  # the first field (the default would focus the scrolling frame, nothing visible)
 
-    def __init__(self, settings: ChatSettings, chat_title: str = "") -> None:
+    def __init__(self, settings: ChatSettings, chat_title: str = "", reasons: bool = False) -> None:
+        """`reasons`: the loaded model has a reasoning family, so the thinking effort applies (else it is shown
+        disabled, and kept as it was)."""
         super().__init__()
         self.settings = settings
         self.chat_title = chat_title
+        self.reasons = reasons
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():
@@ -71,12 +79,17 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
             with Grid():
                 for name, label, kind, hint in FIELDS:
                     value = getattr(self.settings, name)
+                    suggest = None
                     if name == "speculative":
                         value = SPECULATIVE_OFF if value is None else value
+                        suggest = SuggestFromList(SPECULATIVE_CHOICES)
+                    elif name == "reasoning_effort":
+                        value = effort_label(value)
+                        suggest = SuggestFromList(EFFORT_CHOICES)
+                        hint = hint if self.reasons else NO_REASONING
                     yield Label(label)
-                    suggest = SuggestFromList(SPECULATIVE_CHOICES) if name == "speculative" else None
                     yield Input("" if value is None else str(value), type=kind, id=name, compact=True,
-                                suggester=suggest)
+                                suggester=suggest, disabled=name == "reasoning_effort" and not self.reasons)
                     yield Static(hint, classes="hint")
             yield Static("", id="error", markup=False)
             with Horizontal():
@@ -90,6 +103,9 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
             raw = self.query_one(f"#{name}", Input).value.strip()
             if name == "seed" and not raw:
                 values[name] = None
+                continue
+            if name == "reasoning_effort":
+                values[name] = parse_effort(raw) if self.reasons else self.settings.reasoning_effort
                 continue
             if kind == "text":  # the speculative mode: SamplingParams says which names it knows
                 values[name] = None if raw.lower() in (SPECULATIVE_OFF, "") else raw

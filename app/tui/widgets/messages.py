@@ -1,8 +1,8 @@
-"""One message of the transcript: a role/status line over the text (Markdown for replies, streamed)."""
+"""One message of the transcript: a role/status line over the text (Markdown for replies, streamed), and a
+reasoning model's thinking between them (collapsed)."""
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -11,15 +11,16 @@ from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
-from textual.geometry import Size
 from textual.message import Message
 from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
-from app.tui.drafted import add_marks, draft_spans, drafted_block_class
-from app.tui.segments import DEFAULT_SEGMENT_CHARS, PARSER, MarkdownSegmenter, cuts_render_alike
+from app.tui.drafted import add_marks
+from app.tui.segments import DEFAULT_SEGMENT_CHARS, MarkdownSegmenter, cuts_render_alike
+from app.tui.widgets.segment import MarkdownSegment
+from app.tui.widgets.thought import ThoughtView, saved_figure
 
 STATUS_LABELS = {
     "done": "",
@@ -29,58 +30,6 @@ STATUS_LABELS = {
     "error": "error",
     "interrupted": "interrupted",
 }
-
-
-class MarkdownSegment(Markdown):
-    """A reply's Markdown (or one segment of a long streamed reply) whose height is cached by width.
-
-    Textual computes an auto-height container's height by re-arranging its children against the size of its
-    parent, so while a reply streams and its MessageView grows, every segment would be re-laid out, block by
-    block, on every append. Blocks are all auto-height, so a segment's height depends only on the width and
-    on its own content: cache it on those (`_layout_updates` counts layout changes below this widget).
-    It also shares one Markdown parser (Textual builds a new one, ~1 ms, for every append).
-
-    Text that came from a speculative draft (`drafted`: the reply's ranges, shared with its MessageView;
-    `reply_offset`: where this segment starts in the reply) is shown in the `draft` component style."""
-
-    COMPONENT_CLASSES = {"draft"}
-    DEFAULT_CSS = "MarkdownSegment > .draft { color: $text-success; }"
-
-    def __init__(self, *args, drafted: list[int] | None = None, reply_offset: int = 0, **kwargs) -> None:
-        kwargs.setdefault("parser_factory", lambda: self)  # parse() below: Textual calls parser.parse(text)
-        super().__init__(*args, **kwargs)
-        self._height_cache: tuple[object, int] = (None, 0)
-        self.drafted: list[int] = drafted if drafted is not None else []
-        self.reply_offset = reply_offset
-        self._parsed = ""  # the text of the last parse: all of this segment (update) or its last lines (append)
-        self._parsed_at = 0  # where it starts in this segment
-        self._line_starts: list[int] | None = None
-
-    def parse(self, text: str, env: dict | None = None) -> list:
-        self._parsed, self._parsed_at, self._line_starts = text, len(self._markdown) - len(text), None
-        return PARSER.parse(text, env)
-
-    def get_block_class(self, block_name: str) -> type:
-        cls = super().get_block_class(block_name)
-        return drafted_block_class(cls) if self.drafted else cls
-
-    def draft_spans(self, plain: str, token: Any) -> list:
-        """The `.draft` spans of a block rendered as `plain` from `token` (of the last parse)."""
-        if not self.drafted or token.map is None:
-            return []
-        if self._line_starts is None:
-            self._line_starts = [0, *(m.end() for m in re.finditer("\n", self._parsed))]
-        starts, n = self._line_starts, len(self._parsed)
-        first, last = token.map
-        a = starts[first] if first < len(starts) else n
-        b = starts[last] if last < len(starts) else n
-        return draft_spans(plain, self._parsed[a:b], self.reply_offset + self._parsed_at + a, self.drafted)
-
-    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
-        key = (width, self._nodes._updates, self._layout_updates, self.styles._cache_key)
-        if self._height_cache[0] != key:
-            self._height_cache = (key, super().get_content_height(container, viewport, width))
-        return self._height_cache[1]
 
 
 class SegmentPlaceholder(Widget):
@@ -140,10 +89,19 @@ class MessageView(Vertical, can_focus=True):
     block boundary where that renders the same), so each append lays out only the last segment."""
 
     def __init__(self, role: str, content: str, message_id: int | None = None, status: str = "done",
-                 error: str | None = None) -> None:
+                 error: str | None = None, reasoning: str = "",
+                 reasoning_figures: dict[str, Any] | None = None) -> None:
+        """`reasoning`: a reply's thinking; `reasoning_figures`: the stats saved with it (its reasoning_tokens and
+        reasoning_s, for the thought's header)."""
         super().__init__(classes=f"-{role}")
         self.role = role
         self.content = content
+        self.reasoning = reasoning
+        self.thought: ThoughtView | None = None
+        if reasoning:
+            figures = reasoning_figures or {}
+            self.thought = ThoughtView(reasoning, saved_figure(figures.get("reasoning_tokens")),
+                                       saved_figure(figures.get("reasoning_s")))
         self.message_id = message_id
         self.error = error
         self._stream: MarkdownStream | None = None
@@ -157,6 +115,8 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Static(self._role_line(), classes="role", markup=False)
+        if self.thought is not None:
+            yield self.thought
         if self.role == "assistant":
             yield MarkdownSegment(self.content, classes="body", drafted=self.drafted)
         else:
@@ -197,7 +157,7 @@ class MessageView(Vertical, can_focus=True):
         self.content += fragment
         if self._segmenter is None:
             self._segmenter = MarkdownSegmenter(self.segment_chars)
-            self._segments = [self.query_one(Markdown)]
+            self._segments = [self.query_children(MarkdownSegment).first()]
             self._segmenter.feed(self.content[: -len(fragment)])  # text the widget was created with
         at = len(self.content) - len(fragment)  # where the next piece starts in the reply
         for new_segment, piece in self._segmenter.feed(fragment):
@@ -214,6 +174,19 @@ class MessageView(Vertical, can_focus=True):
         if len(self._segments) > 2 and now - self._last_hide >= self.HIDE_EVERY_S:
             self._last_hide = now
             await self.hide_far_segments()
+
+    async def write_reasoning(self, fragment: str, num_tokens: int, seconds: float, done: bool = False) -> None:
+        """Appends streamed thinking (the thought block appears with the first), with its token count and seconds
+        so far; `done`: the thinking ended (the answer started)."""
+        self.reasoning += fragment
+        if self.thought is None:
+            if not fragment:
+                return
+            self.thought = ThoughtView(streaming=True)
+            await self.mount(self.thought, after=self.query_one(".role"))
+        await self.thought.write(fragment, num_tokens, seconds)
+        if done and self.thought.streaming:
+            await self.thought.finish(num_tokens, seconds)
 
     async def _stop_stream(self) -> None:
         if self._stream is not None:
@@ -265,8 +238,11 @@ class MessageView(Vertical, can_focus=True):
             self._width = event.size.width
             await self._show_segments()
 
-    async def finish(self, status: str, error: str | None = None) -> None:
+    async def finish(self, status: str, error: str | None = None, reasoning_tokens: int | None = None,
+                     reasoning_s: float | None = None) -> None:
         await self._stop_stream()
+        if self.thought is not None:
+            await self.thought.finish(reasoning_tokens, reasoning_s)
         if len(self._segments) > 1 and self._segmenter is not None and not cuts_render_alike(
                 self.content, self._segmenter.cuts):
             await self._show_segments()

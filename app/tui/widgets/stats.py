@@ -24,6 +24,7 @@ class LiveStats:
     ttft_s: float | None = None
     prompt_tokens: int = 0
     reply_tokens: int = 0
+    reasoning_tokens: int = 0  # of reply_tokens, a reasoning model's thinking (the final usage's once it ends)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (or a restored chat)
     context_length: int = 0
     weight_bytes: int = 0
@@ -47,6 +48,8 @@ class LiveStats:
         if self.acceptance_rate is not None:
             saved.update(acceptance_rate=self.acceptance_rate, mean_accepted_tokens=self.mean_accepted_tokens,
                          target_forwards=self.target_forwards)
+        if self.reasoning_tokens:
+            saved["reasoning_tokens"] = self.reasoning_tokens
         if self.model:
             saved["model"] = self.model
         return saved
@@ -65,7 +68,8 @@ class LiveStats:
             return int(v) if v is not None and v >= 0 else 0
 
         return cls(decode_tps=num("decode_tps") or 0.0, ttft_s=num("ttft_s"), prompt_tokens=count("prompt_tokens"),
-                   reply_tokens=count("completion_tokens"), cached_tokens=count("cached_prompt_tokens"),
+                   reply_tokens=count("completion_tokens"), reasoning_tokens=count("reasoning_tokens"),
+                   cached_tokens=count("cached_prompt_tokens"),
                    acceptance_rate=num("acceptance_rate"), mean_accepted_tokens=num("mean_accepted_tokens"),
                    target_forwards=count("target_forwards"),
                    model=saved["model"] if isinstance(saved.get("model"), str) else "")
@@ -83,7 +87,8 @@ class LiveStats:
             f"{'▶ ' if self.streaming else ''}{self.decode_tps:.1f} tok/s",
             f"TTFT {self.ttft_s:.2f} s" if self.ttft_s is not None else "TTFT –",
             f"prompt {self.prompt_tokens}" + (f" ({self.cached_tokens:,} cached)" if self.cached_tokens else "")
-            + f" · reply {self.reply_tokens}",
+            + f" · reply {self.reply_tokens}"
+            + (f" ({self.reasoning_tokens} thinking)" if self.reasoning_tokens else ""),
             f"ctx {used:,}/{self.context_length:,}",
         ])
         if self.acceptance_rate is not None:
@@ -103,6 +108,7 @@ LEGEND = [
     ("tok/s", "decode speed of the reply (▶ while it streams)"),
     ("TTFT", "time to the first token: prompt processing (prefill) and the first step"),
     ("prompt N (M cached)", "prompt tokens, M of them read from the prefix cache or the chat's saved KV"),
+    ("reply N (M thinking)", "reply tokens, M of them a reasoning model's thinking (shown collapsed above the answer)"),
     ("ctx", "tokens in the context (prompt + reply) / the model's context length"),
     ("drafted (tinted)", "N% accepted: speculative decoding's share of drafted tokens the model accepted; "
                          "accepted drafted text is tinted in the reply"),

@@ -18,7 +18,6 @@ On a Mac with Metal none of this is used: MLX's own kernels are the fast path th
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_engine.switches import CPU_FP32_WEIGHTS
+
 # Rows from which dequantize-per-call + numpy beats MLX's quantized matmul (no resident weights):
 # dequantizing every weight costs about 9 one-token forwards of SmolLM2 while MLX's quantized matmul
 # grows ~0.6x per row, so the host path pays from ~16 rows.
@@ -35,7 +36,7 @@ HOST_GEMM_MIN_ROWS = 16
 
 # Resident float32 weights may take at most this share of the RAM free at load.
 HOST_WEIGHTS_MEMORY_FRACTION = 0.5
-HOST_WEIGHTS_ENV = "ROOFLINE_CPU_FP32_WEIGHTS"  # auto (default) | on | off
+HOST_WEIGHTS_ENV = CPU_FP32_WEIGHTS.name  # auto (default) | on | off
 
 
 # --- one BLAS thread while the engine computes ---
@@ -252,7 +253,7 @@ def host_weights_bytes(model: nn.Module) -> int:
 def host_weights_fit(nbytes: int, available: int) -> tuple[bool, str]:
     """Whether to keep float32 copies of `nbytes`, by ROOFLINE_CPU_FP32_WEIGHTS (auto, on, off) and, on
     auto, HOST_WEIGHTS_MEMORY_FRACTION of the `available` RAM. Returns (yes, why)."""
-    setting = os.environ.get(HOST_WEIGHTS_ENV, "auto").strip().lower()
+    setting = CPU_FP32_WEIGHTS.raw().lower() or "auto"
     if setting not in ("auto", "on", "off"):
         from mlx_engine.api import RooflineError
 

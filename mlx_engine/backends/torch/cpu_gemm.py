@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from mlx_engine.backends.torch.inductor import compile_errors, own_code, use_app_cache
+
 if TYPE_CHECKING:
     from mlx_engine.backends.torch.cpu_native import NativeWeight
     from mlx_engine.backends.torch.cpu_packed import Int4Weight, Int8Weight
 
 log = logging.getLogger(__name__)
 
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)  # a byte's bits, low first
 SLICE_ELEMENTS = 2**21  # weights dequantized at once: 4 MiB of bfloat16
 # Slices under this many weights dequantize eagerly: their loop is no faster compiled, and a compile (about a
 # second each) would be paid for every small shape of a tiny model
@@ -76,40 +77,6 @@ def native_slice(w: NativeWeight, lo: int, hi: int) -> torch.Tensor:
                                           w.zero)
 
 
-def native_float(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,
-                 zero: int = 0) -> torch.Tensor:
-    """A `NativeWeight`'s rows: codes (r, in / 2) uint8 (two 4-bit codes a byte: code j low, j + 16 high), that
-    and a 32-bit word of fifth bits a block (5-bit codes, (r, in / 2 + in / 8)), or 8 bytes a block of top bits
-    (6-bit codes, (r, in / 2 + in / 4)), or (r, in) int8; d, m (r, in / 32) float, or two-level uint8 rows, or
-    Q6_K's int8 rows (a scale per 16) -> (r, in) float32, d (c - zero) + m (6-bit: d (c - 32))."""
-    from mlx_engine.backends.torch.cpu_native import scales_f32  # cpu_native imports this module
-
-    r = codes.shape[0]
-    d, m = scales_f32(d), None if m is None else scales_f32(m)
-    if bits == 6:
-        nb = d.shape[1] // 2
-        b = codes[:, : nb * 16].reshape(r, nb, 16)
-        top = codes[:, nb * 16:].reshape(r, nb, 1, 8) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
-        c = (torch.cat([b & 15, b >> 4], dim=-1) | ((top & 3) << 4).reshape(r, nb, 32)).float() - 32
-        return (c.view(r, nb, 2, 16) * d.view(r, nb, 2, 1)).reshape(r, -1)
-    if bits in (4, 5):
-        nb = d.shape[1]
-        b = codes[:, : nb * 16].reshape(r, nb, 16)
-        c = torch.cat([b & 15, b >> 4], dim=-1)  # (r, blocks, 32)
-        if bits == 5:
-            h = codes[:, nb * 16:].reshape(r, nb, 4, 1)
-            c = c | ((h & _BITS.to(codes.device)) != 0).to(torch.uint8).reshape(r, nb, 32) << 4
-        c = c.float()
-    else:
-        c = codes.view(r, -1, 32).float()
-    if zero:
-        c = c - zero
-    w = c * d.float()[..., None]
-    if m is not None:
-        w = w + m.float()[..., None]
-    return w.reshape(r, -1)
-
-
 def _int4_slice(w: Int4Weight, lo: int, hi: int) -> torch.Tensor:
     """Output rows [lo, hi) of `w` dequantized to bfloat16, transposed: (in, hi - lo)."""
     key = ("int4", hi - lo, w.in_features, w.planes, w.group_size, w.block_n)
@@ -145,13 +112,13 @@ def _run(fn: Callable, elements: int, key: tuple, *args):
     """fn(*args), compiled for this shape (`key`) where that pays and torch.compile builds here."""
     global _eager_only
     if torch.compiler.is_compiling() or _eager_only or elements < COMPILE_MIN_ELEMENTS:
-        return fn(*args)  # inside a compiled prefill graph (`compiled.CompiledHalves`) its loop is that graph's
+        return fn(*args)  # inside a compiled prefill graph (`paths.compiled.CompiledHalves`) its loop is that graph's
     key = (*key, torch.get_num_threads())  # inductor's C++ loops are built for the thread count of their compile
     if key in _built:
         return _compiled(fn, key)(*args)
     try:  # the first call traces and builds: what fails there (no compiler, a failed build) is torch.compile's
         out = _compiled(fn, key)(*args)
-    except _compile_errors() as e:
+    except compile_errors() as e:
         _eager_only = True
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         log.warning("torch.compile failed for the prefill's dequantization, which now runs eagerly (slower): %s",
@@ -161,17 +128,9 @@ def _run(fn: Callable, elements: int, key: tuple, *args):
     return out
 
 
-def _compile_errors() -> tuple[type[BaseException], ...]:
-    from mlx_engine.backends.torch.compiled import compile_errors
-
-    return compile_errors()
-
-
 @functools.cache
 def _compiled(fn: Callable, key: tuple) -> Callable:
     """`fn` under torch.compile as a copy with its own code object, so that each shape keeps its one graph
     (dynamo caches graphs per code object, a few per object before it gives up on compiling)."""
-    from mlx_engine.backends.torch.compiled import own_code, use_app_cache
-
     use_app_cache()
     return torch.compile(own_code(fn, "_".join(map(str, key))), dynamic=False, fullgraph=True)

@@ -1,4 +1,4 @@
-"""Roofline's own CPU matmul for quantized weights (`cpu_native.cpp`), on any x86-64 CPU with AVX2.
+"""Roofline's own CPU matmul for quantized weights (`cpu_kernel/`), on any x86-64 CPU with AVX2.
 
 torch's int4 kernel widens each weight to float32 before its FMA: on an AVX2 CPU without AVX-512 it reads 2.7-3 GB/s
 of packed weights a core (docs/benchmarks/torch-cpu.md, "Issue 27 on an AVX2 CPU"), a third of the core's bandwidth,
@@ -39,16 +39,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mlx_engine.backends.torch import cpu_features, cpu_gemm
+from mlx_engine.backends.torch import cpu_features, cpu_gemm, switches
 
-SOURCE = Path(__file__).with_name("cpu_native.cpp")
+KERNEL_DIR = Path(__file__).with_name("cpu_kernel")
+SOURCE = KERNEL_DIR / "cpu_native.cpp"  # the translation unit: it includes every part (cpu_kernel/*.h)
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)  # a byte's bits, low first
 QK = 32  # inputs a block
 # -ffp-contract=off: a product and a sum stay two roundings where written so (`dequant`: torch's order, bit for bit)
 FLAGS = ("-O3", "-std=c++20", "-ffp-contract=off", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-w")
 # The integer dot product in one instruction (vpdpbusd) where the CPU has it, 256 bits wide; with AVX-512 (BW for
 # its byte ops) 4-bit codes also four blocks a 512-bit register
 VNNI_FLAGS = {"avx512_vnni": ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"), "avx_vnni": ("-mavxvnni",)}
-ENV = "ROOFLINE_TORCH_CPU_NATIVE"  # 0/off: torch's int4 and int8 kernels instead
 
 
 @functools.cache
@@ -68,15 +69,16 @@ def _command(cxx: str, out: Path) -> list[str]:
             f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
 
 
-def wanted() -> bool:
-    """Unless the environment turns it off (ROOFLINE_TORCH_CPU_NATIVE=0)."""
-    return os.environ.get(ENV, "1").lower() not in ("0", "off", "false")
+def sources() -> list[Path]:
+    """The library's sources: the translation unit and every part it includes, by name (the build's cache key)."""
+    return sorted(p for p in KERNEL_DIR.iterdir() if p.suffix in (".cpp", ".h"))
 
 
 def library_path() -> Path:
     from mlx_engine.paths import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags()).encode() + torch.__version__.encode()).hexdigest()
+    key = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sources()) + " ".join(flags()).encode()
+                         + torch.__version__.encode()).hexdigest()
     return cache_dir() / "torch-native" / key[:16] / "roofline_cpu.so"
 
 
@@ -85,7 +87,7 @@ def build_error() -> str:
     """'' once the library is loaded (built first if its cache has none); else why it is not, in a line."""
     path = library_path()
     if not path.exists():
-        cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+        cxx = switches.cxx() or shutil.which("c++") or shutil.which("g++")
         if cxx is None:
             return "no C++ compiler (c++, g++ or $CXX) to build Roofline's CPU kernel"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -130,7 +132,7 @@ def _with_supers(low: np.ndarray, supers: np.ndarray) -> torch.Tensor:
 
 
 def two_level(scales: np.ndarray, supers: np.ndarray) -> torch.Tensor:
-    """A k-quant's scales as the kernel holds them (cpu_native.cpp's layouts): scales (n, nb) integers in
+    """A k-quant's scales as the kernel holds them (cpu_kernel/formats.h): scales (n, nb) integers in
     [0, 256), supers (n, nb / 8) float16 values -> (n, nb + nb / 4) uint8, a row's scales then its supers' bytes."""
     return _with_supers(np.ascontiguousarray(scales, dtype=np.uint8), supers)
 
@@ -161,6 +163,38 @@ def scales_f32(d: torch.Tensor) -> torch.Tensor:
     nb = scale_blocks(d)
     supers = d[:, nb:].contiguous().view(torch.float16).float()
     return d[:, :nb].float() * supers.repeat_interleave(8, dim=1)
+
+
+def native_float(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,
+                 zero: int = 0) -> torch.Tensor:
+    """A `NativeWeight`'s rows: codes (r, in / 2) uint8 (two 4-bit codes a byte: code j low, j + 16 high), that
+    and a 32-bit word of fifth bits a block (5-bit codes, (r, in / 2 + in / 8)), or 8 bytes a block of top bits
+    (6-bit codes, (r, in / 2 + in / 4)), or (r, in) int8; d, m (r, in / 32) float, or two-level uint8 rows, or
+    Q6_K's int8 rows (a scale per 16) -> (r, in) float32, d (c - zero) + m (6-bit: d (c - 32))."""
+    r = codes.shape[0]
+    d, m = scales_f32(d), None if m is None else scales_f32(m)
+    if bits == 6:
+        nb = d.shape[1] // 2
+        b = codes[:, : nb * 16].reshape(r, nb, 16)
+        top = codes[:, nb * 16:].reshape(r, nb, 1, 8) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+        c = (torch.cat([b & 15, b >> 4], dim=-1) | ((top & 3) << 4).reshape(r, nb, 32)).float() - 32
+        return (c.view(r, nb, 2, 16) * d.view(r, nb, 2, 1)).reshape(r, -1)
+    if bits in (4, 5):
+        nb = d.shape[1]
+        b = codes[:, : nb * 16].reshape(r, nb, 16)
+        c = torch.cat([b & 15, b >> 4], dim=-1)  # (r, blocks, 32)
+        if bits == 5:
+            h = codes[:, nb * 16:].reshape(r, nb, 4, 1)
+            c = c | ((h & _BITS.to(codes.device)) != 0).to(torch.uint8).reshape(r, nb, 32) << 4
+        c = c.float()
+    else:
+        c = codes.view(r, -1, 32).float()
+    if zero:
+        c = c - zero
+    w = c * d.float()[..., None]
+    if m is not None:
+        w = w + m.float()[..., None]
+    return w.reshape(r, -1)
 
 
 ROW_BYTES = {4: lambda k: k // 2, 5: lambda k: k // 2 + k // 8, 6: lambda k: k // 2 + k // 4, 8: lambda k: k}
@@ -283,7 +317,7 @@ class NativeWeight:
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _float(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-        return cpu_gemm.native_float(codes, d, m, self.bits, self.zero)
+        return native_float(codes, d, m, self.bits, self.zero)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup): ids (...) -> (..., in) float32."""

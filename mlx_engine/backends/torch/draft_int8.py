@@ -114,6 +114,7 @@ def quantize_int8(model: Model) -> None:
         head = Int8Weight(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
         embed = head if model.lm_head is None else Int8Weight(model.embed_tokens.weight)
         model.lm_head, model.embed_tokens = Linear(head), Embedding(embed)
+        model.head_matmul = None  # a plain Linear over the int8 rows
     except (RuntimeError, NotImplementedError, AttributeError) as e:  # a torch without its quantized CPU ops
         raise ModelLoadError(f"8-bit weights need torch's quantized CPU matmul (quantized engine "
                              f"{torch.backends.quantized.engine!r}), which failed here: {e}") from None

@@ -4,12 +4,12 @@ the CPU (packed for torch's int4/int8 kernels, or dequantized) and the draft hel
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
 
 from mlx_engine.api import RooflineError
+from mlx_engine.backends.torch import switches
 
 DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -17,9 +17,6 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # A parallel region waits on its slowest thread, so on a machine whose other processes keep a core busy,
 # `threads=1` can be the faster setting (bench/cpu_vs_llama_cpp.py measures both).
 DEFAULT_CPU_THREADS = torch.get_num_threads()
-# ROOFLINE_TORCH_CPU_PACKED=0: quantized weights dequantized to float32 on the CPU even where torch's int4/int8
-# kernels could read them packed (the exact float32 twin of the packed path, for parity checks)
-CPU_PACKED_ENV = "ROOFLINE_TORCH_CPU_PACKED"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -77,14 +74,22 @@ def check_threads(threads: Any, device: torch.device) -> int:
     return threads
 
 
-def cpu_pack_plan(device: torch.device) -> tuple[Any, tuple[str, ...]]:
+def check_switch(name: str, value: Any, switch: switches.Switch) -> bool:
+    """An on/off load option: True or False as given, None the default (`switch`'s)."""
+    if value is not None and not isinstance(value, bool):
+        raise RooflineError(f"{name}={value!r}: expected True, False or None (default: on, unless {switch.name}=0)")
+    return switch.on() if value is None else value
+
+
+def cpu_pack_plan(device: torch.device, cpu_kernel: bool | None = None) -> tuple[Any, tuple[str, ...]]:
     """(CPUSupport to pack quantized weights with, or None; warnings): packed on an x86-64 CPU with AVX2 whose
-    int4 kernel's layout `cpu_packed` reads; otherwise the portable path, said in a warning."""
+    int4 kernel's layout `cpu_packed` reads; otherwise the portable path, said in a warning. `cpu_kernel`: Roofline's
+    own kernel where it builds (None: `switches.CPU_NATIVE`), else torch's int4 and int8 kernels."""
     if device.type != "cpu":
         return None, ()
     from mlx_engine.backends.torch import cpu_features, cpu_packed
 
-    if os.environ.get(CPU_PACKED_ENV, "1") in ("0", "off", "false"):
+    if not switches.CPU_PACKED.on():
         return None, ()
     support = cpu_features.cpu_support()
     reason = support.reason
@@ -97,8 +102,9 @@ def cpu_pack_plan(device: torch.device) -> tuple[Any, tuple[str, ...]]:
     if support.native:
         from mlx_engine.backends.torch import cpu_native
 
-        error = cpu_native.build_error() if cpu_native.wanted() else ""
-        if error or not cpu_native.wanted():
+        wanted = switches.CPU_NATIVE.on() if cpu_kernel is None else cpu_kernel
+        error = cpu_native.build_error() if wanted else ""
+        if error or not wanted:
             support = dataclasses.replace(support, native=False)
         if error:
             return support, (f"{error}: torch's int4 kernel instead, slower at decode (half the tokens a second "

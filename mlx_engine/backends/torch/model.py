@@ -4,13 +4,14 @@ Pure math: state lives in the cache views passed in (`kv.py`). A view gives the 
 tokens (`positions(B, L)`) and does attention (`attention(q, k, v, scale)`, writing k/v to its storage).
 A weight is a float tensor or a packed one with a matmul and a row lookup of its own (`PackedWeight`):
 how each format is held, and the checkpoint's arrays converted, is `weights.py`'s; the int8 draft's
-weights are `draft_int8.py`'s.
+weights are `draft_int8.py`'s. The layers run eagerly here; the other ways to run them (Roofline's kernel in one
+call, torch.compile graphs) are `paths`', which imports this module and never the other way.
 """
 
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -18,17 +19,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mlx_engine.backends.torch import cpu_packed
 from mlx_engine.backends.torch import triton_kernels as tk
 
 if TYPE_CHECKING:
     from mlx_engine.backends.torch.draft_int8 import FusedInt8
-
-# The norms, rope and the MLP's gate as one Triton kernel each on CUDA (their torch references, op for op the
-# code they replace, elsewhere). ROOFLINE_TORCH_UNFUSED=1 runs the references everywhere: the A/B of
-# bench/device_check.sh, read when this module is imported.
-FUSED = os.environ.get("ROOFLINE_TORCH_UNFUSED", "0") in ("", "0")
-
 
 class PackedWeight(Protocol):
     """A weight held in a format of its own (`weights.QuantizedWeight` on CUDA, `cpu_packed`'s on the CPU,
@@ -88,7 +82,7 @@ class FusedLinear:
     """Projections of one input (q/k/v, gate/up) held packed as one matrix (`cpu_packed.fuse`): one kernel
     call, split after, each part with its bias."""
 
-    def __init__(self, weight: cpu_packed.CPUWeight, widths: list[int], linears: tuple[Linear, ...]):
+    def __init__(self, weight: PackedWeight, widths: list[int], linears: tuple[Linear, ...]):
         self.weight, self.widths = weight, widths  # each part's columns in the output, its padding included
         self.sizes = [lin.weight.out_features for lin in linears]
         self.biases = [lin.bias for lin in linears]
@@ -119,7 +113,7 @@ class RMSNorm:
         self.weight, self.eps = weight, eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return (tk.rms_norm if FUSED else tk.rms_norm_ref)(x, self.weight, self.eps)
+        return (tk.rms_norm if tk.FUSED else tk.rms_norm_ref)(x, self.weight, self.eps)
 
 
 class RoPE:
@@ -182,7 +176,7 @@ class RoPE:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (B, H, L, D) -> rotated, in float32 then back to x's dtype."""
-        return (tk.rope if FUSED else tk.rope_ref)(x, cos, sin, self.mscale, self.traditional)
+        return (tk.rope if tk.FUSED else tk.rope_ref)(x, cos, sin, self.mscale, self.traditional)
 
 
 def _llama3_freqs(freqs: np.ndarray, s: dict[str, Any]) -> np.ndarray:
@@ -322,7 +316,7 @@ class MLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj((tk.silu_mul if FUSED else tk.silu_mul_ref)(gate, up))
+        return self.down_proj((tk.silu_mul if tk.FUSED else tk.silu_mul_ref)(gate, up))
 
 
 class TransformerBlock:
@@ -337,7 +331,7 @@ class TransformerBlock:
         return attention_outputs(self, x, cache.attention(q, k, v, self.self_attn.scale))
 
 
-# A block as the two halves around its attention: what `Model.compile_decode` compiles with `paged_attention`
+# A block as the two halves around its attention: what `paths.compiled` compiles with `paged_attention`
 # between them, one graph each for every layer (the block is an argument, its tensors the graph's inputs).
 
 
@@ -371,6 +365,10 @@ class Model:
                                   for w in weights.values())
         self.embed_bytes = weight_nbytes(weights["model.embed_tokens.weight"])
 
+    # The head's own matmul where its weight format has one (`cpu_packed.head_matmul`: the top logits recomputed in
+    # float32 from exact rows), set by the loader (`weights.build_model`); else the head is a plain Linear
+    head_matmul: Callable[[Weight, torch.Tensor], torch.Tensor] | None = None
+
     def layer_outputs(self, ids: torch.Tensor, caches: list[Any] | None = None, num_layers: int | None = None):
         """ids (B, L) -> the embedding output, then each layer's output (B, L, hidden), lazily as a generator."""
         B, L = ids.shape
@@ -379,106 +377,23 @@ class Model:
         cos, sin = self.rope.angles(caches[0].positions(B, L, ids.device))  # (B, 1, L, D/2)
         h = self.embed_tokens(ids)
         yield h
-        compiled = self.compiled
-        if compiled is not None and B * L > compiled.max_rows:  # a prefill's rows, one sequence's
-            if B == 1:
-                with compiled.stance():
-                    yield from self._compiled_prefill(compiled, self.layers[:n], caches, row_major(h),
-                                                      row_major(cos), row_major(sin))
-                return
-            compiled = None
-        if compiled is not None and not all(isinstance(c, PagedRowsView) and c.has_paged_rows(B) for c in caches[:n]):
-            compiled = None
-        if compiled is None:
-            for layer, c in zip(self.layers[:n], caches):
-                h = layer(h, cos, sin, c)
-                yield h
-            return
-        N = B * L  # the graphs see one row per token, (1, N, hidden): N = 1 and N > 1 are their two shapes
-        h, cos, sin = row_major(h, 1, N, h.shape[-1]), row_major(cos, 1, 1, N, cos.shape[-1]), \
-            row_major(sin, 1, 1, N, sin.shape[-1])
-        layers = self.layers[:n]
-        with compiled.stance():
-            yield from self._compiled_layers(compiled, layers, caches, h, cos, sin, B, L)
-
-    def _compiled_layers(self, compiled: Any, layers: list[TransformerBlock], caches: list[Any],
-                         h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int, L: int):
-        N = B * L
-        kv_shape = (self.args.num_key_value_heads, self.args.head_dim)
-        rows = [c.paged_rows(N, kv_shape, h.dtype) for c in caches]  # (1, N) rows, batch-major
-        q, k, v = compiled.run(0, N, layers[0], h, cos, sin)  # (1, heads, N, hd)
-        for i, (layer, r) in enumerate(zip(layers, rows)):
-            if i + 1 < len(layers):  # this layer's attention and output half, and the next one's input half
-                h, q, k, v = compiled.run(1, N, layer, layers[i + 1], h, q, k, v, r, cos, sin)
-            else:
-                h = compiled.run(2, N, layer, h, q, k, v, r)
-            yield h.view(B, L, -1)
-
-    def _compiled_prefill(self, compiled: Any, layers: list[TransformerBlock], caches: list[Any], h: torch.Tensor,
-                          cos: torch.Tensor, sin: torch.Tensor):
-        """A prefill's layers as compiled halves (norms, projections with their dequantizing GEMMs, rope, MLP) around
-        each cache view's eager attention (its K/V write and SDPA), whose output goes in row-major."""
-        N = h.shape[1]
-        q, k, v = compiled.run(0, N, layers[0], h, cos, sin)
-        for i, (layer, c) in enumerate(zip(layers, caches)):
-            out = row_major(c.attention(q, k, v, layer.self_attn.scale))
-            if i + 1 < len(layers):
-                h, q, k, v = compiled.run(1, N, layer, layers[i + 1], h, out, cos, sin)
-            else:
-                h = compiled.run(2, N, layer, h, out)
+        for layer, c in zip(self.layers[:n], caches):
+            h = layer(h, cos, sin, c)
             yield h
 
-    compiled: Any = None  # compiled.CompiledHalves: the blocks' halves as torch.compile graphs (compile_decode)
-
-    def compile_decode(self, max_rows: int) -> None:
-        """Forwards of at most `max_rows` rows (decode steps, batched or not, short speculative verifications)
-        run each block's halves around its attention as torch.compile graphs; longer ones stay eager."""
-        from mlx_engine.backends.torch.compiled import CompiledHalves
-
-        self.compiled = CompiledHalves(max_rows)
-
-    native: Any = None  # native_step.NativeStep: a forward's layers as one C++ call (use_native_step)
-
-    def use_native_step(self) -> str:
-        """Forwards through `native_step.NativeStep` from now on, where every layer can run there: '' where they
-        do, else why not."""
-        from mlx_engine.backends.torch.native_step import NativeStep
-
-        step = NativeStep.layout(self)
-        self.native = step if isinstance(step, NativeStep) else None
-        return "" if self.native is not None else step
-
-    def _native_forward(self, ids: torch.Tensor, caches: list[Any] | None,
-                        num_layers: int | None) -> torch.Tensor | None:
-        """The last layer's output (B, L, hidden) through the native step, or None where it does not serve: no
-        paged cache, or more rows than a decode step's where the prefills are compiled."""
-        B, L = ids.shape
-        N = B * L
-        n = len(self.layers) if num_layers is None else num_layers
-        if (self.compiled is not None and N > GRAPH_ROWS) or caches is None or not all(
-                isinstance(c, PagedRowsView) and c.has_paged_rows(B) for c in caches[:n]):
-            return None
-        cos, sin = self.rope.angles(caches[0].positions(B, L, ids.device))  # (B, 1, L, D/2)
-        h = self.embed_tokens(ids)
-        kv_shape = (self.args.num_key_value_heads, self.args.head_dim)
-        rows = [c.paged_rows(N, kv_shape, h.dtype) for c in caches[:n]]
-        return self.native(h.reshape(N, -1), rows, cos.reshape(N, -1), sin.reshape(N, -1)).view(B, L, -1)
-
     def __call__(self, ids: torch.Tensor, caches: list[Any] | None = None, num_layers: int | None = None) -> torch.Tensor:
-        """ids (B, L) -> final hidden states (B, L, hidden), after the first `num_layers` layers (all: None)."""
-        h = self._native_forward(ids, caches, num_layers) if self.native is not None else None
-        if h is None:
-            for h in self.layer_outputs(ids, caches, num_layers):
-                pass
+        """ids (B, L) -> final hidden states (B, L, hidden), after the first `num_layers` layers (all: None), the
+        layers run eagerly (the other ways to run them: `paths`)."""
+        for h in self.layer_outputs(ids, caches, num_layers):
+            pass
         return self.norm(h)
 
+    def head(self) -> Weight:
+        """The output head's weight (the embedding's, tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if isinstance(head, cpu_packed.CPUWeight):
-            x = h.reshape(-1, h.shape[-1])
-            if self.compiled is not None and x.shape[0] <= self.compiled.max_rows:  # its ~15 small ops fused
-                x = row_major(x)
-                with self.compiled.stance():
-                    return self.compiled.run(3, x.shape[0], head, x).view(*h.shape[:-1], -1)
-            return cpu_packed.head_matmul(head, h)
+        """h (..., hidden) -> logits (..., vocab)."""
+        if self.head_matmul is not None:
+            return self.head_matmul(self.head(), h)
         return self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -29,20 +28,21 @@ from mlx_engine.backends.torch.kv import (
 )
 from mlx_engine.backends.torch.cpu_features import DEQUANT_MIN_ROWS, cpu_support
 from mlx_engine.backends.torch.weights import build_model
-from mlx_engine.backends.torch import native_step
 from mlx_engine.backends.torch.model import GRAPH_ROWS
+from mlx_engine.backends.torch import switches
+from mlx_engine.backends.torch.paths import Paths
+from mlx_engine.backends.torch.paths.native_step import KV_DTYPE as NATIVE_KV_DTYPE
+from mlx_engine.backends.torch.paths.native_step import NOTE as NATIVE_NOTE
 from mlx_engine.backends.torch.sampling import sample_rows
 from mlx_engine.backends.base import RunnerCapabilities
 from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers,
                                         model_fingerprint)
-from mlx_engine.backends.torch.load import (DEFAULT_CPU_THREADS, check_draft_bits, check_threads, cpu_pack_notes,
-                                            cpu_pack_plan, pick_dtype, resolve_device, use_kernels)
+from mlx_engine.backends.torch.load import (DEFAULT_CPU_THREADS, check_draft_bits, check_switch, check_threads,
+                                            cpu_pack_notes, cpu_pack_plan, pick_dtype, resolve_device, use_kernels)
 from mlx_engine.reasoning import reasoning_family
 
 TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 T = TypeVar("T")
-# ROOFLINE_TORCH_COMPILE=0: `compile` defaults to off (the test suite sets it: a compile costs tens of seconds)
-COMPILE_ENV = "ROOFLINE_TORCH_COMPILE"
 
 
 def default_compile(packed_cpu: bool, native: bool) -> bool:
@@ -50,8 +50,9 @@ def default_compile(packed_cpu: bool, native: bool) -> bool:
     layers are one native call (`native_step`), since the graphs would then serve prefills only, level with the
     native prefill at 128 tokens and 1.05-1.15x at 512, at the cost of a 3-4x slower load and 60-85 MB more peak
     memory (docs/benchmarks/torch-cpu.md, "Issue 27: the decode step in one call"); off with
-    ROOFLINE_TORCH_COMPILE=0."""
-    return packed_cpu and not native and os.environ.get(COMPILE_ENV, "1") not in ("0", "off", "false")
+    ROOFLINE_TORCH_COMPILE=0 (`switches.COMPILE`)."""
+    return packed_cpu and not native and switches.COMPILE.on()
+
 
 # A single sequence's prefill of at most this many positions (a speculative verification of k + 1 <= 17
 # tokens, a short prompt's last chunk) replays a CUDA graph as that many decode rows
@@ -135,6 +136,7 @@ class TorchRunner(CacheRunner):
         self.graphs: Any = None  # graphs.DecodeGraphs: the decode step as CUDA graphs (CUDA, cuda_graphs on)
         self.graphs_error: str | None = None  # why graphs went off, when a capture failed
         self.threads = DEFAULT_CPU_THREADS  # torch's CPU threads in this runner's work (load's `threads`)
+        self.paths = Paths(model)  # how its forwards run: the native step and compiled graphs the load made
 
     @classmethod
     def load(
@@ -152,6 +154,8 @@ class TorchRunner(CacheRunner):
         draft_optional: bool = False,
         threads: int | None = None,
         compile: bool | None = None,
+        native_step: bool | None = None,
+        cpu_kernel: bool | None = None,
         *,
         with_cache: bool = True,
         packed_cpu: bool = True,
@@ -163,8 +167,10 @@ class TorchRunner(CacheRunner):
         8 holds the draft as int8 for the CPU's int8 matmul, its float projections dropped (`draft_int8.quantize_int8`).
         `threads`: torch's CPU threads (default: all cores torch sees). `packed_cpu=False` (an int8 draft, made from
         float32 weights): quantized weights dequantized to float32 even where the CPU kernels could hold them.
-        `compile`: decode-sized forwards and prefills through torch.compile graphs (`compiled.CompiledHalves`),
-        compiled at load (default: `default_compile`)."""
+        `compile`: decode-sized forwards and prefills through torch.compile graphs (`paths.compiled.CompiledHalves`),
+        compiled at load (default: `default_compile`). `cpu_kernel`: quantized weights for Roofline's own CPU kernel
+        where it builds (default on; else torch's int4 and int8 kernels); `native_step`: a forward's layers in one
+        call of it where the model's layers allow (default on; `paths.native_step`)."""
         import importlib
 
         from mlx_engine.kv.config import KVConfig
@@ -183,6 +189,8 @@ class TorchRunner(CacheRunner):
             raise RooflineError(f"cuda_graphs=True needs device='cuda' (this runner is on {dev.type}); leave it unset")
         check_draft_bits(draft_bits, draft_model, dev, dtype)
         num_threads = check_threads(threads, dev)
+        want_kernel = check_switch("cpu_kernel", cpu_kernel, switches.CPU_NATIVE)
+        want_step = check_switch("native_step", native_step, switches.NATIVE_STEP)
         if prefill_chunk_size is None:
             prefill_chunk_size = CUDA_PREFILL_CHUNK if dev.type == "cuda" else CPU_PREFILL_CHUNK
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
@@ -201,12 +209,13 @@ class TorchRunner(CacheRunner):
         act_dtype = pick_dtype(dtype, ckpt.checkpoint_dtype, dev)
         freq_factors = ckpt.config.pop("_rope_freq_factors", None)  # GGUF llama3: per-frequency divisors
         kernels = use_kernels(dev)
-        cpu, pack_warnings = cpu_pack_plan(dev) if packed_cpu and not kernels else (None, ())
+        cpu, pack_warnings = cpu_pack_plan(dev, want_kernel) if packed_cpu and not kernels else (None, ())
         weights, ckpt.weights = ckpt.weights, {}  # emptied as they convert: each source array freed once converted
         tmodel = build_model(args, weights, ckpt.quantization, act_dtype, dev, str(ckpt.path), freq_factors,
                              packed=kernels, cpu=cpu)
         del weights
-        why_not = tmodel.use_native_step() if cpu is not None and cpu.native and native_step.wanted() else None
+        paths = Paths(tmodel)
+        why_not = paths.use_native_step() if cpu is not None and cpu.native and want_step else None
         native = why_not == ""
         if why_not:  # the kernel holds the weights, but the step around it runs as Python layers: say so
             pack_warnings += (f"decode steps run as Python layers around the kernel, not in one call of it "
@@ -222,11 +231,11 @@ class TorchRunner(CacheRunner):
             native=True, dtype=dtype_name, eos_token_ids=tuple(tokenizer.eos_token_ids), backend="torch",
             device=dev.type, has_tokenizer=ckpt.tokenizer is not None, reasoning=reasoning_family(tokenizer),
             notes=cpu_pack_notes(tmodel) + ((f"{num_threads} CPU threads",) if dev.type == "cpu" else ())
-            + ((native_step.NOTE,) if native else ()),
+            + ((NATIVE_NOTE,) if native else ()),
             warnings=pack_warnings if ckpt.quantization else (),
         )
         runner = cls(tmodel, tokenizer, info, prefill_chunk_size, dev)
-        runner.threads = num_threads
+        runner.threads, runner.paths = num_threads, paths
         if compile not in (None, True, False):
             raise RooflineError(f"compile={compile!r}: expected True, False or None (default: on the CPU with packed "
                                 "weights where the decode step is not native)")
@@ -237,11 +246,11 @@ class TorchRunner(CacheRunner):
 
             note, info = runner.compile_decode(), runner.info
             trim_heap()  # what tracing and lowering freed (~30 MB of SmolLM2's compile, docs/benchmarks/torch-cpu.md)
-            runner.info = (dataclasses.replace(info, warnings=(*info.warnings, note)) if runner.model.compiled is None
+            runner.info = (dataclasses.replace(info, warnings=(*info.warnings, note)) if runner.paths.compiled is None
                            else dataclasses.replace(info, notes=(*info.notes, note)))
             runner.warm_prefill()
         # the native step's pools hold float16, as llama.cpp's default KV: half the bytes its attention reads
-        kv_dtype = native_step.KV_DTYPE if native else act_dtype
+        kv_dtype = NATIVE_KV_DTYPE if native else act_dtype
         itemsize = torch.empty((), dtype=kv_dtype).element_size()
         runner._shape = {"embed_bytes": tmodel.embed_bytes, "tied": args.tie_word_embeddings,
                          "layers": args.num_hidden_layers, "kv_heads": args.num_key_value_heads,
@@ -264,7 +273,8 @@ class TorchRunner(CacheRunner):
         if draft_model is not None:
             def load_draft() -> TorchRunner:
                 draft = cls.load(draft_model, device=dev.type, dtype=dtype, prefill_chunk_size=prefill_chunk_size,
-                                 threads=threads, with_cache=False, packed_cpu=draft_bits is None)
+                                 threads=threads, native_step=native_step, cpu_kernel=cpu_kernel, with_cache=False,
+                                 packed_cpu=draft_bits is None)
                 if draft_bits is not None:
                     from mlx_engine.backends.torch.draft_int8 import quantize_int8
 
@@ -284,25 +294,25 @@ class TorchRunner(CacheRunner):
         import gc
         import time
 
-        from mlx_engine.backends.torch.compiled import compile_errors
+        from mlx_engine.backends.torch.inductor import compile_errors
         from mlx_engine.backends.torch.weights import trim_heap
 
         start = time.perf_counter()
-        self.model.compile_decode(GRAPH_ROWS)
+        self.paths.compile(GRAPH_ROWS)
         try:
             layers = self.scratch_layers()  # a prefill's rows, then 3 (the graphs of 2..max rows), then 1
             for rows in (max(GRAPH_ROWS + 1, DEQUANT_MIN_ROWS), 3, 1):
-                h = self.model(torch.zeros(1, rows, dtype=torch.long, device=self.device), layers)
+                h = self.paths(torch.zeros(1, rows, dtype=torch.long, device=self.device), layers)
                 if rows <= GRAPH_ROWS:  # a prefill's logits are its last row's (the one-row graph)
-                    self.model.logits(h[0])
+                    self.paths.logits(h[0])
                 gc.collect()  # each batch's tracing and lowering, freed before the next one's (the load's peak)
                 trim_heap()
         except compile_errors() as e:
-            self.model.compiled = None
+            self.paths.compiled = None
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             return f"torch.compile failed here, so decode and prefill run eagerly (slower): {first[:200]}"
-        self.model.compiled.warmed()
-        what = "prefills and the output head" if self.model.native is not None else "decode steps and prefills"
+        self.paths.compiled.warmed()
+        what = "prefills and the output head" if self.paths.native is not None else "decode steps and prefills"
         return f"{what} compiled by torch.compile in {time.perf_counter() - start:.0f} s"
 
     @_torch_work
@@ -310,9 +320,9 @@ class TorchRunner(CacheRunner):
         """One forward of a prefill's rows on scratch caches, so that the dequantizing GEMM path compiles its
         slices (`cpu_gemm`) at load rather than in the first prompt; none where the prefill's layers are
         compiled graphs (`compile_decode` compiled them with those slices inside)."""
-        if self.device.type != "cpu" or not cpu_support().bf16_gemm or self.model.compiled is not None:
+        if self.device.type != "cpu" or not cpu_support().bf16_gemm or self.paths.compiled is not None:
             return
-        self.model(torch.zeros(1, DEQUANT_MIN_ROWS, dtype=torch.long, device=self.device), self.scratch_layers())
+        self.paths(torch.zeros(1, DEQUANT_MIN_ROWS, dtype=torch.long, device=self.device), self.scratch_layers())
 
     # --- forwards (engine thread) ---
 
@@ -322,7 +332,7 @@ class TorchRunner(CacheRunner):
     @_torch_work
     def forward(self, inputs: Any, layers: list[Any]) -> torch.Tensor:
         """inputs (B, L) -> final hidden states (B, L, hidden), a torch tensor (K/V written to `layers`)."""
-        return self.model(_ids(inputs, self.device), layers)
+        return self.paths(_ids(inputs, self.device), layers)
 
     def prefill(self, inputs: Any, layers: list[Any]) -> None:
         self.forward(inputs, layers)
@@ -384,7 +394,7 @@ class TorchRunner(CacheRunner):
         if logits is not None:  # a prefill's rows are one sequence's positions: its last
             return logits[-1:] if isinstance(layers[0], PrefillView) else logits
         h = self.forward(inputs, layers)
-        return self.model.logits(h[:, -1, :])
+        return self.paths.logits(h[:, -1, :])
 
     def _rows_logits(self, inputs: Any, layers: list[Any], rows: list[int]) -> torch.Tensor | None:
         step = self._graph_step(layers)  # a step of decode rows only: rows (1, B) -> a graph's batch of B
@@ -392,7 +402,7 @@ class TorchRunner(CacheRunner):
         if logits is not None:
             return logits[rows] if rows else None
         h = self.forward(inputs, layers)  # eager: the K/V writes are done
-        return self.model.logits(h[0, rows]) if rows else None
+        return self.paths.logits(h[0, rows]) if rows else None
 
     def timing_variant(self) -> str:
         return "-cuda-graphs" if self.graphs is not None else ""  # graphed steps: another forward
@@ -427,22 +437,22 @@ class TorchRunner(CacheRunner):
         if logits is not None:
             return _mx(logits)
         h = self.forward(inputs, layers)
-        return _mx(self.model.logits(h[0]))
+        return _mx(self.paths.logits(h[0]))
 
     @_torch_work
     def draft_logits(self, inputs: Any, layers: list[Any], num_layers: int) -> mx.array:
-        h = self.model(_ids(inputs, self.device), layers, num_layers=num_layers)
-        return _mx(self.model.logits(h[:, -1, :]))
+        h = self.paths(_ids(inputs, self.device), layers, num_layers=num_layers)
+        return _mx(self.paths.logits(h[:, -1, :]))
 
     @_torch_work
     def forward_logits(self, ids: list[int]) -> np.ndarray:
-        h = self.model(_ids([ids], self.device))
-        return self.model.logits(h[0]).float().cpu().numpy()
+        h = self.paths(_ids([ids], self.device))
+        return self.paths.logits(h[0]).float().cpu().numpy()
 
     @_torch_work
     def hidden_states(self, ids: list[int]) -> list[np.ndarray]:
         """[embedding output, output of each decoder layer], each (T, hidden) float32, from a fresh forward."""
-        return [h[0].float().cpu().numpy() for h in self.model.layer_outputs(_ids([ids], self.device))]
+        return [h[0].float().cpu().numpy() for h in self.paths.layer_outputs(_ids([ids], self.device))]
 
     @_torch_work
     def score(self, ids: list[int]) -> np.ndarray:
@@ -451,13 +461,14 @@ class TorchRunner(CacheRunner):
         layers, out = self.scratch_layers(), []
         for start in range(0, len(ids) - 1, self.prefill_chunk_size):
             end = min(start + self.prefill_chunk_size, len(ids) - 1)
-            h = self.model(_ids([ids[start:end]], self.device), layers)
-            logp = torch.log_softmax(self.model.logits(h[0]).float(), dim=-1)  # (L, V)
+            h = self.paths(_ids([ids[start:end]], self.device), layers)
+            logp = torch.log_softmax(self.paths.logits(h[0]).float(), dim=-1)  # (L, V)
             target = _ids(ids[start + 1:end + 1], self.device)
             out.append(logp.gather(-1, target[:, None])[:, 0].cpu().numpy())
         return np.concatenate(out) if out else np.zeros(0, np.float32)
 
     def _free_device_memory(self) -> None:
+        self.paths = None  # it holds the model, and the native step the weights' tensors
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -23,6 +23,7 @@ from collections import Counter
 
 import torch
 
+from mlx_engine.backends.torch import switches
 from mlx_engine.backends.torch.triton_sources import interpreting as _interpreting
 from mlx_engine.backends.torch.triton_sources import kernels as _kernels
 from mlx_engine.backends.torch.triton_sources import triton
@@ -32,6 +33,10 @@ SUPPORTED_GROUP_SIZES = (16, 32, 64, 128)  # 16: the sub-blocks of Q2_K, Q3_K, Q
 SUPPORTED_BLOCK_SIZES = (16, 32)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
+
+# The norms, rope and the MLP's gate as one Triton kernel each on CUDA (their torch references, op for op the
+# code they replace, elsewhere), which the model picks by this (`switches.UNFUSED`, read when this module is imported)
+FUSED = switches.fused()
 
 # kernel launches by name; tests read it to prove the Triton path (not the fallback) ran
 launch_counts: Counter[str] = Counter()

@@ -3,9 +3,10 @@ that launch them and their torch references: a source's callees are resolved in 
 
 from __future__ import annotations
 
-import os
 from functools import cache
 from typing import Any
+
+from mlx_engine.backends.torch import switches
 
 try:
     import triton
@@ -15,7 +16,7 @@ except Exception:  # triton is optional: the references serve
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return switches.triton_interpret()
 
 
 # Kernel sources are plain functions, decorated with triton.jit on first use, once per mode: Triton

@@ -239,6 +239,8 @@ def build_model(args: Any, weights: dict[str, Any], quantization: dict[str, Any]
     model = Model(args, tensors, rope, device)
     del tensors  # the model holds them: fusing then frees each part as its fused copy is made
     model.dtype = dtype
+    if isinstance(model.head(), cpu_packed.CPUWeight):
+        model.head_matmul = cpu_packed.head_matmul
     if cpu is not None:
         trim_heap()
         fuse_projections(model)

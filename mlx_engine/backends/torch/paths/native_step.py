@@ -1,5 +1,5 @@
-"""A forward's layers as one call of Roofline's CPU kernel library (`roofline_cpu::forward_layers`, cpu_native.cpp):
-the norms, q/k/v, rope, the K/V written to the paged pools and attended, the output projection, the MLP and the
+"""A forward's layers as one call of Roofline's CPU kernel library (`roofline_cpu::forward_layers`,
+cpu_kernel/layers.h): the norms, q/k/v, rope, the K/V written to the paged pools and attended, the output projection, the MLP and the
 residuals of every layer, in C++ around the same quantized matmuls (`NativeWeight`: the kernel's for decode-sized
 forwards, the dequantizing bfloat16 GEMM from `cpu_features.DEQUANT_MIN_ROWS` rows, as `NativeWeight.matmul`), in
 place of a compiled graph call a layer or the eager ops. A prefill chunk's rows attend through torch's SDPA. What
@@ -10,26 +10,21 @@ step in one call").
 `NativeStep.layout(model)` says whether a model can run so (every projection a `NativeWeight` without a bias past
 q/k/v, float32 activations, a head_dim that is a multiple of 8), and why not where it cannot, and lays its layers'
 tensors and ints out once, as the op reads them; a forward then hands it the rows' positions and each layer's pools
-(`PagedRows`)."""
+(`PagedRows`). A row of `paths.TABLE` (`forward`); its twin is the eager model."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from mlx_engine.backends.torch import cpu_features, cpu_gemm
 from mlx_engine.backends.torch.cpu_native import NativeWeight
+from mlx_engine.backends.torch.model import FusedLinear, Model
 
 CHUNK_ROWS = 48  # rows of one sequence's chunk, at least, that attend through SDPA (fewer: the op's own loop)
-ENV = "ROOFLINE_TORCH_NATIVE_STEP"  # 0/off: the layers as compiled graphs (or eager ops), as before
 NOTE = "decode steps' and prefills' layers in one call of Roofline's CPU kernel; KV cache in float16"
 KV_DTYPE = torch.float16  # the pools' (the op reads float32 or float16): K/V rounded once, when written
-
-
-def wanted() -> bool:
-    return os.environ.get(ENV, "1").lower() not in ("0", "off", "false")
 
 
 class NativeStep:
@@ -43,7 +38,7 @@ class NativeStep:
         self.gemm_rows = cpu_features.DEQUANT_MIN_ROWS if cpu_features.bf16_gemm() else 2**62
 
     @classmethod
-    def layout(cls, model: Any) -> NativeStep | str:
+    def layout(cls, model: Model) -> NativeStep | str:
         """The model's layers laid out for `forward_layers`, or why one of them cannot run there (a phrase)."""
         empty = torch.empty(0, dtype=torch.float32)
         tensors: list[torch.Tensor] = []
@@ -95,8 +90,6 @@ def _vector(t: Any) -> bool:
 def _group(fused: Any, linears: tuple[Any, ...]) -> tuple[list[NativeWeight], list[int], list[Any]] | None:
     """Projections of one input as the op reads them: their matrices (one fused, or each its own), the column
     where each part starts in those matrices' outputs side by side, and each part's bias."""
-    from mlx_engine.backends.torch.model import FusedLinear
-
     if fused is not None:
         if not isinstance(fused, FusedLinear) or not isinstance(fused.weight, NativeWeight):
             return None
@@ -106,3 +99,14 @@ def _group(fused: Any, linears: tuple[Any, ...]) -> tuple[list[NativeWeight], li
         return None
     widths = [lin.weight.out_features for lin in linears]
     return [lin.weight for lin in linears], [sum(widths[:i]) for i in range(len(widths))], [lin.bias for lin in linears]
+
+
+def forward(step: NativeStep, model: Model, ids: torch.Tensor, caches: list[Any], num_layers: int) -> torch.Tensor:
+    """ids (B, L) -> the output (B, L, hidden) of the first `num_layers` layers through `step`, over paged views."""
+    B, L = ids.shape
+    N = B * L
+    cos, sin = model.rope.angles(caches[0].positions(B, L, ids.device))  # (B, 1, L, D/2)
+    h = model.embed_tokens(ids)
+    kv_shape = (model.args.num_key_value_heads, model.args.head_dim)
+    rows = [c.paged_rows(N, kv_shape, h.dtype) for c in caches[:num_layers]]
+    return step(h.reshape(N, -1), rows, cos.reshape(N, -1), sin.reshape(N, -1)).view(B, L, -1)

@@ -1,23 +1,24 @@
 """The torch CPU decode step as torch.compile graphs: `model.attention_inputs`, `between_attentions` and
-`attend_and_output` compiled by inductor, the attention (`model.paged_attention`) inside them, one call a layer,
-and the packed head's `cpu_packed.head_matmul` (`Model.compile_decode`); and a prefill's rows as the same halves
-around each cache view's eager attention (`outputs_then_inputs`), their matmuls' dequantization to bfloat16
-fused into the graphs."""
+`attend_and_output` compiled by inductor, the attention (`model.paged_attention`) inside them, one call a layer
+(`decode_layers`), and the packed head's `cpu_packed.head_matmul` (`head_logits`); and a prefill's rows as the same
+halves around each cache view's eager attention (`outputs_then_inputs`, `prefill_layers`), their matmuls'
+dequantization to bfloat16 fused into the graphs. Rows of `paths.TABLE`; their twin is the eager model."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import types
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from mlx_engine.backends.torch import cpu_features
 from mlx_engine.backends.torch.cpu_packed import head_matmul
-from mlx_engine.backends.torch.model import (PagedRows, TransformerBlock, attention_inputs, attention_outputs,
-                                             paged_attention)
+from mlx_engine.backends.torch.inductor import own_code, use_app_cache
+from mlx_engine.backends.torch.model import (Model, PagedRows, TransformerBlock, attention_inputs,
+                                             attention_outputs, paged_attention, row_major)
 
 # where compiling starts, not at every import of the backend (cpu_features.bf16_gemm says why)
 torch.compiler.assume_constant_result(cpu_features.bf16_gemm)
@@ -48,24 +49,6 @@ def outputs_then_inputs(block: TransformerBlock, following: TransformerBlock, x:
     block's input half."""
     h = attention_outputs(block, x, out)
     return (h, *attention_inputs(following, h, cos, sin))
-
-
-def compile_errors() -> tuple[type[BaseException], ...]:
-    """What a failed torch.compile raises: inductor's C++ build (no compiler, a failed build) and dynamo's
-    backend errors."""
-    from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
-
-    return (BackendCompilerFailed, TorchRuntimeError, OSError, RuntimeError)
-
-
-def use_app_cache() -> None:
-    """Inductor's caches (its FX graph and AOT autograd caches, on by default, and the C++ it builds) under the
-    app's cache dir rather than /tmp, where a reboot would empty them: a later load then skips inductor's
-    code generation and C++ builds (dynamo still traces). TORCHINDUCTOR_CACHE_DIR set by the user wins."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from mlx_engine.paths import cache_dir
-
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "torchinductor")
 
 
 class CompiledHalves:
@@ -191,12 +174,6 @@ def direct_call(fn: Any) -> Any:
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def own_code(fn: Any, rows: Any) -> Any:
-    """A copy of `fn` with a code object of its own (named after `rows`), so that dynamo keeps its graphs apart."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{rows}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-
-
 def _mark_dynamic(args: tuple[Any, ...], many_rows: bool) -> None:
     """The dims that vary between calls of one graph, dynamic from its first compile: the attended length and
     the pools' slots; with many rows also the rows' dim. The weights' shapes stay static."""
@@ -228,3 +205,57 @@ def _compile_options() -> Any:
 
     with _config.patch(use_duck_shape=False), inductor_config.patch(size_asserts=False):
         yield
+
+
+def decode_layers(compiled: CompiledHalves, model: Model, ids: torch.Tensor, caches: list[Any],
+                  num_layers: int) -> Iterator[torch.Tensor]:
+    """A forward of at most `max_rows` rows over paged views, as the graphs: the embedding output, then each layer's
+    output (B, L, hidden)."""
+    B, L = ids.shape
+    cos, sin = model.rope.angles(caches[0].positions(B, L, ids.device))  # (B, 1, L, D/2)
+    h = model.embed_tokens(ids)
+    yield h
+    N = B * L  # the graphs see one row per token, (1, N, hidden): N = 1 and N > 1 are their two shapes
+    h, cos, sin = row_major(h, 1, N, h.shape[-1]), row_major(cos, 1, 1, N, cos.shape[-1]), \
+        row_major(sin, 1, 1, N, sin.shape[-1])
+    layers = model.layers[:num_layers]
+    with compiled.stance():
+        kv_shape = (model.args.num_key_value_heads, model.args.head_dim)
+        rows = [c.paged_rows(N, kv_shape, h.dtype) for c in caches]  # (1, N) rows, batch-major
+        q, k, v = compiled.run(0, N, layers[0], h, cos, sin)  # (1, heads, N, hd)
+        for i, (layer, r) in enumerate(zip(layers, rows)):
+            if i + 1 < len(layers):  # this layer's attention and output half, and the next one's input half
+                h, q, k, v = compiled.run(1, N, layer, layers[i + 1], h, q, k, v, r, cos, sin)
+            else:
+                h = compiled.run(2, N, layer, h, q, k, v, r)
+            yield h.view(B, L, -1)
+
+
+def prefill_layers(compiled: CompiledHalves, model: Model, ids: torch.Tensor, caches: list[Any],
+                   num_layers: int) -> Iterator[torch.Tensor]:
+    """A prefill's layers (one sequence's rows, more than `max_rows`) as compiled halves (norms, projections with
+    their dequantizing GEMMs, rope, MLP) around each cache view's eager attention (its K/V write and SDPA), whose
+    output goes in row-major: the embedding output, then each layer's output."""
+    B, L = ids.shape
+    cos, sin = model.rope.angles(caches[0].positions(B, L, ids.device))  # (B, 1, L, D/2)
+    h = model.embed_tokens(ids)
+    yield h
+    layers = model.layers[:num_layers]
+    with compiled.stance():
+        h, cos, sin = row_major(h), row_major(cos), row_major(sin)
+        N = h.shape[1]
+        q, k, v = compiled.run(0, N, layers[0], h, cos, sin)
+        for i, (layer, c) in enumerate(zip(layers, caches)):
+            out = row_major(c.attention(q, k, v, layer.self_attn.scale))
+            if i + 1 < len(layers):
+                h, q, k, v = compiled.run(1, N, layer, layers[i + 1], h, out, cos, sin)
+            else:
+                h = compiled.run(2, N, layer, h, out)
+            yield h
+
+
+def head_logits(compiled: CompiledHalves, model: Model, h: torch.Tensor) -> torch.Tensor:
+    """The packed head's `head_matmul` on at most `max_rows` rows as its graph (its ~15 small ops fused)."""
+    x = row_major(h.reshape(-1, h.shape[-1]))
+    with compiled.stance():
+        return compiled.run(3, x.shape[0], model.head(), x).view(*h.shape[:-1], -1)
