@@ -60,15 +60,6 @@ class FakeReply:
     mean_accepted_tokens: float | None = None
     thought: str = ""  # a reasoning model's thinking before `text` (hold_after, error_after and drafted count it)
 
-
-FAKE_CLOSER = "</think>"  # the token that ends a thought: the engine gives it no text
-
-
-def thinks(request: GenerationRequest) -> bool:
-    """Whether a reasoning model thinks for `request` (mlx_engine.reasoning.template_kwargs' rule for "think")."""
-    variables = request.chat_template_kwargs or {}
-    return request.reasoning_effort not in EFFORTS_OFF and variables.get("enable_thinking") is not False
-
     # A model offered tools in the JSON format (templates without tool markup) answers one JSON object
     @classmethod
     def call(cls, name: str, arguments: dict) -> FakeReply:
@@ -79,6 +70,15 @@ def thinks(request: GenerationRequest) -> bool:
     def answer(cls, text: str) -> FakeReply:
         """A reply in text while tools are offered."""
         return cls(json.dumps({"response": text}))
+
+
+FAKE_CLOSER = "</think>"  # the token that ends a thought: the engine gives it no text
+
+
+def thinks(request: GenerationRequest) -> bool:
+    """Whether a reasoning model thinks for `request` (mlx_engine.reasoning.template_kwargs' rule for "think")."""
+    variables = request.chat_template_kwargs or {}
+    return request.reasoning_effort not in EFFORTS_OFF and variables.get("enable_thinking") is not False
 
 
 class FakeStream:
