@@ -111,7 +111,7 @@ async def test_a_call_allowed_once_runs_and_its_result_goes_back(tmp_path: Path,
     async with app.run_test(size=(110, 40)) as pilot:
         await ready(pilot)
         await connected(pilot)
-        assert "MCP: demo 3 tools · F6" in str(app.chat_screen.query_one("#mcp-status").render())
+        assert "MCP: demo 3 tools · F8" in str(app.chat_screen.query_one("#mcp-status").render())
         await send(pilot, "What is 2 + 3?")
         view = await asking(pilot)
         assert view.call == CALL_ADD and app.focused is view
@@ -206,7 +206,7 @@ async def test_a_server_that_cannot_start_is_a_line_and_the_app_chats_on(tmp_pat
         await wait_for(pilot, lambda: app.mcp.states_by_name()["broken"].status == "failed", what="broken failed")
         line = f"MCP server 'broken' cannot start: '{tmp_path / 'no-such-server'}' was not found"
         await wait_for(pilot, lambda: notes(app) == [line], what="the failure's line")
-        assert "MCP: broken cannot start · demo 3 tools · F6" in str(
+        assert "MCP: broken cannot start · demo 3 tools · F8" in str(
             app.chat_screen.query_one("#mcp-status").render())
         configure(tmp_path, {"broken": {"command": str(tmp_path / "no-such-server")}})
         app.reload_mcp()  # now only the broken one: no tools are offered, the reply is plain text
@@ -242,11 +242,11 @@ async def test_a_config_that_does_not_parse_is_one_line_and_no_server_runs(tmp_p
         assert notes(app) == [f"MCP config {path}: line 1, column 41: Expecting property name enclosed in double "
                               "quotes; running without MCP servers."]
         assert app.mcp.states() == []
-        assert "MCP: mcp.json has an error, no servers run · F6" in str(
+        assert "MCP: mcp.json has an error, no servers run · F8" in str(
             app.chat_screen.query_one("#mcp-status").render())
         await send(pilot, "Hi")
         await answered(pilot, "Hello.")
-        await pilot.press("f6")
+        await pilot.press("f8")
         await wait_for(pilot, lambda: type(app.screen).__name__ == "MCPScreen", what="the MCP screen")
         assert f"{path}: line 1, column 41" in str(app.screen.query_one("#mcp-servers").render())
 

@@ -57,7 +57,7 @@ class RooflineApp(App):
         Binding("ctrl+o", "focus_chats", "Open chat", show=False,
                 tooltip="Move to the chat list (showing it if hidden): arrows pick a chat, Enter opens it"),
         Binding("f4", "toggle_theme", "Dark/light", show=False, tooltip="Switch between dark and light themes"),
-        Binding("f6", "mcp", "MCP", show=False, tooltip="MCP servers: their state and tools; r there reloads mcp.json"),
+        Binding("f8", "mcp", "MCP", show=False, tooltip="MCP servers: their state and tools; r there reloads mcp.json"),
     ]
 
     def __init__(self, backend: Any = None, model: str | None = None, home: Path | str | None = None,
@@ -354,7 +354,7 @@ class RooflineApp(App):
         yield SystemCommand("Toggle sidebar", "Show or hide the chat list (ctrl+b)", self.action_toggle_sidebar)
         yield SystemCommand("Go to the chat list", "Pick a chat with the arrows, Enter opens it (ctrl+o)",
                             self.action_focus_chats)
-        yield SystemCommand("MCP servers", "The MCP servers' state and tools (F6)", self.action_mcp)
+        yield SystemCommand("MCP servers", "The MCP servers' state and tools (F8)", self.action_mcp)
         yield SystemCommand("Reload MCP config", f"Read {self.mcp_config_path} again and restart its servers",
                             self.reload_mcp)
         yield SystemCommand("Toggle dark/light", "Switch between the dark and light theme (F4)",

@@ -18,9 +18,9 @@ MARKS = {"starting": "…", "connected": "●", "failed": "✗", "stopped": "○
 
 
 def status_line(states: list[Any], config_error: str | None) -> str:
-    """'MCP: files 3 tools · web cannot start · F6' ('' with no config file)."""
+    """'MCP: files 3 tools · web cannot start · F8' ('' with no config file)."""
     if config_error:
-        return f"MCP: {CONFIG_NAME} has an error, no servers run · F6"
+        return f"MCP: {CONFIG_NAME} has an error, no servers run · F8"
     if not states:
         return ""
     parts = []
@@ -31,7 +31,7 @@ def status_line(states: list[Any], config_error: str | None) -> str:
             parts.append(f"{s.name} {'stopped' if (s.error or '').startswith('stopped') else 'cannot start'}")
         else:
             parts.append(f"{s.name} {s.status}…" if s.status == "starting" else f"{s.name} {s.status}")
-    return "MCP: " + " · ".join(parts) + " · F6"
+    return "MCP: " + " · ".join(parts) + " · F8"
 
 
 def describe(states: list[Any], path: Path, config_error: str | None, notes: list[str]) -> str:
