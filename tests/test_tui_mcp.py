@@ -17,9 +17,10 @@ import pytest
 
 from app.toolcalls.tools import AFTER_RESULTS
 from app.tui.tool_runner import DECLINED, INTERRUPTED, LIMIT_NOTE, MAX_TOOL_CALLS
+from app.tui.widgets.messages import MessageView
 from app.tui.widgets.tool_call import ChatNote, ToolCallView
 from tests.tui_fake_engine import FakeReply
-from tests.tui_helpers import make_app, ready, send, transcript, wait_for
+from tests.tui_helpers import make_app, ready, screen_text, send, transcript, wait_for
 
 SERVER = '''
 import os, sys, time
@@ -249,6 +250,49 @@ async def test_a_config_that_does_not_parse_is_one_line_and_no_server_runs(tmp_p
         await pilot.press("f8")
         await wait_for(pilot, lambda: type(app.screen).__name__ == "MCPScreen", what="the MCP screen")
         assert f"{path}: line 1, column 41" in str(app.screen.query_one("#mcp-servers").render())
+
+
+async def test_a_reasoning_model_thinks_then_calls_and_both_are_shown_and_saved(tmp_path: Path,
+                                                                                 server_script: Path) -> None:
+    configure(tmp_path, {"demo": demo(server_script)})
+    thought = "The user wants a sum. The add tool does that."
+    app, backend = make_app(tmp_path, reasoning="think", script=[
+        FakeReply.call("add", {"a": 2, "b": 3}, thought=thought), FakeReply.answer("It is 5.", thought="Got 5.")])
+    async with app.run_test(size=(110, 40)) as pilot:
+        await ready(pilot)
+        await connected(pilot)
+        await send(pilot, "What is 2 + 3?")
+        call = await asking(pilot)
+        first = [v for v in app.chat_screen.query(MessageView) if v.role == "assistant"][0]
+        # the reply held only a call and its thinking: the thought stays shown above the call, collapsed
+        assert first.display and first.content == "" and first.reasoning == thought
+        assert first.thought is not None and first.thought.text == thought
+        text = screen_text(app)
+        assert text.index("Thought for") < text.index("Tool · add on demo")
+        assert app.focused is call and "The add tool does that." not in text
+        await pilot.press("f5")  # the thinking's key, while the call asking has the focus: the last thought opens
+        assert first.thought.expanded and "The add tool does that." in screen_text(app) and app.focused is call
+        await pilot.press("y")
+        await answered(pilot, "It is 5.")
+        assert call.status == "done" and call.content == "5"
+        assert transcript(app) == [("user", "done", "What is 2 + 3?"), ("assistant", "done", ""),
+                                   ("tool", "done", "5"), ("assistant", "done", "It is 5.")]
+        first_request, second_request = backend.engine.requests
+        assert first_request.sampling.response_format is not None  # the tools were offered to the thinking model
+        assert all(thought not in str(m["content"]) for m in second_request.messages)  # thinking is never sent back
+        assert second_request.messages[-2] == {
+            "role": "assistant", "content": '{"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]}'}
+        chat = app.chat_screen.chat
+        rows = app.store.messages(chat.id)
+        assert [(m.role, m.reasoning) for m in rows] == [("user", ""), ("assistant", thought), ("tool", ""),
+                                                         ("assistant", "Got 5.")]
+        assert rows[1].stats["reasoning_tokens"] > 0 and rows[2].stats == {"tool_call": CALL_ADD}
+        await app.chat_screen.open_chat(chat)  # read back from the store
+        await pilot.pause()
+        views = list(app.chat_screen.query(MessageView))
+        assert [type(v).__name__ for v in views] == ["MessageView", "MessageView", "ToolCallView", "MessageView"]
+        assert views[1].display and views[1].thought is not None and views[1].thought.text == thought
+        assert views[2].call == CALL_ADD and views[3].reasoning == "Got 5."
 
 
 async def test_the_turn_stops_offering_tools_after_the_limit(tmp_path: Path, server_script: Path) -> None:

@@ -62,14 +62,14 @@ class FakeReply:
 
     # A model offered tools in the JSON format (templates without tool markup) answers one JSON object
     @classmethod
-    def call(cls, name: str, arguments: dict) -> FakeReply:
-        """A reply calling the tool `name`."""
-        return cls(json.dumps({"tool_calls": [{"name": name, "arguments": arguments}]}))
+    def call(cls, name: str, arguments: dict, thought: str = "") -> FakeReply:
+        """A reply calling the tool `name` (after thinking `thought`, on a reasoning model)."""
+        return cls(json.dumps({"tool_calls": [{"name": name, "arguments": arguments}]}), thought=thought)
 
     @classmethod
-    def answer(cls, text: str) -> FakeReply:
+    def answer(cls, text: str, thought: str = "") -> FakeReply:
         """A reply in text while tools are offered."""
-        return cls(json.dumps({"response": text}))
+        return cls(json.dumps({"response": text}), thought=thought)
 
 
 FAKE_CLOSER = "</think>"  # the token that ends a thought: the engine gives it no text
