@@ -22,7 +22,7 @@ and asks a fixed question whose answer needs the tool's result ("What is the wea
 "Book a table for Ada at 7pm. Use the tool."), at temperature 0 where the framework takes it, with at most
 --max-steps model turns. A row records whether the run finished with an answer, the model requests it made (from
 the server's /metrics, by route and status, so a 4xx/5xx shows), the tool calls, whether the answer carries the
-tool's result ("18" for the weather, "R-4821" for the booking), the wall time, and where it did not finish, the
+tool's result ("18" and "sunny" for the weather, "R-4821" for the booking), the wall time, and where it did not finish, the
 exact error. The server's own log goes to --server-log for the requests behind an error.
 """
 
@@ -43,7 +43,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = {"weather": "What is the weather in Paris? Use the tool.",
          "booking": "Book a table for Ada at 7pm. Use the tool."}
-MARKS = {"weather": "18", "booking": "R-4821"}  # in the tool's result, not in the question
+# What of the tool's result an answer carries (none of it is in the question): all of it, part, or none
+MARKS = {"weather": ("18", "sunny"), "booking": ("R-4821",)}
+
+
+def uses_result(task: str, answer: str) -> str:
+    found = [m for m in MARKS[task] if m.lower() in answer.lower()]
+    return "yes" if found == list(MARKS[task]) else f"partly ({', '.join(found)})" if found else "no"
 CLIENT_ENV = {"OPENAI_API_KEY": "unused", "ANTHROPIC_API_KEY": "unused", "DO_NOT_TRACK": "1",
               "OPENAI_AGENTS_DISABLE_TRACING": "1", "HF_HUB_OFFLINE": "1", "NO_PROXY": "*",
               "TOKENIZERS_PARALLELISM": "false"}
@@ -170,8 +176,9 @@ def get_weather(city: str) -> str:
 class BookTable(Tool):
     name = "book_table"
     description = "Book a restaurant table."
+    schema = inline(Booking.model_json_schema())
     inputs = {"booking": {"type": "object", "description": "The booking: name, time and party",
-                          **{k: v for k, v in inline(Booking.model_json_schema()).items() if k in ("properties", "required")}}}
+                          "properties": schema["properties"], "required": schema["required"]}}
     output_type = "string"
 
     def forward(self, booking):
@@ -336,6 +343,53 @@ def start_server(log: Path) -> tuple[subprocess.Popen, str]:
     sys.exit(f"roofline serve not healthy after 300 s: see {log}")
 
 
+class Trace:
+    """A loopback proxy in front of the server that appends every exchange (request and response bodies, headers of
+    the request) to a JSON-lines file: the exact request behind an error. Responses are passed on whole, streams
+    included (a client reads an SSE stream all at once)."""
+
+    def __init__(self, upstream: str, path: Path):
+        import http.server
+        import threading
+        import urllib.error
+
+        path.write_text("")
+        lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def relay(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("host", "content-length", "accept-encoding", "connection")}
+                req = urllib.request.Request(upstream + self.path, data=body, method=self.command, headers=headers)
+                try:
+                    with urllib.request.urlopen(req, timeout=900) as r:
+                        status, data, got = r.status, r.read(), r.headers
+                except urllib.error.HTTPError as e:
+                    status, data, got = e.code, e.read(), e.headers
+                with lock, path.open("a") as f:
+                    f.write(json.dumps({"method": self.command, "path": self.path, "headers": headers,
+                                        "body": (body or b"").decode(errors="replace"), "status": status,
+                                        "response": data.decode(errors="replace")}) + "\n")
+                self.send_response(status)
+                for k, v in got.items():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = relay
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
 def requests_by_route(base: str) -> dict[tuple[str, str], float]:
     """roofline_requests_total by (route, status), from /metrics."""
     out = {}
@@ -381,10 +435,12 @@ def main() -> None:
     ap.add_argument("--only", action="append", choices=list(SCENARIOS), help="these scenarios (repeatable)")
     ap.add_argument("--task", action="append", choices=list(TASKS), help="these tasks (repeatable; default both)")
     ap.add_argument("--max-steps", type=int, default=6, help="model turns a run may take (default 6)")
-    ap.add_argument("--max-tokens", type=int, default=96, help="max_tokens of each model turn (default 96)")
+    ap.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each model turn (default 256)")
     ap.add_argument("--timeout", type=float, default=400.0, help="seconds a run may take (default 400)")
     ap.add_argument("--server-log", type=Path, default=Path(tempfile.gettempdir()) / "agents_check_server.log")
     ap.add_argument("--json", type=Path, help="write every run's record here")
+    ap.add_argument("--trace", type=Path, help="put a proxy in front of the server that writes every request and "
+                    "response here, as JSON lines")
     args = ap.parse_args()
     names = args.only or list(SCENARIOS)
     tasks = args.task or list(TASKS)
@@ -398,24 +454,28 @@ def main() -> None:
             vers[venv] = versions(python, ["openai-agents", "smolagents", "pydantic-ai-slim", "anthropic", "openai",
                                            "pydantic"])
     proc, base = start_server(args.server_log)
+    to = base if args.trace is None else Trace(base.removesuffix("/v1"), args.trace).url + "/v1"  # the frameworks'
     records = []
     try:
         for name in names:
             venv, variant, code, _, route = SCENARIOS[name]
             for task in tasks:
                 before = requests_by_route(base)
-                out = run_scenario(str(Path(args.venvs) / venv / "bin" / "python"), code, variant, base, task,
+                out = run_scenario(str(Path(args.venvs) / venv / "bin" / "python"), code, variant, to, task,
                                    args.max_steps, args.max_tokens, args.timeout)
                 after = requests_by_route(base)
                 diff = {f"{r} {s}": int(after[k] - before.get(k, 0)) for k in after
                         for r, s in [k] if after[k] != before.get(k, 0) and r.startswith("/v1/")}
                 answer = out.get("answer") or ""
-                mark = MARKS[task]
-                out.update(scenario=name, task=task, requests=diff, uses_result=mark in answer)
+                if out["finished"] and re.match(r'\s*\{\s*"tool_calls"', answer):
+                    out["finished"] = False  # not an answer: a call cut at max_tokens, its raw JSON given as text
+                    out["error"] = ("the framework took as its final answer a tool call cut at max_tokens (the "
+                                    "server's content for a call it could not finish, finish_reason length)")
+                out.update(scenario=name, task=task, requests=diff, uses_result=uses_result(task, answer))
                 records.append(out)
                 calls = ", ".join(f"{c['name']}({json.dumps(c['args'])})" for c in out.get("calls") or [])
                 print(f"{name:24} {task:8} finished={'yes' if out['finished'] else 'NO '} "
-                      f"uses_result={'yes' if out['uses_result'] else 'no '} {out['wall_s']:6.1f} s "
+                      f"uses_result={out['uses_result']} {out['wall_s']:6.1f} s "
                       f"requests={diff} turns={out.get('turns')}\n    calls: {calls or '-'}\n"
                       f"    answer: {answer[:200]!r}"
                       + (f"\n    error: {out['error']}" if out.get("error") else "")
