@@ -24,6 +24,7 @@ from typing import Any
 
 from app.server.errors import APIError, invalid
 from app.server.protocol import Job, _kind, _text, content_parts, parse_job
+from app.server.tool_formats import JSON, ToolFormat
 
 ROLES = ("user", "assistant")
 THINKING_TYPES = ("enabled", "disabled", "adaptive")
@@ -255,10 +256,11 @@ def _thinking(body: dict[str, Any], job: Job, reasoning: str | None, max_tokens:
 
 
 def parse_messages(body: dict[str, Any], model_names: set[str], served_id: str, context_length: int,
-                   vocab_size: int, reasoning: str | None, count_only: bool = False) -> Job:
-    """A Messages body -> the chat Job that serves it (`count_only`: a count_tokens body, without max_tokens).
-    `reasoning` is the model's reasoning family (`ModelInfo.reasoning`). Raises APIError naming the Messages
-    field."""
+                   vocab_size: int, reasoning: str | None, count_only: bool = False,
+                   tool_format: ToolFormat = JSON) -> Job:
+    """A Messages body -> the chat Job that serves it (`count_only`: a count_tokens body, without max_tokens), its
+    tools in the model's `tool_format` as chat's are. `reasoning` is the model's reasoning family
+    (`ModelInfo.reasoning`). Raises APIError naming the Messages field."""
     if body.get("thread") is not None:
         # A Thread keeps the conversation on the server, and a `continue` sends only the new turn (the anthropic SDK's
         # tool runner does by default): this server stores nothing, so it would see a tool_result with no tool_use
@@ -296,7 +298,7 @@ def parse_messages(body: dict[str, Any], model_names: set[str], served_id: str, 
     if metadata is not None and not isinstance(metadata, dict):
         raise invalid(f"'metadata' must be an object, got {_kind(metadata)}", "metadata")
     try:
-        job = parse_job(chat, "chat", model_names, served_id, context_length, vocab_size)
+        job = parse_job(chat, "chat", model_names, served_id, context_length, vocab_size, tool_format)
     except APIError as e:
         old, e.param = e.param, _param(e.param, turns.origin)
         if old and e.param:

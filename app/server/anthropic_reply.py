@@ -4,8 +4,8 @@ order, and the model list in Anthropic's shape.
 A stream: `message_start` (the message, no content yet), then each content block as `content_block_start`, its
 deltas and `content_block_stop` (a `ping` after the first start), then `message_delta` (stop reason, usage) and
 `message_stop`. Blocks: `thinking` (the engine's `reasoning` text, as `thinking_delta`s, closed by a
-`signature_delta`), `text` (`text_delta`s; under tools the plain reply's text once its JSON shows it,
-`tools.ReplyStream`), `tool_use` (whole once its JSON is complete: one `input_json_delta`). A failure after the
+`signature_delta`), `text` (`text_delta`s; under tools the plain reply's text as the model's tool format shows it,
+its `ToolFormat.stream()`), `tool_use` (whole once the reply is complete: one `input_json_delta`). A failure after the
 stream began is an `error` event, which ends it.
 """
 
@@ -20,7 +20,6 @@ from typing import Any
 
 from mlx_engine.api import GenerationEvent, Usage
 
-from app.server import tools
 from app.server.bridge import Generation
 from app.server.protocol import Job
 from app.server.responses import Choice
@@ -73,10 +72,10 @@ class MessagesFormatter:
                 "stop_reason": None, "stop_sequence": None, "usage": usage_dict(usage)}
 
     def reply(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """A finished reply's text and its tool_use blocks (a tool-calling reply is parsed from its JSON)."""
+        """A finished reply's text and its tool_use blocks (a tool-calling reply read in the model's tool format)."""
         if self.job.tools is None:
             return text, []
-        content, calls = tools.reply(text)
+        content, calls = self.job.tool_format.parse(text)
         return content or "", [{"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24],
                                 "name": c["function"]["name"], "input": json.loads(c["function"]["arguments"])}
                                for c in calls or ()]
@@ -158,7 +157,7 @@ async def message_events(fmt: MessagesFormatter, gen: Generation, on_event: Call
     token). Thinking and text stream as they come; tool calls arrive whole once their JSON is complete."""
     yield fmt.event("message_start", message=fmt.shell(Usage(gen.prompt_tokens, 0)))
     blocks = _Blocks(fmt)
-    held = tools.ReplyStream() if fmt.job.tools is not None else None
+    held = fmt.job.tool_format.stream() if fmt.job.tools is not None else None  # its text, calls left for the end
     parts: list[str] = []
     final: GenerationEvent | None = None
     async for event in gen.events():
@@ -168,7 +167,7 @@ async def message_events(fmt: MessagesFormatter, gen: Generation, on_event: Call
                 yield b
         if event.text:
             parts.append(event.text)
-            delta = event.text if held is None else held.feed(event.text)
+            delta = event.text if held is None else "".join(d.content for d in held.feed(event.text) if d.content)
             if delta:
                 for b in blocks.delta("text", delta):
                     yield b
@@ -182,8 +181,9 @@ async def message_events(fmt: MessagesFormatter, gen: Generation, on_event: Call
         return
     text, uses = fmt.reply("".join(parts))
     out: list[bytes] = []
-    if held is not None and held.mode not in ("text", "done") and text:  # not streamed: a cut or odd reply
-        out += blocks.delta("text", text)
+    rest = "".join(d.content for d in held.finish() if d.content) if held is not None else ""
+    if rest:  # what the reader held back: a tail that might have opened a call, or a cut or odd reply
+        out += blocks.delta("text", rest)
     out += blocks.close()
     for block in uses:
         out += blocks.tool_use(block)

@@ -192,7 +192,7 @@ class Server:
         """Anthropic's `/v1/messages/count_tokens`: the rendered prompt's tokens, tools included."""
         job = parse_messages(parse_body(await self._body(request)), self.model_names,
                              self.model_id, self.info.context_length, self.info.vocab_size, self.info.reasoning,
-                             count_only=True)
+                             count_only=True, tool_format=self.tool_format)
         try:
             ids = await run_in_threadpool(self._encode_chat, job)
         except RequestError as e:
@@ -211,7 +211,7 @@ class Server:
             fmt = ResponsesFormatter(job, self.model_id, body)
         elif endpoint == "messages":
             job = parse_messages(body, self.model_names, self.model_id, self.info.context_length,
-                                 self.info.vocab_size, self.info.reasoning)
+                                 self.info.vocab_size, self.info.reasoning, tool_format=self.tool_format)
             fmt = MessagesFormatter(job, self.model_id)
         else:
             job = parse_job(body, endpoint, self.model_names, self.model_id, self.info.context_length,
