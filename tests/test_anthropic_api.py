@@ -262,3 +262,32 @@ def test_output_config_format_holds_the_reply_to_a_schema(client, model_id) -> N
     r = client.messages.create(model=model_id, max_tokens=40, messages=HI, extra_body=GREEDY,
                                output_config={"format": {"type": "json_schema", "schema": schema}})
     assert r.stop_reason == "end_turn" and list(json.loads(r.content[0].text)) == ["answer"]
+
+
+def test_the_sdks_tool_runner_sends_the_whole_conversation(server, client, model_id) -> None:
+    """The SDK's tool runner asks for a Thread by default (`thread: {"type": "create"}`, then `continue` with only the
+    new tool_result turn). This server stores nothing: `thread` is a 400 with the `error_code` the SDK reads as "send
+    the whole conversation without it", so the runner's next turn carries the tool_use its tool_result answers (when
+    `thread` was ignored, that turn was a 400 "answers no tool_use block")."""
+    r = httpx.post(server.url + "/v1/messages", json={"model": model_id, "max_tokens": 2, "messages": HI,
+                                                      "thread": {"type": "create"}})
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error" and "'thread'" in r.json()["error"]["message"]
+    assert r.json()["error"]["details"] == {"error_code": "thread_unsupported_request"}
+    ran: list[str] = []
+
+    @anthropic.beta_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city.
+
+        Args:
+            city: the city's name
+        """
+        ran.append(city)
+        return "18 C, sunny"
+
+    runner = client.beta.messages.tool_runner(model=model_id, max_tokens=60, tools=[get_weather], messages=ASK,
+                                              max_iterations=2, extra_body=GREEDY)
+    replies = list(runner)
+    assert len(replies) == 2 and replies[0].stop_reason == "tool_use" and ran == ["Paris"] * len(ran) and ran
+    assert replies[1].stop_reason in ("end_turn", "tool_use")

@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import numpy as np
 import openai
 import pytest
@@ -195,9 +196,14 @@ def test_the_json_format_streams_calls_whole() -> None:
 
 
 @pytest.fixture(scope="module")
-def client(qwen: Path):
+def server(qwen: Path):
     with LiveServer(create_app(Engine.load(str(qwen))), drain_s=5) as s:
-        yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_a_random_qwen_calls_in_its_own_format_through_the_openai_client(client, tokenizer: Tokenizer) -> None:
@@ -239,3 +245,34 @@ def test_a_random_qwen_calls_in_its_own_format_through_the_openai_client(client,
     [item] = out.output
     assert item.type == "function_call" and item.name == "get_weather" and set(json.loads(item.arguments)) == {
         "city", "days"}
+
+
+def test_a_random_qwen_calls_in_its_own_format_through_the_anthropic_client(server, client,
+                                                                            tokenizer: Tokenizer) -> None:
+    """/v1/messages offers tools, holds the call and reads it back in the model's own format, as chat does: the same
+    prompt tokens and the same call as chat's, streamed alike; a tool_use turn goes back through the template's
+    `message.tool_calls` (count_tokens is the prompt chat renders for the same conversation). Before, the Messages
+    route always used the JSON format's system prompt and grammar."""
+    messages = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120).messages
+    offered = [{"name": f["function"]["name"], "description": f["function"].get("description", ""),
+                "input_schema": f["function"]["parameters"]} for f in (WEATHER, ADD)]
+    ask = {"model": "default", "max_tokens": 80, "messages": ASK, "tools": offered, "extra_body": {"temperature": 0}}
+    r = messages.create(**ask, tool_choice={"type": "any"})
+    [use] = r.content
+    assert use.type == "tool_use" and r.stop_reason == "tool_use"
+    c = client.chat.completions.create(model="default", messages=ASK, tools=[WEATHER, ADD], tool_choice="required",
+                                       temperature=0, max_tokens=80)
+    [call] = c.choices[0].message.tool_calls
+    assert (use.name, use.input) == (call.function.name, json.loads(call.function.arguments))
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == c.usage.prompt_tokens
+    assert r.usage.output_tokens == c.usage.completion_tokens
+    with messages.stream(**ask, tool_choice={"type": "any"}) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", use.name, use.input)]
+
+    history = [*ASK, {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18"}]}]
+    counted = messages.count_tokens(model="default", messages=history, tools=offered)
+    j = job({"messages": [*ASK, c.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "18"}], "tools": [WEATHER, ADD]})
+    assert counted.input_tokens == len(tokenizer.encode_chat(j.messages, **j.tool_variables))

@@ -10,8 +10,10 @@ without their reasoning. `tools` (`input_schema`) and `tool_choice` become chat 
 schema by the same grammar (tools.py). `thinking` maps onto the engine's reasoning contract: a budget is
 `SamplingParams.reasoning_budget`, "disabled" the template's `enable_thinking: false`.
 
-The model reads text only: image and document blocks are refused, naming the block. `cache_control`, `metadata` and
-Anthropic's service fields are accepted and ignored (the engine's prefix cache reuses every shared prefix anyway).
+The model reads text only: image and document blocks are refused, naming the block. `thread` (a conversation held on
+the server) is refused with the `error_code` on which the anthropic SDK sends the whole conversation instead.
+`cache_control`, `metadata` and Anthropic's service fields are accepted and ignored (the engine's prefix cache reuses
+every shared prefix anyway).
 """
 
 from __future__ import annotations
@@ -259,6 +261,13 @@ def parse_messages(body: dict[str, Any], model_names: set[str], served_id: str, 
     """A Messages body -> the chat Job that serves it (`count_only`: a count_tokens body, without max_tokens).
     `reasoning` is the model's reasoning family (`ModelInfo.reasoning`); tools and earlier calls take the model's
     `tool_format`. Raises APIError naming the Messages field."""
+    if body.get("thread") is not None:
+        # A Thread keeps the conversation on the server, and a `continue` sends only the new turn (the anthropic SDK's
+        # tool runner does by default): this server stores nothing, so it would see a tool_result with no tool_use
+        # before it. Refused with the code the SDK reads as "send the whole conversation without `thread`".
+        raise APIError(400, "'thread' is not supported: this server stores no conversations; send the whole "
+                       "conversation in 'messages', without 'thread'", "thread", "unsupported_value",
+                       details={"error_code": "thread_unsupported_request"})
     turns = _Turns()
     if body.get("system") is not None:
         turns.system(body["system"])

@@ -33,7 +33,8 @@ class APIError(Exception):
     """A request the server answers with an error: `status`, a complete `message`, the offending `param`."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None,
+                 details: dict[str, Any] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -41,6 +42,7 @@ class APIError(Exception):
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         self.headers = headers
+        self.details = details  # Anthropic's `error.details` (its `error_code` is what its SDK acts on)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -52,7 +54,10 @@ class APIError(Exception):
         message = self.message
         if self.param and self.param not in message:
             message = f"{self.param}: {message}"
-        return {"type": "error", "error": {"type": kind, "message": message}}
+        error: dict[str, Any] = {"type": kind, "message": message}
+        if self.details is not None:
+            error["details"] = self.details
+        return {"type": "error", "error": error}
 
     def response(self, anthropic: bool = False) -> JSONResponse:
         """The error as a response, in Anthropic's shape (and status: 529 for 503) with `anthropic`."""

@@ -119,7 +119,7 @@ def _atomic_write(build, target: Path) -> None:
 @cache
 def _runtime_key() -> str:
     _, version = compiler()
-    sources = [(CSRC / f).read_bytes() for f in ("runtime.cpp", "fiber.h", "abi.h")]
+    sources = [(CSRC / f).read_bytes() for f in ("runtime.cpp", "isolate.h", "fiber.h", "abi.h")]
     return _digest(version, *_flags(), *sources)
 
 
