@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from mlx_engine.api import (SPECULATIVE_MODES, GenerationRequest, ResponseFormat, RooflineError,
                             SamplingParams)
 
-from app.options import reasoning_effort_arg, runner_args, runner_options
+from app.cli_usage import EXIT_USAGE, OneLineErrorParser
+from app.inspect_cmd import cmd_kv, cmd_logits, cmd_tokens
+from app.options import load_engine, reasoning_effort_arg, runner_args, runner_options
 
-EXIT_USAGE = 2
 MODEL_HELP = ("GGUF file, model folder, ORG/NAME[:QUANT] (Hugging Face; pulled when missing), ollama:NAME[:TAG] or "
               "lmstudio:PUBLISHER/REPO[/FILE] (default: the embedded SmolLM2; `roofline models` lists them)")
 SPECULATIVE_CHOICES = ("off", *SPECULATIVE_MODES)
@@ -28,60 +28,8 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error instead of the usage: what was wrong, a "did you mean" for a mistyped
-    command, choice or option, and where the help is (subcommands' parsers are this class too)."""
-
-    def error(self, message: str) -> NoReturn:
-        print(f"roofline: error: {_usage_message(self, message)}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-
-
-def _did_you_mean(word: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
-
-
-def _usage_message(parser: argparse.ArgumentParser, message: str) -> str:
-    """argparse's `message` as one line a person reads at a glance."""
-    help_hint = f"`{parser.prog} --help`"
-    m = re.fullmatch(r"argument (\S+?): invalid choice: '(.*)' \(choose from (.*)\)", message, re.S)
-    if m:
-        name, value = m.group(1), m.group(2)
-        choices = re.findall(r"'([^']*)'", m.group(3)) or [c.strip() for c in m.group(3).split(",")]
-        if name == "COMMAND":
-            return f"unknown command {value!r}{_did_you_mean(value, choices)}; {help_hint} lists the commands"
-        return f"{name} {value!r}: expected one of {', '.join(choices)}{_did_you_mean(value, choices)}"
-    m = re.fullmatch(r"argument (\S+?): invalid (int|float) value: '(.*)'", message, re.S)
-    if m:
-        kind = "an integer" if m.group(2) == "int" else "a number"
-        return f"{m.group(1).split('/')[0]} {m.group(3)!r}: expected {kind} ({help_hint})"
-    m = re.fullmatch(r"unrecognized arguments: (.*)", message, re.S)
-    if m:
-        first = m.group(1).split()[0]
-        if first.startswith("-"):
-            options = {o for a in _all_actions(parser) for o in a.option_strings}
-            return f"unknown option {first}{_did_you_mean(first.split('=')[0], sorted(options))} ({help_hint})"
-        return f"unexpected argument {first!r} ({help_hint})"
-    m = re.fullmatch(r"the following arguments are required: (.*)", message, re.S)
-    if m:
-        return f"{parser.prog} needs {m.group(1)} ({help_hint})"
-    return f"{message} ({help_hint})"
-
-
-def _all_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """The parser's actions and its subcommands', for suggesting an option: argparse reports an unknown option
-    from the top parser, whichever command it was given to."""
-    out = list(parser._actions)
-    for a in parser._actions:
-        if isinstance(a, argparse._SubParsersAction):
-            for sub in a.choices.values():
-                out += _all_actions(sub)
-    return out
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineErrorParser(
         prog="roofline",
         description="On-device LLM inference with MLX, every token measured against the memory-bandwidth roofline.",
     )
@@ -324,25 +272,6 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _load_engine(model: str | None, no_tokenizer: str = "fine", **options: Any) -> Any:
-    """Engine.load, its warnings on stderr. A model without a tokenizer: "error" where the command reads or writes
-    text, "warn" where text is what users mostly send (the server), "fine" where token ids are the input."""
-    from mlx_engine import Engine
-
-    engine = Engine.load(model, **options)
-    for warning in engine.info.warnings:
-        print(f"roofline: warning: {warning}", file=sys.stderr)
-    if not engine.info.has_tokenizer and no_tokenizer != "fine":
-        what = f"{engine.info.name} came without a tokenizer (no tokenizer.json or tokenizer.model beside its weights)"
-        if no_tokenizer == "error":
-            engine.close()
-            raise RooflineError(f"{what}, so it cannot read a prompt or write a reply: use a model folder with its "
-                                "tokenizer files (`roofline logits --token-ids` runs it on token ids)")
-        print(f"roofline: warning: {what}: requests must send token ids (prompt_token_ids) and replies carry token "
-              "ids, not text", file=sys.stderr)
-    return engine
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     from app.bench import cmd_bench
 
@@ -404,7 +333,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 "path), or '*'")
     options, speculative = {**_load_options(args), **runner_options(args)}, _speculative(args)
     options["max_seqs"] = args.max_concurrency  # the requests the server lets run are the ones the engine batches
-    return serve(lambda: _load_engine(args.model, no_tokenizer="warn", **options),
+    return serve(lambda: load_engine(args.model, no_tokenizer="warn", **options),
                  host=args.host, port=args.port, api_key=args.api_key or None,
                  max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                  drain_timeout_s=args.drain_timeout, default_max_tokens=args.default_max_tokens,
@@ -459,7 +388,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             {"role": "user", "content": args.prompt}
         ]
         request = GenerationRequest(messages=messages, sampling=sampling, reasoning_effort=args.reasoning_effort)
-    engine = _load_engine(args.model, no_tokenizer="error", **options)
+    engine = load_engine(args.model, no_tokenizer="error", **options)
     parts: list[str] = []
     thoughts: list[str] = []
     final = None
@@ -533,112 +462,6 @@ class _Thinking:
             sys.stderr.write(("\x1b[0m" if self.dim else "") + "\n")
             sys.stderr.flush()
             self.open = False
-
-
-def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise RooflineError(f"--token-ids {text!r}: expected comma-separated integers, e.g. 1,2,3") from None
-    if not ids:
-        raise RooflineError("--token-ids is empty: expected comma-separated integers, e.g. 1,2,3")
-    return ids
-
-
-def cmd_logits(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    ids = _parse_ids(args.token_ids)
-    out = Path(args.output)
-    if not out.parent.exists():
-        raise RooflineError(f"--output {out}: folder {out.parent} does not exist")
-    engine = _load_engine(args.model)
-    logits = engine.forward_logits(ids)
-    np.save(out, logits.astype(np.float32))
-    print(f"wrote {out} float32 {tuple(logits.shape)}", file=sys.stderr)
-    return 0
-
-
-def cmd_kv(args: argparse.Namespace) -> int:
-    from mlx_engine.catalog import kv_shape
-    from mlx_engine.memory import kv_bytes
-    from mlx_engine.roofline import kv_dtype_here
-
-    if args.context < 1 or args.batch < 1:
-        raise RooflineError("--context and --batch must be positive integers")
-    if args.kv_key_bits is not None and args.kv_bits is None:
-        raise RooflineError(f"--kv-key-bits {args.kv_key_bits} needs --kv-bits (4 or 8): it sets the keys' bits of "
-                            "a quantized KV cache")
-    shape = kv_shape(args.model)
-    dtype, why = (args.dtype, "--dtype") if args.dtype else kv_dtype_here()
-    itemsize = 4 if dtype == "float32" else 2
-    # as the engine stores them by default: 4-bit keys per channel over each block's tokens (KVConfig.key_per_channel)
-    per_channel = (args.kv_key_bits or args.kv_bits) == 4 and shape.head_dim % args.block_size == 0
-    key_group = args.block_size if per_channel else None
-    total = kv_bytes(shape, args.context, args.batch, args.kv_bits, itemsize, key_bits=args.kv_key_bits,
-                     key_group_size=key_group)
-    per_token = kv_bytes(shape, 1, 1, args.kv_bits, itemsize, key_bits=args.kv_key_bits, key_group_size=key_group)
-    keys = f", keys per channel over {args.block_size}-token blocks" if per_channel else ""
-    kind = f"{args.kv_bits}-bit (g64{keys}, {dtype} scales)" if args.kv_bits else dtype
-    if args.kv_key_bits not in (None, args.kv_bits):
-        kind = f"{args.kv_key_bits}-bit keys, {args.kv_bits}-bit values (g64{keys}, {dtype} scales)"
-    kind += f" ({why})" if not args.dtype else ""
-    print(f"{total / 1e9:.1f} GB ({total:,} bytes) of KV for {args.batch} x {args.context:,} tokens in {kind}: "
-          f"{shape.num_layers} layers x {shape.num_kv_heads} KV heads x head dim {shape.head_dim}, "
-          f"{per_token:,} bytes per token")
-    if shape.num_sliding_layers:
-        full = shape.num_layers - shape.num_sliding_layers
-        print(f"sliding window: {shape.num_sliding_layers} of {shape.num_layers} layers attend to the last "
-              f"{shape.sliding_window:,} tokens and are counted at {min(args.context, shape.sliding_window):,} tokens "
-              f"each; past the window a token adds {per_token * full // shape.num_layers:,} bytes")
-    if shape.num_experts:
-        print(f"mixture of experts: {shape.num_experts} experts, {shape.num_experts_per_tok} per token "
-              "(KV is the attention's: the experts add none)")
-    if shape.context_length and args.context > shape.context_length:
-        print(f"note: the model's own context is {shape.context_length:,} tokens", file=sys.stderr)
-    if args.distributed is not None:
-        _kv_per_rank(args, shape, lambda s: kv_bytes(s, args.context, args.batch, args.kv_bits, itemsize,
-                                                     key_bits=args.kv_key_bits, key_group_size=key_group))
-    return 0
-
-
-def _kv_per_rank(args: argparse.Namespace, shape: Any, kv_of: Any) -> None:
-    """`kv --distributed`: each rank's share on paper (the split a run makes, from the checkpoint's tensor sizes)."""
-    import dataclasses
-
-    from mlx_engine import distributed
-
-    mode = distributed.check_mode(args.distributed)
-    if args.ranks < 2:
-        raise RooflineError(f"--ranks {args.ranks}: expected 2 or more")
-    if mode == "tensor" and shape.num_kv_heads % args.ranks:
-        raise RooflineError(f"tensor parallel over {args.ranks} ranks splits the KV heads, and this model's "
-                            f"{shape.num_kv_heads} do not divide by {args.ranks}: use --distributed pipeline")
-    shares = distributed.shares_on_paper(distributed.file_tensor_sizes(args.model), shape.num_layers,
-                                         shape.num_kv_heads, mode, args.ranks)
-    for r in shares:
-        kv = kv_of(dataclasses.replace(shape, num_layers=r.num_layers, num_kv_heads=r.kv_heads))
-        held = ", ".join(x for x, on in (("embedding", r.embed), ("head", r.head)) if on)
-        print(f"rank {r.rank}: layers {r.layers[0]}-{r.layers[1] - 1} ({r.num_layers}) x {r.kv_heads} KV heads"
-              f"{'; ' + held if held else ''}: weights {_size(r.weight_bytes)} as stored, KV {_size(kv)}")
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
-
-
-def cmd_tokens(args: argparse.Namespace) -> int:
-    from mlx_engine.loading import load_tokenizer
-
-    tok = load_tokenizer(args.tokenizer)
-    ids = tok.encode(args.text, add_special_tokens=False)
-    if args.json:
-        print(json.dumps({"ids": ids}))
-        return 0
-    for i in ids:
-        print(f"{i:>8}  {tok.id_to_piece(i)!r}")
-    print(f"{len(ids)} tokens", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

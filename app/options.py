@@ -4,6 +4,7 @@ the CLI and the bench and parity commands import, so none of them imports anothe
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from mlx_engine.api import REASONING_EFFORTS, RooflineError
@@ -55,3 +56,22 @@ def runner_options(args: argparse.Namespace) -> dict[str, Any]:
     chosen = (("backend", backend, "mlx"), ("device", args.device, "auto"), ("threads", args.threads, None),
               ("compile", args.compile, None))
     return {k: v for k, v, default in chosen if v != default}
+
+
+def load_engine(model: str | None, no_tokenizer: str = "fine", **options: Any) -> Any:
+    """Engine.load, its warnings on stderr. A model without a tokenizer: "error" where the command reads or writes
+    text, "warn" where text is what users mostly send (the server), "fine" where token ids are the input."""
+    from mlx_engine import Engine
+
+    engine = Engine.load(model, **options)
+    for warning in engine.info.warnings:
+        print(f"roofline: warning: {warning}", file=sys.stderr)
+    if not engine.info.has_tokenizer and no_tokenizer != "fine":
+        what = f"{engine.info.name} came without a tokenizer (no tokenizer.json or tokenizer.model beside its weights)"
+        if no_tokenizer == "error":
+            engine.close()
+            raise RooflineError(f"{what}, so it cannot read a prompt or write a reply: use a model folder with its "
+                                "tokenizer files (`roofline logits --token-ids` runs it on token ids)")
+        print(f"roofline: warning: {what}: requests must send token ids (prompt_token_ids) and replies carry token "
+              "ids, not text", file=sys.stderr)
+    return engine

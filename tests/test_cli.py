@@ -343,7 +343,7 @@ def test_serve_max_concurrency_is_the_engine_s_batch(monkeypatch) -> None:
     from app import cli
 
     loaded: dict = {}
-    monkeypatch.setattr(cli, "_load_engine", lambda model, **options: loaded.update(options) or "engine")
+    monkeypatch.setattr(cli, "load_engine", lambda model, **options: loaded.update(options) or "engine")
 
     def serve(factory, **kw) -> int:
         assert factory() == "engine"

@@ -1,0 +1,119 @@
+"""The commands that look into a model without generating: `roofline tokens` (token pieces and ids), `logits` (one
+forward's float32 logits, for parity), `kv` (the KV bytes a configuration needs, from its config alone)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from mlx_engine.api import RooflineError
+
+from app.options import load_engine
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise RooflineError(f"--token-ids {text!r}: expected comma-separated integers, e.g. 1,2,3") from None
+    if not ids:
+        raise RooflineError("--token-ids is empty: expected comma-separated integers, e.g. 1,2,3")
+    return ids
+
+
+def cmd_logits(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    ids = _parse_ids(args.token_ids)
+    out = Path(args.output)
+    if not out.parent.exists():
+        raise RooflineError(f"--output {out}: folder {out.parent} does not exist")
+    engine = load_engine(args.model)
+    logits = engine.forward_logits(ids)
+    np.save(out, logits.astype(np.float32))
+    print(f"wrote {out} float32 {tuple(logits.shape)}", file=sys.stderr)
+    return 0
+
+
+def cmd_kv(args: argparse.Namespace) -> int:
+    from mlx_engine.catalog import kv_shape
+    from mlx_engine.memory import kv_bytes
+    from mlx_engine.roofline import kv_dtype_here
+
+    if args.context < 1 or args.batch < 1:
+        raise RooflineError("--context and --batch must be positive integers")
+    if args.kv_key_bits is not None and args.kv_bits is None:
+        raise RooflineError(f"--kv-key-bits {args.kv_key_bits} needs --kv-bits (4 or 8): it sets the keys' bits of "
+                            "a quantized KV cache")
+    shape = kv_shape(args.model)
+    dtype, why = (args.dtype, "--dtype") if args.dtype else kv_dtype_here()
+    itemsize = 4 if dtype == "float32" else 2
+    # as the engine stores them by default: 4-bit keys per channel over each block's tokens (KVConfig.key_per_channel)
+    per_channel = (args.kv_key_bits or args.kv_bits) == 4 and shape.head_dim % args.block_size == 0
+    key_group = args.block_size if per_channel else None
+    total = kv_bytes(shape, args.context, args.batch, args.kv_bits, itemsize, key_bits=args.kv_key_bits,
+                     key_group_size=key_group)
+    per_token = kv_bytes(shape, 1, 1, args.kv_bits, itemsize, key_bits=args.kv_key_bits, key_group_size=key_group)
+    keys = f", keys per channel over {args.block_size}-token blocks" if per_channel else ""
+    kind = f"{args.kv_bits}-bit (g64{keys}, {dtype} scales)" if args.kv_bits else dtype
+    if args.kv_key_bits not in (None, args.kv_bits):
+        kind = f"{args.kv_key_bits}-bit keys, {args.kv_bits}-bit values (g64{keys}, {dtype} scales)"
+    kind += f" ({why})" if not args.dtype else ""
+    print(f"{total / 1e9:.1f} GB ({total:,} bytes) of KV for {args.batch} x {args.context:,} tokens in {kind}: "
+          f"{shape.num_layers} layers x {shape.num_kv_heads} KV heads x head dim {shape.head_dim}, "
+          f"{per_token:,} bytes per token")
+    if shape.num_sliding_layers:
+        full = shape.num_layers - shape.num_sliding_layers
+        print(f"sliding window: {shape.num_sliding_layers} of {shape.num_layers} layers attend to the last "
+              f"{shape.sliding_window:,} tokens and are counted at {min(args.context, shape.sliding_window):,} tokens "
+              f"each; past the window a token adds {per_token * full // shape.num_layers:,} bytes")
+    if shape.num_experts:
+        print(f"mixture of experts: {shape.num_experts} experts, {shape.num_experts_per_tok} per token "
+              "(KV is the attention's: the experts add none)")
+    if shape.context_length and args.context > shape.context_length:
+        print(f"note: the model's own context is {shape.context_length:,} tokens", file=sys.stderr)
+    if args.distributed is not None:
+        _kv_per_rank(args, shape, lambda s: kv_bytes(s, args.context, args.batch, args.kv_bits, itemsize,
+                                                     key_bits=args.kv_key_bits, key_group_size=key_group))
+    return 0
+
+
+def _kv_per_rank(args: argparse.Namespace, shape: Any, kv_of: Any) -> None:
+    """`kv --distributed`: each rank's share on paper (the split a run makes, from the checkpoint's tensor sizes)."""
+    from mlx_engine import distributed
+
+    mode = distributed.check_mode(args.distributed)
+    if args.ranks < 2:
+        raise RooflineError(f"--ranks {args.ranks}: expected 2 or more")
+    if mode == "tensor" and shape.num_kv_heads % args.ranks:
+        raise RooflineError(f"tensor parallel over {args.ranks} ranks splits the KV heads, and this model's "
+                            f"{shape.num_kv_heads} do not divide by {args.ranks}: use --distributed pipeline")
+    shares = distributed.shares_on_paper(distributed.file_tensor_sizes(args.model), shape.num_layers,
+                                         shape.num_kv_heads, mode, args.ranks)
+    for r in shares:
+        kv = kv_of(dataclasses.replace(shape, num_layers=r.num_layers, num_kv_heads=r.kv_heads))
+        held = ", ".join(x for x, on in (("embedding", r.embed), ("head", r.head)) if on)
+        print(f"rank {r.rank}: layers {r.layers[0]}-{r.layers[1] - 1} ({r.num_layers}) x {r.kv_heads} KV heads"
+              f"{'; ' + held if held else ''}: weights {_size(r.weight_bytes)} as stored, KV {_size(kv)}")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def cmd_tokens(args: argparse.Namespace) -> int:
+    from mlx_engine.loading import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    ids = tok.encode(args.text, add_special_tokens=False)
+    if args.json:
+        print(json.dumps({"ids": ids}))
+        return 0
+    for i in ids:
+        print(f"{i:>8}  {tok.id_to_piece(i)!r}")
+    print(f"{len(ids)} tokens", file=sys.stderr)
+    return 0
