@@ -13,26 +13,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
-import anyio
-from mlx_engine.api import (EngineLike, GenerationEvent, GenerationRequest, RequestError, RooflineError, SamplingParams,
-                            Usage)
+from mlx_engine.api import (EngineLike, GenerationEvent, GenerationRequest, RequestError, RooflineError, SamplingParams)
 from mlx_engine.reasoning import template_kwargs
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from app.server.anthropic_api import parse_messages
 from app.server.anthropic_reply import MessagesFormatter, message_events, model_card, model_list
-from app.server.bridge import AdmissionGate, DisconnectWatch, Generation
+from app.server.bridge import AdmissionGate, DisconnectWatch, Generation, accepted_draft_tokens, total_usage
+from app.server.config import ServerConfig
 from app.server.errors import (
     APIError,
     api_error_handler,
@@ -47,37 +44,10 @@ from app.server.metrics import KVStatsReader, Metrics
 from app.server.protocol import Endpoint, Job, model_slug, parse_body, parse_detokenize, parse_job, parse_tokenize
 from app.server.responses import DONE, Choice, Echo, Formatter, error_chunk, sse, token_bytes_fn, token_str
 from app.server.responses_api import ResponsesFormatter, parse_responses, response_events
+from app.server.transport import EventStreamResponse, read_body
 from app.server.harmony_tools import call_deltas, tool_format_for
 
-MAX_BODY_BYTES = 4 * 2**20
-log = logging.getLogger("uvicorn.error")  # where uvicorn logs, so `serve --log-level` governs it
 _PARAM_NAMES = {"logprobs": "top_logprobs"}  # SamplingParams field -> request field, where they differ
-
-
-@dataclass
-class ServerConfig:
-    api_key: str | None = None
-    max_concurrency: int | None = 16  # requests running at once; None: no limit
-    max_queue: int = 64  # requests waiting for a slot before new ones get 429
-    max_body_bytes: int = MAX_BODY_BYTES
-    # from the head's arrival to the whole body: a client that trickles its body (or stops sending it) holds a
-    # request slot until then, and gets a 408
-    body_timeout_s: float = 30.0
-    metrics_wait_s: float = 0.25  # how long /metrics waits for fresh KV figures from a busy engine
-    # A request without max_tokens may generate up to the rest of the context (OpenAI's rule), but no more
-    # than this: the engine reserves KV for prompt + max_tokens at admission, so whole-context defaults
-    # would let only one such request run at a time. None: the rest of the context.
-    default_max_tokens: int | None = 2048
-    # speculative decoding for requests that do not name a mode ("auto", "prompt-lookup", "self", "draft");
-    # None: plain decoding. A speculating request verifies in a forward of its own, outside the batch.
-    speculative: str | None = None
-    # web pages that may call the API from a browser, beyond this machine's own (http(s)://localhost, 127.0.0.1,
-    # [::1], any port: always allowed): exact origins ("https://my.app"), or "*" for any page
-    allow_origins: tuple[str, ...] = ()
-    # the Host names requests may carry beyond localhost, IP addresses, the bound host and this machine's hostname
-    # (DNS rebinding: guard.HostCheck); "*": any
-    host: str = "127.0.0.1"
-    allow_hosts: tuple[str, ...] = ()
 
 
 class Server:
@@ -478,105 +448,6 @@ class Server:
         flushed = time.monotonic() + 5.0
         while self.drain.in_flight and time.monotonic() < flushed and not forced():
             await asyncio.sleep(0.05)
-
-
-def accepted_draft_tokens(gens: list[Generation], finals: list[GenerationEvent]) -> int | None:
-    """Reply tokens that came from accepted drafts, where speculation verified any draft token (else None)."""
-    verified = [g.num_draft_accepted for g, f in zip(gens, finals)
-                if f.stats is not None and f.stats.acceptance_rate is not None]
-    return sum(verified) if verified else None
-
-
-def total_usage(finals: list[GenerationEvent], n: int) -> Usage:
-    """A request's usage from its choices' final events, in choice order (n per prompt): every reply's tokens, and
-    each prompt's once (as its first reply ran it), as OpenAI counts them."""
-    def total(events: list[GenerationEvent], field: str) -> int:
-        return sum(getattr(e.usage, field) for e in events if e.usage is not None)
-
-    firsts = finals[::n]
-    return Usage(prompt_tokens=total(firsts, "prompt_tokens"), completion_tokens=total(finals, "completion_tokens"),
-                 cached_prompt_tokens=total(firsts, "cached_prompt_tokens"),
-                 reasoning_tokens=total(finals, "reasoning_tokens"))
-
-
-async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
-    """The body, or 413 past `limit` bytes (an oversized body is read on, and dropped, up to 4x the limit so the
-    client gets the 413 instead of a broken pipe), or 408 when it has not all come within `timeout_s`. A client that
-    hangs up before its body is whole is one line in the log, not a traceback."""
-    try:
-        with anyio.fail_after(timeout_s):
-            return await _read_body(request, limit)
-    except TimeoutError:
-        raise APIError(408, f"the request body did not arrive whole within {timeout_s:g} s", None,
-                       "request_timeout", headers={"connection": "close"}) from None
-    except ClientDisconnect:
-        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
-        log.info("%s closed the connection before its %s %s body arrived whole", client, request.method,
-                 request.url.path)
-        raise APIError(400, "the client closed the connection before the request body arrived whole", None,
-                       "client_closed") from None
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    too_big = None
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise invalid(f"Content-Length {declared!r} is not a number", code="invalid_header") from None
-        if size > limit:
-            too_big = size
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            too_big = max(too_big or 0, size)
-            if size > 4 * limit:
-                break
-            continue
-        chunks.append(chunk)
-    if too_big is not None:
-        raise APIError(413, f"the request body is {too_big:,} bytes; the limit is {limit:,} bytes", None,
-                       "request_too_large")
-    return b"".join(chunks)
-
-
-class EventStreamResponse:
-    """`text/event-stream` over one generation. A client disconnect (seen on the ASGI channel) or a failed
-    send cancels the generation; so does leaving early for any reason (server shutdown, an error)."""
-
-    headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
-
-    def __init__(self, gens: list[Generation], chunks: AsyncIterator[bytes]):
-        self.gens = gens
-        self.chunks = chunks
-
-    def cancel(self) -> None:
-        for gen in self.gens:
-            gen.cancel()
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def watch() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    self.cancel()
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(watch)
-                await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-                async for chunk in self.chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                tg.cancel_scope.cancel()
-        except OSError:  # the client went away mid-send
-            pass
-        finally:
-            self.cancel()
 
 
 def create_app(engine: EngineLike, config: ServerConfig | None = None) -> Starlette:

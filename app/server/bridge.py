@@ -160,3 +160,22 @@ class DisconnectWatch:
         assert self._task is not None
         self._task.cancel()
         await asyncio.wait({self._task})
+
+
+def accepted_draft_tokens(gens: list[Generation], finals: list[GenerationEvent]) -> int | None:
+    """Reply tokens that came from accepted drafts, where speculation verified any draft token (else None)."""
+    verified = [g.num_draft_accepted for g, f in zip(gens, finals)
+                if f.stats is not None and f.stats.acceptance_rate is not None]
+    return sum(verified) if verified else None
+
+
+def total_usage(finals: list[GenerationEvent], n: int) -> Usage:
+    """A request's usage from its choices' final events, in choice order (n per prompt): every reply's tokens, and
+    each prompt's once (as its first reply ran it), as OpenAI counts them."""
+    def total(events: list[GenerationEvent], field: str) -> int:
+        return sum(getattr(e.usage, field) for e in events if e.usage is not None)
+
+    firsts = finals[::n]
+    return Usage(prompt_tokens=total(firsts, "prompt_tokens"), completion_tokens=total(finals, "completion_tokens"),
+                 cached_prompt_tokens=total(firsts, "cached_prompt_tokens"),
+                 reasoning_tokens=total(finals, "reasoning_tokens"))
