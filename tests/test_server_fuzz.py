@@ -103,7 +103,7 @@ def test_any_body_is_a_job_or_a_4xx(case: tuple[str, dict]) -> None:
 def test_deeply_nested_tool_parameters_parse_or_refuse(depth: int) -> None:
     """Nesting as deep as the body parser allows: the tool prompt and schema build, or the schema compiler refuses
     what is too deep with a 400 naming the tool's parameters."""
-    from app.server.protocol import parse_body
+    from app.server.fields import parse_body
 
     deep = '{"type":"object","properties":{"a":' * depth + "{}" + "}}" * depth
     raw = ('{"model":"fake","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":'

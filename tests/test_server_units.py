@@ -11,7 +11,8 @@ from mlx_engine.api import ResponseFormat, SamplingParams, TokenLogprob, Usage
 
 from app.server.bridge import AdmissionGate
 from app.server.errors import APIError, from_request_error
-from app.server.protocol import Job, Prompt, model_slug, parse_body, parse_job
+from app.server.fields import parse_body
+from app.server.protocol import Job, Prompt, model_slug, parse_job
 from app.server.responses import Choice, Echo, Formatter, sse, token_bytes_fn, token_str
 from tests.server_fakes import FakeTokenizer
 

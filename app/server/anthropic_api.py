@@ -23,7 +23,8 @@ import re
 from typing import Any
 
 from app.server.errors import APIError, invalid
-from app.server.protocol import Job, _kind, _text, content_parts, parse_job
+from app.server.fields import checked_text, kind_of
+from app.server.protocol import Job, content_parts, parse_job
 from app.toolcalls.tool_formats import JSON, ToolFormat
 
 ROLES = ("user", "assistant")
@@ -47,12 +48,12 @@ class _Turns:
         if isinstance(system, list):
             system = content_parts(system, "system")
         elif not isinstance(system, str):
-            raise invalid(f"'system' must be a string or an array of text blocks, got {_kind(system)}", "system")
+            raise invalid(f"'system' must be a string or an array of text blocks, got {kind_of(system)}", "system")
         self.add({"role": "system", "content": system}, "system")
 
     def turn(self, m: Any, p: str, last: bool) -> None:
         if not isinstance(m, dict):
-            raise invalid(f"'{p}' must be an object with 'role' and 'content', got {_kind(m)}", p)
+            raise invalid(f"'{p}' must be an object with 'role' and 'content', got {kind_of(m)}", p)
         role = m.get("role")
         if role not in ROLES:
             raise invalid(f"'{p}.role' must be 'user' or 'assistant', got {json.dumps(role)}", f"{p}.role")
@@ -63,7 +64,7 @@ class _Turns:
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
         elif not isinstance(content, list):
-            raise invalid(f"'{p}.content' must be a string or an array of content blocks, got {_kind(content)}",
+            raise invalid(f"'{p}.content' must be a string or an array of content blocks, got {kind_of(content)}",
                           f"{p}.content")
         for j, block in enumerate(content):
             if not isinstance(block, dict) or not isinstance(block.get("type"), str):
@@ -87,7 +88,7 @@ class _Turns:
                 if not isinstance(tool_id, str) or not tool_id or not isinstance(name, str):
                     raise invalid(f"'{q}' (tool_use) needs a string 'id' and 'name'", q)
                 if not isinstance(arguments, dict):
-                    raise invalid(f"'{q}.input' must be an object, got {_kind(arguments)}", f"{q}.input")
+                    raise invalid(f"'{q}.input' must be an object, got {kind_of(arguments)}", f"{q}.input")
                 self.tool_use_ids.add(tool_id)
                 calls.append({"id": tool_id, "type": "function",
                               "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
@@ -126,18 +127,18 @@ class _Turns:
         if isinstance(content, list):
             content = content_parts(content, f"{q}.content")
         elif not isinstance(content, str):
-            raise invalid(f"'{q}.content' must be a string or an array of text blocks, got {_kind(content)}",
+            raise invalid(f"'{q}.content' must be a string or an array of text blocks, got {kind_of(content)}",
                           f"{q}.content")
         is_error = block.get("is_error")
         if is_error is not None and not isinstance(is_error, bool):
-            raise invalid(f"'{q}.is_error' must be a boolean, got {_kind(is_error)}", f"{q}.is_error")
+            raise invalid(f"'{q}.is_error' must be a boolean, got {kind_of(is_error)}", f"{q}.is_error")
         return {"role": "tool", "tool_call_id": tool_id, "content": f"Error: {content}" if is_error else content}
 
 
 def _block_text(block: dict[str, Any], q: str) -> str:
     text = block.get("text")
     if not isinstance(text, str):
-        raise invalid(f"'{q}.text' must be a string, got {_kind(text)}", f"{q}.text")
+        raise invalid(f"'{q}.text' must be a string, got {kind_of(text)}", f"{q}.text")
     return text
 
 
@@ -186,7 +187,7 @@ def _tools(body: dict[str, Any], chat: dict[str, Any]) -> None:
         chat["tool_choice"] = TOOL_CHOICES[choice["type"]]
     disable = choice.get("disable_parallel_tool_use")
     if disable is not None and not isinstance(disable, bool):
-        raise invalid(f"'tool_choice.disable_parallel_tool_use' must be a boolean, got {_kind(disable)}",
+        raise invalid(f"'tool_choice.disable_parallel_tool_use' must be a boolean, got {kind_of(disable)}",
                       "tool_choice.disable_parallel_tool_use")
     if disable is False:
         chat["parallel_tool_calls"] = True
@@ -198,7 +199,7 @@ def _output_format(body: dict[str, Any], chat: dict[str, Any]) -> None:
     if config is None:
         return
     if not isinstance(config, dict):
-        raise invalid(f"'output_config' must be an object, got {_kind(config)}", "output_config")
+        raise invalid(f"'output_config' must be an object, got {kind_of(config)}", "output_config")
     fmt = config.get("format")
     if fmt is None:
         return
@@ -225,7 +226,7 @@ def _stop_sequences(body: dict[str, Any]) -> tuple[str, ...]:
         return ()
     if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
         raise invalid("'stop_sequences' must be an array of non-empty strings", "stop_sequences")
-    return tuple(_text(s, "stop_sequences") for s in v)
+    return tuple(checked_text(s, "stop_sequences") for s in v)
 
 
 def _thinking(body: dict[str, Any], job: Job, reasoning: str | None, max_tokens: int | None) -> None:
@@ -276,7 +277,7 @@ def parse_messages(body: dict[str, Any], model_names: set[str], served_id: str, 
         raise invalid("'messages' is required: an array of {'role': 'user' | 'assistant', 'content': ...}",
                       "messages", "missing_required_parameter")
     if not isinstance(msgs, list) or not msgs:
-        raise invalid(f"'messages' must be a non-empty array of turns, got {_kind(msgs) if msgs != [] else '[]'}",
+        raise invalid(f"'messages' must be a non-empty array of turns, got {kind_of(msgs) if msgs != [] else '[]'}",
                       "messages")
     for i, m in enumerate(msgs):
         turns.turn(m, f"messages[{i}]", i == len(msgs) - 1)
@@ -296,7 +297,7 @@ def parse_messages(body: dict[str, Any], model_names: set[str], served_id: str, 
     _output_format(body, chat)
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
-        raise invalid(f"'metadata' must be an object, got {_kind(metadata)}", "metadata")
+        raise invalid(f"'metadata' must be an object, got {kind_of(metadata)}", "metadata")
     try:
         job = parse_job(chat, "chat", model_names, served_id, context_length, vocab_size, tool_format)
     except APIError as e:

@@ -41,7 +41,9 @@ from app.server.errors import (
 from app.server.guard import (AuthMiddleware, CountRequests, Drain, HostCheck, JSONCORSMiddleware, RequestGuard,
                               origin_pattern)
 from app.server.metrics import KVStatsReader, Metrics
-from app.server.protocol import Endpoint, Job, model_slug, parse_body, parse_detokenize, parse_job, parse_tokenize
+from app.server.fields import parse_body
+from app.server.protocol import Endpoint, Job, model_slug, parse_job
+from app.server.tokenize import parse_detokenize, parse_tokenize
 from app.server.responses import DONE, Choice, Echo, Formatter, error_chunk, sse, token_bytes_fn, token_str
 from app.server.responses_api import ResponsesFormatter, parse_responses, response_events
 from app.server.transport import EventStreamResponse, read_body

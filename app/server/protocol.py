@@ -28,6 +28,7 @@ from typing import Any, Literal
 from mlx_engine.api import MAX_DRAFT_TOKENS, MAX_LOGPROBS, REASONING_EFFORTS, SPECULATIVE_MODES, ResponseFormat
 from mlx_engine.reasoning import RESERVED_TEMPLATE_VARIABLES
 
+from app.server.fields import Fields, checked_text, kind_of, or_default, short
 from app.server.errors import APIError, invalid
 from app.toolcalls.schemas import closed, schema_error
 from app.toolcalls.tool_formats import JSON, ToolFormat
@@ -84,101 +85,6 @@ class Job:
 # ---- the body ------------------------------------------------------------------------------------------
 
 
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """Request bytes -> a JSON object; 400 on invalid UTF-8, malformed JSON, NaN/Infinity, a non-object."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise invalid(f"the request body is not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})",
-                      code="invalid_utf8") from None
-    if not text.strip():
-        raise invalid("the request body is empty: expected a JSON object", code="invalid_json")
-    try:
-        body = json.loads(text, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:
-        detail = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-        raise invalid(f"the request body is not valid JSON: {detail}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise invalid(f"the request body must be a JSON object, got {_kind(body)}", code="invalid_json")
-    return body
-
-
-def _kind(v: Any) -> str:
-    if v is None:
-        return "null"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-            dict: "an object"}.get(type(v), type(v).__name__)
-
-
-def _text(v: str, param: str) -> str:
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:
-        raise invalid(f"{param} contains an unpaired UTF-16 surrogate (\\ud800-\\udfff): not valid Unicode text",
-                      param) from None
-    return v
-
-
-class _Fields:
-    """Typed getters over one body: null counts as absent, bool is never a number."""
-
-    def __init__(self, body: dict[str, Any]):
-        self.body = body
-
-    def get(self, name: str) -> Any:
-        return self.body.get(name)
-
-    def wrong(self, name: str, expected: str) -> APIError:
-        return invalid(f"'{name}' must be {expected}, got {_kind(self.body[name])}: {_short(self.body[name])}", name)
-
-    def number(self, name: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
-        v = self.body.get(name)
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise self.wrong(name, "a number")
-        if v < lo or v > hi or (lo_open and v == lo):
-            interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-            raise invalid(f"'{name}' must be in {interval}, got {v}", name)
-        return float(v)
-
-    def integer(self, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
-        v = self.body.get(name)
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise self.wrong(name, "an integer")
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            raise invalid(f"'{name}' must be an integer {bounds}, got {v}", name)
-        return v
-
-    def boolean(self, name: str) -> bool | None:
-        v = self.body.get(name)
-        if v is None:
-            return None
-        if not isinstance(v, bool):
-            raise self.wrong(name, "a boolean")
-        return v
-
-    def string(self, name: str) -> str | None:
-        v = self.body.get(name)
-        if v is None:
-            return None
-        if not isinstance(v, str):
-            raise self.wrong(name, "a string")
-        return _text(v, name)
-
-
-def _short(v: Any) -> str:
-    s = json.dumps(v, ensure_ascii=False, default=str)
-    return s if len(s) <= 60 else s[:57] + "..."
-
-
 # ---- the fields ----------------------------------------------------------------------------------------
 
 
@@ -186,18 +92,18 @@ def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], s
               context_length: int, vocab_size: int, tool_format: ToolFormat = JSON) -> Job:
     """Validates an OpenAI body for `endpoint` ("chat" or "completion"); tools and earlier calls take the model's
     `tool_format`. Raises APIError (4xx)."""
-    f = _Fields(body)
+    f = Fields(body)
     if "model" not in body or body["model"] is None:
         raise invalid("you must provide a model parameter ('model': the id /v1/models lists, or 'default')",
                       "model", "missing_required_parameter")
-    job = Job(endpoint=endpoint, model=_model(f, model_names, served_id), tool_format=tool_format)
+    job = Job(endpoint=endpoint, model=check_model(f, model_names, served_id), tool_format=tool_format)
 
     if endpoint == "chat":
-        job.messages = _messages(body, tool_format)
+        job.messages = read_messages(body, tool_format)
     else:
         job.prompts = _prompts(body, vocab_size)
 
-    job.n = _or(f.integer("n", 1, MAX_CHOICES), 1)
+    job.n = or_default(f.integer("n", 1, MAX_CHOICES), 1)
     prompts = len(job.prompts) if endpoint == "completion" else 1
     if prompts * job.n > MAX_CHOICES:
         raise invalid(f"{prompts} prompts x n={job.n} is {prompts * job.n} choices; at most {MAX_CHOICES} per "
@@ -223,17 +129,17 @@ def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], s
                       "tokens, prompt included", job.max_tokens_param, "context_length_exceeded")
 
     s: dict[str, Any] = {}
-    s["temperature"] = _or(f.number("temperature", 0, 2), 1.0)
-    s["top_p"] = _or(f.number("top_p", 0, 1, lo_open=True), 1.0)
-    s["presence_penalty"] = _or(f.number("presence_penalty", -2, 2), 0.0)
-    s["frequency_penalty"] = _or(f.number("frequency_penalty", -2, 2), 0.0)
-    s["top_k"] = _or(f.integer("top_k", -1), 0)
+    s["temperature"] = or_default(f.number("temperature", 0, 2), 1.0)
+    s["top_p"] = or_default(f.number("top_p", 0, 1, lo_open=True), 1.0)
+    s["presence_penalty"] = or_default(f.number("presence_penalty", -2, 2), 0.0)
+    s["frequency_penalty"] = or_default(f.number("frequency_penalty", -2, 2), 0.0)
+    s["top_k"] = or_default(f.integer("top_k", -1), 0)
     if s["top_k"] == -1:  # vLLM's "off"
         s["top_k"] = 0
-    s["min_p"] = _or(f.number("min_p", 0, 1), 0.0)
+    s["min_p"] = or_default(f.number("min_p", 0, 1), 0.0)
     if s["min_p"] >= 1:
         raise invalid("'min_p' must be in [0, 1), got 1", "min_p")
-    s["repetition_penalty"] = _or(f.number("repetition_penalty", 0, 2**31, lo_open=True), 1.0)
+    s["repetition_penalty"] = or_default(f.number("repetition_penalty", 0, 2**31, lo_open=True), 1.0)
     seed = f.integer("seed")
     if seed is not None:
         s["seed"] = seed
@@ -269,7 +175,7 @@ def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], s
             raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
         usage = opts.get("include_usage")
         if usage is not None and not isinstance(usage, bool):
-            raise invalid(f"'stream_options.include_usage' must be a boolean, got {_kind(usage)}",
+            raise invalid(f"'stream_options.include_usage' must be a boolean, got {kind_of(usage)}",
                           "stream_options.include_usage")
         job.include_usage = bool(usage)
     f.string("user")  # accepted and ignored, but it must be a string
@@ -277,7 +183,7 @@ def parse_job(body: dict[str, Any], endpoint: Endpoint, model_names: set[str], s
     return job
 
 
-def _model(f: _Fields, model_names: set[str], served_id: str) -> str:
+def check_model(f: Fields, model_names: set[str], served_id: str) -> str:
     model = f.string("model")
     if model is not None and model not in model_names:
         raise APIError(404, f"The model '{model}' does not exist: this server serves '{served_id}' "
@@ -285,73 +191,25 @@ def _model(f: _Fields, model_names: set[str], served_id: str) -> str:
     return model or served_id
 
 
-@dataclass
-class TokenizeJob:
-    """A validated /tokenize body (vLLM's shape): a prompt, or messages through the chat template."""
-
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-
-
-def parse_tokenize(body: dict[str, Any], model_names: set[str], served_id: str, tool_format: ToolFormat = JSON
-                   ) -> TokenizeJob:
-    """/tokenize: {"prompt": str} or {"messages": [...]} (earlier calls in the model's `tool_format`), `model`
-    optional. Raises APIError (4xx)."""
-    f = _Fields(body)
-    _model(f, model_names, served_id)
-    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
-    if has_prompt == has_messages:
-        raise invalid("send either 'prompt' (a string) or 'messages' (an array of {'role', 'content'}), not both",
-                      "prompt" if has_prompt else None, None if has_prompt else "missing_required_parameter")
-    job = TokenizeJob()
-    if has_prompt:
-        job.prompt = _text(f.string("prompt") or "", "prompt")
-    else:
-        job.messages = _messages(body, tool_format)
-    job.add_special_tokens = _or(f.boolean("add_special_tokens"), True)
-    job.add_generation_prompt = _or(f.boolean("add_generation_prompt"), True)
-    job.return_token_strs = _or(f.boolean("return_token_strs"), False)
-    return job
-
-
-def parse_detokenize(body: dict[str, Any], model_names: set[str], served_id: str, vocab_size: int) -> list[int]:
-    """/detokenize: {"tokens": [ids]} -> the ids. Raises APIError (4xx)."""
-    f = _Fields(body)
-    _model(f, model_names, served_id)
-    tokens = body.get("tokens")
-    if tokens is None:
-        raise invalid("'tokens' is required: an array of token ids", "tokens", "missing_required_parameter")
-    if not isinstance(tokens, list):
-        raise f.wrong("tokens", "an array of integer token ids")
-    return _token_ids(tokens, "tokens", vocab_size, "an array of integer token ids")
-
-
-def _or(v: Any, default: Any) -> Any:
-    return default if v is None else v
-
-
-def _messages(body: dict[str, Any], tool_format: ToolFormat = JSON) -> list[dict[str, Any]]:
+def read_messages(body: dict[str, Any], tool_format: ToolFormat = JSON) -> list[dict[str, Any]]:
     if "messages" not in body or body["messages"] is None:
         raise invalid("'messages' is required: a non-empty array of {'role', 'content'}", "messages",
                       "missing_required_parameter")
     msgs = body["messages"]
     if not isinstance(msgs, list):
-        raise invalid(f"'messages' must be an array, got {_kind(msgs)}", "messages")
+        raise invalid(f"'messages' must be an array, got {kind_of(msgs)}", "messages")
     if not msgs:
         raise invalid("'messages' must be a non-empty array: at least one message is needed", "messages")
     out = []
     for i, m in enumerate(msgs):
         p = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise invalid(f"'{p}' must be an object with 'role' and 'content', got {_kind(m)}", p)
+            raise invalid(f"'{p}' must be an object with 'role' and 'content', got {kind_of(m)}", p)
         role = m.get("role")
         if not isinstance(role, str):
             raise invalid(f"'{p}.role' is required: one of {', '.join(ROLES)}", f"{p}.role")
         if role not in ROLES:
-            raise invalid(f"'{p}.role' must be one of {', '.join(ROLES)}, got {_short(role)}", f"{p}.role")
+            raise invalid(f"'{p}.role' must be one of {', '.join(ROLES)}, got {short(role)}", f"{p}.role")
         content = m.get("content")
         if content is None:
             if role != "assistant":
@@ -360,9 +218,9 @@ def _messages(body: dict[str, Any], tool_format: ToolFormat = JSON) -> list[dict
         elif isinstance(content, list):
             content = content_parts(content, f"{p}.content")
         elif not isinstance(content, str):
-            raise invalid(f"'{p}.content' must be a string or an array of text parts, got {_kind(content)}",
+            raise invalid(f"'{p}.content' must be a string or an array of text parts, got {kind_of(content)}",
                           f"{p}.content")
-        text = _text(content, f"{p}.content")
+        text = checked_text(content, f"{p}.content")
         if role == "assistant" and m.get("tool_calls") is not None:  # its calls, as the model writes them
             out.append(tool_format.history(text, history_calls(m["tool_calls"], f"{p}.tool_calls")))
             continue
@@ -376,13 +234,13 @@ def content_parts(parts: list[Any], param: str, kinds: tuple[str, ...] = ("text"
     for j, part in enumerate(parts):
         q = f"{param}[{j}]"
         if not isinstance(part, dict):
-            raise invalid(f"'{q}' must be an object like {{'type': '{kinds[0]}', 'text': ...}}, got {_kind(part)}", q)
+            raise invalid(f"'{q}' must be an object like {{'type': '{kinds[0]}', 'text': ...}}, got {kind_of(part)}", q)
         if part.get("type") not in kinds:
-            raise invalid(f"'{q}.type' {_short(part.get('type'))} is not supported: this model reads text parts "
+            raise invalid(f"'{q}.type' {short(part.get('type'))} is not supported: this model reads text parts "
                           "only", f"{q}.type", "unsupported_content")
         text = part.get("text")
         if not isinstance(text, str):
-            raise invalid(f"'{q}.text' must be a string, got {_kind(text)}", f"{q}.text")
+            raise invalid(f"'{q}.text' must be a string, got {kind_of(text)}", f"{q}.text")
         texts.append(text)
     return "\n".join(texts)
 
@@ -403,38 +261,38 @@ def _prompts(body: dict[str, Any], vocab_size: int) -> list[Prompt]:
 
 def _prompt(p: Any, param: str, vocab_size: int) -> Prompt:
     if isinstance(p, str):
-        return Prompt(text=_text(p, param))
+        return Prompt(text=checked_text(p, param))
     if isinstance(p, list):
         if not p:
             raise invalid(f"'{param}' is an empty array: expected a string or token ids", param)
-        return Prompt(token_ids=_token_ids(p, param, vocab_size, "a string or an array of integer token ids"))
-    raise invalid(f"'{param}' must be a string or an array of token ids, got {_kind(p)}", param)
+        return Prompt(token_ids=read_token_ids(p, param, vocab_size, "a string or an array of integer token ids"))
+    raise invalid(f"'{param}' must be a string or an array of token ids, got {kind_of(p)}", param)
 
 
-def _token_ids(p: list[Any], param: str, vocab_size: int, expected: str) -> list[int]:
+def read_token_ids(p: list[Any], param: str, vocab_size: int, expected: str) -> list[int]:
     for t in p:
         if isinstance(t, bool) or not isinstance(t, int):
-            raise invalid(f"'{param}' must be {expected}, found {_kind(t)}", param)
+            raise invalid(f"'{param}' must be {expected}, found {kind_of(t)}", param)
         if not 0 <= t < vocab_size:
             raise invalid(f"'{param}' token id {t} is outside the vocabulary (0..{vocab_size - 1})", param)
     return list(p)
 
 
-def _stop(f: _Fields) -> tuple[str, ...]:
+def _stop(f: Fields) -> tuple[str, ...]:
     v = f.get("stop")
     if v is None:
         return ()
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise invalid(f"'stop' must be a string or an array of up to {MAX_STOP} strings, got {_short(v)}", "stop")
+        raise invalid(f"'stop' must be a string or an array of up to {MAX_STOP} strings, got {short(v)}", "stop")
     if len(items) > MAX_STOP:
         raise invalid(f"'stop' has {len(items)} strings: at most {MAX_STOP} are allowed", "stop")
     if any(not s for s in items):
         raise invalid("'stop' strings must be non-empty", "stop")
-    return tuple(_text(s, "stop") for s in items)
+    return tuple(checked_text(s, "stop") for s in items)
 
 
-def _logit_bias(f: _Fields, vocab_size: int) -> dict[int, float]:
+def _logit_bias(f: Fields, vocab_size: int) -> dict[int, float]:
     v = f.get("logit_bias")
     if v is None:
         return {}
@@ -450,19 +308,19 @@ def _logit_bias(f: _Fields, vocab_size: int) -> dict[int, float]:
             raise invalid(f"'logit_bias' token id {tid} is outside the vocabulary (0..{vocab_size - 1})",
                           "logit_bias")
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
-            raise invalid(f"'logit_bias' value for {k} must be a number in [-100, 100], got {_short(b)}",
+            raise invalid(f"'logit_bias' value for {k} must be a number in [-100, 100], got {short(b)}",
                           "logit_bias")
         out[tid] = float(b)
     return out
 
 
-def _speculative(f: _Fields, s: dict[str, Any]) -> None:
+def _speculative(f: Fields, s: dict[str, Any]) -> None:
     """`speculative` absent (or null): the server's default; "off": plain decoding; else an engine mode."""
     mode = f.string("speculative")
     if mode is not None:
         allowed = (*SPECULATIVE_MODES, SPECULATIVE_OFF)
         if mode not in allowed:
-            raise invalid(f"'speculative' must be one of {', '.join(map(repr, allowed))}, got {_short(mode)}",
+            raise invalid(f"'speculative' must be one of {', '.join(map(repr, allowed))}, got {short(mode)}",
                           "speculative", "unsupported_value")
         s["speculative"] = None if mode == SPECULATIVE_OFF else mode
     k = f.integer("num_draft_tokens", 1, MAX_DRAFT_TOKENS)
@@ -470,7 +328,7 @@ def _speculative(f: _Fields, s: dict[str, Any]) -> None:
         s["num_draft_tokens"] = k
 
 
-def _response_format(f: _Fields, s: dict[str, Any]) -> None:
+def _response_format(f: Fields, s: dict[str, Any]) -> None:
     """OpenAI's `response_format`: text, json_object (JSON mode) or json_schema ({"name", "schema", "strict",
     "description"}; a missing schema means any JSON object). Objects that do not say are closed (`closed`), and with
     `strict` every property is required, as OpenAI's strict replies carry every key. A schema the grammar cannot
@@ -492,11 +350,11 @@ def _response_format(f: _Fields, s: dict[str, Any]) -> None:
     spec = v.get("json_schema")
     if not isinstance(spec, dict):
         raise invalid("response_format of type 'json_schema' needs 'json_schema': an object like {'name': ..., "
-                      f"'schema': {{...}}}}, got {_kind(spec)}", "response_format.json_schema")
+                      f"'schema': {{...}}}}, got {kind_of(spec)}", "response_format.json_schema")
     for name, kinds, expected in (("name", str, "a string"), ("description", str, "a string"),
                                   ("strict", bool, "a boolean"), ("schema", dict, "a JSON Schema object")):
         if spec.get(name) is not None and not isinstance(spec[name], kinds):
-            raise invalid(f"'response_format.json_schema.{name}' must be {expected}, got {_kind(spec[name])}",
+            raise invalid(f"'response_format.json_schema.{name}' must be {expected}, got {kind_of(spec[name])}",
                           f"response_format.json_schema.{name}")
     schema = spec.get("schema")
     s["response_format"] = (_held_schema(closed(schema, require_all=bool(spec.get("strict"))),
@@ -516,7 +374,7 @@ def _held_schema(schema: dict[str, Any], param: str) -> ResponseFormat:
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
-def _guided(f: _Fields, s: dict[str, Any], job: Job) -> None:
+def _guided(f: Fields, s: dict[str, Any], job: Job) -> None:
     """vLLM's structured-output fields, for clients written against vLLM: `guided_json`, `guided_regex`,
     `guided_choice`, `guided_grammar` (GBNF, or Lark), or their newer form `structured_outputs` ({"json", "regex",
     "choice", "grammar"}). At most one, and not with `response_format`."""
@@ -543,11 +401,11 @@ def _guided(f: _Fields, s: dict[str, Any], job: Job) -> None:
             except ValueError as e:
                 raise invalid(f"'{name}' is not valid JSON ({e})", name) from None
         if not isinstance(v, dict):
-            raise invalid(f"'{name}' must be a JSON Schema object, got {_kind(v)}", name)
+            raise invalid(f"'{name}' must be a JSON Schema object, got {kind_of(v)}", name)
         s["response_format"] = _held_schema(closed(v), name)
     elif kind == "regex":
         if not isinstance(v, str):
-            raise invalid(f"'{name}' must be a string, got {_kind(v)}", name)
+            raise invalid(f"'{name}' must be a string, got {kind_of(v)}", name)
         s["response_format"] = ResponseFormat("regex", pattern=v)
     elif kind == "choice":
         if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
@@ -555,7 +413,7 @@ def _guided(f: _Fields, s: dict[str, Any], job: Job) -> None:
         s["response_format"] = ResponseFormat("lark", grammar="start: " + " | ".join(json.dumps(c) for c in v))
     else:
         if not isinstance(v, str):
-            raise invalid(f"'{name}' must be a string (a GBNF or Lark grammar), got {_kind(v)}", name)
+            raise invalid(f"'{name}' must be a string (a GBNF or Lark grammar), got {kind_of(v)}", name)
         if "::=" in v:  # GBNF, as vLLM's xgrammar and llama.cpp take
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -566,7 +424,7 @@ def _guided(f: _Fields, s: dict[str, Any], job: Job) -> None:
         s["response_format"] = ResponseFormat("lark", grammar=v)
 
 
-def _reasoning(f: _Fields, job: Job) -> None:
+def _reasoning(f: Fields, job: Job) -> None:
     """`chat_template_kwargs` (an object of template variables, none of the request's own names) and
     `reasoning_effort` (REASONING_EFFORTS): chat only, since a completion's prompt is not rendered by the template."""
     if job.endpoint != "chat":
@@ -587,7 +445,7 @@ def _reasoning(f: _Fields, job: Job) -> None:
     effort = f.string("reasoning_effort")
     if effort is not None and effort not in REASONING_EFFORTS:
         raise invalid(f"'reasoning_effort' must be one of {', '.join(map(repr, REASONING_EFFORTS))}, got "
-                      f"{_short(effort)}", "reasoning_effort", "unsupported_value")
+                      f"{short(effort)}", "reasoning_effort", "unsupported_value")
     job.reasoning_effort = effort
 
 
