@@ -129,7 +129,7 @@ class _MistralStream:
 
     def __init__(self) -> None:
         self.buf = ""
-        self.mode = "text"  # text | array | head | arguments | tail | done
+        self.mode = "text"  # text | array | head | arguments | tail | done | plain
         self.called = False
         self.index = -1
         self.text = HeldText()
@@ -159,9 +159,9 @@ class _MistralStream:
             elif self.mode == "array":
                 lead = self.buf.lstrip()
                 if lead[:1] != "[":
-                    if final or lead:
-                        self.mode = "done"
-                        out.append(Delta(content=self.raw + self.buf))
+                    if final or lead:  # not a call after all: the rest is text, as `parse` reads it
+                        self.buf, self.mode = self.raw + self.buf, "plain"
+                        continue
                     return out
                 self.raw += self.buf[:len(self.buf) - len(lead) + 1]
                 self.buf, self.mode = lead[1:], "head"
@@ -189,5 +189,10 @@ class _MistralStream:
                 if m is None:
                     return out
                 self.buf, self.mode = self.buf[m.end():], "head" if m.group(1) == "," else "done"
+            elif self.mode == "plain":
+                if self.buf:
+                    out.append(Delta(content=self.buf))
+                self.buf = ""
+                return out
             else:
                 return out
