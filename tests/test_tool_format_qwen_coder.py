@@ -19,6 +19,7 @@ from app.server import create_app
 from app.server.protocol import parse_job
 from app.toolcalls.tool_formats import JSON, HermesTools, QwenCoderTools, detect
 from tests.server_fakes import LiveServer
+from tests.test_schemas import PERSON
 from tests.tool_format_checks import ADD, ASK, DATA, EARLIER, WEATHER, accepts, read_alike, tiny_folder
 
 TEMPLATE = (DATA / "qwen3_coder_chat_template.jinja").read_text()
@@ -94,6 +95,24 @@ def test_the_grammar_holds_the_reply_to_the_xml_with_typed_values() -> None:
     named = spelled.grammar(job({"tools": [WEATHER, ADD], "tool_choice": {"type": "function",
                                                                           "function": {"name": "add"}}}).tools)
     assert accepts(named, ADDS) and not accepts(named, CALL)
+
+
+def test_a_parameter_that_refers_into_the_parameters_schema_is_held_to_it() -> None:
+    """pydantic's `$defs` and a recursive "#": each parameter's own `%json` points into a copy of the whole schema."""
+    save = {"type": "function", "function": {"name": "save", "parameters": PERSON}}
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {"type": "object", "properties": {
+        "label": {"type": "string"}, "kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["label"]}}}
+    g = QwenCoderTools().grammar(job({"tools": [save, tree], "tool_choice": "required"}).tools)
+    address = '{"street": "1 Main St", "city": "Springfield"}'
+    person = f"<parameter=name>\nBob\n</parameter>\n<parameter=address>\n{address}\n</parameter>\n"
+    assert accepts(g, f"<tool_call>\n<function=save>\n{person}</function>\n</tool_call>")
+    assert not accepts(g, f"<tool_call>\n<function=save>\n{person.replace('street', 'road')}</function>\n</tool_call>")
+
+    def tree_call(kid: dict) -> str:
+        kids = json.dumps([{"label": "b", **kid}])
+        return (f"<tool_call>\n<function=tree>\n<parameter=label>\na\n</parameter>\n<parameter=kids>\n{kids}\n"
+                "</parameter>\n</function>\n</tool_call>")
+    assert accepts(g, tree_call({"kids": []})) and not accepts(g, tree_call({"x": 1}))
 
 
 TOOLS = job({"tools": [WEATHER, ADD, WRITE]}).tools

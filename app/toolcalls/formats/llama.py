@@ -21,7 +21,8 @@ from app.toolcalls.tools import Tools, openai_call
 
 PYTHON_TAG = "<|python_tag|>"
 # a call's head, up to its parameters' first character, once that has come (the grammar puts "name" first)
-_HEAD = re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\S)')
+_HEAD = re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,'
+                   r'\s*"(?:parameters|arguments)"\s*:\s*(?=\S)')
 # how long a reply that opens with "{" may be before its head is read: longer, it is not a call's (names are <= 64)
 _HEAD_MAX = 160
 

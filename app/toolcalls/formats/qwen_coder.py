@@ -28,6 +28,7 @@ from mlx_engine.api import ResponseFormat
 
 from app.toolcalls.formats.base import (CALL_JSON, Delta, HeldText, ToolStream, lark_string, marker, partial,
                                         text_or_calls)
+from app.toolcalls.schemas import has_local_refs, rebased
 from app.toolcalls.tools import Tools, openai_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -109,7 +110,6 @@ def _parameters(schema: dict[str, Any], rule: str) -> tuple[str, list[str]]:
     further parameter as raw text."""
     props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     required = set(schema.get("required") or [])
-    defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
     parts, rules = [], []
     for j, (name, prop) in enumerate(props.items()):
         head = lark_string(f"<parameter={name}>\n")
@@ -118,12 +118,23 @@ def _parameters(schema: dict[str, Any], rule: str) -> tuple[str, list[str]]:
         elif _strings(prop) is not None:
             body = "(" + " | ".join(lark_string(s) for s in _strings(prop)) + r') "\n</parameter>"'
         else:
-            rules.append(f"{rule}_{j}: %json {json.dumps({**prop, **defs, 'x-guidance': CALL_JSON})}")
+            rules.append(f"{rule}_{j}: %json {json.dumps({**_alone(schema, name), 'x-guidance': CALL_JSON})}")
             body = rf'{rule}_{j} "\n</parameter>"'
         parts.append(f'({head} {body} "\\n")' + ("" if name in required else "?"))
     if schema.get("additionalProperties", True) is not False:
         parts.append(r'("<parameter=" /[A-Za-z0-9_.-]+/ ">\n" raw "\n")*')
     return " ".join(parts) or '""', rules
+
+
+def _alone(schema: dict[str, Any], name: str) -> dict[str, Any]:
+    """Parameter `name`'s schema as a schema of its own. One that refers into the parameters' schema (pydantic's
+    `$defs`, or "#" for recursion) points into a copy of that schema under `$defs`, its references rebased there:
+    on its own, "#" would be the parameter and "#/$defs/..." would not exist."""
+    prop = schema["properties"][name]
+    if not has_local_refs(prop):
+        return prop
+    pointer = name.replace("~", "~0").replace("/", "~1")
+    return {"$ref": f"#/$defs/p/properties/{pointer}", "$defs": {"p": rebased(schema, "#/$defs/p")}}
 
 
 def _strings(schema: Any) -> list[str] | None:
