@@ -55,6 +55,9 @@ def test_the_template_s_markup_picks_the_format(tokenizer: Tokenizer) -> None:
     assert detect(v3).space == " " and detect(v3).calls_id is None
     # a template with no tools list (Mistral's earliest) is not this format
     assert detect("{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}{# [TOOL_CALLS] #}") is JSON
+    v11 = TEMPLATE.split("-#}", 1)[1].replace(  # past the header, which describes the array
+        '"[TOOL_CALLS]["', '"[TOOL_CALLS]" + tool_call.function.name + "[ARGS]"')
+    assert detect(v11) is JSON  # Mistral Small 3.2's `[TOOL_CALLS]name[ARGS]{...}`
 
 
 def test_tools_an_earlier_call_and_its_result_render_with_ids(tokenizer: Tokenizer) -> None:

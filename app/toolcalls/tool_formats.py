@@ -44,8 +44,9 @@ def detect(chat_template: str | None, encode: Callable[[str], list[int]] | None 
     # format would hold to the wrong shape
     if OPEN in t and '"arguments"' in t:
         return HermesTools(token(encode, OPEN), token(encode, CLOSE))
-    if CALLS in t and "[AVAILABLE_TOOLS]" in t:
-        # v3 (SentencePiece) templates write "[TOOL_CALLS] [", tekken ones "[TOOL_CALLS]["
+    # the array after the marker: v3 (SentencePiece) templates write "[TOOL_CALLS] [", tekken ones "[TOOL_CALLS][";
+    # newer ones (`[TOOL_CALLS]name[ARGS]{...}`, Mistral Small 3.2, Devstral) are another format
+    if "[AVAILABLE_TOOLS]" in t and (CALLS + "[" in t or CALLS + " [" in t):
         return MistralTools(token(encode, CALLS), " " if CALLS + " [" in t else "")
     if "<|start_header_id|>" in t and "ipython" in t and '"parameters"' in t:
         return LlamaTools(token(encode, PYTHON_TAG))
