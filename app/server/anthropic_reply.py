@@ -78,7 +78,7 @@ class MessagesFormatter:
         wrote them without a grammar) stays text, as written."""
         if self.job.tools is None:
             return text, []
-        content, calls = tool_reply(self.job.tool_format, text, engine_calls)
+        content, calls = tool_reply(self.job.tool_format, text, engine_calls, self.job.tools)
         texts, uses = [content] if content else [], []
         for c in calls or ():
             fn = c["function"]
@@ -170,7 +170,7 @@ async def message_events(fmt: MessagesFormatter, gen: Generation, on_event: Call
     token). Thinking and text stream as they come; tool calls arrive whole once their JSON is complete."""
     yield fmt.event("message_start", message=fmt.shell(Usage(gen.prompt_tokens, 0)))
     blocks = _Blocks(fmt)
-    held = fmt.job.tool_format.stream() if fmt.job.tools is not None else None
+    held = fmt.job.tool_format.stream(fmt.job.tools) if fmt.job.tools is not None else None
     parts: list[str] = []
     sent = ""  # the text that went out
     final: GenerationEvent | None = None

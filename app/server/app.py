@@ -371,7 +371,7 @@ class Server:
         seen: list[bool] = []
         started: set[int] = set()
         # a tool-calling reply is read in the model's tool-call format: text and calls go out as it shows them
-        readers = {i: fmt.job.tool_format.stream() for i in range(len(gens))} if fmt.job.tools is not None else {}
+        readers = {i: fmt.job.tool_format.stream(fmt.job.tools) for i in range(len(gens))} if fmt.job.tools is not None else {}
         try:
             while len(finals) < len(gens):
                 i, event = await events.get()

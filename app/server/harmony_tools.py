@@ -39,6 +39,9 @@ class HarmonyTools:
         return {"role": "assistant", "content": content,
                 "tool_calls": [{"type": "function", "function": c} for c in calls]}
 
+    def conversation(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return messages
+
     def render(self, messages: list[dict[str, Any]], tools: Tools) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         # gpt-oss's template concatenates the description: a function without one would fail the render
         offered = [{"type": "function", "function": {"description": "", **f}} for f in tools.offered()]
@@ -47,10 +50,10 @@ class HarmonyTools:
     def grammar(self, tools: Tools) -> ResponseFormat | None:
         return None  # the engine's grammar holds the answer, not a commentary message (the module's docstring)
 
-    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    def parse(self, text: str, tools: Tools | None = None) -> tuple[str | None, list[dict[str, Any]] | None]:
         return text, None  # the calls are the engine's (`tool_reply`); the text is the answer alone
 
-    def stream(self) -> ToolStream:
+    def stream(self, tools: Tools | None = None) -> ToolStream:
         return _Answer()
 
 
@@ -89,13 +92,14 @@ class _Answer:
         return []
 
 
-def tool_reply(fmt: ToolFormat, text: str, calls: tuple[ToolCall, ...]
+def tool_reply(fmt: ToolFormat, text: str, calls: tuple[ToolCall, ...], tools: Tools | None = None
                ) -> tuple[str | None, list[dict[str, Any]] | None]:
     """A finished tool-calling reply -> (content, OpenAI tool_calls or None): the calls the engine read in the
-    model's own format (`GenerationEvent.tool_calls`), else those `fmt` reads from the text."""
+    model's own format (`GenerationEvent.tool_calls`), else those `fmt` reads from the text (`tools`: those
+    offered)."""
     if calls:
         return text or None, [openai_call(c.name, c.arguments) for c in calls]
-    return fmt.parse(text)
+    return fmt.parse(text, tools)
 
 
 def call_deltas(calls: tuple[ToolCall, ...], first: int = 0) -> list[Delta]:

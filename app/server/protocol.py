@@ -225,7 +225,7 @@ def read_messages(body: dict[str, Any], tool_format: ToolFormat = JSON) -> list[
             out.append(tool_format.history(text, history_calls(m["tool_calls"], f"{p}.tool_calls")))
             continue
         out.append({"role": "system" if role == "developer" else role, "content": text})
-    return out
+    return tool_format.conversation(out)
 
 
 def content_parts(parts: list[Any], param: str, kinds: tuple[str, ...] = ("text",)) -> str:

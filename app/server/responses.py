@@ -236,7 +236,7 @@ class Formatter:
                     message["reasoning_content"] = message["reasoning"] = c.reasoning or None
                 reason = c.finish_reason
                 if self.job.tools is not None:
-                    message["content"], calls = tool_reply(self.job.tool_format, c.text, c.tool_calls)
+                    message["content"], calls = tool_reply(self.job.tool_format, c.text, c.tool_calls, self.job.tools)
                     if calls:
                         message["tool_calls"], reason = calls, "tool_calls"
                 obj["choices"].append({"index": i, "message": message, "logprobs": self._logprobs(c.logprobs),

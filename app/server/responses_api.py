@@ -223,7 +223,7 @@ class ResponsesFormatter:
         """The output items of a finished reply: a message, or a tool-calling one's calls (after its text, where it
         wrote some first), parsed in the model's tool-call format (or read by the engine: `engine_calls`)."""
         if self.job.tools is not None:
-            content, calls = tool_reply(self.job.tool_format, text, engine_calls)
+            content, calls = tool_reply(self.job.tool_format, text, engine_calls, self.job.tools)
             if calls:
                 return ([self.message_item(content)] if content else []) + [self.call_item(c) for c in calls]
             text = content or ""
@@ -318,7 +318,7 @@ async def response_events(events: AsyncIterator[GenerationEvent], fmt: Responses
     if item is not None:
         for b in fmt.open_message(item):
             yield b
-    reader = fmt.job.tool_format.stream() if fmt.job.tools is not None else None
+    reader = fmt.job.tool_format.stream(fmt.job.tools) if fmt.job.tools is not None else None
     parts: list[str] = []
     thought: dict[str, Any] | None = None  # the reasoning item
     thinking: list[str] = []

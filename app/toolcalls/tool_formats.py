@@ -9,88 +9,48 @@ from the chat template's text.
 - `JsonTools`: llama.cpp's "generic" format (`tools.py`), for templates with no tool markup (the embedded
   SmolLM2): a system message describes the tools, and the reply is one JSON object.
 
-Another family (Llama 3.x's JSON, Mistral's `[TOOL_CALLS]`, Qwen3-Coder's XML) is another class with the same five
-members, and a line in `detect`.
+The other families' formats (`formats/`): Llama 3.x's JSON (`LlamaTools`), Mistral's `[TOOL_CALLS]` (`MistralTools`),
+Qwen3-Coder's XML (`QwenCoderTools`). The protocol and what formats share are `formats/base.py`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from mlx_engine.api import ResponseFormat
 
+from app.toolcalls.formats.base import (CALL_JSON, Delta, HeldText, ToolFormat, ToolStream, ValueEnd, marker,
+                                        partial, text_or_calls, token)
+from app.toolcalls.formats.llama import PYTHON_TAG, LlamaTools
+from app.toolcalls.formats.mistral import CALLS, MistralTools
+from app.toolcalls.formats.qwen_coder import QwenCoderTools
 from app.toolcalls.tools import ReplyStream, Tools, calls_as_text, openai_call, reply, with_tools
 
-
-@dataclass(frozen=True)
-class Delta:
-    """A piece of a streamed reply: text, or one entry of OpenAI's `delta.tool_calls` (`index`; with the call's
-    first piece its `id`, `type` and `function.name`; then `function.arguments` fragments)."""
-
-    content: str | None = None
-    call: dict[str, Any] | None = None
-
-
-class ToolStream(Protocol):
-    """One reply read as it is generated."""
-
-    called: bool  # whether it has called a function (its finish reason is then "tool_calls")
-
-    def feed(self, text: str) -> list[Delta]:
-        """More of the reply -> what can be sent now."""
-        ...
-
-    def finish(self) -> list[Delta]:
-        """At the end of the reply: what was held back."""
-        ...
-
-
-class ToolFormat(Protocol):
-    """A model family's way of calling tools."""
-
-    name: str
-
-    def history(self, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
-        """An earlier assistant turn that called functions (`calls`: [{"name", "arguments"}]) as a chat message for
-        the template."""
-        ...
-
-    def render(self, messages: list[dict[str, Any]], tools: Tools) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """The conversation offering `tools`, and the chat template's extra variables."""
-        ...
-
-    def grammar(self, tools: Tools) -> ResponseFormat | None:
-        """What the reply is held to (None: nothing; the model writes its own format)."""
-        ...
-
-    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
-        """A whole reply -> (content, None) or (content or None, OpenAI tool_calls with fresh ids). A reply cut
-        short is its text."""
-        ...
-
-    def stream(self) -> ToolStream:
-        """A reader for one reply as it streams."""
-        ...
+__all__ = ["Delta", "ToolFormat", "ToolStream", "JSON", "JsonTools", "HermesTools", "LlamaTools", "MistralTools",
+           "QwenCoderTools", "detect"]
 
 
 def detect(chat_template: str | None, encode: Callable[[str], list[int]] | None = None) -> ToolFormat:
-    """The format a chat template shows: Hermes / Qwen's `<tool_call>` blocks of JSON, else the JSON format. `encode`
-    (the tokenizer's, without BOS) tells whether the markers are tokens of their own."""
-    # `"arguments"` tells Hermes' JSON blocks from other families' `<tool_call>` (Qwen3-Coder's `<function=...>`
-    # XML, GLM's `<arg_key>`), which this format would hold to the wrong shape
-    if chat_template and OPEN in chat_template and '"arguments"' in chat_template:
-        return HermesTools(*(_token(encode, marker) for marker in (OPEN, CLOSE)))
+    """The format a chat template's tool markup shows, else the JSON format. `encode` (the tokenizer's, without BOS)
+    tells whether the markers are tokens of their own. Each test asks for markup only that family's templates write,
+    so a template that merely mentions one marker gets the JSON format, which every model can follow."""
+    t = chat_template or ""
+    if OPEN in t and "<function=" in t and "<parameter=" in t:  # Qwen3-Coder's XML inside <tool_call>
+        return QwenCoderTools(token(encode, OPEN), token(encode, CLOSE))
+    # `"arguments"` tells Hermes' JSON blocks from other families' `<tool_call>` (GLM's `<arg_key>`), which this
+    # format would hold to the wrong shape
+    if OPEN in t and '"arguments"' in t:
+        return HermesTools(token(encode, OPEN), token(encode, CLOSE))
+    # the array after the marker: v3 (SentencePiece) templates write "[TOOL_CALLS] [", tekken ones "[TOOL_CALLS][";
+    # newer ones (`[TOOL_CALLS]name[ARGS]{...}`, Mistral Small 3.2, Devstral) are another format
+    if "[AVAILABLE_TOOLS]" in t and (CALLS + "[" in t or CALLS + " [" in t):
+        return MistralTools(token(encode, CALLS), " " if CALLS + " [" in t else "")
+    if "<|start_header_id|>" in t and "ipython" in t and '"parameters"' in t:
+        return LlamaTools(token(encode, PYTHON_TAG))
     return JSON
-
-
-def _token(encode: Callable[[str], list[int]] | None, text: str) -> int | None:
-    """The id of the one token that is `text`, or None where it is spelled in several."""
-    ids = encode(text) if encode is not None else []
-    return ids[0] if len(ids) == 1 else None
 
 
 # ---- the JSON format (templates with no tool markup) -------------------------------------------------------
@@ -102,16 +62,19 @@ class JsonTools:
     def history(self, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
         return {"role": "assistant", "content": calls_as_text(content, calls)}
 
+    def conversation(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return messages
+
     def render(self, messages: list[dict[str, Any]], tools: Tools) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         return with_tools(messages, tools), {}
 
     def grammar(self, tools: Tools) -> ResponseFormat:
         return ResponseFormat("json_schema", schema=tools.schema())
 
-    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    def parse(self, text: str, tools: Tools | None = None) -> tuple[str | None, list[dict[str, Any]] | None]:
         return reply(text)
 
-    def stream(self) -> ToolStream:
+    def stream(self, tools: Tools | None = None) -> ToolStream:
         return _JsonStream()
 
 
@@ -139,14 +102,9 @@ class _JsonStream:
 # ---- Hermes / Qwen: <tool_call> blocks -------------------------------------------------------------------------
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-# free text: anything that never opens a call (llguidance's `&` and `~` on terminals)
-_TEXT = r"TEXT: /(?s:.+)/ & ~/(?s:.*)<tool_call>(?s:.*)/"
 _CALLS = re.compile(r"\s*<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 # a call's head, up to its arguments' first character, once that has come (the grammar puts "name" first)
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
-# A call's JSON exactly as the template writes earlier calls (`tojson`: ", " and ": ", nothing else between
-# tokens): the model's own style, and no room to pad. oneOf is read as anyOf, as in response formats.
-_CALL_JSON = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "coerce_one_of": True}
 
 
 class HermesTools:
@@ -164,6 +122,9 @@ class HermesTools:
         return {"role": "assistant", "content": content,
                 "tool_calls": [{"type": "function", "function": c} for c in calls]}
 
+    def conversation(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return messages
+
     def render(self, messages: list[dict[str, Any]], tools: Tools) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         return messages, {"tools": [{"type": "function", "function": f} for f in tools.offered()]}
 
@@ -174,21 +135,17 @@ class HermesTools:
         with the call."""
         calls, defs = tools.call_schemas()
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        body = json.dumps({**one, **({"$defs": defs} if defs else {}), "x-guidance": _CALL_JSON})
-        rules = [f"call: %json {body}", f"open: {_marker(OPEN, self.open_id)}",
-                 f"close: {_marker(CLOSE, self.close_id)}", r'block: "\n" call "\n" close']
+        body = json.dumps({**one, **({"$defs": defs} if defs else {}), "x-guidance": CALL_JSON})
+        rules = [f"call: %json {body}", f"open: {marker(OPEN, self.open_id)}",
+                 f"close: {marker(CLOSE, self.close_id)}", r'block: "\n" call "\n" close']
         more = r' ("\n" open block)*' if tools.many else ""
         if tools.choice == "auto":
-            # text ends where a call's token comes; spelled out, "<tool_call>" ends the lazy `opening`
-            starts = ["TEXT", f"opening block{more}"]
-            if self.open_id is not None:
-                starts.append(f"TEXT? <[{self.open_id}]> block{more}")
-            rules += ["start: " + " | ".join(starts), "opening[lazy]: /(?s:.*?)<tool_call>/", _TEXT]
+            rules += text_or_calls(OPEN, self.open_id, f"block{more}")
         else:
             rules.append(f"start: open block{more}")
         return ResponseFormat("lark", grammar="\n".join(rules))
 
-    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    def parse(self, text: str, tools: Tools | None = None) -> tuple[str | None, list[dict[str, Any]] | None]:
         start = text.find(OPEN)
         if start < 0:
             return text, None
@@ -206,7 +163,7 @@ class HermesTools:
             return text, None
         return text[:start].rstrip() or None, calls
 
-    def stream(self) -> ToolStream:
+    def stream(self, tools: Tools | None = None) -> ToolStream:
         return _HermesStream()
 
 
@@ -222,9 +179,9 @@ class _HermesStream:
         self.mode = "text"  # text | head | arguments | close
         self.called = False
         self.index = -1
-        self.held = ""  # text's trailing whitespace
+        self.text = HeldText()
         self.before = ""  # the whitespace held when the first call opened
-        self.value = _ValueEnd()
+        self.value = ValueEnd()
 
     def feed(self, text: str) -> list[Delta]:
         self.buf += text
@@ -239,12 +196,12 @@ class _HermesStream:
             if self.mode == "text":
                 i = self.buf.find(OPEN)
                 if i < 0:
-                    keep = 0 if final else _partial(self.buf, OPEN)
-                    self._text(self.buf[:len(self.buf) - keep], out, final)
+                    keep = 0 if final else partial(self.buf, OPEN)
+                    self.text.emit(self.buf[:len(self.buf) - keep], out, final)
                     self.buf = self.buf[len(self.buf) - keep:]
                     return out
-                self._text(self.buf[:i], out, False)
-                self.before, self.held, self.buf, self.mode = self.held, "", self.buf[i + len(OPEN):], "head"
+                self.text.emit(self.buf[:i], out, False)
+                self.before, self.text.held, self.buf, self.mode = self.text.held, "", self.buf[i + len(OPEN):], "head"
             elif self.mode == "head":
                 m = _HEAD.match(self.buf)
                 if m is None:
@@ -254,7 +211,7 @@ class _HermesStream:
                 self.index += 1
                 self.called = True
                 out.append(Delta(call={**openai_call(json.loads(f'"{m.group(1)}"'), ""), "index": self.index}))
-                self.buf, self.mode, self.value = self.buf[m.end():], "arguments", _ValueEnd()
+                self.buf, self.mode, self.value = self.buf[m.end():], "arguments", ValueEnd()
             elif self.mode == "arguments":
                 end = self.value.scan(self.buf)
                 piece = self.buf if end is None else self.buf[:end]
@@ -275,65 +232,6 @@ class _HermesStream:
                     self.buf, self.mode = rest, "text"  # what the grammar allows no more: text, as it came
                 else:
                     return out
-
-    def _text(self, text: str, out: list[Delta], final: bool) -> None:
-        text = self.held + text
-        self.held = ""
-        if not final:
-            stripped = text.rstrip()
-            self.held, text = text[len(stripped):], stripped
-        if text:
-            out.append(Delta(content=text))
-
-
-def _marker(text: str, token_id: int | None) -> str:
-    """A Lark rule's body for a marker: its token, or its text."""
-    return f'<[{token_id}]> | "{text}"' if token_id is not None else f'"{text}"'
-
-
-def _partial(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that `marker` begins with."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
-class _ValueEnd:
-    """Where one JSON value ends, read in pieces: strings and escapes, nesting depth."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
-        self.begun = False
-
-    def scan(self, text: str) -> int | None:
-        """The index in `text` just past the value's end, or None when it goes on past `text`."""
-        for i, c in enumerate(text):
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif c == "\\":
-                    self.escaped = True
-                elif c == '"':
-                    self.in_string = False
-                    if self.depth == 0:
-                        return i + 1
-            elif c == '"':
-                self.in_string = self.begun = True
-            elif c in "{[":
-                self.depth += 1
-                self.begun = True
-            elif c in "}]":
-                self.depth -= 1
-                if self.depth <= 0:  # the value's own close, or (a scalar before it) the call's
-                    return i + 1 if self.depth == 0 else i
-            elif self.depth == 0 and self.begun and c in ", \t\r\n":
-                return i
-            else:
-                self.begun = True
-        return None
 
 
 JSON = JsonTools()

@@ -54,7 +54,7 @@ class Offer:
     raw: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.reader = self.fmt.stream()
+        self.reader = self.fmt.stream(self.tools)
 
     def request(self, request: GenerationRequest) -> GenerationRequest:
         """`request` (the chat's messages, sampling and thinking effort) offering the tools: the conversation and
@@ -74,7 +74,7 @@ class Offer:
 
     def calls(self) -> list[dict[str, Any]]:
         """The reply's calls: [{"name", "arguments", "server", "tool"}], of offered tools only."""
-        _, calls = self.fmt.parse("".join(self.raw))
+        _, calls = self.fmt.parse("".join(self.raw), self.tools)
         out = []
         for c in calls or []:
             name, text = c["function"]["name"], c["function"]["arguments"]
@@ -124,7 +124,7 @@ def chat_messages(system_prompt: str, views: list[MessageView], fmt: ToolFormat)
             msgs.append(fmt.history(v.content, calls))
         elif v.role != "assistant" or (v.status != "error" and v.content):
             msgs.append({"role": v.role, "content": v.content})
-    return msgs
+    return fmt.conversation(msgs)
 
 
 def result_for_model(content: str, status: str) -> str:
