@@ -66,7 +66,9 @@ class Diagnostics:
 
     def matmul_flops(self, device: str, n: int = 2048, repeats: int = 3) -> float:
         """Peak dense matmul FLOP/s, the best of `repeats`: float16 MLX (2n x 2n) on Metal; on a CPU float32 (n x n)
-        through numpy or torch, whichever is faster (all cores)."""
+        through numpy or torch, whichever is faster (all cores). On the engine thread: a torch matmul on any other
+        thread gives the process a second OpenMP pool, and the engine's decode then ran at half its speed on a
+        quiet 2-core EPYC (5-10x faster under load: libgomp stops spinning at barriers; issue 48)."""
         if device == "metal":
             def run() -> float:
                 import mlx.core as mx
@@ -89,7 +91,7 @@ class Diagnostics:
                 best = min(best, cpu_matmul_seconds(a, repeats, best_time))
             return 2 * n**3 / best
 
-        return run_cpu()
+        return self.call(run_cpu)
 
 
 def best_time(fn: Callable[[], Any], repeats: int) -> float:
