@@ -300,9 +300,11 @@ class ModelInfo:
 # --- loading ----------------------------------------------------------------------------------------------
 
 LOAD_OPTIONS = {
-    "backend": "the model runner: 'mlx' (default; Metal or MLX's CPU backend) or 'torch' (CUDA or CPU; the "
-    "optional extra `torch`)",
-    "device": "'auto' (default), 'cpu' or 'cuda' (cuda: backend='torch' only)",
+    "backend": "the model runner: 'auto' (default: the faster one here for the model: Metal on a Mac; the torch "
+    "backend on CUDA, or on an x86-64 Linux CPU for a quantized model it runs, where torch is installed; else MLX's "
+    "CPU backend, with a warning saying how to get the faster one), 'mlx' (Metal or MLX's CPU backend) or 'torch' "
+    "(CUDA or CPU; the optional extra `torch`)",
+    "device": "'auto' (default), 'cpu' or 'cuda' (cuda: the torch backend; with backend='auto' it picks torch)",
     "dtype": "activation dtype: 'float32', 'float16' or 'bfloat16' (default: float32 on MLX's CPU backend, "
     "the checkpoint's on Metal)",
     "prefill_chunk_size": "tokens per prefill step (default 512; for backend='torch' 4096 on CUDA, 256 on the CPU)",

@@ -39,7 +39,7 @@ def test_a_typo_is_one_line_with_a_did_you_mean() -> None:
                           "roofline generate --help")
     assert_one_line_error(roofline("generate", "-p", "x", "--tmep", "0.5"), "unknown option --tmep",
                           "did you mean --temp?")
-    assert_one_line_error(roofline("bench", "--backend", "trch"), "--backend 'trch': expected one of mlx, torch",
+    assert_one_line_error(roofline("bench", "--backend", "trch"), "--backend 'trch': expected one of auto, mlx, torch",
                           "did you mean torch?")
     assert_one_line_error(roofline("generate"), "roofline generate needs --prompt/-p")
 
@@ -221,7 +221,7 @@ def test_kv_defaults_to_what_this_machines_engine_stores_and_says_so(capsys) -> 
         line = capsys.readouterr().out
         assert f"{dtype}" in line and why in line
         per_token = int(line.split(" bytes per token")[0].rsplit(", ", 1)[1].replace(",", ""))
-        with Engine.load(None, **({"kv_bits": kv_bits} if kv_bits else {})) as e:
+        with Engine.load(None, backend="mlx", **({"kv_bits": kv_bits} if kv_bits else {})) as e:
             stats = e.kv_stats()
             assert per_token == stats["bytes_per_block"] // stats["block_size"], (line, stats)
 

@@ -36,13 +36,13 @@ from mlx_engine.backends.torch.paths.native_step import KV_DTYPE as NATIVE_KV_DT
 from mlx_engine.backends.torch.paths.native_step import NOTE as NATIVE_NOTE
 from mlx_engine.backends.torch.sampling import sample_rows
 from mlx_engine.backends.base import RunnerCapabilities
+from mlx_engine.backends.choice import TORCH_MODEL_TYPES
 from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers,
                                         entry, model_fingerprint)
 from mlx_engine.backends.torch.load import (DEFAULT_CPU_THREADS, check_draft_bits, check_switch, check_threads,
                                             cpu_pack_notes, cpu_pack_plan, pick_dtype, resolve_device, use_kernels)
 from mlx_engine.reasoning import reasoning_family
 
-TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 T = TypeVar("T")
 # The threads of this process that ran torch's CPU work. Each thread that opens an OpenMP region gets a pool of its
 # own, and libgomp stops spin-waiting at barriers once it manages more threads than there are cores: one matmul on
