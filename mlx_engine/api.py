@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 SPECULATIVE_MODES = ("draft", "prompt-lookup", "self", "auto")
@@ -295,6 +295,14 @@ class ModelInfo:
     # the reasoning family the chat template and tokenizer show ("think": <think>...</think>, "harmony": gpt-oss's
     # channels), or None: a model without reasoning, whose events never carry `reasoning`
     reasoning: str | None = None
+
+    @property
+    def runs_on(self) -> str:
+        """Where it runs, as front ends show it: "MLX on Metal", "torch on CPU", "torch on CUDA", "MLX on CPU"."""
+        backend = {"mlx": "MLX"}.get(self.backend, self.backend)
+        return f"{backend} on {ModelInfo._DEVICES.get(self.device, self.device)}"
+
+    _DEVICES: ClassVar[dict[str, str]] = {"cpu": "CPU", "cuda": "CUDA", "metal": "Metal"}
 
 
 # --- loading ----------------------------------------------------------------------------------------------
