@@ -111,3 +111,8 @@ def test_with_torch_the_embedded_model_loads_on_torch_and_gemma2_on_mlx() -> Non
         assert any("not gemma2" in w for w in e.info.warnings), e.info.warnings
     with Engine.load(backend="mlx") as e:  # an explicit backend: as asked, and nothing said
         assert e.info.backend == "mlx" and not e.info.warnings
+
+
+def test_a_header_that_cannot_be_read_leaves_the_error_to_the_mlx_loader(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    assert choose(str(tmp_path), "auto", {}, LINUX) == Choice("mlx", "auto")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlx_engine.api import RooflineError
+from mlx_engine.api import ModelLoadError, RooflineError
 
 TORCH_ONLY = ("threads", "compile", "cpu_kernel", "native_step", "cuda_graphs")
 MLX_ONLY = ("distributed", "kv_bits", "kv_key_bits", "kv_key_per_channel")
@@ -124,12 +124,15 @@ def choose(model: str | None, device: str, options: dict[str, Any], here: Platfo
     fast_cpu = here.system == "Linux" and here.x86_64
     if not (here.torch and here.cuda) and not fast_cpu:
         return Choice("mlx", device)
-    why_not = torch_refusal(model)
+    try:
+        why_not, quantized = torch_refusal(model), _quantized(model)
+    except ModelLoadError:  # a header that cannot be read: the MLX loader says what is wrong, as it did before
+        return Choice("mlx", device)
     if here.torch and why_not is not None:
         return Choice("mlx", device, f"MLX's CPU backend runs this model, since the torch backend {why_not}")
     if here.torch and here.cuda:
         return Choice("torch", device)
-    if not _quantized(model):
+    if not quantized:
         return Choice("mlx", device)  # a float checkpoint: no packed weights for the torch backend's kernel
     if not here.torch:
         return Choice("mlx", device, "MLX's CPU backend runs this model: the torch backend decodes quantized models "
