@@ -59,9 +59,9 @@ class Diagnostics:
         `ModelRunner.forward_paths`); with torch imported, "torch_threads": every thread of this process that has
         run torch's CPU work (more than the engine thread changes how its OpenMP threads wait: issue 48)."""
         out: dict[str, Any] = {"forwards": self.call(self.runner.forward_paths)}
-        torch_runner = sys.modules.get("mlx_engine.backends.torch.runner")
-        if torch_runner is not None:
-            out["torch_threads"] = sorted(torch_runner.TORCH_THREADS)
+        host = sys.modules.get("mlx_engine.backends.torch.host")
+        if host is not None:
+            out["torch_threads"] = sorted(host.TORCH_THREADS)
         return out
 
     def matmul_flops(self, device: str, n: int = 2048, repeats: int = 3) -> float:
@@ -86,7 +86,7 @@ class Diagnostics:
             a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
             best = best_time(lambda: a @ a, repeats)
             if importlib.util.find_spec("torch") is not None:  # torch's CPU matmul (oneDNN/MKL) can beat numpy's BLAS
-                from mlx_engine.backends.torch.runner import cpu_matmul_seconds
+                from mlx_engine.backends.torch.host import cpu_matmul_seconds
 
                 best = min(best, cpu_matmul_seconds(a, repeats, best_time))
             return 2 * n**3 / best

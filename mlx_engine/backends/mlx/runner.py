@@ -12,8 +12,8 @@ import numpy as np
 
 from mlx_engine.api import ModelInfo, RooflineError
 from mlx_engine.backends.base import RunnerCapabilities
-from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers, entry,
-                                        model_fingerprint)
+from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers,
+                                        entry, model_fingerprint)
 from mlx_engine.backends.mlx.load import (
     DRAFT_GROUP_SIZE,
     decode_shape,
