@@ -61,6 +61,7 @@ def test_without_torch_the_warning_says_how_to_install_it() -> None:
     ("auto", {"compile": False}, "torch"),
     ("auto", {"kv_bits": 8}, "mlx"),
     ("auto", {"paged_kv": False}, "mlx"),
+    ("auto", {"draft_bits": 4}, "mlx"),
     ("auto", {"distributed": "pipeline"}, "mlx"),
 ])
 def test_an_option_only_one_backend_has_picks_it(device: str, options: dict, want: str) -> None:

@@ -9,8 +9,8 @@ model's header before any weight is read (issue 48).
 - Anything else: MLX's CPU backend, with a warning saying how to get the torch backend where it would be faster.
 
 Options only one backend has decide too: `device="cuda"`, threads, compile, cpu_kernel, native_step and
-cuda_graphs mean torch; distributed, paged_kv=False and quantized KV mean MLX. `Platform` is the seam the tests
-set: `choose(model, device, options, Platform(...))`.
+cuda_graphs mean torch; distributed, paged_kv=False, quantized KV and draft_bits=4 mean MLX. `Platform` is the seam
+the tests set: `choose(model, device, options, Platform(...))`.
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ def choose(model: str | None, device: str, options: dict[str, Any], here: Platfo
     """The backend and device for `backend="auto"`."""
     torch_only = [k for k in TORCH_ONLY if options.get(k) is not None]
     mlx_only = [k for k in MLX_ONLY if options.get(k) not in (None, False)] + \
-        (["paged_kv"] if options.get("paged_kv") is False else [])
+        (["paged_kv"] if options.get("paged_kv") is False else []) + \
+        (["draft_bits"] if options.get("draft_bits") not in (None, 8) else [])  # torch holds a draft at 8 only
     if (device == "cuda" or torch_only) and mlx_only:
         what = "device='cuda'" if device == "cuda" else torch_only[0]
         raise RooflineError(f"{what} is the torch backend's and {mlx_only[0]} the MLX backend's: name one backend")
