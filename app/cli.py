@@ -413,6 +413,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         out = {
             "model": engine.info.name,
+            "backend": engine.info.backend,
+            "device": engine.info.device,
             "text": "".join(parts),
             "reasoning": "".join(thoughts),
             "finish_reason": final.finish_reason,
@@ -427,7 +429,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print()
         print(
             f"[{final.finish_reason}] prompt {usage.prompt_tokens} tok, reply {usage.completion_tokens} tok"
-            + (f" ({usage.reasoning_tokens} reasoning)" if usage.reasoning_tokens else "") + " | "
+            + (f" ({usage.reasoning_tokens} reasoning)" if usage.reasoning_tokens else "")
+            + f" | {engine.info.runs_on} | "
             f"ttft {stats.ttft_s * 1000:.0f} ms | prefill {stats.prefill_tps:.1f} tok/s | "
             f"decode {stats.decode_tps:.1f} tok/s | peak {stats.peak_memory_bytes / 2**20:.0f} MiB"
             + (f" | drafts: {stats.acceptance_rate:.0%} accepted, {stats.mean_accepted_tokens:.1f} a verification, "

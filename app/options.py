@@ -9,7 +9,7 @@ from typing import Any
 
 from mlx_engine.api import REASONING_EFFORTS, RooflineError
 
-BACKENDS = ("mlx", "torch")
+BACKENDS = ("auto", "mlx", "torch")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -18,11 +18,13 @@ def runner_args(parser: argparse.ArgumentParser, backend: bool = True) -> None:
     bench, parity: parity names its two sides with --backends instead of --backend)."""
     r = parser.add_argument_group("model runner")
     if backend:
-        r.add_argument("--backend", choices=BACKENDS, default="mlx",
-                       help="mlx (default: Metal on a Mac, MLX's CPU backend elsewhere) or torch (CUDA or the CPU: "
-                       "the fast path on Linux, where it reads quantized weights packed; the optional extra)")
+        r.add_argument("--backend", choices=BACKENDS, default="auto",
+                       help="auto (default: the faster one here: Metal on a Mac; torch on CUDA, or on an x86-64 Linux "
+                       "CPU for a quantized model it runs, where torch is installed; else MLX's CPU backend), mlx "
+                       "(Metal, or MLX's CPU backend) or torch (CUDA or the CPU, reading quantized weights packed; "
+                       "the optional extra)")
     r.add_argument("--device", choices=DEVICES, default="auto",
-                   help="auto (default), cpu or cuda (cuda and cpu pick the torch backend's device)")
+                   help="auto (default), cpu or cuda (cuda means the torch backend)")
     r.add_argument("--threads", type=int, metavar="N",
                    help="CPU threads of the torch backend on the CPU (default: all the cores torch sees)")
     r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -43,17 +45,18 @@ def reasoning_effort_arg(group: argparse._ActionsContainer, applies_to: str = ""
 def runner_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine.load's runner options from `runner_args` (those left at their defaults omitted), checked before
     any model loads."""
-    backend = getattr(args, "backend", "mlx")
-    torch_side = backend == "torch" or "torch" in getattr(args, "backends", "")
+    backend = getattr(args, "backend", None)  # None: parity, whose --backends names its sides
+    # auto: a torch-only option picks the torch backend (backends.choice)
+    torch_side = backend in ("torch", "auto") if backend is not None else "torch" in getattr(args, "backends", "")
     if args.device == "cuda" and not torch_side:
-        raise RooflineError("--device cuda needs --backend torch (the MLX backend runs on Metal or the CPU)")
+        raise RooflineError("--device cuda needs --backend torch or auto (the MLX backend runs on Metal or the CPU)")
     if args.threads is not None and args.threads < 1:
         raise RooflineError(f"--threads {args.threads}: expected an integer >= 1")
     compile_flag = "--compile" if args.compile else "--no-compile"
     for flag, value in (("--threads", args.threads), (compile_flag, args.compile)):
         if value is not None and not torch_side:
-            raise RooflineError(f"{flag} needs --backend torch (it sets the torch backend's CPU work)")
-    chosen = (("backend", backend, "mlx"), ("device", args.device, "auto"), ("threads", args.threads, None),
+            raise RooflineError(f"{flag} needs --backend torch or auto (it sets the torch backend's CPU work)")
+    chosen = (("backend", backend or "auto", "auto"), ("device", args.device, "auto"), ("threads", args.threads, None),
               ("compile", args.compile, None))
     return {k: v for k, v, default in chosen if v != default}
 

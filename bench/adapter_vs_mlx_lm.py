@@ -88,7 +88,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / args.family
         config = write_checkpoint(args.family, args.hidden, args.layers, folder)
-        engine = Engine.load(str(folder), prefix_caching=False)  # every repeat prefills the whole prompt
+        engine = Engine.load(str(folder), backend="mlx", prefix_caching=False)  # every repeat prefills the whole prompt
         theirs_model, *_ = instantiate(config, str(folder))
         theirs_model.load_weights(str(folder / "model.safetensors"))
         mx.eval(theirs_model.parameters())

@@ -53,7 +53,7 @@ def mlx_lm_benchmark(args: argparse.Namespace, batch: int) -> dict[str, float]:
 
     from mlx_engine import Engine
 
-    engine = Engine.load(args.model)
+    engine = Engine.load(args.model, backend="mlx")  # mlx-lm's model is built from the MLX runner's
     model = engine.diagnostics().call(lambda: mlx_lm_model(engine))
     tokenizer = TokenizerWrapper(hf_tokenizer(engine))  # what mlx_lm.load returns
     tokenizer.eos_token_ids = []  # as benchmark.py: no early stop

@@ -55,6 +55,8 @@ def start_server(model: str | None, root: Path = ROOT) -> tuple[subprocess.Popen
     proc = subprocess.Popen(cmd, cwd=root, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
     assert proc.stderr is not None
     line = proc.stderr.readline()
+    while line.startswith("roofline: warning:"):  # backend="auto" may say first how to get the torch backend
+        line = proc.stderr.readline()
     m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
     if not m:
         proc.kill()

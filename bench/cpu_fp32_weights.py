@@ -27,7 +27,8 @@ PROMPT = ("Write a long story about a lighthouse keeper who measures the speed o
 
 
 def one_run(mode: str, model: str | None, gen_tokens: int) -> dict:
-    cmd = [sys.executable, "-m", "app.cli", "generate", "-p", PROMPT, "-n", str(gen_tokens), "--json"]
+    cmd = [sys.executable, "-m", "app.cli", "generate", "--backend", "mlx", "-p", PROMPT, "-n", str(gen_tokens),
+           "--json"]
     if model:
         cmd += ["--model", model]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,

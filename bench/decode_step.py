@@ -48,7 +48,7 @@ def run(engine, prompts):
 out = {}
 for name, opts, prompts in (("1 sequence", {}, [ids]), (f"{batch} sequences", {}, [ids[: context // batch] + [i]
                              for i in range(batch)]), ("1 sequence, kv_bits=8", {"kv_bits": 8}, [ids])):
-    with Engine.load(None, **opts) as e:
+    with Engine.load(None, backend="mlx", **opts) as e:
         run(e, prompts)  # prefill, warm-up: the repeats reuse the prefix
         got = [run(e, prompts) for _ in range(repeats)]
         out[name] = [statistics.median(g[0] for g in got), statistics.median(g[1] for g in got)]

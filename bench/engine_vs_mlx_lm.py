@@ -93,7 +93,7 @@ def main() -> None:
 
     if args.memory_side:
         return memory_side(args)
-    engine = Engine.load(args.model, prefix_caching=False)  # every repeat prefills the whole prompt
+    engine = Engine.load(args.model, backend="mlx", prefix_caching=False)  # every repeat prefills the whole prompt
     text = ("The roofline model bounds performance by memory bandwidth and compute. " * 40)
     ids = engine.tokenizer.encode(text, add_special_tokens=False)[: args.prompt_tokens]
 
@@ -157,7 +157,7 @@ def memory_side(args: argparse.Namespace) -> None:
     """In a fresh process: load, then print the peak memory during one generation (the weights, which
     stay resident, plus KV and activations, and for us the float32 host weights that MLX's CPU backend
     keeps outside MLX's allocator; load-time transients excluded for both sides)."""
-    engine = Engine.load(args.model, prefix_caching=False)
+    engine = Engine.load(args.model, backend="mlx", prefix_caching=False)
     ids = engine.tokenizer.encode("The roofline model bounds performance by memory bandwidth and compute. " * 40,
                                   add_special_tokens=False)[: args.prompt_tokens]
     thread_call = engine.diagnostics().call

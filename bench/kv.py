@@ -174,8 +174,8 @@ def history_messages(engine: Engine, doc: list[int], target: int) -> list[dict]:
 
 
 def figure_ttft(args, doc: list[int]) -> list[str]:
-    cached = Engine.load(args.model, block_size=args.block_size)
-    fresh = Engine.load(args.model, block_size=args.block_size, prefix_caching=False)
+    cached = Engine.load(args.model, backend="mlx", block_size=args.block_size)
+    fresh = Engine.load(args.model, backend="mlx", block_size=args.block_size, prefix_caching=False)
     rows = []
     for target in args.histories:
         history = history_messages(cached, doc, target)
@@ -225,8 +225,8 @@ QUESTIONS = [
 
 
 def figure_shared(args, doc: list[int]) -> list[str]:
-    engine = Engine.load(args.model, block_size=args.block_size)
-    naive = Engine.load(args.model, block_size=args.block_size, prefix_caching=False)
+    engine = Engine.load(args.model, backend="mlx", block_size=args.block_size)
+    naive = Engine.load(args.model, backend="mlx", block_size=args.block_size, prefix_caching=False)
     system = engine.tokenizer.decode(doc[-args.system_tokens:])  # the document's end: no overlap with figure 2
 
     def msgs(i: int) -> list[dict]:
@@ -432,7 +432,7 @@ QUANTIZED_DECODE = {  # --decode-quantized: the paged side again with quantized 
 
 
 def figure_decode(args, doc: list[int]) -> list[str]:
-    engines = {"paged": Engine.load(args.model, block_size=args.block_size, paged_kv=True),
+    engines = {"paged": Engine.load(args.model, backend="mlx", block_size=args.block_size, paged_kv=True),
                "contiguous": Engine.load(args.model, paged_kv=False)}
     if args.decode_quantized:
         engines.update({name: Engine.load(args.model, **{"block_size": args.block_size, **opts})

@@ -392,7 +392,7 @@ def main() -> None:
         ours = {"ignore_eos": True} if args.random_family else {}  # random weights: EOS at random
         targets = [
             Target("roofline", [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level",
-                                "warning", "--max-concurrency", str(max(widths))]
+                                "warning", "--max-concurrency", str(max(widths)), "--backend", "mlx"]
                    + (["--model", args.model] if args.model else []), "default", "/health", ours),
             *([Target("roofline-torch", [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level",
                                          "warning", "--max-concurrency", str(max(widths)), "--backend", "torch",

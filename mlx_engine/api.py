@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 SPECULATIVE_MODES = ("draft", "prompt-lookup", "self", "auto")
@@ -296,13 +296,23 @@ class ModelInfo:
     # channels), or None: a model without reasoning, whose events never carry `reasoning`
     reasoning: str | None = None
 
+    @property
+    def runs_on(self) -> str:
+        """Where it runs, as front ends show it: "MLX on Metal", "torch on CPU", "torch on CUDA", "MLX on CPU"."""
+        backend = {"mlx": "MLX"}.get(self.backend, self.backend)
+        return f"{backend} on {ModelInfo._DEVICES.get(self.device, self.device)}"
+
+    _DEVICES: ClassVar[dict[str, str]] = {"cpu": "CPU", "cuda": "CUDA", "metal": "Metal"}
+
 
 # --- loading ----------------------------------------------------------------------------------------------
 
 LOAD_OPTIONS = {
-    "backend": "the model runner: 'mlx' (default; Metal or MLX's CPU backend) or 'torch' (CUDA or CPU; the "
-    "optional extra `torch`)",
-    "device": "'auto' (default), 'cpu' or 'cuda' (cuda: backend='torch' only)",
+    "backend": "the model runner: 'auto' (default: the faster one here for the model: Metal on a Mac; the torch "
+    "backend on CUDA, or on an x86-64 Linux CPU for a quantized model it runs, where torch is installed; else MLX's "
+    "CPU backend, with a warning saying how to get the faster one), 'mlx' (Metal or MLX's CPU backend) or 'torch' "
+    "(CUDA or CPU; the optional extra `torch`)",
+    "device": "'auto' (default), 'cpu' or 'cuda' (cuda: the torch backend; with backend='auto' it picks torch)",
     "dtype": "activation dtype: 'float32', 'float16' or 'bfloat16' (default: float32 on MLX's CPU backend, "
     "the checkpoint's on Metal)",
     "prefill_chunk_size": "tokens per prefill step (default 512; for backend='torch' 4096 on CUDA, 256 on the CPU)",

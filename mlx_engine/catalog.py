@@ -365,6 +365,20 @@ def model_memory(ref: str | None, kv_bits: int | None = None, key_bits: int | No
     return ModelMemory(name, header.weights, per_token, header.kv.context_length)
 
 
+def model_header(ref: str | os.PathLike[str] | None) -> Header:
+    """What `ref`'s headers say (resolving it as Engine.load does; no weights read), through the header cache."""
+    from mlx_engine.loading import resolve
+
+    path, kind = resolve(ref)
+    cache = _HeaderCache()
+    try:
+        return cache.header(path, "gguf" if kind == "gguf" else "folder")
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        raise ModelLoadError(f"{path}: cannot read its header: {e}") from None
+    finally:
+        cache.save()
+
+
 def kv_shape(ref: str | os.PathLike[str] | None) -> KVShape:
     """The attention shape that sizes the KV cache, from config.json or GGUF metadata (no weights read)."""
     from mlx_engine.loading import resolve

@@ -9,6 +9,7 @@ scheduler's state between steps.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -53,9 +54,21 @@ class Diagnostics:
         """`call` without waiting: the Future of `fn`'s result."""
         return self._engine._thread.submit(fn)
 
+    def execution(self) -> dict[str, Any]:
+        """How this engine's forwards ran: "forwards", the runner's count of each (entry, path and threads, thread:
+        `ModelRunner.forward_paths`); with torch imported, "torch_threads": every thread of this process that has
+        run torch's CPU work (more than the engine thread changes how its OpenMP threads wait: issue 48)."""
+        out: dict[str, Any] = {"forwards": self.call(self.runner.forward_paths)}
+        host = sys.modules.get("mlx_engine.backends.torch.host")
+        if host is not None:
+            out["torch_threads"] = sorted(host.TORCH_THREADS)
+        return out
+
     def matmul_flops(self, device: str, n: int = 2048, repeats: int = 3) -> float:
-        """Peak dense matmul FLOP/s, the best of `repeats`: float16 MLX (2n x 2n) on Metal, on the engine thread;
-        on a CPU float32 (n x n) through numpy or torch, whichever is faster (all cores)."""
+        """Peak dense matmul FLOP/s, the best of `repeats`: float16 MLX (2n x 2n) on Metal; on a CPU float32 (n x n)
+        through numpy or torch, whichever is faster (all cores). On the engine thread: a torch matmul on any other
+        thread gives the process a second OpenMP pool, and the engine's decode then ran at half its speed on a
+        quiet 2-core EPYC (5-10x faster under load: libgomp stops spinning at barriers; issue 48)."""
         if device == "metal":
             def run() -> float:
                 import mlx.core as mx
@@ -64,17 +77,21 @@ class Diagnostics:
                 return 2 * (2 * n) ** 3 / best_time(lambda: mx.eval(a @ a), repeats)
 
             return self.call(run)
-        import importlib.util
 
-        import numpy as np
+        def run_cpu() -> float:
+            import importlib.util
 
-        a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-        best = best_time(lambda: a @ a, repeats)
-        if importlib.util.find_spec("torch") is not None:  # torch's CPU matmul (oneDNN/MKL) can beat numpy's BLAS
-            from mlx_engine.backends.torch.runner import cpu_matmul_seconds
+            import numpy as np
 
-            best = min(best, cpu_matmul_seconds(a, repeats, best_time))
-        return 2 * n**3 / best
+            a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+            best = best_time(lambda: a @ a, repeats)
+            if importlib.util.find_spec("torch") is not None:  # torch's CPU matmul (oneDNN/MKL) can beat numpy's BLAS
+                from mlx_engine.backends.torch.host import cpu_matmul_seconds
+
+                best = min(best, cpu_matmul_seconds(a, repeats, best_time))
+            return 2 * n**3 / best
+
+        return self.call(run_cpu)
 
 
 def best_time(fn: Callable[[], Any], repeats: int) -> float:

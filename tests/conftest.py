@@ -41,10 +41,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 @pytest.fixture(scope="module")
 def engine():
-    """The embedded model, loaded once per test module that asks for `engine` and defines none of its own."""
+    """The embedded model on MLX (what a fresh clone's default picks; the same where torch is installed), loaded once
+    per test module that asks for `engine` and defines none of its own."""
     from mlx_engine import Engine
 
-    with Engine.load() as e:
+    with Engine.load(backend="mlx") as e:
         yield e
 
 

@@ -140,8 +140,8 @@ def test_compare_names_the_file_and_field_of_a_bad_json(bench_run: tuple[dict, s
     (("--batch", "1,x"), ("--batch", "comma-separated integers")),
     (("--context", "-5"), ("--context", "below 0")),
     (("-n", "1"), ("-n 1", ">= 2")),
-    (("--device", "cuda"), ("--device cuda", "--backend torch")),
-    (("--no-cuda-graphs",), ("--no-cuda-graphs", "--backend torch")),
+    (("--backend", "mlx", "--device", "cuda"), ("--device cuda", "--backend torch")),  # auto: cuda picks torch
+    (("--backend", "mlx", "--no-cuda-graphs"), ("--no-cuda-graphs", "--backend torch")),
 ])
 def test_bad_bench_input_is_one_clear_line(args: tuple[str, ...], needles: tuple[str, ...]) -> None:
     assert_one_line_error(roofline("bench", *args), *needles)

@@ -39,7 +39,7 @@ def test_a_typo_is_one_line_with_a_did_you_mean() -> None:
                           "roofline generate --help")
     assert_one_line_error(roofline("generate", "-p", "x", "--tmep", "0.5"), "unknown option --tmep",
                           "did you mean --temp?")
-    assert_one_line_error(roofline("bench", "--backend", "trch"), "--backend 'trch': expected one of mlx, torch",
+    assert_one_line_error(roofline("bench", "--backend", "trch"), "--backend 'trch': expected one of auto, mlx, torch",
                           "did you mean torch?")
     assert_one_line_error(roofline("generate"), "roofline generate needs --prompt/-p")
 
@@ -61,11 +61,19 @@ def test_a_bad_regex_or_draft_model_fails_before_the_model_loads(tmp_path: Path,
 
 
 def test_generate_json_on_embedded_model_answers_paris() -> None:
-    r = roofline("generate", "-p", "What is the capital of France?", "--max-tokens", "8", "--json")
+    # MLX's greedy answer: torch's CPU path (activations rounded to int8) begins "L'Étoile" here
+    r = roofline("generate", "-p", "What is the capital of France?", "--max-tokens", "8", "--json", "--backend", "mlx")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert "Paris" in out["text"]
     assert out["usage"]["completion_tokens"] <= 8 and out["stats"]["decode_tps"] > 0
+    assert out["backend"] == "mlx" and out["device"] in ("cpu", "metal")
+
+
+def test_generate_stats_line_says_where_the_model_ran() -> None:
+    r = roofline("generate", "-p", "Hi", "--max-tokens", "2", "--backend", "mlx")
+    assert r.returncode == 0, r.stderr
+    assert " | MLX on CPU | " in r.stderr or " | MLX on Metal | " in r.stderr, r.stderr
 
 
 def test_generate_held_to_a_json_schema_and_a_regex(tmp_path: Path) -> None:
@@ -221,7 +229,7 @@ def test_kv_defaults_to_what_this_machines_engine_stores_and_says_so(capsys) -> 
         line = capsys.readouterr().out
         assert f"{dtype}" in line and why in line
         per_token = int(line.split(" bytes per token")[0].rsplit(", ", 1)[1].replace(",", ""))
-        with Engine.load(None, **({"kv_bits": kv_bits} if kv_bits else {})) as e:
+        with Engine.load(None, backend="mlx", **({"kv_bits": kv_bits} if kv_bits else {})) as e:
             stats = e.kv_stats()
             assert per_token == stats["bytes_per_block"] // stats["block_size"], (line, stats)
 

@@ -89,7 +89,7 @@ def test_tiny_greedy(tiny):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    engine = Engine.load(None)
+    engine = Engine.load(None, backend="mlx")  # the goldens are MLX's
     yield engine, json.loads((GOLDEN / "smollm2_gguf.json").read_text())
     engine.close()
 

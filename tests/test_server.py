@@ -29,6 +29,14 @@ def model_id(client) -> str:
     return client.models.list().data[0].id
 
 
+def test_the_model_card_says_where_the_model_runs(server, engine) -> None:
+    """/v1/models: the backend and device Engine.load ran it on (backend="auto" decides them per machine)."""
+    import httpx
+
+    (card,) = httpx.get(server.url + "/v1/models").json()["data"]
+    assert (card["backend"], card["device"]) == (engine.info.backend, engine.info.device) and card["backend"] == "mlx"
+
+
 def greedy(engine, messages, n: int) -> str:
     events = list(engine.generate(GenerationRequest(messages=messages, sampling=SamplingParams(temperature=0,
                                                                                                  max_tokens=n))))

@@ -25,10 +25,13 @@ def served():
                              "--allow-origin", "https://my.app/", "--allow-host", "my.box"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
-        line = proc.stderr.readline()
-        m = re.search(r"serving (\S+) \(also 'default'\) on (http://127\.0\.0\.1:\d+)/v1", line)
-        assert m, line
-        url = m.group(2)
+        lines = []  # a warning may come first (backend="auto" on a fresh clone: how to get torch)
+        while not lines or "roofline: warning:" in lines[-1]:
+            lines.append(proc.stderr.readline())
+        m = re.search(r"serving (\S+) \(also 'default', (MLX|torch) on \w+\) on (http://127\.0\.0\.1:\d+)/v1",
+                      lines[-1])
+        assert m, lines
+        url = m.group(3)
         deadline = time.monotonic() + 60
         while True:
             try:

@@ -257,7 +257,7 @@ def smollm2():
     prompts = [p["prompt_ids"][-20:] for p in gold["prompts"][:2]]  # short: two suffixes of chat prompts
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ROOFLINE_CPU_FP32_WEIGHTS", "on")  # what SMOLLM2_VS_MLX_UNITS was measured with (off: 20.7)
-        with Engine.load(None) as mlx_engine:
+        with Engine.load(None, backend="mlx") as mlx_engine:
             ref = {"tokens": [run(mlx_engine, p)[0] for p in prompts],
                    "logits": mlx_engine.forward_logits(prompts[0])}
         # the float32 twin of the packed CPU path (tests/test_torch_cpu_packed.py tests the packed one)

@@ -308,7 +308,7 @@ async def test_model_picker_lists_models_adds_a_path_and_switches(tmp_path) -> N
         picker.query_one("DataTable").move_cursor(row=1)
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.model_ref == "org/fake-big", what="switched")
-        assert app.sub_title == "org/fake-big" and backend.engines[0].closed
+        assert app.sub_title == "org/fake-big · MLX on CPU" and backend.engines[0].closed
 
 
 async def test_ctrl_l_then_typing_a_path_adds_it_and_enter_never_reloads_the_current_model(tmp_path) -> None:

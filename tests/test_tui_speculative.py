@@ -236,7 +236,7 @@ async def test_a_loaded_draft_model_is_named_in_the_title_and_drafts(tmp_path) -
     app, backend = make_app(tmp_path, script=["Fine."], draft_model=True)
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
-        assert app.sub_title == f"FakeLM-1M (test) · draft {FAKE_DRAFT_NAME}"
+        assert app.sub_title == f"FakeLM-1M (test) · MLX on CPU · draft {FAKE_DRAFT_NAME}"
         app.default_settings = ChatSettings(temperature=0.0, speculative="draft")
         await send(pilot, "hello there")
         await idle(pilot)

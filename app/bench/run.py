@@ -65,8 +65,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.json) if args.json else None
     if out is not None and not out.parent.exists():
         raise RooflineError(f"--json {out}: folder {out.parent} does not exist")
-    if args.cuda_graphs is not None and args.backend != "torch":
-        raise RooflineError("--no-cuda-graphs needs --backend torch (CUDA graphs are the torch backend's)")
+    if args.cuda_graphs is not None and args.backend == "mlx":
+        raise RooflineError("--no-cuda-graphs needs --backend torch or auto (CUDA graphs are the torch backend's)")
     spec, skipped = fit_contexts(args.model, spec)
     fmt = markdown_lines if args.markdown else text_lines
     printed = 0
@@ -82,7 +82,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     options.update({} if args.cuda_graphs is None else {"cuda_graphs": args.cuda_graphs})
     if args.distributed is not None:
         options["distributed"] = args.distributed
-    result = run(args.model, spec, options.pop("backend", "mlx"), options.pop("device", "auto"),
+    result = run(args.model, spec, options.pop("backend", "auto"), options.pop("device", "auto"),
                  command=" ".join(["roofline", *sys.argv[1:]]), on_point=show, skipped_contexts=skipped, **options)
     for line in distributed_lines(result):
         print(line, flush=True)
@@ -139,7 +139,7 @@ def run(model: str | None, spec: Any, backend: str, device: str, command: str = 
         bw = peak_bandwidth(dev, home)
         flops = peak_flops(dev, home, lambda: engine.diagnostics().matmul_flops(dev))
         info = engine.info
-        machine = machine_info(backend, dev, bench.versions())
+        machine = machine_info(engine.info.backend, dev, bench.versions())  # what "auto" chose
         machine.update(peak_bandwidth=bw, peak_flops=flops)
         result = {
             "schema": SCHEMA,

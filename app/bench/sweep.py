@@ -64,7 +64,7 @@ class BenchPoint:
     tg_mean_context: float = 0.0  # mean KV length a decode step attends over
 
 
-def load_engine(model: str | None, spec: BenchSpec, backend: str = "mlx", device: str = "auto",
+def load_engine(model: str | None, spec: BenchSpec, backend: str = "auto", device: str = "auto",
                 **options: Any) -> Any:
     """Engine.load with a KV pool large enough for the spec's largest batch at its deepest context, and room in the
     scheduler for that batch (the default cap, 16, would queue larger ones)."""

@@ -88,7 +88,8 @@ class Server:
         i = self.info
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "roofline",
                 "name": i.name, "context_length": i.context_length, "quantization": i.quantization,
-                "model_type": i.model_type, "num_parameters": i.num_parameters}
+                "model_type": i.model_type, "num_parameters": i.num_parameters,
+                "backend": i.backend, "device": i.device}  # what Engine.load's backend="auto" chose
 
     def _anthropic_card(self) -> dict[str, Any]:
         return model_card(self.model_id, self.info.name, self.created)

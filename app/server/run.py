@@ -73,7 +73,8 @@ def serve(
     server_state = app.state.server
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    print(f"roofline: serving {server_state.model_id} (also 'default') on http://{shown}:{bound_port}/v1 "
+    print(f"roofline: serving {server_state.model_id} (also 'default', {engine.info.runs_on}) on "
+          f"http://{shown}:{bound_port}/v1 "
           f"- max {max_concurrency or 'unlimited'} running, {max_queue} waiting, then 429"
           f"{'; API key required' if api_key else ''}"
           f"{f'; speculative={speculative} unless a request says otherwise' if speculative else ''}"

@@ -190,7 +190,7 @@ class RooflineApp(App):
             gen.cancel()
         self.engine, self.model_ref, self.loading_ref = engine, ref, None
         draft = engine.info.draft_model
-        self.sub_title = engine.info.name + (f" · draft {draft}" if draft else "")
+        self.sub_title = f"{engine.info.name} · {engine.info.runs_on}" + (f" · draft {draft}" if draft else "")
         self.chat_screen.set_loading(None)
         for warning in engine.info.warnings:
             self.notify(warning, title="About this model", severity="warning", timeout=12)

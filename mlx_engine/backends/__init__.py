@@ -1,5 +1,6 @@
 """Backends: the model runner under the shared engine. "mlx" (Metal or MLX's CPU backend) is built in;
-"torch" (CUDA or CPU) is an optional extra, imported only when asked for."""
+"torch" (CUDA or CPU) is an optional extra, imported only when asked for; "auto" (the default) picks the faster one
+here for the model (`backends.choice`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 from mlx_engine.api import RooflineError
 from mlx_engine.backends.base import ModelRunner
 
-BACKENDS = ("mlx", "torch")
+BACKENDS = ("auto", "mlx", "torch")
 DEVICES = ("auto", "cpu", "cuda")
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 TORCH_EXTRA_HINT = ("the torch backend needs the optional extra: `uv sync --extra torch` or `pip install "
@@ -35,10 +36,23 @@ def import_torch_backend() -> Any:
     return torch_backend
 
 
-def load_runner(model: str | None, backend: str = "mlx", device: str = "auto", **options: Any) -> ModelRunner:
-    """The runner of `backend` on `device` (on the engine thread): backends.mlx's Runner or TorchRunner."""
+def load_runner(model: str | None, backend: str = "auto", device: str = "auto", **options: Any) -> ModelRunner:
+    """The runner of `backend` on `device` (on the engine thread): backends.mlx's Runner or TorchRunner; "auto":
+    the one `backends.choice` picks, its warning (where a faster one exists here) among the model's warnings."""
     _check("backend", backend, BACKENDS)
     _check("device", device, DEVICES)
+    if backend != "auto":
+        return _load(model, backend, device, options)
+    from mlx_engine.backends.choice import choose, this_platform
+
+    choice = choose(model, device, options, this_platform())
+    runner = _load(model, choice.backend, choice.device, options)
+    if choice.warning is not None:
+        runner.info = dataclasses.replace(runner.info, warnings=(*runner.info.warnings, choice.warning))
+    return runner
+
+
+def _load(model: str | None, backend: str, device: str, options: dict[str, Any]) -> ModelRunner:
     distributed = options.pop("distributed", None)
     if distributed is not None:
         if backend != "mlx":

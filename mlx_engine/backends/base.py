@@ -117,6 +117,12 @@ class ModelRunner(Protocol):
         """What else a forward's speed depends on here, for keying measured timings ('' where nothing does)."""
         ...
 
+    def forward_paths(self) -> dict[str, int]:
+        """Forwards run since load, counted by how they ran: "<entry>: <path>, <thread>" (the forward entry the
+        scheduler called, the backend's execution path with its CPU threads where it sets them, and the thread
+        that ran it); what `Engine.diagnostics().execution()` reports."""
+        ...
+
     # --- whole-sequence work (engine thread) ---
 
     def forward_logits(self, ids: list[int]) -> Any: ...

@@ -5,11 +5,36 @@ fingerprint. No MLX, no torch."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
+from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from mlx_engine.api import ModelInfo, ModelLoadError, RequestError, RooflineError
 from mlx_engine.backends.base import ModelRunner
+
+T = TypeVar("T")
+
+
+def entry(name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """A forward entry of a `CacheRunner` (decode_sample, packed_logits, ...): the forwards inside it are recorded
+    under `name` (`record_path`); an entry called from another keeps the outer one's name."""
+
+    def wrap(method: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(method)
+        def run(self: CacheRunner, *args: Any, **kwargs: Any) -> T:
+            if self.entry is not None:
+                return method(self, *args, **kwargs)
+            self.entry = name
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.entry = None
+
+        return run
+
+    return wrap
 
 
 def cap_context(context: int, max_context: int | None) -> int:
@@ -106,6 +131,15 @@ class CacheRunner:
         self.cache: Any = None  # the backend's KV cache, set at load (none in a draft that keeps KV of its own)
         self.fingerprint = b""  # `model_fingerprint`, set at load
         self._shape: dict[str, Any] = {}  # what prices a decode step (`decode_bytes`), set at load
+        self.entry: str | None = None  # the forward entry running now (`entry`), for `record_path`
+        self._paths_taken: Counter[str] = Counter()
+
+    def record_path(self, path: str) -> None:
+        """One forward of the running entry went through `path` (the backend's words, threads included)."""
+        self._paths_taken[f"{self.entry or 'forward'}: {path}, {threading.current_thread().name}"] += 1
+
+    def forward_paths(self) -> dict[str, int]:
+        return dict(self._paths_taken)
 
     def decode_bytes_per_token(self, context: int) -> int:
         return decode_bytes(self._shape, self.info.weight_bytes, context)

@@ -287,6 +287,9 @@ class DistributedRunner:
     def timing_variant(self) -> str:
         return ""
 
+    def forward_paths(self) -> dict[str, int]:
+        return {}  # each rank runs the MLX forward; rank 0 records none of its own
+
     def _scratch_logits(self, ids: list[int], rows: str) -> list[np.ndarray]:
         """A forward over `ids` from an empty cache, in prefill chunks through the paged cache (every rank's):
         each chunk's logits, all rows or the last."""

@@ -13,7 +13,7 @@ import numpy as np
 from mlx_engine.api import ModelInfo, RooflineError
 from mlx_engine.backends.base import RunnerCapabilities
 from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers,
-                                        model_fingerprint)
+                                        entry, model_fingerprint)
 from mlx_engine.backends.mlx.load import (
     DRAFT_GROUP_SIZE,
     decode_shape,
@@ -183,16 +183,19 @@ class Runner(CacheRunner):
         return RunnerCapabilities(rollback=rollback, kv_files=caps.kv_files, self_draft=self.native,
                                   hidden_states=self.native, max_batch=None if caps.batching else 1, why_not=why)
 
+    @entry("verify_logits")
     def verify_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         """inputs (1, L) -> logits of every position (L, V), float32, lazily (a verification)."""
         out = self.forward(inputs, layers)
         logits = self.model.logits(out) if self.views else out
         return logits[0].astype(mx.float32)
 
+    @entry("draft_logits")
     def draft_logits(self, inputs: mx.array, layers: list[Any], num_layers: int) -> mx.array:
         """The self draft: inputs (1, L) through the first `num_layers` layers, the final norm and the head
         -> logits of the last position (1, V), float32. `layers`: the caches of those layers."""
         m = self.model
+        self.record_path(f"mlx {self.info.device}{self.timing_variant()}, {num_layers} layers")
         h = m.hidden(inputs, layers, num_layers)
         return m.logits(m.model.norm(h[:, -1, :])).astype(mx.float32)
 
@@ -260,8 +263,10 @@ class Runner(CacheRunner):
 
     def forward(self, inputs: mx.array, layers: list[Any]) -> mx.array:
         """inputs (B, L) -> hidden states (a model on our views) or logits (mlx-lm's class on its caches), lazily."""
+        self.record_path(f"mlx {self.info.device}{self.timing_variant()}")
         return self.model(inputs, layers) if self.views else self.model(inputs, cache=layers)
 
+    @entry("prefill")
     def prefill(self, inputs: mx.array, layers: list[Any]) -> None:
         self.forward(inputs, layers)
 
@@ -272,20 +277,23 @@ class Runner(CacheRunner):
             return self.model.logits(out[:, -1, :]).astype(mx.float32)
         return out[:, -1, :].astype(mx.float32)
 
-    prefill_logits = decode_logits = _last_logits
+    prefill_logits, decode_logits = entry("prefill_logits")(_last_logits), entry("decode_logits")(_last_logits)
 
+    @entry("decode_sample")
     def decode_sample(self, inputs: mx.array, layers: list[Any], samplers: list[Any]) -> mx.array:
         """inputs (B, L) -> each row's next token (B,) int32, lazily, row b drawn by `samplers[b]` (plain ones,
         `Sampler.plain`: no bias or penalties to record). Here each row's sampler on `decode_logits`, as the
         scheduler's own path does; a runner whose logits live on a device samples there."""
         return _sample_rows(self.decode_logits(inputs, layers), samplers)
 
+    @entry("packed_sample")
     def packed_sample(self, inputs: mx.array, layers: list[Any], rows: list[int],
                       samplers: list[Any]) -> mx.array | None:
         """As `packed_logits` (None without rows), the next token of each of `rows` (len(rows),) int32."""
         logits = self.packed_logits(inputs, layers, rows)
         return None if logits is None else _sample_rows(logits, samplers)
 
+    @entry("packed_logits")
     def packed_logits(self, inputs: mx.array, layers: list[Any], rows: list[int]) -> mx.array | None:
         """A packed forward (`PagedCache.packed_layers`): inputs (1, T) -> logits of `rows` (len(rows), V),
         float32, lazily; with no rows it evaluates the forward (its K/V writes) and returns None."""
@@ -301,6 +309,7 @@ class Runner(CacheRunner):
     def timing_variant(self) -> str:
         return "-fp32-host-weights" if self._host_bytes else ""  # backends.mlx.host_blas: another forward
 
+    @entry("forward_logits")
     def forward_logits(self, ids: list[int]) -> np.ndarray:
         out = self.forward(mx.array([ids], dtype=mx.int32), self.scratch_layers())
         logits = self.model.logits(out) if self.views else out
@@ -316,6 +325,7 @@ class Runner(CacheRunner):
         mx.eval(out)
         return [np.array(x[0].astype(mx.float32)) for x in out]
 
+    @entry("score")
     def score(self, ids: list[int]) -> np.ndarray:
         """log p(ids[t+1] | ids[..t]) for every t, computed in prefill chunks through the engine's KV cache
         (so quantized KV counts, as it would in decoding) -> float32 (T - 1,)."""

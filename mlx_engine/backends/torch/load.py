@@ -19,6 +19,11 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 DEFAULT_CPU_THREADS = torch.get_num_threads()
 
 
+def cuda_available() -> bool:
+    """torch sees a CUDA device (backend="auto" picks CUDA then)."""
+    return torch.cuda.is_available()
+
+
 def resolve_device(device: str) -> torch.device:
     if device not in DEVICES:
         raise RooflineError(f"device={device!r}: expected one of {', '.join(map(repr, DEVICES))}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -27,6 +27,7 @@ from mlx_engine.backends.torch.kv import (
     TorchPagedCache,
 )
 from mlx_engine.backends.torch.cpu_features import DEQUANT_MIN_ROWS, cpu_support
+from mlx_engine.backends.torch.host import TORCH_THREADS, peak_rss, reset_peak_rss
 from mlx_engine.backends.torch.weights import build_model
 from mlx_engine.backends.torch.model import GRAPH_ROWS
 from mlx_engine.backends.torch import switches
@@ -35,13 +36,13 @@ from mlx_engine.backends.torch.paths.native_step import KV_DTYPE as NATIVE_KV_DT
 from mlx_engine.backends.torch.paths.native_step import NOTE as NATIVE_NOTE
 from mlx_engine.backends.torch.sampling import sample_rows
 from mlx_engine.backends.base import RunnerCapabilities
+from mlx_engine.backends.choice import TORCH_MODEL_TYPES
 from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers,
-                                        model_fingerprint)
+                                        entry, model_fingerprint)
 from mlx_engine.backends.torch.load import (DEFAULT_CPU_THREADS, check_draft_bits, check_switch, check_threads,
                                             cpu_pack_notes, cpu_pack_plan, pick_dtype, resolve_device, use_kernels)
 from mlx_engine.reasoning import reasoning_family
 
-TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 T = TypeVar("T")
 
 
@@ -65,34 +66,6 @@ CUDA_PREFILL_CHUNK = 4096
 CPU_PREFILL_CHUNK = 256
 
 
-def cpu_matmul_seconds(a: np.ndarray, repeats: int, best_time: Callable[[Callable[[], Any], int], float]) -> float:
-    """The best time of a @ a in torch on the CPU, all cores (for the measured peak FLOP/s of `roofline bench`)."""
-    t = torch.from_numpy(a)
-    return best_time(lambda: t @ t, repeats)
-
-
-def peak_rss() -> int:
-    """The process's peak resident bytes: Linux's VmHWM, which `reset_peak_rss` sets back to the current RSS
-    (ru_maxrss cannot be reset, and a process started by fork + exec inherits its parent's). Elsewhere (macOS:
-    no /proc) ru_maxrss, never reset."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        import resource
-
-        maxrss = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-        return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB on Linux
-
-
-def reset_peak_rss() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # "5": the peak RSS back to the current one (proc(5))
-    except OSError:
-        pass
-
-
 def _ids(inputs: Any, device: torch.device) -> torch.Tensor:
     """Token ids (an mx array, possibly lazy, or a list) -> int64 tensor on `device`."""
     return torch.from_numpy(np.array(inputs, dtype=np.int64)).to(device)
@@ -103,6 +76,7 @@ def _torch_work(method: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(method)
     def run(self: TorchRunner, *args: Any, **kwargs: Any) -> T:
+        TORCH_THREADS.add(threading.current_thread().name)
         with torch.inference_mode():
             before = torch.get_num_threads()
             if self.device.type != "cpu" or before == self.threads:
@@ -236,6 +210,7 @@ class TorchRunner(CacheRunner):
         )
         runner = cls(tmodel, tokenizer, info, prefill_chunk_size, dev)
         runner.threads, runner.paths = num_threads, paths
+        paths.on_path = runner._record_forward
         if compile not in (None, True, False):
             raise RooflineError(f"compile={compile!r}: expected True, False or None (default: on the CPU with packed "
                                 "weights where the decode step is not native)")
@@ -286,6 +261,9 @@ class TorchRunner(CacheRunner):
             attach_draft(runner, load_draft, draft_optional)
         return runner
 
+    def _record_forward(self, path: str) -> None:
+        self.record_path(f"{path}, {torch.get_num_threads()} threads" if self.device.type == "cpu" else path)
+
     @_torch_work
     def compile_decode(self) -> str:
         """Compiles the decode-sized forwards (one row, and several: two graphs a part) and a prefill's (more
@@ -334,6 +312,7 @@ class TorchRunner(CacheRunner):
         """inputs (B, L) -> final hidden states (B, L, hidden), a torch tensor (K/V written to `layers`)."""
         return self.paths(_ids(inputs, self.device), layers)
 
+    @entry("prefill")
     def prefill(self, inputs: Any, layers: list[Any]) -> None:
         self.forward(inputs, layers)
 
@@ -357,7 +336,9 @@ class TorchRunner(CacheRunner):
         cannot capture some kernel): then graphs stay off for this runner, with a warning, and the step runs
         eagerly (its K/V writes are idempotent)."""
         try:
-            return self.graphs.logits(np.array(inputs, dtype=np.int64).reshape(-1), step)
+            logits = self.graphs.logits(np.array(inputs, dtype=np.int64).reshape(-1), step)
+            self.record_path("cuda-graph")
+            return logits
         except RuntimeError as e:
             import warnings
 
@@ -407,29 +388,34 @@ class TorchRunner(CacheRunner):
     def timing_variant(self) -> str:
         return "-cuda-graphs" if self.graphs is not None else ""  # graphed steps: another forward
 
+    @entry("decode_logits")
     @_torch_work
     def decode_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
         return _mx(self._last_logits(inputs, layers))
 
-    prefill_logits = decode_logits
+    prefill_logits = entry("prefill_logits")(decode_logits)
 
+    @entry("packed_logits")
     @_torch_work
     def packed_logits(self, inputs: Any, layers: list[Any], rows: list[int]) -> mx.array | None:
         logits = self._rows_logits(inputs, layers, rows)
         return None if logits is None else _mx(logits)
 
+    @entry("decode_sample")
     @_torch_work
     def decode_sample(self, inputs: Any, layers: list[Any], samplers: list[Any]) -> mx.array:
         """Tokens drawn on the device (`backends.torch.sampling`): B token ids to the host instead of B x V
         logits, and no per-row draw in MLX on the CPU."""
         return _tokens(sample_rows(self._last_logits(inputs, layers), samplers))
 
+    @entry("packed_sample")
     @_torch_work
     def packed_sample(self, inputs: Any, layers: list[Any], rows: list[int],
                       samplers: list[Any]) -> mx.array | None:
         logits = self._rows_logits(inputs, layers, rows)
         return None if logits is None else _tokens(sample_rows(logits, samplers))
 
+    @entry("verify_logits")
     @_torch_work
     def verify_logits(self, inputs: Any, layers: list[Any]) -> mx.array:
         step = self._graph_step(layers)
@@ -439,21 +425,25 @@ class TorchRunner(CacheRunner):
         h = self.forward(inputs, layers)
         return _mx(self.paths.logits(h[0]))
 
+    @entry("draft_logits")
     @_torch_work
     def draft_logits(self, inputs: Any, layers: list[Any], num_layers: int) -> mx.array:
         h = self.paths(_ids(inputs, self.device), layers, num_layers=num_layers)
         return _mx(self.paths.logits(h[:, -1, :]))
 
+    @entry("forward_logits")
     @_torch_work
     def forward_logits(self, ids: list[int]) -> np.ndarray:
         h = self.paths(_ids([ids], self.device))
         return self.paths.logits(h[0]).float().cpu().numpy()
 
+    @entry("hidden_states")
     @_torch_work
     def hidden_states(self, ids: list[int]) -> list[np.ndarray]:
         """[embedding output, output of each decoder layer], each (T, hidden) float32, from a fresh forward."""
         return [h[0].float().cpu().numpy() for h in self.paths.layer_outputs(_ids([ids], self.device))]
 
+    @entry("score")
     @_torch_work
     def score(self, ids: list[int]) -> np.ndarray:
         """log p(ids[t+1] | ids[..t]) for every t, in prefill chunks -> float32 (T - 1,). The KV is unquantized

@@ -147,6 +147,7 @@ class Paths:
         self.model = model
         self.native: native_step.NativeStep | None = None  # a forward's layers as one C++ call
         self.compiled: Any = None  # paths.compiled.CompiledHalves: the blocks' halves as torch.compile graphs
+        self.on_path: Callable[[str], None] | None = None  # told each forward's row name (the runner's record)
 
     def use_native_step(self) -> str:
         """Forwards through `native_step.NativeStep` from now on, where every layer can run there: '' where they
@@ -175,7 +176,10 @@ class Paths:
                  num_layers: int | None = None) -> torch.Tensor:
         """ids (B, L) -> final hidden states (B, L, hidden), after the first `num_layers` layers (all: None)."""
         n = len(self.model.layers) if num_layers is None else num_layers
-        return choose(self.case("forward", ids, caches, n)).run(self, ids, caches, n)
+        path = choose(self.case("forward", ids, caches, n))
+        if self.on_path is not None:
+            self.on_path(path.name)
+        return path.run(self, ids, caches, n)
 
     def layer_outputs(self, ids: torch.Tensor, caches: list[Any] | None = None,
                       num_layers: int | None = None) -> Iterator[torch.Tensor]:
