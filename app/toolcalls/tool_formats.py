@@ -22,8 +22,8 @@ from typing import Any
 
 from mlx_engine.api import ResponseFormat
 
-from app.toolcalls.formats.base import (CALL_JSON, Delta, HeldText, ToolFormat, ToolStream, ValueEnd, marker,
-                                        partial, text_or_calls, token)
+from app.toolcalls.formats.base import (CALL_JSON, Delta, HeldText, ThroughTemplate, ToolFormat, ToolStream, ValueEnd,
+                                        marker, partial, text_or_calls, token)
 from app.toolcalls.formats.llama import PYTHON_TAG, LlamaTools
 from app.toolcalls.formats.mistral import CALLS, MistralTools
 from app.toolcalls.formats.qwen_coder import QwenCoderTools
@@ -107,7 +107,7 @@ _CALLS = re.compile(r"\s*<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 
 
-class HermesTools:
+class HermesTools(ThroughTemplate):
     """`open_id`, `close_id`: the tokens `<tool_call>` and `</tool_call>` are, where each is one (Qwen's added
     tokens); llguidance reads an added token as special, never as its text, so the grammar names it by id, beside
     the text spelled out."""
@@ -117,16 +117,6 @@ class HermesTools:
     def __init__(self, open_id: int | None = None, close_id: int | None = None):
         self.open_id = open_id
         self.close_id = close_id
-
-    def history(self, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"role": "assistant", "content": content,
-                "tool_calls": [{"type": "function", "function": c} for c in calls]}
-
-    def conversation(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return messages
-
-    def render(self, messages: list[dict[str, Any]], tools: Tools) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        return messages, {"tools": [{"type": "function", "function": f} for f in tools.offered()]}
 
     def grammar(self, tools: Tools) -> ResponseFormat:
         """`<tool_call>\\n` + one offered function's call as JSON (its schema via `%json`, in the template's own

@@ -112,6 +112,21 @@ def partial(text: str, mark: str) -> int:
     return 0
 
 
+class ThroughTemplate:
+    """What a format whose chat template renders tools itself shares: earlier calls as `message.tool_calls`, the
+    offered tools as the template's `tools` variable, the conversation as it is."""
+
+    def history(self, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"role": "assistant", "content": content,
+                "tool_calls": [{"type": "function", "function": c} for c in calls]}
+
+    def conversation(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return messages
+
+    def render(self, messages: list[dict[str, Any]], tools: Tools) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        return messages, {"tools": [{"type": "function", "function": f} for f in tools.offered()]}
+
+
 class HeldText:
     """Text as it streams, but for its trailing whitespace (dropped where a call follows, as `parse` strips it)."""
 

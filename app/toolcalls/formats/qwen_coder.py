@@ -26,8 +26,8 @@ from typing import Any
 
 from mlx_engine.api import ResponseFormat
 
-from app.toolcalls.formats.base import (CALL_JSON, Delta, HeldText, ToolStream, lark_string, marker, partial,
-                                        text_or_calls)
+from app.toolcalls.formats.base import (CALL_JSON, Delta, HeldText, ThroughTemplate, ToolStream, lark_string, marker,
+                                        partial, text_or_calls)
 from app.toolcalls.schemas import has_local_refs, rebased
 from app.toolcalls.tools import Tools, openai_call
 
@@ -40,7 +40,7 @@ _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n")
 _NEXT = re.compile(r"\s*(?:<parameter=([^>\n]+)>\n|(</function>))")
 
 
-class QwenCoderTools:
+class QwenCoderTools(ThroughTemplate):
     """`open_id`, `close_id`: the tokens `<tool_call>` and `</tool_call>` are, where each is one (Qwen's added
     tokens)."""
 
@@ -49,16 +49,6 @@ class QwenCoderTools:
     def __init__(self, open_id: int | None = None, close_id: int | None = None):
         self.open_id = open_id
         self.close_id = close_id
-
-    def history(self, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"role": "assistant", "content": content,
-                "tool_calls": [{"type": "function", "function": c} for c in calls]}
-
-    def conversation(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return messages
-
-    def render(self, messages: list[dict[str, Any]], tools: Tools) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        return messages, {"tools": [{"type": "function", "function": f} for f in tools.offered()]}
 
     def grammar(self, tools: Tools) -> ResponseFormat:
         """`<tool_call>`, one offered function's `<function=NAME>` block with its parameters in the schema's order
