@@ -76,7 +76,7 @@ def llama():
 
 @pytest.fixture(scope="module")
 def mlx_llama():
-    with Engine.load(str(GOLDEN / "llama")) as e:
+    with Engine.load(str(GOLDEN / "llama"), backend="mlx") as e:
         yield e
 
 
@@ -309,7 +309,7 @@ def tiny_gguf(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     write_gguf_from_folder(GOLDEN / "llama", path, {"attn_q": "Q4_0", "ffn": "Q4_1"}, default_type="Q8_0")
-    with Engine.load(str(path)) as mlx_engine:
+    with Engine.load(str(path), backend="mlx") as mlx_engine:
         ref = {"logits": mlx_engine.forward_logits(PROMPT), "tokens": [run(mlx_engine, p, 8)[0] for p in
                                                                        (PROMPT, PROMPT[3:14])]}
     return str(path), ref
@@ -348,7 +348,7 @@ def test_cuda_without_cuda_is_a_clear_error():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"backend": "jax"}, "backend='jax': expected one of 'mlx', 'torch'"),
+    ({"backend": "jax"}, "backend='jax': expected one of 'auto', 'mlx', 'torch'"),
     ({"backend": "torch", "device": "tpu"}, "device='tpu': expected one of"),
     ({"backend": "mlx", "device": "cuda"}, "device='cuda' needs backend='torch'"),
     ({"backend": "torch", "kv_bits": 8}, "kv_bits is not supported on the torch backend"),

@@ -199,7 +199,8 @@ def test_packed_logits_and_greedy_tokens(quantized_files, kind):
 
     path, ref_folder = quantized_files[kind]
     with Engine.load(str(path), backend="torch", device="cpu") as packed, \
-            Engine.load(str(ref_folder), backend="torch", device="cpu") as ref, Engine.load(str(path)) as mlx:
+            Engine.load(str(ref_folder), backend="torch", device="cpu") as ref, \
+                Engine.load(str(path), backend="mlx") as mlx:
         model = packed.diagnostics().runner.model
         assert isinstance(model.embed_tokens.weight, cpu_packed.CPUWeight)  # no float copy, the embedding too
         assert model.lm_head is None or isinstance(model.lm_head.weight, cpu_packed.CPUWeight)
@@ -418,15 +419,15 @@ def test_cli_runner_options_on_every_command(monkeypatch, capsys):
         assert (args.device, args.threads, args.compile) == ("cpu", 2, False), command
         if command[0] != "parity":
             assert cli._parser().parse_args([*command, "--backend", "torch"]).backend == "torch"
-    assert cli.main(["generate", "-p", "hi", "--threads", "2"]) == 2
-    assert capsys.readouterr().err.strip() == ("roofline: error: --threads needs --backend torch (it sets the torch "
-                                               "backend's CPU work)")
+    assert cli.main(["generate", "-p", "hi", "--backend", "mlx", "--threads", "2"]) == 2
+    assert capsys.readouterr().err.strip() == ("roofline: error: --threads needs --backend torch or auto (it sets the "
+                                               "torch backend's CPU work)")
     assert cli.main(["generate", "-p", "hi", "--backend", "torch", "--threads", "0"]) == 2
     assert "--threads 0: expected an integer >= 1" in capsys.readouterr().err
     assert cli._parser().parse_args(["generate", "-p", "hi", "--compile"]).compile is True
-    assert cli.main(["generate", "-p", "hi", "--compile"]) == 2
-    assert capsys.readouterr().err.strip() == ("roofline: error: --compile needs --backend torch (it sets the torch "
-                                               "backend's CPU work)")
+    assert cli.main(["generate", "-p", "hi", "--backend", "mlx", "--compile"]) == 2
+    assert capsys.readouterr().err.strip() == ("roofline: error: --compile needs --backend torch or auto (it sets the "
+                                               "torch backend's CPU work)")
     args = cli._parser().parse_args(["serve", "--backend", "torch", "--device", "cpu", "--threads", "1"])
     assert cli.runner_options(args) == {"backend": "torch", "device": "cpu", "threads": 1}
     assert json.loads(json.dumps(cli.runner_options(cli._parser().parse_args(["chat"])))) == {}

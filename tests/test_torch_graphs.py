@@ -102,7 +102,7 @@ def test_cuda_graphs_option_errors():
     with pytest.raises(RooflineError, match="cuda_graphs=True needs device='cuda'"):
         Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", cuda_graphs=True)
     with pytest.raises(RooflineError, match="cuda_graphs needs backend='torch'"):
-        Engine.load(str(GOLDEN / "llama"), cuda_graphs=False)
+        Engine.load(str(GOLDEN / "llama"), backend="mlx", cuda_graphs=False)
     with pytest.raises(RooflineError, match="cuda_graphs='yes': expected True, False or None"):
         Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu", cuda_graphs="yes")
 
