@@ -78,7 +78,7 @@ class MCPHub:
         self._states: dict[str, ServerState] = {}
         self._servers: dict[str, _Server] = {}  # the hub loop's own
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._loop_thread: threading.Thread | None = None
         self._generation = 0  # bumped by each start(): an older server's news is void
 
     # ---- any thread ------------------------------------------------------------------------------------
@@ -117,15 +117,15 @@ class MCPHub:
         except Exception:  # noqa: BLE001 - closing is best effort; the thread is a daemon
             pass
         loop.call_soon_threadsafe(loop.stop)
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._loop_thread is not None:
+            self._loop_thread.join(timeout)
         self._loop = None
 
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(target=loop.run_forever, name="mcp-hub", daemon=True)
-            self._thread.start()
+            self._loop_thread = threading.Thread(target=loop.run_forever, name="mcp-hub", daemon=True)
+            self._loop_thread.start()
             self._loop = loop
         return self._loop
 
