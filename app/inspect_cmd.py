@@ -63,14 +63,25 @@ def cmd_kv(args: argparse.Namespace) -> int:
     if args.kv_key_bits not in (None, args.kv_bits):
         kind = f"{args.kv_key_bits}-bit keys, {args.kv_bits}-bit values (g64{keys}, {dtype} scales)"
     kind += f" ({why})" if not args.dtype else ""
+    layers = shape.num_layers - shape.no_kv_layers
+    what = (f"{layers} layers x one MLA latent of {shape.latent_dim}" if shape.latent_dim else
+            f"{layers} layers x {shape.num_kv_heads} KV heads x head dim {shape.head_dim}"
+            + (f" (V {shape.v_head_dim})" if shape.v_head_dim else ""))
     print(f"{total / 1e9:.1f} GB ({total:,} bytes) of KV for {args.batch} x {args.context:,} tokens in {kind}: "
-          f"{shape.num_layers} layers x {shape.num_kv_heads} KV heads x head dim {shape.head_dim}, "
-          f"{per_token:,} bytes per token")
+          f"{what}, {per_token:,} bytes per token")
+    if shape.latent_dim:
+        full = kv_bytes(dataclasses.replace(shape, latent_dim=0), 1, 1, args.kv_bits, itemsize)
+        print(f"MLA: each layer keeps the latent (kv_lora_rank + the rope part) shared by all heads; K and V of "
+              f"{shape.num_kv_heads} heads (K {shape.head_dim}, V {shape.v_head_dim or shape.head_dim}) would take "
+              f"{full:,} bytes per token")
+    if shape.no_kv_layers:
+        print(f"{shape.no_kv_layers} of {shape.num_layers} layers keep no KV (linear attention, Mamba and convolution "
+              "layers hold a recurrent state of fixed size per sequence, not counted here; MLP blocks hold nothing)")
     if shape.num_sliding_layers:
-        full = shape.num_layers - shape.num_sliding_layers
-        print(f"sliding window: {shape.num_sliding_layers} of {shape.num_layers} layers attend to the last "
+        full = layers - shape.num_sliding_layers
+        print(f"sliding window: {shape.num_sliding_layers} of {layers} layers attend to the last "
               f"{shape.sliding_window:,} tokens and are counted at {min(args.context, shape.sliding_window):,} tokens "
-              f"each; past the window a token adds {per_token * full // shape.num_layers:,} bytes")
+              f"each; past the window a token adds {per_token * full // layers:,} bytes")
     if shape.num_experts:
         print(f"mixture of experts: {shape.num_experts} experts, {shape.num_experts_per_tok} per token "
               "(KV is the attention's: the experts add none)")

@@ -120,17 +120,24 @@ def _gguf_header(path: Path) -> Header:
 
 def _config_kv_shape(config: dict[str, Any], where: Path) -> KVShape:
     from mlx_engine.models.config import normalize_config, sliding_flags
+    from mlx_engine.models.config_families import no_kv_layers
 
     try:
         config = normalize_config(config, str(where))
         heads = int(config["num_attention_heads"])
         sliding = sliding_flags(config)
-        return KVShape(int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or heads),
-                       int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+        head_dim, latent, v_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads), 0, 0
+        if config.get("kv_lora_rank"):  # MLA: the latent is what is kept; K and V of every head, were they
+            latent = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
+            head_dim = int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"])
+            v_dim = int(config["v_head_dim"])
+        return KVShape(int(config.get("num_hidden_layers") or len(config["layers_block_type"])),
+                       int(config.get("num_key_value_heads") or heads), head_dim,
                        int(config.get("max_position_embeddings") or 0),
                        int(config["sliding_window"]) if any(sliding) else None, sum(sliding),
-                       int(config.get("num_local_experts") or config.get("num_experts") or 0),
-                       int(config.get("num_experts_per_tok") or 0))
+                       int(config.get("num_local_experts") or config.get("num_experts") or
+                           config.get("n_routed_experts") or 0),
+                       int(config.get("num_experts_per_tok") or 0), latent, v_dim, no_kv_layers(config))
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelLoadError(f"{where}: missing or bad field {e} for sizing the KV cache") from None
 

@@ -214,6 +214,13 @@ class KVShape:
     num_sliding_layers: int = 0  # of num_layers
     num_experts: int = 0  # MoE: experts per layer (0: dense)
     num_experts_per_tok: int = 0
+    # MLA (DeepSeek-V3, Kimi K2): what a layer keeps per token is one latent vector of this many elements
+    # (kv_lora_rank + qk_rope_head_dim), shared by every head's K and V; 0: K and V per KV head
+    latent_dim: int = 0
+    v_head_dim: int = 0  # V's head size where it differs from K's (MLA's, were it expanded); 0: head_dim
+    # layers that keep no K and V: linear attention, Mamba and convolution layers (a fixed-size recurrent state per
+    # sequence) and Nemotron-H's MLP and MoE blocks (nothing)
+    no_kv_layers: int = 0
 
 
 def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None = None, itemsize: int = 2,
@@ -224,14 +231,20 @@ def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None =
     keys: a scale and bias per channel and block of that many tokens costs what per-token groups of that
     many channels cost)."""
 
-    def per_vector(bits: int | None, group: int) -> int:
+    def per_vector(dim: int, bits: int | None, group: int) -> int:
         if bits is None:
-            return shape.head_dim * itemsize
-        return shape.head_dim * bits // 8 + 2 * -(-shape.head_dim // group) * itemsize
+            return dim * itemsize
+        return dim * bits // 8 + 2 * -(-dim // group) * itemsize
 
     k_bits = kv_bits if key_bits is None else key_bits
-    per_token = per_vector(k_bits, key_group_size or group_size) + per_vector(kv_bits, group_size)
+    if shape.latent_dim:  # one latent per token and layer, no heads, no separate V
+        per_token, heads = per_vector(shape.latent_dim, kv_bits, group_size), 1
+    else:
+        per_token = (per_vector(shape.head_dim, k_bits, key_group_size or group_size)
+                     + per_vector(shape.v_head_dim or shape.head_dim, kv_bits, group_size))
+        heads = shape.num_kv_heads
     # a sliding layer holds its window's tokens at most
     window = min(context, shape.sliding_window) if shape.sliding_window else context
-    layer_tokens = (shape.num_layers - shape.num_sliding_layers) * context + shape.num_sliding_layers * window
-    return per_token * layer_tokens * shape.num_kv_heads * batch
+    full = shape.num_layers - shape.no_kv_layers - shape.num_sliding_layers
+    layer_tokens = full * context + shape.num_sliding_layers * window
+    return per_token * layer_tokens * heads * batch

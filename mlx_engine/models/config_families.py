@@ -107,3 +107,12 @@ def _gemma4_heads(config: dict[str, Any], source: str) -> None:
         if value is not None:
             config[target] = value
 
+
+
+def no_kv_layers(config: dict[str, Any]) -> int:
+    """Layers of a normalized config that keep no K and V (`memory.KVShape.no_kv_layers`)."""
+    types = config.get("layers_block_type") or config.get("layer_types") or []
+    if config.get("model_type") in _INTERVAL_FAMILIES and not types and config.get("full_attention_interval"):
+        p, n = int(config["full_attention_interval"]), int(config.get("num_hidden_layers") or 0)
+        return sum((i + 1) % p != 0 for i in range(n))
+    return sum(t not in (FULL, SLIDING, "chunked_attention", ATTENTION) for t in types)
