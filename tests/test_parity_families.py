@@ -48,3 +48,44 @@ def test_greedy_tokens_identical(family) -> None:
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     assert got == want, f"{name}: first differing step {first}\n got  {got}\n want {want}"
     assert events[-1].finish_reason == "length"
+
+
+# --- what runs them, and what refuses them (issue 47 item 8) ----------------------------------------------------
+
+# the reason each refusal names, in the family's words (models.config_families.family_reason)
+REASONS = {"qwen3_next": "its linear_attention layers keep a recurrent state per sequence, not K and V",
+           "lfm2": "its conv layers keep a recurrent state per sequence",
+           "falcon_h1": "its mamba layers keep a recurrent state per sequence",
+           "deepseek_v3": "its multi-head latent attention (MLA) keeps one latent per token for all heads",
+           "gemma4_text": "its full-attention layers have heads of 32 and its sliding ones of 16"}
+
+
+@pytest.mark.parametrize("name", sorted(REASONS))
+def test_distributed_refuses_in_one_line_naming_family_and_reason(name: str) -> None:
+    import mlx.core as mx
+
+    from mlx_engine.api import ModelLoadError
+    from mlx_engine.distributed.shard import check_shardable
+    from mlx_engine.loading import load_checkpoint
+    from mlx_engine.models import build_model
+
+    ckpt = load_checkpoint(str(GOLDEN / name))
+    built = build_model(ckpt.config, ckpt.weights, mx.float32, None, name)
+    with pytest.raises(ModelLoadError) as e:
+        check_shardable(built, "pipeline", name)
+    line = str(e.value)
+    assert "\n" not in line and f"{name} ({MODEL_TYPE.get(name, name)})" in line and REASONS[name] in line, line
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "deepseek_v3", "nemotron_h"])
+def test_torch_backend_refuses_in_one_line_naming_family_and_reason(name: str) -> None:
+    from tests.torch_support import require
+
+    require("torch")
+    from mlx_engine.api import RooflineError
+
+    with pytest.raises(RooflineError) as e:
+        Engine.load(str(GOLDEN / name), backend="torch", device="cpu")
+    line = str(e.value)
+    assert "\n" not in line and f"model type {name!r} is not supported on the torch backend" in line, line
+    assert REASONS.get(name, "keep a recurrent state per sequence") in line, line

@@ -116,3 +116,23 @@ def no_kv_layers(config: dict[str, Any]) -> int:
         p, n = int(config["full_attention_interval"]), int(config.get("num_hidden_layers") or 0)
         return sum((i + 1) % p != 0 for i in range(n))
     return sum(t not in (FULL, SLIDING, "chunked_attention", ATTENTION) for t in types)
+
+
+def family_reason(config: dict[str, Any]) -> str | None:
+    """In a few words, what sets a normalized config's family apart from the attention-only decoders the paged KV
+    cache, the torch backend and `--distributed` run (None: nothing)."""
+    types = config.get("layers_block_type") or config.get("layer_types") or []
+    recurrent = sorted({t for t in types if t in STATE_KINDS})
+    if config.get("model_type") == "falcon_h1":
+        recurrent = [MAMBA]  # every layer runs Mamba 2 beside its attention
+    if recurrent:
+        return f"its {' and '.join(recurrent)} layers keep a recurrent state per sequence, not K and V"
+    if config.get("kv_lora_rank"):
+        return ("its multi-head latent attention (MLA) keeps one latent per token for all heads, "
+                "not K and V per head")
+    wide, narrow = config.get("global_head_dim"), config.get("head_dim")
+    if wide and narrow and wide != narrow:
+        return f"its full-attention layers have heads of {wide} and its sliding ones of {narrow}"
+    if config.get("num_experts") or config.get("n_routed_experts") or config.get("num_local_experts"):
+        return "its layers route tokens through a mixture of experts"
+    return None
