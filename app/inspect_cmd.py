@@ -66,7 +66,9 @@ def cmd_kv(args: argparse.Namespace) -> int:
     layers = shape.num_layers - shape.no_kv_layers
     what = (f"{layers} layers x one MLA latent of {shape.latent_dim}" if shape.latent_dim else
             f"{layers} layers x {shape.num_kv_heads} KV heads x head dim {shape.head_dim}"
-            + (f" (V {shape.v_head_dim})" if shape.v_head_dim else ""))
+            + (f" (V {shape.v_head_dim})" if shape.v_head_dim else "")
+            + (f" ({shape.wide_layers} full-attention layers: {shape.wide_kv_heads or shape.num_kv_heads} x "
+               f"{shape.wide_head_dim})" if shape.wide_layers else ""))
     print(f"{total / 1e9:.1f} GB ({total:,} bytes) of KV for {args.batch} x {args.context:,} tokens in {kind}: "
           f"{what}, {per_token:,} bytes per token")
     if shape.latent_dim:
@@ -75,13 +77,16 @@ def cmd_kv(args: argparse.Namespace) -> int:
               f"{shape.num_kv_heads} heads (K {shape.head_dim}, V {shape.v_head_dim or shape.head_dim}) would take "
               f"{full:,} bytes per token")
     if shape.no_kv_layers:
-        print(f"{shape.no_kv_layers} of {shape.num_layers} layers keep no KV (linear attention, Mamba and convolution "
-              "layers hold a recurrent state of fixed size per sequence, not counted here; MLP blocks hold nothing)")
+        print(f"{shape.no_kv_layers} of {shape.num_layers} layers keep no KV of their own (linear attention, Mamba and "
+              "convolution layers hold a recurrent state of fixed size per sequence, not counted here; MLP blocks "
+              "nothing; Gemma 4's shared-KV layers read earlier layers')")
     if shape.num_sliding_layers:
-        full = layers - shape.num_sliding_layers
+        w = shape.sliding_window
+        past = (kv_bytes(shape, w + 1, 1, args.kv_bits, itemsize, key_bits=args.kv_key_bits, key_group_size=key_group)
+                - kv_bytes(shape, w, 1, args.kv_bits, itemsize, key_bits=args.kv_key_bits, key_group_size=key_group))
         print(f"sliding window: {shape.num_sliding_layers} of {layers} layers attend to the last "
-              f"{shape.sliding_window:,} tokens and are counted at {min(args.context, shape.sliding_window):,} tokens "
-              f"each; past the window a token adds {per_token * full // layers:,} bytes")
+              f"{w:,} tokens and are counted at {min(args.context, w):,} tokens each; past the window a token adds "
+              f"{past:,} bytes")
     if shape.num_experts:
         print(f"mixture of experts: {shape.num_experts} experts, {shape.num_experts_per_tok} per token "
               "(KV is the attention's: the experts add none)")

@@ -131,13 +131,21 @@ def _config_kv_shape(config: dict[str, Any], where: Path) -> KVShape:
             latent = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
             head_dim = int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"])
             v_dim = int(config["v_head_dim"])
-        return KVShape(int(config.get("num_hidden_layers") or len(config["layers_block_type"])),
-                       int(config.get("num_key_value_heads") or heads), head_dim,
+        n = int(config.get("num_hidden_layers") or len(config["layers_block_type"]))
+        shared = int(config.get("num_kv_shared_layers") or 0)  # Gemma 4: the last ones reuse earlier layers' KV
+        stores = [i < n - shared for i in range(n)]
+        types = config.get("layer_types") or []
+        wide = config.get("global_head_dim") if config.get("global_head_dim") != head_dim else None
+        wide_layers = sum(1 for i, t in enumerate(types[:n]) if wide and t == "full_attention" and stores[i])
+        return KVShape(n, int(config.get("num_key_value_heads") or heads), head_dim,
                        int(config.get("max_position_embeddings") or 0),
-                       int(config["sliding_window"]) if any(sliding) else None, sum(sliding),
+                       int(config["sliding_window"]) if any(sliding) else None,
+                       sum(s and k for s, k in zip(sliding, stores)),
                        int(config.get("num_local_experts") or config.get("num_experts") or
                            config.get("n_routed_experts") or 0),
-                       int(config.get("num_experts_per_tok") or 0), latent, v_dim, no_kv_layers(config))
+                       int(config.get("num_experts_per_tok") or 0), latent, v_dim,
+                       no_kv_layers(config) + stores.count(False), wide_layers, int(wide or 0),
+                       int(config.get("num_global_key_value_heads") or 0) if wide else 0)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelLoadError(f"{where}: missing or bad field {e} for sizing the KV cache") from None
 

@@ -221,6 +221,11 @@ class KVShape:
     # layers that keep no K and V: linear attention, Mamba and convolution layers (a fixed-size recurrent state per
     # sequence) and Nemotron-H's MLP and MoE blocks (nothing)
     no_kv_layers: int = 0
+    # full-attention layers whose heads differ from the others' (Gemma 4's `per_layer_config`): how many, their
+    # head size and KV heads (0: num_kv_heads)
+    wide_layers: int = 0
+    wide_head_dim: int = 0
+    wide_kv_heads: int = 0
 
 
 def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None = None, itemsize: int = 2,
@@ -236,15 +241,17 @@ def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None =
             return dim * itemsize
         return dim * bits // 8 + 2 * -(-dim // group) * itemsize
 
-    k_bits = kv_bits if key_bits is None else key_bits
+    def per_token(k_dim: int, v_dim: int) -> int:  # one head's K and V
+        return (per_vector(k_dim, kv_bits if key_bits is None else key_bits, key_group_size or group_size)
+                + per_vector(v_dim, kv_bits, group_size))
+
     if shape.latent_dim:  # one latent per token and layer, no heads, no separate V
-        per_token, heads = per_vector(shape.latent_dim, kv_bits, group_size), 1
+        layer = per_vector(shape.latent_dim, kv_bits, group_size)
     else:
-        per_token = (per_vector(shape.head_dim, k_bits, key_group_size or group_size)
-                     + per_vector(shape.v_head_dim or shape.head_dim, kv_bits, group_size))
-        heads = shape.num_kv_heads
+        layer = per_token(shape.head_dim, shape.v_head_dim or shape.head_dim) * shape.num_kv_heads
+    wide = per_token(shape.wide_head_dim, shape.wide_head_dim) * (shape.wide_kv_heads or shape.num_kv_heads) \
+        if shape.wide_layers else 0
     # a sliding layer holds its window's tokens at most
     window = min(context, shape.sliding_window) if shape.sliding_window else context
-    full = shape.num_layers - shape.no_kv_layers - shape.num_sliding_layers
-    layer_tokens = full * context + shape.num_sliding_layers * window
-    return per_token * layer_tokens * heads * batch
+    full = max(0, shape.num_layers - shape.no_kv_layers - shape.num_sliding_layers - shape.wide_layers)
+    return (layer * (full * context + shape.num_sliding_layers * window) + wide * shape.wide_layers * context) * batch

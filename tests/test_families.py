@@ -254,4 +254,27 @@ def test_kv_of_a_hybrid_counts_only_its_attention_layers(name: str, kv_layers: i
     assert r.returncode == 0, r.stderr
     # 2 KV heads x 16 x 2 bytes x (K, V) = 128 bytes a token and attention layer
     assert f"({kv_layers * 12_800:,} bytes) of KV for 1 x 100 tokens" in r.stdout, r.stdout
-    assert ("keep no KV" in r.stdout) == (name != "falcon_h1"), r.stdout  # Falcon-H1: attention in every layer
+    assert ("keep no KV of their own" in r.stdout) == (name != "falcon_h1"), r.stdout  # Falcon-H1: attention in every layer
+
+
+def test_kv_of_gemma4_counts_wide_full_layers_and_shared_kv(tmp_path: Path) -> None:
+    """Gemma 4 E2B's shape as transformers 5 writes it: 35 layers, a 4:1 sliding pattern of 512 tokens, the last
+    20 layers reusing earlier layers' KV, full-attention heads of 512 (`per_layer_config`) beside sliding ones of
+    256, one KV head. The 15 layers that store KV: 12 sliding, 3 full."""
+    types = ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(35)]
+    config = {"model_type": "gemma4_text", "hidden_size": 1536, "num_hidden_layers": 35, "num_attention_heads": 8,
+              "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512, "layer_types": types,
+              "num_kv_shared_layers": 20, "max_position_embeddings": 131072,
+              "per_layer_config": {str(i): {"head_dim": 512} for i, t in enumerate(types) if t == "full_attention"},
+              "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                     "rope_theta": 1e6}}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = roofline("kv", "--model", str(tmp_path), "--context", "100000", "--dtype", "float16")
+    assert r.returncode == 0, r.stderr
+    # 12 sliding x 512 tokens x 256 x 2 bytes x (K, V) + 3 full x 100,000 x 512 x 2 x 2
+    assert "(620,691,456 bytes) of KV for 1 x 100,000 tokens" in r.stdout, r.stdout
+    assert "(3 full-attention layers: 1 x 512), 18,432 bytes per token" in r.stdout, r.stdout
+    assert "20 of 35 layers keep no KV of their own" in r.stdout
+    assert "sliding window: 12 of 15 layers attend to the last 512 tokens" in r.stdout
+    assert "past the window a token adds 6,144 bytes" in r.stdout
