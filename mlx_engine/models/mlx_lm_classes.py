@@ -15,7 +15,8 @@ the reference:
 - falcon_h1: mlx-lm folds the attention-input multiplier into q and k but not v, and never the key multiplier
   (logits off by 1.6 with key_multiplier 0.7).
 - qwen3_5_text (a Qwen3.5 checkpoint's text_config, or a text-only one): mlx-lm runs it through its multimodal
-  `qwen3_5` module, which takes a flat config as its text config.
+  `qwen3_5` module, which takes a flat config as its text config; qwen3_5_moe_text likewise, its experts stacked
+  where transformers 5 saved them one tensor each (mlx-lm reads only the fused `experts.gate_up_proj`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +66,28 @@ def _text_of(name: str) -> tuple[type, type]:
     class ModelArgs(module.ModelArgs):
         text_config: dict | None = None  # absent: the flat config is the text config (module's from_dict)
 
-    return module.Model, ModelArgs
+    class Model(module.Model):
+        def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+            return super().sanitize(stack_experts(weights))
+
+    return Model, ModelArgs
+
+
+def stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Experts one tensor each (`mlp.experts.<e>.<proj>.weight`, as transformers 5 saves Qwen3.5-MoE) stacked into
+    mlx-lm's SwitchGLU (`mlp.switch_mlp.<proj>.weight`, (E, out, in)); other weights as they are."""
+    pattern = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    groups: dict[tuple[str, str], dict[int, mx.array]] = {}
+    out = {}
+    for k, v in weights.items():
+        m = pattern.match(k)
+        if m:
+            groups.setdefault((m[1], m[3]), {})[int(m[2])] = v
+        else:
+            out[k] = v
+    for (stem, proj), experts in groups.items():
+        out[f"{stem}.switch_mlp.{proj}.weight"] = mx.stack([experts[e] for e in sorted(experts)])
+    return out
 
 
 def _has_module(name: str) -> bool:

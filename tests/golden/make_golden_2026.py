@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Exaone4Config, FalconH1Config, Gemma4TextConfig,
                           Glm4MoeConfig, GraniteMoeHybridConfig, Lfm2Config, NemotronHConfig, Olmo3Config,
-                          Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig, Qwen3NextConfig,
+                          Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
+                          Qwen3NextConfig,
                           SmolLM3Config)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,6 +41,8 @@ QWEN3_5_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2
 # name -> (config class, config kwargs, base seed)
 FAMILIES = {
     "qwen3_5_text": (Qwen3_5TextConfig, QWEN3_5_TEXT, 20000),
+    "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, dict(QWEN3_5_TEXT, **MOE, num_experts=4,
+                                                     shared_expert_intermediate_size=32), 33000),
     "qwen3_next": (Qwen3NextConfig, dict(GATED_DELTA, **MOE, tie_word_embeddings=False, num_experts=4,
                                          shared_expert_intermediate_size=32, decoder_sparse_step=1,
                                          mlp_only_layers=[]), 21000),
