@@ -41,7 +41,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
 def cmd_kv(args: argparse.Namespace) -> int:
     from mlx_engine.catalog import kv_shape
-    from mlx_engine.memory import kv_bytes
+    from mlx_engine.memory import kv_bytes, state_bytes
     from mlx_engine.roofline import kv_dtype_here
 
     if args.context < 1 or args.batch < 1:
@@ -78,8 +78,13 @@ def cmd_kv(args: argparse.Namespace) -> int:
               f"{full:,} bytes per token")
     if shape.no_kv_layers:
         print(f"{shape.no_kv_layers} of {shape.num_layers} layers keep no KV of their own (linear attention, Mamba and "
-              "convolution layers hold a recurrent state of fixed size per sequence, not counted here; MLP blocks "
-              "nothing; Gemma 4's shared-KV layers read earlier layers')")
+              "convolution layers hold a recurrent state of fixed size per sequence instead; MLP blocks nothing; "
+              "Gemma 4's shared-KV layers read earlier layers')")
+    state = state_bytes(shape, args.batch, itemsize)
+    if state:
+        print(f"recurrent state: {state:,} bytes for {args.batch} sequence{'s' if args.batch > 1 else ''} whatever "
+              f"their length ({state // args.batch:,} each; convolution windows in {dtype}, Gated DeltaNet's state in "
+              f"float32), {(total + state) / 1e9:.1f} GB with the KV")
     if shape.num_sliding_layers:
         w = shape.sliding_window
         past = (kv_bytes(shape, w + 1, 1, args.kv_bits, itemsize, key_bits=args.kv_key_bits, key_group_size=key_group)

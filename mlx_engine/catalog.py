@@ -17,7 +17,7 @@ from typing import Any
 
 from mlx_engine.api import ModelLoadError
 from mlx_engine.memory import (KVShape, MemoryLimit, WeightsHeader, available_memory, estimate_fit,
-                                held_weight_bytes, kv_bytes, metal_working_set)
+                                held_weight_bytes, kv_bytes, metal_working_set, state_bytes)
 from mlx_engine.paths import cache_dir
 from mlx_engine.switches import SKIP_MEMORY_CHECK
 
@@ -120,7 +120,7 @@ def _gguf_header(path: Path) -> Header:
 
 def _config_kv_shape(config: dict[str, Any], where: Path) -> KVShape:
     from mlx_engine.models.config import normalize_config, sliding_flags
-    from mlx_engine.models.config_families import no_kv_layers
+    from mlx_engine.models.config_families import no_kv_layers, state_sizes
 
     try:
         config = normalize_config(config, str(where))
@@ -145,7 +145,7 @@ def _config_kv_shape(config: dict[str, Any], where: Path) -> KVShape:
                            config.get("n_routed_experts") or 0),
                        int(config.get("num_experts_per_tok") or 0), latent, v_dim,
                        no_kv_layers(config) + stores.count(False), wide_layers, int(wide or 0),
-                       int(config.get("num_global_key_value_heads") or 0) if wide else 0)
+                       int(config.get("num_global_key_value_heads") or 0) if wide else 0, *state_sizes(config))
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelLoadError(f"{where}: missing or bad field {e} for sizing the KV cache") from None
 
@@ -356,6 +356,7 @@ class ModelMemory:
     weights: WeightsHeader
     kv_per_token: int
     context_length: int
+    state_bytes: int = 0  # a hybrid's recurrent layers, one sequence
 
 
 def model_memory(ref: str | None, kv_bits: int | None = None, key_bits: int | None = None,
@@ -377,7 +378,7 @@ def model_memory(ref: str | None, kv_bits: int | None = None, key_bits: int | No
     item = itemsize or _kv_itemsize(header, metal)
     per_token = kv_bytes(header.kv, 1, kv_bits=kv_bits, itemsize=item, key_bits=key_bits)
     name = EMBEDDED_MODEL_NAME if is_embedded(ref) else display_name(ref, path)
-    return ModelMemory(name, header.weights, per_token, header.kv.context_length)
+    return ModelMemory(name, header.weights, per_token, header.kv.context_length, state_bytes(header.kv, 1, item))
 
 
 def model_header(ref: str | os.PathLike[str] | None) -> Header:
@@ -423,13 +424,13 @@ def check_fit(model: str | None, backend: str, options: dict[str, Any]) -> None:
                        itemsize=itemsize or None, metal=metal)
     if mem is None:
         return  # a header that cannot be read or sized: the loader says what is wrong with it
-    extra = 0
+    extra = mem.state_bytes
     if isinstance(options.get("draft_model"), str) and options.get("draft_model") != model:
         try:
             draft = model_memory(options["draft_model"], metal=metal)
         except ModelLoadError:
             draft = None  # the loader says why (or, with draft_optional, warns and loads without it)
-        extra = held_weight_bytes(draft.weights, backend, metal)[0] if draft else 0  # held beside the model
+        extra += held_weight_bytes(draft.weights, backend, metal)[0] if draft else 0  # held beside the model
     fit = estimate_fit(mem.weights, mem.kv_per_token, mem.context_length, context=option("max_context"),
                        kv_budget_bytes=option("kv_budget_bytes"), backend=backend, extra_bytes=extra, metal=metal)
     if not fit.fits:

@@ -226,6 +226,10 @@ class KVShape:
     wide_layers: int = 0
     wide_head_dim: int = 0
     wide_kv_heads: int = 0
+    # the recurrent layers' state per sequence, whatever the context: elements at the activation dtype (convolution
+    # windows, Mamba's SSM state) and in float32 (Gated DeltaNet's state, which mlx-lm keeps in float32)
+    state_elems: int = 0
+    state_f32_elems: int = 0
 
 
 def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None = None, itemsize: int = 2,
@@ -255,3 +259,8 @@ def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None =
     window = min(context, shape.sliding_window) if shape.sliding_window else context
     full = max(0, shape.num_layers - shape.no_kv_layers - shape.num_sliding_layers - shape.wide_layers)
     return (layer * (full * context + shape.num_sliding_layers * window) + wide * shape.wide_layers * context) * batch
+
+
+def state_bytes(shape: KVShape, batch: int = 1, itemsize: int = 2) -> int:
+    """The recurrent layers' state of `batch` sequences (fixed, whatever their length)."""
+    return (shape.state_elems * itemsize + shape.state_f32_elems * 4) * batch

@@ -278,3 +278,37 @@ def test_kv_of_gemma4_counts_wide_full_layers_and_shared_kv(tmp_path: Path) -> N
     assert "20 of 35 layers keep no KV of their own" in r.stdout
     assert "sliding window: 12 of 15 layers attend to the last 512 tokens" in r.stdout
     assert "past the window a token adds 6,144 bytes" in r.stdout
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "granitemoehybrid", "nemotron_h",
+                                  "falcon_h1", "lfm2"])
+def test_recurrent_state_bytes_are_what_mlx_lm_caches_hold(name: str) -> None:
+    """The state a hybrid's recurrent layers keep per sequence (what the fit check adds and `roofline kv` prints),
+    from its config alone, against the bytes mlx-lm's caches hold after a forward in float32."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    from mlx_engine.catalog import kv_shape
+    from mlx_engine.loading import load_checkpoint
+    from mlx_engine.memory import state_bytes
+    from mlx_engine.models import build_model
+
+    ckpt = load_checkpoint(str(GOLDEN / name))
+    model = build_model(ckpt.config, ckpt.weights, mx.float32, None, name).model
+    cache = model.make_cache()
+    mx.eval(model(mx.array([[1, 2, 3, 4, 5]]), cache=cache))
+
+    def arrays(c):
+        if isinstance(c, CacheList):
+            return [a for inner in c.caches for a in arrays(inner)]
+        return [a for a in c.cache if a is not None] if isinstance(c, ArraysCache) else []
+
+    held = sum(a.nbytes for c in cache for a in arrays(c))
+    assert held > 0 and state_bytes(kv_shape(str(GOLDEN / name)), 1, 4) == held
+
+
+def test_kv_of_a_hybrid_prints_its_recurrent_state() -> None:
+    r = roofline("kv", "--model", str(GOLDEN / "qwen3_next"), "--context", "100", "--batch", "2", "--dtype", "float16")
+    assert r.returncode == 0, r.stderr
+    # one Gated DeltaNet layer: a conv window of 3 x (2 x 2 x 16 + 4 x 16) in float16, 4 x 16 x 16 float32
+    assert "recurrent state: 9,728 bytes for 2 sequences whatever their length (4,864 each" in r.stdout, r.stdout

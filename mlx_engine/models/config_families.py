@@ -136,3 +136,33 @@ def family_reason(config: dict[str, Any]) -> str | None:
     if config.get("num_experts") or config.get("n_routed_experts") or config.get("num_local_experts"):
         return "its layers route tokens through a mixture of experts"
     return None
+
+
+def state_sizes(config: dict[str, Any]) -> tuple[int, int]:
+    """(elements at the activation dtype, float32 elements) of the recurrent state one sequence keeps in all the
+    layers of a normalized config, as mlx-lm's caches hold it: each layer's convolution window (kernel - 1 inputs)
+    and its Mamba 2 or Gated DeltaNet state. (0, 0) for a family without recurrent layers."""
+    c, model_type = config, config.get("model_type")
+    n = no_kv_layers(config) if model_type != "falcon_h1" else int(c.get("num_hidden_layers") or 0)
+    if model_type == "nemotron_h":
+        n = sum(t in STATE_KINDS for t in c.get("layers_block_type") or c.get("layer_types") or [])
+    if not n:
+        return 0, 0
+    if model_type in _INTERVAL_FAMILIES:
+        key = int(c["linear_num_key_heads"]) * int(c["linear_key_head_dim"])
+        value = int(c["linear_num_value_heads"]) * int(c["linear_value_head_dim"])
+        conv = (int(c.get("linear_conv_kernel_dim") or 4) - 1) * (2 * key + value)
+        return n * conv, n * value * int(c["linear_key_head_dim"])
+    if model_type == "lfm2":
+        return n * (int(c["conv_L_cache"]) - 1) * int(c["hidden_size"]), 0
+    if model_type == "nemotron_h":
+        heads, head, state, groups = (int(c["mamba_num_heads"]), int(c["mamba_head_dim"]), int(c["ssm_state_size"]),
+                                      int(c["n_groups"]))
+        kernel, inner = int(c["conv_kernel"]), heads * head
+    elif model_type in ("granitemoehybrid", "falcon_h1"):
+        heads, head, state, groups = (int(c["mamba_n_heads"]), int(c["mamba_d_head"]), int(c["mamba_d_state"]),
+                                      int(c["mamba_n_groups"]))
+        kernel, inner = int(c["mamba_d_conv"]), int(c.get("mamba_d_ssm") or heads * head)
+    else:
+        return 0, 0  # a recurrent family whose state is not sized here
+    return n * ((kernel - 1) * (inner + 2 * groups * state) + heads * head * state), 0
