@@ -68,6 +68,9 @@ def test_transformers5_hybrid_layer_kinds_in_each_class_form() -> None:
     lfm2 = normalize_config(config_of("lfm2"))
     assert lfm2["block_dim"] == 64 and lfm2["full_attn_idxs"] == [1]  # transformers writes neither
     assert normalize_config(config_of("exaone4"))["sliding_window_pattern"] == "LG"
+    # every kind transformers 5 allows passes (DeepSeek-V3.2's indexer layers, Zamba 2's hybrids)
+    for kind in ("indexed_attention", "hybrid", "compressed_sparse_attention"):
+        assert normalize_config({"model_type": "x", "layer_types": [kind]})["layer_types"] == [kind]
 
 
 def test_derived_fields_infinity_and_per_layer_head_sizes() -> None:

@@ -21,10 +21,16 @@ from mlx_engine.api import ModelLoadError
 from mlx_engine.models.layer_types import FULL, SLIDING
 
 LINEAR, CONV, MAMBA, ATTENTION = "linear_attention", "conv", "mamba", "attention"
-# every kind of layer some model class here or in mlx-lm runs (transformers 5's names and the older ones)
-LAYER_KINDS = (FULL, SLIDING, "chunked_attention", LINEAR, CONV, MAMBA, ATTENTION, "moe", "mlp")
-# layers that hold a recurrent state of fixed size rather than K and V per token
+# every kind of layer transformers 5 writes (its configuration_utils.ALLOWED_LAYER_TYPES, 5.25) and the older names
+# mlx-lm's classes still read (`mamba`, `attention`, Nemotron-H's `mlp`)
+LAYER_KINDS = (FULL, SLIDING, "chunked_attention", "window_attention", "indexed_attention",
+               "compressed_sparse_attention", "heavily_compressed_attention", "minimax_m3_sparse",
+               "reference_sliding_attention", LINEAR, CONV, "hybrid", "hybrid_sliding", "moe", "sparse", "dense",
+               MAMBA, ATTENTION, "mlp")
+# layers that hold a recurrent state of fixed size and no K and V per token
 STATE_KINDS = (LINEAR, CONV, MAMBA)
+# layers that hold neither (Nemotron-H's feed-forward blocks, listed among its layers)
+_STATELESS_KINDS = ("moe", "mlp")
 # families whose `layer_types` is a repeating period of linear-attention layers ending in a full one
 _INTERVAL_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
@@ -115,14 +121,14 @@ def no_kv_layers(config: dict[str, Any]) -> int:
     if config.get("model_type") in _INTERVAL_FAMILIES and not types and config.get("full_attention_interval"):
         p, n = int(config["full_attention_interval"]), int(config.get("num_hidden_layers") or 0)
         return sum((i + 1) % p != 0 for i in range(n))
-    return sum(t not in (FULL, SLIDING, "chunked_attention", ATTENTION) for t in types)
+    return sum(t in STATE_KINDS or t in _STATELESS_KINDS for t in types)
 
 
 def family_reason(config: dict[str, Any]) -> str | None:
     """In a few words, what sets a normalized config's family apart from the attention-only decoders the paged KV
     cache, the torch backend and `--distributed` run (None: nothing)."""
     types = config.get("layers_block_type") or config.get("layer_types") or []
-    recurrent = sorted({t for t in types if t in STATE_KINDS})
+    recurrent = sorted({t for t in types if t in STATE_KINDS or t.startswith("hybrid")})
     if config.get("model_type") == "falcon_h1":
         recurrent = [MAMBA]  # every layer runs Mamba 2 beside its attention
     if recurrent:
