@@ -114,7 +114,6 @@ def _gemma4_heads(config: dict[str, Any], source: str) -> None:
             config[target] = value
 
 
-
 def no_kv_layers(config: dict[str, Any]) -> int:
     """Layers of a normalized config that keep no K and V (`memory.KVShape.no_kv_layers`)."""
     types = config.get("layers_block_type") or config.get("layer_types") or []
@@ -149,9 +148,12 @@ def state_sizes(config: dict[str, Any]) -> tuple[int, int]:
     layers of a normalized config, as mlx-lm's caches hold it: each layer's convolution window (kernel - 1 inputs)
     and its Mamba 2 or Gated DeltaNet state. (0, 0) for a family without recurrent layers."""
     c, model_type = config, config.get("model_type")
-    n = no_kv_layers(config) if model_type != "falcon_h1" else int(c.get("num_hidden_layers") or 0)
-    if model_type == "nemotron_h":
+    if model_type == "falcon_h1":  # Mamba 2 beside attention in every layer
+        n = int(c.get("num_hidden_layers") or 0)
+    elif model_type == "nemotron_h":  # its MLP and MoE blocks hold nothing
         n = sum(t in STATE_KINDS for t in c.get("layers_block_type") or c.get("layer_types") or [])
+    else:
+        n = no_kv_layers(config)
     if not n:
         return 0, 0
     if model_type in _INTERVAL_FAMILIES:
