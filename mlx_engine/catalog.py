@@ -22,7 +22,8 @@ from mlx_engine.paths import cache_dir
 from mlx_engine.switches import SKIP_MEMORY_CHECK
 
 HEADER_CACHE_FILE = "model_headers.json"
-HEADER_CACHE_FORMAT = 2  # 2: KV shapes with sliding layers and experts
+HEADER_CACHE_FORMAT = 3  # 2: KV shapes with sliding layers and experts; 3: MLA latents, recurrent layers' state,
+# per-layer head sizes
 _FLOAT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 _PACKED_GGUF = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q5_0": (5, 32), "Q5_1": (5, 32), "Q8_0": (8, 32)}  # ggml type -> (bits, group) once in MLX
 _KQUANT_GGUF = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -127,7 +128,7 @@ def _config_kv_shape(config: dict[str, Any], where: Path) -> KVShape:
         heads = int(config["num_attention_heads"])
         sliding = sliding_flags(config)
         head_dim, latent, v_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads), 0, 0
-        if config.get("kv_lora_rank"):  # MLA: the latent is what is kept; K and V of every head, were they
+        if config.get("kv_lora_rank"):  # MLA: each layer keeps the latent; head_dim and v_dim: the heads' K and V
             latent = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
             head_dim = int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"])
             v_dim = int(config["v_head_dim"])
