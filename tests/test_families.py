@@ -230,7 +230,7 @@ def test_logits_command_on_nemotron_h(tmp_path: Path) -> None:
     ids = ",".join(str(t) for t in gold["input_ids"].tolist())
     r = roofline("logits", "-m", str(GOLDEN / "nemotron_h"), "--token-ids", ids, "-o", str(out))
     assert r.returncode == 0, r.stderr
-    assert_f32_close(np.load(out), gold["logits"], 13 * HEADROOM, "nemotron_h")  # floor: test_parity_families
+    assert_f32_close(np.load(out), gold["logits"], 14 * HEADROOM, "nemotron_h")  # floor: test_parity_families
 
 
 def test_kv_of_deepseek_v3_counts_the_mla_latent(tmp_path: Path) -> None:

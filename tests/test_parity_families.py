@@ -12,9 +12,9 @@ from mlx_engine import Engine, GenerationRequest, SamplingParams
 from tests.tiny_models import FAMILIES_2026, GOLDEN
 from tests.tolerance import HEADROOM, assert_f32_close
 
-# engine vs transformers, both float32, prompt logits: measured 3.9 (olmo3) to 12.5 (qwen3_5_moe_text) units of
+# engine vs transformers, both float32, prompt logits: measured 3.9 (olmo3) to 13.2 (falcon_h1) units of
 # eps32 x max |logit| on an AMD EPYC (Zen 5); the recurrent layers' scans add no more than the attention's sums
-FLOOR_UNITS = 13
+FLOOR_UNITS = 14
 # what each runs as: the multimodal Qwen3.5 as its text model
 MODEL_TYPE = {"qwen3_5_vlm": "qwen3_5_text"}
 
