@@ -11,6 +11,7 @@ import mlx.core as mx
 from kernels_metal.pool import KVPool
 from quant.formats import QK_K, BlockFormat, block_format
 
+
 def paged_decode_attention(
     q: mx.array,
     pool: KVPool,

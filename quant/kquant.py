@@ -23,6 +23,11 @@ def bits_of(x: np.ndarray, shifts: list[int], mask: int) -> np.ndarray:
     return (x[..., None, :] >> s) & np.uint8(mask)
 
 
+def bit_planes(x: np.ndarray) -> np.ndarray:
+    """(n, 32) uint8 -> (n, 8, 32): bit s of byte j at [s, j] (the high bits of Q3_K and Q5_K, a plane a sub-block)."""
+    return np.unpackbits(x[..., None], axis=-1, bitorder="little").transpose(0, 2, 1)
+
+
 def scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(n, 12) uint8, six-bit packed -> (n, 8) scales and (n, 8) mins, uint8 in [0, 64) (ggml's get_scale_min_k4:
     sub-blocks 0-3 in the low six bits of bytes 0-3 / 4-7, sub-blocks 4-7 from the nibbles of bytes 8-11 with the
@@ -52,7 +57,7 @@ def kquant_codes(w_blocks: np.ndarray, ggml_type: str) -> np.ndarray:
         # four chunks of 32 bytes: low nibbles are sub-block 2j, high nibbles sub-block 2j+1
         q = bits_of(f.read(b, "qs").reshape(n, 4, 32), [0, 4], 0x0F).reshape(n, 8, 32)
         if ggml_type == "Q5_K":  # bit s of qh byte j: weight j of sub-block s
-            q = q | (bits_of(f.read(b, "qh").reshape(n, 1, 32), list(range(8)), 1).reshape(n, 8, 32) << 4)
+            q = q | (bit_planes(f.read(b, "qh")) << 4)
     elif ggml_type == "Q6_K":
         # two halves of 128 weights; ql: 64 bytes, low then high nibbles; qh: 32 bytes, 4 x 2 bits
         lo = bits_of(f.read(b, "ql").reshape(n, 2, 64), [0, 4], 0x0F).reshape(n, 8, 32)
@@ -62,7 +67,7 @@ def kquant_codes(w_blocks: np.ndarray, ggml_type: str) -> np.ndarray:
         q = bits_of(f.read(b, "qs").reshape(n, 2, 32), [0, 2, 4, 6], 3)
     elif ggml_type == "Q3_K":
         ql = bits_of(f.read(b, "qs").reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 16, 16)
-        qh = bits_of(f.read(b, "hmask").reshape(n, 1, 32), list(range(8)), 1).reshape(n, 16, 16)
+        qh = bit_planes(f.read(b, "hmask")).reshape(n, 16, 16)
         q = ql | (qh << 2)
     else:
         raise ValueError(f"ggml_type: expected one of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, got {ggml_type!r}")

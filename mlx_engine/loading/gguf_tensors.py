@@ -8,18 +8,17 @@ from the validated header's offsets (`gguf_file.read_gguf`):
 - F32 / F16 / BF16: as stored.
 - Q4_0 / Q4_1 / Q8_0: repacked, exactly, into MLX's affine quantization (group 32, as `mx.load` gives them:
   uint32 words packed low bits first, float16 scales and biases), so they stay quantized.
-- k-quants (Q2_K..Q6_K): dequantized by `kernels_metal.reference.dequantize_kquant` (bit for bit
-  `quant.dequantize`, gguf-py's, float32; MLX ops, twice as fast as gguf-py's numpy on a CPU), stored as float16. They run as dense float16 weights: correct, at
-  about 3.5x the bytes of their blocks. Or kept as their raw blocks (`load_checkpoint(kquant_blocks=True)`):
+- k-quants (Q2_K..Q6_K): dequantized by `kernels_metal.reference.dequantize_kquant` (MLX ops, bit for bit
+  `quant.dequantize`, gguf-py's numpy, and 1.1-3x as fast on a CPU), stored as float16. They run as dense float16
+  weights: correct, at about 3.5x the bytes of their blocks. Or kept as their raw blocks (`load_checkpoint(kquant_blocks=True)`):
   on Metal for `models.kquant`'s layers, and for the torch backend, which packs them into affine groups for
   its Triton kernel on CUDA (`backends.torch.weights.kquant_weight`).
 - Q5_0 / Q5_1: repacked, exactly, into MLX's affine 5-bit groups of 32.
-The layouts, unpacking and MLX's packing are `quant`'s (`quant.affine`, `quant.codebook`, `quant.mlx_layout`).
 - MXFP4 (gpt-oss's experts): repacked, exactly, into MLX's "mxfp4" mode (E8M0 scales, groups of 32).
 - IQ4_NL / IQ4_XS: a codebook no MLX layout holds: dequantized at load (exact in float32) and stored as float16,
   as the k-quants are.
 Expert tensors (E, out, in) are read as E * out rows of `in` weights; their k-quants are always dequantized
-(no k-quant kernel takes an expert index).
+(no k-quant kernel takes an expert index). The layouts, their unpacking and MLX's packing are `quant`'s.
 """
 
 from __future__ import annotations
@@ -72,8 +71,8 @@ def read_raw(g: GGUFFile, t: TensorInfo) -> np.ndarray:
     return raw
 
 
-# Weights a step of `_affine_parts` unpacks at once: its int32 codes are 4 bytes each, so 4 MiB (and as much for
-# each of a few temporaries)
+# Weights a step of `_affine_parts` unpacks at once: its codes widened to uint32 for packing are 4 bytes each, so
+# 4 MiB (and up to as much for each of a few temporaries)
 _AFFINE_STEP_WEIGHTS = 2**20
 
 
