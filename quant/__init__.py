@@ -37,6 +37,5 @@ def dequantize(raw: np.ndarray, ggml_type: str, shape: tuple[int, int]) -> np.nd
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
-    block_format(ggml_type).blocks(raw, shape)  # checked: gguf-py's own error names no tensor
-    return gguf_dequantize(np.asarray(raw).view(np.uint8).reshape(shape[0], -1),
-                           GGMLQuantizationType[ggml_type]).reshape(shape)
+    blocks = block_format(ggml_type).blocks(raw, shape)  # checked here: gguf-py's own error names no shape
+    return gguf_dequantize(blocks.reshape(shape[0], -1), GGMLQuantizationType[ggml_type]).reshape(shape)

@@ -23,11 +23,6 @@ def bits_of(x: np.ndarray, shifts: list[int], mask: int) -> np.ndarray:
     return (x[..., None, :] >> s) & np.uint8(mask)
 
 
-def bit_planes(x: np.ndarray) -> np.ndarray:
-    """(n, 32) uint8 -> (n, 8, 32): bit s of byte j at [s, j] (the high bits of Q3_K and Q5_K, a plane a sub-block)."""
-    return np.unpackbits(x[..., None], axis=-1, bitorder="little").transpose(0, 2, 1)
-
-
 def scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(n, 12) uint8, six-bit packed -> (n, 8) scales and (n, 8) mins, uint8 in [0, 64) (ggml's get_scale_min_k4:
     sub-blocks 0-3 in the low six bits of bytes 0-3 / 4-7, sub-blocks 4-7 from the nibbles of bytes 8-11 with the
@@ -47,31 +42,57 @@ def q3k_scales(scales: np.ndarray) -> np.ndarray:
     return (low | (high << 4)).astype(np.int8) - np.int8(32)
 
 
+def _every_byte(mask: int) -> np.uint64:
+    return np.uint64(int.from_bytes(bytes([mask]) * 8, "little"))
+
+
+_M1, _M2, _M4 = _every_byte(0x01), _every_byte(0x03), _every_byte(0x0F)
+
+
 def kquant_codes(w_blocks: np.ndarray, ggml_type: str) -> np.ndarray:
     """The codes of each super-block in weight order, (n super-blocks, 256) uint8: Q3_K's with its high bit set
-    where the hmask bit is (no -4 offset), Q6_K's unsigned (the -32 offset not applied)."""
+    where the hmask bit is (no -4 offset), Q6_K's unsigned (the -32 offset not applied). Computed eight bytes at a
+    time (uint64 words, each shift masked per byte so no bit crosses into the next byte): numpy shifts uint8
+    arrays several times slower."""
     f = block_format(ggml_type)
     b = _supers(w_blocks, ggml_type)
     n = b.shape[0]
-    if ggml_type in ("Q4_K", "Q5_K"):
-        # four chunks of 32 bytes: low nibbles are sub-block 2j, high nibbles sub-block 2j+1
-        q = bits_of(f.read(b, "qs").reshape(n, 4, 32), [0, 4], 0x0F).reshape(n, 8, 32)
-        if ggml_type == "Q5_K":  # bit s of qh byte j: weight j of sub-block s
-            q = q | (bit_planes(f.read(b, "qh")) << 4)
+
+    def words(name: str) -> np.ndarray:  # a field's bytes as uint64 words, (n, bytes / 8)
+        fl = f.field(name)
+        return np.ascontiguousarray(b[:, fl.offset:fl.stop]).view(np.uint64)
+
+    out = np.empty((n, QK_K), np.uint8)
+    by_sub = out.view(np.uint64).reshape(n, 8, 4)  # weight 32 s + l: byte l % 8 of word [s, l // 8]
+    by_half = by_sub.reshape(n, 2, 4, 4)  # weight 128 h + 32 j + l at [h, j, l // 8]
+    if ggml_type in TWO_LEVEL_SCALES:
+        # four chunks of 32 bytes: low nibbles are sub-block 2j, high nibbles sub-block 2j + 1
+        qs = words("qs").reshape(n, 4, 4)
+        by_sub[:, 0::2] = qs & _M4
+        by_sub[:, 1::2] = (qs >> np.uint64(4)) & _M4
+        if ggml_type == "Q5_K":  # bit s of qh byte l: the fifth bit of weight 32 s + l
+            qh = words("qh")
+            for s in range(8):
+                by_sub[:, s] |= ((qh >> np.uint64(s)) & _M1) << np.uint64(4)
     elif ggml_type == "Q6_K":
-        # two halves of 128 weights; ql: 64 bytes, low then high nibbles; qh: 32 bytes, 4 x 2 bits
-        lo = bits_of(f.read(b, "ql").reshape(n, 2, 64), [0, 4], 0x0F).reshape(n, 8, 32)
-        hi = bits_of(f.read(b, "qh").reshape(n, 2, 32), [0, 2, 4, 6], 0x03).reshape(n, 8, 32)
-        q = lo | (hi << 4)
-    elif ggml_type == "Q2_K":  # qs in two halves of 32 bytes; each byte holds four 2-bit weights, 32 apart
-        q = bits_of(f.read(b, "qs").reshape(n, 2, 32), [0, 2, 4, 6], 3)
-    elif ggml_type == "Q3_K":
-        ql = bits_of(f.read(b, "qs").reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 16, 16)
-        qh = bit_planes(f.read(b, "hmask")).reshape(n, 16, 16)
-        q = ql | (qh << 2)
+        # each half: ql's 64 bytes, low nibbles weights 0-63, high nibbles 64-127; qh's 32 bytes, 2 bits for j
+        ql = words("ql").reshape(n, 2, 2, 4)
+        by_half[:, :, 0:2] = ql & _M4
+        by_half[:, :, 2:4] = (ql >> np.uint64(4)) & _M4
+        qh = words("qh").reshape(n, 2, 4)
+        for j in range(4):
+            by_half[:, :, j] |= ((qh >> np.uint64(2 * j)) & _M2) << np.uint64(4)
+    elif ggml_type in ("Q2_K", "Q3_K"):  # qs in two halves of 32 bytes; each byte holds four 2-bit weights, 32 apart
+        qs = words("qs").reshape(n, 2, 4)
+        for j in range(4):
+            by_half[:, :, j] = (qs >> np.uint64(2 * j)) & _M2
+        if ggml_type == "Q3_K":  # bit s of hmask byte l: weight 32 s + l's third bit
+            hmask = words("hmask")
+            for s in range(8):
+                by_sub[:, s] |= ((hmask >> np.uint64(s)) & _M1) << np.uint64(2)
     else:
         raise ValueError(f"ggml_type: expected one of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, got {ggml_type!r}")
-    return q.reshape(n, QK_K)
+    return out
 
 
 def kquant_affine(w_blocks: np.ndarray, ggml_type: str, out_features: int,
