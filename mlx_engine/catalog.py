@@ -20,7 +20,7 @@ from mlx_engine.memory import (KVShape, MemoryLimit, WeightsHeader, available_me
                                 held_weight_bytes, kv_bytes, metal_working_set)
 from mlx_engine.paths import cache_dir
 from mlx_engine.switches import SKIP_MEMORY_CHECK
-from quant.formats import MLX_AFFINE_BITS, MLX_AFFINE_GROUP
+from quant.formats import MLX_AFFINE_BITS, MLX_GROUP
 
 HEADER_CACHE_FILE = "model_headers.json"
 HEADER_CACHE_FORMAT = 2  # 2: KV shapes with sliding layers and experts
@@ -102,7 +102,7 @@ def _gguf_header(path: Path) -> Header:
         if len(t.shape) == 2:
             by_type[t.ggml_type] = by_type.get(t.ggml_type, 0) + t.nbytes
         if t.ggml_type in MLX_AFFINE_BITS:  # held packed once in MLX
-            packed, groups = packed + n * MLX_AFFINE_BITS[t.ggml_type] // 8, groups + n // MLX_AFFINE_GROUP
+            packed, groups = packed + n * MLX_AFFINE_BITS[t.ggml_type] // 8, groups + n // MLX_GROUP
         elif t.ggml_type in _FLOAT_DTYPES:
             floats, fbytes = floats + n, fbytes + t.nbytes
         else:

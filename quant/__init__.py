@@ -15,7 +15,7 @@ from quant.formats import (
     KQUANT_CODE_BITS,
     KQUANT_TYPES,
     MLX_AFFINE_BITS,
-    MLX_AFFINE_GROUP,
+    MLX_GROUP,
     QK,
     QK_K,
     TWO_LEVEL_SCALES,
@@ -26,7 +26,7 @@ from quant.formats import (
     row_bytes,
 )
 
-__all__ = ["FORMATS", "KQUANT_AFFINE", "KQUANT_CODE_BITS", "KQUANT_TYPES", "MLX_AFFINE_BITS", "MLX_AFFINE_GROUP",
+__all__ = ["FORMATS", "KQUANT_AFFINE", "KQUANT_CODE_BITS", "KQUANT_TYPES", "MLX_AFFINE_BITS", "MLX_GROUP",
            "QK", "QK_K", "TWO_LEVEL_SCALES", "BlockFormat", "Field", "block_bytes", "block_format", "dequantize",
            "row_bytes"]
 

@@ -46,7 +46,7 @@ class BlockFormat:
         return next(f for f in self.fields if f.name == name)
 
     def fp16_offsets(self) -> tuple[int, ...]:
-        """Where the block keeps float16 scales: random bytes there could be inf or NaN, anywhere else they are valid."""
+        """Where the block keeps float16 scales: random bytes there could be inf or NaN (anywhere else: valid)."""
         return tuple(f.offset + 2 * i for f in self.fields if f.dtype == "<f2" for i in range(f.count))
 
     def blocks(self, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -92,7 +92,7 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
 KQUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # GGUF types MLX holds exactly as affine groups of 32 (w = scale * q + bias): their codes' bits
 MLX_AFFINE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8}
-MLX_AFFINE_GROUP = QK
+MLX_GROUP = QK  # the group of each GGUF format MLX holds (these, and MXFP4 in its "mxfp4" mode): one block
 # The bits of each k-quant's codes (in its affine form, `kquant.kquant_affine`, Q3_K's high bit joins its codes)
 KQUANT_CODE_BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 # k-quant -> (container bits, group) of `kquant.kquant_affine`: groups are the sub-blocks, codes widened to a width

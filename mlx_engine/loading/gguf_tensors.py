@@ -10,9 +10,9 @@ from the validated header's offsets (`gguf_file.read_gguf`):
   uint32 words packed low bits first, float16 scales and biases), so they stay quantized.
 - k-quants (Q2_K..Q6_K): dequantized by `kernels_metal.reference.dequantize_kquant` (MLX ops, bit for bit
   `quant.dequantize`, gguf-py's numpy, and 1.1-3x as fast on a CPU), stored as float16. They run as dense float16
-  weights: correct, at about 3.5x the bytes of their blocks. Or kept as their raw blocks (`load_checkpoint(kquant_blocks=True)`):
-  on Metal for `models.kquant`'s layers, and for the torch backend, which packs them into affine groups for
-  its Triton kernel on CUDA (`backends.torch.weights.kquant_weight`).
+  weights: correct, at about 3.5x the bytes of their blocks. Or kept as their raw blocks
+  (`load_checkpoint(kquant_blocks=True)`): on Metal for `models.kquant`'s layers, and for the torch backend, which
+  packs them into affine groups for its kernels (`backends.torch.weights.kquant_weight`).
 - Q5_0 / Q5_1: repacked, exactly, into MLX's affine 5-bit groups of 32.
 - MXFP4 (gpt-oss's experts): repacked, exactly, into MLX's "mxfp4" mode (E8M0 scales, groups of 32).
 - IQ4_NL / IQ4_XS: a codebook no MLX layout holds: dequantized at load (exact in float32) and stored as float16,
@@ -29,7 +29,7 @@ import numpy as np
 from mlx_engine.loading.gguf_file import GGUFFile, TensorInfo
 from quant.affine import affine_from_gguf
 from quant.codebook import dequantize_iq4, mxfp4_codes
-from quant.formats import KQUANT_TYPES, MLX_AFFINE_BITS, MLX_AFFINE_GROUP
+from quant.formats import KQUANT_TYPES, MLX_AFFINE_BITS, MLX_GROUP
 from quant.mlx_layout import pack_codes
 
 
@@ -81,7 +81,7 @@ def _affine_parts(raw: np.ndarray, ggml_type: str, rows: int, cols: int) -> tupl
     """Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 bytes -> (words uint32, scales, biases float16), rows (out, in) a slice
     of rows at a time, so that the unpacking's transients are a slice's, not the tensor's (an embedding's int32
     codes: 4 bytes a weight)."""
-    bits, group = MLX_AFFINE_BITS[ggml_type], MLX_AFFINE_GROUP
+    bits, group = MLX_AFFINE_BITS[ggml_type], MLX_GROUP
     by_row = np.asarray(raw).reshape(rows, -1)
     words = np.empty((rows, cols * bits // 32), np.uint32)
     scales, biases = np.empty((rows, cols // group), np.float16), np.empty((rows, cols // group), np.float16)
