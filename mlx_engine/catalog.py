@@ -20,13 +20,12 @@ from mlx_engine.memory import (KVShape, MemoryLimit, WeightsHeader, available_me
                                 held_weight_bytes, kv_bytes, metal_working_set, state_bytes)
 from mlx_engine.paths import cache_dir
 from mlx_engine.switches import SKIP_MEMORY_CHECK
+from quant.formats import MLX_AFFINE_BITS, MLX_GROUP
 
 HEADER_CACHE_FILE = "model_headers.json"
 HEADER_CACHE_FORMAT = 3  # 2: KV shapes with sliding layers and experts; 3: MLA latents, recurrent layers' state,
 # per-layer head sizes
 _FLOAT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
-_PACKED_GGUF = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q5_0": (5, 32), "Q5_1": (5, 32), "Q8_0": (8, 32)}  # ggml type -> (bits, group) once in MLX
-_KQUANT_GGUF = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclass(frozen=True)
@@ -103,9 +102,8 @@ def _gguf_header(path: Path) -> Header:
         n_params += n
         if len(t.shape) == 2:
             by_type[t.ggml_type] = by_type.get(t.ggml_type, 0) + t.nbytes
-        if t.ggml_type in _PACKED_GGUF:
-            bits, group = _PACKED_GGUF[t.ggml_type]
-            packed, groups = packed + n * bits // 8, groups + n // group
+        if t.ggml_type in MLX_AFFINE_BITS:  # held packed once in MLX
+            packed, groups = packed + n * MLX_AFFINE_BITS[t.ggml_type] // 8, groups + n // MLX_GROUP
         elif t.ggml_type in _FLOAT_DTYPES:
             floats, fbytes = floats + n, fbytes + t.nbytes
         else:
