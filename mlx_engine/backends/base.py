@@ -29,6 +29,7 @@ from mlx_engine.api import ModelInfo
 
 if TYPE_CHECKING:
     from mlx_engine.kv.protocol import KVCache
+    from mlx_engine.step import StepPlan, StepResult
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,10 @@ class ModelRunner(Protocol):
     fingerprint: bytes  # the weights' and activation dtype's identity (`backends.common.model_fingerprint`)
     draft: ModelRunner | None  # the draft model (load option draft_model)
     self_draft_layers: int  # layers speculative='self' drafts with
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """The scheduler's step (`step.StepPlan`), through the forwards below (`backends.phases`)."""
+        ...
 
     # --- forwards by phase (engine thread) ---
 
