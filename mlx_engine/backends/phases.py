@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from mlx_engine.backends.base import InFlightDecode
+from mlx_engine.backends.base import InFlightDecode, PhaseForwards, SequenceWork
 from mlx_engine.sampling import Sampler, target_logprobs, token_logprob
 from mlx_engine.step import DecodeRow, PrefillChunk, StepPlan, StepResult, Verified, VerifySpan
 
@@ -37,9 +37,9 @@ class LazyToken:
 
 
 class PhaseExecutor:
-    """Runs plans on `runner`'s phase forwards and its cache."""
+    """Runs plans on a runner's phase forwards and its cache."""
 
-    def __init__(self, runner: Any):
+    def __init__(self, runner: PhaseForwards):
         self.runner = runner
         self.samplers: dict[str, Sampler] = {}
         self.last: dict[str, mx.array] = {}  # each decoding sequence's newest token (lazy): its next input
@@ -211,12 +211,20 @@ class PhaseExecutor:
         return Verified(span.seq_id, tuple(new), num_drafted, logprobs)
 
 
+
 class PlanExecution:
-    """`ModelRunner.execute` for a runner with phase forwards: its plans run through a `PhaseExecutor` of its own."""
+    """`ModelRunner.execute` and the typed accessors for a runner that is its own `PhaseForwards` and `SequenceWork`
+    and is no `backends.common.CacheRunner` (the distributed runner)."""
 
     _executor: PhaseExecutor | None = None
 
     def execute(self, plan: StepPlan) -> StepResult:
         if self._executor is None:
-            self._executor = PhaseExecutor(self)
+            self._executor = PhaseExecutor(self.forwards())
         return self._executor.execute(plan)
+
+    def forwards(self) -> PhaseForwards:
+        return cast("PhaseForwards", self)
+
+    def sequences(self) -> SequenceWork:
+        return cast("SequenceWork", self)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from mlx_engine.backends.base import ModelRunner
+from mlx_engine.backends.base import PhaseForwards
 from mlx_engine.speculative.accept import point_mass, rejection_sample
 from mlx_engine.speculative.proposers import DraftInput
 
@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from mlx_engine.step import VerifySpan
 
 
-def speculative_step(runner: ModelRunner, sampler: Sampler, span: VerifySpan) -> tuple[list[int], int, mx.array | None]:
+def speculative_step(runner: PhaseForwards, sampler: Sampler,
+                     span: VerifySpan) -> tuple[list[int], int, mx.array | None]:
     """One proposal and verification of a plan's verify span (`step.VerifySpan`: a sequence whose newest token,
     tokens[-1], is known and not yet in the cache), drawn by its `sampler`. Returns the new tokens (the accepted
     drafts, then one sampled token), how many of them are drafts, and their log-probability rows (n + 1, V) when

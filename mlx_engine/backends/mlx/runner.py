@@ -12,7 +12,6 @@ import numpy as np
 
 from mlx_engine.api import ModelInfo, RooflineError
 from mlx_engine.backends.base import RunnerCapabilities
-from mlx_engine.backends.phases import PlanExecution
 from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers,
                                         entry, model_fingerprint)
 from mlx_engine.backends.mlx.load import (
@@ -36,7 +35,7 @@ def _sample_rows(logits: mx.array, samplers: list[Any]) -> mx.array:
     return mx.concatenate([s.sample(logits[i : i + 1]) for i, s in enumerate(samplers)])
 
 
-class Runner(PlanExecution, CacheRunner):
+class Runner(CacheRunner):
     """The MLX backend's `backends.base.ModelRunner`."""
 
     def __init__(self, built: BuiltModel, tokenizer: Any, info: ModelInfo, prefill_chunk_size: int):

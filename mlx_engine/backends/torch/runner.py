@@ -36,7 +36,6 @@ from mlx_engine.backends.torch.paths.native_step import KV_DTYPE as NATIVE_KV_DT
 from mlx_engine.backends.torch.paths.native_step import NOTE as NATIVE_NOTE
 from mlx_engine.backends.torch.sampling import sample_rows
 from mlx_engine.backends.base import RunnerCapabilities
-from mlx_engine.backends.phases import PlanExecution
 from mlx_engine.backends.choice import TORCH_MODEL_TYPES
 from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers,
                                         entry, model_fingerprint)
@@ -99,7 +98,7 @@ def _tokens(t: torch.Tensor) -> mx.array:
     return mx.array(t.to(torch.int32).cpu().numpy())
 
 
-class TorchRunner(PlanExecution, CacheRunner):
+class TorchRunner(CacheRunner):
     """The torch backend's `backends.base.ModelRunner`."""
 
     draft: TorchRunner | None = None  # the draft model (Engine.load(..., draft_model=...))
