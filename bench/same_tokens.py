@@ -33,7 +33,8 @@ folder = random_llama_folder(Path(sys.argv[2]) / "m", num_heads=8, num_kv_heads=
 PROMPTS = [[(5 * i + 7 * k) % 120 + 4 for i in range(n)] for k, n in enumerate([9, 40, 17, 70, 3, 33, 200])]
 CASES = [dict(logprobs=None), dict(temperature=0.7, top_p=0.9, seed=11), dict(logprobs=3),
          dict(temperature=0.8, seed=5, repetition_penalty=1.3, logprobs=2),
-         dict(logit_bias={7: 3.0}, frequency_penalty=0.5), dict(prompt_logprobs=2, logprobs=1), dict(max_tokens=0, prompt_logprobs=1),
+         dict(logit_bias={7: 3.0}, frequency_penalty=0.5), dict(prompt_logprobs=2, logprobs=1),
+         dict(max_tokens=0, prompt_logprobs=1),
          dict(speculative="prompt-lookup", logprobs=2), dict(temperature=0.6, seed=3, speculative="self"),
          dict(temperature=0.9, seed=9, min_p=0.05, top_k=20)]
 BLOCKS = []
