@@ -5,9 +5,13 @@ for admitted sequences within a token budget, so a long prompt never stalls the 
 blocks are reserved at admission for the whole request (prompt + max new tokens), so a running request
 never runs out of blocks and nothing is ever preempted.
 
+The scheduler plans; the runner computes. Each step is a plain-data `step.StepPlan` (decode rows, prefill chunks,
+verify spans, masks as numpy) handed to `ModelRunner.execute`, which returns a `step.StepResult`: no tensor, no
+sampler and no forward phase is the scheduler's (the runner's executor, `backends.phases`, picks the forwards).
+
 A speculative request (`SamplingParams.speculative`) leaves the batched decode: each step it reads its
 newest token, proposes k more and verifies them in its own forward over k + 1 positions
-(`speculative.step.speculative_step`), so its tokens are read synchronously. "auto" requests join the batched,
+(a `step.VerifySpan`: `speculative.step.speculative_step` in the runner), so its tokens are read synchronously. "auto" requests join the batched,
 pipelined decode on every step where the backend's cost curve and their acceptance say speculation does
 not pay.
 
@@ -168,6 +172,8 @@ class Scheduler(SpeculationPolicy):
         for seq in [s for s in self.running if not s.max_new and not s.prefilling]:
             self._retire(seq, "length")  # max_tokens=0: the prompt is scored, nothing is generated
         self._read(new)
+        if self._finished and not self.has_work():  # idle: the runner lets go of the ended sequences' state now
+            self._execute()
 
     def _queue_step(self) -> tuple[set[Sequence], list[tuple[Sequence, int]]]:
         """Plans this step's batched forwards and has the runner start them; returns the sequences that sampled a

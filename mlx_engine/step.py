@@ -37,7 +37,8 @@ class DecodeRow:
     seq_id: str
     known: tuple[int, ...]
     token: int | None = None
-    allowed: np.ndarray | None = None  # (V,) bool: the tokens its next draw may take (a grammar, a reasoning budget)
+    # (V,) bool: the tokens its next draw may take (a grammar, a reasoning budget)
+    allowed: np.ndarray | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class PrefillChunk:
     token_ids: tuple[int, ...]
     samples: bool
     score_targets: tuple[int, ...] | None = None
-    allowed: np.ndarray | None = None
+    allowed: np.ndarray | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,9 @@ class VerifySpan:
     seq_id: str
     tokens: tuple[int, ...]
     k: int
-    proposer: Any
-    grammar: Any = None
-    allowed: np.ndarray | None = None
+    proposer: Any = field(compare=False)
+    grammar: Any = field(default=None, compare=False)
+    allowed: np.ndarray | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

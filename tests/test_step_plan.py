@@ -186,7 +186,7 @@ def test_the_scheduler_plans_chunks_and_decode_rows_and_reads_tokens_a_step_behi
     assert runner.cache.recorded == {}
 
 
-def test_a_finished_sequence_is_dropped_in_the_next_plan() -> None:
+def test_a_finished_sequence_is_dropped_by_the_next_plan_or_once_idle() -> None:
     from mlx_engine.api import SamplingParams
     from mlx_engine.scheduler import Scheduler
 
@@ -197,6 +197,7 @@ def test_a_finished_sequence_is_dropped_in_the_next_plan() -> None:
     sched.step()
     sched.step()  # req-1 read and retired
     assert s1.tokens() == (expected([5, 6, 7], 1), "length")
+    assert runner.tokens == {} and runner.plans[-1].finished == ("req-1",)  # idle: dropped at once
     sched.add([8, 9], SamplingParams(max_tokens=2, ignore_eos=True), s2)
     while sched.has_work():
         sched.step()
