@@ -204,3 +204,55 @@ def test_a_finished_sequence_is_dropped_by_the_next_plan_or_once_idle() -> None:
     assert [f for p in runner.plans for f in p.finished][:1] == ["req-1"]
     assert set(runner.tokens) <= {"req-2"}
     assert s2.tokens() == (expected([8, 9], 2), "length")
+
+
+class VerifyingRunner(ScriptedRunner):
+    """The script's verify spans: the drafts are the script's own next `k` tokens (so all are accepted), then one
+    more; a span of `fail` fails with an error of its own."""
+
+    fail: str | None = None
+
+    def execute(self, plan: Any) -> Any:
+        import dataclasses
+
+        from mlx_engine.step import Verified
+
+        result = super().execute(plan)
+        verified = []
+        for span in plan.verify:
+            if span.seq_id == self.fail:
+                verified.append(Verified(span.seq_id, error=RuntimeError("verify failed here")))
+                continue
+            toks = self.tokens[span.seq_id]
+            assert list(span.tokens) == toks  # every token known: the host read them before the span
+            new = [toks.append(next_token(toks)) or toks[-1] for _ in range(span.k + 1)]
+            verified.append(Verified(span.seq_id, tuple(new), span.k, (None,) * len(new)))
+        return dataclasses.replace(result, verified=tuple(verified))
+
+
+def test_verified_spans_are_emitted_with_their_drafts_and_a_failed_span_fails_its_request_alone() -> None:
+    from mlx_engine.api import SamplingParams
+    from mlx_engine.scheduler import Scheduler
+
+    runner = VerifyingRunner()
+    sched = Scheduler(runner)  # type: ignore[arg-type]
+    streams = [Stream(), Stream(), Stream()]
+    prompts = [[3, 4, 5, 6], [7, 8, 9], [10, 11]]
+    spec = SamplingParams(max_tokens=7, ignore_eos=True, speculative="prompt-lookup", num_draft_tokens=2)
+    sched.add(prompts[0], spec, streams[0])
+    sched.add(prompts[1], spec, streams[1])
+    sched.add(prompts[2], SamplingParams(max_tokens=5, ignore_eos=True), streams[2])
+    runner.fail = "req-2"
+    steps = 0
+    while sched.has_work():
+        sched.step()
+        steps += 1
+        assert steps < 20
+    events = [list(s.events.queue) for s in streams]
+    assert [t for e in events[0] for t in e.token_ids] == expected(prompts[0], 7)
+    # the first token from its prefill, then verifications of 2 drafts + 1 (3 tokens each), the last cut to fit
+    assert [d for e in events[0] for d in e.from_draft] == [False, True, True, False, True, True, False]
+    assert [len(p.verify) for p in runner.plans if p.verify and p.verify[0].seq_id == "req-1"] == [1, 1]
+    assert [e.finish_reason for e in events[1]][-1] == "error"
+    assert events[1][-1].error == "RuntimeError: verify failed here"
+    assert streams[2].tokens() == (expected(prompts[2], 5), "length")
