@@ -10,9 +10,9 @@ verify spans, masks as numpy) handed to `ModelRunner.execute`, which returns a `
 sampler and no forward phase is the scheduler's (the runner's executor, `backends.phases`, picks the forwards).
 
 A speculative request (`SamplingParams.speculative`) leaves the batched decode: each step it reads its
-newest token, proposes k more and verifies them in its own forward over k + 1 positions
-(a `step.VerifySpan`: `speculative.step.speculative_step` in the runner), so its tokens are read synchronously. "auto" requests join the batched,
-pipelined decode on every step where the backend's cost curve and their acceptance say speculation does
+newest token, proposes k more and verifies them in its own forward over k + 1 positions (a `step.VerifySpan`:
+`speculative.step.speculative_step` in the runner), so its tokens are read synchronously. "auto" requests join the
+batched, pipelined decode on every step where the backend's cost curve and their acceptance say speculation does
 not pay.
 
 A request with a response format (`structured.Constraint`) is not pipelined: each step first reads the token it
