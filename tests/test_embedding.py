@@ -178,3 +178,33 @@ def test_gguf_pooling_type_from_metadata(tmp_path: Path, last) -> None:
     plain = write_family_gguf(hf, tmp_path / "chat.gguf")
     with Engine.load(str(plain)) as engine:
         assert not engine.info.embeddings
+
+
+def test_the_embedding_engine_has_the_engine_surface(last) -> None:
+    from tests.test_engine_like import mismatches
+
+    assert mismatches(last) == [] and mismatches(last, EmbedderLike) == []
+
+
+def run_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    from app.cli import main
+
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_roofline_embed_prints_or_writes_npy(tmp_path: Path, capsys: pytest.CaptureFixture, last) -> None:
+    out = tmp_path / "v.npy"
+    rc, _, err = run_cli(capsys, "embed", "-m", str(LAST), *SENTENCES[:3], "-o", str(out), "--prompt-name", "query")
+    assert rc == 0 and f"wrote {out} float32 (3, 64)" in err
+    np.testing.assert_array_equal(np.load(out), last.embed(SENTENCES[:3], prompt_name="query").vectors)
+    rc, printed, _ = run_cli(capsys, "embed", "-m", str(LAST), "a", "b", "--dimensions", "8")
+    rows = np.array([json.loads(line) for line in printed.splitlines()], dtype=np.float32)
+    assert rc == 0 and rows.shape == (2, 8)
+    np.testing.assert_allclose(rows, last.embed(["a", "b"], dimensions=8).vectors, rtol=1e-6, atol=1e-7)
+
+
+def test_roofline_embed_refuses_a_chat_model_in_one_line(capsys: pytest.CaptureFixture) -> None:
+    rc, _, err = run_cli(capsys, "embed", "-m", str(GOLDEN / "qwen3"), "hi")
+    assert rc == 2 and err.count("\n") == 1 and "is a chat model: it has no pooling" in err
