@@ -56,7 +56,7 @@ class EmbeddingEngine:
                          vocab_size=int(ckpt.config["vocab_size"]), native=True, dtype=decoder.dtype,
                          eos_token_ids=tuple(ckpt.tokenizer.eos_token_ids),
                          notes=(f"embeddings: {layout.pooling} pooling{norm}, {hidden} dimensions, packed forwards "
-                                f"(pooling from {layout.source})",),
+                                f"(pooling from {layout.source})",) + ((decoder.note,) if decoder.note else ()),
                          backend="mlx", device="metal" if mx.metal.is_available() else "cpu", embeddings=True)
         return cls(thread, decoder.model, ckpt.tokenizer, info, layout, hidden)
 

@@ -21,6 +21,7 @@ class LoadedDecoder:
     num_parameters: int
     weight_bytes: int
     dtype: str
+    note: str = ""  # how the projections run here (backends.mlx.load.use_host_blas), for ModelInfo.notes
 
 
 def check_family(model_type: str | None, source: str) -> None:
@@ -40,7 +41,7 @@ def load_decoder(ref: str | None, dtype: str | None = None, max_context: int | N
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlx_engine.backends.mlx.load import pick_dtype
+    from mlx_engine.backends.mlx.load import pick_dtype, use_host_blas
     from mlx_engine.loading import load_checkpoint
     from mlx_engine.models import build_model, count_parameters
 
@@ -53,6 +54,9 @@ def load_decoder(ref: str | None, dtype: str | None = None, max_context: int | N
     built = build_model(config, decoder_weights(dict(ckpt.weights)), act, ckpt.quantization, str(ckpt.path))
     params = dict(nn.utils.tree_flatten(built.model.parameters()))
     mx.eval(params)
+    weight_bytes = sum(v.nbytes for v in params.values())
+    # MLX's Linux CPU wheel multiplies on the reference BLAS: projections go to numpy's (a no-op on Metal)
+    _, _, note = use_host_blas(built.model, act)
     context = built.context_length
     if max_context is not None:
         if not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 1:
@@ -60,5 +64,4 @@ def load_decoder(ref: str | None, dtype: str | None = None, max_context: int | N
         context = min(context, max_context)
     return LoadedDecoder(model=built.model, checkpoint=ckpt, context_length=context,
                          num_parameters=count_parameters(built.model),
-                         weight_bytes=sum(v.nbytes for v in params.values()),
-                         dtype=str(act).removeprefix("mlx.core."))
+                         weight_bytes=weight_bytes, dtype=str(act).removeprefix("mlx.core."), note=note)
