@@ -64,6 +64,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128, help="tokens per text (default 128)")
     ap.add_argument("--vary", action="store_true", help="text lengths from 0.5x to 1.5x --tokens")
     ap.add_argument("-r", "--repeats", type=int, default=3)
+    ap.add_argument("--peer-threads", type=int, help="torch's CPU threads in the peer (default: torch's choice)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     peer = ROOT / "bench" / "embeddings_peer.py"
@@ -74,7 +75,9 @@ def main() -> int:
         json.dump(texts, f)
     ours, tokens = roofline_seconds(args.model, texts, batches, args.repeats)
     theirs = json.loads(subprocess.run([args.peer_python, str(peer), "time", str(args.model), "--texts", f.name,
-                                        "--batch", args.batch, "-r", str(args.repeats)], check=True,
+                                        "--batch", args.batch, "-r", str(args.repeats),
+                                        *(["--threads", str(args.peer_threads)] if args.peer_threads else [])],
+                                       check=True,
                                        capture_output=True, text=True).stdout)
     cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | sed 's/.*: *//'"], capture_output=True,
                          text=True).stdout.strip()

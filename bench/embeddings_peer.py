@@ -83,7 +83,12 @@ def main() -> int:
     t.add_argument("--texts", type=Path, required=True, help="a JSON list of texts (the first B make batch B)")
     t.add_argument("--batch", default="1,16,64")
     t.add_argument("-r", "--repeats", type=int, default=3)
+    t.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's own choice)")
     args = ap.parse_args()
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.cmd == "make":
         make(args.folder, args.hidden, args.layers)
     else:
