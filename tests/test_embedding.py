@@ -230,3 +230,17 @@ def test_per_input_attention_equals_its_masked_twin(window: int | None) -> None:
     if window is not None:  # the window shows: the last token of a 30-token input sees 5, not 30
         model.args.sliding_window = None
         assert not np.allclose(embed_packed(model, inputs, "lasttoken", [0] * 5), fast)
+
+
+def test_roofline_bench_gives_embeddings_rows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "bench.json"
+    rc, printed, _ = run_cli(capsys, "bench", "-m", str(LAST), "-p", "12", "-b", "1,3", "-r", "2", "--json", str(out))
+    assert rc == 0 and "embed b=1 p=12" in printed and "embed b=3 p=12" in printed
+    result = json.loads(out.read_text())
+    assert result["schema"] == "roofline-bench-embed-1" and [r["batch"] for r in result["rows"]] == [1, 3]
+    for r in result["rows"]:
+        t = float(np.median(r["seconds"]))
+        assert len(r["seconds"]) == 2 and r["inputs_per_s"] == pytest.approx(r["batch"] / t)
+        assert r["tokens_per_s"] == pytest.approx(12 * r["batch"] / t)
+    rc, _, err = run_cli(capsys, "bench", "-m", str(LAST), "-p", "300", "-b", "1", "-r", "1")
+    assert rc == 2 and "-p 300: the model's context is 256 tokens" in err
