@@ -1,5 +1,6 @@
 """Embeddings throughput: Roofline's packed forwards against sentence-transformers' `encode` on the same checkpoint,
-texts and machine, at batch 1, 16 and 64 (inputs/s and tokens/s, the median of the repeats, after a warm-up).
+texts and machine, at batch 1, 16 and 64 (inputs/s and tokens/s: the median of every run, the two sides alternating
+in rounds, after a warm-up).
 
     uv run python bench/embeddings.py --peer-python /tmp/st-venv/bin/python            # uniform lengths
     uv run python bench/embeddings.py --peer-python /tmp/st-venv/bin/python --vary     # mixed lengths
@@ -40,20 +41,16 @@ def make_texts(n: int, tokens: int, vary: bool) -> list[str]:
     return out
 
 
-def roofline_seconds(folder: Path, texts: list[str], batches: list[int], repeats: int) -> tuple[dict, int]:
-    from mlx_engine import Engine
-
-    with Engine.load(str(folder)) as engine:
-        tokens = {b: engine.embed(texts[:b]).prompt_tokens for b in batches}  # also the warm-up
-        out = {}
-        for b in batches:
-            runs = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                engine.embed(texts[:b])
-                runs.append(time.perf_counter() - t0)
-            out[b] = runs
-    return out, tokens
+def roofline_seconds(engine, texts: list[str], batches: list[int], repeats: int) -> dict[int, list[float]]:
+    out = {}
+    for b in batches:
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.embed(texts[:b])
+            runs.append(time.perf_counter() - t0)
+        out[b] = runs
+    return out
 
 
 def main() -> int:
@@ -63,7 +60,8 @@ def main() -> int:
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--tokens", type=int, default=128, help="tokens per text (default 128)")
     ap.add_argument("--vary", action="store_true", help="text lengths from 0.5x to 1.5x --tokens")
-    ap.add_argument("-r", "--repeats", type=int, default=3)
+    ap.add_argument("-r", "--repeats", type=int, default=2, help="runs per batch and round (default 2)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of Roofline then the peer (default 3)")
     ap.add_argument("--peer-threads", type=int, help="torch's CPU threads in the peer (default: torch's choice)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
@@ -73,17 +71,27 @@ def main() -> int:
     texts = make_texts(max(batches), args.tokens, args.vary)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(texts, f)
-    ours, tokens = roofline_seconds(args.model, texts, batches, args.repeats)
-    theirs = json.loads(subprocess.run([args.peer_python, str(peer), "time", str(args.model), "--texts", f.name,
-                                        "--batch", args.batch, "-r", str(args.repeats),
-                                        *(["--threads", str(args.peer_threads)] if args.peer_threads else [])],
-                                       check=True,
-                                       capture_output=True, text=True).stdout)
+    from mlx_engine import Engine
+
+    ours: dict[int, list[float]] = {b: [] for b in batches}
+    theirs: dict = {"seconds": {str(b): [] for b in batches}}
+    with Engine.load(str(args.model)) as engine:
+        tokens = {b: engine.embed(texts[:b]).prompt_tokens for b in batches}  # also the warm-up
+        for _ in range(args.rounds):  # the two sides alternate: this machine's load moves within minutes
+            for b, runs in roofline_seconds(engine, texts, batches, args.repeats).items():
+                ours[b] += runs
+            peer_run = json.loads(subprocess.run(
+                [args.peer_python, str(peer), "time", str(args.model), "--texts", f.name, "--batch", args.batch,
+                 "-r", str(args.repeats), *(["--threads", str(args.peer_threads)] if args.peer_threads else [])],
+                check=True, capture_output=True, text=True).stdout)
+            theirs.update({k: v for k, v in peer_run.items() if k != "seconds"})
+            for b, runs in peer_run["seconds"].items():
+                theirs["seconds"][b] += runs
     cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | sed 's/.*: *//'"], capture_output=True,
                          text=True).stdout.strip()
     print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu}; {args.model}; "
           f"{'0.5-1.5x ' if args.vary else ''}{args.tokens} tokens a text; torch {theirs['torch']} "
-          f"({theirs['threads']} threads)")
+          f"({theirs['threads']} threads); medians of {args.rounds} alternating rounds x {args.repeats} runs")
     print("| batch | tokens | Roofline inputs/s | Roofline tokens/s | sentence-transformers inputs/s | "
           "sentence-transformers tokens/s | Roofline / ST |")
     print("|---:|---:|---:|---:|---:|---:|---:|")

@@ -138,3 +138,14 @@ def test_a_chat_model_refuses_embeddings_and_names_what_to_serve() -> None:
         assert error["param"] == "model" and error["code"] == "model_not_embedding"
         assert "is a chat model" in error["message"] and "roofline serve -m" in error["message"]
         assert httpx.get(s.url + "/health").status_code == 200
+
+
+def test_embeddings_need_the_api_key(engine) -> None:
+    from app.server import create_app
+    from app.server.config import ServerConfig
+
+    with LiveServer(create_app(engine, ServerConfig(api_key="sk-test"))) as s:
+        r = httpx.post(s.url + "/v1/embeddings", json={"input": "a"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        ok = httpx.post(s.url + "/v1/embeddings", json={"input": "a"}, headers={"Authorization": "Bearer sk-test"})
+        assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 2
