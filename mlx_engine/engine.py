@@ -80,8 +80,16 @@ class Engine:
     @classmethod
     def load(cls, model: str | None = None, **options: Any) -> Engine:
         """Loads `model` (None: the embedded SmolLM2; a GGUF file; a HF or MLX folder; a HF repo id); `options`:
-        `mlx_engine.api.LOAD_OPTIONS`."""
+        `mlx_engine.api.LOAD_OPTIONS`. An embedding model (a sentence-transformers folder, a GGUF file with a
+        pooling type) loads as an `EmbeddingEngine` (`mlx_engine.api.EmbedderLike`, `info.embeddings` True)."""
         opts = LoadOptions.from_kwargs(options)
+        from mlx_engine.embedding.layout import embedding_layout
+
+        layout = embedding_layout(model)
+        if layout is not None:
+            from mlx_engine.embedding.engine import EmbeddingEngine
+
+            return EmbeddingEngine.load(model, layout, **options)  # type: ignore[return-value]
         from mlx_engine.backends import load_runner
         from mlx_engine.scheduler import Scheduler
 

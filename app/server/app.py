@@ -41,6 +41,7 @@ from app.server.errors import (
 from app.server.guard import (AuthMiddleware, CountRequests, Drain, HostCheck, JSONCORSMiddleware, RequestGuard,
                               origin_pattern)
 from app.server.metrics import KVStatsReader, Metrics
+from app.server.embeddings_api import embeddings_route
 from app.server.fields import parse_body
 from app.server.protocol import Endpoint, Job, model_slug, parse_job
 from app.server.tokenize import parse_detokenize, parse_tokenize
@@ -475,6 +476,7 @@ def create_app(engine: EngineLike, config: ServerConfig | None = None) -> Starle
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
+        embeddings_route(server),
     ]
     app = Starlette(
         routes=routes,
