@@ -11,7 +11,7 @@ import pytest
 from mlx_engine import Engine
 
 from app.server import create_app
-from tests.server_fakes import LiveServer
+from tests.support.server_fakes import LiveServer
 
 WEATHER = [
     {"type": "function", "function": {"name": "get_weather", "description": "Current temperature in a city, in celsius",

@@ -13,7 +13,7 @@ import pytest
 
 from mlx_engine import Engine, RooflineError
 from mlx_engine.backends.choice import Choice, Platform, choose
-from tests.torch_support import available, require
+from tests.support.torch_support import available, require
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 GEMMA2, LLAMA = str(GOLDEN / "gemma2"), str(GOLDEN / "llama")  # float32 safetensors

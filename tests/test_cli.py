@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.tiny_models import GOLDEN
+from tests.support.tiny_models import GOLDEN
 
 
 def roofline(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -172,7 +172,7 @@ def test_generate_on_a_model_without_a_tokenizer_says_so_in_one_line() -> None:
 def test_tokens_on_vocabulary_only_gguf(tmp_path: Path) -> None:
     import gguf
 
-    from tests.tiny_models import byte_level_vocab
+    from tests.support.tiny_models import byte_level_vocab
 
     path = tmp_path / "vocab.gguf"
     w = gguf.GGUFWriter(str(path), "llama")

@@ -14,7 +14,7 @@ import pytest
 from mlx_engine.api import ModelLoadError
 from mlx_engine.models.config import normalize_config, text_weights
 from tests.test_cli import assert_one_line_error, roofline
-from tests.tiny_models import GOLDEN
+from tests.support.tiny_models import GOLDEN
 
 
 def config_of(name: str) -> dict:
@@ -210,7 +210,7 @@ def test_kv_reads_a_moe_config_and_says_the_experts_add_none(tmp_path: Path) -> 
 
 
 def test_kv_of_a_gguf_reads_its_sliding_layers(tmp_path: Path) -> None:
-    from tests.gguf_writer import write_family_gguf
+    from tests.support.gguf_writer import write_family_gguf
 
     path = write_family_gguf(GOLDEN / "gpt_oss", tmp_path / "oss.gguf")
     r = roofline("kv", "--model", str(path), "--context", "100", "--dtype", "float16")
@@ -223,7 +223,7 @@ def test_kv_of_a_gguf_reads_its_sliding_layers(tmp_path: Path) -> None:
 
 def test_logits_command_on_nemotron_h(tmp_path: Path) -> None:
     """Issue 47: `roofline logits` failed on Nemotron-H (`Invalid type dict`: its time_step_limit's infinity)."""
-    from tests.tolerance import HEADROOM, assert_f32_close
+    from tests.support.tolerance import HEADROOM, assert_f32_close
 
     gold = np.load(GOLDEN / "nemotron_h" / "golden.npz")
     out = tmp_path / "out.npy"

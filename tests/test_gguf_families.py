@@ -1,4 +1,4 @@
-"""GGUF for issue 23's families, as llama.cpp writes them (tests/gguf_writer.py), against the transformers golden
+"""GGUF for issue 23's families, as llama.cpp writes them (tests/support/gguf_writer.py), against the transformers golden
 of the checkpoint each file was written from; quantized experts against the file holding their values as floats;
 llama.cpp's defaults where a file lacks a key; one line for an architecture no table maps."""
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from mlx_engine import Engine, GenerationRequest, ModelLoadError, SamplingParams
-from tests.gguf_writer import write_family_gguf
+from tests.support.gguf_writer import write_family_gguf
 from tests.test_cli import assert_one_line_error, roofline
-from tests.tiny_models import GOLDEN
+from tests.support.tiny_models import GOLDEN
 
 FAMILIES = ["phi3", "gemma2", "gemma3_text", "olmo2", "granite", "qwen3_moe", "mixtral", "starcoder2", "gpt_oss"]
 LOGITS_TOL = 1e-4  # as tests/test_parity_golden.py: float32 both sides, observed <= 1.1e-5

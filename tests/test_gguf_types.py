@@ -13,7 +13,7 @@ from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams
-from tests.tiny_models import (
+from tests.support.tiny_models import (
     OTHER_LAYOUT,
     folder_with_weights,
     gguf_to_hf_names,

@@ -20,8 +20,8 @@ from mlx_engine import Engine, RooflineError
 from mlx_engine.attention import host
 from mlx_engine.backends.mlx import host_blas
 from mlx_engine.models.llama import Model, ModelArgs
-from tests.tiny_models import random_llama_folder, write_gguf_from_folder
-from tests.tolerance import assert_f32_close
+from tests.support.tiny_models import random_llama_folder, write_gguf_from_folder
+from tests.support.tolerance import assert_f32_close
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS = 64, 4, 2, 16, 96, 160, 2
 
@@ -202,14 +202,14 @@ def test_host_attention_equals_mlx_sdpa(length: int, keys: int, causal: bool, mo
     k, v = mx.random.normal((1, 3, keys, 32)), mx.random.normal((1, 3, keys, 32))
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask="causal" if causal else None)
     got = host.sdpa(q, k, v, 0.3, causal)
-    # float32 floor: 6.1 units (tests/tolerance.py) on an AMD EPYC; x4.6 headroom
+    # float32 floor: 6.1 units (tests/support/tolerance.py) on an AMD EPYC; x4.6 headroom
     assert_f32_close(np.array(got), np.array(want), 28, "host vs MLX sdpa")
     cuts = [0, keys // 3, keys // 3 + 1, keys]  # three segments, one of a single key (a paged sequence's runs)
     parts = lambda x: [x[:, :, a:b] for a, b in zip(cuts[:-1], cuts[1:])]  # noqa: E731
-    # float32 floor: 5.8 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+    # float32 floor: 5.8 units (tests/support/tolerance.py) on an AMD EPYC; x4 headroom
     assert_f32_close(np.array(host.sdpa(q, parts(k), parts(v), 0.3, causal)), np.array(want), 24, "segments")
     monkeypatch.setattr(host, "HOST_ATTENTION_MIN_PAIRS", 10**9)  # MLX's kernel over the segments joined
-    # float32 floor: 0.0 units (tests/tolerance.py) on an AMD EPYC; the same allowance as its twin above
+    # float32 floor: 0.0 units (tests/support/tolerance.py) on an AMD EPYC; the same allowance as its twin above
     assert_f32_close(np.array(host.sdpa(q, parts(k), parts(v), 0.3, causal)), np.array(want), 24, "joined")
     monkeypatch.setattr(host, "HOST_ATTENTION_MIN_PAIRS", 1)
     if causal:  # the first query sees keys 0..keys-length only: changing a later key leaves it alone

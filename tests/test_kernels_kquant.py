@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kernels_metal import _backend, dequant_matmul_kquant
 from kernels_metal.reference import dequantize_kquant
 from quant import KQUANT_TYPES, QK_K, block_bytes, dequantize
-from tests.tiny_models import random_blocks
+from tests.support.tiny_models import random_blocks
 
 OUT_REL = {mx.float32: 0.0, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

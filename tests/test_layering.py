@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.torch_support import available, require
+from tests.support.torch_support import available, require
 
 
 def imported_after(code: str) -> set[str]:

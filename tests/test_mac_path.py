@@ -20,8 +20,8 @@ import pytest
 
 from kernels_metal import _backend
 from mlx_engine import Engine, GenerationRequest, RooflineError, SamplingParams
-from tests.tiny_models import folder_with_weights, gguf_to_hf_names, kquant_llama_gguf, random_llama_folder
-from tests.tolerance import assert_f32_close
+from tests.support.tiny_models import folder_with_weights, gguf_to_hf_names, kquant_llama_gguf, random_llama_folder
+from tests.support.tolerance import assert_f32_close
 
 PROMPTS = [[(7 * i + 3) % 120 + 5 for i in range(45)], [(11 * i + 5) % 120 + 5 for i in range(21)]]
 WORKING_SET = 6 * 2**30
@@ -82,7 +82,7 @@ def together(engine: Engine, params: SamplingParams) -> list[tuple[list[int], np
 
 def assert_same(got: list, want: list, atol: float | None = None, units: float | None = None) -> None:
     """Same tokens and top ids; log-probabilities within `atol` (half precision) or `units` (float32 both, in
-    tests/tolerance.py's units)."""
+    tests/support/tolerance.py's units)."""
     for (tokens, top, _), (want_tokens, want_top, _) in zip(got, want, strict=True):
         assert tokens == want_tokens
         assert np.array_equal(top[..., 0], want_top[..., 0])
@@ -118,7 +118,7 @@ def test_batched_decode_on_a_mac_matches_the_cpu_path(llama: Path, kv: dict, req
     if kv:
         assert_same(got, want, atol=1e-2)
     else:
-        # float32 floor: 28.6 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+        # float32 floor: 28.6 units (tests/support/tolerance.py) on an AMD EPYC; x4 headroom
         assert_same(got, want, units=128)
 
 
@@ -166,7 +166,7 @@ def test_kquant_blocks_on_a_mac_match_the_exact_weights(tmp_path: Path, request:
     with Engine.load(str(path), block_size=16, dtype="float32") as e:
         got = together(e, GREEDY)
     assert launches.kquant > 0 and launches.attention > 0
-    # float32 floor: 50.6 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+    # float32 floor: 50.6 units (tests/support/tolerance.py) on an AMD EPYC; x4 headroom
     assert_same(got, want, units=208)
 
 
@@ -186,7 +186,7 @@ def test_speculation_on_a_mac_matches_the_cpu_path(llama: Path, request: pytest.
     for mode in ("draft", "prompt-lookup"):
         assert [r[0] for r in runs["mac"][mode]] == plain, mode
         assert [r[2] for r in runs["mac"][mode]] == [r[2] for r in runs["cpu"][mode]], mode
-        # float32 floor: 17.0 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+        # float32 floor: 17.0 units (tests/support/tolerance.py) on an AMD EPYC; x4 headroom
         assert_same(runs["mac"][mode], runs["cpu"][mode], units=72)
     # 8 tokens: the prefill's, then verifications of 3 drafts (+ the bonus token) until the budget cuts one short
     assert [r[2] for r in runs["mac"]["draft"]] == [5, 5]

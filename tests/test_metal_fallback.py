@@ -20,7 +20,7 @@ from kernels_metal import _backend
 from mlx_engine import Engine, SamplingParams
 from tests.test_mac_path import assert_same
 from tests.test_mac_path import together as together_with
-from tests.tiny_models import folder_with_weights, gguf_to_hf_names, kquant_llama_gguf, random_llama_folder
+from tests.support.tiny_models import folder_with_weights, gguf_to_hf_names, kquant_llama_gguf, random_llama_folder
 
 pytestmark = [pytest.mark.skipif(not _backend.interpret_available(), reason="the Metal interpreter is not importable"),
               pytest.mark.skipif(mx.metal.is_available(), reason="a real Mac: its kernels run for real elsewhere")]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.tiny_models import byte_level_vocab, folder_with_weights, random_llama_folder
+from tests.support.tiny_models import byte_level_vocab, folder_with_weights, random_llama_folder
 
 IDS = [[1, 5, 9, 17, 33, 65, 3, 7], [100, 4, 4, 27]]
 
@@ -157,7 +157,7 @@ def test_hidden_states_end_in_forward_logits(models: dict[str, Path]) -> None:
 
 
 def test_mlx_against_torch_on_cpu(models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from tests.torch_support import require
+    from tests.support.torch_support import require
 
     require("torch")
     out = tmp_path / "parity.json"
@@ -171,7 +171,7 @@ def test_mlx_against_torch_on_cpu(models: dict[str, Path], tmp_path: Path, capsy
 
 
 def test_dtype_sets_the_torch_side(models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from tests.torch_support import require
+    from tests.support.torch_support import require
 
     require("torch")
     out = tmp_path / "parity.json"

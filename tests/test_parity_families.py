@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams
-from tests.tiny_models import FAMILIES_2026, GOLDEN
-from tests.tolerance import HEADROOM, assert_f32_close
+from tests.support.tiny_models import FAMILIES_2026, GOLDEN
+from tests.support.tolerance import HEADROOM, assert_f32_close
 
 # engine vs transformers, both float32, prompt logits: measured 3.9 (olmo3) to 13.2 (falcon_h1) units of
 # eps32 x max |logit| on an AMD EPYC (Zen 5); the recurrent layers' scans add no more than the attention's sums
@@ -79,7 +79,7 @@ def test_distributed_refuses_in_one_line_naming_family_and_reason(name: str) -> 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "deepseek_v3", "nemotron_h"])
 def test_torch_backend_refuses_in_one_line_naming_family_and_reason(name: str) -> None:
-    from tests.torch_support import require
+    from tests.support.torch_support import require
 
     require("torch")
     from mlx_engine.api import RooflineError

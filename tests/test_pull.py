@@ -1,4 +1,4 @@
-"""`roofline pull` and `-m ORG/NAME` against a local Hub (tests/hub_server.py), driven by the real
+"""`roofline pull` and `-m ORG/NAME` against a local Hub (tests/support/hub_server.py), driven by the real
 huggingface_hub client: a pull, a resume after a dropped connection and after Ctrl+C, a missing / gated / private
 repo, no network, too little disk, a GGUF quantization choice; the pulled model then loads with HF_HUB_OFFLINE=1."""
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.hub_server import FakeHub
+from tests.support.hub_server import FakeHub
 from tests.test_parity_cmd import write_tokenizer
-from tests.tiny_models import random_llama_folder, write_gguf_from_folder
+from tests.support.tiny_models import random_llama_folder, write_gguf_from_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 IDS = [1, 5, 9, 17, 33, 65, 3, 7]
@@ -309,7 +309,7 @@ async def test_the_app_pulls_a_missing_repo_and_shows_its_progress(hub: FakeHub,
     from app.tui.app import RooflineApp
     from app.tui.backend import EngineBackend
     from app.tui.chat_screen import ChatScreen
-    from tests.tui_helpers import wait_for
+    from tests.support.tui_helpers import wait_for
 
     for k, v in env_for(tmp_path, hub).items():
         if k.startswith("HF_"):

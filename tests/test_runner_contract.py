@@ -12,7 +12,7 @@ import pytest
 
 from mlx_engine import Engine, GenerationRequest, RequestError, RooflineError, SamplingParams
 from mlx_engine.backends.base import ModelRunner, PhaseForwards, RunnerCapabilities, SequenceWork
-from tests.torch_support import require
+from tests.support.torch_support import require
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"

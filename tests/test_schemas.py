@@ -18,7 +18,7 @@ from app.toolcalls.schemas import closed, rebased, schema_error
 from mlx_engine.api import ResponseFormat
 from mlx_engine.structured import bytes_tokenizer, grammar
 from tests.test_cli import assert_one_line_error, roofline
-from tests.schema_models import Node, Person
+from tests.support.schema_models import Node, Person
 
 
 

@@ -87,7 +87,7 @@ def test_sigterm_drains_the_stream_in_flight_then_exits(served) -> None:
 
 def test_serve_on_a_missing_cuda_device_is_one_clear_line() -> None:
     from tests.test_cli import assert_one_line_error, roofline
-    from tests.torch_support import require
+    from tests.support.torch_support import require
 
     torch = require("torch")
     if torch.cuda.is_available():

@@ -18,8 +18,8 @@ import pytest
 from kernels_metal import KVPool, _backend, reference
 from kernels_metal import paged_decode_attention
 from mlx_engine import Engine, GenerationRequest, SamplingParams
-from tests.tiny_models import GOLDEN, random_llama_folder
-from tests.tolerance import assert_f32_close
+from tests.support.tiny_models import GOLDEN, random_llama_folder
+from tests.support.tolerance import assert_f32_close
 
 KERNEL_ATOL = {mx.float32: 1e-5, mx.float16: 2e-3}
 

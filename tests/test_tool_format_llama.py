@@ -17,8 +17,8 @@ from mlx_engine.tokenizer import Tokenizer
 from app.server import create_app
 from app.server.protocol import parse_job
 from app.toolcalls.tool_formats import JSON, HermesTools, LlamaTools, detect
-from tests.server_fakes import LiveServer
-from tests.tool_format_checks import ADD, ASK, DATA, EARLIER, WEATHER, accepts, read_alike, tiny_folder
+from tests.support.server_fakes import LiveServer
+from tests.support.tool_format_checks import ADD, ASK, DATA, EARLIER, WEATHER, accepts, read_alike, tiny_folder
 
 TEMPLATE = (DATA / "llama3_1_chat_template.jinja").read_text()
 SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",

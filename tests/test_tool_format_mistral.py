@@ -20,8 +20,8 @@ from app.server import create_app
 from app.server.protocol import parse_job
 from app.toolcalls.formats.mistral import place_id
 from app.toolcalls.tool_formats import JSON, MistralTools, detect
-from tests.server_fakes import LiveServer
-from tests.tool_format_checks import ADD, ASK, DATA, EARLIER, WEATHER, accepts, read_alike, tiny_folder
+from tests.support.server_fakes import LiveServer
+from tests.support.tool_format_checks import ADD, ASK, DATA, EARLIER, WEATHER, accepts, read_alike, tiny_folder
 
 TEMPLATE = (DATA / "mistral_nemo_chat_template.jinja").read_text()
 SPECIAL = ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",

@@ -25,9 +25,9 @@ from app.server import create_app
 from app.server.protocol import parse_job
 from app.toolcalls.tool_formats import JSON, HermesTools, JsonTools, detect
 from mlx_engine.structured import grammar
-from tests.server_fakes import LiveServer
+from tests.support.server_fakes import LiveServer
 from tests.test_schemas import BYTES, PERSON
-from tests.tiny_models import byte_level_vocab, folder_with_weights
+from tests.support.tiny_models import byte_level_vocab, folder_with_weights
 
 DATA = Path(__file__).parent / "data"
 QWEN_TEMPLATE = (DATA / "qwen2_5_chat_template.jinja").read_text()

@@ -14,21 +14,21 @@ import sys
 import numpy as np
 import pytest
 
-from tests.torch_support import require
+from tests.support.torch_support import require
 
 torch = require("torch")
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
 from mlx_engine.api import RequestError, RooflineError  # noqa: E402
 from mlx_engine.backends.torch.runner import TORCH_MODEL_TYPES  # noqa: E402
-from tests.tiny_models import GOLDEN  # noqa: E402
-from tests.tolerance import assert_f32_close  # noqa: E402
+from tests.support.tiny_models import GOLDEN  # noqa: E402
+from tests.support.tolerance import assert_f32_close  # noqa: E402
 
 # the goldens of the families the torch backend runs (issue 23's others run on MLX only)
 TINY = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists()
               and json.loads((p / "config.json").read_text())["model_type"] in TORCH_MODEL_TYPES)
 LOGITS_TOL = 1e-4  # float32 torch vs transformers' float32 goldens (max |logit| ~5.3): measured <= 4.3e-6, 23x
-# SmolLM2 in units of eps32 x max |logit| (tests/tolerance.py). Torch vs MLX over the whole vocabulary (max |logit|
+# SmolLM2 in units of eps32 x max |logit| (tests/support/tolerance.py). Torch vs MLX over the whole vocabulary (max |logit|
 # 36.8): 18.7 on an AMD EPYC (8.2e-5), 23.8 on an Intel Xeon with AVX-512 (1.04e-4), 20.7 against MLX's quantized
 # matmuls (ROOFLINE_CPU_FP32_WEIGHTS=off); each engine alone is 15.4 (torch) and 18.7 (MLX) from a float64 run of
 # the same weights (tests/golden/measure_float_floor.py), so up to ~34 apart is still rounding. HEADROOM x the
@@ -305,7 +305,7 @@ def tiny_gguf(tmp_path_factory):
     """The golden llama as a GGUF with Q4_0, Q4_1 and Q8_0 tensors (the embedding too), and the MLX
     engine's logits and greedy tokens on it."""
     pytest.importorskip("gguf")
-    from tests.tiny_models import write_gguf_from_folder
+    from tests.support.tiny_models import write_gguf_from_folder
 
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     write_gguf_from_folder(GOLDEN / "llama", path, {"attn_q": "Q4_0", "ffn": "Q4_1"}, default_type="Q8_0")
@@ -414,7 +414,7 @@ def test_kquant_gguf(tmp_path, kernels, monkeypatch):
     as the MLX backend keeps them."""
     from mlx_engine.backends.torch import runner as torch_runner
     from mlx_engine.backends.torch.weights import QuantizedWeight
-    from tests.tiny_models import folder_with_weights, gguf_to_hf_names, kquant_llama_gguf, kquants_as_float16
+    from tests.support.tiny_models import folder_with_weights, gguf_to_hf_names, kquant_llama_gguf, kquants_as_float16
 
     path, src, deq = kquant_llama_gguf(tmp_path)
     ref = folder_with_weights(src, tmp_path / "ref", gguf_to_hf_names(deq if kernels else kquants_as_float16(deq)))

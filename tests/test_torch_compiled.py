@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.torch_support import require
+from tests.support.torch_support import require
 
 torch = require("torch")
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.torch_support import require
+from tests.support.torch_support import require
 
 torch = require("torch")
 
@@ -26,7 +26,7 @@ from mlx_engine.backends.torch.load import cpu_pack_plan  # noqa: E402
 from mlx_engine.backends.torch.weights import build_model  # noqa: E402
 from mlx_engine.loading import load_checkpoint  # noqa: E402
 from mlx_engine.loading.gguf_model import GGUFTensors  # noqa: E402
-from tests.tiny_models import GOLDEN, kquant_llama_gguf, write_gguf_from_folder  # noqa: E402
+from tests.support.tiny_models import GOLDEN, kquant_llama_gguf, write_gguf_from_folder  # noqa: E402
 
 CPU = torch.device("cpu")
 IDS = [3, 17, 42, 99, 7, 64, 120, 5] * 3  # under every tiny model's vocabulary of 128

@@ -17,14 +17,14 @@ import platform
 import numpy as np
 import pytest
 
-from tests.torch_support import require
+from tests.support.torch_support import require
 
 torch = require("torch")
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
 from mlx_engine.api import RooflineError  # noqa: E402
 from mlx_engine.backends.torch import cpu_features, cpu_packed  # noqa: E402
-from tests.tiny_models import (  # noqa: E402
+from tests.support.tiny_models import (  # noqa: E402
     GOLDEN,
     folder_with_weights,
     gguf_to_hf_names,
@@ -393,7 +393,7 @@ def test_layers_of_mixed_formats_each_format_its_own_graphs(tmp_path):
     function for all layers held two graphs for the layer pairs (0, 1) and (1, 2), chosen by guards every call."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from tests.tiny_models import random_llama_folder, write_gguf_from_folder
+    from tests.support.tiny_models import random_llama_folder, write_gguf_from_folder
 
     src = random_llama_folder(tmp_path / "src", layers=4, hidden=64, head_dim=16)
     path = tmp_path / "mixed.gguf"

@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from tests.tui_fake_engine import FakeReply
+from tests.support.tui_fake_engine import FakeReply
 from app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from app.tui.screens.help import HelpScreen
 from app.tui.screens.inspector import SAMPLES, TokenInspector
@@ -16,7 +16,7 @@ from app.tui.store import ChatStore
 from app.tui.widgets.messages import MessageView
 from app.tui.widgets.prompt import PromptInput
 from app.tui.widgets.sidebar import ChatList
-from tests.tui_helpers import idle, make_app, ready, screen_text, send, transcript, wait_for
+from tests.support.tui_helpers import idle, make_app, ready, screen_text, send, transcript, wait_for
 
 pytestmark = pytest.mark.asyncio
 
@@ -246,7 +246,7 @@ async def test_a_models_warnings_are_shown_when_it_loads(tmp_path, monkeypatch) 
     """ModelInfo.warnings (say, weights near what Metal keeps resident) reach the user as a warning notice."""
     import dataclasses
 
-    from tests import tui_fake_engine as fake_engine
+    from tests.support import tui_fake_engine as fake_engine
 
     info = fake_engine.fake_info
     warning = "the weights take 5.7 GiB of the 6.0 GiB Metal keeps resident: generation may be slow"

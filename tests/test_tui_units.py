@@ -278,7 +278,7 @@ def test_engine_backend_loads_every_model_with_the_cli_load_options(tmp_path) ->
     """`roofline chat --kv-bits 8 --block-size 32`: the app's engine backend passes them to every Engine.load."""
     from app.cli import _load_options, _parser
     from app.tui.backend import EngineBackend
-    from tests.tiny_models import random_llama_folder
+    from tests.support.tiny_models import random_llama_folder
 
     args = _parser().parse_args(["chat", "--kv-bits", "8", "--block-size", "32"])
     assert _load_options(args) == {"kv_bits": 8, "block_size": 32}

@@ -12,7 +12,7 @@ from safetensors.numpy import load_file, save_file
 
 from quant.formats import KQUANT_TYPES, QK_K, block_format, row_bytes
 
-GOLDEN = Path(__file__).parent / "data" / "golden"
+GOLDEN = Path(__file__).parent.parent / "data" / "golden"
 
 _HF_TO_GGUF = {
     "input_layernorm": "attn_norm",
@@ -277,6 +277,6 @@ def kquants_as_float16(deq: dict[str, np.ndarray], layout: dict[str, str] = KQUA
             for g, v in deq.items()}
 
 # issue 47's families (tests/golden/make_golden_2026.py): their parity is tests/test_parity_families.py's, against
-# the float32 floors of tests/tolerance.py
+# the float32 floors of tests/support/tolerance.py
 FAMILIES_2026 = ("deepseek_v3", "exaone4", "falcon_h1", "gemma4_text", "glm4_moe", "granitemoehybrid", "lfm2",
                  "nemotron_h", "olmo3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_5_vlm", "qwen3_next", "smollm3")

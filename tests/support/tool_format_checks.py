@@ -18,9 +18,9 @@ from app.toolcalls.tool_formats import ToolFormat
 from app.toolcalls.tools import Tools
 from mlx_engine.structured import grammar
 from tests.test_schemas import BYTES
-from tests.tiny_models import byte_level_vocab, folder_with_weights
+from tests.support.tiny_models import byte_level_vocab, folder_with_weights
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent.parent / "data"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
                                      "days": {"type": "integer", "minimum": 1, "maximum": 7}},

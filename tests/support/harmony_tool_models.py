@@ -1,8 +1,8 @@
-"""A tiny gpt-oss that calls a tool: `tests/harmony_models.py`'s checkpoint (the real o200k_harmony tokenizer) with
+"""A tiny gpt-oss that calls a tool: `tests/support/harmony_models.py`'s checkpoint (the real o200k_harmony tokenizer) with
 gpt-oss's own chat template (tests/data/gpt_oss_chat_template.jinja) and weights rewritten so that its greedy reply
 to any conversation is CALL.
 
-The bigram trick of `tests/think_models.py`: every attention output projection and every expert's down projection
+The bigram trick of `tests/support/think_models.py`: every attention output projection and every expert's down projection
 are zero, biases included, so each layer adds nothing to the residual stream and the last hidden state is the
 current token's embedding; the head scores token y by the embedding of the token chosen to precede it. The generation
 prompt ends `<|start|>assistant` (spelled byte by byte by this merge-less tokenizer, so its last token is "t"), and
@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from tests.harmony_models import VOCAB_SIZE, harmony_tokenizer_files
-from tests.tiny_models import GOLDEN
+from tests.support.harmony_models import VOCAB_SIZE, harmony_tokenizer_files
+from tests.support.tiny_models import GOLDEN
 
-TEMPLATE_FILE = Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja"
+TEMPLATE_FILE = Path(__file__).parent.parent / "data" / "gpt_oss_chat_template.jinja"
 ARGUMENTS = '{"city":"Paris"}'
 CALL = f"<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{ARGUMENTS}<|call|>"
 

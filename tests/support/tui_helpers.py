@@ -34,7 +34,7 @@ async def wait_for(pilot: Pilot, predicate: Callable[[], bool], timeout: float =
 def make_app(home, script=None, tokens_per_s: float | None = None, **backend_kwargs):
     """A RooflineApp on a FakeBackend in `home`, greedy settings; returns (app, backend)."""
     from app.tui.app import RooflineApp
-    from tests.tui_fake_engine import FakeBackend
+    from tests.support.tui_fake_engine import FakeBackend
     from app.tui.store import ChatSettings
 
     backend = FakeBackend(script=script, tokens_per_s=tokens_per_s, **backend_kwargs)

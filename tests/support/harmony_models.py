@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from tests.tiny_models import GOLDEN
+from tests.support.tiny_models import GOLDEN
 
-VOCAB_XZ = Path(__file__).parent / "data" / "o200k" / "o200k_base.tiktoken.xz"
+VOCAB_XZ = Path(__file__).parent.parent / "data" / "o200k" / "o200k_base.tiktoken.xz"
 VOCAB_SIZE = 201088
 SPECIALS = {199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>", 200003: "<|constrain|>",
             200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>", 200008: "<|message|>", 200012: "<|call|>"}

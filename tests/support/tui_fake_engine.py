@@ -6,7 +6,7 @@ engine error (`error_after`), or mark tokens as drafted (`drafted`, with specula
 refuses speculative="draft" unless made with `draft_model=True`. `FakeReply.call` / `FakeReply.answer` are a
 reply in the JSON tool-call format (a tool call, or text). It keeps a pretend prefix cache of 16-token
 blocks (the conversations it has generated or restored), reports hits in `usage.cached_prompt_tokens`, and
-saves and restores it as JSON files (`kv_calls` records each call). Its tokenizer is tests/tui_fake_tokenizer.py's.
+saves and restores it as JSON files (`kv_calls` records each call). Its tokenizer is tests/support/tui_fake_tokenizer.py's.
 
 A FakeEngine made with `reasoning="think"` (`FakeBackend(reasoning=...)`) is a reasoning model: a reply's `thought`
 streams first as `GenerationEvent.reasoning` (a token a piece), then a closer token with no text, then the answer, and
@@ -42,7 +42,7 @@ from mlx_engine.reasoning import EFFORTS_OFF
 
 from app.tui.backend import EngineBackend
 from mlx_engine.roofline import Bandwidth
-from tests.tui_fake_tokenizer import FakeTokenizer, NoFakeTokenizer
+from tests.support.tui_fake_tokenizer import FakeTokenizer, NoFakeTokenizer
 
 FAKE_KV_FORMAT = "fake-kv-1"
 

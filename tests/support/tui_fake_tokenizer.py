@@ -1,4 +1,4 @@
-"""The tokenizer of the TUI's fake engine (tests/tui_fake_engine.py): words and single characters as tokens."""
+"""The tokenizer of the TUI's fake engine (tests/support/tui_fake_engine.py): words and single characters as tokens."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from tests.tiny_models import add_byte_level_tokenizer, add_common_metadata, llama_permute
+from tests.support.tiny_models import add_byte_level_tokenizer, add_common_metadata, llama_permute
 
 # HF model_type -> GGUF architecture
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from tests.tiny_models import GOLDEN, byte_level_vocab
+from tests.support.tiny_models import GOLDEN, byte_level_vocab
 
 VOCAB = 124  # byte-level pieces of bytes 0..123; ids 124.. are added tokens
 IM_START, IM_END, THINK_OPEN, THINK_CLOSE = 124, 125, 126, 127
