@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.bench.schema import SCHEMA, validate
-from tests.test_cli import assert_one_line_error, roofline
+from tests.support.cli import assert_one_line_error, roofline
 from tests.support.tiny_models import random_llama_folder
 
 

@@ -3,27 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.support.tiny_models import GOLDEN
-
-
-def roofline(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None:
-    assert r.returncode == 2, r
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("roofline: error: "), r.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    assert "Traceback" not in r.stderr
+from tests.support.cli import roofline, assert_one_line_error
 
 
 def test_no_arguments_prints_help() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import assert_one_line_error
+from tests.support.cli import assert_one_line_error
 from tests.support.think_models import ANSWER, REASONING, think_model_folder
 
 

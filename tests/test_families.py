@@ -13,7 +13,7 @@ import pytest
 
 from mlx_engine.api import ModelLoadError
 from mlx_engine.models.config import normalize_config, text_weights
-from tests.test_cli import assert_one_line_error, roofline
+from tests.support.cli import assert_one_line_error, roofline
 from tests.support.tiny_models import GOLDEN
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from mlx_engine import Engine, GenerationRequest, ModelLoadError, SamplingParams
 from tests.support.gguf_writer import write_family_gguf
-from tests.test_cli import assert_one_line_error, roofline
+from tests.support.cli import assert_one_line_error, roofline
 from tests.support.tiny_models import GOLDEN
 
 FAMILIES = ["phi3", "gemma2", "gemma3_text", "olmo2", "granite", "qwen3_moe", "mixtral", "starcoder2", "gpt_oss"]

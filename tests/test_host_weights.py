@@ -150,7 +150,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_engine_on_and_off_agree_and_count_the_copies(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same GGUF with and without resident float32 weights: the same greedy tokens, logits within
     float32 rounding, and the float32 copies counted in weight bytes, decode bytes and peak memory."""
-    from tests.test_loading import greedy
+    from tests.support.loading import greedy
 
     ids = [3, 17, 42, 99, 7, 64, 120, 5, 33, 81, 12, 2] * 2
     runs = {}

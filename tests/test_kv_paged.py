@@ -10,6 +10,7 @@ import pytest
 from mlx_engine import Engine, GenerationRequest, RequestError, RooflineError, SamplingParams
 from tests.support.tiny_models import random_llama_folder
 from tests.support.tolerance import assert_f32_close
+from tests.support.kv_scores import stored_scores
 
 PROMPT = [(7 * i + 3) % 120 + 5 for i in range(45)]  # 45 tokens: crosses block boundaries of 16 and 32
 
@@ -325,18 +326,6 @@ def test_rotated_quantized_keys_keep_scores_and_beat_plain_on_outlier_channels(b
     # measured: 4-bit 3.76 vs 8.78, 8-bit 0.26 vs 0.47, on scores up to 64
     assert errors[True] < errors[False] / 1.7, errors
     assert errors[True] < (0.07 if bits == 4 else 0.005) * np.abs(exact).max(), errors
-
-
-def stored_scores(st, k: np.ndarray, v: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, object]:
-    """Writes k, v (n, Hkv, D) to slots 0..n-1 of layer 0 of `st`, reads them back as stored -> the scores
-    of one query per KV head q (Hkv, D) against the stored keys (Hkv, n), and the stored values."""
-    import mlx.core as mx
-
-    slots = mx.arange(k.shape[0], dtype=mx.int32)
-    st.write(0, slots, mx.array(k), mx.array(v))
-    keys, values = st.gather(0, slots)  # (Hkv, n, D)
-    queries = np.array(st.queries(0, mx.array(q)[None, :, None]))[0, :, 0]
-    return np.einsum("hd,hnd->hn", queries, np.array(keys)), values
 
 
 # --- keys at other bits than values (kv_key_bits) ---

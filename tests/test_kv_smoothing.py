@@ -11,7 +11,7 @@ import pytest
 from mlx_engine import Engine, GenerationRequest, RooflineError, SamplingParams
 from mlx_engine.kv.paged import PagedKVStorage
 from mlx_engine.kv.smoothing import OFFSET_STEP, SCALE_STEPS, KVSmoothing, calibrate
-from tests.test_kv_paged import stored_scores
+from tests.support.kv_scores import stored_scores
 from tests.support.tiny_models import random_llama_folder
 from tests.support.tolerance import assert_f32_close
 

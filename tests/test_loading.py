@@ -23,13 +23,9 @@ from tests.support.tiny_models import (
     write_gguf_from_folder,
 )
 from tests.support.tolerance import assert_f32_close
+from tests.support.loading import greedy, _quantized_folder
 
 IDS = [3, 17, 42, 99, 7, 64, 120, 5, 33, 81, 12, 2]
-
-
-def greedy(engine: Engine, ids: list[int], n: int = 12) -> list[int]:
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return [t for e in engine.generate(GenerationRequest(prompt_token_ids=ids, sampling=params)) for t in e.token_ids]
 
 
 @pytest.mark.parametrize(
@@ -121,33 +117,6 @@ def test_gguf_type_still_unsupported_is_named(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(ModelLoadError, match=r"IQ2_XXS is not loadable.*Q5_0, Q5_1.*IQ4_NL, IQ4_XS, MXFP4"):
         Engine.load(str(path))
-
-
-def _quantized_folder(tmp_path: Path, bits: int, group_size: int, override: dict | None = None) -> tuple[Path, Path]:
-    """An mlx-community style folder (quantization in config.json, per-layer override) and the matching
-    folder of dequantized float32 weights."""
-    src = GOLDEN / "llama"
-    config = json.loads((src / "config.json").read_text())
-    weights = load_file(str(src / "model.safetensors"))
-    qdir, ddir = tmp_path / "q", tmp_path / "deq"
-    qdir.mkdir()
-    quantized, deq = {}, {}
-    override = override or {}
-    for name, value in weights.items():
-        path = name.removesuffix(".weight")
-        if value.ndim == 2 and name.endswith(".weight") and override.get(path) is not False:
-            b = override.get(path, {}).get("bits", bits)
-            g = override.get(path, {}).get("group_size", group_size)
-            wq, s, bias = mx.quantize(mx.array(value), group_size=g, bits=b)
-            quantized[name], quantized[f"{path}.scales"], quantized[f"{path}.biases"] = (np.array(wq), np.array(s),
-                                                                                        np.array(bias))
-            deq[name] = np.array(mx.dequantize(wq, s, bias, group_size=g, bits=b))
-        else:
-            quantized[name] = deq[name] = value
-    config["quantization"] = {"group_size": group_size, "bits": bits, **override}
-    (qdir / "config.json").write_text(json.dumps(config))
-    save_file(quantized, str(qdir / "model.safetensors"))
-    return qdir, folder_with_weights(src, ddir, deq)
 
 
 def test_mlx_quantized_folder_with_per_layer_override(tmp_path: Path) -> None:

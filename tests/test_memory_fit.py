@@ -18,7 +18,7 @@ import pytest
 from mlx_engine.api import ModelLoadError
 from mlx_engine.catalog import describe_model
 from mlx_engine.memory import FIT_CONTEXT, WeightsHeader, available_memory, estimate_fit, held_weight_bytes
-from tests.test_pull import one_line_error
+from tests.support.cli import one_line_error
 from tests.support.tiny_models import random_llama_folder
 
 ROOT = Path(__file__).resolve().parent.parent

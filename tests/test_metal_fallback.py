@@ -18,8 +18,8 @@ import kernels_metal.kquant as kq
 import kernels_metal.paged_attention as pa
 from kernels_metal import _backend
 from mlx_engine import Engine, SamplingParams
-from tests.test_mac_path import assert_same
-from tests.test_mac_path import together as together_with
+from tests.support.mac import assert_same
+from tests.support.mac import together as together_with
 from tests.support.tiny_models import folder_with_weights, gguf_to_hf_names, kquant_llama_gguf, random_llama_folder
 
 pytestmark = [pytest.mark.skipif(not _backend.interpret_available(), reason="the Metal interpreter is not importable"),

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from tests.support.hub_server import FakeHub
-from tests.test_parity_cmd import write_tokenizer
+from tests.support.tokenizer_files import write_tokenizer
 from tests.support.tiny_models import random_llama_folder, write_gguf_from_folder
+from tests.support.cli import one_line_error
 
 ROOT = Path(__file__).resolve().parent.parent
 IDS = [1, 5, 9, 17, 33, 65, 3, 7]
@@ -71,18 +72,6 @@ def env_for(home: Path, hub: FakeHub | None, **extra: str) -> dict[str, str]:
 def roofline(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
-
-
-def one_line_error(r: subprocess.CompletedProcess, after_progress: bool = False) -> str:
-    """The one stderr line of a failure (`after_progress`: it may follow a pull's progress lines)."""
-    assert r.returncode == 2, (r.returncode, r.stderr)
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    if after_progress:
-        assert all(line.startswith(("pulling ", "pulled ")) for line in lines[:-1]), r.stderr
-        lines = lines[-1:]
-    assert len(lines) == 1 and lines[0].startswith("roofline: error: "), r.stderr
-    return lines[0]
 
 
 def load_offline_logits(env: dict[str, str], ref: str) -> np.ndarray:

@@ -249,7 +249,7 @@ def test_speculative_sampling_under_a_grammar_is_lossless(with_draft, monkeypatc
     tokens' distribution over the grammar's four strings matches the exact masked one (chi-square, p > 0.01), and
     accepting every draft that fits the grammar (no p/q test) fails the same test."""
     import mlx_engine.speculative.step as sp
-    from tests.test_speculative import chi2_pvalue
+    from tests.support.stats import chi2_pvalue
 
     fmt = ResponseFormat("regex", pattern="a[ab]b|b[ab]a")  # the third token's mask depends on the first
     prompt, T, n = [1, *b"abba abab: "], 4.0, 800

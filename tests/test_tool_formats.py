@@ -26,7 +26,7 @@ from app.server.protocol import parse_job
 from app.toolcalls.tool_formats import JSON, HermesTools, JsonTools, detect
 from mlx_engine.structured import grammar
 from tests.support.server_fakes import LiveServer
-from tests.test_schemas import BYTES, PERSON
+from tests.support.schema_models import BYTES, PERSON
 from tests.support.tiny_models import byte_level_vocab, folder_with_weights
 
 DATA = Path(__file__).parent / "data"

@@ -44,7 +44,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
         write_gguf_from_folder(GOLDEN / "llama", tmp / f"tiny_{t}.gguf", {}, default_type=t)
         out[t] = str(tmp / f"tiny_{t}.gguf")
     out["kquants"] = str(kquant_llama_gguf(tmp / "k")[0])
-    from tests.test_loading import _quantized_folder
+    from tests.support.loading import _quantized_folder
 
     (tmp / "mlx4").mkdir()
     out["mlx4"] = str(_quantized_folder(tmp / "mlx4", bits=4, group_size=32, override={

@@ -19,7 +19,7 @@ torch = require("torch")
 
 from mlx_engine.backends.torch import cpu_features, cpu_native  # noqa: E402
 from mlx_engine.backends.torch import cpu_reference as ref  # noqa: E402
-from tests.test_torch_cpu_native import random_weight  # noqa: E402
+from tests.support.torch_cpu import random_weight  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     platform.machine().lower() not in ("x86_64", "amd64") or not cpu_features.cpu_support().packed,

@@ -549,7 +549,7 @@ async def test_theme_toggle_persists_and_80x24_is_usable(tmp_path) -> None:
 
 async def test_a_long_reply_streams_into_segments_that_render_like_one_document(tmp_path, monkeypatch) -> None:
     from app.tui.widgets.messages import MarkdownSegment
-    from tests.test_tui_units import SEGMENTED_REPLY
+    from tests.support.tui_helpers import SEGMENTED_REPLY
 
     monkeypatch.setattr(MessageView, "segment_chars", 1)  # a segment per block wherever a cut is allowed
     app, _ = make_app(tmp_path, script=[SEGMENTED_REPLY], tokens_per_s=2000)

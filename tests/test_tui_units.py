@@ -16,6 +16,7 @@ from app.tui.store import ChatSettings, ChatStore
 from app.tui.streaming import TokenBuffer
 from app.tui.widgets.stats import LiveStats
 from mlx_engine.api import GenerationEvent, Usage
+from tests.support.tui_helpers import SEGMENTED_REPLY
 
 
 def test_store_round_trip_newest_first_and_wal(tmp_path) -> None:
@@ -194,38 +195,6 @@ def test_importing_the_app_loads_no_mlx() -> None:
     assert r.returncode == 0, r.stderr
     mods = set(r.stdout.split())
     assert "textual" in mods and not {"mlx", "mlx_lm", "torch", "kernels_metal"} & mods
-
-
-SEGMENTED_REPLY = """Intro paragraph with **bold** text and `code`, long enough to fill a segment.
-
-## A heading
-
-First paragraph under the heading, long enough to pass the threshold.
-
-- one
-- two
-
-```python
-a = 1
-
-b = 2
-```
-
-1. first
-
-2. second, in a loose list
-
-### After a list
-
-Closing paragraph after the list.
-
-> a quote
-
-| a | b |
-|---|---|
-| 1 | 2 |
-
-Final words."""
 
 
 def _segments(text: str, min_chars: int, chunk: int) -> tuple[list[str], list[int]]:

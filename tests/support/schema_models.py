@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pydantic
 
+from mlx_engine.structured import bytes_tokenizer
+
 
 class Address(pydantic.BaseModel):
     street: str
@@ -19,3 +21,14 @@ class Person(pydantic.BaseModel):
 class Node(pydantic.BaseModel):
     name: str
     children: list[Node]
+
+
+# What pydantic 2 emits for Person: the nested model in $defs, referred to from the root.
+PERSON = {"$defs": {"Address": {"properties": {"street": {"title": "Street", "type": "string"},
+                                               "city": {"title": "City", "type": "string"}},
+                                "required": ["street", "city"], "title": "Address", "type": "object"}},
+          "properties": {"name": {"title": "Name", "type": "string"}, "address": {"$ref": "#/$defs/Address"}},
+          "required": ["name", "address"], "title": "Person", "type": "object"}
+
+
+BYTES = bytes_tokenizer()

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from app.toolcalls.tool_formats import ToolFormat
 from app.toolcalls.tools import Tools
 from mlx_engine.structured import grammar
-from tests.test_schemas import BYTES
+from tests.support.schema_models import BYTES
 from tests.support.tiny_models import byte_level_vocab, folder_with_weights
 
 DATA = Path(__file__).parent.parent / "data"

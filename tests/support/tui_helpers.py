@@ -66,3 +66,35 @@ def transcript(app) -> list[tuple[str, str, str]]:
     from app.tui.widgets.messages import MessageView
 
     return [(v.role, v.status, v.content) for v in app.chat_screen.query(MessageView)]
+
+
+SEGMENTED_REPLY = """Intro paragraph with **bold** text and `code`, long enough to fill a segment.
+
+## A heading
+
+First paragraph under the heading, long enough to pass the threshold.
+
+- one
+- two
+
+```python
+a = 1
+
+b = 2
+```
+
+1. first
+
+2. second, in a loose list
+
+### After a list
+
+Closing paragraph after the list.
+
+> a quote
+
+| a | b |
+|---|---|
+| 1 | 2 |
+
+Final words."""
