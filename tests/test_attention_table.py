@@ -4,7 +4,8 @@ The twins compute with `kernels_metal.reference.paged_decode_attention`, the ker
 without a twin, or whose example its condition does not pick, fails here. Tolerances (max abs error; outputs are
 O(1), V standard normal): float32 1e-4 (float32 math on both sides, other summation orders; measured floor 2e-6),
 float16 4e-3 (both round the output to float16: half an ulp at 1-2 is 1e-3, either side of a tie). The scored rows
-(soft cap, sinks) run with a cap, with sinks, and with both, and are held to the float32 floor (tests/support/tolerance.py).
+(soft cap, sinks) run with a cap, with sinks, and with both, and are held to the float32 floor
+(tests/support/tolerance.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""`roofline generate` on the tiny thinking model (tests/support/think_models.py): the answer on stdout, the thinking on stderr
-(or in --json's `reasoning`), --reasoning-effort and --reasoning-budget, and their mistakes as one line."""
+"""`roofline generate` on the tiny thinking model (tests/support/think_models.py): the answer on stdout, the thinking on
+stderr (or in --json's `reasoning`), --reasoning-effort and --reasoning-budget, and their mistakes as one line."""
 
 from __future__ import annotations
 

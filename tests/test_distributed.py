@@ -1,8 +1,8 @@
 """Two ranks on loopback with MLX's ring backend, started by mlx.launch: the engine's outputs against one process.
 
 Each launch starts two Python processes (about 3 s on the 2-core box before any model loads), so every test puts
-its models and requests into one or two launches (tests/support/distributed_ranks.py runs them on each rank). Ports: each
-launch picks free ports (`free_port_base`), so runs of the suite side by side do not collide.
+its models and requests into one or two launches (tests/support/distributed_ranks.py runs them on each rank). Ports:
+each launch picks free ports (`free_port_base`), so runs of the suite side by side do not collide.
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ def tui_fake() -> object:
     return FakeEngine()
 
 
-@pytest.mark.parametrize("make", [server_fake, tui_fake], ids=["tests.support.server_fakes", "tests.support.tui_fake_engine"])
+@pytest.mark.parametrize("make", [server_fake, tui_fake],
+                         ids=["tests.support.server_fakes", "tests.support.tui_fake_engine"])
 def test_every_fake_engine_has_the_engine_surface(make) -> None:
     engine = make()
     assert mismatches(engine) == []

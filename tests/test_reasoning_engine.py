@@ -1,5 +1,5 @@
-"""Reasoning through the engine on a tiny thinking model whose greedy reply is known (tests/support/think_models.py): the
-split on token ids, thinking on and off through the template, the budget's forced closer after exactly N tokens (in
+"""Reasoning through the engine on a tiny thinking model whose greedy reply is known (tests/support/think_models.py):
+the split on token ids, thinking on and off through the template, the budget's forced closer after exactly N tokens (in
 batches, speculating, with a grammar), stop strings on the answer only, and a model without reasoning refusing a
 budget."""
 

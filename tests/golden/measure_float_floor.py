@@ -70,7 +70,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
           f"float32 matmul precision {torch.get_float32_matmul_precision()!r}")
     gold = json.loads((GOLDEN / "smollm2_gguf.json").read_text())
-    report("SmolLM2 (test_torch_backend's prompt)", None, gold["prompts"][0]["prompt_ids"][-20:])
+    report("SmolLM2 (test_torch_runner's prompt)", None, gold["prompts"][0]["prompt_ids"][-20:])
     for folder in sorted(p for p in GOLDEN.iterdir() if (p / "golden.npz").exists()):
         report(folder.name, str(folder), np.load(folder / "golden.npz")["input_ids"].tolist())
 

@@ -1,7 +1,7 @@
 """Runs one `roofline` command in this process and prints, as the last line of stdout, how each engine it loaded
 ran its forwards (`Engine.diagnostics().execution()`, read before the engine closes or at the command's end):
-`python -m tests.support.execution_probe generate -m MODEL ...`. A process of its own per command, since which threads have
-run torch's work is the process's (tests/test_bench_vs_generate.py)."""
+`python -m tests.support.execution_probe generate -m MODEL ...`. A process of its own per command, since which threads
+have run torch's work is the process's (tests/test_bench_vs_generate.py)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""A tiny gpt-oss that calls a tool: `tests/support/harmony_models.py`'s checkpoint (the real o200k_harmony tokenizer) with
-gpt-oss's own chat template (tests/data/gpt_oss_chat_template.jinja) and weights rewritten so that its greedy reply
+"""A tiny gpt-oss that calls a tool: `tests/support/harmony_models.py`'s checkpoint (the real o200k_harmony tokenizer)
+with gpt-oss's own chat template (tests/data/gpt_oss_chat_template.jinja) and weights rewritten so that its greedy reply
 to any conversation is CALL.
 
-The bigram trick of `tests/support/think_models.py`: every attention output projection and every expert's down projection
-are zero, biases included, so each layer adds nothing to the residual stream and the last hidden state is the
+The bigram trick of `tests/support/think_models.py`: every attention output projection and every expert's down
+projection are zero, biases included, so each layer adds nothing to the residual stream and the last hidden state is the
 current token's embedding; the head scores token y by the embedding of the token chosen to precede it. The generation
 prompt ends `<|start|>assistant` (spelled byte by byte by this merge-less tokenizer, so its last token is "t"), and
 CALL's o200k tokens (the ids openai-harmony encodes it with, as gpt-oss writes it) repeat none, "t" included: each

@@ -276,7 +276,7 @@ def kquants_as_float16(deq: dict[str, np.ndarray], layout: dict[str, str] = KQUA
     return {g: v.astype(np.float16).astype(np.float32) if v.ndim == 2 and kind(g) in DENSE_AT_LOAD else v
             for g, v in deq.items()}
 
-# issue 47's families (tests/golden/make_golden_2026.py): their parity is tests/test_parity_families.py's, against
-# the float32 floors of tests/support/tolerance.py
+# issue 47's families (tests/golden/make_golden_2026.py): their parity is tests/test_engine_parity_families.py's,
+# against the float32 floors of tests/support/tolerance.py
 FAMILIES_2026 = ("deepseek_v3", "exaone4", "falcon_h1", "gemma4_text", "glm4_moe", "granitemoehybrid", "lfm2",
                  "nemotron_h", "olmo3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_5_vlm", "qwen3_next", "smollm3")

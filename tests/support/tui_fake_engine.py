@@ -6,7 +6,8 @@ engine error (`error_after`), or mark tokens as drafted (`drafted`, with specula
 refuses speculative="draft" unless made with `draft_model=True`. `FakeReply.call` / `FakeReply.answer` are a
 reply in the JSON tool-call format (a tool call, or text). It keeps a pretend prefix cache of 16-token
 blocks (the conversations it has generated or restored), reports hits in `usage.cached_prompt_tokens`, and
-saves and restores it as JSON files (`kv_calls` records each call). Its tokenizer is tests/support/tui_fake_tokenizer.py's.
+saves and restores it as JSON files (`kv_calls` records each call). Its tokenizer is
+tests/support/tui_fake_tokenizer.py's.
 
 A FakeEngine made with `reasoning="think"` (`FakeBackend(reasoning=...)`) is a reasoning model: a reply's `thought`
 streams first as `GenerationEvent.reasoning` (a token a piece), then a closer token with no text, then the answer, and
@@ -290,9 +291,9 @@ class FakeBackend(EngineBackend):
     KV file methods are EngineBackend's own, on FakeEngines."""
 
     def __init__(self, script: list[str | FakeReply] | None = None, tokens_per_s: float | None = 200.0,
-                 load_delay_s: float = 0.0, models: list[ModelSummary] | None = None, fail: dict[str, str] | None = None,
-                 bandwidth: Bandwidth | None = None, ttft_s: float = 0.0, paged: bool = True, block_size: int = 16,
-                 draft_model: bool = False, no_tokenizer: tuple[str, ...] = (), pull_bytes: int = 40 * 2**20,
+                 load_delay_s: float = 0.0, models: list[ModelSummary] | None = None, fail: dict[str, str] | None =
+                 None, bandwidth: Bandwidth | None = None, ttft_s: float = 0.0, paged: bool = True, block_size: int =
+                 16, draft_model: bool = False, no_tokenizer: tuple[str, ...] = (), pull_bytes: int = 40 * 2**20,
                  pull_hold_at: float | None = None, reasoning: str | None = None):
         self.script = script
         self.reasoning = reasoning  # ModelInfo.reasoning of every model it loads

@@ -1,5 +1,5 @@
-"""GGUF for issue 23's families, as llama.cpp writes them (tests/support/gguf_writer.py), against the transformers golden
-of the checkpoint each file was written from; quantized experts against the file holding their values as floats;
+"""GGUF for issue 23's families, as llama.cpp writes them (tests/support/gguf_writer.py), against the transformers
+golden of the checkpoint each file was written from; quantized experts against the file holding their values as floats;
 llama.cpp's defaults where a file lacks a key; one line for an architecture no table maps."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tests.support.cli import assert_one_line_error, roofline
 from tests.support.tiny_models import GOLDEN
 
 FAMILIES = ["phi3", "gemma2", "gemma3_text", "olmo2", "granite", "qwen3_moe", "mixtral", "starcoder2", "gpt_oss"]
-LOGITS_TOL = 1e-4  # as tests/test_parity_golden.py: float32 both sides, observed <= 1.1e-5
+LOGITS_TOL = 1e-4  # as tests/test_engine_parity_golden.py: float32 both sides, observed <= 1.1e-5
 
 
 def greedy(engine: Engine, ids: list[int], n: int) -> list[int]:

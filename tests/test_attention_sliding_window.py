@@ -2,7 +2,7 @@
 reference, the attention table's windowed paths, and the engine's KV freeing blocks that left every window.
 
 A window of W: the query at position p reads keys at positions p - W + 1 .. p (mlx-lm's and transformers'
-sliding mask). Kernel tolerances are tests/test_kernels_attention.py's (the kernel's outputs are O(1)).
+sliding mask). Kernel tolerances are tests/test_kernels_metal_paged_attention.py's (the kernel's outputs are O(1)).
 """
 
 from __future__ import annotations

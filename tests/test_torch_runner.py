@@ -28,10 +28,10 @@ from tests.support.tolerance import assert_f32_close  # noqa: E402
 TINY = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists()
               and json.loads((p / "config.json").read_text())["model_type"] in TORCH_MODEL_TYPES)
 LOGITS_TOL = 1e-4  # float32 torch vs transformers' float32 goldens (max |logit| ~5.3): measured <= 4.3e-6, 23x
-# SmolLM2 in units of eps32 x max |logit| (tests/support/tolerance.py). Torch vs MLX over the whole vocabulary (max |logit|
-# 36.8): 18.7 on an AMD EPYC (8.2e-5), 23.8 on an Intel Xeon with AVX-512 (1.04e-4), 20.7 against MLX's quantized
-# matmuls (ROOFLINE_CPU_FP32_WEIGHTS=off); each engine alone is 15.4 (torch) and 18.7 (MLX) from a float64 run of
-# the same weights (tests/golden/measure_float_floor.py), so up to ~34 apart is still rounding. HEADROOM x the
+# SmolLM2 in units of eps32 x max |logit| (tests/support/tolerance.py). Torch vs MLX over the whole vocabulary (max
+# |logit| 36.8): 18.7 on an AMD EPYC (8.2e-5), 23.8 on an Intel Xeon with AVX-512 (1.04e-4), 20.7 against MLX's
+# quantized matmuls (ROOFLINE_CPU_FP32_WEIGHTS=off); each engine alone is 15.4 (torch) and 18.7 (MLX) from a float64 run
+# of the same weights (tests/golden/measure_float_floor.py), so up to ~34 apart is still rounding. HEADROOM x the
 # worst seen: 96. The top 512 logits against transformers' float64 (max 25.3): 11.6 here (3.5e-5), x4: 48.
 SMOLLM2_VS_MLX_UNITS = 96
 SMOLLM2_VS_FLOAT64_UNITS = 48

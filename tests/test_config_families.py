@@ -1,6 +1,6 @@
 """Configs read once, for every family (mlx_engine.models.config): transformers-5 fields and multimodal
 `text_config` brought to one form before a model class sees them, and one line, no traceback, for a config
-no class can run. The families' logits and greedy tokens against transformers: tests/test_parity_golden.py."""
+no class can run. The families' logits and greedy tokens against transformers: tests/test_engine_parity_golden.py."""
 
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def test_logits_command_on_nemotron_h(tmp_path: Path) -> None:
     ids = ",".join(str(t) for t in gold["input_ids"].tolist())
     r = roofline("logits", "-m", str(GOLDEN / "nemotron_h"), "--token-ids", ids, "-o", str(out))
     assert r.returncode == 0, r.stderr
-    assert_f32_close(np.load(out), gold["logits"], 14 * HEADROOM, "nemotron_h")  # floor: test_parity_families
+    assert_f32_close(np.load(out), gold["logits"], 14 * HEADROOM, "nemotron_h")  # floor: test_engine_parity_families
 
 
 def test_kv_of_deepseek_v3_counts_the_mla_latent(tmp_path: Path) -> None:

@@ -1,9 +1,9 @@
 """A Metal kernel that fails on the user's machine: the engine runs its reference and says so once.
 
 On a simulated Mac (`mx.metal` patched to say a GPU is there, kernels run by the interpreter, as in
-tests/test_mac_path.py), the interpreter is made to fail to compile, or a kernel to return wrong numbers. The engine
-loads, `ModelInfo.warnings` carries exactly one line about that kernel, and the tokens and log-probabilities are the
-CPU path's (the kernel's reference computes what the kernel would have).
+tests/test_engine_mac_path.py), the interpreter is made to fail to compile, or a kernel to return wrong numbers. The
+engine loads, `ModelInfo.warnings` carries exactly one line about that kernel, and the tokens and log-probabilities are
+the CPU path's (the kernel's reference computes what the kernel would have).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs
 
 
 def together(engine: Engine) -> list:
-    """tests/test_mac_path.py's two prompts at once (their decode steps batch), greedy."""
+    """tests/test_engine_mac_path.py's two prompts at once (their decode steps batch), greedy."""
     return together_with(engine, GREEDY)
 
 
