@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support.cli import assert_one_line_error, roofline
 from tests.support.tiny_models import GOLDEN
-from tests.support.cli import roofline, assert_one_line_error
 
 
 def test_no_arguments_prints_help() -> None:
@@ -265,9 +265,8 @@ def test_a_models_warnings_go_to_stderr_before_the_reply(monkeypatch, capsys) ->
     """`roofline generate` (and serve, through the same loader) prints ModelInfo.warnings as warning lines."""
     import dataclasses
 
-    from mlx_engine import Engine
-
     from app import cli
+    from mlx_engine import Engine
 
     load = Engine.load
 
@@ -285,9 +284,8 @@ def test_a_models_warnings_go_to_stderr_before_the_reply(monkeypatch, capsys) ->
 def test_generate_with_a_draft_model_is_greedy_exact_and_reports_its_drafts(capsys) -> None:
     """--draft-model beside the embedded model (itself: every draft passes at temperature 0): the reply equals
     plain decoding's, and the stats carry the drafts."""
-    from mlx_engine.loading import embedded_model_path
-
     from app import cli
+    from mlx_engine.loading import embedded_model_path
 
     args = ["generate", "-p", "Repeat exactly: the quick brown fox jumps over the lazy dog.", "-n", "12", "--json"]
     assert cli.main(args) == 0
@@ -306,7 +304,6 @@ def test_draft_flags_without_a_draft_model_are_one_clear_line(monkeypatch, capsy
     """Refused before any model loads, in generate and serve alike; chat loads its draft as optional."""
     import app.server as server_pkg
     import app.tui as tui_pkg
-
     from app import cli
 
     for command in (["generate", "-p", "hi"], ["serve"]):

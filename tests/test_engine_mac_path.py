@@ -20,8 +20,8 @@ import pytest
 
 from kernels_metal import _backend
 from mlx_engine import Engine, GenerationRequest, RooflineError, SamplingParams
+from tests.support.mac import PROMPTS, assert_same, together
 from tests.support.tiny_models import folder_with_weights, gguf_to_hf_names, kquant_llama_gguf, random_llama_folder
-from tests.support.mac import PROMPTS, together, assert_same
 
 WORKING_SET = 6 * 2**30
 

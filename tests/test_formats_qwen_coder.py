@@ -12,14 +12,14 @@ from pathlib import Path
 
 import openai
 import pytest
-from mlx_engine import Engine
-from mlx_engine.tokenizer import Tokenizer
 
 from app.server import create_app
 from app.server.protocol import parse_job
 from app.toolcalls.tool_formats import JSON, HermesTools, QwenCoderTools, detect
-from tests.support.server_fakes import LiveServer
+from mlx_engine import Engine
+from mlx_engine.tokenizer import Tokenizer
 from tests.support.schema_models import PERSON
+from tests.support.server_fakes import LiveServer
 from tests.support.tool_format_checks import ADD, ASK, DATA, EARLIER, WEATHER, accepts, read_alike, tiny_folder
 
 TEMPLATE = (DATA / "qwen3_coder_chat_template.jinja").read_text()

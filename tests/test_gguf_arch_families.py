@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from mlx_engine import Engine, GenerationRequest, ModelLoadError, SamplingParams
-from tests.support.gguf_writer import write_family_gguf
 from tests.support.cli import assert_one_line_error, roofline
+from tests.support.gguf_writer import write_family_gguf
 from tests.support.tiny_models import GOLDEN
 
 FAMILIES = ["phi3", "gemma2", "gemma3_text", "olmo2", "granite", "qwen3_moe", "mixtral", "starcoder2", "gpt_oss"]

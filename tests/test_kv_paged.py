@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from mlx_engine import Engine, GenerationRequest, RequestError, RooflineError, SamplingParams
+from tests.support.kv_scores import stored_scores
 from tests.support.tiny_models import random_llama_folder
 from tests.support.tolerance import assert_f32_close
-from tests.support.kv_scores import stored_scores
 
 PROMPT = [(7 * i + 3) % 120 + 5 for i in range(45)]  # 45 tokens: crosses block boundaries of 16 and 32
 
@@ -385,8 +385,8 @@ def test_key_bits_logits_lie_between_8bit_and_4bit(tmp_path: Path, layout: str) 
 
 
 def test_kv_stats_and_bytes_per_block_with_key_bits(tmp_path: Path) -> None:
-    from mlx_engine.memory import KVShape, kv_bytes
     from mlx_engine.kv.paged import bytes_per_block
+    from mlx_engine.memory import KVShape, kv_bytes
 
     folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)  # 2 layers, 2 KV heads, float32
     # a block: 16 tokens x 2 layers x 2 heads x (K: 64 bytes + 2 x 2 groups x 4 bytes; V: 32 + 16)
@@ -718,8 +718,8 @@ def test_channel_keys_save_restore_round_trip_and_refuse_per_token_files(tmp_pat
 
 
 def test_kv_bytes_of_channel_keys(tmp_path: Path) -> None:
-    from mlx_engine.memory import KVShape, kv_bytes
     from mlx_engine.kv.paged import bytes_per_block
+    from mlx_engine.memory import KVShape, kv_bytes
 
     folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)  # 2 layers, 2 KV heads, float32
     # a block of 32 tokens x 2 layers x 2 heads: K 32 bytes + 2 x (64 / 32) x 4 (a scale and bias per channel per

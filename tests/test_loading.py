@@ -14,6 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from mlx_engine import Engine, GenerationRequest, ModelLoadError, RequestError, SamplingParams
+from tests.support.loading import _quantized_folder, greedy
 from tests.support.tiny_models import (
     GOLDEN,
     folder_with_weights,
@@ -23,7 +24,6 @@ from tests.support.tiny_models import (
     write_gguf_from_folder,
 )
 from tests.support.tolerance import assert_f32_close
-from tests.support.loading import greedy, _quantized_folder
 
 IDS = [3, 17, 42, 99, 7, 64, 120, 5, 33, 81, 12, 2]
 

@@ -18,9 +18,7 @@ from app.toolcalls.schemas import closed, rebased, schema_error
 from mlx_engine.api import ResponseFormat
 from mlx_engine.structured import grammar
 from tests.support.cli import assert_one_line_error, roofline
-from tests.support.schema_models import Node, Person
-from tests.support.schema_models import PERSON, BYTES
-
+from tests.support.schema_models import BYTES, PERSON, Node, Person
 
 NAMES = {"fake"}
 

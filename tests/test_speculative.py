@@ -18,8 +18,8 @@ from mlx_engine.api import NO_DRAFT_MODEL, ModelLoadError
 from mlx_engine.speculative.accept import rejection_sample
 from mlx_engine.speculative.cost import CostCurve
 from mlx_engine.speculative.proposers import prompt_lookup
-from tests.support.tiny_models import random_llama_folder, random_mamba_folder
 from tests.support.stats import chi2_pvalue
+from tests.support.tiny_models import random_llama_folder, random_mamba_folder
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 11, 12, 5, 6, 30, 31, 32, 33, 5, 6, 7, 8] * 2  # 42 tokens, repeats
 MODES = ["prompt-lookup", "self", "draft"]

@@ -25,8 +25,7 @@ torch = require("torch")
 import quant  # noqa: E402
 from mlx_engine import Engine  # noqa: E402
 from mlx_engine.backends.torch import cpu_features, cpu_native, cpu_packed, cpu_reference  # noqa: E402
-from tests.support.torch_cpu import quantized_files  # noqa: E402,F401  (the golden llama per GGUF type)
-from tests.support.torch_cpu import random_weight  # noqa: E402
+from tests.support.torch_cpu import quantized_files, random_weight  # noqa: E402,F401  (quantized_files: a fixture)
 
 pytestmark = pytest.mark.skipif(
     platform.machine().lower() not in ("x86_64", "amd64") or not cpu_features.cpu_support().packed,

@@ -24,11 +24,14 @@ torch = require("torch")
 from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
 from mlx_engine.api import RooflineError  # noqa: E402
 from mlx_engine.backends.torch import cpu_features, cpu_packed  # noqa: E402
-from tests.support.tiny_models import (  # noqa: E402
-    GOLDEN,
+from tests.support.tiny_models import GOLDEN  # noqa: E402
+from tests.support.torch_cpu import (  # noqa: E402
+    GGUF_KIND,
+    PROMPT,
+    greedy,
+    greedy_agrees,
+    quantized_files,  # noqa: F401  (a fixture)
 )
-from tests.support.torch_cpu import GGUF_KIND, PROMPT, greedy, greedy_agrees  # noqa: E402
-from tests.support.torch_cpu import quantized_files  # noqa: E402,F401  (a fixture)
 
 # max |packed - float32 of the same weights| / max |float32 logit| on the tiny models; measured 2.7e-2 (Q4_0),
 # 2.9e-2 (Q4_1), 2.1e-2 (Q8_0), 5.3e-2 (Q5_0), 2.9e-2 (Q5_1), 6.0e-2 (the k-quant file, whose Q2_K/Q3_K/Q6_K are

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from textual.widgets import Input, TextArea
 
-from tests.support.tui_fake_engine import FakeReply
 from app.tui.widgets.stats import LiveStats
-from tests.support.tui_helpers import make_app, ready, send, wait_for
+from tests.support.tui_fake_engine import FakeReply
 from tests.support.tui_frozen import FIXED_STATS, settle
+from tests.support.tui_helpers import make_app, ready, send, wait_for
 
 SIZE = (100, 30)
 REPLY = """Here is a **bandwidth** check in Python:

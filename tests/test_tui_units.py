@@ -10,12 +10,12 @@ import threading
 
 import pytest
 
-from mlx_engine import roofline as chips
-from mlx_engine.roofline import Bandwidth, load_chips, lookup, machine_bandwidth
 from app.tui.store import ChatSettings, ChatStore
 from app.tui.streaming import TokenBuffer
 from app.tui.widgets.stats import LiveStats
+from mlx_engine import roofline as chips
 from mlx_engine.api import GenerationEvent, Usage
+from mlx_engine.roofline import Bandwidth, load_chips, lookup, machine_bandwidth
 from tests.support.tui_helpers import SEGMENTED_REPLY
 
 

@@ -34,8 +34,8 @@ async def wait_for(pilot: Pilot, predicate: Callable[[], bool], timeout: float =
 def make_app(home, script=None, tokens_per_s: float | None = None, **backend_kwargs):
     """A RooflineApp on a FakeBackend in `home`, greedy settings; returns (app, backend)."""
     from app.tui.app import RooflineApp
-    from tests.support.tui_fake_engine import FakeBackend
     from app.tui.store import ChatSettings
+    from tests.support.tui_fake_engine import FakeBackend
 
     backend = FakeBackend(script=script, tokens_per_s=tokens_per_s, **backend_kwargs)
     app = RooflineApp(backend=backend, home=home, default_settings=ChatSettings(temperature=0.0, max_tokens=256))
