@@ -161,7 +161,7 @@ def launch_in(ns: Namespaces, mode: str, model: str, out: Path, args: argparse.N
 
 
 def make_model(folder: Path, vocab: int = 8192) -> Path:
-    from tests.tiny_models import random_llama_folder
+    from tests.support.tiny_models import random_llama_folder
 
     return random_llama_folder(folder, num_heads=8, num_kv_heads=4, head_dim=64, hidden=512, layers=8, vocab=vocab,
                                context=2048)

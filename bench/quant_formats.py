@@ -1,7 +1,8 @@
 """quant/'s numpy unpacking of each GGUF format, on one CPU thread, against the peers it replaces or stands beside:
 gguf-py's `dequantize` (llama.cpp's own numpy twin: `quant.dequantize`) and the MLX-op k-quant reference the loader
 dequantizes with (`kernels_metal.reference.dequantize_kquant`, on MLX's CPU backend). Random blocks with finite
-scales (`tests.tiny_models.random_blocks`) for the formats gguf-py cannot quantize, gguf-py's quantizer for the rest.
+scales (`tests.support.tiny_models.random_blocks`) for the formats gguf-py cannot quantize, gguf-py's quantizer for
+the rest.
 
     uv run python bench/quant_formats.py [--rows 4096] [--cols 4096] [--repeats 5]
 
@@ -48,7 +49,7 @@ def main() -> None:
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from tests.tiny_models import random_blocks
+    from tests.support.tiny_models import random_blocks
 
     cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | sed 's/.*: *//'"], capture_output=True,
                          text=True).stdout.strip()

@@ -2,11 +2,12 @@
 
     uv run python bench/same_tokens.py --before /path/to/other/checkout
 
-Each checkout runs in a fresh process, on a tiny random llama (tests.tiny_models) and the embedded SmolLM2: a mixed
-batch (greedy, seeded temperature, log-probabilities, penalties, logit bias, prompt log-probabilities, max_tokens=0,
-prompt-lookup and self speculation, min-p/top-k) at once and one by one, with and without prefix caching, and a JSON
-response format. It records every token id, log-probability entry, prompt score, finish reason and each request's
-KV block ids after every scheduler step, and prints whether the two records are identical (exit status 1 if not).
+Each checkout runs in a fresh process, on a tiny random llama (tests.support.tiny_models) and the embedded SmolLM2: a
+mixed batch (greedy, seeded temperature, log-probabilities, penalties, logit bias, prompt log-probabilities,
+max_tokens=0, prompt-lookup and self speculation, min-p/top-k) at once and one by one, with and without prefix caching,
+and a JSON response format. It records every token id, log-probability entry, prompt score, finish reason and each
+request's KV block ids after every scheduler step, and prints whether the two records are identical (exit status 1
+if not).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 from mlx_engine import Engine, GenerationRequest, SamplingParams
 from mlx_engine.api import ResponseFormat
 from mlx_engine.scheduler import Scheduler
-from tests.tiny_models import random_llama_folder
+from tests.support.tiny_models import random_llama_folder
 
 folder = random_llama_folder(Path(sys.argv[2]) / "m", num_heads=8, num_kv_heads=2)
 PROMPTS = [[(5 * i + 7 * k) % 120 + 4 for i in range(n)] for k, n in enumerate([9, 40, 17, 70, 3, 33, 200])]

@@ -41,7 +41,7 @@ from app.tui.app import RooflineApp  # noqa: E402
 from app.tui.store import ChatSettings  # noqa: E402
 from app.tui.widgets.messages import MessageView  # noqa: E402
 from mlx_engine.api import GenerationRequest, SamplingParams  # noqa: E402
-from tests.tui_fake_engine import FakeBackend, FakeEngine, FakeReply, FakeTokenizer  # noqa: E402
+from tests.support.tui_fake_engine import FakeBackend, FakeEngine, FakeReply, FakeTokenizer  # noqa: E402
 
 KEY_INTERVAL_S = 0.05
 

@@ -127,7 +127,7 @@ def _launch(which: str, x: mx.array, w_blocks: mx.array, ggml_type: str, out_fea
     return y
 
 
-# The self-check's tolerance, as the tests' (tests/test_kernels_kquant.py) with 8x headroom for a GPU's fast math:
+# The self-check's tolerance, as the tests' (tests/test_kernels_metal_kquant.py) with 8x headroom for a GPU's fast math:
 # float32 accumulation in another order (1e-5 of the terms' scale) and half an ulp of a half-precision output.
 # A broken kernel is off by the scale itself.
 CHECK_HEADROOM = 8

@@ -289,8 +289,8 @@ def _launch(which: str, q: mx.array, pool: KVPool, block_tables: mx.array, seq_l
 # ---------------------------------------------------------------- self-check
 
 # What a kernel may differ from its reference by on the self-check's case: 8x the floors the tests measured
-# (tests/test_kernels_attention.py: summation order, exp2, rounding to q's dtype), room for a GPU's fast math;
-# a broken kernel is off by O(1).
+# (tests/test_kernels_metal_paged_attention.py: summation order, exp2, rounding to q's dtype), room for a GPU's fast
+# math; a broken kernel is off by O(1).
 CHECK_ATOL = {mx.float32: 8e-5, mx.float16: 1.6e-2, mx.bfloat16: 1.3e-1}
 CHECK_BLOCK_SIZE = 16  # divides every head dim, as per-channel keys need
 CHECK_LENS = (5, 40)  # a partial block, and three blocks: split into partitions of CHECK_PARTITION below

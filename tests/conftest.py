@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from tests.torch_support import SKIP_REASON
+from tests.support.torch_support import SKIP_REASON
 
 # .ci/run sets it to a file: the node ids of the tests skipped for want of torch, one a line, for its second run
 TORCH_SKIPS = "ROOFLINE_TORCH_SKIPS"
@@ -53,7 +53,7 @@ def engine():
 def server(engine):
     """`roofline serve`'s app over `engine` on a free loopback port, for the module's tests."""
     from app.server import create_app
-    from tests.server_fakes import LiveServer
+    from tests.support.server_fakes import LiveServer
 
     with LiveServer(create_app(engine), drain_s=5) as s:
         yield s

@@ -13,8 +13,8 @@ import pytest
 from safetensors import safe_open
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams
-from tests.tiny_models import GOLDEN, random_mamba_folder
-from tests.tolerance import assert_f32_close
+from tests.support.tiny_models import GOLDEN, random_mamba_folder
+from tests.support.tolerance import assert_f32_close
 
 # mlx-lm's classes through the adapter, sliding families (windows per kind of layer) included; gemma2's soft cap
 # and gpt_oss's sinks through the attention table's scored rows
@@ -63,7 +63,7 @@ def test_paged_logits_match_transformers(family) -> None:
     ids = g["input_ids"].ravel().tolist()
     want = g["logits"].reshape(len(ids), -1)
     targets = log_softmax(want)[np.arange(len(ids) - 1), ids[1:]]
-    # float32 floors (units, tests/tolerance.py; AMD EPYC): score 0.8-9.3, forward 5.9-16.3 (mixtral); x4
+    # float32 floors (units, tests/support/tolerance.py; AMD EPYC): score 0.8-9.3, forward 5.9-16.3 (mixtral); x4
     assert_f32_close(e.score(ids), targets, 38, f"{name} paged score vs transformers")
     assert_f32_close(e.forward_logits(ids), want, 66, f"{name} forward vs transformers")
     assert float(np.abs(e.forward_logits(ids) - want).max()) <= 1e-4  # the issue's bound

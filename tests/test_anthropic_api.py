@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from app.server import ServerConfig, create_app
-from tests.server_fakes import LiveServer
+from tests.support.server_fakes import LiveServer
 
 HI = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}

@@ -14,7 +14,7 @@ import pytest
 from app.server import ServerConfig, create_app
 from app.server.anthropic_api import parse_messages
 from app.server.errors import APIError
-from tests.server_fakes import REPLY, THOUGHT, FakeEngine, LiveServer, wait_until
+from tests.support.server_fakes import REPLY, THOUGHT, FakeEngine, LiveServer, wait_until
 
 HI = [{"role": "user", "content": "hi"}]
 GOOD = {"model": "default", "max_tokens": 30, "messages": HI}

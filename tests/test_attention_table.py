@@ -4,7 +4,8 @@ The twins compute with `kernels_metal.reference.paged_decode_attention`, the ker
 without a twin, or whose example its condition does not pick, fails here. Tolerances (max abs error; outputs are
 O(1), V standard normal): float32 1e-4 (float32 math on both sides, other summation orders; measured floor 2e-6),
 float16 4e-3 (both round the output to float16: half an ulp at 1-2 is 1e-3, either side of a tie). The scored rows
-(soft cap, sinks) run with a cap, with sinks, and with both, and are held to the float32 floor (tests/tolerance.py).
+(soft cap, sinks) run with a cap, with sinks, and with both, and are held to the float32 floor
+(tests/support/tolerance.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from kernels_metal import _backend
 from mlx_engine.attention import TABLE, Case, Path, choose
 from mlx_engine.kv.paged import PagedKVStorage
 from mlx_engine.kv.views import DecodeStep, PagedPrefillView
-from tests.tolerance import assert_f32_close
+from tests.support.tolerance import assert_f32_close
 
 ATOL = {mx.float32: 1e-4, mx.float16: 4e-3}
 HQ, HKV, BS = 4, 2, 16
@@ -163,7 +164,7 @@ def test_scored_paths_match_their_twins(path: Path, window: int | None, kind: st
     got, want = RUN[path.phase](path, np.random.default_rng(7), *args, scores=scores)
     plain = RUN[path.phase](path, np.random.default_rng(7), *args)[1]  # the twin without them, same data
     assert reference_calls and got.shape == want.shape and got.dtype == want.dtype
-    # float32 floor (units, tests/tolerance.py; AMD EPYC): 0-1.6 (decode-scored-slots, both); x4, rounded up
+    # float32 floor (units, tests/support/tolerance.py; AMD EPYC): 0-1.6 (decode-scored-slots, both); x4, rounded up
     assert_f32_close(got, want, 8, f"{path.name} {kind}")
     assert float(mx.abs(plain - want).max()) > 1e-2, f"{path.name}: {kind} changes nothing"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from app.bench.schema import SCHEMA, validate
-from tests.test_cli import assert_one_line_error, roofline
-from tests.tiny_models import random_llama_folder
+from tests.support.cli import assert_one_line_error, roofline
+from tests.support.tiny_models import random_llama_folder
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_context_beyond_the_model_is_one_clear_line(tmp_path: Path, capsys: pyte
 
 
 def test_cuda_without_cuda_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from tests.torch_support import require
+    from tests.support.torch_support import require
 
     require("torch")
     import torch
@@ -178,7 +178,7 @@ def test_cuda_without_cuda_is_one_clear_line(tmp_path: Path, capsys: pytest.Capt
 
 def test_bench_on_the_torch_backend(tmp_path: Path, home: Path, capsys: pytest.CaptureFixture,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.torch_support import require
+    from tests.support.torch_support import require
 
     require("torch")
     monkeypatch.setenv("ROOFLINE_HOME", str(home))
@@ -246,7 +246,7 @@ def test_a_batch_the_engine_cannot_run_at_once_is_refused_before_measuring() -> 
     from app.bench.sweep import _allow_batch
     from mlx_engine import Engine
     from mlx_engine.api import RooflineError
-    from tests.tiny_models import GOLDEN
+    from tests.support.tiny_models import GOLDEN
 
     with Engine.load(str(GOLDEN / "llama"), paged_kv=False) as e:
         with pytest.raises(RooflineError, match="contiguous KV cache here, which holds one sequence at a time"):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_models import random_llama_folder, write_gguf_from_folder
-from tests.torch_support import available, require
+from tests.support.tiny_models import random_llama_folder, write_gguf_from_folder
+from tests.support.torch_support import available, require
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,8 +42,8 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def execution(home: Path, *args: str) -> list[dict]:
     """Each engine's `execution()` from `roofline ARGS` run in a fresh process."""
     env = {**os.environ, "ROOFLINE_HOME": str(home)}
-    r = subprocess.run([sys.executable, "-m", "tests.execution_probe", *args], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "tests.support.execution_probe", *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["rc"] == 0, r.stderr

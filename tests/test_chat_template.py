@@ -118,7 +118,7 @@ def test_a_chat_template_given_at_load_replaces_the_models(tmp_path) -> None:
     tokenizer_config.json, the conversation is rendered with it; a bad one is a ModelLoadError naming it, before
     the model loads."""
     from mlx_engine import Engine, GenerationRequest, ModelLoadError
-    from tests.tiny_models import random_llama_folder, write_gguf_from_folder
+    from tests.support.tiny_models import random_llama_folder, write_gguf_from_folder
 
     gguf = tmp_path / "tiny.gguf"
     write_gguf_from_folder(random_llama_folder(tmp_path / "hf", vocab=160), gguf, {}, default_type="F32")

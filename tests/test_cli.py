@@ -3,27 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.tiny_models import GOLDEN
-
-
-def roofline(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None:
-    assert r.returncode == 2, r
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("roofline: error: "), r.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    assert "Traceback" not in r.stderr
+from tests.support.cli import assert_one_line_error, roofline
+from tests.support.tiny_models import GOLDEN
 
 
 def test_no_arguments_prints_help() -> None:
@@ -172,7 +158,7 @@ def test_generate_on_a_model_without_a_tokenizer_says_so_in_one_line() -> None:
 def test_tokens_on_vocabulary_only_gguf(tmp_path: Path) -> None:
     import gguf
 
-    from tests.tiny_models import byte_level_vocab
+    from tests.support.tiny_models import byte_level_vocab
 
     path = tmp_path / "vocab.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
@@ -279,9 +265,8 @@ def test_a_models_warnings_go_to_stderr_before_the_reply(monkeypatch, capsys) ->
     """`roofline generate` (and serve, through the same loader) prints ModelInfo.warnings as warning lines."""
     import dataclasses
 
-    from mlx_engine import Engine
-
     from app import cli
+    from mlx_engine import Engine
 
     load = Engine.load
 
@@ -299,9 +284,8 @@ def test_a_models_warnings_go_to_stderr_before_the_reply(monkeypatch, capsys) ->
 def test_generate_with_a_draft_model_is_greedy_exact_and_reports_its_drafts(capsys) -> None:
     """--draft-model beside the embedded model (itself: every draft passes at temperature 0): the reply equals
     plain decoding's, and the stats carry the drafts."""
-    from mlx_engine.loading import embedded_model_path
-
     from app import cli
+    from mlx_engine.loading import embedded_model_path
 
     args = ["generate", "-p", "Repeat exactly: the quick brown fox jumps over the lazy dog.", "-n", "12", "--json"]
     assert cli.main(args) == 0
@@ -320,7 +304,6 @@ def test_draft_flags_without_a_draft_model_are_one_clear_line(monkeypatch, capsy
     """Refused before any model loads, in generate and serve alike; chat loads its draft as optional."""
     import app.server as server_pkg
     import app.tui as tui_pkg
-
     from app import cli
 
     for command in (["generate", "-p", "hi"], ["serve"]):

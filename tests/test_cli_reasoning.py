@@ -1,5 +1,5 @@
-"""`roofline generate` on the tiny thinking model (tests/think_models.py): the answer on stdout, the thinking on stderr
-(or in --json's `reasoning`), --reasoning-effort and --reasoning-budget, and their mistakes as one line."""
+"""`roofline generate` on the tiny thinking model (tests/support/think_models.py): the answer on stdout, the thinking on
+stderr (or in --json's `reasoning`), --reasoning-effort and --reasoning-budget, and their mistakes as one line."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import assert_one_line_error
-from tests.think_models import ANSWER, REASONING, think_model_folder
+from tests.support.cli import assert_one_line_error
+from tests.support.think_models import ANSWER, REASONING, think_model_folder
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_parity_cmd import write_tokenizer
-from tests.test_pull import one_line_error
-from tests.tiny_models import GOLDEN, random_llama_folder, write_gguf_from_folder
+from tests.support.cli import one_line_error
+from tests.support.tiny_models import GOLDEN, random_llama_folder, write_gguf_from_folder
+from tests.support.tokenizer_files import write_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 IDS = [1, 5, 9, 17, 33, 65, 3, 7, 100, 4]

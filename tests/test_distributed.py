@@ -1,8 +1,8 @@
 """Two ranks on loopback with MLX's ring backend, started by mlx.launch: the engine's outputs against one process.
 
 Each launch starts two Python processes (about 3 s on the 2-core box before any model loads), so every test puts
-its models and requests into one or two launches (tests/distributed_ranks.py runs them on each rank). Ports: each
-launch picks free ports (`free_port_base`), so runs of the suite side by side do not collide.
+its models and requests into one or two launches (tests/support/distributed_ranks.py runs them on each rank). Ports:
+each launch picks free ports (`free_port_base`), so runs of the suite side by side do not collide.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from mlx_engine.distributed.stage import MIN_DECODE_ROWS_PER_MICRO_BATCH
-from tests.distributed_ranks import read_events
-from tests.tiny_models import random_llama_folder
+from tests.support.distributed_ranks import read_events
+from tests.support.tiny_models import random_llama_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "golden"
@@ -29,7 +29,7 @@ NATIVE = ("llama", "mistral", "qwen2", "qwen3")  # mlx_engine.models.NATIVE_MODE
 TINY = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists()
               and json.loads((p / "config.json").read_text())["model_type"] in NATIVE)
 MLX_LAUNCH = Path(sys.executable).parent / "mlx.launch"
-RANKS = ROOT / "tests" / "distributed_ranks.py"
+RANKS = ROOT / "tests" / "support" / "distributed_ranks.py"
 LAUNCH_TIMEOUT_S = 240
 
 pytestmark = pytest.mark.skipif(not MLX_LAUNCH.exists(), reason="mlx.launch is not installed beside python")

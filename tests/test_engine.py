@@ -7,7 +7,7 @@ import pytest
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams
 from mlx_engine.stop import StopStringMatcher
-from tests.tiny_models import GOLDEN
+from tests.support.tiny_models import GOLDEN
 
 PROMPT = [3, 17, 42, 99, 7, 64, 120, 5] * 5  # 40 tokens: two full blocks of 16
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from mlx_engine.api import EngineLike, ModelInfo
-from tests.tiny_models import GOLDEN
+from tests.support.tiny_models import GOLDEN
 
 
 def members(protocol: type) -> dict[str, Any]:
@@ -50,18 +50,19 @@ def test_the_protocol_lists_what_front_ends_use() -> None:
 
 
 def server_fake() -> object:
-    from tests.server_fakes import FakeEngine
+    from tests.support.server_fakes import FakeEngine
 
     return FakeEngine()
 
 
 def tui_fake() -> object:
-    from tests.tui_fake_engine import FakeEngine
+    from tests.support.tui_fake_engine import FakeEngine
 
     return FakeEngine()
 
 
-@pytest.mark.parametrize("make", [server_fake, tui_fake], ids=["tests.server_fakes", "tests.tui_fake_engine"])
+@pytest.mark.parametrize("make", [server_fake, tui_fake],
+                         ids=["tests.support.server_fakes", "tests.support.tui_fake_engine"])
 def test_every_fake_engine_has_the_engine_surface(make) -> None:
     engine = make()
     assert mismatches(engine) == []

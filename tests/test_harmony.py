@@ -18,7 +18,7 @@ from mlx_engine.harmony import (CHANNEL, MESSAGE, VOCAB_FILE, VOCAB_SHA256, Harm
                                 write_vocab)
 from mlx_engine.reasoning import HARMONY, reasoning_family, template_kwargs
 from mlx_engine.tokenizer import Tokenizer
-from tests.harmony_models import harmony_model_folder, harmony_tokenizer_files
+from tests.support.harmony_models import harmony_model_folder, harmony_tokenizer_files
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
            "ALL_PROXY": "http://127.0.0.1:9", "TIKTOKEN_RS_CACHE_DIR": "/nonexistent"}

@@ -10,7 +10,7 @@ import pytest
 
 from mlx_engine import Engine, GenerationRequest, RooflineError, SamplingParams
 from mlx_engine.kv.protocol import KVCache, KVStorage, MLXLayerView
-from tests.tiny_models import random_llama_folder
+from tests.support.tiny_models import random_llama_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [(7 * i + 3) % 120 + 5 for i in range(40)]
@@ -104,7 +104,7 @@ def test_front_ends_read_kv_files_from_model_info(folder: Path) -> None:
 
 
 def test_the_torch_cache_implements_the_contract(folder: Path) -> None:
-    from tests.torch_support import require
+    from tests.support.torch_support import require
 
     torch = require()
     from mlx_engine.backends.torch.kv import TorchPagedCache

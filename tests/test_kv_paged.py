@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from mlx_engine import Engine, GenerationRequest, RequestError, RooflineError, SamplingParams
-from tests.tiny_models import random_llama_folder
-from tests.tolerance import assert_f32_close
+from tests.support.kv_scores import stored_scores
+from tests.support.tiny_models import random_llama_folder
+from tests.support.tolerance import assert_f32_close
 
 PROMPT = [(7 * i + 3) % 120 + 5 for i in range(45)]  # 45 tokens: crosses block boundaries of 16 and 32
 
@@ -49,7 +50,7 @@ def test_paged_equals_contiguous_across_chunked_prefill_and_decode(tmp_path: Pat
         tokens, lps = steps(got, PROMPT)
     assert tokens == want_tokens
     assert np.array_equal(lps[..., 0], want[..., 0])  # same top-20 token ids in the same order
-    # float32 floor: 11.0 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+    # float32 floor: 11.0 units (tests/support/tolerance.py) on an AMD EPYC; x4 headroom
     assert_f32_close(lps[..., 1], want[..., 1], 48, "paged vs contiguous")
 
 
@@ -221,7 +222,7 @@ def test_prompt_logprobs_come_with_the_first_event(tmp_path: Path, paged: bool) 
 
     def check(lps) -> None:
         assert [lp.token_id for lp in lps] == ids[1:]
-        # float32 floor: 3.2 units (tests/tolerance.py) on an AMD EPYC; x5 headroom
+        # float32 floor: 3.2 units (tests/support/tolerance.py) on an AMD EPYC; x5 headroom
         assert_f32_close([lp.logprob for lp in lps], scores, 16, "prompt logprobs vs score")
         for t, lp in enumerate(lps):
             assert [i for i, _ in lp.top] == list(np.argsort(-logp[t])[:5])
@@ -327,18 +328,6 @@ def test_rotated_quantized_keys_keep_scores_and_beat_plain_on_outlier_channels(b
     assert errors[True] < (0.07 if bits == 4 else 0.005) * np.abs(exact).max(), errors
 
 
-def stored_scores(st, k: np.ndarray, v: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, object]:
-    """Writes k, v (n, Hkv, D) to slots 0..n-1 of layer 0 of `st`, reads them back as stored -> the scores
-    of one query per KV head q (Hkv, D) against the stored keys (Hkv, n), and the stored values."""
-    import mlx.core as mx
-
-    slots = mx.arange(k.shape[0], dtype=mx.int32)
-    st.write(0, slots, mx.array(k), mx.array(v))
-    keys, values = st.gather(0, slots)  # (Hkv, n, D)
-    queries = np.array(st.queries(0, mx.array(q)[None, :, None]))[0, :, 0]
-    return np.einsum("hd,hnd->hn", queries, np.array(keys)), values
-
-
 # --- keys at other bits than values (kv_key_bits) ---
 
 MIXED = {"kv_bits": 4, "kv_key_bits": 8, "kv_group_size": 32}
@@ -396,8 +385,8 @@ def test_key_bits_logits_lie_between_8bit_and_4bit(tmp_path: Path, layout: str) 
 
 
 def test_kv_stats_and_bytes_per_block_with_key_bits(tmp_path: Path) -> None:
-    from mlx_engine.memory import KVShape, kv_bytes
     from mlx_engine.kv.paged import bytes_per_block
+    from mlx_engine.memory import KVShape, kv_bytes
 
     folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)  # 2 layers, 2 KV heads, float32
     # a block: 16 tokens x 2 layers x 2 heads x (K: 64 bytes + 2 x 2 groups x 4 bytes; V: 32 + 16)
@@ -485,7 +474,7 @@ def test_bad_kv_key_bits(tmp_path: Path, opts: dict, message: str) -> None:
 
 
 def test_torch_backend_refuses_kv_key_bits(tmp_path: Path) -> None:
-    from tests.torch_support import require
+    from tests.support.torch_support import require
 
     require("torch")
     with pytest.raises(RooflineError, match=r"kv_key_bits is not supported on the torch backend .*unquantized"):
@@ -515,7 +504,7 @@ def test_a_next_turn_in_two_runs_of_blocks_is_read_in_place_and_equals_contiguou
         want_tokens, want = steps(ref, turn2, 6)
     assert tokens == want_tokens
     assert np.array_equal(lps[..., 0], want[..., 0])
-    # float32 floor: 10.5 units (tests/tolerance.py) on an AMD EPYC; x5 headroom
+    # float32 floor: 10.5 units (tests/support/tolerance.py) on an AMD EPYC; x5 headroom
     assert_f32_close(lps[..., 1], want[..., 1], 48, "next turn in place vs contiguous")
     # prefill chunks of 7 from position 48, then decode; blocks 0-2 hold the cached 48 tokens, the first
     # request's block 3 (other tokens from 48) is cached at the free queue's tail, so the new tokens are in
@@ -568,9 +557,9 @@ def check_channel_blocks(keys: np.ndarray, scales: np.ndarray, biases: np.ndarra
     and every key lies within half a step of the truth."""
     for blk in range(-(-want.shape[0] // bs)):
         w = want[blk * bs:(blk + 1) * bs]  # (valid, Hkv, D)
-        # float32 floor: 2.9 units (tests/tolerance.py) on an AMD EPYC; x6 headroom
+        # float32 floor: 2.9 units (tests/support/tolerance.py) on an AMD EPYC; x6 headroom
         assert_f32_close(biases[blk], w.min(0), 16, "channel biases")
-        # float32 floor: 2.8 units (tests/tolerance.py) on an AMD EPYC; x6 headroom
+        # float32 floor: 2.8 units (tests/support/tolerance.py) on an AMD EPYC; x6 headroom
         assert_f32_close(scales[blk], (w.max(0) - w.min(0)) / (2**bits - 1), 16, "channel scales")
         err = np.abs(keys[blk * bs:blk * bs + len(w)] - w)
         assert (err <= scales[blk] / 2 + 1e-5).all(), float(err.max())
@@ -686,7 +675,7 @@ def test_channel_keys_prefix_hits_read_the_same(tmp_path: Path) -> None:
         assert events[-1].usage.cached_prompt_tokens == 32
         second = steps(e, prompt, 5)
         assert first[0] == second[0]
-        # float32 floor: 30.8 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+        # float32 floor: 30.8 units (tests/support/tolerance.py) on an AMD EPYC; x4 headroom
         assert_f32_close(second[1][..., 1], first[1][..., 1], 128, "prefix hit vs first")
         longer = prompt + first[0] + [12]
         events = list(e.generate(GenerationRequest(prompt_token_ids=longer, sampling=SamplingParams(
@@ -724,13 +713,13 @@ def test_channel_keys_save_restore_round_trip_and_refuse_per_token_files(tmp_pat
         assert events[-1].usage.cached_prompt_tokens == 48
         got = np.array([[list(t) for t in lp.top] for e in events for lp in e.logprobs])
         assert np.array_equal(got[..., 0], again[..., 0])
-        # float32 floor: 4.5 units (tests/tolerance.py) on an AMD EPYC; x5 headroom
+        # float32 floor: 4.5 units (tests/support/tolerance.py) on an AMD EPYC; x5 headroom
         assert_f32_close(got[..., 1], again[..., 1], 24, "restored vs before")
 
 
 def test_kv_bytes_of_channel_keys(tmp_path: Path) -> None:
-    from mlx_engine.memory import KVShape, kv_bytes
     from mlx_engine.kv.paged import bytes_per_block
+    from mlx_engine.memory import KVShape, kv_bytes
 
     folder = random_llama_folder(tmp_path / "m", head_dim=64, hidden=128)  # 2 layers, 2 KV heads, float32
     # a block of 32 tokens x 2 layers x 2 heads: K 32 bytes + 2 x (64 / 32) x 4 (a scale and bias per channel per
@@ -777,7 +766,7 @@ def test_channel_keys_read_the_same_whatever_the_prefill_chunks(tmp_path: Path) 
             runs[chunk] = steps(e, PROMPT, 6)
     for chunk in (7, 512):
         assert runs[chunk][0] == runs[1][0]
-        # float32 floor: 30.8 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+        # float32 floor: 30.8 units (tests/support/tolerance.py) on an AMD EPYC; x4 headroom
         assert_f32_close(runs[chunk][1][..., 1], runs[1][1][..., 1], 128, f"chunk {chunk} vs 1")
 
 

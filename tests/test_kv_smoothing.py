@@ -11,9 +11,9 @@ import pytest
 from mlx_engine import Engine, GenerationRequest, RooflineError, SamplingParams
 from mlx_engine.kv.paged import PagedKVStorage
 from mlx_engine.kv.smoothing import OFFSET_STEP, SCALE_STEPS, KVSmoothing, calibrate
-from tests.test_kv_paged import stored_scores
-from tests.tiny_models import random_llama_folder
-from tests.tolerance import assert_f32_close
+from tests.support.kv_scores import stored_scores
+from tests.support.tiny_models import random_llama_folder
+from tests.support.tolerance import assert_f32_close
 
 PROMPT = [(7 * i + 3) % 120 + 5 for i in range(45)]
 
@@ -53,7 +53,7 @@ def test_smoothing_changes_no_attention_output_before_quantization(d: int) -> No
     qs = np.array(st.queries(layer, mx.array(q)))[0]
     out = softmax_attention(qs.astype(np.float64), keys, values).astype(np.float32)
     got = np.array(st.outputs(layer, mx.array(out)[None]))[0]
-    # float32 floor: 10.1 units (tests/tolerance.py) on an AMD EPYC; x5 headroom
+    # float32 floor: 10.1 units (tests/support/tolerance.py) on an AMD EPYC; x5 headroom
     assert_f32_close(got, want, 48, "smoothed float32 vs float64")
     assert np.abs(keys - k.transpose(1, 0, 2)).max() > 1  # (sanity: what is stored is not the keys)
 
@@ -234,7 +234,7 @@ def test_scored_layers_get_no_offsets_that_shift_their_softmax(name: str, value_
     from mlx_engine.kv.smoothing import measure
     from mlx_engine.loading import load_checkpoint
     from mlx_engine.models import build_model
-    from tests.tiny_models import GOLDEN
+    from tests.support.tiny_models import GOLDEN
 
     ckpt = load_checkpoint(str(GOLDEN / name))
     built = build_model(ckpt.config, ckpt.weights, mx.float32, ckpt.quantization, name)

@@ -1,8 +1,10 @@
 """The dependency direction of DESIGN.md (docs/architecture.md, "What may import what"), checked by importing every
-module of app, mlx_engine, kernels_metal and quant, each alone in a fresh interpreter."""
+module of app, mlx_engine, kernels_metal and quant, each alone in a fresh interpreter; and the tests' own layout: each
+test file named after a module, shared helpers in tests/support/, no test file importing another."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -11,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.torch_support import available, require
+from tests.support.torch_support import available, require
 
 
 def imported_after(code: str) -> set[str]:
@@ -301,3 +303,78 @@ def test_no_import_circles() -> None:
     back, at module level or inside a function."""
     found = circles(import_graph(*PACKAGES))
     assert found == []
+
+
+# --- where a reader finds a module's tests (issue 49) ------------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+# This file checks the packages against each other, so it names no one module.
+WHOLE_PROJECT = {"test_layering.py"}
+
+
+def module_keys(*packages: str) -> set[str]:
+    """Every name a test file may start with after `test_`: each module's (or package's) path parts inside the
+    repository, any trailing run of them joined by '_' (app/server/anthropic_api.py: anthropic_api,
+    server_anthropic_api, app_server_anthropic_api)."""
+    keys = set()
+    for module in modules_in(*packages):
+        parts = module.split(".")
+        keys.update("_".join(parts[i:]) for i in range(len(parts)))
+    return keys
+
+
+def names_a_module(filename: str, keys: set[str]) -> bool:
+    """test_<key>.py or test_<key>_<topic>.py."""
+    name = filename.removeprefix("test_").removesuffix(".py")
+    return any(name == key or name.startswith(key + "_") for key in keys)
+
+
+def test_names_a_module_reads_the_key_and_an_optional_topic() -> None:
+    keys = module_keys("app.server")
+    assert names_a_module("test_anthropic_api.py", keys)
+    assert names_a_module("test_server_anthropic_api_errors.py", keys)
+    assert names_a_module("test_app_server_anthropic_api.py", keys)
+    assert not names_a_module("test_anthropic.py", keys)  # a key is whole parts, not a prefix of one
+    assert not names_a_module("test_api_anthropic.py", keys)
+    assert not names_a_module("test_pull.py", module_keys(*PACKAGES))
+
+
+def test_every_test_file_names_a_module() -> None:
+    """A module's tests are found from its name: tests/test_<module path inside its package, '/' as '_'>[_<topic>].py.
+    Shared helpers and fakes live in tests/support/, not beside the test files."""
+    keys = module_keys(*PACKAGES)
+    unnamed = sorted(f.name for f in TESTS.glob("test_*.py")
+                     if f.name not in WHOLE_PROJECT and not names_a_module(f.name, keys))
+    assert unnamed == [], f"name these after the module they test (test_<module>[_<topic>].py): {unnamed}"
+    helpers = sorted(f.name for f in TESTS.glob("*.py") if not f.name.startswith("test_") and f.name != "conftest.py")
+    assert helpers == [], f"move these to tests/support/: {helpers}"
+
+
+def test_imported_test_files(tmp_path: Path) -> None:
+    """imported_test_files sees a test file imported at any depth, in either form."""
+    (tmp_path / "test_a.py").write_text("def f():\n    from tests.test_b import x\n")
+    (tmp_path / "test_c.py").write_text("from tests import test_d\nimport tests.test_e\nfrom tests.support import cli\n")
+    assert imported_test_files(tmp_path / "test_a.py") == {"tests.test_b"}
+    assert imported_test_files(tmp_path / "test_c.py") == {"tests.test_d", "tests.test_e"}
+
+
+def imported_test_files(path: Path) -> set[str]:
+    """The test modules (tests.test_*) that `path` imports, at module level or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("tests.test_"))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.startswith("tests.test_"):
+                found.add(node.module)
+            elif node.module == "tests":
+                found.update(f"tests.{a.name}" for a in node.names if a.name.startswith("test_"))
+    return found
+
+
+def test_no_test_file_imports_another() -> None:
+    """What several test files share lives in tests/support/; a test file or helper importing a test file runs that
+    file's module-level setup and ties the two together."""
+    importing = {str(f.relative_to(TESTS.parent)): sorted(found) for f in sorted(TESTS.rglob("*.py"))
+                 if (found := imported_test_files(f) - {f"tests.{f.stem}"})}
+    assert importing == {}, f"import these from tests/support/ instead: {importing}"

@@ -14,7 +14,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from mlx_engine import Engine, GenerationRequest, ModelLoadError, RequestError, SamplingParams
-from tests.tiny_models import (
+from tests.support.loading import _quantized_folder, greedy
+from tests.support.tiny_models import (
     GOLDEN,
     folder_with_weights,
     gguf_to_hf_names,
@@ -22,14 +23,9 @@ from tests.tiny_models import (
     kquants_as_float16,
     write_gguf_from_folder,
 )
-from tests.tolerance import assert_f32_close
+from tests.support.tolerance import assert_f32_close
 
 IDS = [3, 17, 42, 99, 7, 64, 120, 5, 33, 81, 12, 2]
-
-
-def greedy(engine: Engine, ids: list[int], n: int = 12) -> list[int]:
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return [t for e in engine.generate(GenerationRequest(prompt_token_ids=ids, sampling=params)) for t in e.token_ids]
 
 
 @pytest.mark.parametrize(
@@ -80,14 +76,14 @@ def test_gguf_with_kquants_matches_its_dequantized_folder(kquant_gguf: tuple[Pat
 
 def test_torch_backend_reads_the_kquant_gguf_alike(kquant_gguf: tuple[Path, Path],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.torch_support import require
+    from tests.support.torch_support import require
 
     require("torch")
     monkeypatch.setenv("ROOFLINE_TORCH_CPU_PACKED", "0")  # float32 weights, as MLX's (the packed path: its own tests)
     gguf_path, _ = kquant_gguf
     with Engine.load(str(gguf_path)) as mlx_side, Engine.load(str(gguf_path), backend="torch", device="cpu") as t:
         a, b = mlx_side.forward_logits(IDS), t.forward_logits(IDS)
-        # float32 floor: 72.8 units (tests/tolerance.py: 1.6e-4 on max |logit| 18.3) on an AMD EPYC; x4 headroom
+        # float32 floor: 72.8 units (tests/support/tolerance.py: 1.6e-4 on max |logit| 18.3) on an AMD EPYC; x4 headroom
         assert_f32_close(b, a, 300, "torch vs MLX")
         assert greedy(mlx_side, IDS) == greedy(t, IDS)
 
@@ -121,33 +117,6 @@ def test_gguf_type_still_unsupported_is_named(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(ModelLoadError, match=r"IQ2_XXS is not loadable.*Q5_0, Q5_1.*IQ4_NL, IQ4_XS, MXFP4"):
         Engine.load(str(path))
-
-
-def _quantized_folder(tmp_path: Path, bits: int, group_size: int, override: dict | None = None) -> tuple[Path, Path]:
-    """An mlx-community style folder (quantization in config.json, per-layer override) and the matching
-    folder of dequantized float32 weights."""
-    src = GOLDEN / "llama"
-    config = json.loads((src / "config.json").read_text())
-    weights = load_file(str(src / "model.safetensors"))
-    qdir, ddir = tmp_path / "q", tmp_path / "deq"
-    qdir.mkdir()
-    quantized, deq = {}, {}
-    override = override or {}
-    for name, value in weights.items():
-        path = name.removesuffix(".weight")
-        if value.ndim == 2 and name.endswith(".weight") and override.get(path) is not False:
-            b = override.get(path, {}).get("bits", bits)
-            g = override.get(path, {}).get("group_size", group_size)
-            wq, s, bias = mx.quantize(mx.array(value), group_size=g, bits=b)
-            quantized[name], quantized[f"{path}.scales"], quantized[f"{path}.biases"] = (np.array(wq), np.array(s),
-                                                                                        np.array(bias))
-            deq[name] = np.array(mx.dequantize(wq, s, bias, group_size=g, bits=b))
-        else:
-            quantized[name] = deq[name] = value
-    config["quantization"] = {"group_size": group_size, "bits": bits, **override}
-    (qdir / "config.json").write_text(json.dumps(config))
-    save_file(quantized, str(qdir / "model.safetensors"))
-    return qdir, folder_with_weights(src, ddir, deq)
 
 
 def test_mlx_quantized_folder_with_per_layer_override(tmp_path: Path) -> None:
@@ -338,7 +307,7 @@ def test_kquant_layers_read_the_blocks(tmp_path: Path, monkeypatch, embedding: s
     The logits are those of the exact dequantized weights: float32 here, where the float16 copies differ."""
     from mlx_engine.models import kquant
     from mlx_engine.models.kquant import KQuantEmbedding, KQuantLinear
-    from tests.tiny_models import KQUANT_LAYOUT, random_llama_folder
+    from tests.support.tiny_models import KQUANT_LAYOUT, random_llama_folder
 
     src = random_llama_folder(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=64, hidden=256)
     path = tmp_path / "k.gguf"
@@ -356,7 +325,7 @@ def test_kquant_layers_read_the_blocks(tmp_path: Path, monkeypatch, embedding: s
         assert isinstance(embed, KQuantEmbedding) == embedding.endswith("_K")
         assert got.info.num_parameters == want.info.num_parameters
         a, b = got.forward_logits(IDS), want.forward_logits(IDS)  # 12 rows: dequantized
-        # float32 floor: 28.9 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+        # float32 floor: 28.9 units (tests/support/tolerance.py) on an AMD EPYC; x4 headroom
         assert_f32_close(a, b, 120, "k-quant layers vs dequantized")
         # decode rows, the kernel's path: the same tokens and log-probabilities
         runs = []
@@ -365,7 +334,7 @@ def test_kquant_layers_read_the_blocks(tmp_path: Path, monkeypatch, embedding: s
                 temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0))))
             runs.append(([t for e in events for t in e.token_ids], [lp.logprob for e in events for lp in e.logprobs]))
         assert runs[0][0] == runs[1][0]
-        # float32 floor: 59.1 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+        # float32 floor: 59.1 units (tests/support/tolerance.py) on an AMD EPYC; x4 headroom
         assert_f32_close(runs[0][1], runs[1][1], 240, "decode logprobs")
     assert 1 in calls
 

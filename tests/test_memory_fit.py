@@ -18,8 +18,8 @@ import pytest
 from mlx_engine.api import ModelLoadError
 from mlx_engine.catalog import describe_model
 from mlx_engine.memory import FIT_CONTEXT, WeightsHeader, available_memory, estimate_fit, held_weight_bytes
-from tests.test_pull import one_line_error
-from tests.tiny_models import random_llama_folder
+from tests.support.cli import one_line_error
+from tests.support.tiny_models import random_llama_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 CLAIM = 2**40  # bytes of weights the header claims: 1.1 TB, more than any machine this runs on
@@ -78,7 +78,7 @@ def test_every_front_end_says_it_in_one_line(big: Path, command: list[str]) -> N
 async def test_the_app_shows_it_and_keeps_running(big: Path, tmp_path: Path) -> None:
     from app.tui.app import RooflineApp
     from app.tui.backend import EngineBackend
-    from tests.tui_helpers import wait_for
+    from tests.support.tui_helpers import wait_for
 
     app = RooflineApp(backend=EngineBackend(), model=str(big), home=tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_parity_cmd import write_tokenizer
-from tests.test_pull import one_line_error
-from tests.tiny_models import random_llama_folder, write_gguf_from_folder
+from tests.support.cli import one_line_error
+from tests.support.tiny_models import random_llama_folder, write_gguf_from_folder
+from tests.support.tokenizer_files import write_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

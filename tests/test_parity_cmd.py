@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.tiny_models import byte_level_vocab, folder_with_weights, random_llama_folder
+from tests.support.tiny_models import folder_with_weights, random_llama_folder
+from tests.support.tokenizer_files import write_tokenizer
 
 IDS = [[1, 5, 9, 17, 33, 65, 3, 7], [100, 4, 4, 27]]
 
@@ -22,19 +23,6 @@ def in_process(capsys: pytest.CaptureFixture, *args: str) -> subprocess.Complete
     rc = main(list(args))
     out = capsys.readouterr()
     return subprocess.CompletedProcess(args, rc, out.out, out.err)
-
-
-def write_tokenizer(folder: Path, reverse: bool = False) -> Path:
-    """A byte-level BPE tokenizer.json over the folder's 128 ids (no merges); `reverse` numbers them backwards."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    pieces = byte_level_vocab(128)
-    vocab = {p: (127 - i if reverse else i) for i, p in enumerate(pieces)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(folder / "tokenizer.json"))
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +145,7 @@ def test_hidden_states_end_in_forward_logits(models: dict[str, Path]) -> None:
 
 
 def test_mlx_against_torch_on_cpu(models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from tests.torch_support import require
+    from tests.support.torch_support import require
 
     require("torch")
     out = tmp_path / "parity.json"
@@ -171,7 +159,7 @@ def test_mlx_against_torch_on_cpu(models: dict[str, Path], tmp_path: Path, capsy
 
 
 def test_dtype_sets_the_torch_side(models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from tests.torch_support import require
+    from tests.support.torch_support import require
 
     require("torch")
     out = tmp_path / "parity.json"

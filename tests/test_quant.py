@@ -18,7 +18,7 @@ from quant.affine import affine_codes, affine_from_gguf
 from quant.codebook import dequantize_iq4, mxfp4_codes
 from quant.kquant import kquant_affine, kquant_scales, q6k_scales
 from quant.mlx_layout import pack_codes
-from tests.tiny_models import random_blocks
+from tests.support.tiny_models import random_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,5 +1,5 @@
-"""Reasoning through the engine on a tiny thinking model whose greedy reply is known (tests/think_models.py): the
-split on token ids, thinking on and off through the template, the budget's forced closer after exactly N tokens (in
+"""Reasoning through the engine on a tiny thinking model whose greedy reply is known (tests/support/think_models.py):
+the split on token ids, thinking on and off through the template, the budget's forced closer after exactly N tokens (in
 batches, speculating, with a grammar), stop strings on the answer only, and a model without reasoning refusing a
 budget."""
 
@@ -12,7 +12,7 @@ import pytest
 from mlx_engine import Engine, GenerationRequest, RequestError, ResponseFormat, SamplingParams
 from mlx_engine.reasoning import reasoning_family
 
-from tests.think_models import ANSWER, REASONING, TEXT_ANSWER, TEXT_REASONING, THINK_CLOSE, think_model_folder
+from tests.support.think_models import ANSWER, REASONING, TEXT_ANSWER, TEXT_REASONING, THINK_CLOSE, think_model_folder
 
 HI = [{"role": "user", "content": "Hi?"}]
 REPLY_IDS = [*REASONING.encode(), THINK_CLOSE, *ANSWER.encode()]  # then <|im_end|>

@@ -11,7 +11,7 @@ from mlx_lm import sample_utils as lm
 
 from mlx_engine.api import RequestError, SamplingParams
 from mlx_engine.sampling import Sampler
-from tests.tolerance import assert_f32_close
+from tests.support.tolerance import assert_f32_close
 
 
 def sp(**kw) -> SamplingParams:
@@ -269,7 +269,7 @@ def test_probs_match_numpy_reference(kw, seed):
         s.accept(mx.array([t]))
     got = np_of(s.probs(mx.array(logits[None], dtype=mx.float32)))[0]
     ref = ref_probs(logits, p, prompt, output)
-    # float32 floor: 6.4 units (tests/tolerance.py) on an AMD EPYC; x5 headroom
+    # float32 floor: 6.4 units (tests/support/tolerance.py) on an AMD EPYC; x5 headroom
     assert_f32_close(got, ref, 32, "probs vs float64")
     assert np.array_equal(got > 0, ref > 0)
 

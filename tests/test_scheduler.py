@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams
-from tests.tiny_models import random_llama_folder
-from tests.tolerance import assert_f32_close
+from tests.support.tiny_models import random_llama_folder
+from tests.support.tolerance import assert_f32_close
 
 PROMPTS = [[(5 * i + 7 * k) % 120 + 4 for i in range(n)] for k, n in enumerate([9, 40, 17, 70, 3, 33])]
 
@@ -60,7 +60,7 @@ def test_concurrent_requests_equal_sequential_runs(folder: Path, head_major: boo
     for (tokens, lps, final), (want_tokens, want_lps), p in zip(got, want, ps):
         assert tokens == want_tokens
         assert final.finish_reason == "length" and final.usage.completion_tokens == p.max_tokens
-        # float32 floor: 9.8 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+        # float32 floor: 9.8 units (tests/support/tolerance.py) on an AMD EPYC; x4 headroom
         assert_f32_close([a.logprob for a in lps], [b.logprob for b in want_lps[:len(lps)]], 40, "batched vs alone")
 
 
@@ -121,7 +121,7 @@ def test_a_step_is_one_forward_over_decode_rows_and_prefill_chunks(folder: Path,
     for (tokens, lps, _), prompt, p, skip in zip(got, (PROMPTS[0], PROMPTS[1], PROMPTS[3]), ps, (1, 0, 0)):
         want_tokens, want_lps = alone(folder, prompt, p)
         assert tokens == want_tokens[skip:]
-        # float32 floor: 7.7 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+        # float32 floor: 7.7 units (tests/support/tolerance.py) on an AMD EPYC; x4 headroom
         want = [y.logprob for y in want_lps[skip:][:len(lps)]]
         assert_f32_close([x.logprob for x in lps], want, 32, "packed vs alone")
     assert list(first.token_ids) == alone(folder, PROMPTS[0], ps[0])[0][:1]
@@ -281,7 +281,7 @@ def test_decode_step_timer_leaves_the_cache_as_it_found_it(folder: Path, backend
 
     opts: dict = {}
     if backend == "torch":
-        from tests.torch_support import require
+        from tests.support.torch_support import require
 
         require()
         opts = {"backend": "torch", "device": "cpu"}

@@ -16,19 +16,10 @@ from app.server.protocol import parse_job
 from app.server.responses_api import parse_responses
 from app.toolcalls.schemas import closed, rebased, schema_error
 from mlx_engine.api import ResponseFormat
-from mlx_engine.structured import bytes_tokenizer, grammar
-from tests.test_cli import assert_one_line_error, roofline
-from tests.schema_models import Node, Person
+from mlx_engine.structured import grammar
+from tests.support.cli import assert_one_line_error, roofline
+from tests.support.schema_models import BYTES, PERSON, Node, Person
 
-
-
-
-# What pydantic 2 emits for Person: the nested model in $defs, referred to from the root.
-PERSON = {"$defs": {"Address": {"properties": {"street": {"title": "Street", "type": "string"},
-                                               "city": {"title": "City", "type": "string"}},
-                                "required": ["street", "city"], "title": "Address", "type": "object"}},
-          "properties": {"name": {"title": "Name", "type": "string"}, "address": {"$ref": "#/$defs/Address"}},
-          "required": ["name", "address"], "title": "Person", "type": "object"}
 NAMES = {"fake"}
 
 
@@ -47,9 +38,6 @@ def responses_error(body: dict[str, Any]) -> APIError:
     with pytest.raises(APIError) as e:
         parse_responses({"model": "fake", "input": "hi", **body}, NAMES, "fake", 4096, 1000)
     return e.value
-
-
-BYTES = bytes_tokenizer()
 
 
 def accepts(schema: dict[str, Any], text: str) -> bool:

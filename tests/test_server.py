@@ -13,8 +13,8 @@ import openai
 import pytest
 from mlx_engine import GenerationRequest, SamplingParams
 
-from tests.server_fakes import wait_until
-from tests.tolerance import assert_f32_close
+from tests.support.server_fakes import wait_until
+from tests.support.tolerance import assert_f32_close
 
 HI = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -159,7 +159,7 @@ def test_a_batch_of_prompts_with_echo_scores_them_as_lm_eval_does(client, engine
         got, want = choice.logprobs.token_logprobs, scored.logprobs.token_logprobs[:len(ids)]
         assert got[0] is want[0] is None and len(got) == len(want)
         # the second request scores from the first's blocks in the prefix cache: equal to float32 rounding, not bit
-        # for bit (here 1.4 units of tests/tolerance.py, on an AMD EPYC; x11 headroom)
+        # for bit (here 1.4 units of tests/support/tolerance.py, on an AMD EPYC; x11 headroom)
         assert_f32_close(got[1:], want[1:], 16, "echo scores, max_tokens 0 vs 1")
     plain = client.completions.create(model=model_id, prompt="Hello there", echo=True, max_tokens=0)
     assert plain.choices[0].text == "Hello there" and plain.choices[0].logprobs is None

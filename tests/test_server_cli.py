@@ -86,8 +86,8 @@ def test_sigterm_drains_the_stream_in_flight_then_exits(served) -> None:
 
 
 def test_serve_on_a_missing_cuda_device_is_one_clear_line() -> None:
-    from tests.test_cli import assert_one_line_error, roofline
-    from tests.torch_support import require
+    from tests.support.cli import assert_one_line_error, roofline
+    from tests.support.torch_support import require
 
     torch = require("torch")
     if torch.cuda.is_available():
@@ -98,7 +98,7 @@ def test_serve_on_a_missing_cuda_device_is_one_clear_line() -> None:
 
 @pytest.mark.parametrize("origin", ["https://my.app/chat", "my.app", "https://", "http://a b"])
 def test_a_malformed_allow_origin_is_one_clear_line(origin: str) -> None:
-    from tests.test_cli import assert_one_line_error, roofline
+    from tests.support.cli import assert_one_line_error, roofline
 
     r = roofline("serve", "--allow-origin", "https://fine.example", "--allow-origin", origin, "--port", "0")
     assert_one_line_error(r, f"--allow-origin {origin!r}", "scheme://host[:port], no path")
@@ -106,7 +106,7 @@ def test_a_malformed_allow_origin_is_one_clear_line(origin: str) -> None:
 
 @pytest.mark.parametrize("host", ["http://my.box", "my.box:8080", "my box", "my.box/x"])
 def test_a_malformed_allow_host_is_one_clear_line(host: str) -> None:
-    from tests.test_cli import assert_one_line_error, roofline
+    from tests.support.cli import assert_one_line_error, roofline
 
     r = roofline("serve", "--allow-host", "fine.lan", "--allow-host", host, "--port", "0")
     assert_one_line_error(r, f"--allow-host {host!r}", "expected a host name")

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from app.server import ServerConfig, create_app
-from tests.server_fakes import CONTEXT, REPLY, FakeEngine, LiveServer, wait_until
+from tests.support.server_fakes import CONTEXT, REPLY, FakeEngine, LiveServer, wait_until
 
 GOOD = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 KEY = "sekret-key"

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from app.server import ServerConfig, create_app
-from tests.server_fakes import REPLY, FakeEngine, LiveServer, raw_request, wait_until
+from tests.support.server_fakes import REPLY, FakeEngine, LiveServer, raw_request, wait_until
 
 LONG = {"model": "default", "prompt": "[long][slow]", "max_tokens": 44, "stream": True}  # 44 tokens, 20 ms each
 

@@ -1,5 +1,5 @@
 """gpt-oss's tool calls on the server (`app/server/harmony_tools.py`): a tiny gpt-oss whose greedy reply is a harmony
-call (`tests/harmony_tool_models.py`: the real o200k_harmony tokenizer, gpt-oss's chat template, bigram weights)
+call (`tests/support/harmony_tool_models.py`: the real o200k_harmony tokenizer, gpt-oss's chat template, bigram weights)
 served live and driven by the `openai` and `anthropic` SDKs. The call the engine reads from the `commentary` channel
 comes back as chat `tool_calls` (whole and streamed), a Responses `function_call` item and an Anthropic `tool_use`
 block; the follow-up turn's prompt is the one openai-harmony itself renders for the same conversation.
@@ -19,8 +19,8 @@ from mlx_engine.tokenizer import Tokenizer
 from app.server import create_app
 from app.server.harmony_tools import HARMONY_TOOLS
 from app.server.protocol import parse_job
-from tests.harmony_tool_models import ARGUMENTS, TEMPLATE_FILE, harmony_tool_model_folder
-from tests.server_fakes import LiveServer
+from tests.support.harmony_tool_models import ARGUMENTS, TEMPLATE_FILE, harmony_tool_model_folder
+from tests.support.server_fakes import LiveServer
 
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "description": "The city"},
                                                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from app.server.app import ServerConfig, create_app
-from tests.server_fakes import FakeEngine, FakeTokenizer, LiveServer, raw_request
+from tests.support.server_fakes import FakeEngine, FakeTokenizer, LiveServer, raw_request
 
 LIMIT_S = 0.6  # the head's and the body's time limits here
 

@@ -1,5 +1,5 @@
 """Reasoning on the OpenAI surfaces, through the official `openai` client: a live server over the tiny thinking model
-(tests/think_models.py: its greedy reply is REASONING, `</think>`, ANSWER) for chat's `reasoning_content`, its
+(tests/support/think_models.py: its greedy reply is REASONING, `</think>`, ANSWER) for chat's `reasoning_content`, its
 deltas, `reasoning_tokens`, the Responses reasoning item and its events, thinking switched off, and the 400s; the
 scripted engine for what the server sends the template and for a model without reasoning."""
 
@@ -18,8 +18,8 @@ from openai.types.responses import (ResponseReasoningItem, ResponseReasoningSumm
 
 from app.server import create_app
 from app.server.responses_api import ResponsesFormatter, parse_responses, response_events
-from tests.server_fakes import REPLY, THOUGHT, FakeEngine, LiveServer
-from tests.think_models import ANSWER, REASONING, think_model_folder
+from tests.support.server_fakes import REPLY, THOUGHT, FakeEngine, LiveServer
+from tests.support.think_models import ANSWER, REASONING, think_model_folder
 
 HI = [{"role": "user", "content": "Hi?"}]
 OFF = {"chat_template_kwargs": {"enable_thinking": False}}

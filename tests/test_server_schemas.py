@@ -8,8 +8,8 @@ import pytest
 from mlx_engine import Engine
 
 from app.server import create_app
-from tests.server_fakes import LiveServer
-from tests.schema_models import Address, Node, Person
+from tests.support.server_fakes import LiveServer
+from tests.support.schema_models import Address, Node, Person
 
 BOB = [{"role": "user", "content": "Bob lives at 1 Main St, Springfield. Save him."}]
 

@@ -13,7 +13,7 @@ from app.server import ServerConfig, create_app
 from app.server.errors import from_request_error
 from app.server.protocol import parse_job
 from app.server.responses import usage_dict
-from tests.server_fakes import REPLY, FakeEngine, LiveServer
+from tests.support.server_fakes import REPLY, FakeEngine, LiveServer
 
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "default", "prompt": "hi"}

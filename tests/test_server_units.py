@@ -14,7 +14,7 @@ from app.server.errors import APIError, from_request_error
 from app.server.fields import parse_body
 from app.server.protocol import Job, Prompt, model_slug, parse_job
 from app.server.responses import Choice, Echo, Formatter, sse, token_bytes_fn, token_str
-from tests.server_fakes import FakeTokenizer
+from tests.support.server_fakes import FakeTokenizer
 
 NAMES = {"fake", "default"}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {

@@ -15,7 +15,7 @@ from llguidance import LLMatcher
 
 from mlx_engine import Engine, GenerationRequest, RequestError, ResponseFormat, SamplingParams
 from mlx_engine.structured import check_format, grammar
-from tests.tiny_models import random_llama_folder, write_gguf_from_folder
+from tests.support.tiny_models import random_llama_folder, write_gguf_from_folder
 
 PATTERN = r"[a-c]{2,4}-[0-9]{1,3}"
 PROMPT = [1, 72, 101, 108, 108, 111, 58, 32]  # BOS "Hello: " in the byte-level vocabulary
@@ -249,7 +249,7 @@ def test_speculative_sampling_under_a_grammar_is_lossless(with_draft, monkeypatc
     tokens' distribution over the grammar's four strings matches the exact masked one (chi-square, p > 0.01), and
     accepting every draft that fits the grammar (no p/q test) fails the same test."""
     import mlx_engine.speculative.step as sp
-    from tests.test_speculative import chi2_pvalue
+    from tests.support.stats import chi2_pvalue
 
     fmt = ResponseFormat("regex", pattern="a[ab]b|b[ab]a")  # the third token's mask depends on the first
     prompt, T, n = [1, *b"abba abab: "], 4.0, 800
@@ -351,7 +351,7 @@ def test_json_whitespace_is_bounded() -> None:
 
 
 def test_torch_backend_gives_the_same_constrained_reply(tiny: Path, engine) -> None:
-    from tests.torch_support import require
+    from tests.support.torch_support import require
 
     require()
     fmt = ResponseFormat("json_schema", schema=SCHEMA)

@@ -16,18 +16,18 @@ import numpy as np
 import openai
 import pytest
 from llguidance import LLMatcher
-from mlx_engine import Engine
-from mlx_engine.tokenizer import Tokenizer
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from app.server import create_app
 from app.server.protocol import parse_job
 from app.toolcalls.tool_formats import JSON, HermesTools, JsonTools, detect
+from mlx_engine import Engine
 from mlx_engine.structured import grammar
-from tests.server_fakes import LiveServer
-from tests.test_schemas import BYTES, PERSON
-from tests.tiny_models import byte_level_vocab, folder_with_weights
+from mlx_engine.tokenizer import Tokenizer
+from tests.support.schema_models import BYTES, PERSON
+from tests.support.server_fakes import LiveServer
+from tests.support.tiny_models import byte_level_vocab, folder_with_weights
 
 DATA = Path(__file__).parent / "data"
 QWEN_TEMPLATE = (DATA / "qwen2_5_chat_template.jinja").read_text()

@@ -15,8 +15,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.tolerance import HEADROOM, assert_f32_close
-from tests.torch_support import require
+from tests.support.tolerance import HEADROOM, assert_f32_close
+from tests.support.torch_support import require
 
 torch = require("torch")
 
@@ -45,7 +45,7 @@ def _weight(kind: str, native: bool = False) -> cpu_packed.CPUWeight:
     support = dataclasses.replace(cpu_features.cpu_support(), native=native)
     rng = np.random.default_rng(sum(map(ord, kind)))
     if kind in ("Q4_K", "Q5_K", "Q6_K"):
-        from tests.tiny_models import random_blocks
+        from tests.support.tiny_models import random_blocks
 
         blocks = random_blocks(rng, kind, N, K, std=0.02)
         return kquant_weight(mx.array(blocks), kind, torch.float32, torch.device("cpu"), True, support)

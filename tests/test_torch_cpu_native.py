@@ -18,14 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.torch_support import require
+from tests.support.torch_support import require
 
 torch = require("torch")
 
 import quant  # noqa: E402
 from mlx_engine import Engine  # noqa: E402
 from mlx_engine.backends.torch import cpu_features, cpu_native, cpu_packed, cpu_reference  # noqa: E402
-from tests.test_torch_cpu_packed import quantized_files  # noqa: E402,F401  (the golden llama per GGUF type)
+from tests.support.torch_cpu import quantized_files, random_weight  # noqa: E402,F401  (quantized_files: a fixture)
 
 pytestmark = pytest.mark.skipif(
     platform.machine().lower() not in ("x86_64", "amd64") or not cpu_features.cpu_support().packed,
@@ -38,42 +38,12 @@ def built():
     assert error == "", error
 
 
-def pack4(c: torch.Tensor) -> torch.Tensor:
-    n, k = c.shape
-    b = c.view(n, k // 32, 32) & 15
-    return (b[..., :16] | (b[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-
-
-def pack5(c: torch.Tensor) -> torch.Tensor:
-    """5-bit codes (N, K) -> the kernel's bytes: `pack4` of their low 4 bits, then per block the word whose bit j
-    is code j's fifth, written out bit by bit here (not as the loader's np.packbits does it)."""
-    n, k = c.shape
-    fifth = (c.view(n, k // 32, 32).to(torch.int64) >> 4) & 1
-    words = (fifth << torch.arange(32)).sum(-1)  # (N, blocks), below 2**32
-    le = torch.stack([(words >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8).reshape(n, k // 8)
-    return torch.cat([pack4(c), le], dim=1).contiguous()
-
-
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("offsets", [True, False, "zero"])  # offsets m, none, or -zero d (a zero point)
 def test_the_kernel_is_its_contract(built, bits, dtype, offsets):
     for K in (96, 128, 352, 576):  # 3, 4, 11, 18 blocks: scales 8 at a time and their tail, odd blocks, groups of 4
         contract(bits, dtype, offsets, K)
-
-
-def random_weight(bits, dtype, offsets, K, N=200):
-    """Codes (N, K) as integers, the kernel's codes, d and m (empty without offsets)."""
-    g = torch.Generator().manual_seed(bits * 10 + (offsets is True) + K)
-    if bits in (4, 5):
-        c = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
-        codes = pack4(c) if bits == 4 else pack5(c)
-    else:
-        c = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
-        codes = c
-    d = (torch.rand(N, K // 32, generator=g) * 0.05 + 1e-3).to(dtype)
-    m = (torch.randn(N, K // 32, generator=g) * 0.1).to(dtype) if offsets is True else torch.empty(0, dtype=dtype)
-    return c, codes, d, m
 
 
 def contract(bits, dtype, offsets, K):
@@ -431,7 +401,7 @@ NATIVE_GREEDY_AGREED = {"Q4_0": 8, "Q4_1": 3, "Q5_0": 2, "Q5_1": 5}
 def test_greedy_tokens_on_the_kernel_against_mlx(native_cpu, quantized_files, kind):
     """The golden models' greedy tokens through the kernel are the MLX backend's, up to a near-tie (the token
     taken within the logits tolerance of MLX's at the position where they part)."""
-    from tests.test_torch_cpu_packed import PROMPT, greedy_agrees
+    from tests.support.torch_cpu import PROMPT, greedy_agrees
 
     path, _ = quantized_files[kind]
     with Engine.load(str(path), backend="torch", device="cpu", compile=False) as engine, \

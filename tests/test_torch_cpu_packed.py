@@ -17,22 +17,22 @@ import platform
 import numpy as np
 import pytest
 
-from tests.torch_support import require
+from tests.support.torch_support import require
 
 torch = require("torch")
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
 from mlx_engine.api import RooflineError  # noqa: E402
 from mlx_engine.backends.torch import cpu_features, cpu_packed  # noqa: E402
-from tests.tiny_models import (  # noqa: E402
-    GOLDEN,
-    folder_with_weights,
-    gguf_to_hf_names,
-    kquant_llama_gguf,
-    write_gguf_from_folder,
+from tests.support.tiny_models import GOLDEN  # noqa: E402
+from tests.support.torch_cpu import (  # noqa: E402
+    GGUF_KIND,
+    PROMPT,
+    greedy,
+    greedy_agrees,
+    quantized_files,  # noqa: F401  (a fixture)
 )
 
-PROMPT = [3, 17, 42, 99, 7, 64, 120, 5] * 3
 # max |packed - float32 of the same weights| / max |float32 logit| on the tiny models; measured 2.7e-2 (Q4_0),
 # 2.9e-2 (Q4_1), 2.1e-2 (Q8_0), 5.3e-2 (Q5_0), 2.9e-2 (Q5_1), 6.0e-2 (the k-quant file, whose Q2_K/Q3_K/Q6_K are
 # int8 rows), 2.3e-2 (MLX 4-bit)
@@ -43,7 +43,6 @@ LOGITS_REL_TOL = {"Q4_0": 0.07, "Q4_1": 0.075, "Q8_0": 0.055, "Q5_0": 0.135, "Q5
 # greedy tokens shared with MLX before a near-tie parts them, where fewer than all 12 (measured): the golden MLX
 # 4-bit folder's first token (a gap of 0.044 between its top two logits of 4.1), Q5_0's third (0.059 of 4.4)
 GREEDY_AGREED = {"mlx4": 0, "Q5_0": 2}
-GGUF_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int4x2", "Q5_0": "int4x2", "Q5_1": "int4x2"}
 BF16_EPS = 2.0**-7  # bfloat16's spacing at 1: a rounding moves a value by at most half of it, relatively
 
 needs_kernels = pytest.mark.skipif(not cpu_features.cpu_support().packed,
@@ -55,11 +54,6 @@ def torch_kernels(monkeypatch):
     """torch's int4/int8 kernels on every x86-64 CPU here, also an AVX2 one where the engine would take
     Roofline's own (tests/test_torch_cpu_native.py)."""
     monkeypatch.setenv("ROOFLINE_TORCH_CPU_NATIVE", "0")
-
-
-def greedy(engine: Engine, ids: list[int], n: int = 12) -> list[int]:
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return [t for e in engine.generate(GenerationRequest(prompt_token_ids=ids, sampling=params)) for t in e.token_ids]
 
 
 # --- the kernels and the layout -----------------------------------------------------------------------
@@ -170,28 +164,6 @@ def test_head_recomputes_its_top_logits_in_float32():
 # --- models: logits per quantization type, greedy tokens against MLX --------------------------------------
 
 
-@pytest.fixture(scope="module")
-def quantized_files(tmp_path_factory):
-    """The golden llama as a GGUF of each type (and the random k-quant llama), with a float folder of exactly
-    its dequantized weights: {type: (file, float folder)}."""
-    pytest.importorskip("gguf")
-    tmp = tmp_path_factory.mktemp("packed")
-    out = {}
-    for t in GGUF_KIND:
-        path = tmp / f"tiny_{t}.gguf"
-        deq = write_gguf_from_folder(GOLDEN / "llama", path, {}, default_type=t)
-        out[t] = (path, folder_with_weights(GOLDEN / "llama", tmp / f"ref_{t}", gguf_to_hf_names(deq)))
-    kpath, ksrc, kdeq = kquant_llama_gguf(tmp / "k")
-    out["kquants"] = (kpath, folder_with_weights(ksrc, tmp / "ref_k", gguf_to_hf_names(kdeq)))
-    from tests.test_loading import _quantized_folder
-
-    (tmp / "mlx4").mkdir()
-    out["mlx4"] = _quantized_folder(tmp / "mlx4", bits=4, group_size=32,
-                                    override={"model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 32},
-                                              "lm_head": {"bits": 4, "group_size": 64}})
-    return out
-
-
 @needs_kernels
 @pytest.mark.parametrize("kind", list(LOGITS_REL_TOL))
 def test_packed_logits_and_greedy_tokens(quantized_files, kind):
@@ -218,20 +190,6 @@ def test_packed_logits_and_greedy_tokens(quantized_files, kind):
         assert greedy(mlx, ids) == greedy(ref, ids)
         agreed = greedy_agrees(packed, mlx, ids, LOGITS_REL_TOL[kind] * float(np.abs(b).max()))
         assert agreed >= GREEDY_AGREED.get(kind, 12), agreed
-
-
-def greedy_agrees(packed: Engine, ref: Engine, ids: list[int], tol: float, n: int = 12,
-                  got: list[int] | None = None) -> int:
-    """How many greedy tokens `packed` (or `got`) shares with `ref` before they part; where they part, the token
-    taken must be within `tol` of `ref`'s at that position (a near-tie that bfloat16 roundings may flip: the
-    golden MLX 4-bit folder's first token has a gap of 0.044 between its top two logits of 4.1)."""
-    want, got = greedy(ref, ids, n), got if got is not None else greedy(packed, ids, n)
-    for i, (w, g) in enumerate(zip(want, got)):
-        if w != g:
-            logits = ref.forward_logits(ids + want[:i])[-1]
-            assert logits[w] - logits[g] <= tol, (i, w, g, logits[w] - logits[g])
-            return i
-    return n
 
 
 def test_int8_rows_rounded_a_slice_at_a_time_are_the_whole_matrix(monkeypatch):
@@ -393,7 +351,7 @@ def test_layers_of_mixed_formats_each_format_its_own_graphs(tmp_path):
     function for all layers held two graphs for the layer pairs (0, 1) and (1, 2), chosen by guards every call."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from tests.tiny_models import random_llama_folder, write_gguf_from_folder
+    from tests.support.tiny_models import random_llama_folder, write_gguf_from_folder
 
     src = random_llama_folder(tmp_path / "src", layers=4, hidden=64, head_dim=16)
     path = tmp_path / "mixed.gguf"

@@ -13,13 +13,13 @@ import platform
 import numpy as np
 import pytest
 
-from tests.torch_support import require
+from tests.support.torch_support import require
 
 torch = require("torch")
 
 from mlx_engine.backends.torch import cpu_features, cpu_native  # noqa: E402
 from mlx_engine.backends.torch import cpu_reference as ref  # noqa: E402
-from tests.test_torch_cpu_native import random_weight  # noqa: E402
+from tests.support.torch_cpu import random_weight  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     platform.machine().lower() not in ("x86_64", "amd64") or not cpu_features.cpu_support().packed,

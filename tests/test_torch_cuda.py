@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.torch_support import require
+from tests.support.torch_support import require
 
 torch = require("torch")
 
@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
 from mlx_engine.backends.torch import triton_kernels as tk  # noqa: E402
-from tests.tiny_models import GOLDEN  # noqa: E402
+from tests.support.tiny_models import GOLDEN  # noqa: E402
 
 CUDA = torch.device("cuda")
 BUDGET = 1 << 24  # the default is half the free GPU memory: millions of blocks of this tiny model
@@ -98,7 +98,7 @@ def test_fused_elementwise_kernels_on_cuda(dtype):
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     pytest.importorskip("gguf")
-    from tests.tiny_models import write_gguf_from_folder
+    from tests.support.tiny_models import write_gguf_from_folder
 
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     write_gguf_from_folder(GOLDEN / "llama", path, {"attn_q": "Q4_0", "ffn": "Q4_1"}, default_type="Q8_0")
@@ -220,7 +220,7 @@ def test_kquant_gguf_packed_on_cuda(tmp_path, monkeypatch):
     logits of the same packed model on the CPU (the kernels' torch references), float32 on both."""
     from mlx_engine.backends.torch import runner as torch_runner
     from mlx_engine.backends.torch.weights import QuantizedWeight
-    from tests.tiny_models import kquant_llama_gguf
+    from tests.support.tiny_models import kquant_llama_gguf
 
     path, _, _ = kquant_llama_gguf(tmp_path)
     ids = [3, 17, 42, 99, 7, 64, 120, 5, 9]

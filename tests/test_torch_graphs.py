@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.torch_support import require
+from tests.support.torch_support import require
 
 torch = require("torch")
 
@@ -18,7 +18,7 @@ from mlx_engine.api import RooflineError  # noqa: E402
 from mlx_engine.backends.torch.graphs import DecodeGraphs, batch_bucket, width_bucket  # noqa: E402
 from mlx_engine.backends.torch.kv import DecodeStep  # noqa: E402
 from mlx_engine.speculative.timing import time_graph_forward  # noqa: E402
-from tests.tiny_models import GOLDEN  # noqa: E402
+from tests.support.tiny_models import GOLDEN  # noqa: E402
 
 PROMPTS = [[3, 17, 42, 99, 7], [(7 * i + 1) % 120 + 3 for i in range(21)], [(5 * i + 2) % 120 + 3 for i in range(40)]]
 

@@ -1,7 +1,7 @@
 """The torch backend's execution paths in one table (`backends/torch/paths`): each row's example picks that row, every
 phase ends with a row that always holds, the table picks what the model picked before the paths left it, and a model
 with nothing compiled or native runs its eager layers through the paths bit for bit. The rows against their twins on
-real models: tests/test_torch_native_step.py (the native step against the Python layers) and
+real models: tests/test_torch_paths_native_step.py (the native step against the Python layers) and
 tests/test_torch_cpu_packed.py (the compiled graphs against eager)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.torch_support import require
+from tests.support.torch_support import require
 
 torch = require("torch")
 

@@ -20,13 +20,13 @@ import os
 import numpy as np
 import pytest
 
-from tests.torch_support import require
+from tests.support.torch_support import require
 
 torch = require("torch")
 require("triton")
 
 from mlx_engine.backends.torch import triton_kernels as tk  # noqa: E402
-from tests.tolerance import assert_f32_close  # noqa: E402
+from tests.support.tolerance import assert_f32_close  # noqa: E402
 
 mx = pytest.importorskip("mlx.core")
 
@@ -207,7 +207,7 @@ def test_dequant_matmul_reads_kquants_as_affine_groups(ggml_type):
     from kernels_metal.reference import dequantize_kquant
     from quant.kquant import kquant_affine
     from quant.mlx_layout import pack_codes
-    from tests.tiny_models import random_blocks
+    from tests.support.tiny_models import random_blocks
 
     blocks = mx.array(random_blocks(np.random.default_rng(5), ggml_type, 24, 512, std=0.05))
     q, sc, bi, bits, group = kquant_affine(np.array(blocks), ggml_type, 24, 512)
@@ -387,7 +387,7 @@ def test_model_through_the_fused_kernels_equals_the_references(monkeypatch):
     """The tiny golden llama with its layer's norms, rope and gate through the kernels (interpreted here, as
     CUDA runs them) gives the logits of the torch references."""
     from mlx_engine import Engine
-    from tests.tiny_models import GOLDEN
+    from tests.support.tiny_models import GOLDEN
 
     ids = [3, 17, 42, 99, 7, 64, 120, 5, 9]
     with Engine.load(str(GOLDEN / "llama"), backend="torch", device="cpu") as engine:
@@ -395,5 +395,5 @@ def test_model_through_the_fused_kernels_equals_the_references(monkeypatch):
             fused = engine.forward_logits(ids)
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         ref = engine.forward_logits(ids)
-    # float32 floor: 5.7 units (tests/tolerance.py) on an AMD EPYC; x4 headroom
+    # float32 floor: 5.7 units (tests/support/tolerance.py) on an AMD EPYC; x4 headroom
     assert_f32_close(fused, ref, 24, "fused vs references")

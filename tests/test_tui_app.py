@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from tests.tui_fake_engine import FakeReply
+from tests.support.tui_fake_engine import FakeReply
 from app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from app.tui.screens.help import HelpScreen
 from app.tui.screens.inspector import SAMPLES, TokenInspector
@@ -16,7 +16,7 @@ from app.tui.store import ChatStore
 from app.tui.widgets.messages import MessageView
 from app.tui.widgets.prompt import PromptInput
 from app.tui.widgets.sidebar import ChatList
-from tests.tui_helpers import idle, make_app, ready, screen_text, send, transcript, wait_for
+from tests.support.tui_helpers import idle, make_app, ready, screen_text, send, transcript, wait_for
 
 pytestmark = pytest.mark.asyncio
 
@@ -246,7 +246,7 @@ async def test_a_models_warnings_are_shown_when_it_loads(tmp_path, monkeypatch) 
     """ModelInfo.warnings (say, weights near what Metal keeps resident) reach the user as a warning notice."""
     import dataclasses
 
-    from tests import tui_fake_engine as fake_engine
+    from tests.support import tui_fake_engine as fake_engine
 
     info = fake_engine.fake_info
     warning = "the weights take 5.7 GiB of the 6.0 GiB Metal keeps resident: generation may be slow"
@@ -549,7 +549,7 @@ async def test_theme_toggle_persists_and_80x24_is_usable(tmp_path) -> None:
 
 async def test_a_long_reply_streams_into_segments_that_render_like_one_document(tmp_path, monkeypatch) -> None:
     from app.tui.widgets.messages import MarkdownSegment
-    from tests.test_tui_units import SEGMENTED_REPLY
+    from tests.support.tui_helpers import SEGMENTED_REPLY
 
     monkeypatch.setattr(MessageView, "segment_chars", 1)  # a segment per block wherever a cut is allowed
     app, _ = make_app(tmp_path, script=[SEGMENTED_REPLY], tokens_per_s=2000)

@@ -6,7 +6,7 @@ import pytest
 
 from app.tui.app import RooflineApp
 from app.tui.store import ChatSettings
-from tests.tui_helpers import idle, ready, screen_text, send, transcript, wait_for
+from tests.support.tui_helpers import idle, ready, screen_text, send, transcript, wait_for
 
 pytestmark = pytest.mark.asyncio
 

@@ -10,7 +10,7 @@ import pytest
 
 from app.tui.store import ChatStore
 from app.tui.widgets.sidebar import ChatList
-from tests.tui_helpers import idle, make_app, ready, screen_text, send, transcript, wait_for
+from tests.support.tui_helpers import idle, make_app, ready, screen_text, send, transcript, wait_for
 
 pytestmark = pytest.mark.asyncio
 
@@ -22,7 +22,7 @@ def kv_file(home, chat_id: int, model: str = "FakeLM-1M (test)"):
     from types import SimpleNamespace
 
     from app.tui.chat_kv import model_key
-    from tests.tui_fake_engine import fake_info
+    from tests.support.tui_fake_engine import fake_info
 
     return home / "kv" / f"{chat_id}-{model_key(SimpleNamespace(info=fake_info(model)))}.safetensors"
 

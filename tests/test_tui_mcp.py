@@ -19,8 +19,8 @@ from app.toolcalls.tools import AFTER_RESULTS
 from app.tui.tool_runner import DECLINED, INTERRUPTED, LIMIT_NOTE, MAX_TOOL_CALLS
 from app.tui.widgets.messages import MessageView
 from app.tui.widgets.tool_call import ChatNote, ToolCallView
-from tests.tui_fake_engine import FakeReply
-from tests.tui_helpers import make_app, ready, screen_text, send, transcript, wait_for
+from tests.support.tui_fake_engine import FakeReply
+from tests.support.tui_helpers import make_app, ready, screen_text, send, transcript, wait_for
 
 SERVER = '''
 import os, sys, time

@@ -8,8 +8,8 @@ from textual.widgets import DataTable, ProgressBar
 
 from app.tui.screens.dialogs import ConfirmScreen
 from app.tui.screens.picker import ModelPicker, _PickerProgress
-from tests.test_tui_snapshots import settle
-from tests.tui_helpers import make_app, ready, screen_text, wait_for
+from tests.support.tui_frozen import settle
+from tests.support.tui_helpers import make_app, ready, screen_text, wait_for
 
 SIZE = (120, 36)
 

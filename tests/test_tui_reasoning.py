@@ -13,8 +13,8 @@ from app.tui.widgets.messages import MessageView
 from app.tui.widgets.stats import LiveStats
 from app.tui.widgets.thought import ThoughtBody, ThoughtView
 from mlx_engine.api import GenerationEvent, Usage
-from tests.tui_fake_engine import FakeReply
-from tests.tui_helpers import idle, make_app, ready, screen_text, send, transcript, wait_for
+from tests.support.tui_fake_engine import FakeReply
+from tests.support.tui_helpers import idle, make_app, ready, screen_text, send, transcript, wait_for
 
 SIZE = (100, 30)
 THOUGHT = "The user asks for six times seven. Six sevens are forty-two."

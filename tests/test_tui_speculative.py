@@ -9,14 +9,14 @@ from textual.geometry import Region
 from textual.widgets.markdown import MarkdownBlock, MarkdownFence
 
 from app.tui.drafted import add_marks, clip, draft_spans, overlaps
-from tests.tui_fake_engine import FAKE_DRAFT_NAME, FakeReply
+from tests.support.tui_fake_engine import FAKE_DRAFT_NAME, FakeReply
 from app.tui.screens.settings import SettingsScreen, sampling_params
 from app.tui.store import ChatSettings, ChatStore
 from app.tui.streaming import TokenBuffer
 from app.tui.widgets.messages import MarkdownSegment, MessageView
 from app.tui.widgets.stats import LiveStats, StatsBar
 from mlx_engine.api import NO_DRAFT_MODEL, GenerationEvent, RequestError, Stats, Usage
-from tests.tui_helpers import idle, make_app, ready, send, transcript, wait_for
+from tests.support.tui_helpers import idle, make_app, ready, send, transcript, wait_for
 
 D = ".draft"
 

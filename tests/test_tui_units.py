@@ -10,12 +10,13 @@ import threading
 
 import pytest
 
-from mlx_engine import roofline as chips
-from mlx_engine.roofline import Bandwidth, load_chips, lookup, machine_bandwidth
 from app.tui.store import ChatSettings, ChatStore
 from app.tui.streaming import TokenBuffer
 from app.tui.widgets.stats import LiveStats
+from mlx_engine import roofline as chips
 from mlx_engine.api import GenerationEvent, Usage
+from mlx_engine.roofline import Bandwidth, load_chips, lookup, machine_bandwidth
+from tests.support.tui_helpers import SEGMENTED_REPLY
 
 
 def test_store_round_trip_newest_first_and_wal(tmp_path) -> None:
@@ -196,38 +197,6 @@ def test_importing_the_app_loads_no_mlx() -> None:
     assert "textual" in mods and not {"mlx", "mlx_lm", "torch", "kernels_metal"} & mods
 
 
-SEGMENTED_REPLY = """Intro paragraph with **bold** text and `code`, long enough to fill a segment.
-
-## A heading
-
-First paragraph under the heading, long enough to pass the threshold.
-
-- one
-- two
-
-```python
-a = 1
-
-b = 2
-```
-
-1. first
-
-2. second, in a loose list
-
-### After a list
-
-Closing paragraph after the list.
-
-> a quote
-
-| a | b |
-|---|---|
-| 1 | 2 |
-
-Final words."""
-
-
 def _segments(text: str, min_chars: int, chunk: int) -> tuple[list[str], list[int]]:
     from app.tui.segments import MarkdownSegmenter
 
@@ -278,7 +247,7 @@ def test_engine_backend_loads_every_model_with_the_cli_load_options(tmp_path) ->
     """`roofline chat --kv-bits 8 --block-size 32`: the app's engine backend passes them to every Engine.load."""
     from app.cli import _load_options, _parser
     from app.tui.backend import EngineBackend
-    from tests.tiny_models import random_llama_folder
+    from tests.support.tiny_models import random_llama_folder
 
     args = _parser().parse_args(["chat", "--kv-bits", "8", "--block-size", "32"])
     assert _load_options(args) == {"kv_bits": 8, "block_size": 32}

@@ -1,5 +1,5 @@
 """mlx-lm's model classes for the families without a file here, and, where one departs from transformers,
-a subclass that does not. Each fix says what it fixes; the golden checkpoints (tests/test_parity_golden.py) are
+a subclass that does not. Each fix says what it fixes; the golden checkpoints (tests/test_engine_parity_golden.py) are
 the reference:
 
 - gemma2: mlx-lm attends to the whole context on every layer; transformers' sliding layers (`layer_types`, every

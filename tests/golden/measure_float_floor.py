@@ -1,10 +1,10 @@
-"""Measure the float32 floor the logits tolerances are built on (tests/tolerance.py), run by hand:
+"""Measure the float32 floor the logits tolerances are built on (tests/support/tolerance.py), run by hand:
 
     uv run python tests/golden/measure_float_floor.py
 
 The reference is the torch backend in float64 (unfused ops) on the same weights; each float32 engine's
 max |logit - reference| is printed in units of eps32 * max |reference logit|, the unit of
-`tests.tolerance.F32_LOGITS_K`. Run it on a new CPU (AVX2, AVX-512, AMX) when a tolerance fails there, and
+`tests.support.tolerance.F32_LOGITS_K`. Run it on a new CPU (AVX2, AVX-512, AMX) when a tolerance fails there, and
 record what it prints beside F32_LOGITS_K.
 """
 
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import mlx_engine.backends.torch.model as torch_model  # noqa: E402
 import mlx_engine.backends.torch.load as torch_load  # noqa: E402
 from mlx_engine import Engine  # noqa: E402
-from tests.tiny_models import GOLDEN  # noqa: E402
+from tests.support.tiny_models import GOLDEN  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -70,7 +70,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
           f"float32 matmul precision {torch.get_float32_matmul_precision()!r}")
     gold = json.loads((GOLDEN / "smollm2_gguf.json").read_text())
-    report("SmolLM2 (test_torch_backend's prompt)", None, gold["prompts"][0]["prompt_ids"][-20:])
+    report("SmolLM2 (test_torch_runner's prompt)", None, gold["prompts"][0]["prompt_ids"][-20:])
     for folder in sorted(p for p in GOLDEN.iterdir() if (p / "golden.npz").exists()):
         report(folder.name, str(folder), np.load(folder / "golden.npz")["input_ids"].tolist())
 

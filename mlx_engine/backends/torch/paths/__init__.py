@@ -7,7 +7,7 @@ layers it can run) and the compiled halves (`paths.compiled`: torch.compile grap
 takes the first row whose condition holds for its `Case` (its rows, whether its views hand out paged rows). The
 eager model (`Model.__call__`, `Model.layer_outputs`, `Model.logits`: torch ops layer by layer) is every phase's
 last row and every row's twin. tests/test_torch_paths.py checks that each row's example picks it and that the table
-picks what the model picked before it; the native rows meet their twin in tests/test_torch_native_step.py, the
+picks what the model picked before it; the native rows meet their twin in tests/test_torch_paths_native_step.py, the
 compiled ones in tests/test_torch_cpu_packed.py.
 
 Phases, with their implementations' signatures (`paths` the model's `Paths`, which holds what the load made):
