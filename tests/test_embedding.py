@@ -13,8 +13,8 @@ import pytest
 from mlx_engine import Engine, ModelLoadError, RequestError, RooflineError
 from mlx_engine.api import EmbedderLike
 
-from tests.tiny_models import GOLDEN
-from tests.tolerance import assert_f32_close
+from tests.support.tiny_models import GOLDEN
+from tests.support.tolerance import assert_f32_close
 
 LAST, MEAN = GOLDEN / "st_qwen3_last", GOLDEN / "st_qwen3_mean"
 SENTENCES = json.loads((LAST / "sentences.json").read_text())
@@ -160,7 +160,7 @@ def test_unsupported_layouts_and_options_are_one_line(tmp_path: Path) -> None:
 def test_gguf_pooling_type_from_metadata(tmp_path: Path, last) -> None:
     from safetensors.numpy import load_file, save_file
 
-    from tests.gguf_writer import write_family_gguf
+    from tests.support.gguf_writer import write_family_gguf
 
     hf = tmp_path / "hf"
     hf.mkdir()

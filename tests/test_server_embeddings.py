@@ -13,9 +13,9 @@ import openai
 import pytest
 from mlx_engine import Engine
 
-from tests.server_fakes import FakeEngine, LiveServer
-from tests.tiny_models import GOLDEN
-from tests.tolerance import assert_f32_close
+from tests.support.server_fakes import FakeEngine, LiveServer
+from tests.support.tiny_models import GOLDEN
+from tests.support.tolerance import assert_f32_close
 
 LAST = GOLDEN / "st_qwen3_last"
 SENTENCES = json.loads((LAST / "sentences.json").read_text())
