@@ -183,7 +183,7 @@ def test_gguf_pooling_type_from_metadata(tmp_path: Path, last) -> None:
 
 
 def test_the_embedding_engine_has_the_engine_surface(last) -> None:
-    from tests.test_engine_like import mismatches
+    from tests.support.protocols import mismatches
 
     assert mismatches(last) == [] and mismatches(last, EmbedderLike) == []
 
