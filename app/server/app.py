@@ -86,10 +86,12 @@ class Server:
                 raise invalid(str(e), "keep_alive") from None
         model = body.get("model")
         res, name = await self.pool.checkout("default" if model is None and model_optional else model, keep)
+        if self.pool.multi and isinstance(model, str) and model != "default":
+            name = model  # replies carry the name as the client sent it ("qwen3" for "ollama:qwen3:latest")
         return res, name, apply_defaults(body, endpoint, res.preset)
 
     def _names(self, res: Resident, name: str) -> set[str]:
-        return {name} if self.pool.multi else res.served.model_names
+        return {name, "default"} if self.pool.multi else res.served.model_names
 
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)
