@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from mlx_engine.api import EngineLike, GenerationEvent, RequestError
+from mlx_engine.memory import held_memory
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -43,7 +44,7 @@ from app.server.ollama_routes import ollama_routes
 from app.server.served import Served
 from app.server.guard import (AuthMiddleware, CountRequests, Drain, HostCheck, JSONCORSMiddleware, RequestGuard,
                               origin_pattern)
-from app.server.metrics import KVStatsReader, Metrics
+from app.server.metrics import Metrics, memory_lines
 from app.server.fields import parse_body
 from app.server.protocol import Endpoint, Job, parse_job
 from app.server.tokenize import parse_detokenize, parse_tokenize
@@ -137,6 +138,7 @@ class Server:
         kv, age = await run_in_threadpool(recent.served.kv.read, self.config.metrics_wait_s) if recent else (None, None)
         engine_waiting = sum(1 for g in self.generations if not g.started)
         text = self.metrics.render(self.gate.waiting, engine_waiting, kv, age)
+        text += memory_lines(await run_in_threadpool(held_memory), len(self.pool.residents))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- the tokenizer (vLLM's routes: lm-evaluation-harness tokenizes through them, with no download) -----
