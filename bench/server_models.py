@@ -2,8 +2,8 @@
 `mlx_lm.server` (which also loads the model a request names, one at a time, and never unloads), in one run.
 
 Both serve two models: the embedded SmolLM2 written as an MLX-quantized folder by `roofline convert` (4-bit, groups
-of 64: what mlx-lm and Roofline both read), and a copy of it under another name, so that each switch is a real load. Each server runs as a subprocess on loopback, one after
-the other. Measured, per server:
+of 64: what mlx-lm and Roofline both read), and a copy of it under another name, so that each switch is a real load.
+Each server runs as a subprocess on loopback, one after the other. Measured, per server:
 
 - time to first token (streaming /v1/completions, greedy, 8 tokens) of a request for the model already loaded, and
   of one for the other model (a switch: the loaded one goes, the other loads), alternating, `--rounds` of each;

@@ -184,6 +184,15 @@ def test_a_bad_chat_is_a_400_naming_the_field_as_sent(served, body: dict[str, An
     assert f"'{field}'" in message and words in message, message
 
 
+def test_generate_errors_name_the_prompt_not_the_messages_it_became(served) -> None:
+    s, _, _, _ = served
+    r = httpx.post(s.url + "/api/generate", json={"model": "org/a", "prompt": "x" * 80})
+    assert r.status_code == 400 and "but the prompt is 97 tokens" in r.json()["error"]  # with the template's
+    assert "messages" not in r.json()["error"]
+    r = httpx.post(s.url + "/api/generate", json={"model": "org/a", "prompt": 5})
+    assert r.status_code == 400 and r.json()["error"] == "'prompt' must be a string, got an integer"
+
+
 def test_generate_refuses_what_it_cannot_do(served) -> None:
     s, _, _, client = served
     with pytest.raises(ollama.ResponseError) as e:

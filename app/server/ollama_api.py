@@ -14,6 +14,7 @@ here read text.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -155,10 +156,22 @@ def translate(body: dict[str, Any], kind: str) -> tuple[dict[str, Any], str]:
 def parse_ollama(body: dict[str, Any], kind: str, name: str, info: ModelInfo, tool_format: ToolFormat) -> Job:
     oa, endpoint = translate(body, kind)
     try:
-        return parse_job(oa, endpoint, {name}, name, info.context_length, info.vocab_size,  # type: ignore[arg-type]
-                         tool_format)
+        job = parse_job(oa, endpoint, {name}, name, info.context_length, info.vocab_size,  # type: ignore[arg-type]
+                        tool_format)
     except APIError as e:
+        if kind == "generate" and e.param is not None and e.param.startswith("messages"):
+            # generate's prompt (and system) went in as messages: the last one is the prompt
+            last = len(oa.get("messages") or ()) - 1
+            sent = "system" if e.param.startswith("messages[0]") and last == 1 else "prompt"
+            e.message = re.sub(r"'messages(\[\d+\](\.content)?)?'", f"'{sent}'", e.message)
+            e.message = e.message.replace("the messages are", f"the {sent} is")
+            e.param = sent
         raise _renamed(e) from None
+    if kind == "generate":
+        job.prompt_param = "prompt"
+    if job.format_param == "response_format":  # what the engine's errors on the grammar will name
+        job.format_param = "format"
+    return job
 
 
 def is_load_only(body: dict[str, Any], kind: str) -> bool:

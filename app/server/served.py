@@ -65,7 +65,7 @@ class Served:
         tok = self.engine.tokenizer
         try:
             if job.messages is not None:
-                prompts = [(self.encode_chat(job), "messages", None)]
+                prompts = [(self.encode_chat(job), job.prompt_param, None)]
             else:
                 prompts = [(tok.encode(p.text) if p.text is not None else list(p.token_ids or ()),
                             "prompt" if len(job.prompts) == 1 else f"prompt[{i}]", p.text)
