@@ -330,3 +330,22 @@ def test_the_tokenizer_routes_and_messages_pick_the_model_by_name() -> None:
         assert r.status_code == 200 and r.json()["model"] == "org/a"
         assert r.json()["content"] == [{"type": "text", "text": "Hello"}]
         assert loads.loaded == ["org/c", "org/a"]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--keep-alive", "soon"], "--keep-alive: expected seconds, a duration like '5m' or '1h', or 'forever', got 'soon'"),
+    (["--max-models", "0"], "--max-models 0: expected an integer >= 1"),
+    (["--models-file", "/nonexistent/models.toml"], "--models-file /nonexistent/models.toml: no such file"),
+    (["-m", "embedded", "--alias", "a=b"], "--alias is for serving several models: give -m more than once, or none"),
+    (["--alias", "ab"], "--alias 'ab': expected NAME=REF, like chat=ollama:qwen3:4b"),
+])
+def test_serve_flags_for_several_models_are_checked_before_anything_loads(capsys, tmp_path: Path, args: list[str],
+                                                                            expected: str) -> None:
+    from app.cli import main
+
+    empty = tmp_path / "models.toml"
+    empty.write_text("")
+    extra = [] if "--models-file" in args or "-m" in args else ["--models-file", str(empty)]
+    assert main(["serve", "--port", "9", *extra, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"roofline: error: {expected}", err
