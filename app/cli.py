@@ -15,6 +15,7 @@ from mlx_engine.api import (SPECULATIVE_MODES, GenerationRequest, ResponseFormat
                             SamplingParams)
 
 from app.cli_usage import EXIT_USAGE, OneLineErrorParser
+from app.embed_cmd import cmd_embed
 from app.inspect_cmd import cmd_kv, cmd_logits, cmd_tokens
 from app.options import load_engine, reasoning_effort_arg, runner_args, runner_options
 
@@ -183,10 +184,12 @@ def _parser() -> argparse.ArgumentParser:
                "of its own, outside the batch)")
 
     from app.bench import add_parser as add_bench
+    from app.embed_cmd import add_parser as add_embed
     from app.parity_cmd import add_parser as add_parity
 
     add_bench(sub)
     add_parity(sub)
+    add_embed(sub)
     from app.models_cmd import add_parsers as add_model_commands
 
     add_model_commands(sub)  # models, pull, rm, convert
@@ -214,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return code
         code = {"chat": cmd_chat, "generate": cmd_generate, "logits": cmd_logits, "tokens": cmd_tokens,
                 "kv": cmd_kv, "serve": cmd_serve, "bench": cmd_bench, "parity": cmd_parity,
+                "embed": cmd_embed,
                 **MODEL_COMMANDS}[args.command](args)
     except RooflineError as e:
         code = _fail(str(e))

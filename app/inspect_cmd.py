@@ -41,7 +41,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
 def cmd_kv(args: argparse.Namespace) -> int:
     from mlx_engine.catalog import kv_shape
-    from mlx_engine.memory import kv_bytes
+    from mlx_engine.memory import kv_bytes, state_bytes
     from mlx_engine.roofline import kv_dtype_here
 
     if args.context < 1 or args.batch < 1:
@@ -63,14 +63,35 @@ def cmd_kv(args: argparse.Namespace) -> int:
     if args.kv_key_bits not in (None, args.kv_bits):
         kind = f"{args.kv_key_bits}-bit keys, {args.kv_bits}-bit values (g64{keys}, {dtype} scales)"
     kind += f" ({why})" if not args.dtype else ""
+    layers = shape.num_layers - shape.no_kv_layers
+    what = (f"{layers} layers x one MLA latent of {shape.latent_dim}" if shape.latent_dim else
+            f"{layers} layers x {shape.num_kv_heads} KV heads x head dim {shape.head_dim}"
+            + (f" (V {shape.v_head_dim})" if shape.v_head_dim else "")
+            + (f" ({shape.wide_layers} full-attention layers: {shape.wide_kv_heads or shape.num_kv_heads} x "
+               f"{shape.wide_head_dim})" if shape.wide_layers else ""))
     print(f"{total / 1e9:.1f} GB ({total:,} bytes) of KV for {args.batch} x {args.context:,} tokens in {kind}: "
-          f"{shape.num_layers} layers x {shape.num_kv_heads} KV heads x head dim {shape.head_dim}, "
-          f"{per_token:,} bytes per token")
+          f"{what}, {per_token:,} bytes per token")
+    if shape.latent_dim:
+        full = kv_bytes(dataclasses.replace(shape, latent_dim=0), 1, 1, args.kv_bits, itemsize)
+        print(f"MLA: each layer keeps the latent (kv_lora_rank + the rope part) shared by all heads; K and V of "
+              f"{shape.num_kv_heads} heads (K {shape.head_dim}, V {shape.v_head_dim or shape.head_dim}) would take "
+              f"{full:,} bytes per token")
+    if shape.no_kv_layers:
+        print(f"{shape.no_kv_layers} of {shape.num_layers} layers keep no KV of their own (linear attention, Mamba and "
+              "convolution layers hold a recurrent state of fixed size per sequence instead; MLP blocks nothing; "
+              "Gemma 4's shared-KV layers read earlier layers')")
+    state = state_bytes(shape, args.batch, itemsize)
+    if state:
+        print(f"recurrent state: {state:,} bytes for {args.batch} sequence{'s' if args.batch > 1 else ''} whatever "
+              f"their length ({state // args.batch:,} each; convolution windows in {dtype}, Gated DeltaNet's state in "
+              f"float32), {(total + state) / 1e9:.1f} GB with the KV")
     if shape.num_sliding_layers:
-        full = shape.num_layers - shape.num_sliding_layers
-        print(f"sliding window: {shape.num_sliding_layers} of {shape.num_layers} layers attend to the last "
-              f"{shape.sliding_window:,} tokens and are counted at {min(args.context, shape.sliding_window):,} tokens "
-              f"each; past the window a token adds {per_token * full // shape.num_layers:,} bytes")
+        w = shape.sliding_window
+        past = (kv_bytes(shape, w + 1, 1, args.kv_bits, itemsize, key_bits=args.kv_key_bits, key_group_size=key_group)
+                - kv_bytes(shape, w, 1, args.kv_bits, itemsize, key_bits=args.kv_key_bits, key_group_size=key_group))
+        print(f"sliding window: {shape.num_sliding_layers} of {layers} layers attend to the last "
+              f"{w:,} tokens and are counted at {min(args.context, w):,} tokens each; past the window a token adds "
+              f"{past:,} bytes")
     if shape.num_experts:
         print(f"mixture of experts: {shape.num_experts} experts, {shape.num_experts_per_tok} per token "
               "(KV is the attention's: the experts add none)")

@@ -34,6 +34,7 @@ from kernels_metal import (
     paged_decode_attention,
     reference,
 )
+from quant.formats import KQUANT_TYPES, block_format, row_bytes
 
 # Unified-memory bandwidth by chip (GB/s, Apple's figures; the binned Max parts are lower).
 CHIP_BANDWIDTH_GBS = {
@@ -183,11 +184,10 @@ def sdpa_on_gathered(case: dict) -> Callable[[], mx.array]:
 
 def kquant_case(ggml_type: str, M: int, N: int, K: int, dtype: mx.Dtype) -> tuple[tuple, int]:
     rng = np.random.default_rng(0)
-    bpb = reference.KQUANT_BLOCK_BYTES[ggml_type]
-    w = rng.integers(0, 256, (N, K // 256 * bpb), dtype=np.uint8)
-    blocks = w.reshape(-1, bpb)
-    offsets = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[ggml_type]
-    for off in offsets:
+    f = block_format(ggml_type)
+    w = rng.integers(0, 256, (N, row_bytes(ggml_type, K)), dtype=np.uint8)
+    blocks = w.reshape(-1, f.block_bytes)
+    for off in f.fp16_offsets():
         blocks[:, off : off + 2] = (
             (rng.standard_normal(blocks.shape[0]) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
         )
@@ -225,7 +225,7 @@ def bench_metal(quick: bool, peak: float | None) -> None:
         if quick
         else [(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
     )
-    for ggml_type in ("Q4_K", "Q6_K") if quick else ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+    for ggml_type in ("Q4_K", "Q6_K") if quick else KQUANT_TYPES:
         for N, K in shapes:
             for M in (1, 8):
                 args, nbytes = kquant_case(ggml_type, M, N, K, mx.float16)

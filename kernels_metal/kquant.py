@@ -13,8 +13,8 @@ from typing import Any
 import mlx.core as mx
 
 from kernels_metal import _backend, reference
+from quant.formats import KQUANT_TYPES, QK_K, block_format
 
-KQUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 MAX_M = 8  # rows of x the kernel handles; the engine's prefill dequantizes and uses a GEMM
 X_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 NUM_SIMDGROUPS = 4
@@ -48,9 +48,9 @@ def _validate(x: Any, w_blocks: Any, ggml_type: Any, out_features: Any, in_featu
     for name, v in (("out_features", out_features), ("in_features", in_features)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
-    if in_features % reference.QK_K:
+    if in_features % QK_K:
         raise ValueError(
-            f"in_features: expected a multiple of {reference.QK_K} (a super-block), got {in_features}"
+            f"in_features: expected a multiple of {QK_K} (a super-block), got {in_features}"
         )
     if not isinstance(x, mx.array):
         raise TypeError(f"x: expected an mx.array, got {type(x).__name__}")
@@ -62,8 +62,8 @@ def _validate(x: Any, w_blocks: Any, ggml_type: Any, out_features: Any, in_featu
         raise TypeError(f"w_blocks: expected an mx.array, got {type(w_blocks).__name__}")
     if w_blocks.dtype != mx.uint8:
         raise TypeError(f"w_blocks: expected dtype uint8 (the GGUF bytes), got {w_blocks.dtype}")
-    bpb = reference.KQUANT_BLOCK_BYTES[ggml_type]
-    want = (out_features, in_features // reference.QK_K * bpb)
+    bpb = block_format(ggml_type).block_bytes
+    want = (out_features, in_features // QK_K * bpb)
     if tuple(w_blocks.shape) != want:
         raise ValueError(
             f"w_blocks: expected shape {want} ({ggml_type}: {bpb} bytes per 256 weights), "
@@ -134,8 +134,6 @@ CHECK_HEADROOM = 8
 CHECK_OUT_REL = {mx.float32: 0.0, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
 CHECK_ROWS = 2  # one decode row would not exercise the kernel's loop over rows
 CHECK_OUT = 2 * NUM_SIMDGROUPS * ROWS_PER_SIMDGROUP + 3  # two full threadgroups and a partial one
-# where each super-block keeps its fp16 scales (d, dmin): random bytes there could be inf or NaN
-_FP16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def self_check(backend: str, dtype: mx.Dtype, ggml_type: str) -> str | None:
@@ -150,15 +148,15 @@ def _probe(backend: str, dtype: mx.Dtype, ggml_type: str) -> str | None:
     import numpy as np
 
     rng = np.random.default_rng(0)
-    blocks = rng.integers(0, 256, (CHECK_OUT, reference.KQUANT_BLOCK_BYTES[ggml_type]), dtype=np.uint8)
-    for off in _FP16_FIELDS[ggml_type]:
+    blocks = rng.integers(0, 256, (CHECK_OUT, block_format(ggml_type).block_bytes), dtype=np.uint8)
+    for off in block_format(ggml_type).fp16_offsets():  # random bytes there could be inf or NaN
         d = (rng.standard_normal(CHECK_OUT) * 0.02).astype(np.float16)
         blocks[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
     w = mx.array(blocks)
-    x = mx.array(rng.standard_normal((CHECK_ROWS, reference.QK_K)).astype(np.float32)).astype(dtype)
-    got = _launch(backend, x, w, ggml_type, CHECK_OUT, reference.QK_K).astype(mx.float32)
-    want = reference.dequant_matmul_kquant(x, w, ggml_type, CHECK_OUT, reference.QK_K).astype(mx.float32)
-    weights = reference.dequantize_kquant(w, ggml_type, CHECK_OUT, reference.QK_K)
+    x = mx.array(rng.standard_normal((CHECK_ROWS, QK_K)).astype(np.float32)).astype(dtype)
+    got = _launch(backend, x, w, ggml_type, CHECK_OUT, QK_K).astype(mx.float32)
+    want = reference.dequant_matmul_kquant(x, w, ggml_type, CHECK_OUT, QK_K).astype(mx.float32)
+    weights = reference.dequantize_kquant(w, ggml_type, CHECK_OUT, QK_K)
     terms = mx.abs(x.astype(mx.float32)) @ mx.abs(weights).T  # the scale of the summed terms
     allowed = CHECK_HEADROOM * (1e-5 * terms.max() + CHECK_OUT_REL[dtype] * mx.abs(want))
     excess = mx.abs(got - want) - allowed

@@ -9,17 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kernels_metal.pool import KVPool
-
-QK_K = 256  # weights per k-quant super-block
-
-# ggml type name -> bytes per super-block of 256 weights (ggml's sizeof(block_qN_K))
-KQUANT_BLOCK_BYTES: dict[str, int] = {
-    "Q2_K": 84,  # scales[16], qs[64], d, dmin
-    "Q3_K": 110,  # hmask[32], qs[64], scales[12], d
-    "Q4_K": 144,  # d, dmin, scales[12], qs[128]
-    "Q5_K": 176,  # d, dmin, scales[12], qh[32], qs[128]
-    "Q6_K": 210,  # ql[128], qh[64], scales[16], d
-}
+from quant.formats import QK_K, BlockFormat, block_format
 
 
 def paged_decode_attention(
@@ -135,8 +125,15 @@ def quantize_channels(x: mx.array, valid: mx.array, bits: int) -> tuple[mx.array
     return packed, slots(scale), slots(lo)
 
 
-def _fp16_at(b: mx.array, i: int) -> mx.array:
-    """(n, bpb) uint8 -> (n, 1) float32 from the little-endian fp16 at byte i."""
+def _field(b: mx.array, f: BlockFormat, name: str) -> mx.array:
+    """(n, block bytes) uint8 -> field `name`'s bytes (n, its bytes), where `quant.formats` places it."""
+    fld = f.field(name)
+    return b[:, fld.offset:fld.stop]
+
+
+def _fp16(b: mx.array, f: BlockFormat, name: str) -> mx.array:
+    """(n, block bytes) uint8 -> (n, 1) float32 from the block's little-endian fp16 field `name`."""
+    i = f.field(name).offset
     u = b[:, i].astype(mx.uint16) | (b[:, i + 1].astype(mx.uint16) << 8)
     return mx.view(u, mx.float16).astype(mx.float32)[:, None]
 
@@ -148,9 +145,7 @@ def _bits(x: mx.array, shifts: list[int], mask: int) -> mx.array:
 
 
 def _q4k_scale_min(scales: mx.array) -> tuple[mx.array, mx.array]:
-    """(n, 12) uint8, six-bit packed -> (n, 8) scales and (n, 8) mins as float32 (ggml's
-    get_scale_min_k4: sub-blocks 0-3 in the low six bits of bytes 0-3 / 4-7, sub-blocks 4-7 from
-    the nibbles of bytes 8-11 with the top two bits of bytes 0-3 / 4-7)."""
+    """(n, 12) uint8, six-bit packed -> (n, 8) scales and (n, 8) mins as float32 (`quant.kquant.scale_min_k4`)."""
     d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
     sc = mx.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=1)
     mn = mx.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=1)
@@ -158,63 +153,48 @@ def _q4k_scale_min(scales: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def _dequant_q2_k(b: mx.array) -> mx.array:
-    n = b.shape[0]
-    scales, qs = b[:, 0:16], b[:, 16:80]
-    d, dmin = _fp16_at(b, 80), _fp16_at(b, 82)
-    dl = (d * (scales & 0xF).astype(mx.float32)).reshape(n, 16, 1)
-    ml = (dmin * (scales >> 4).astype(mx.float32)).reshape(n, 16, 1)
+    f, n = block_format("Q2_K"), b.shape[0]
+    scales = _field(b, f, "scales")
+    dl = (_fp16(b, f, "d") * (scales & 0xF).astype(mx.float32)).reshape(n, 16, 1)
+    ml = (_fp16(b, f, "dmin") * (scales >> 4).astype(mx.float32)).reshape(n, 16, 1)
     # qs in two halves of 32 bytes; each byte holds four 2-bit weights, 32 weights apart
-    q = _bits(qs.reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 16, 16).astype(mx.float32)
+    q = _bits(_field(b, f, "qs").reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 16, 16).astype(mx.float32)
     return (dl * q - ml).reshape(n, QK_K)
 
 
 def _dequant_q3_k(b: mx.array) -> mx.array:
-    n = b.shape[0]
-    hmask, qs, scales = b[:, 0:32], b[:, 32:96], b[:, 96:108]
-    d = _fp16_at(b, 108)
+    f, n = block_format("Q3_K"), b.shape[0]
+    scales = _field(b, f, "scales")
     lsc = _bits(scales[:, 0:8], [0, 4], 0x0F).reshape(n, 16)
     hsc = _bits(scales[:, 8:12], [0, 2, 4, 6], 0x03).reshape(n, 16)
     sc = (lsc | (hsc << 4)).astype(mx.int8) - 32
-    dl = (d * sc.astype(mx.float32)).reshape(n, 16, 1)
-    ql = _bits(qs.reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 16, 16)
-    qh = _bits(hmask.reshape(n, 1, 32), list(range(8)), 1).reshape(n, 16, 16)
+    dl = (_fp16(b, f, "d") * sc.astype(mx.float32)).reshape(n, 16, 1)
+    ql = _bits(_field(b, f, "qs").reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 16, 16)
+    qh = _bits(_field(b, f, "hmask").reshape(n, 1, 32), list(range(8)), 1).reshape(n, 16, 16)
     # a set hmask bit means no -4 offset
     q = ql.astype(mx.int8) - ((qh ^ 1) << 2).astype(mx.int8)
     return (dl * q.astype(mx.float32)).reshape(n, QK_K)
 
 
-def _dequant_q4_k(b: mx.array) -> mx.array:
-    n = b.shape[0]
-    d, dmin = _fp16_at(b, 0), _fp16_at(b, 2)
-    sc, mn = _q4k_scale_min(b[:, 4:16])
-    dl = (d * sc).reshape(n, 8, 1)
-    ml = (dmin * mn).reshape(n, 8, 1)
+def _dequant_q45_k(b: mx.array, ggml_type: str) -> mx.array:
+    f, n = block_format(ggml_type), b.shape[0]
+    sc, mn = _q4k_scale_min(_field(b, f, "scales"))
+    dl = (_fp16(b, f, "d") * sc).reshape(n, 8, 1)
+    ml = (_fp16(b, f, "dmin") * mn).reshape(n, 8, 1)
     # four chunks of 32 bytes: low nibbles are sub-block 2j, high nibbles sub-block 2j+1
-    q = _bits(b[:, 16:144].reshape(n, 4, 32), [0, 4], 0x0F).reshape(n, 8, 32).astype(mx.float32)
-    return (dl * q - ml).reshape(n, QK_K)
-
-
-def _dequant_q5_k(b: mx.array) -> mx.array:
-    n = b.shape[0]
-    d, dmin = _fp16_at(b, 0), _fp16_at(b, 2)
-    sc, mn = _q4k_scale_min(b[:, 4:16])
-    dl = (d * sc).reshape(n, 8, 1)
-    ml = (dmin * mn).reshape(n, 8, 1)
-    ql = _bits(b[:, 48:176].reshape(n, 4, 32), [0, 4], 0x0F).reshape(n, 8, 32)
-    qh = _bits(b[:, 16:48].reshape(n, 1, 32), list(range(8)), 1).reshape(n, 8, 32)  # bit s: sub-block s
-    q = (ql | (qh << 4)).astype(mx.float32)
-    return (dl * q - ml).reshape(n, QK_K)
+    q = _bits(_field(b, f, "qs").reshape(n, 4, 32), [0, 4], 0x0F).reshape(n, 8, 32)
+    if ggml_type == "Q5_K":  # bit s of qh byte j: weight j of sub-block s
+        q = q | (_bits(_field(b, f, "qh").reshape(n, 1, 32), list(range(8)), 1).reshape(n, 8, 32) << 4)
+    return (dl * q.astype(mx.float32) - ml).reshape(n, QK_K)
 
 
 def _dequant_q6_k(b: mx.array) -> mx.array:
-    n = b.shape[0]
-    ql, qh = b[:, 0:128], b[:, 128:192]
-    sc = mx.view(b[:, 192:208], mx.int8).astype(mx.float32)  # (n, 16), one per 16 weights
-    d = _fp16_at(b, 208)
-    dl = (d * sc).reshape(n, 16, 1)
+    f, n = block_format("Q6_K"), b.shape[0]
+    sc = mx.view(_field(b, f, "scales"), mx.int8).astype(mx.float32)  # (n, 16), one per 16 weights
+    dl = (_fp16(b, f, "d") * sc).reshape(n, 16, 1)
     # two halves of 128 weights; ql: 64 bytes, low then high nibbles; qh: 32 bytes, 4 x 2 bits
-    lo = _bits(ql.reshape(n, 2, 64), [0, 4], 0x0F).reshape(n, 8, 32)
-    hi = _bits(qh.reshape(n, 2, 32), [0, 2, 4, 6], 0x03).reshape(n, 8, 32)
+    lo = _bits(_field(b, f, "ql").reshape(n, 2, 64), [0, 4], 0x0F).reshape(n, 8, 32)
+    hi = _bits(_field(b, f, "qh").reshape(n, 2, 32), [0, 2, 4, 6], 0x03).reshape(n, 8, 32)
     q = (lo | (hi << 4)).astype(mx.int8) - 32
     return (dl * q.reshape(n, 16, 16).astype(mx.float32)).reshape(n, QK_K)
 
@@ -222,80 +202,17 @@ def _dequant_q6_k(b: mx.array) -> mx.array:
 _DEQUANT = {
     "Q2_K": _dequant_q2_k,
     "Q3_K": _dequant_q3_k,
-    "Q4_K": _dequant_q4_k,
-    "Q5_K": _dequant_q5_k,
+    "Q4_K": lambda b: _dequant_q45_k(b, "Q4_K"),
+    "Q5_K": lambda b: _dequant_q45_k(b, "Q5_K"),
     "Q6_K": _dequant_q6_k,
 }
 
 
 def dequantize_kquant(w_blocks: mx.array, ggml_type: str, out_features: int, in_features: int) -> mx.array:
     """GGUF k-quant bytes (out_features, in_features // 256 * bytes per block), uint8, to float32
-    weights (out_features, in_features); bit for bit what `gguf.quants.dequantize` gives."""
-    bpb = KQUANT_BLOCK_BYTES[ggml_type]
-    blocks = w_blocks.reshape(-1, bpb)  # (out_features * in_features // 256, bpb)
+    weights (out_features, in_features); bit for bit `quant.dequantize` (gguf-py's), the layouts `quant.formats`'."""
+    blocks = w_blocks.reshape(-1, block_format(ggml_type).block_bytes)  # (out * in // 256, bytes per block)
     return _DEQUANT[ggml_type](blocks).reshape(out_features, in_features)
-
-
-# k-quant -> affine groups (w = scale * q + bias): container bits, group size
-KQUANT_AFFINE = {"Q2_K": (4, 16), "Q3_K": (4, 16), "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
-
-
-def kquant_scales(w_blocks: mx.array, ggml_type: str, out_features: int,
-                  in_features: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """A Q4_K or Q5_K matrix's two levels of scales: (d, dmin (out, in / 256) float32, each a float16's value;
-    sc, mn (out, in / 32) float32, integers in [0, 64)): block j of super-block s scales by d[s] sc[j] and is
-    offset by -dmin[s] mn[j], `kquant_affine`'s scales and biases."""
-    if ggml_type not in ("Q4_K", "Q5_K"):
-        raise ValueError(f"kquant_scales: Q4_K or Q5_K, not {ggml_type}")
-    b = w_blocks.reshape(-1, KQUANT_BLOCK_BYTES[ggml_type])
-    sc, mn = _q4k_scale_min(b[:, 4:16])
-    supers = in_features // 256
-    return (_fp16_at(b, 0).reshape(out_features, supers), _fp16_at(b, 2).reshape(out_features, supers),
-            sc.reshape(out_features, -1), mn.reshape(out_features, -1))
-
-
-def kquant_affine(w_blocks: mx.array, ggml_type: str, out_features: int,
-                  in_features: int) -> tuple[mx.array, mx.array, mx.array, int, int]:
-    """GGUF k-quant bytes -> (q uint8 (out, in), scales, biases float32 (out, in / group), bits, group):
-    the same weights as an affine quantization whose groups are the k-quant's sub-blocks, for kernels that
-    read affine groups (the torch backend's `dequant_matmul`). `scales * q + biases` equals
-    `dequantize_kquant` bit for bit for Q2_K, Q4_K and Q5_K (d * sc * q - dmin * m); Q3_K's and Q6_K's
-    d * sc * (q - offset) becomes d * sc * q - offset * d * sc, within an ulp or two."""
-    bits, group = KQUANT_AFFINE[ggml_type]
-    b = w_blocks.reshape(-1, KQUANT_BLOCK_BYTES[ggml_type])
-    n = b.shape[0]
-    if ggml_type in ("Q4_K", "Q5_K"):
-        d, dmin = _fp16_at(b, 0), _fp16_at(b, 2)
-        sc, mn = _q4k_scale_min(b[:, 4:16])
-        scale, bias = d * sc, -(dmin * mn)  # (n, 8)
-        qs = b[:, 16:144] if ggml_type == "Q4_K" else b[:, 48:176]
-        q = _bits(qs.reshape(n, 4, 32), [0, 4], 0x0F).reshape(n, 8, 32)
-        if ggml_type == "Q5_K":
-            q = q | (_bits(b[:, 16:48].reshape(n, 1, 32), list(range(8)), 1).reshape(n, 8, 32) << 4)
-    elif ggml_type == "Q6_K":
-        sc = mx.view(b[:, 192:208], mx.int8).astype(mx.float32)
-        scale = _fp16_at(b, 208) * sc  # (n, 16)
-        bias = -32 * scale
-        lo = _bits(b[:, 0:128].reshape(n, 2, 64), [0, 4], 0x0F).reshape(n, 8, 32)
-        hi = _bits(b[:, 128:192].reshape(n, 2, 32), [0, 2, 4, 6], 0x03).reshape(n, 8, 32)
-        q = lo | (hi << 4)
-    elif ggml_type == "Q2_K":
-        scales = b[:, 0:16]
-        scale = _fp16_at(b, 80) * (scales & 0xF).astype(mx.float32)
-        bias = -(_fp16_at(b, 82) * (scales >> 4).astype(mx.float32))
-        q = _bits(b[:, 16:80].reshape(n, 2, 32), [0, 2, 4, 6], 3)
-    else:  # Q3_K
-        scales = b[:, 96:108]
-        lsc = _bits(scales[:, 0:8], [0, 4], 0x0F).reshape(n, 16)
-        hsc = _bits(scales[:, 8:12], [0, 2, 4, 6], 0x03).reshape(n, 16)
-        scale = _fp16_at(b, 108) * ((lsc | (hsc << 4)).astype(mx.int8) - 32).astype(mx.float32)
-        bias = -4 * scale
-        ql = _bits(b[:, 32:96].reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 16, 16)
-        qh = _bits(b[:, 0:32].reshape(n, 1, 32), list(range(8)), 1).reshape(n, 16, 16)
-        q = ql | (qh << 2)  # a set hmask bit: no -4 offset, so q + 4
-    groups = in_features // group
-    return (q.astype(mx.uint8).reshape(out_features, in_features), scale.reshape(out_features, groups),
-            bias.reshape(out_features, groups), bits, group)
 
 
 def dequant_matmul_kquant(

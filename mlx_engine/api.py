@@ -295,6 +295,9 @@ class ModelInfo:
     # the reasoning family the chat template and tokenizer show ("think": <think>...</think>, "harmony": gpt-oss's
     # channels), or None: a model without reasoning, whose events never carry `reasoning`
     reasoning: str | None = None
+    # an embedding model (a sentence-transformers folder, a GGUF with a pooling type): it answers `embed`, not
+    # `generate`; front ends refuse embeddings of a chat model and chat with an embedding model by this flag
+    embeddings: bool = False
 
     @property
     def runs_on(self) -> str:
@@ -428,3 +431,27 @@ class EngineLike(Protocol):
     def decode_bytes_per_token(self, context_tokens: int) -> int: ...
 
     def close(self) -> None: ...
+
+
+# --- embeddings ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """`EmbedderLike.embed`'s result: one vector per input, in the order given."""
+
+    vectors: Any  # numpy float32 (N, dimensions)
+    num_tokens: tuple[int, ...]  # each input's tokens (instruction prefix and special tokens included)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+@runtime_checkable
+class EmbedderLike(EngineLike, Protocol):
+    """An engine whose `info.embeddings` is True (`mlx_engine.embedding.EmbeddingEngine`): what a front end uses to
+    embed. Its `generate` refuses (RequestError)."""
+
+    def embed(self, inputs: str | list[str] | list[int] | list[list[int]], dimensions: int | None = None,
+              prompt_name: str | None = None) -> Embeddings: ...

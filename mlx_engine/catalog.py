@@ -17,15 +17,15 @@ from typing import Any
 
 from mlx_engine.api import ModelLoadError
 from mlx_engine.memory import (KVShape, MemoryLimit, WeightsHeader, available_memory, estimate_fit,
-                                held_weight_bytes, kv_bytes, metal_working_set)
+                                held_weight_bytes, kv_bytes, metal_working_set, state_bytes)
 from mlx_engine.paths import cache_dir
 from mlx_engine.switches import SKIP_MEMORY_CHECK
+from quant.formats import MLX_AFFINE_BITS, MLX_GROUP
 
 HEADER_CACHE_FILE = "model_headers.json"
-HEADER_CACHE_FORMAT = 2  # 2: KV shapes with sliding layers and experts
+HEADER_CACHE_FORMAT = 3  # 2: KV shapes with sliding layers and experts; 3: MLA latents, recurrent layers' state,
+# per-layer head sizes
 _FLOAT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
-_PACKED_GGUF = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q5_0": (5, 32), "Q5_1": (5, 32), "Q8_0": (8, 32)}  # ggml type -> (bits, group) once in MLX
-_KQUANT_GGUF = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclass(frozen=True)
@@ -102,9 +102,8 @@ def _gguf_header(path: Path) -> Header:
         n_params += n
         if len(t.shape) == 2:
             by_type[t.ggml_type] = by_type.get(t.ggml_type, 0) + t.nbytes
-        if t.ggml_type in _PACKED_GGUF:
-            bits, group = _PACKED_GGUF[t.ggml_type]
-            packed, groups = packed + n * bits // 8, groups + n // group
+        if t.ggml_type in MLX_AFFINE_BITS:  # held packed once in MLX
+            packed, groups = packed + n * MLX_AFFINE_BITS[t.ggml_type] // 8, groups + n // MLX_GROUP
         elif t.ggml_type in _FLOAT_DTYPES:
             floats, fbytes = floats + n, fbytes + t.nbytes
         else:
@@ -120,17 +119,32 @@ def _gguf_header(path: Path) -> Header:
 
 def _config_kv_shape(config: dict[str, Any], where: Path) -> KVShape:
     from mlx_engine.models.config import normalize_config, sliding_flags
+    from mlx_engine.models.config_families import no_kv_layers, state_sizes
 
     try:
         config = normalize_config(config, str(where))
         heads = int(config["num_attention_heads"])
         sliding = sliding_flags(config)
-        return KVShape(int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or heads),
-                       int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+        head_dim, latent, v_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads), 0, 0
+        if config.get("kv_lora_rank"):  # MLA: each layer keeps the latent; head_dim and v_dim: the heads' K and V
+            latent = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
+            head_dim = int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"])
+            v_dim = int(config["v_head_dim"])
+        n = int(config.get("num_hidden_layers") or len(config["layers_block_type"]))
+        shared = int(config.get("num_kv_shared_layers") or 0)  # Gemma 4: the last ones reuse earlier layers' KV
+        stores = [i < n - shared for i in range(n)]
+        types = config.get("layer_types") or []
+        wide = config.get("global_head_dim") if config.get("global_head_dim") != head_dim else None
+        wide_layers = sum(1 for i, t in enumerate(types[:n]) if wide and t == "full_attention" and stores[i])
+        return KVShape(n, int(config.get("num_key_value_heads") or heads), head_dim,
                        int(config.get("max_position_embeddings") or 0),
-                       int(config["sliding_window"]) if any(sliding) else None, sum(sliding),
-                       int(config.get("num_local_experts") or config.get("num_experts") or 0),
-                       int(config.get("num_experts_per_tok") or 0))
+                       int(config["sliding_window"]) if any(sliding) else None,
+                       sum(s and k for s, k in zip(sliding, stores)),
+                       int(config.get("num_local_experts") or config.get("num_experts") or
+                           config.get("n_routed_experts") or 0),
+                       int(config.get("num_experts_per_tok") or 0), latent, v_dim,
+                       no_kv_layers(config) + stores.count(False), wide_layers, int(wide or 0),
+                       int(config.get("num_global_key_value_heads") or 0) if wide else 0, *state_sizes(config))
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelLoadError(f"{where}: missing or bad field {e} for sizing the KV cache") from None
 
@@ -341,6 +355,7 @@ class ModelMemory:
     weights: WeightsHeader
     kv_per_token: int
     context_length: int
+    state_bytes: int = 0  # a hybrid's recurrent layers, one sequence
 
 
 def model_memory(ref: str | None, kv_bits: int | None = None, key_bits: int | None = None,
@@ -362,7 +377,7 @@ def model_memory(ref: str | None, kv_bits: int | None = None, key_bits: int | No
     item = itemsize or _kv_itemsize(header, metal)
     per_token = kv_bytes(header.kv, 1, kv_bits=kv_bits, itemsize=item, key_bits=key_bits)
     name = EMBEDDED_MODEL_NAME if is_embedded(ref) else display_name(ref, path)
-    return ModelMemory(name, header.weights, per_token, header.kv.context_length)
+    return ModelMemory(name, header.weights, per_token, header.kv.context_length, state_bytes(header.kv, 1, item))
 
 
 def model_header(ref: str | os.PathLike[str] | None) -> Header:
@@ -408,13 +423,13 @@ def check_fit(model: str | None, backend: str, options: dict[str, Any]) -> None:
                        itemsize=itemsize or None, metal=metal)
     if mem is None:
         return  # a header that cannot be read or sized: the loader says what is wrong with it
-    extra = 0
+    extra = mem.state_bytes
     if isinstance(options.get("draft_model"), str) and options.get("draft_model") != model:
         try:
             draft = model_memory(options["draft_model"], metal=metal)
         except ModelLoadError:
             draft = None  # the loader says why (or, with draft_optional, warns and loads without it)
-        extra = held_weight_bytes(draft.weights, backend, metal)[0] if draft else 0  # held beside the model
+        extra += held_weight_bytes(draft.weights, backend, metal)[0] if draft else 0  # held beside the model
     fit = estimate_fit(mem.weights, mem.kv_per_token, mem.context_length, context=option("max_context"),
                        kv_budget_bytes=option("kv_budget_bytes"), backend=backend, extra_bytes=extra, metal=metal)
     if not fit.fits:

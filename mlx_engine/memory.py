@@ -215,6 +215,22 @@ class KVShape:
     num_sliding_layers: int = 0  # of num_layers
     num_experts: int = 0  # MoE: experts per layer (0: dense)
     num_experts_per_tok: int = 0
+    # MLA (DeepSeek-V3, Kimi K2): what a layer keeps per token is one latent vector of this many elements
+    # (kv_lora_rank + qk_rope_head_dim), shared by every head's K and V; 0: K and V per KV head
+    latent_dim: int = 0
+    v_head_dim: int = 0  # V's head size where it differs from K's (MLA's, were it expanded); 0: head_dim
+    # layers that keep no K and V: linear attention, Mamba and convolution layers (a fixed-size recurrent state per
+    # sequence) and Nemotron-H's MLP and MoE blocks (nothing)
+    no_kv_layers: int = 0
+    # full-attention layers whose heads differ from the others' (Gemma 4's `per_layer_config`): how many, their
+    # head size and KV heads (0: num_kv_heads)
+    wide_layers: int = 0
+    wide_head_dim: int = 0
+    wide_kv_heads: int = 0
+    # the recurrent layers' state per sequence, whatever the context: elements at the activation dtype (convolution
+    # windows, Mamba's SSM state) and in float32 (Gated DeltaNet's state, which mlx-lm keeps in float32)
+    state_elems: int = 0
+    state_f32_elems: int = 0
 
 
 def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None = None, itemsize: int = 2,
@@ -225,17 +241,30 @@ def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None =
     keys: a scale and bias per channel and block of that many tokens costs what per-token groups of that
     many channels cost)."""
 
-    def per_vector(bits: int | None, group: int) -> int:
+    def per_vector(dim: int, bits: int | None, group: int) -> int:
         if bits is None:
-            return shape.head_dim * itemsize
-        return shape.head_dim * bits // 8 + 2 * -(-shape.head_dim // group) * itemsize
+            return dim * itemsize
+        return dim * bits // 8 + 2 * -(-dim // group) * itemsize
 
-    k_bits = kv_bits if key_bits is None else key_bits
-    per_token = per_vector(k_bits, key_group_size or group_size) + per_vector(kv_bits, group_size)
+    def per_token(k_dim: int, v_dim: int) -> int:  # one head's K and V
+        return (per_vector(k_dim, kv_bits if key_bits is None else key_bits, key_group_size or group_size)
+                + per_vector(v_dim, kv_bits, group_size))
+
+    if shape.latent_dim:  # one latent per token and layer, no heads, no separate V
+        layer = per_vector(shape.latent_dim, kv_bits, group_size)
+    else:
+        layer = per_token(shape.head_dim, shape.v_head_dim or shape.head_dim) * shape.num_kv_heads
+    wide = per_token(shape.wide_head_dim, shape.wide_head_dim) * (shape.wide_kv_heads or shape.num_kv_heads) \
+        if shape.wide_layers else 0
     # a sliding layer holds its window's tokens at most
     window = min(context, shape.sliding_window) if shape.sliding_window else context
-    layer_tokens = (shape.num_layers - shape.num_sliding_layers) * context + shape.num_sliding_layers * window
-    return per_token * layer_tokens * shape.num_kv_heads * batch
+    full = max(0, shape.num_layers - shape.no_kv_layers - shape.num_sliding_layers - shape.wide_layers)
+    return (layer * (full * context + shape.num_sliding_layers * window) + wide * shape.wide_layers * context) * batch
+
+
+def state_bytes(shape: KVShape, batch: int = 1, itemsize: int = 2) -> int:
+    """The recurrent layers' state of `batch` sequences (fixed, whatever their length)."""
+    return (shape.state_elems * itemsize + shape.state_f32_elems * 4) * batch
 
 
 # ---- what this process holds, and handing it back --------------------------------------------------------

@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 from tests.tiny_models import add_byte_level_tokenizer, add_common_metadata, llama_permute
 
 # HF model_type -> GGUF architecture
-GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
+GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "mixtral": "llama", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
              "olmo2": "olmo2", "granite": "granite", "qwen3_moe": "qwen3moe", "starcoder2": "starcoder2",
              "gpt_oss": "gpt-oss"}
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
@@ -118,10 +118,11 @@ def _tensors(weights: dict[str, np.ndarray], config: dict, arch: str) -> dict[st
 
 
 def write_family_gguf(folder: Path, path: Path, qtype: str = "F32", quantize: tuple[str, ...] = (),
-                      as_float: bool = False) -> Path:
+                      as_float: bool = False, pooling_type: int | None = None) -> Path:
     """`folder`'s checkpoint as a GGUF file. `quantize`: substrings of GGUF tensor names stored as `qtype`
     (through gguf.quants.quantize); everything else float32. `as_float`: those tensors stored as float32 of
-    their `qtype` values instead (gguf.quants.dequantize), the reference file."""
+    their `qtype` values instead (gguf.quants.dequantize), the reference file. `pooling_type`: llama.cpp's
+    `<arch>.pooling_type` (an embedding model's: 1 mean, 2 cls, 3 last)."""
     import gguf
     from gguf.constants import GGMLQuantizationType as Q
 
@@ -133,6 +134,8 @@ def write_family_gguf(folder: Path, path: Path, qtype: str = "F32", quantize: tu
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, {**json.loads((folder / "config.json").read_text()), **config}, arch)
     add_byte_level_tokenizer(w, config)
+    if pooling_type is not None:
+        w.add_uint32(f"{arch}.pooling_type", pooling_type)
     for gname, value in _tensors(weights, config, arch).items():
         if value.ndim >= 2 and gname.endswith(".weight") and any(k in gname for k in quantize):
             packed = gguf.quants.quantize(value, Q[qtype])

@@ -61,6 +61,39 @@ def test_multimodal_text_config_becomes_the_config() -> None:
     assert text_weights(v5, c) == {"model.norm.weight": 1, "lm_head.weight": 2}
 
 
+def test_transformers5_hybrid_layer_kinds_in_each_class_form() -> None:
+    """Issue 47: `layer_types` with linear_attention / conv beside full_attention, as each mlx-lm class reads it."""
+    assert normalize_config(config_of("qwen3_next"))["full_attention_interval"] == 2  # [linear, full]
+    assert normalize_config(config_of("granitemoehybrid"))["layer_types"] == ["mamba", "attention"]
+    lfm2 = normalize_config(config_of("lfm2"))
+    assert lfm2["block_dim"] == 64 and lfm2["full_attn_idxs"] == [1]  # transformers writes neither
+    assert normalize_config(config_of("exaone4"))["sliding_window_pattern"] == "LG"
+    # every kind transformers 5 allows passes (DeepSeek-V3.2's indexer layers, Zamba 2's hybrids)
+    for kind in ("indexed_attention", "hybrid", "compressed_sparse_attention"):
+        assert normalize_config({"model_type": "x", "layer_types": [kind]})["layer_types"] == [kind]
+
+
+def test_derived_fields_infinity_and_per_layer_head_sizes() -> None:
+    raw = config_of("exaone4")
+    del raw["head_dim"]  # as EXAONE 4's own configs: transformers derives it, mlx-lm's class requires it
+    assert normalize_config(raw)["head_dim"] == 64 // 4
+    nemotron = normalize_config(config_of("nemotron_h"))
+    assert config_of("nemotron_h")["time_step_limit"][1] == {"__float__": "Infinity"}
+    assert nemotron["time_step_limit"] == [0.0, float("inf")]
+    gemma4 = normalize_config(config_of("gemma4_text"))
+    assert config_of("gemma4_text")["per_layer_config"] == {"1": {"head_dim": 32}}
+    assert gemma4["global_head_dim"] == 32 and gemma4["head_dim"] == 16
+    assert gemma4["rope_scaling"]["rope_type"] == "proportional"
+
+
+def test_qwen3_5_multimodal_lifts_its_text_config() -> None:
+    raw = config_of("qwen3_5_vlm")
+    assert raw["model_type"] == "qwen3_5" and raw["text_config"]["model_type"] == "qwen3_5_text"
+    c = normalize_config(raw)
+    assert c["model_type"] == "qwen3_5_text" and c["multimodal_model_type"] == "qwen3_5"
+    assert c["full_attention_interval"] == 2 and c["num_hidden_layers"] == 2
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in GOLDEN.iterdir() if (p / "config.json").exists()))
 def test_normalize_is_idempotent(name: str) -> None:
     once = normalize_config(config_of(name))
@@ -96,6 +129,9 @@ BAD_CONFIGS = {
                               ["layer_types has 1 entries for num_hidden_layers=2"]),
     "sliding layers without a window": ("gpt_oss", lambda c: c.update(sliding_window=None),
                                         ["sliding_attention layers but sliding_window is None"]),
+    # issue 47: a hybrid whose layer_types names a kind no class runs
+    "unknown layer kind": ("qwen3_next", lambda c: c.update(layer_types=["linear_attention", "florp_attention"]),
+                           ["config.json", "layer_types[1] is 'florp_attention'", "linear_attention"]),
     "rope type nobody runs": ("olmo2", lambda c: c.update(rope_parameters={"rope_type": "florp", "rope_theta": 1.0}),
                               ["unsupported rope type 'florp'"]),
 }
@@ -115,7 +151,8 @@ def test_bad_config_is_one_line(tmp_path: Path, case: str) -> None:
         assert needle in message, message
 
 
-@pytest.mark.parametrize("case", ["unknown architecture", "granite without rope_theta", "qwen3_moe without experts"])
+@pytest.mark.parametrize("case", ["unknown architecture", "granite without rope_theta", "qwen3_moe without experts",
+                                  "unknown layer kind"])
 def test_bad_config_from_the_cli_is_one_line_without_traceback(tmp_path: Path, case: str) -> None:
     src, edit, needles = BAD_CONFIGS[case]
     folder = _folder_with_config(tmp_path, src, edit)
@@ -182,3 +219,99 @@ def test_kv_of_a_gguf_reads_its_sliding_layers(tmp_path: Path) -> None:
     assert "(13,824 bytes) of KV for 1 x 100 tokens" in r.stdout
     assert "sliding window: 1 of 2 layers attend to the last 8 tokens" in r.stdout
     assert "mixture of experts: 4 experts, 2 per token" in r.stdout
+
+
+def test_logits_command_on_nemotron_h(tmp_path: Path) -> None:
+    """Issue 47: `roofline logits` failed on Nemotron-H (`Invalid type dict`: its time_step_limit's infinity)."""
+    from tests.tolerance import HEADROOM, assert_f32_close
+
+    gold = np.load(GOLDEN / "nemotron_h" / "golden.npz")
+    out = tmp_path / "out.npy"
+    ids = ",".join(str(t) for t in gold["input_ids"].tolist())
+    r = roofline("logits", "-m", str(GOLDEN / "nemotron_h"), "--token-ids", ids, "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert_f32_close(np.load(out), gold["logits"], 14 * HEADROOM, "nemotron_h")  # floor: test_parity_families
+
+
+def test_kv_of_deepseek_v3_counts_the_mla_latent(tmp_path: Path) -> None:
+    """DeepSeek-V3's config: 61 layers keep a 576-element latent (kv_lora_rank 512 + rope 64) per token, 70 KB in
+    float16, not the 5.0 MB of 128 heads' K (192) and V (128)."""
+    config = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+              "num_key_value_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+              "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+              "max_position_embeddings": 163840, "rope_theta": 10000, "vocab_size": 129280}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = roofline("kv", "--model", str(tmp_path), "--context", "32768", "--dtype", "float16")
+    assert r.returncode == 0, r.stderr
+    # 61 x 576 x 2 bytes = 70,272 a token; x 32,768
+    assert r.stdout.startswith("2.3 GB (2,302,672,896 bytes) of KV for 1 x 32,768 tokens in float16: 61 layers x "
+                               "one MLA latent of 576, 70,272 bytes per token"), r.stdout
+    assert "would take 4,997,120 bytes per token" in r.stdout  # 61 x 128 x (192 + 128) x 2
+    assert "mixture of experts: 256 experts, 8 per token" in r.stdout
+
+
+@pytest.mark.parametrize("name, kv_layers", [("qwen3_next", 1), ("lfm2", 1), ("granitemoehybrid", 1),
+                                             ("nemotron_h", 1), ("qwen3_5_vlm", 1), ("falcon_h1", 2)])
+def test_kv_of_a_hybrid_counts_only_its_attention_layers(name: str, kv_layers: int) -> None:
+    r = roofline("kv", "--model", str(GOLDEN / name), "--context", "100", "--dtype", "float16")
+    assert r.returncode == 0, r.stderr
+    # 2 KV heads x 16 x 2 bytes x (K, V) = 128 bytes a token and attention layer
+    assert f"({kv_layers * 12_800:,} bytes) of KV for 1 x 100 tokens" in r.stdout, r.stdout
+    assert ("keep no KV of their own" in r.stdout) == (name != "falcon_h1"), r.stdout  # Falcon-H1: attention in every layer
+
+
+def test_kv_of_gemma4_counts_wide_full_layers_and_shared_kv(tmp_path: Path) -> None:
+    """Gemma 4 E2B's shape as transformers 5 writes it: 35 layers, a 4:1 sliding pattern of 512 tokens, the last
+    20 layers reusing earlier layers' KV, full-attention heads of 512 (`per_layer_config`) beside sliding ones of
+    256, one KV head. The 15 layers that store KV: 12 sliding, 3 full."""
+    types = ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(35)]
+    config = {"model_type": "gemma4_text", "hidden_size": 1536, "num_hidden_layers": 35, "num_attention_heads": 8,
+              "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512, "layer_types": types,
+              "num_kv_shared_layers": 20, "max_position_embeddings": 131072,
+              "per_layer_config": {str(i): {"head_dim": 512} for i, t in enumerate(types) if t == "full_attention"},
+              "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                     "rope_theta": 1e6}}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = roofline("kv", "--model", str(tmp_path), "--context", "100000", "--dtype", "float16")
+    assert r.returncode == 0, r.stderr
+    # 12 sliding x 512 tokens x 256 x 2 bytes x (K, V) + 3 full x 100,000 x 512 x 2 x 2
+    assert "(620,691,456 bytes) of KV for 1 x 100,000 tokens" in r.stdout, r.stdout
+    assert "(3 full-attention layers: 1 x 512), 18,432 bytes per token" in r.stdout, r.stdout
+    assert "20 of 35 layers keep no KV of their own" in r.stdout
+    assert "sliding window: 12 of 15 layers attend to the last 512 tokens" in r.stdout
+    assert "past the window a token adds 6,144 bytes" in r.stdout
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "granitemoehybrid", "nemotron_h",
+                                  "falcon_h1", "lfm2"])
+def test_recurrent_state_bytes_are_what_mlx_lm_caches_hold(name: str) -> None:
+    """The state a hybrid's recurrent layers keep per sequence (what the fit check adds and `roofline kv` prints),
+    from its config alone, against the bytes mlx-lm's caches hold after a forward in float32."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    from mlx_engine.catalog import kv_shape
+    from mlx_engine.loading import load_checkpoint
+    from mlx_engine.memory import state_bytes
+    from mlx_engine.models import build_model
+
+    ckpt = load_checkpoint(str(GOLDEN / name))
+    model = build_model(ckpt.config, ckpt.weights, mx.float32, None, name).model
+    cache = model.make_cache()
+    mx.eval(model(mx.array([[1, 2, 3, 4, 5]]), cache=cache))
+
+    def arrays(c):
+        if isinstance(c, CacheList):
+            return [a for inner in c.caches for a in arrays(inner)]
+        return [a for a in c.cache if a is not None] if isinstance(c, ArraysCache) else []
+
+    held = sum(a.nbytes for c in cache for a in arrays(c))
+    assert held > 0 and state_bytes(kv_shape(str(GOLDEN / name)), 1, 4) == held
+
+
+def test_kv_of_a_hybrid_prints_its_recurrent_state() -> None:
+    r = roofline("kv", "--model", str(GOLDEN / "qwen3_next"), "--context", "100", "--batch", "2", "--dtype", "float16")
+    assert r.returncode == 0, r.stderr
+    # one Gated DeltaNet layer: a conv window of 3 x (2 x 2 x 16 + 4 x 16) in float16, 4 x 16 x 16 float32
+    assert "recurrent state: 9,728 bytes for 2 sequences whatever their length (4,864 each" in r.stdout, r.stdout

@@ -74,7 +74,7 @@ def test_repacked_types_equal_llama_cpp_exactly(tmp_path: Path, ggml_type: str, 
 def test_iquants_equal_llama_cpp_to_float16(tmp_path: Path, ggml_type: str) -> None:
     """No quantizer for these in gguf-py: random blocks (finite fp16 scales); every nibble and 6-bit scale pattern
     is valid. Dequantized exactly in float32, held as float16: within float16's half ulp."""
-    from mlx_engine.loading.gguf_quants import dequantize_iq4
+    from quant.codebook import dequantize_iq4
 
     rng = np.random.default_rng(3)
     raw = random_blocks(rng, ggml_type, 16, 512, std=0.5)

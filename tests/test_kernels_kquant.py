@@ -14,14 +14,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize as gguf_dequantize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels_metal import _backend, dequant_matmul_kquant
-from kernels_metal.kquant import KQUANT_TYPES
-from kernels_metal.reference import QK_K, dequantize_kquant
+from kernels_metal.reference import dequantize_kquant
+from quant import KQUANT_TYPES, QK_K, block_bytes, dequantize
 from tests.tiny_models import random_blocks
 
 OUT_REL = {mx.float32: 0.0, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
@@ -34,7 +32,8 @@ needs_interpreter = pytest.mark.skipif(
 
 
 def gguf_weights(w: np.ndarray, ggml_type: str) -> np.ndarray:
-    return gguf_dequantize(w, GGMLQuantizationType[ggml_type])
+    """llama.cpp's values (`quant.dequantize`: gguf-py's)."""
+    return dequantize(w, ggml_type, (w.shape[0], w.shape[1] // block_bytes(ggml_type) * QK_K))
 
 
 def check_matmul(y: mx.array, x: mx.array, w: np.ndarray) -> None:
@@ -183,23 +182,3 @@ def test_metal_kernel_is_built_at_import():
     from kernels_metal import kquant
 
     assert not isinstance(kquant._METAL_KERNEL, Exception)  # construction needs no device
-
-
-@pytest.mark.parametrize("ggml_type", KQUANT_TYPES)
-def test_kquant_affine_is_the_same_weights(ggml_type):
-    """The affine form of each k-quant: exactly the dequantized weights for Q2_K / Q4_K / Q5_K (the same
-    products and sums), within two float32 ulps for Q3_K / Q6_K (an offset multiplied out)."""
-    from kernels_metal.reference import KQUANT_AFFINE, kquant_affine
-
-    out_features, in_features = 5, 512
-    w = random_blocks(np.random.default_rng(7), ggml_type, out_features, in_features)
-    q, scales, biases, bits, group = kquant_affine(mx.array(w), ggml_type, out_features, in_features)
-    assert (bits, group) == KQUANT_AFFINE[ggml_type] and q.dtype == mx.uint8
-    assert int(q.max().item()) < 2**bits
-    got = np.array(q.astype(mx.float32).reshape(out_features, -1, group) * scales[..., None]
-                   + biases[..., None]).reshape(out_features, in_features)
-    want = gguf_weights(w, ggml_type).reshape(out_features, in_features)
-    if ggml_type in ("Q2_K", "Q4_K", "Q5_K"):
-        np.testing.assert_array_equal(got, want)
-    else:
-        np.testing.assert_allclose(got, want, rtol=2.5e-7, atol=np.abs(want).max() * 2.5e-7)

@@ -1,5 +1,5 @@
 """The dependency direction of DESIGN.md (docs/architecture.md, "What may import what"), checked by importing every
-module of app, mlx_engine and kernels_metal, each alone in a fresh interpreter."""
+module of app, mlx_engine, kernels_metal and quant, each alone in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -54,11 +54,12 @@ for name in sys.argv[2:]:
     out.append(name + "\\t" + msg)
 print("\\n".join(out))
 """
-PACKAGES = ("app", "mlx_engine", "kernels_metal")
+PACKAGES = ("app", "mlx_engine", "kernels_metal", "quant")
 TORCH_BACKEND = "mlx_engine.backends.torch"  # the one place torch may be imported
 # what every module under a prefix may import, preloaded by the probe (nothing banned below)
 PRELOAD = {"app": ("numpy", "rich", "textual"), "mlx_engine": ("numpy", "mlx.core", "mlx.nn"),
-           TORCH_BACKEND: ("numpy", "mlx.core", "mlx.nn", "torch"), "kernels_metal": ("numpy", "mlx.core")}
+           TORCH_BACKEND: ("numpy", "mlx.core", "mlx.nn", "torch"), "kernels_metal": ("numpy", "mlx.core"),
+           "quant": ("numpy",)}
 
 
 def preload_of(module: str) -> str:
@@ -147,12 +148,19 @@ def test_kernels_never_import_the_engine(imports: dict[str, set[str]]) -> None:
     assert offenders(imports, "kernels_metal", lambda n: {"mlx_engine", "app", "textual"}) == {}
 
 
+def test_quant_imports_nothing_of_ours_and_no_array_library_but_numpy(imports: dict[str, set[str]]) -> None:
+    """The formats' home sits below the kernels (kernels_metal and mlx_engine both import it): numpy and gguf-py
+    only, and gguf-py's package __init__ (its writer, sentencepiece, yaml) not at import."""
+    assert offenders(imports, "quant", lambda n: {"app", "mlx_engine", "kernels_metal", "mlx", "mlx_lm", "torch",
+                                                  "triton", "textual", "gguf"}) == {}
+
+
 def test_only_the_torch_backend_imports_torch() -> None:
     """torch (and triton) is an optional extra: only mlx_engine/backends/torch/ may import it."""
     root = Path(__file__).resolve().parent.parent
     allowed = root / "mlx_engine" / "backends" / "torch"
     pattern = re.compile(r"^\s*(import|from)\s+(torch|triton)\b", re.MULTILINE)
-    offenders = [str(f.relative_to(root)) for folder in ("mlx_engine", "app", "kernels_metal")
+    offenders = [str(f.relative_to(root)) for folder in ("mlx_engine", "app", "kernels_metal", "quant")
                  for f in sorted((root / folder).rglob("*.py"))
                  if allowed not in f.parents and pattern.search(f.read_text())]
     assert not offenders, offenders

@@ -40,8 +40,7 @@ def _weight(kind: str, native: bool = False) -> cpu_packed.CPUWeight:
     import mlx.core as mx
 
     from mlx_engine.backends.torch.weights import cpu_affine_weight, kquant_weight
-    from mlx_engine.loading.gguf_quants import affine_codes
-    from mlx_engine.loading.gguf_tensors import affine_from_gguf
+    from quant.affine import affine_codes, affine_from_gguf
 
     support = dataclasses.replace(cpu_features.cpu_support(), native=native)
     rng = np.random.default_rng(sum(map(ord, kind)))

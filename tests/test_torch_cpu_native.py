@@ -22,6 +22,7 @@ from tests.torch_support import require
 
 torch = require("torch")
 
+import quant  # noqa: E402
 from mlx_engine import Engine  # noqa: E402
 from mlx_engine.backends.torch import cpu_features, cpu_native, cpu_packed, cpu_reference  # noqa: E402
 from tests.test_torch_cpu_packed import quantized_files  # noqa: E402,F401  (the golden llama per GGUF type)
@@ -137,28 +138,32 @@ def test_two_level_scales_are_the_float32_ones(built, bits):
 
 
 def q6k_blocks(N: int, K: int, seed: int) -> np.ndarray:
-    """Random Q6_K blocks (N, K / 256 * 210) uint8 as GGML lays them out (ql[128], qh[64], int8 scales[16], a
-    float16 d), every scale and d finite, -128 among the scales."""
+    """Random Q6_K blocks (N, K / 256 * bytes per block) uint8 as GGML lays them out (`quant.formats`: ql[128],
+    qh[64], int8 scales[16], a float16 d), every scale and d finite, -128 among the scales."""
+    from quant.formats import QK_K, block_format
+
+    f = block_format("Q6_K")
+    scales, d = f.field("scales"), f.field("d")
     rng = np.random.default_rng(seed)
-    b = rng.integers(0, 256, (N, K // 256, 210), dtype=np.uint8)
-    sc = rng.integers(-128, 128, (N, K // 256, 16)).astype(np.int8)
+    b = rng.integers(0, 256, (N, K // QK_K, f.block_bytes), dtype=np.uint8)
+    sc = rng.integers(-128, 128, (N, K // QK_K, scales.count)).astype(np.int8)
     sc[0, 0, 0] = -128
-    b[..., 192:208] = sc.view(np.uint8)
-    b[..., 208:210] = rng.uniform(1e-4, 3e-3, (N, K // 256, 1)).astype(np.float16).view(np.uint8)
+    b[..., scales.offset:scales.stop] = sc.view(np.uint8)
+    b[..., d.offset:d.stop] = rng.uniform(1e-4, 3e-3, (N, K // QK_K, 1)).astype(np.float16).view(np.uint8)
     return b.reshape(N, -1)
 
 
 @pytest.mark.parametrize("K", [256, 768])
 def test_q6k_is_held_as_the_file_has_it(built, K):
     """Q6_K as 6-bit codes with its int8 scale per 16 and float16 d per super-block (6.56 bits a weight, where int8
-    rows took 8.5): dequantized, its weights are the reference's (`dequantize_kquant`, gguf-py's) bit for bit;
+    rows took 8.5): dequantized, its weights are the reference's (`quant.dequantize`, gguf-py's) bit for bit;
     the kernel is its contract with a scale a half block (`q6k_contract`); fused parts keep the layout. K = 256
     and 768: one and three super-blocks a row."""
     w, want = q6k_contract(K)
     N = want.shape[0]
     assert (w.bits, cpu_packed.kind(w)) == (6, "native6")
     assert w.codes.shape == (N, K // 2 + K // 4) and w.d.dtype == torch.int8 and w.d.shape == (N, K // 16 + K // 128)
-    assert w.nbytes == N * K * 6 // 8 + N * (K // 16 + K // 128) == N * K // 256 * 210  # the file's bytes
+    assert w.nbytes == N * K * 6 // 8 + N * (K // 16 + K // 128) == N * quant.row_bytes("Q6_K", K)  # the file's bytes
     assert torch.equal(w.dequantized(), want)
     ids = torch.tensor([0, 7, N - 1])
     assert torch.equal(w.rows(ids), want[ids])
@@ -179,11 +184,10 @@ def q6k_contract(K: int, N: int = 200) -> tuple[cpu_native.NativeWeight, torch.T
     reference's float32 weights)."""
     import mlx.core as mx
 
-    from kernels_metal.reference import dequantize_kquant
     from mlx_engine.backends.torch.weights import kquant_weight
 
     blocks = q6k_blocks(N, K, K)
-    want = torch.from_numpy(np.array(dequantize_kquant(mx.array(blocks), "Q6_K", N, K)))
+    want = torch.from_numpy(quant.dequantize(blocks, "Q6_K", (N, K)))
     support = dataclasses.replace(cpu_features.cpu_support(), native=True)
     w = kquant_weight(mx.array(blocks), "Q6_K", torch.float32, torch.device("cpu"), True, support)
     assert isinstance(w, cpu_native.NativeWeight)

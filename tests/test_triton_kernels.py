@@ -203,14 +203,15 @@ def test_dequant_matmul_float32(bits, group_size, M):
 @pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "Q3_K"])
 def test_dequant_matmul_reads_kquants_as_affine_groups(ggml_type):
     """k-quant sub-blocks as affine groups of 16 (Q6_K, Q3_K) or 32 (Q4_K), float32 scales
-    (`kernels_metal.reference.kquant_affine`), through the kernel: the k-quant's own matmul."""
-    from kernels_metal.reference import dequantize_kquant, kquant_affine
-    from mlx_engine.loading.gguf_tensors import pack_words
+    (`quant.kquant.kquant_affine`), through the kernel: the k-quant's own matmul."""
+    from kernels_metal.reference import dequantize_kquant
+    from quant.kquant import kquant_affine
+    from quant.mlx_layout import pack_codes
     from tests.tiny_models import random_blocks
 
     blocks = mx.array(random_blocks(np.random.default_rng(5), ggml_type, 24, 512, std=0.05))
-    q, sc, bi, bits, group = kquant_affine(blocks, ggml_type, 24, 512)
-    wq = torch.from_numpy(pack_words(np.array(q), bits).view(np.int32))
+    q, sc, bi, bits, group = kquant_affine(np.array(blocks), ggml_type, 24, 512)
+    wq = torch.from_numpy(pack_codes(q, bits).view(np.int32))
     s, b = torch.from_numpy(np.array(sc)), torch.from_numpy(np.array(bi))
     deq = torch.from_numpy(np.array(dequantize_kquant(blocks, ggml_type, 24, 512)))
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
@@ -270,12 +271,12 @@ def test_dequant_matmul_bad_arguments():
 
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_affine_repack_is_exact_through_the_kernel(ggml_type):
-    """The loader's repack of GGUF blocks (`loading.gguf_tensors.affine_from_gguf`), float32 scales, read by
+    """The loader's repack of GGUF blocks (`quant.affine.affine_from_gguf`), float32 scales, read by
     dequant_matmul: exactly gguf's dequantized weights."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from mlx_engine.loading.gguf_tensors import affine_from_gguf
+    from quant.affine import affine_from_gguf
 
     w = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
     raw = quantize(w, GGMLQuantizationType[ggml_type])

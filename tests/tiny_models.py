@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from quant.formats import KQUANT_TYPES, QK_K, block_format, row_bytes
+
 GOLDEN = Path(__file__).parent / "data" / "golden"
 
 _HF_TO_GGUF = {
@@ -45,23 +47,21 @@ def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# k-quants: bytes per super-block of 256 weights, and byte offsets of the fp16 super-block scales (d, and
-# dmin where the type has one). This gguf version implements no k-quant quantizer, so k-quant weights are
-# random bytes with those fields overwritten by finite values: every bit pattern of the other fields is valid.
-# The i-quants IQ4_XS (one 256-weight block) and IQ4_NL (eight 32-weight blocks per 256) have none either.
-KQUANT_BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136, "IQ4_NL": 144}
-FP16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,),
-               "IQ4_NL": tuple(range(0, 144, 18))}
+# This gguf version implements no quantizer for the k-quants and the i-quants IQ4_XS and IQ4_NL, so their weights
+# are random bytes with the fp16 scale fields (`quant.formats`' layouts) overwritten by finite values: every bit
+# pattern of the other fields is valid.
+RANDOM_BLOCK_TYPES = (*KQUANT_TYPES, "IQ4_XS", "IQ4_NL")
 
 
 def random_blocks(rng: np.random.Generator, ggml_type: str, out_features: int, in_features: int,
                   std: float | None = None) -> np.ndarray:
-    """Random k-quant bytes (out_features, in_features // 256 * bytes per block); with `std`, the fp16
-    scales are rescaled so the dequantized weights have about that standard deviation."""
-    bpb = KQUANT_BLOCK_BYTES[ggml_type]
-    w = rng.integers(0, 256, (out_features, in_features // 256 * bpb), dtype=np.uint8)
-    blocks = w.reshape(-1, bpb)
-    for off in FP16_FIELDS[ggml_type]:
+    """Random k-quant (or IQ4) bytes (out_features, in_features / block weights * bytes per block); with `std`, the
+    fp16 scales are rescaled so the dequantized weights have about that standard deviation."""
+    f = block_format(ggml_type)
+    w = rng.integers(0, 256, (out_features, row_bytes(ggml_type, in_features)), dtype=np.uint8)
+    blocks = w.reshape(-1, row_bytes(ggml_type, QK_K))  # 256 weights a row, in one block or eight
+    fp16_offsets = [i * f.block_bytes + off for i in range(QK_K // f.block_weights) for off in f.fp16_offsets()]
+    for off in fp16_offsets:
         d = (rng.standard_normal(blocks.shape[0]) * 0.02).astype(np.float16)
         blocks[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
     if std is not None:
@@ -69,7 +69,7 @@ def random_blocks(rng: np.random.Generator, ggml_type: str, out_features: int, i
         from gguf.quants import dequantize
 
         c = std / float(dequantize(w, GGMLQuantizationType[ggml_type]).std())
-        for off in FP16_FIELDS[ggml_type]:
+        for off in fp16_offsets:
             d = blocks[:, off : off + 2].copy().view(np.float16)[:, 0]
             blocks[:, off : off + 2] = (d.astype(np.float32) * c).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return w
@@ -144,7 +144,7 @@ def write_gguf_from_folder(folder: Path, out: Path, qtypes: dict[str, str], defa
         if qtype == Q.F32:
             w.add_tensor(gname, stored)
             dequantized[gname] = value
-        elif tname in KQUANT_BLOCK_BYTES:  # random blocks of the weight's scale (no k-quant quantizer)
+        elif tname in RANDOM_BLOCK_TYPES:  # random blocks of the weight's scale (no k-quant quantizer)
             rng = np.random.default_rng(zlib.crc32(gname.encode()))
             packed = random_blocks(rng, tname, value.shape[0], value.shape[1], std=float(value.std()))
             w.add_tensor(gname, packed, raw_dtype=qtype)
@@ -257,7 +257,7 @@ KQUANT_LAYOUT = {"attn_q": "Q4_K", "attn_k": "Q3_K", "attn_v": "Q5_K", "attn_out
 # Q3_K_M..Q5_K_M files), the i-quants IQ4_NL / IQ4_XS, and MXFP4 (gpt-oss)
 OTHER_LAYOUT = {"attn_q": "IQ4_XS", "attn_k": "IQ4_NL", "attn_v": "Q5_0", "attn_output": "Q5_1", "ffn_gate": "MXFP4",
                 "ffn_up": "IQ4_NL", "ffn_down": "Q5_1", "token_embd": "Q5_0", "output": "IQ4_XS"}
-DENSE_AT_LOAD = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")  # held as float16 on the CPU
+DENSE_AT_LOAD = (*KQUANT_TYPES, "IQ4_NL", "IQ4_XS")  # held as float16 on the CPU
 
 
 def kquant_llama_gguf(tmp: Path, layout: dict[str, str] = KQUANT_LAYOUT) -> tuple[Path, Path, dict[str, np.ndarray]]:
@@ -275,3 +275,8 @@ def kquants_as_float16(deq: dict[str, np.ndarray], layout: dict[str, str] = KQUA
 
     return {g: v.astype(np.float16).astype(np.float32) if v.ndim == 2 and kind(g) in DENSE_AT_LOAD else v
             for g, v in deq.items()}
+
+# issue 47's families (tests/golden/make_golden_2026.py): their parity is tests/test_parity_families.py's, against
+# the float32 floors of tests/tolerance.py
+FAMILIES_2026 = ("deepseek_v3", "exaone4", "falcon_h1", "gemma4_text", "glm4_moe", "granitemoehybrid", "lfm2",
+                 "nemotron_h", "olmo3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_5_vlm", "qwen3_next", "smollm3")

@@ -40,7 +40,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     # llama-bench's own are -p 512 -n 128 -r 5.
     b.add_argument("-p", "--prompt-tokens", type=int, default=256, help="prompt tokens per prefill test (default 256)")
     b.add_argument("-n", "--gen-tokens", type=int, default=64, help="new tokens per decode test (default 64)")
-    b.add_argument("--batch", "-b", default="1,4", help="concurrent sequences, comma-separated (default 1,4)")
+    b.add_argument("--batch", "-b", help="concurrent sequences, comma-separated (default 1,4; an embedding model: "
+                   "inputs per embed call, default 1,16,64)")
     b.add_argument("--context", "-d", default="0,1024",
                    help="tokens already in the KV cache before each test, comma-separated (default 0,1024; depths "
                    "beyond the model's context are skipped, and said)")
@@ -53,7 +54,12 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from app.bench.embed import DEFAULT_BATCHES, cmd_bench_embeddings, is_embedding_model
     from app.bench.sweep import BenchSpec
+
+    if is_embedding_model(args.model):  # no prefill or decode to time: embeddings throughput rows instead
+        return cmd_bench_embeddings(args, int_list("--batch", args.batch or DEFAULT_BATCHES, 1))
+    args.batch = args.batch or "1,4"
 
     spec = BenchSpec(prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
                      batches=int_list("--batch", args.batch, 1), contexts=int_list("--context", args.context, 0),

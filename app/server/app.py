@@ -45,6 +45,7 @@ from app.server.served import Served
 from app.server.guard import (AuthMiddleware, CountRequests, Drain, HostCheck, JSONCORSMiddleware, RequestGuard,
                               origin_pattern)
 from app.server.metrics import Metrics, memory_lines
+from app.server.embeddings_api import embeddings_route
 from app.server.fields import parse_body
 from app.server.protocol import Endpoint, Job, parse_job
 from app.server.tokenize import parse_detokenize, parse_tokenize
@@ -474,6 +475,7 @@ def create_app(engine: EngineLike | ModelPool, config: ServerConfig | None = Non
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
+        embeddings_route(server),
         *ollama_routes(server),
     ]
     app = Starlette(

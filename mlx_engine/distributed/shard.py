@@ -107,7 +107,7 @@ def check_shardable(built: Any, mode: str, name: str) -> None:
     """One line for a model this mode cannot split (before anything is shared with the other ranks)."""
     if not built.native:
         raise ModelLoadError(f"--distributed needs a natively implemented model; {name} ({built.model_type}) runs on "
-                             "an mlx-lm class")
+                             "an mlx-lm class" + (f": {built.kv_note}" if built.kv_note else ""))
     if built.model.args.sliding_window is not None:
         raise ModelLoadError(f"--distributed needs the paged KV cache, which {name}'s sliding-window attention "
                              "does not use")

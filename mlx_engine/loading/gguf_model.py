@@ -20,13 +20,11 @@ import numpy as np
 from mlx_engine.api import ModelLoadError
 from mlx_engine.loading.gguf_arch import ARCHITECTURES, NORM_SHIFTED, PERMUTED_QK, gguf_config  # noqa: F401
 from mlx_engine.loading.gguf_file import GGUFFile, TensorInfo
+from quant.formats import FORMATS, MLX_AFFINE_BITS, MLX_GROUP
 
-LOADABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                  "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
+LOADABLE_TYPES = ("F32", "F16", "BF16", *FORMATS)  # every block format `quant` knows
 MLX_READS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # what `mx.load` reads right, in 2-D tensors
 GGUF_ARCHITECTURES = ARCHITECTURES
-GGUF_GROUP_SIZE = 32
-AFFINE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5}  # GGUF types held as MLX affine groups of 32
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # phi3's LongRoPE, as tensors
 
 
@@ -102,7 +100,7 @@ def gguf_weights(g: GGUFFile, config: dict[str, Any], kquant_blocks: bool = Fals
                                   **{k.split("_")[2].split(".")[0] + "_factor": np.array(read(t)[k]).tolist()
                                      for k, t in extra.items()}}
 
-    quantization: dict[str, Any] = {"group_size": GGUF_GROUP_SIZE, "bits": 4, "mode": "affine"}
+    quantization: dict[str, Any] = {"group_size": MLX_GROUP, "bits": 4, "mode": "affine"}
     for target, (t, name) in plan.items():
         path = target.removesuffix(".weight")
         if name != t.name or path == target:
@@ -110,9 +108,9 @@ def gguf_weights(g: GGUFFile, config: dict[str, Any], kquant_blocks: bool = Fals
         if kquant_blocks and keeps_blocks(t):
             quantization[path] = {"kquant": t.ggml_type}
         elif t.ggml_type == "MXFP4":  # E8M0 exponents, no biases
-            quantization[path] = {"group_size": GGUF_GROUP_SIZE, "bits": 4, "mode": "mxfp4"}
-        elif t.ggml_type in AFFINE_BITS:
-            quantization[path] = {"group_size": GGUF_GROUP_SIZE, "bits": AFFINE_BITS[t.ggml_type]}
+            quantization[path] = {"group_size": MLX_GROUP, "bits": 4, "mode": "mxfp4"}
+        elif t.ggml_type in MLX_AFFINE_BITS:
+            quantization[path] = {"group_size": MLX_GROUP, "bits": MLX_AFFINE_BITS[t.ggml_type]}
     return weights, (quantization if len(quantization) > 3 else None)
 
 

@@ -8,17 +8,17 @@ from the validated header's offsets (`gguf_file.read_gguf`):
 - F32 / F16 / BF16: as stored.
 - Q4_0 / Q4_1 / Q8_0: repacked, exactly, into MLX's affine quantization (group 32, as `mx.load` gives them:
   uint32 words packed low bits first, float16 scales and biases), so they stay quantized.
-- k-quants (Q2_K..Q6_K): dequantized by `kernels_metal.reference.dequantize_kquant` (bit for bit
-  `gguf.quants.dequantize`, float32), stored as float16. They run as dense float16 weights: correct, at
-  about 3.5x the bytes of their blocks. Or kept as their raw blocks (`load_checkpoint(kquant_blocks=True)`):
-  on Metal for `models.kquant`'s layers, and for the torch backend, which packs them into affine groups for
-  its Triton kernel on CUDA (`backends.torch.weights.kquant_weight`).
-- Q5_0 / Q5_1: repacked, exactly, into MLX's affine 5-bit groups of 32 (`gguf_quants.affine_codes`).
+- k-quants (Q2_K..Q6_K): dequantized by `kernels_metal.reference.dequantize_kquant` (MLX ops, bit for bit
+  `quant.dequantize`, gguf-py's numpy, and 1.1-3x as fast on a CPU), stored as float16. They run as dense float16
+  weights: correct, at about 3.5x the bytes of their blocks. Or kept as their raw blocks
+  (`load_checkpoint(kquant_blocks=True)`): on Metal for `models.kquant`'s layers, and for the torch backend, which
+  packs them into affine groups for its kernels (`backends.torch.weights.kquant_weight`).
+- Q5_0 / Q5_1: repacked, exactly, into MLX's affine 5-bit groups of 32.
 - MXFP4 (gpt-oss's experts): repacked, exactly, into MLX's "mxfp4" mode (E8M0 scales, groups of 32).
 - IQ4_NL / IQ4_XS: a codebook no MLX layout holds: dequantized at load (exact in float32) and stored as float16,
   as the k-quants are.
 Expert tensors (E, out, in) are read as E * out rows of `in` weights; their k-quants are always dequantized
-(no k-quant kernel takes an expert index).
+(no k-quant kernel takes an expert index). The layouts, their unpacking and MLX's packing are `quant`'s.
 """
 
 from __future__ import annotations
@@ -27,41 +27,10 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_engine.loading.gguf_file import GGUFFile, TensorInfo
-from mlx_engine.loading.gguf_quants import affine_codes, dequantize_iq4, mxfp4_codes, pack_bits
-
-KQUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-_AFFINE_BLOCK = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8)}  # bytes per 32 weights, bits
-
-
-def affine_from_gguf(raw: np.ndarray, ggml_type: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray,
-                                                                                          np.ndarray, int]:
-    """GGUF Q4_0 / Q4_1 / Q8_0 weight bytes -> (words (out, in * bits / 32) uint32, scales, biases
-    (out, in / 32) float32, bits), group size 32: w = scale * q + bias exactly (d * (q - 8) = q * d - 8d;
-    Q8_0's signed q shifted by 128). `shape` (out, in) in numpy order."""
-    if ggml_type not in _AFFINE_BLOCK:
-        raise ValueError(f"ggml_type={ggml_type!r}: expected one of {tuple(_AFFINE_BLOCK)}")
-    out_features, in_features = shape
-    nbytes, bits = _AFFINE_BLOCK[ggml_type]
-    if in_features % 32 or np.asarray(raw).nbytes != out_features * in_features // 32 * nbytes:
-        raise ValueError(f"raw: {np.asarray(raw).nbytes} bytes do not hold a {ggml_type} tensor of shape {shape}")
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(out_features, in_features // 32, nbytes)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, in / 32)
-    if ggml_type == "Q8_0":
-        q = blocks[..., 2:].view(np.int8).astype(np.int32) + 128  # (out, in / 32, 32), 0..255
-        bias = -128 * d
-    else:
-        qs = blocks[..., nbytes - 16:].astype(np.int32)  # byte j: weight j (low nibble), j + 16 (high)
-        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
-        bias = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if ggml_type == "Q4_1" else -8 * d
-    return pack_words(q.reshape(out_features, in_features), bits), d, bias, bits
-
-
-def pack_words(q: np.ndarray, bits: int) -> np.ndarray:
-    """Integer codes (out, in) in [0, 2**bits) -> uint32 words (out, in * bits / 32), lowest bits first
-    (MLX's affine layout)."""
-    per_word = 32 // bits
-    q = q.reshape(q.shape[0], q.shape[1] // per_word, per_word).astype(np.uint32)
-    return np.bitwise_or.reduce(q << (np.arange(per_word, dtype=np.uint32) * bits), axis=-1)
+from quant.affine import affine_from_gguf
+from quant.codebook import dequantize_iq4, mxfp4_codes
+from quant.formats import KQUANT_TYPES, MLX_AFFINE_BITS, MLX_GROUP
+from quant.mlx_layout import pack_codes
 
 
 def read_tensors(g: GGUFFile, kquant_blocks: dict[str, str] | None = None) -> dict[str, mx.array]:
@@ -86,7 +55,7 @@ def keeps_blocks(t: TensorInfo) -> bool:
 def part_names(t: TensorInfo) -> tuple[str, ...]:
     """The names `tensor_parts` gives `t`'s arrays, known without reading it."""
     stem = t.name.removesuffix(".weight")
-    if t.ggml_type in _AFFINE_BLOCK or t.ggml_type in ("Q5_0", "Q5_1"):
+    if t.ggml_type in MLX_AFFINE_BITS:
         return t.name, f"{stem}.scales", f"{stem}.biases"
     return (t.name, f"{stem}.scales") if t.ggml_type == "MXFP4" else (t.name,)
 
@@ -102,8 +71,8 @@ def read_raw(g: GGUFFile, t: TensorInfo) -> np.ndarray:
     return raw
 
 
-# Weights a step of `_affine_parts` unpacks at once: its int32 codes are 4 bytes each, so 4 MiB (and as much for
-# each of a few temporaries)
+# Weights a step of `_affine_parts` unpacks at once: its codes widened to uint32 for packing are 4 bytes each, so
+# 4 MiB (and up to as much for each of a few temporaries)
 _AFFINE_STEP_WEIGHTS = 2**20
 
 
@@ -112,19 +81,15 @@ def _affine_parts(raw: np.ndarray, ggml_type: str, rows: int, cols: int) -> tupl
     """Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 bytes -> (words uint32, scales, biases float16), rows (out, in) a slice
     of rows at a time, so that the unpacking's transients are a slice's, not the tensor's (an embedding's int32
     codes: 4 bytes a weight)."""
-    bits = _AFFINE_BLOCK[ggml_type][1] if ggml_type in _AFFINE_BLOCK else 5
+    bits, group = MLX_AFFINE_BITS[ggml_type], MLX_GROUP
     by_row = np.asarray(raw).reshape(rows, -1)
     words = np.empty((rows, cols * bits // 32), np.uint32)
-    scales, biases = np.empty((rows, cols // 32), np.float16), np.empty((rows, cols // 32), np.float16)
+    scales, biases = np.empty((rows, cols // group), np.float16), np.empty((rows, cols // group), np.float16)
     step = max(1, _AFFINE_STEP_WEIGHTS // cols)
     for lo in range(0, rows, step):
         part = by_row[lo:lo + step]
         n = part.shape[0]
-        if ggml_type in _AFFINE_BLOCK:
-            w, s, b, _ = affine_from_gguf(part, ggml_type, (n, cols))
-        else:
-            q, s, b = affine_codes(part, ggml_type, (n, cols))
-            w = pack_bits(q, 5)
+        w, s, b, _ = affine_from_gguf(part, ggml_type, (n, cols))
         # exact in float16: fp16 d, -8d, -16d, -128d and fp16 m
         words[lo:lo + n], scales[lo:lo + n], biases[lo:lo + n] = w, s.astype(np.float16), b.astype(np.float16)
     return words, scales, biases
@@ -147,7 +112,7 @@ def tensor_parts(t: TensorInfo, raw: np.ndarray, keep_blocks: bool = False) -> d
         return {name: mx.array(a.reshape(*lead, -1)) for name, a in zip(names, (words, scales, biases))}
     if t.ggml_type == "MXFP4":
         q, e = mxfp4_codes(raw, (rows, in_features))
-        return {names[0]: mx.array(pack_bits(q, 4).reshape(*lead, -1)), names[1]: mx.array(e.reshape(*lead, -1))}
+        return {names[0]: mx.array(pack_codes(q, 4).reshape(*lead, -1)), names[1]: mx.array(e.reshape(*lead, -1))}
     if t.ggml_type in ("IQ4_NL", "IQ4_XS"):
         return {t.name: mx.array(dequantize_iq4(raw, t.ggml_type, (rows, in_features)).astype(np.float16)
                                  .reshape(t.shape))}

@@ -12,6 +12,7 @@ import mlx.nn as nn
 from mlx_engine._mlx_lm import bare_package
 from mlx_engine.api import ModelLoadError
 from mlx_engine.models.config import NATIVE_MODEL_TYPES, check_fields, normalize_config
+from mlx_engine.models.config_families import family_reason
 from mlx_engine.models.mlx_lm_classes import fallback_classes
 
 bare_package()  # before any model module imports mlx-lm's: without its __init__ (mlx_engine._mlx_lm)
@@ -99,6 +100,8 @@ def build_model(
         from mlx_engine.models.adapter import adapt
 
         model, why = adapt(model)
+        if why:  # the family's own reason, in its words, over the probe's
+            why = family_reason(normalize_config(config, source)) or why
     return BuiltModel(model=model, native=native, model_type=model_type, context_length=context, views=why is None,
                       kv_note=why, routing=model.routing if why is None and not native else None,
                       packs=native or (why is None and model.packs))

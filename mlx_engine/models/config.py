@@ -20,10 +20,14 @@ import inspect
 from typing import Any
 
 from mlx_engine.api import ModelLoadError
+from mlx_engine.models.config_families import normalize_family
 from mlx_engine.models.layer_types import FULL, SLIDING, sliding_layers
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # families written here (mlx_engine/models/<type>.py)
+# rope types only mlx-lm's classes run (rope_utils.initialize_rope); "proportional": Gemma 4's partial rotary,
+# frequencies spaced over the whole head
+_MLX_LM_ROPE_TYPES = ("su", "deepseek_yarn", "proportional")
 # top-level fields of a multimodal config that its text model inherits when its text_config lacks them
 _INHERITED = ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype",
               "quantization", "quantization_config")
@@ -45,6 +49,7 @@ def normalize_config(config: dict[str, Any], source: str = "config.json") -> dic
             config["text_config"] = normalize_config(text, source)
     _lift_rope(config, source)
     _read_layer_types(config, source)
+    normalize_family(config, source)
     for a, b in (("num_experts", "num_local_experts"), ("num_local_experts", "num_experts")):
         if a not in config and config.get(b) is not None:
             config[a] = config[b]
@@ -99,7 +104,7 @@ def _scaling_of(params: dict[str, Any], source: str) -> dict[str, Any] | None:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return None
-    if rope_type not in SUPPORTED_ROPE_TYPES and rope_type not in ("su", "deepseek_yarn"):
+    if rope_type not in SUPPORTED_ROPE_TYPES and rope_type not in _MLX_LM_ROPE_TYPES:
         raise ModelLoadError(f"{source}: unsupported rope type {rope_type!r} in rope_parameters "
                              f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}

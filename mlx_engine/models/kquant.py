@@ -17,7 +17,8 @@ import mlx.nn as nn
 
 from kernels_metal import dequant_matmul_kquant
 from kernels_metal.kquant import MAX_M
-from kernels_metal.reference import KQUANT_BLOCK_BYTES, QK_K, dequantize_kquant
+from kernels_metal.reference import dequantize_kquant
+from quant.formats import row_bytes
 
 
 def blocks_here() -> bool:
@@ -39,7 +40,7 @@ class KQuantLinear(nn.Module):
     def __init__(self, ggml_type: str, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, out_features
-        self.weight = mx.zeros((out_features, in_features // QK_K * KQUANT_BLOCK_BYTES[ggml_type]), dtype=mx.uint8)
+        self.weight = mx.zeros((out_features, row_bytes(ggml_type, in_features)), dtype=mx.uint8)
         if bias:
             self.bias = mx.zeros((out_features,))
 
@@ -52,7 +53,7 @@ class KQuantEmbedding(nn.Module):
     def __init__(self, ggml_type: str, num_embeddings: int, dims: int, dtype: mx.Dtype):
         super().__init__()
         self.ggml_type, self.num_embeddings, self.dims, self.dtype = ggml_type, num_embeddings, dims, dtype
-        self.weight = mx.zeros((num_embeddings, dims // QK_K * KQUANT_BLOCK_BYTES[ggml_type]), dtype=mx.uint8)
+        self.weight = mx.zeros((num_embeddings, row_bytes(ggml_type, dims)), dtype=mx.uint8)
 
     def __call__(self, ids: mx.array) -> mx.array:
         flat = ids.reshape(-1)

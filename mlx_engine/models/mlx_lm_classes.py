@@ -12,6 +12,11 @@ the reference:
 - gpt_oss: mlx-lm reads the experts as OpenAI's MXFP4 release or its own converted layout, not transformers'
   dense one (`experts.gate_up_proj` (E, hidden, 2 * I), gate and up interleaved), and its YaRN always truncates
   the correction range, where gpt-oss's `truncate: false` does not.
+- falcon_h1: mlx-lm folds the attention-input multiplier into q and k but not v, and never the key multiplier
+  (logits off by 1.6 with key_multiplier 0.7).
+- qwen3_5_text (a Qwen3.5 checkpoint's text_config, or a text-only one): mlx-lm runs it through its multimodal
+  `qwen3_5` module, which takes a flat config as its text config; qwen3_5_moe_text likewise, its experts stacked
+  where transformers 5 saved them one tensor each (mlx-lm reads only the fused `experts.gate_up_proj`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +39,8 @@ def fallback_classes(model_type: str) -> tuple[type, type] | None:
     own; None when mlx-lm has no module for it."""
     if model_type in _FIXED:
         return _FIXED[model_type]()
+    if model_type in _TEXT_ALIASES:
+        return _text_of(_TEXT_ALIASES[model_type])
     name = model_type if _has_module(model_type) else _remapping().get(model_type, model_type)
     if not _has_module(name):
         return None
@@ -42,7 +50,44 @@ def fallback_classes(model_type: str) -> tuple[type, type] | None:
 
 def mlx_lm_has(model_type: str) -> bool:
     """Whether mlx-lm has a model class for `model_type` (without importing it)."""
+    model_type = _TEXT_ALIASES.get(model_type, model_type)
     return model_type in _FIXED or _has_module(model_type) or _has_module(_remapping().get(model_type, model_type))
+
+
+# text configs inside a multimodal checkpoint whose model class is the multimodal module's: given a flat config it
+# builds just the language model (Qwen3.5's `ModelArgs.from_dict` wraps it as its text_config)
+_TEXT_ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def _text_of(name: str) -> tuple[type, type]:
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+
+    @dataclass
+    class ModelArgs(module.ModelArgs):
+        text_config: dict | None = None  # absent: the flat config is the text config (module's from_dict)
+
+    class Model(module.Model):
+        def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+            return super().sanitize(stack_experts(weights))
+
+    return Model, ModelArgs
+
+
+def stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Experts one tensor each (`mlp.experts.<e>.<proj>.weight`, as transformers 5 saves Qwen3.5-MoE) stacked into
+    mlx-lm's SwitchGLU (`mlp.switch_mlp.<proj>.weight`, (E, out, in)); other weights as they are."""
+    pattern = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    groups: dict[tuple[str, str], dict[int, mx.array]] = {}
+    out = {}
+    for k, v in weights.items():
+        m = pattern.match(k)
+        if m:
+            groups.setdefault((m[1], m[3]), {})[int(m[2])] = v
+        else:
+            out[k] = v
+    for (stem, proj), experts in groups.items():
+        out[f"{stem}.switch_mlp.{proj}.weight"] = mx.stack([experts[e] for e in sorted(experts)])
+    return out
 
 
 def _has_module(name: str) -> bool:
@@ -248,4 +293,25 @@ def _gpt_oss() -> tuple[type, type]:
     return Model, gpt_oss.ModelArgs
 
 
-_FIXED = {"gemma2": _gemma2, "gemma3_text": _gemma3_text, "starcoder2": _starcoder2, "gpt_oss": _gpt_oss}
+def _falcon_h1() -> tuple[type, type]:
+    from mlx_lm.models import falcon_h1
+
+    class Model(falcon_h1.Model):
+        def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+            c1d = weights["model.layers.0.mamba.conv1d.weight"]
+            if c1d.shape[-1] <= c1d.shape[1]:  # mlx-lm's own layout: multipliers already folded in
+                return weights
+            # transformers scales the attention's input (q, k and v) and then the keys; mlx-lm folds the first
+            # into q and k only and looks for the second under a name no checkpoint has (`key_proj`)
+            args = self.args
+            scale = {"v_proj.weight": args.attention_in_multiplier, "k_proj.weight": args.key_multiplier}
+            for name in weights:
+                factor = next((f for suffix, f in scale.items() if name.endswith(suffix)), None)
+                if factor is not None:
+                    weights[name] = weights[name] * factor
+            return super().sanitize(weights)
+
+    return Model, falcon_h1.ModelArgs
+
+
+_FIXED = {"gemma2": _gemma2, "falcon_h1": _falcon_h1, "gemma3_text": _gemma3_text, "starcoder2": _starcoder2, "gpt_oss": _gpt_oss}

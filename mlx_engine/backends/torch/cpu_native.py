@@ -279,7 +279,7 @@ class NativeWeight:
     @classmethod
     def from_kquant(cls, codes: Callable[[int, int], np.ndarray], d: np.ndarray, dmin: np.ndarray, sc: np.ndarray,
                     mn: np.ndarray, shape: tuple[int, int], bits: int) -> NativeWeight:
-        """A Q4_K or Q5_K matrix (`kernels_metal.reference.kquant_scales`' d, dmin, sc, mn; codes(lo, hi) its
+        """A Q4_K or Q5_K matrix (`quant.kquant.kquant_scales`' d, dmin, sc, mn; codes(lo, hi) its
         rows' integers) with its scales in two levels, as the file holds them: a block's 6-bit scale and offset
         a byte each, a super-block's d and -dmin a float16 each (148 bytes a Q4_K super-block of 144, where
         float32 scales and offsets a block took 192). The products are exact in float32: the same weights."""

@@ -280,7 +280,7 @@ def affine_weight(codes: Callable[[int, int], np.ndarray], scales: np.ndarray, b
 
 def kquant_weight(codes: Callable[[int, int], np.ndarray], d: np.ndarray, dmin: np.ndarray, sc: np.ndarray,
                   mn: np.ndarray, shape: tuple[int, int], bits: int, support: CPUSupport) -> Int4Weight | NativeWeight:
-    """A Q4_K or Q5_K matrix (`kernels_metal.reference.kquant_scales`' scales, codes(lo, hi) its rows' codes): for
+    """A Q4_K or Q5_K matrix (`quant.kquant.kquant_scales`' scales, codes(lo, hi) its rows' codes): for
     Roofline's own kernel with its scales in two levels as the file has them (`NativeWeight.from_kquant`), else
     as affine groups of 32 (`affine_weight`, the scales multiplied out)."""
     if support.native:

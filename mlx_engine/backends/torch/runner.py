@@ -37,6 +37,7 @@ from mlx_engine.backends.torch.paths.native_step import NOTE as NATIVE_NOTE
 from mlx_engine.backends.torch.sampling import sample_rows
 from mlx_engine.backends.base import RunnerCapabilities
 from mlx_engine.backends.choice import TORCH_MODEL_TYPES
+from mlx_engine.models.config_families import family_reason
 from mlx_engine.backends.common import (CacheRunner, NoTokenizer, attach_draft, cap_context, check_self_draft_layers,
                                         entry, model_fingerprint)
 from mlx_engine.backends.torch.load import (DEFAULT_CPU_THREADS, check_draft_bits, check_switch, check_threads,
@@ -174,8 +175,10 @@ class TorchRunner(CacheRunner):
         ckpt = load_checkpoint(model, kquant_blocks=True, lazy=True)
         model_type = ckpt.config.get("model_type")
         if model_type not in TORCH_MODEL_TYPES:
+            reason = family_reason(ckpt.config)
             raise RooflineError(f"{ckpt.path}: model type {model_type!r} is not supported on the torch backend "
-                                f"(supported: {', '.join(TORCH_MODEL_TYPES)}); use backend='mlx'")
+                                f"({reason + '; ' if reason else ''}it runs {', '.join(TORCH_MODEL_TYPES)}); "
+                                "use backend='mlx'")
         args = importlib.import_module(f"mlx_engine.models.{model_type}").args_from_config(ckpt.config)
         if args.sliding_window is not None:
             raise RooflineError(f"{ckpt.path}: sliding-window attention (window {args.sliding_window}) is not "

@@ -9,7 +9,7 @@
   kernel count, not by bytes (docs/benchmarks/h200.md, the H200 check).
 
 GGUF Q4_0 / Q4_1 / Q8_0 weights reach the kernel in that affine format (the loader's exact repack,
-`loading.gguf_tensors.affine_from_gguf`, or MLX's own); k-quants arrive dequantized at load.
+`quant.affine.affine_from_gguf`, or MLX's own); k-quants arrive dequantized at load.
 
 Dispatch: the Triton kernel runs when the tensors are on CUDA, or when TRITON_INTERPRET=1 and
 triton is importable (Triton's CPU interpreter, for tests); otherwise the torch reference, so CPU

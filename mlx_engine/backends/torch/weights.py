@@ -169,52 +169,46 @@ def cpu_affine_weight(words: Any, scales: Any, biases: Any, bits: int, group: in
     return w
 
 
-# The bits of a k-quant's codes in `kquant_affine`'s affine form (which widens Q5_K to 8 for the Triton kernel)
-KQUANT_CODE_BITS = {"Q4_K": 4, "Q5_K": 5}
-
-
 def kquant_weight(blocks: Any, ggml_type: str, dtype: torch.dtype, device: torch.device, packed: bool,
                   cpu: CPUSupport | None = None) -> Weight:
     """A GGUF k-quant matrix's raw blocks (`load_checkpoint(kquant_blocks=True)`, uint8 (out, in / 256 *
     bytes per block)) -> packed for `dequant_matmul` (its sub-blocks as affine groups of 16 or 32, float32
-    scales: `kernels_metal.reference.kquant_affine`); for the CPU kernels with `cpu` (Q4_K and Q5_K as 4- and
+    scales: `quant.kquant.kquant_affine`); for the CPU kernels with `cpu` (Q4_K and Q5_K as 4- and
     5-bit codes with their scales in two levels for Roofline's kernel, else int4 planes of groups of 32; Q6_K as
     6-bit codes with its int8 scale per 16 for Roofline's kernel; Q2_K and Q3_K, and Q6_K elsewhere, whose groups
     are 16, as int8 rows); or, unpacked,
     dequantized and rounded to float16 as the MLX backend keeps them."""
     import mlx.core as mx
 
-    from kernels_metal.reference import KQUANT_BLOCK_BYTES, dequantize_kquant, kquant_affine, kquant_scales
-    from mlx_engine.loading.gguf_tensors import pack_words
+    from kernels_metal.reference import dequantize_kquant
+    from quant.formats import KQUANT_CODE_BITS, TWO_LEVEL_SCALES, block_format
+    from quant.kquant import kquant_affine, kquant_scales, q6k_scales
+    from quant.mlx_layout import pack_codes
 
-    out_features, in_features = blocks.shape[0], blocks.shape[1] // KQUANT_BLOCK_BYTES[ggml_type] * 256
+    raw = np.asarray(blocks)
+    f = block_format(ggml_type)
+    out_features, in_features = raw.shape[0], raw.shape[1] // f.block_bytes * f.block_weights
     if cpu is not None:  # a slice of rows at a time: no whole matrix of codes or floats (a head's: 400 MB at 1B)
-        if ggml_type in KQUANT_CODE_BITS:
-            def codes(lo: int, hi: int) -> np.ndarray:
-                return np.array(kquant_affine(blocks[lo:hi], ggml_type, hi - lo, in_features)[0])
+        def codes(lo: int, hi: int) -> np.ndarray:
+            return kquant_affine(raw[lo:hi], ggml_type, hi - lo, in_features)[0]
 
-            scales = [np.array(a) for a in kquant_scales(blocks, ggml_type, out_features, in_features)]
-            w = cpu_packed.kquant_weight(codes, *scales, (out_features, in_features), KQUANT_CODE_BITS[ggml_type],
-                                         cpu)
+        if ggml_type in TWO_LEVEL_SCALES:
+            w = cpu_packed.kquant_weight(codes, *kquant_scales(raw, ggml_type, out_features, in_features),
+                                         (out_features, in_features), KQUANT_CODE_BITS[ggml_type], cpu)
         else:
             def rows(lo: int, hi: int) -> torch.Tensor:
                 return torch.from_numpy(np.array(dequantize_kquant(blocks[lo:hi], ggml_type, hi - lo, in_features)))
 
             if ggml_type == "Q6_K":
-                def q6_codes(lo: int, hi: int) -> np.ndarray:
-                    return np.array(kquant_affine(blocks[lo:hi], ggml_type, hi - lo, in_features)[0])
-
-                raw = np.asarray(blocks).reshape(out_features, -1, KQUANT_BLOCK_BYTES["Q6_K"])
-                sc = raw[:, :, 192:208].view(np.int8).reshape(out_features, -1)  # an int8 scale per 16
-                d = raw[:, :, 208:210].copy().view(np.float16).reshape(out_features, -1)
-                w = cpu_packed.q6k_weight(q6_codes, sc, d, (out_features, in_features), rows, cpu)
+                w = cpu_packed.q6k_weight(codes, *q6k_scales(raw, out_features), (out_features, in_features), rows,
+                                          cpu)
             else:
                 w = cpu_packed.int8_weight(rows, (out_features, in_features), cpu)
         w.source_bytes, w.source = blocks.nbytes, ggml_type
         return w
     if packed:
-        q, scales, biases, bits, group = kquant_affine(blocks, ggml_type, out_features, in_features)
-        words = pack_words(np.array(q), bits).view(np.int32)
+        q, scales, biases, bits, group = kquant_affine(raw, ggml_type, out_features, in_features)
+        words = pack_codes(q, bits).view(np.int32)
 
         def t(a: Any) -> torch.Tensor:
             return torch.from_numpy(np.array(a)).to(device)
