@@ -229,3 +229,14 @@ def test_tags_ps_show_version_and_loading_by_keep_alive(served) -> None:
     assert shown.modelinfo["llama.context_length"] == 64 and "thinking" in shown.capabilities
     assert shown.modelfile.startswith("FROM org/b")
     assert httpx.get(s.url + "/api/version").json()["version"].count(".") == 2
+
+
+def test_a_missing_api_key_is_refused_in_ollamas_shape() -> None:
+    from app.server.config import ServerConfig
+
+    with LiveServer(create_app(make_pool(OllamaLoads()), ServerConfig(api_key="k"))) as s:
+        with pytest.raises(ollama.ResponseError) as e:
+            ollama.Client(host=s.url).list()
+        assert e.value.status_code == 401 and e.value.error.startswith("You didn't provide an API key")
+        listed = ollama.Client(host=s.url, headers={"Authorization": "Bearer k"}).list().models
+        assert [m.model for m in listed][:2] == ["org/a", "org/b"]
