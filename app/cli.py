@@ -138,8 +138,22 @@ def _parser() -> argparse.ArgumentParser:
                    help="pipeline or tensor: also each rank's layers, weights and KV (as --distributed would split it)")
     k.add_argument("--ranks", type=int, default=2, help="ranks for --distributed (default 2)")
 
-    sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    sv.add_argument("--model", "-m", help=MODEL_HELP)
+    sv = sub.add_parser("serve", help="serve models over OpenAI-compatible (and Ollama's) HTTP APIs")
+    sv.add_argument("--model", "-m", action="append", default=[],
+                    help="the model to serve: " + MODEL_HELP + ". Repeat to serve several, loaded by name when a "
+                    "request names one; without -m every model `roofline models` lists is served so")
+    pool = sv.add_argument_group("several models (no -m, or several)")
+    pool.add_argument("--alias", action="append", default=[], metavar="NAME=REF",
+                      help="a name requests may use for a model, e.g. chat=ollama:qwen3:4b (repeat for more)")
+    pool.add_argument("--models-file", metavar="FILE",
+                      help="presets per model name: ref, context, kv_bits, draft_model, system, sampling defaults, "
+                      "keep_alive (default: models.toml in roofline's config dir; docs/server.md)")
+    pool.add_argument("--max-models", type=int, metavar="N",
+                      help="models loaded at once (default: as many as memory holds, by the load-time fit check); "
+                      "the least recently used idle one is unloaded to make room")
+    pool.add_argument("--keep-alive", default="5m", metavar="SECONDS|forever",
+                      help="how long an idle model stays loaded (default 5m; 0: unloaded after each request); a "
+                      "request's keep_alive overrides it for its model")
     sv.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1, this machine only)")
     sv.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
     sv.add_argument("--api-key", default=os.environ.get("ROOFLINE_API_KEY"),
@@ -243,7 +257,9 @@ def _serve_other_rank(args: argparse.Namespace) -> int | None:
         distributed.stop_on_sigterm(0)
         return None
     options = {k: v for k, v in _load_options(args).items() if k != "distributed"}
-    distributed.exit_now(distributed.serve_rank(getattr(args, "model", None), mode, **options))
+    model = getattr(args, "model", None)
+    model = model[0] if isinstance(model, list) and model else (None if isinstance(model, list) else model)
+    distributed.exit_now(distributed.serve_rank(model, mode, **options))
 
 
 def _load_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -337,12 +353,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 "path), or '*'")
     options, speculative = {**_load_options(args), **runner_options(args)}, _speculative(args)
     options["max_seqs"] = args.max_concurrency  # the requests the server lets run are the ones the engine batches
-    return serve(lambda: load_engine(args.model, no_tokenizer="warn", **options),
+    factory = _serve_factory(args, options)
+    return serve(factory,
                  host=args.host, port=args.port, api_key=args.api_key or None,
                  max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                  drain_timeout_s=args.drain_timeout, default_max_tokens=args.default_max_tokens,
                  log_level=args.log_level, speculative=speculative,
                  allow_origins=tuple(o.rstrip("/") for o in args.allow_origin), allow_hosts=tuple(args.allow_host))
+
+
+def _serve_factory(args: argparse.Namespace, options: dict[str, Any]) -> Any:
+    """One -m: that model, loaded before serving (as ever). None or several: a pool that loads them by name."""
+    if len(args.model) == 1:
+        for flag, value in (("--alias", args.alias), ("--models-file", args.models_file),
+                            ("--max-models", args.max_models)):
+            if value:
+                raise RooflineError(f"{flag} is for serving several models: give -m more than once, or none")
+        return lambda: load_engine(args.model[0], no_tokenizer="warn", **options)
+    from app.server.model_table import MODELS_FILE, config_dir, parse_keep_alive
+    from app.server.run import model_pool
+
+    if "distributed" in options:
+        raise RooflineError("--distributed serves one model: give it with -m")
+    if args.max_models is not None and args.max_models < 1:
+        raise RooflineError(f"--max-models {args.max_models}: expected an integer >= 1")
+    try:
+        keep = parse_keep_alive(args.keep_alive, "--keep-alive")
+    except ValueError as e:
+        raise RooflineError(str(e)) from None
+    path = Path(args.models_file).expanduser() if args.models_file else config_dir() / MODELS_FILE
+    if args.models_file and not path.is_file():
+        raise RooflineError(f"--models-file {args.models_file}: no such file")
+    pool = model_pool(args.model, args.alias, path, options, args.max_models, keep, args.max_queue)
+    return lambda: pool
 
 
 def _response_format(args: argparse.Namespace) -> ResponseFormat | None:

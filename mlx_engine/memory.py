@@ -16,6 +16,7 @@ import resource
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 FIT_CONTEXT = 4096  # tokens of KV a model must have room for when no max_context is asked (LM Studio's default)
@@ -264,3 +265,47 @@ def kv_bytes(shape: KVShape, context: int, batch: int = 1, kv_bits: int | None =
 def state_bytes(shape: KVShape, batch: int = 1, itemsize: int = 2) -> int:
     """The recurrent layers' state of `batch` sequences (fixed, whatever their length)."""
     return (shape.state_elems * itemsize + shape.state_f32_elems * 4) * batch
+
+
+# ---- what this process holds, and handing it back --------------------------------------------------------
+
+@dataclass(frozen=True)
+class HeldMemory:
+    rss_bytes: int  # the process's resident set (on macOS: its peak, which is what getrusage reports)
+    mlx_active_bytes: int  # MLX arrays alive
+    mlx_cache_bytes: int  # MLX's buffer cache: freed arrays' memory it keeps for reuse
+
+
+def held_memory() -> HeldMemory:
+    import mlx.core as mx
+
+    rss = _proc_status_kb("VmRSS")
+    if rss is None:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return HeldMemory(rss, int(mx.get_active_memory()), int(mx.get_cache_memory()))
+
+
+def return_memory() -> HeldMemory:
+    """After a model is closed: its arrays collected, MLX's buffer cache emptied and (glibc) the heap's free pages
+    handed back, so an unloaded model's memory goes back to the system rather than staying with this process.
+    Returns what is held afterwards."""
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()  # a closed engine's arrays may sit in reference cycles (tracebacks, closures)
+    mx.clear_cache()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+    return held_memory()
+
+
+def _malloc_trim() -> Any:
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim

@@ -21,7 +21,8 @@ KEY = "test-key-123"
 @pytest.fixture(scope="module")
 def served():
     env = {**os.environ, "ROOFLINE_API_KEY": KEY}
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", "0", "--drain-timeout", "60",
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "-m", "embedded", "--port", "0",
+                             "--drain-timeout", "60",
                              "--allow-origin", "https://my.app/", "--allow-host", "my.box"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None

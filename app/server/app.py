@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
-from mlx_engine.api import (EngineLike, GenerationEvent, GenerationRequest, RequestError, RooflineError, SamplingParams)
-from mlx_engine.reasoning import template_kwargs
+from mlx_engine.api import EngineLike, GenerationEvent, RequestError
+from mlx_engine.memory import held_memory
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -27,7 +26,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from app.server.anthropic_api import parse_messages
-from app.server.anthropic_reply import MessagesFormatter, message_events, model_card, model_list
+from app.server.anthropic_reply import MessagesFormatter, message_events, model_list
 from app.server.bridge import AdmissionGate, DisconnectWatch, Generation, accepted_draft_tokens, total_usage
 from app.server.config import ServerConfig
 from app.server.errors import (
@@ -38,44 +37,63 @@ from app.server.errors import (
     invalid,
     server_error_handler,
 )
+from app.server.model_table import apply_defaults, parse_keep_alive
+from app.server.models_pool import _UNSET, ModelPool, Resident, pool_cards
+from app.server.ollama_api import OllamaFormatter, ollama_events, parse_ollama
+from app.server.ollama_routes import ollama_routes
+from app.server.served import Served
 from app.server.guard import (AuthMiddleware, CountRequests, Drain, HostCheck, JSONCORSMiddleware, RequestGuard,
                               origin_pattern)
-from app.server.metrics import KVStatsReader, Metrics
+from app.server.metrics import Metrics, memory_lines
 from app.server.embeddings_api import embeddings_route
 from app.server.fields import parse_body
-from app.server.protocol import Endpoint, Job, model_slug, parse_job
+from app.server.protocol import Endpoint, Job, parse_job
 from app.server.tokenize import parse_detokenize, parse_tokenize
-from app.server.responses import DONE, Choice, Echo, Formatter, error_chunk, sse, token_bytes_fn, token_str
+from app.server.responses import DONE, Choice, Formatter, error_chunk, sse, token_str
 from app.server.responses_api import ResponsesFormatter, parse_responses, response_events
-from app.server.transport import EventStreamResponse, read_body
-from app.server.harmony_tools import call_deltas, tool_format_for
+from app.server.transport import NDJSON, EventStreamResponse, read_body
+from app.server.harmony_tools import call_deltas
 
-_PARAM_NAMES = {"logprobs": "top_logprobs"}  # SamplingParams field -> request field, where they differ
+AnyFormatter = Formatter | ResponsesFormatter | MessagesFormatter | OllamaFormatter
 
 
 class Server:
-    """State shared by the routes: the engine, the served model's names, admission, metrics."""
+    """State shared by the routes: the models (one, or a pool loaded by name), admission, metrics."""
 
-    def __init__(self, engine: EngineLike, config: ServerConfig):
-        self.engine = engine
+    def __init__(self, pool: ModelPool, config: ServerConfig):
+        self.pool = pool
         self.config = config
-        info = engine.info
-        self.info = info
-        self.reasons = info.reasoning is not None  # replies carry reasoning apart from the answer
-        self.model_id = model_slug(info.name)
-        self.model_names = {self.model_id, "default", info.name}
-        digest = hashlib.sha256(f"{info.name}|{info.path}|{info.quantization}|{info.dtype}".encode()).hexdigest()
-        self.fingerprint = "fp_" + digest[:10]
         self.created = int(time.time())
         self.gate = AdmissionGate(config.max_concurrency, config.max_queue)
         self.metrics = Metrics()
-        self.kv = KVStatsReader(engine.kv_stats)
-        self.token_bytes = token_bytes_fn(engine.tokenizer)
-        # how this model calls tools: harmony's, or from its chat template's text (no template: the JSON format)
-        self.tool_format = tool_format_for(info.reasoning, getattr(engine.tokenizer, "chat_template", None),
-                                           lambda text: engine.tokenizer.encode(text, add_special_tokens=False))
         self.generations: set[Generation] = set()
         self.drain = Drain()
+
+    @property
+    def model_id(self) -> str:
+        """The served model's id (one model), or what `serve` prints for a pool."""
+        if self.pool.multi:
+            return "any model on this machine, by name"
+        return next(iter(self.pool.residents.values())).served.model_id
+
+    async def _checkout(self, body: dict[str, Any], endpoint: str, model_optional: bool = False
+                        ) -> tuple[Resident, str, dict[str, Any]]:
+        """The model a request's body names, held until `pool.release`; its name for replies; the body with the
+        model's preset defaults."""
+        keep: Any = _UNSET
+        if body.get("keep_alive") is not None:
+            try:
+                keep = parse_keep_alive(body["keep_alive"], "'keep_alive'")
+            except ValueError as e:
+                raise invalid(str(e), "keep_alive") from None
+        model = body.get("model")
+        res, name = await self.pool.checkout("default" if model is None and model_optional else model, keep)
+        if self.pool.multi and isinstance(model, str) and model != "default":
+            name = model  # replies carry the name as the client sent it ("qwen3" for "ollama:qwen3:latest")
+        return res, name, apply_defaults(body, endpoint, res.preset)
+
+    def _names(self, res: Resident, name: str) -> set[str]:
+        return {name, "default"} if self.pool.multi else res.served.model_names
 
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)
@@ -85,70 +103,94 @@ class Server:
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    def _model_card(self) -> dict[str, Any]:
-        i = self.info
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "roofline",
-                "name": i.name, "context_length": i.context_length, "quantization": i.quantization,
-                "model_type": i.model_type, "num_parameters": i.num_parameters,
-                "backend": i.backend, "device": i.device}  # what Engine.load's backend="auto" chose
-
-    def _anthropic_card(self) -> dict[str, Any]:
-        return model_card(self.model_id, self.info.name, self.created)
-
     async def models(self, request: Request) -> Response:
-        if "anthropic-version" in request.headers:  # an Anthropic client: its shape
-            return JSONResponse(model_list(self._anthropic_card()))
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        if not self.pool.multi:
+            served = next(iter(self.pool.residents.values())).served
+            if "anthropic-version" in request.headers:  # an Anthropic client: its shape
+                return JSONResponse(model_list(served.anthropic_card()))
+            return JSONResponse({"object": "list", "data": [{**served.model_card(), "loaded": True}]})
+        cards = await run_in_threadpool(pool_cards, self.pool, self.created)
+        if "anthropic-version" in request.headers:
+            data = [{"type": "model", "id": c["id"], "display_name": c["name"], "created_at": "1970-01-01T00:00:00Z"}
+                    for c in cards]
+            return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                                 "last_id": data[-1]["id"] if data else None})
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        if name not in self.model_names:
-            raise APIError(404, f"The model '{name}' does not exist: this server serves '{self.model_id}'",
+        if self.pool.multi:
+            cards = await run_in_threadpool(pool_cards, self.pool, self.created)
+            card = next((c for c in cards if c["id"] == name), None)
+            if card is None:
+                await run_in_threadpool(self.pool.table.resolve, name)  # type: ignore[union-attr]  # its 404 or 400
+                card = {"id": name, "object": "model", "owned_by": "roofline", "loaded": False}
+            return JSONResponse(card)
+        served = next(iter(self.pool.residents.values())).served
+        if name not in served.model_names:
+            raise APIError(404, f"The model '{name}' does not exist: this server serves '{served.model_id}'",
                            "model", "model_not_found")
         if "anthropic-version" in request.headers:
-            return JSONResponse(self._anthropic_card())
-        return JSONResponse(self._model_card())
+            return JSONResponse(served.anthropic_card())
+        return JSONResponse(served.model_card())
 
     async def metrics_text(self, request: Request) -> Response:
-        kv, age = await run_in_threadpool(self.kv.read, self.config.metrics_wait_s)
+        recent = self.pool.recent()
+        kv, age = await run_in_threadpool(recent.served.kv.read, self.config.metrics_wait_s) if recent else (None, None)
         engine_waiting = sum(1 for g in self.generations if not g.started)
         text = self.metrics.render(self.gate.waiting, engine_waiting, kv, age)
+        text += memory_lines(await run_in_threadpool(held_memory), len(self.pool.residents))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- the tokenizer (vLLM's routes: lm-evaluation-harness tokenizes through them, with no download) -----
 
     async def tokenize(self, request: Request) -> Response:
-        job = parse_tokenize(parse_body(await self._body(request)), self.model_names,
-                             self.model_id, self.tool_format)
-        tok = self.engine.tokenizer
-
-        def run() -> list[int]:
-            if job.messages is not None:
-                return tok.encode_chat(job.messages, add_generation_prompt=job.add_generation_prompt)
-            return tok.encode(job.prompt or "", add_special_tokens=job.add_special_tokens)
-
+        body = parse_body(await self._body(request))
+        res, name, body = await self._checkout(body, "tokenize", model_optional=True)
         try:
-            ids = await run_in_threadpool(run)
-        except RequestError as e:
-            raise from_request_error(str(e), {}) from None
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.info.context_length, "tokens": ids}
-        if job.return_token_strs:
-            out["token_strs"] = [token_str(self.token_bytes(t)) for t in ids]
-        return JSONResponse(out)
+            m = res.served
+            job = parse_tokenize(body, self._names(res, name), name, m.tool_format)
+            tok = m.engine.tokenizer
+
+            def run() -> list[int]:
+                if job.messages is not None:
+                    return tok.encode_chat(job.messages, add_generation_prompt=job.add_generation_prompt)
+                return tok.encode(job.prompt or "", add_special_tokens=job.add_special_tokens)
+
+            try:
+                ids = await run_in_threadpool(run)
+            except RequestError as e:
+                raise from_request_error(str(e), {}) from None
+            out: dict[str, Any] = {"count": len(ids), "max_model_len": m.info.context_length, "tokens": ids}
+            if job.return_token_strs:
+                out["token_strs"] = [token_str(m.token_bytes(t)) for t in ids]
+            return JSONResponse(out)
+        finally:
+            self.pool.release(res)
 
     async def detokenize(self, request: Request) -> Response:
-        ids = parse_detokenize(parse_body(await self._body(request)), self.model_names,
-                               self.model_id, self.info.vocab_size)
-        return JSONResponse({"prompt": await run_in_threadpool(self.engine.tokenizer.decode, ids)})
+        body = parse_body(await self._body(request))
+        res, name, body = await self._checkout(body, "detokenize", model_optional=True)
+        try:
+            m = res.served
+            ids = parse_detokenize(body, self._names(res, name), name, m.info.vocab_size)
+            return JSONResponse({"prompt": await run_in_threadpool(m.engine.tokenizer.decode, ids)})
+        finally:
+            self.pool.release(res)
 
     async def tokenizer_info(self, request: Request) -> Response:
-        tok = self.engine.tokenizer
-        special = getattr(tok, "special_tokens", {})
-        return JSONResponse({"tokenizer_class": type(tok).__name__, "model": self.model_id,
-                             "model_max_length": self.info.context_length, "vocab_size": self.info.vocab_size,
-                             "bos_token": special.get("bos_token"), "eos_token": special.get("eos_token"),
-                             "pad_token": special.get("pad_token"), "unk_token": special.get("unk_token"),
-                             "chat_template": getattr(tok, "chat_template", None)})
+        res, name, _ = await self._checkout({"model": request.query_params.get("model", "default")}, "tokenize")
+        try:
+            m = res.served
+            tok = m.engine.tokenizer
+            special = getattr(tok, "special_tokens", {})
+            return JSONResponse({"tokenizer_class": type(tok).__name__, "model": name,
+                                 "model_max_length": m.info.context_length, "vocab_size": m.info.vocab_size,
+                                 "bos_token": special.get("bos_token"), "eos_token": special.get("eos_token"),
+                                 "pad_token": special.get("pad_token"), "unk_token": special.get("unk_token"),
+                                 "chat_template": getattr(tok, "chat_template", None)})
+        finally:
+            self.pool.release(res)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._complete(request, "chat")
@@ -164,147 +206,100 @@ class Server:
 
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's `/v1/messages/count_tokens`: the rendered prompt's tokens, tools included."""
-        job = parse_messages(parse_body(await self._body(request)), self.model_names,
-                             self.model_id, self.info.context_length, self.info.vocab_size, self.info.reasoning,
-                             self.tool_format, count_only=True)
+        body = parse_body(await self._body(request))
+        res, name, body = await self._checkout(body, "messages")
         try:
-            ids = await run_in_threadpool(self._encode_chat, job)
-        except RequestError as e:
-            raise from_request_error(str(e), {}) from None
-        return JSONResponse({"input_tokens": len(ids)})
+            m = res.served
+            job = parse_messages(body, self._names(res, name), name, m.info.context_length, m.info.vocab_size,
+                                 m.info.reasoning, m.tool_format, count_only=True)
+            try:
+                ids = await run_in_threadpool(m.encode_chat, job)
+            except RequestError as e:
+                raise from_request_error(str(e), {}) from None
+            return JSONResponse({"input_tokens": len(ids)})
+        finally:
+            self.pool.release(res)
+
+    async def ollama_chat(self, request: Request) -> Response:
+        return await self._complete(request, "ollama_chat")
+
+    async def ollama_generate(self, request: Request) -> Response:
+        return await self._complete(request, "ollama_generate")
 
     # ---- completions -------------------------------------------------------------------------------------
 
-    async def _complete(self, request: Request, endpoint: Endpoint | Literal["responses", "messages"]) -> Response:
-        t0 = time.perf_counter()
-        body = parse_body(await self._body(request))
-        fmt: Formatter | ResponsesFormatter | MessagesFormatter
+    def _parse(self, body: dict[str, Any], endpoint: str, res: Resident, name: str) -> tuple[Job, AnyFormatter]:
+        m, names = res.served, self._names(res, name)
+        info = m.info
         if endpoint == "responses":
-            job = parse_responses(body, self.model_names, self.model_id, self.info.context_length,
-                                  self.info.vocab_size, self.tool_format)
-            fmt = ResponsesFormatter(job, self.model_id, body)
-        elif endpoint == "messages":
-            job = parse_messages(body, self.model_names, self.model_id, self.info.context_length,
-                                 self.info.vocab_size, self.info.reasoning, self.tool_format)
-            fmt = MessagesFormatter(job, self.model_id)
-        else:
-            job = parse_job(body, endpoint, self.model_names, self.model_id, self.info.context_length,
-                            self.info.vocab_size, self.tool_format)
-            fmt = Formatter(job, self.model_id, self.fingerprint, self.token_bytes, self.reasons)
-        async with DisconnectWatch(request.receive) as watch:
-            acquire = asyncio.ensure_future(self.gate.acquire())
-            watch.on_gone(acquire.cancel)
-            try:
-                await acquire
-            except asyncio.CancelledError:
-                if watch.gone:
-                    return Response(status_code=499)  # nobody is there to read it
-                acquire.cancel()
-                raise
-            try:
-                submitted = await run_in_threadpool(self._submit, job, fmt)
-            except BaseException:
-                self.gate.release()
-                raise
-            left = len(submitted)
+            job = parse_responses(body, names, name, info.context_length, info.vocab_size, m.tool_format)
+            return job, ResponsesFormatter(job, name, body)
+        if endpoint == "messages":
+            job = parse_messages(body, names, name, info.context_length, info.vocab_size, info.reasoning,
+                                 m.tool_format)
+            return job, MessagesFormatter(job, name)
+        if endpoint.startswith("ollama_"):
+            job = parse_ollama(body, endpoint.removeprefix("ollama_"), name, info, m.tool_format)
+            return job, OllamaFormatter(job, name, endpoint == "ollama_chat")
+        job = parse_job(body, endpoint, names, name, info.context_length,  # type: ignore[arg-type]
+                        info.vocab_size, m.tool_format)
+        return job, Formatter(job, name, m.fingerprint, m.token_bytes, m.reasons)
 
-            def done(gen: Generation, final: GenerationEvent) -> None:
-                nonlocal left
-                self._on_done(gen, final)
-                left -= 1
-                if left == 0:  # the request's slot goes back once the engine is done with all its prompts
+    async def _complete(self, request: Request, endpoint: str) -> Response:
+        t0 = time.perf_counter()
+        body = getattr(request.state, "body", None)  # read already (Ollama's routes look at it first)
+        if body is None:
+            body = parse_body(await self._body(request))
+        res, name, body = await self._checkout(body, endpoint.replace("ollama_", ""))
+        held = True  # until the generations hold the model (their end releases it)
+        try:
+            job, fmt = self._parse(body, endpoint, res, name)
+            async with DisconnectWatch(request.receive) as watch:
+                acquire = asyncio.ensure_future(self.gate.acquire())
+                watch.on_gone(acquire.cancel)
+                try:
+                    await acquire
+                except asyncio.CancelledError:
+                    if watch.gone:
+                        return Response(status_code=499)  # nobody is there to read it
+                    acquire.cancel()
+                    raise
+                try:
+                    submitted = await run_in_threadpool(res.served.submit, job, fmt, self.config)
+                except BaseException:
                     self.gate.release()
+                    raise
+                left = len(submitted)
 
-            gens = [Generation(stream, n, done) for stream, n in submitted]
-            self.generations.update(gens)
-            self.metrics.running += len(gens)
-            for gen in gens:
-                watch.on_gone(gen.cancel)
-            if not job.stream:
-                return await self._collect(gens, fmt, t0, watch)
+                def done(gen: Generation, final: GenerationEvent) -> None:
+                    nonlocal left
+                    self._on_done(gen, final)
+                    left -= 1
+                    if left == 0:  # the request's slot goes back once the engine is done with all its prompts
+                        self.gate.release()
+                        self.pool.release(res)
+
+                held = False
+                gens = [Generation(stream, n, done) for stream, n in submitted]
+                self.generations.update(gens)
+                self.metrics.running += len(gens)
+                for gen in gens:
+                    watch.on_gone(gen.cancel)
+                if not job.stream:
+                    return await self._collect(gens, fmt, t0, watch)  # type: ignore[arg-type]
+        finally:
+            if held:
+                self.pool.release(res)
         if isinstance(fmt, ResponsesFormatter):
-            return EventStreamResponse(gens, self._response_events(gens[0], fmt, t0))
+            return EventStreamResponse(gens, self._response_events(gens[0], fmt, t0, res.served.reasons))
+        seen: list[bool] = []
         if isinstance(fmt, MessagesFormatter):
-            seen: list[bool] = []
             return EventStreamResponse(gens, message_events(fmt, gens[0], lambda e: self._first_token(e, t0, seen),
                                                             self.cancelled_message))
+        if isinstance(fmt, OllamaFormatter):
+            return EventStreamResponse(gens, ollama_events(fmt, gens[0], lambda e: self._first_token(e, t0, seen),
+                                                           self.cancelled_message), NDJSON)
         return EventStreamResponse(gens, self._chunks(gens, fmt, t0))
-
-    def _encode_chat(self, job: Job) -> list[int]:
-        """A chat job's prompt ids: its messages through the chat template, with the job's template variables."""
-        assert job.messages is not None
-        variables = template_kwargs(self.info.reasoning, job.chat_template_kwargs, job.reasoning_effort)
-        return self.engine.tokenizer.encode_chat(job.messages, add_generation_prompt=True,
-                                                 **{**variables, **job.tool_variables})
-
-    def _submit(self, job: Job, fmt: Formatter | ResponsesFormatter | MessagesFormatter) -> list[tuple[Any, int]]:
-        """On a worker thread: tokenize every prompt and check it against the context, score the echoed prompts,
-        then start a generation per prompt (all or none)."""
-        tok = self.engine.tokenizer
-        try:
-            if job.messages is not None:
-                prompts = [(self._encode_chat(job), "messages", None)]
-            else:
-                prompts = [(tok.encode(p.text) if p.text is not None else list(p.token_ids or ()),
-                            "prompt" if len(job.prompts) == 1 else f"prompt[{i}]", p.text)
-                           for i, p in enumerate(job.prompts)]
-            requests = [replies for ids, what, _ in prompts for replies in self._requests(job, ids, what)]
-            if job.echo:  # completions only
-                assert isinstance(fmt, Formatter)
-                for i, (ids, _, text) in enumerate(prompts):
-                    for j in range(job.n):
-                        fmt.echoes[i * job.n + j] = Echo(text if text is not None else tok.decode(ids), ids)
-            submitted: list[tuple[Any, int]] = []
-            try:
-                for r in requests:
-                    submitted.append((self.engine.generate(r), len(r.prompt_token_ids or ())))
-            except BaseException:
-                for stream, _ in submitted:
-                    stream.cancel()
-                raise
-            return submitted
-        except RequestError as e:
-            err = from_request_error(str(e), _PARAM_NAMES)
-            if err.param == "response_format":  # or the vLLM field the grammar came from
-                err.param = job.format_param
-                if job.tools is not None:  # each function's schema compiled alone at parsing; together they did not
-                    err.message = "the tools' parameter schemas cannot be held together: " + err.message.split(
-                        ": ", 2)[-1]
-            raise err from None
-        except RooflineError as e:
-            raise APIError(503, f"the engine cannot take requests: {e}", None, "engine_unavailable") from None
-
-    def _requests(self, job: Job, ids: list[int], what: str) -> list[GenerationRequest]:
-        """One prompt's n engine requests, checked against the context (`what` names the prompt in errors). With a
-        seed, reply j samples with seed + j."""
-        ctx, n = self.info.context_length, len(ids)
-        if n == 0:  # "" on a model whose tokenizer adds no BOS: nothing to continue from
-            raise invalid(f"'{what}' is empty: it gives no tokens, and this model adds none before a prompt; send some "
-                          "text", what)
-        if n >= ctx:
-            verb = "are" if what == "messages" else "is"
-            raise invalid(f"This model's maximum context length is {ctx} tokens, but the {what} {verb} {n} "
-                          "tokens (at least 1 token must be left to generate)", what, "context_length_exceeded")
-        if job.max_tokens is not None and n + job.max_tokens > ctx:
-            raise invalid(f"This model's maximum context length is {ctx} tokens, but {n + job.max_tokens} were "
-                          f"requested ({n} in the {what}, {job.max_tokens} in '{job.max_tokens_param}'); "
-                          f"at most {ctx - n} can be generated for this prompt", job.max_tokens_param,
-                          "context_length_exceeded")
-        max_tokens = job.max_tokens
-        if max_tokens is None:
-            max_tokens = min(ctx - n, self.config.default_max_tokens or ctx)
-        kw = dict(job.sampling)
-        if "speculative" not in kw and self.config.speculative is not None:
-            kw["speculative"] = self.config.speculative
-        seed = kw.pop("seed", None)
-        if job.echo and job.logprobs:  # the prompt's log-probabilities, scored in the batch's prefill chunks
-            kw["prompt_logprobs"] = job.top_logprobs
-        elif max_tokens == 0:  # echo without logprobs and no reply: the engine still reads the prompt, once
-            kw["prompt_logprobs"] = 0
-        return [GenerationRequest(prompt_token_ids=ids, chat_template_kwargs=job.chat_template_kwargs,
-                                  sampling=SamplingParams(max_tokens=max_tokens,
-                                                          seed=None if seed is None else seed + j, **kw))
-                for j in range(job.n)]
 
     def _on_done(self, gen: Generation, final: GenerationEvent) -> None:
         self.generations.discard(gen)
@@ -415,7 +410,8 @@ class Server:
             for p in pumps:
                 p.cancel()
 
-    async def _response_events(self, gen: Generation, fmt: ResponsesFormatter, t0: float) -> AsyncIterator[bytes]:
+    async def _response_events(self, gen: Generation, fmt: ResponsesFormatter, t0: float,
+                               reasons: bool) -> AsyncIterator[bytes]:
         seen: list[bool] = []
 
         async def events() -> AsyncIterator[GenerationEvent]:
@@ -423,7 +419,7 @@ class Server:
                 self._first_token(event, t0, seen)
                 yield event
 
-        async for b in response_events(events(), fmt, self.reasons, self.cancelled_message):
+        async for b in response_events(events(), fmt, reasons, self.cancelled_message):
             yield b
 
     def cancel_all(self) -> None:
@@ -454,14 +450,17 @@ class Server:
             await asyncio.sleep(0.05)
 
 
-def create_app(engine: EngineLike, config: ServerConfig | None = None) -> Starlette:
-    """The ASGI app serving `engine` (a loaded Engine, or a fake with its surface: `mlx_engine.api.EngineLike`)."""
-    server = Server(engine, config or ServerConfig())
+def create_app(engine: EngineLike | ModelPool, config: ServerConfig | None = None) -> Starlette:
+    """The ASGI app serving `engine` (a loaded Engine, or a fake with its surface: `mlx_engine.api.EngineLike`), or
+    a pool of models loaded by name (`models_pool.ModelPool`)."""
+    pool = engine if isinstance(engine, ModelPool) else ModelPool.single(Served(engine))
+    server = Server(pool, config or ServerConfig())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         server.cancel_all()  # whatever outlived the graceful-shutdown wait
+        await server.pool.close_all()
 
     routes = [
         Route("/health", server.health, methods=["GET"]),
@@ -477,6 +476,7 @@ def create_app(engine: EngineLike, config: ServerConfig | None = None) -> Starle
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
         embeddings_route(server),
+        *ollama_routes(server),
     ]
     app = Starlette(
         routes=routes,

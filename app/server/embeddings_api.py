@@ -57,18 +57,27 @@ def _vector(row: Any, fmt: str) -> list[float] | str:
 
 
 def embeddings_route(server: Any) -> Route:
-    """The route for `server` (app.server.app.Server: its engine, model names, body limits and admission gate)."""
+    """The route for `server` (app.server.app.Server: its models by name, body limits and admission gate)."""
 
     async def embeddings(request: Request) -> Response:
-        job = parse_embeddings(parse_body(await server._body(request)), server.model_names, server.model_id)
-        info = server.info
+        res, name, body = await server._checkout(parse_body(await server._body(request)), "embeddings",
+                                                 model_optional=True)
+        try:
+            return await embed(res, name, body)
+        finally:
+            server.pool.release(res)
+
+    async def embed(res: Any, name: str, body: dict[str, Any]) -> Response:
+        job = parse_embeddings(body, server._names(res, name), name)
+        served = res.served
+        info = served.info
         if not info.embeddings:
-            raise invalid(f"the model '{server.model_id}' is a chat model: it has no pooling, so it gives no "
+            raise invalid(f"the model '{name}' is a chat model: it has no pooling, so it gives no "
                           "embeddings (Roofline does not mean-pool a chat model's states); serve an embedding model "
                           "for /v1/embeddings: a sentence-transformers folder (modules.json) or a GGUF file with a "
                           "pooling type, e.g. `roofline serve -m Qwen/Qwen3-Embedding-0.6B`", "model",
                           "model_not_embedding")
-        engine = cast(EmbedderLike, server.engine)
+        engine = cast(EmbedderLike, served.engine)
         await server.gate.acquire()
         try:
             result = await run_in_threadpool(engine.embed, job.input, job.dimensions, job.prompt_name)
@@ -82,7 +91,7 @@ def embeddings_route(server: Any) -> Route:
         data = [{"object": "embedding", "index": i, "embedding": _vector(row, job.encoding_format)}
                 for i, row in enumerate(result.vectors)]
         n = result.prompt_tokens
-        return JSONResponse({"object": "list", "data": data, "model": server.model_id,
+        return JSONResponse({"object": "list", "data": data, "model": name,
                              "usage": {"prompt_tokens": n, "total_tokens": n}})
 
     return Route("/v1/embeddings", embeddings, methods=["POST"])

@@ -88,8 +88,22 @@ def from_request_error(message: str, param_names: dict[str, str] | None = None) 
     return APIError(400, message, param)
 
 
+def speaks_ollama(scope: Any) -> bool:
+    """Ollama's routes answer errors in its shape, `{"error": "message"}`, which its clients read."""
+    return scope.get("path", "").startswith("/api/")
+
+
+def ollama_error(exc: APIError) -> JSONResponse:
+    message = exc.message
+    if exc.param and exc.param not in message:
+        message = f"{exc.param}: {message}"
+    return JSONResponse({"error": message}, status_code=exc.status, headers=exc.headers)
+
+
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
+    if speaks_ollama(request.scope):
+        return ollama_error(exc)
     return exc.response(speaks_anthropic(request.scope))
 
 
@@ -102,9 +116,13 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     else:
         message = str(exc.detail)
     code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
+    if speaks_ollama(request.scope):
+        return ollama_error(APIError(exc.status_code, message, None, code))
     return APIError(exc.status_code, message, None, code).response(speaks_anthropic(request.scope))
 
 
 async def server_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    if speaks_ollama(request.scope):
+        return ollama_error(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
     return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", None,
                     "internal_error").response(speaks_anthropic(request.scope))

@@ -22,7 +22,7 @@ from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
-from app.server.errors import APIError, speaks_anthropic
+from app.server.errors import APIError, ollama_error, speaks_anthropic, speaks_ollama
 from app.server.metrics import Metrics
 
 LOCAL_ORIGIN_PATTERN = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
@@ -178,7 +178,8 @@ class AuthMiddleware:
             return await self.app(scope, receive, send)
         message = ("Incorrect API key provided." if header or api_key is not None else
                    "You didn't provide an API key: send it as 'Authorization: Bearer KEY' (or 'x-api-key: KEY').")
-        resp = APIError(401, message, None, "invalid_api_key").response(speaks_anthropic(scope))
+        error = APIError(401, message, None, "invalid_api_key")
+        resp = ollama_error(error) if speaks_ollama(scope) else error.response(speaks_anthropic(scope))
         resp.headers["WWW-Authenticate"] = "Bearer"
         await resp(scope, receive, send)
 

@@ -92,6 +92,19 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
+def memory_lines(held: Any, models_loaded: int) -> str:
+    """The process's memory (`mlx_engine.memory.HeldMemory`) and its loaded models, as gauges: what an unload
+    gives back shows here."""
+    return "".join([
+        "# HELP roofline_models_loaded Models loaded now.\n# TYPE roofline_models_loaded gauge\n",
+        f"roofline_models_loaded {models_loaded}\n",
+        "# HELP roofline_memory_bytes The server process's memory: resident set, MLX arrays, MLX's buffer cache.\n",
+        "# TYPE roofline_memory_bytes gauge\n",
+        f'roofline_memory_bytes{{kind="rss"}} {held.rss_bytes}\n',
+        f'roofline_memory_bytes{{kind="mlx_active"}} {held.mlx_active_bytes}\n',
+        f'roofline_memory_bytes{{kind="mlx_cache"}} {held.mlx_cache_bytes}\n'])
+
+
 def _num(v: float) -> str:
     return str(v) if isinstance(v, int) else f"{v:.6g}"
 

@@ -80,6 +80,7 @@ class Job:
     format_param: str = "response_format"  # the field the reply's grammar came from, for the engine's errors
     chat_template_kwargs: dict[str, Any] | None = None  # chat: the request's own template variables
     reasoning_effort: str | None = None  # chat: one of REASONING_EFFORTS
+    prompt_param: str = "messages"  # what errors call a chat's prompt (Ollama's generate: "prompt")
 
 
 # ---- the body ------------------------------------------------------------------------------------------

@@ -59,16 +59,18 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+SSE = b"text/event-stream; charset=utf-8"
+NDJSON = b"application/x-ndjson"  # Ollama's streams: one JSON object a line
+
+
 class EventStreamResponse:
-    """`text/event-stream` over one generation. A client disconnect (seen on the ASGI channel) or a failed
+    """`text/event-stream` (or NDJSON) over one generation. A client disconnect (seen on the ASGI channel) or a failed
     send cancels the generation; so does leaving early for any reason (server shutdown, an error)."""
 
-    headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
-
-    def __init__(self, gens: list[Generation], chunks: AsyncIterator[bytes]):
+    def __init__(self, gens: list[Generation], chunks: AsyncIterator[bytes], content_type: bytes = SSE):
         self.gens = gens
         self.chunks = chunks
+        self.headers = [(b"content-type", content_type), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
     def cancel(self) -> None:
         for gen in self.gens:
