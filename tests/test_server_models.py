@@ -1,7 +1,7 @@
 """The multi-model server (`roofline serve` without -m, or with several): models loaded just in time by name, the
 least recently used idle one evicted to fit (never one with requests in flight), keep-alive, aliases and
 models.toml presets, and the errors for names that are not on the machine or that are files. Scripted engines
-(tests/server_fakes.py) stand in for models here; tests/test_server_models_real.py loads real tiny ones."""
+(tests/support/server_fakes.py) stand in for models here; tests/test_server_models_real.py loads real tiny ones."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from app.server import create_app
 from app.server.errors import APIError
 from app.server.model_table import ModelTable, Preset, parse_aliases, parse_keep_alive, read_models_file
 from app.server.models_pool import ModelPool
-from tests.server_fakes import FakeEngine, LiveServer, wait_until
+from tests.support.server_fakes import FakeEngine, LiveServer, wait_until
 
 REFS = ("org/a", "org/b", "org/c", "ollama:tiny:latest", "org/big")
 

@@ -15,10 +15,10 @@ from mlx_engine.memory import held_memory, return_memory
 
 from app.server import create_app
 from app.server.run import model_pool
-from tests.server_fakes import LiveServer, wait_until
+from tests.support.server_fakes import LiveServer, wait_until
 from tests.test_models_cmd import hf_cache_entry
-from tests.test_parity_cmd import write_tokenizer
-from tests.tiny_models import random_llama_folder
+from tests.support.tokenizer_files import write_tokenizer
+from tests.support.tiny_models import random_llama_folder
 
 PROMPT = [5, 17, 33, 8, 90]
 
