@@ -15,26 +15,11 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import one_line_error
+from tests.support.model_stores import hf_cache_entry
 from tests.support.tiny_models import random_llama_folder, write_gguf_from_folder
 from tests.support.tokenizer_files import write_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def hf_cache_entry(hub: Path, repo_id: str, files: dict[str, Path]) -> Path:
-    """huggingface_hub's layout: blobs named by their sha256, snapshot links to them, refs/main."""
-    repo = hub / f"models--{repo_id.replace('/', '--')}"
-    snap = repo / "snapshots" / COMMIT
-    (repo / "blobs").mkdir(parents=True)
-    snap.mkdir(parents=True)
-    for name, src in files.items():
-        sha = hashlib.sha256(src.read_bytes()).hexdigest()
-        shutil.copy(src, repo / "blobs" / sha)
-        (snap / name).symlink_to(Path("../../blobs") / sha)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
-    return snap
 
 
 def ollama_model(root: Path, name: str, tag: str, gguf: Path, extra_blob: bytes = b"{{ .Prompt }}") -> Path:

@@ -4,7 +4,6 @@ swaps them, and an unloaded model's memory goes back (MLX's active memory to whe
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import httpx
 import ollama
@@ -16,7 +15,7 @@ from mlx_engine.memory import held_memory, return_memory
 from app.server import create_app
 from app.server.run import model_pool
 from tests.support.server_fakes import LiveServer, wait_until
-from tests.test_models_cmd import hf_cache_entry
+from tests.support.model_stores import hf_cache_entry
 from tests.support.tokenizer_files import write_tokenizer
 from tests.support.tiny_models import random_llama_folder
 

@@ -16,7 +16,7 @@ from mlx_engine.api import GenerationEvent, GenerationRequest, ToolCall
 
 from app.server import create_app
 from tests.support.server_fakes import THOUGHT, FakeEngine, FakeStream, LiveServer, wait_until
-from tests.test_server_models import Loads, make_pool
+from tests.support.pool_fakes import Loads, make_pool
 
 USER = [{"role": "user", "content": "Hi"}]
 
