@@ -90,7 +90,9 @@ def _rlimit_headroom(which: int, current: int | None) -> int | None:
 
 def metal_working_set() -> int | None:
     """The GPU's recommended working set on a Mac (None elsewhere)."""
-    if sys.platform != "darwin":
+    # off a Mac, a process that has not imported MLX (the model lister) need not load it to learn there is no
+    # Metal; one that has asks MLX, which a simulated Mac (tests/test_engine_mac_path.py) answers
+    if sys.platform != "darwin" and "mlx.core" not in sys.modules:
         return None
     import mlx.core as mx
 
