@@ -331,16 +331,16 @@ def test_serve_max_concurrency_is_the_engine_s_batch(monkeypatch) -> None:
     """--max-concurrency requests run at once, so the engine is loaded to batch that many (Engine.load's
     max_seqs): 64 running requests were 16 decoding and 48 waiting in the scheduler."""
     import app.server as server_pkg
-    from app import cli
+    from app import cli, serve_cmd
 
     loaded: dict = {}
-    monkeypatch.setattr(cli, "load_engine", lambda model, **options: loaded.update(options) or "engine")
+    monkeypatch.setattr(serve_cmd, "load_engine", lambda model, **options: loaded.update(options) or "engine")
 
     def serve(factory, **kw) -> int:
         assert factory() == "engine"
         return 0
 
     monkeypatch.setattr(server_pkg, "serve", serve)
-    assert cli.main(["serve", "--max-concurrency", "64"]) == 0
+    assert cli.main(["serve", "-m", "embedded", "--max-concurrency", "64"]) == 0
     assert loaded["max_seqs"] == 64
-    assert cli.main(["serve"]) == 0 and loaded["max_seqs"] == 16
+    assert cli.main(["serve", "-m", "embedded"]) == 0 and loaded["max_seqs"] == 16
