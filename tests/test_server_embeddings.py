@@ -149,3 +149,25 @@ def test_embeddings_need_the_api_key(engine) -> None:
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         ok = httpx.post(s.url + "/v1/embeddings", json={"input": "a"}, headers={"Authorization": "Bearer sk-test"})
         assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 2
+
+
+def test_ollama_embed_gives_the_same_vectors(client, server, model_id) -> None:
+    """Ollama's /api/embed (and its older /api/embeddings) through the `ollama` client: the vectors of
+    /v1/embeddings, the prompt's token count, and a 400 naming the field for what it cannot take."""
+    import ollama
+
+    want = vectors(client.embeddings.create(model=model_id, input=SENTENCES, encoding_format="float"))
+    oc = ollama.Client(host=server.url)
+    r = oc.embed(model=model_id, input=SENTENCES)
+    np.testing.assert_array_equal(np.array(r.embeddings, dtype=np.float32), want)
+    assert r.model == model_id and r.prompt_eval_count == client.embeddings.create(
+        model=model_id, input=SENTENCES).usage.prompt_tokens
+    one = oc.embeddings(model=model_id, prompt=SENTENCES[0])
+    np.testing.assert_array_equal(np.array(one.embedding, dtype=np.float32), want[0])
+    short16 = np.array(oc.embed(model=model_id, input=SENTENCES[0], dimensions=16).embeddings[0], dtype=np.float32)
+    np.testing.assert_allclose(np.linalg.norm(short16), 1.0, rtol=1e-6)
+    for body, field in (({"input": ""}, "input"), ({"input": [1, 2]}, "input"), ({"input": "hi", "truncate": "no"},
+                        "truncate"), ({"input": "hi", "dimensions": 0}, "dimensions")):
+        e = httpx.post(server.url + "/api/embed", json={"model": model_id, **body})
+        assert e.status_code == 400 and e.json()["error"].startswith(f"'{field}'"), e.text
+    assert httpx.get(server.url + "/health").status_code == 200

@@ -205,7 +205,7 @@ def test_generate_refuses_what_it_cannot_do(served) -> None:
         client.chat("org/nope", USER)
     assert e.value.status_code == 404 and "not on this machine" in e.value.error and "ollama pull" in e.value.error
     r = httpx.post(s.url + "/api/embed", json={"model": "org/a", "input": "hi"})
-    assert r.status_code == 501 and "embeddings are not served yet" in r.json()["error"]
+    assert r.status_code == 400 and "'org/a' is a chat model" in r.json()["error"]
     r = httpx.post(s.url + "/api/pull", json={"model": "org/a"})
     assert r.status_code == 501 and "roofline pull" in r.json()["error"]
 

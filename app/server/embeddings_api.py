@@ -56,6 +56,31 @@ def _vector(row: Any, fmt: str) -> list[float] | str:
     return row.tolist()
 
 
+async def run_embeddings(server: Any, res: Any, name: str, inputs: str | list[Any], dimensions: int | None,
+                         prompt_name: str | None) -> Any:
+    """The vectors of `inputs` from the checked-out model `res` (`api.Embeddings`), within the server's admission
+    gate; a chat model, or inputs the engine refuses, are a 400 naming the part. Ollama's /api/embed serves this
+    too (`ollama_routes`)."""
+    info = res.served.info
+    if not info.embeddings:
+        raise invalid(f"the model '{name}' is a chat model: it has no pooling, so it gives no "
+                      "embeddings (Roofline does not mean-pool a chat model's states); serve an embedding model "
+                      "for embeddings: a sentence-transformers folder (modules.json) or a GGUF file with a "
+                      "pooling type, e.g. `roofline serve -m Qwen/Qwen3-Embedding-0.6B`", "model",
+                      "model_not_embedding")
+    engine = cast(EmbedderLike, res.served.engine)
+    await server.gate.acquire()
+    try:
+        return await run_in_threadpool(engine.embed, inputs, dimensions, prompt_name)
+    except RequestError as e:
+        message = str(e)
+        param = next((p for p in _PARAMS if message.startswith(p)), "input")
+        code = "context_length_exceeded" if "context" in message else None
+        raise APIError(400, message, param, code) from None
+    finally:
+        server.gate.release()
+
+
 def embeddings_route(server: Any) -> Route:
     """The route for `server` (app.server.app.Server: its models by name, body limits and admission gate)."""
 
@@ -69,25 +94,7 @@ def embeddings_route(server: Any) -> Route:
 
     async def embed(res: Any, name: str, body: dict[str, Any]) -> Response:
         job = parse_embeddings(body, server._names(res, name), name)
-        served = res.served
-        info = served.info
-        if not info.embeddings:
-            raise invalid(f"the model '{name}' is a chat model: it has no pooling, so it gives no "
-                          "embeddings (Roofline does not mean-pool a chat model's states); serve an embedding model "
-                          "for /v1/embeddings: a sentence-transformers folder (modules.json) or a GGUF file with a "
-                          "pooling type, e.g. `roofline serve -m Qwen/Qwen3-Embedding-0.6B`", "model",
-                          "model_not_embedding")
-        engine = cast(EmbedderLike, served.engine)
-        await server.gate.acquire()
-        try:
-            result = await run_in_threadpool(engine.embed, job.input, job.dimensions, job.prompt_name)
-        except RequestError as e:
-            message = str(e)
-            param = next((p for p in _PARAMS if message.startswith(p)), "input")
-            code = "context_length_exceeded" if "context" in message else None
-            raise APIError(400, message, param, code) from None
-        finally:
-            server.gate.release()
+        result = await run_embeddings(server, res, name, job.input, job.dimensions, job.prompt_name)
         data = [{"object": "embedding", "index": i, "embedding": _vector(row, job.encoding_format)}
                 for i, row in enumerate(result.vectors)]
         n = result.prompt_tokens

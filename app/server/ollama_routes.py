@@ -1,8 +1,9 @@
 """Ollama's API on the server's port, for the desktop clients that speak it (Open WebUI, Enchanted, Msty, Raycast,
 Zed, ...): /api/chat and /api/generate (through the server's completion path: `ollama_api`), /api/tags (every model
 served), /api/ps (those loaded, with when each unloads), /api/show, /api/version. A chat or generate body with no
-prompt loads the model (and with keep_alive 0 unloads it), as Ollama's do. Embeddings answer 501 for now; pulling,
-creating, copying and deleting models are `roofline pull` / `roofline rm`'s (501 naming them)."""
+prompt loads the model (and with keep_alive 0 unloads it), as Ollama's do; /api/embed and /api/embeddings serve an
+embedding model's vectors as /v1/embeddings does. Pulling, creating, copying and deleting models are
+`roofline pull` / `roofline rm`'s (501 naming them)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.server.errors import APIError
-from app.server.fields import parse_body
+from app.server.embeddings_api import run_embeddings
+from app.server.errors import APIError, invalid
+from app.server.fields import kind_of, parse_body, short
 from app.server.models_pool import pool_cards
 from app.server.ollama_api import is_load_only, iso_now
 
@@ -110,8 +112,38 @@ class OllamaRoutes:
         return JSONResponse({"version": OLLAMA_API_VERSION})
 
     async def embed(self, request: Request) -> Response:
-        raise APIError(501, "embeddings are not served yet: this server generates text (POST /api/chat or "
-                       "/api/generate)", None, "not_implemented")
+        """/api/embed ({model, input: string or strings, dimensions, truncate, keep_alive} -> embeddings) and the
+        older /api/embeddings ({model, prompt} -> embedding), through the /v1/embeddings path's engine call."""
+        legacy = request.url.path == "/api/embeddings"
+        body = parse_body(await self.server._body(request))
+        field = "prompt" if legacy else "input"
+        value = body.get(field)
+        if isinstance(value, str) and value == "" or value is None or isinstance(value, list) and not value:
+            raise invalid(f"'{field}' is required: {'a string' if legacy else 'a string or an array of strings'}",
+                          field)
+        if not isinstance(value, str) and (legacy or not isinstance(value, list)
+                                           or not all(isinstance(v, str) for v in value)):
+            raise invalid(f"'{field}' must be {'a string' if legacy else 'a string or an array of strings'}, got "
+                          f"{kind_of(value)}: {short(value)}", field)
+        if not isinstance(body.get("truncate", True), bool):
+            raise invalid(f"'truncate' must be a boolean, got {short(body['truncate'])}", "truncate")
+        # truncate true (Ollama's default) would cut an input to the context: here it is a 400 naming the input
+        # either way, as truncate false asks, rather than a vector of a text the client did not send
+        dimensions = body.get("dimensions")
+        if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)
+                                       or dimensions < 1):
+            raise invalid(f"'dimensions' must be an integer >= 1, got {short(dimensions)}", "dimensions")
+        start = time.perf_counter_ns()
+        res, name, _ = await self.server._checkout(body, "embeddings")
+        try:
+            result = await run_embeddings(self.server, res, name, value, dimensions, None)
+        finally:
+            self.server.pool.release(res)
+        vectors = [row.tolist() for row in result.vectors]
+        if legacy:
+            return JSONResponse({"embedding": vectors[0]})
+        return JSONResponse({"model": name, "embeddings": vectors, "total_duration": time.perf_counter_ns() - start,
+                             "load_duration": 0, "prompt_eval_count": result.prompt_tokens})
 
     async def manage(self, request: Request) -> Response:
         raise APIError(501, f"{request.url.path} is not served: models are managed with `roofline pull`, "
