@@ -21,13 +21,13 @@ import pytest
 
 from mlx_engine.distributed.stage import MIN_DECODE_ROWS_PER_MICRO_BATCH
 from tests.support.distributed_ranks import read_events
-from tests.support.tiny_models import random_llama_folder
+from tests.support.tiny_models import parity_goldens, random_llama_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "golden"
 NATIVE = ("llama", "mistral", "qwen2", "qwen3")  # mlx_engine.models.NATIVE_MODEL_TYPES: what --distributed shards
-TINY = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists()
-              and json.loads((p / "config.json").read_text())["model_type"] in NATIVE)
+TINY = sorted(p.name for p in parity_goldens()
+              if json.loads((p / "config.json").read_text())["model_type"] in NATIVE)
 MLX_LAUNCH = Path(sys.executable).parent / "mlx.launch"
 RANKS = ROOT / "tests" / "support" / "distributed_ranks.py"
 LAUNCH_TIMEOUT_S = 240

@@ -20,10 +20,10 @@ if importlib.util.find_spec("mlx_engine.engine") is None:  # the engine is still
     pytest.skip("mlx_engine.engine does not exist yet", allow_module_level=True)
 
 from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
-from tests.support.tiny_models import FAMILIES_2026  # noqa: E402
+from tests.support.tiny_models import FAMILIES_2026, parity_goldens  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
-TINY = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists() and p.name not in FAMILIES_2026)
+TINY = sorted(p.name for p in parity_goldens() if p.name not in FAMILIES_2026)
 LOGITS_TOL = 1e-4  # float32 engine vs float32 torch on the tiny models; observed noise is ~1e-6
 
 # SmolLM2, last prompt position, engine vs transformers in float64. Measured with transformers itself

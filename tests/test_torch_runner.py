@@ -21,12 +21,12 @@ torch = require("torch")
 from mlx_engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
 from mlx_engine.api import RequestError, RooflineError  # noqa: E402
 from mlx_engine.backends.torch.runner import TORCH_MODEL_TYPES  # noqa: E402
-from tests.support.tiny_models import GOLDEN  # noqa: E402
+from tests.support.tiny_models import GOLDEN, parity_goldens  # noqa: E402
 from tests.support.tolerance import assert_f32_close  # noqa: E402
 
 # the goldens of the families the torch backend runs (issue 23's others run on MLX only)
-TINY = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists()
-              and json.loads((p / "config.json").read_text())["model_type"] in TORCH_MODEL_TYPES)
+TINY = sorted(p.name for p in parity_goldens()
+              if json.loads((p / "config.json").read_text())["model_type"] in TORCH_MODEL_TYPES)
 LOGITS_TOL = 1e-4  # float32 torch vs transformers' float32 goldens (max |logit| ~5.3): measured <= 4.3e-6, 23x
 # SmolLM2 in units of eps32 x max |logit| (tests/support/tolerance.py). Torch vs MLX over the whole vocabulary (max
 # |logit| 36.8): 18.7 on an AMD EPYC (8.2e-5), 23.8 on an Intel Xeon with AVX-512 (1.04e-4), 20.7 against MLX's

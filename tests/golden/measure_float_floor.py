@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import mlx_engine.backends.torch.model as torch_model  # noqa: E402
 import mlx_engine.backends.torch.load as torch_load  # noqa: E402
 from mlx_engine import Engine  # noqa: E402
-from tests.support.tiny_models import GOLDEN  # noqa: E402
+from tests.support.tiny_models import GOLDEN, parity_goldens  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -71,7 +71,7 @@ def main() -> None:
           f"float32 matmul precision {torch.get_float32_matmul_precision()!r}")
     gold = json.loads((GOLDEN / "smollm2_gguf.json").read_text())
     report("SmolLM2 (test_torch_runner's prompt)", None, gold["prompts"][0]["prompt_ids"][-20:])
-    for folder in sorted(p for p in GOLDEN.iterdir() if (p / "golden.npz").exists()):
+    for folder in parity_goldens():
         report(folder.name, str(folder), np.load(folder / "golden.npz")["input_ids"].tolist())
 
 

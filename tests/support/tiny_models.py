@@ -14,6 +14,12 @@ from quant.formats import KQUANT_TYPES, QK_K, block_format, row_bytes
 
 GOLDEN = Path(__file__).parent.parent / "data" / "golden"
 
+
+def parity_goldens() -> list[Path]:
+    """The golden folders of causal LMs against transformers (golden.npz: input_ids, logits, greedy tokens); an
+    embedding model's folder (modules.json) holds sentence-transformers' vectors instead (tests/test_embedding.py)."""
+    return sorted(p for p in GOLDEN.iterdir() if (p / "golden.npz").exists() and not (p / "modules.json").exists())
+
 _HF_TO_GGUF = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
