@@ -121,7 +121,7 @@ def main() -> None:
     kv_bytes = decode_bytes_per_token(0, 0, True, a.num_hidden_layers, a.num_key_value_heads, a.head_dim, context,
                                       4 if info.dtype == "float32" else 2).kv
     # what our decode step reads: on MLX's CPU backend the float32 weight copies instead of the packed ones
-    per_token = DecodeBytes(weights=diag.runner.decode_bytes_per_token(context) - kv_bytes, kv=kv_bytes)
+    per_token = DecodeBytes(weights=diag.runner.sequences().decode_bytes_per_token(context) - kv_bytes, kv=kv_bytes)
     # mlx-lm reads the packed weights (a tied embedding in full, as the head)
     embed = lm_model.model.embed_tokens
     lm_weights = sum(v.nbytes for _, v in tree_flatten(lm_model.parameters()))

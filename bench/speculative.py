@@ -111,17 +111,19 @@ def cost_curve(engine: Engine, k_max: int = 8) -> tuple[CostCurve, float, tuple[
     """The target's verify cost curve T(w)/T(1); the self draft's step; the draft model's forward over w rows,
     also over T(1): with the last row's logits (a catch-up over the tokens prompt lookup copied or plain steps took,
     a draft step), and with every row's (a proposal's first forward, which reads the guess of its drafts)."""
-    runner = engine.diagnostics().runner
+    target = engine.diagnostics().runner
+    runner = target.forwards()
     t1 = time_forward(runner, 1, context=64, repeats=3, logits_at="last")
     ratios = {1: 1.0}
     for w in range(2, k_max + 2):
         ratios[w] = time_forward(runner, w, context=64, repeats=3) / t1
     self_cost = time_forward(runner, 1, context=64, repeats=3, first_layers=runner.self_draft_layers) / t1
     draft = None
-    if runner.draft is not None:
-        draft = (CostCurve({w: time_forward(runner.draft, w, context=64, repeats=3, logits_at="last") / t1
+    if target.draft is not None:
+        draft = (CostCurve({w: time_forward(target.draft.forwards(), w, context=64, repeats=3, logits_at="last") / t1
                             for w in DRAFT_WIDTHS}),
-                 CostCurve({w: time_forward(runner.draft, w, context=64, repeats=3) / t1 for w in FIRST_WIDTHS}))
+                 CostCurve({w: time_forward(target.draft.forwards(), w, context=64, repeats=3) / t1
+                            for w in FIRST_WIDTHS}))
     return CostCurve(ratios, t1), self_cost, draft
 
 
@@ -171,7 +173,7 @@ def draft_step_cost(engine: Engine, temperature: float, k: int = 8) -> float:
     sampler = Sampler(SamplingParams(temperature=temperature, seed=0), runner.vocab_size)
     best = float("inf")
     for _ in range(4):  # the first is a warm-up
-        draft = DraftModel(runner.draft)
+        draft = DraftModel(runner.draft.forwards())
         draft.prefill([(7 * i) % 97 + 3 for i in range(64)])
         draft.propose(DraftInput(draft.tokens + [5], k, sampler, lambda a, b: []))
         best = min(best, draft.last_spent[0])
@@ -248,7 +250,7 @@ def main() -> None:
     if draft_curves is not None:
         step_costs = {t: diag.call(lambda t=t: draft_step_cost(engine, t)) for t in args.temperatures}
     steps = ", ".join(f"{step_costs[t]:.2f} at temperature {t:g}" for t in args.temperatures)
-    print(f"\nDrafting cost per token, in T(1): self ({diag.runner.self_draft_layers} of "
+    print(f"\nDrafting cost per token, in T(1): self ({diag.runner.forwards().self_draft_layers} of "
           f"{len(diag.runner.model.layers)} layers + head) {self_cost:.2f}, draft ({_draft_label(engine)}) "
           f"{steps} (forward and sampling), prompt lookup 0")
     if draft_curves is not None:

@@ -58,7 +58,7 @@ class Diagnostics:
         """How this engine's forwards ran: "forwards", the runner's count of each (entry, path and threads, thread:
         `ModelRunner.forward_paths`); with torch imported, "torch_threads": every thread of this process that has
         run torch's CPU work (more than the engine thread changes how its OpenMP threads wait: issue 48)."""
-        out: dict[str, Any] = {"forwards": self.call(self.runner.forward_paths)}
+        out: dict[str, Any] = {"forwards": self.call(self.runner.forwards().forward_paths)}
         host = sys.modules.get("mlx_engine.backends.torch.host")
         if host is not None:
             out["torch_threads"] = sorted(host.TORCH_THREADS)

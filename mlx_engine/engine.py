@@ -141,46 +141,46 @@ class Engine:
     def forward_logits(self, token_ids: list[int]) -> np.ndarray:
         """float32 logits (T, vocab) of one forward pass over `token_ids` from an empty cache."""
         ids = _check_ids(self._runner, list(token_ids), whole=True)
-        return self._thread.call(lambda: self._runner.forward_logits(ids))
+        return self._thread.call(lambda: self._runner.sequences().forward_logits(ids))
 
     def hidden_states(self, token_ids: list[int]) -> list[np.ndarray]:
         """float32 hidden states of one forward pass over `token_ids` from an empty cache: the embedding
         output, then each decoder layer's output, each (T, hidden)."""
         ids = _check_ids(self._runner, list(token_ids), whole=True)
-        return self._thread.call(lambda: self._runner.hidden_states(ids))
+        return self._thread.call(lambda: self._runner.sequences().hidden_states(ids))
 
     def decode_bytes_per_token(self, context_tokens: int) -> int:
         """Bytes one decode step reads at this context length: weights (the embedding table only when
         tied to the head) plus K and V of every layer. Times tokens/s over bandwidth is % of roofline."""
-        return self._runner.decode_bytes_per_token(context_tokens)
+        return self._runner.sequences().decode_bytes_per_token(context_tokens)
 
     def moe_routing(self) -> dict[str, Any] | None:
         """A mixture-of-experts model's recent decode steps: per step, each row's routed experts per MoE layer,
         their union and the weight bytes the step reads (shared weights plus the routed experts); with
         expert_bytes, num_experts, experts_per_token and shared_bytes. None for a dense model."""
-        return self._thread.call(self._runner.moe_routing)
+        return self._thread.call(self._runner.sequences().moe_routing)
 
     def score(self, token_ids: list[int]) -> np.ndarray:
         """Log-probability of each token given those before it, float32 (T - 1,), through the engine's own
         KV cache and prefill chunks: perplexity = exp(-mean)."""
         ids = _check_ids(self._runner, list(token_ids), whole=True)
-        return self._thread.call(lambda: self._runner.score(ids))
+        return self._thread.call(lambda: self._runner.sequences().score(ids))
 
     def kv_stats(self) -> dict[str, Any]:
         """KV cache occupancy: blocks total/used/cached/free, bytes, prefix hit rate, fragmentation."""
-        return self._thread.call(self._runner.kv_stats)
+        return self._thread.call(self._runner.sequences().kv_stats)
 
     def save_kv(self, path: str, request: GenerationRequest | list[int]) -> int:
         """Saves the cached KV of a conversation (a request's prompt, or token ids): every full block of
         its prefix still in the prefix cache, with the tokens and the model fingerprint. Returns tokens saved."""
         ids = _prompt_ids(self._runner, request) if isinstance(request, GenerationRequest) else list(request)
-        return self._thread.call(lambda: self._runner.save_kv(path, ids))
+        return self._thread.call(lambda: self._runner.sequences().save_kv(path, ids))
 
     def restore_kv(self, path: str) -> int:
         """Loads KV saved by `save_kv` into the prefix cache, so a reopened chat needs no re-prefill. A file
         from another model or a corrupt one raises RooflineError (the chat then simply prefills). Returns
         the number of tokens restored."""
-        return len(self._thread.call(lambda: self._runner.restore_kv(path)))
+        return len(self._thread.call(lambda: self._runner.sequences().restore_kv(path)))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -29,7 +29,8 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from mlx_engine.api import RequestError, SamplingParams
+from mlx_engine.api import RequestError, SamplingParams, TokenLogprob
+from mlx_engine.step import plain_sampling
 
 
 class Sampler:
@@ -95,8 +96,7 @@ class Sampler:
         """No logit bias, no penalties, no response format and no mask (a reasoning budget's forced closer): a token
         depends on the raw logits, the temperature, the filters and this request's draws only, so a runner can sample
         where its logits are (`ModelRunner.packed_sample`)."""
-        return (self._bias is None and self._counts is None and self.params.response_format is None
-                and self.allowed is None)
+        return plain_sampling(self.params) and self.allowed is None
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -262,3 +262,11 @@ def top_tokens(logp: mx.array, top: int) -> tuple[mx.array, mx.array]:
     vals = mx.take_along_axis(logp, idx, axis=-1)
     order = mx.argsort(-vals, axis=-1)
     return mx.take_along_axis(idx, order, axis=-1).astype(mx.int32), mx.take_along_axis(vals, order, axis=-1)
+
+
+def token_logprob(token: int, lp: mx.array, top: int) -> TokenLogprob:
+    """A drawn token's log-probability entry from its row `lp` (1, V), with the row's `top` best (a grammar's
+    masked tokens, at -inf, are never among them)."""
+    ids, vals = top_tokens(lp, top)
+    return TokenLogprob(token_id=token, logprob=float(lp[0, token].item()),
+                        top=tuple((i, v) for i, v in zip(ids[0].tolist(), vals[0].tolist()) if v > -math.inf))

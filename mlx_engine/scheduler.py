@@ -37,12 +37,13 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, cast
 
-import mlx.core as mx
+import numpy as np
 
-from mlx_engine.api import DEFAULT_MAX_SEQS, RooflineError, SamplingParams
-from mlx_engine.backends.base import InFlightDecode, ModelRunner
+from mlx_engine.api import DEFAULT_MAX_SEQS, RooflineError, SamplingParams, TokenLogprob
+from mlx_engine.backends.base import ModelRunner
 from mlx_engine.scheduler_speculation import SpeculationPolicy
-from mlx_engine.sequence import Sequence, plain
+from mlx_engine.sequence import Sequence
+from mlx_engine.step import DecodeRow, NewSequence, PrefillChunk, Sampled, StepPlan, StepResult, VerifySpan
 from mlx_engine.stop import StopStringMatcher
 
 if TYPE_CHECKING:
@@ -68,7 +69,11 @@ class Scheduler(SpeculationPolicy):
         # proposer -> [accepted, tested] draft tokens over finished requests ("auto"'s priors; `tested_tokens`)
         self.acceptance: dict[str, list[int]] = {}
         self.decode_groups = runner.capabilities.decode_groups
-        self._flying: set[Sequence] = set()  # sequences whose step is in flight (their token is not back yet)
+        self._flying: dict[str, Sequence] = {}  # sequences whose step is in flight (their token is not back yet)
+        self._by_id: dict[str, Sequence] = {}  # the running sequences
+        # sequences started and ended since the last plan: the runner makes and drops their samplers
+        self._new: list[NewSequence] = []
+        self._finished: list[str] = []
 
     def add(self, prompt: list[int], params: SamplingParams, stream: Any, constraint: Any = None,
             reasoning: Any = None) -> None:
@@ -114,8 +119,6 @@ class Scheduler(SpeculationPolicy):
             self._start(seq)
 
     def _start(self, seq: Sequence) -> None:
-        from mlx_engine.sampling import Sampler
-
         if not self.running:
             self.runner.reset_peak_memory()
         seq.t_start = time.perf_counter()
@@ -123,11 +126,15 @@ class Scheduler(SpeculationPolicy):
         seq.num_cached = self.runner.cache.start(seq.req_id, seq.prompt, reuse=not seq.scores_prompt)
         seq.prompt_scores = [] if seq.scores_prompt else None
         seq.num_prefilled = seq.num_cached
-        seq.sampler = Sampler(seq.params, self.runner.vocab_size, prompt_token_ids=seq.prompt)
+        seq.vocab_size = self.runner.vocab_size
+        # its sampler now (a logit bias outside the vocabulary fails here, before the step)
+        self._new.append(NewSequence(seq.req_id, seq.params, tuple(seq.prompt)))
+        self._execute()
         seq.detok = self.runner.tokenizer.detokenizer()
         seq.stops = StopStringMatcher(seq.params.stop)
         seq.spec = self._spec_state(seq.params)
         self.running.append(seq)
+        self._by_id[seq.req_id] = seq
 
     # --- the step ---------------------------------------------------------------------------------
 
@@ -163,85 +170,74 @@ class Scheduler(SpeculationPolicy):
         self._read(new)
 
     def _queue_step(self) -> tuple[set[Sequence], list[tuple[Sequence, int]]]:
-        """Builds and starts this step's batched forwards; returns the sequences that sampled a token in
-        them, and the speculative sequences (with their k) that step on their own."""
-        runner, cache = self.runner, self.runner.cache
+        """Plans this step's batched forwards and has the runner start them; returns the sequences that sampled a
+        token in them, and the speculative sequences (with their k) that step on their own."""
         group = self._flight_group()
         if group is None and self._flying:  # every token back first, then this step as its sequences stand
-            self._land(cast(InFlightDecode, runner).settle())
+            self._land(self._execute(settle=True).landed)
             group = self._flight_group()
         if group is not None:
-            self._launch(group)
+            rows = self._decode_rows(group)
+            self._flying.update((s.req_id, s) for s in group)
+            self._land(self._execute(decode=rows, in_flight=True).landed)
             if self.trace is not None:
                 self.trace.append((len(group), 0))
             return set(), []  # the tokens that came back are evaluated: all may be read
         decoding, speculating = [], []
         for s in self.running:
-            if s.last is not None and s.num_sampled < s.max_new:
+            if s.has_last and s.num_sampled < s.max_new:
                 k = self._spec_k(s)
                 if k is None:
                     decoding.append(s)
                 else:
                     speculating.append((s, k))
         budget = self.token_budget - len(decoding)
-        new: list[tuple[Sequence, mx.array, mx.array | None]] = []
-        chunks: list[tuple[Sequence, int, int]] = []
+        chunks: list[PrefillChunk] = []
         for s in [s for s in self.running if s.prefilling]:
             if budget <= 0:
                 break
             start = s.num_prefilled
-            end = min(len(s.prompt), start + min(budget, runner.prefill_chunk_size))
+            end = min(len(s.prompt), start + min(budget, self.runner.prefill_chunk_size))
             budget -= end - start
-            chunks.append((s, start, end))
-
-        # more than one part (decode rows count as one each, as do prefill chunks): one packed forward
-        packed = len(decoding) + len(chunks) > 1 and cache.capabilities.packed
-        if packed:
-            self._packed_forward(decoding, chunks, new)
-        if decoding and not packed:
-            layers = cache.decode_layers([s.req_id for s in decoding], [s.cached_tokens() for s in decoding])
-            inputs = mx.stack([s.last for s in decoding]).reshape(len(decoding), 1)  # (B, 1), lazy
-            if plain(decoding):
-                tokens = runner.decode_sample(inputs, layers, [s.sampler for s in decoding])  # (B,)
-                samples = [(tokens[i], None) for i in range(len(decoding))]
-            else:
-                logits = runner.decode_logits(inputs, layers)  # (B, V)
-                samples = [self._sample(s, logits[i : i + 1]) for i, s in enumerate(decoding)]
-            for s, sample in zip(decoding, samples):
-                s.num_fed_out += 1
-                new.append((s, *sample))
-
-        for s, start, end in [] if packed else chunks:
-            layers = cache.prefill_layers(s.req_id, start, end)
-            inputs = mx.array([s.prompt[start:end]], dtype=mx.int32)
-            s.num_prefilled = end
-            logits = None
-            if s.scores_prompt:  # logits at every position: the chunk's rows score the prompt
-                logits = runner.packed_logits(inputs, layers, list(range(end - start)))
-                s.score_chunk(start, end, logits)
-            if end == len(s.prompt) and s.max_new:  # the last chunk: its last position gives the first token
-                if logits is None and plain([s]):  # drawn where a packed step draws it, so batching moves no seed
-                    new.append((s, runner.decode_sample(inputs, layers, [s.sampler])[0], None))
-                else:
-                    last = logits[-1:] if logits is not None else runner.prefill_logits(inputs, layers)
-                    new.append((s, *self._sample(s, last)))
-                if s.spec is not None:
-                    s.spec.prefill(s.prompt)
-            else:
-                if logits is None:
-                    runner.prefill(inputs, layers)
-                mx.eval(cache.state(layers))
-
+            samples = end == len(s.prompt) and s.max_new > 0
+            chunks.append(PrefillChunk(s.req_id, start, end, tuple(s.prompt[start:end]), samples,
+                                       s.score_targets(start, end), s.allowed if samples else None))
+        rows = self._decode_rows(decoding)
+        result = self._execute(decode=rows, prefill=tuple(chunks))
+        for c in chunks:
+            self._by_id[c.seq_id].num_prefilled = c.end
+        for seq_id, scores in result.prompt_scores:
+            prompt_scores = self._by_id[seq_id].prompt_scores
+            assert prompt_scores is not None
+            prompt_scores.append(scores)
+        for c in chunks:
+            spec = self._by_id[c.seq_id].spec
+            if c.samples and spec is not None:  # prefilled now: a draft model prefills its own cache
+                spec.prefill(self._by_id[c.seq_id].prompt)
         if self.trace is not None:
             self.trace.append((len(decoding), self.token_budget - len(decoding) - budget))
-        for s, token, lp in new:
-            s.last = token
+        new = set()
+        for seq_id, token in result.sampled:
+            s = self._by_id[seq_id]
+            s.has_last, s.last_known = True, None
             s.num_sampled += 1
             s.num_forwards += 1
-            s.unread.append((token, lp))
-        if new:
-            mx.async_eval([t for _, t, _ in new] + [lp for _, _, lp in new if lp is not None])
-        return {s for s, _, _ in new}, speculating
+            s.unread.append(token)
+            new.add(s)
+        return new, speculating
+
+    def _execute(self, **parts: Any) -> StepResult:
+        """The runner runs a plan of `parts`, after telling it of the sequences that started and ended since."""
+        plan = StepPlan(new=tuple(self._new), finished=tuple(self._finished), **parts)
+        self._new, self._finished = [], []
+        return self.runner.execute(plan)
+
+    def _decode_rows(self, decoding: list[Sequence]) -> tuple[DecodeRow, ...]:
+        """A decode row per sequence, each fed its newest token (`num_fed_out` counts it from here)."""
+        rows = tuple(DecodeRow(s.req_id, tuple(s.cached_tokens()), s.last_known, s.allowed) for s in decoding)
+        for s in decoding:
+            s.num_fed_out += 1
+        return rows
 
     def _flight_group(self) -> list[Sequence] | None:
         """The sequences this step decodes in flight (`decode_groups` > 1): where every running sequence decodes
@@ -249,112 +245,59 @@ class Scheduler(SpeculationPolicy):
         next ceil(n / decode_groups) of those not in flight; None: a step in lockstep."""
         if self.decode_groups < 2 or any(s.prefilling or s.spec is not None or s.constraint is not None
                                          or (s.reasoning is not None and s.reasoning.budgeted)
-                                         or not plain([s]) for s in self.running):
+                                         or not s.plain() for s in self.running):
             return None
-        decoding = [s for s in self.running if s.last is not None and s.num_sampled < s.max_new]
+        decoding = [s for s in self.running if s.has_last and s.num_sampled < s.max_new]
         if len(decoding) < 2:
             return None
-        ready = [s for s in decoding if s not in self._flying]
+        ready = [s for s in decoding if s.req_id not in self._flying]
         return ready[: math.ceil(len(decoding) / self.decode_groups)] or None
 
-    def _launch(self, group: list[Sequence]) -> None:
-        """A group's decode step in flight, through the views and inputs a step of it alone would use (packed rows
-        for several sequences, a decode step for one), so each row computes as there."""
-        runner, cache = cast(InFlightDecode, self.runner), self.runner.cache
-        ids, cached = [s.req_id for s in group], [s.cached_tokens() for s in group]
-        last = mx.stack([s.last for s in group])
-        if len(group) > 1 and cache.capabilities.packed:
-            layers, inputs = cache.packed_layers(ids, cached, []), last.reshape(1, -1)
-        else:
-            layers, inputs = cache.decode_layers(ids, cached), last.reshape(len(group), 1)
-        for s in group:
-            s.num_fed_out += 1
-        self._flying.update(group)
-        self._land(runner.launch(inputs, layers, [s.sampler for s in group], group))
-
-    def _land(self, landed: list[tuple[Any, Any]]) -> None:
+    def _land(self, landed: tuple[tuple[tuple[str, ...], tuple[Sampled, ...]], ...]) -> None:
         """Tokens back from groups' steps in flight: each sequence's next input, read this step."""
-        for group, tokens in landed:
-            self._flying.difference_update(group)
-            for i, s in enumerate(group):
-                if s in self.running:  # (not cancelled meanwhile)
-                    s.last = tokens[i]
+        for ids, tokens in landed:
+            for seq_id, token in zip(ids, tokens):
+                s = self._flying.pop(seq_id, None)
+                if s is not None and s in self.running:  # (not cancelled meanwhile)
+                    s.has_last, s.last_known = True, None
                     s.num_sampled += 1
                     s.num_forwards += 1
-                    s.unread.append((tokens[i], None))
-
-    def _packed_forward(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]],
-                        new: list[tuple[Sequence, mx.array, mx.array | None]]) -> None:
-        """One forward over this step's decode rows and prefill chunks packed together (`PackedView`): every
-        projection and MLP is one GEMM over all rows, where a forward per prefill chunk paid the whole
-        layer stack's fixed cost again (on MLX's CPU backend about as much as a decode step)."""
-        runner, cache = self.runner, self.runner.cache
-        layers = cache.packed_layers([s.req_id for s in decoding], [s.cached_tokens() for s in decoding],
-                                     [(s.req_id, a, b) for s, a, b in chunks])
-        parts = [mx.stack([s.last for s in decoding])] if decoding else []  # lazy: sampled last step
-        parts += [mx.array(s.prompt[a:b], dtype=mx.int32) for s, a, b in chunks]
-        rows, sampling = list(range(len(decoding))), list(decoding)
-        row = len(decoding)
-        for s, a, b in chunks:
-            row += b - a
-            s.num_prefilled = b
-            if b == len(s.prompt) and s.max_new:  # its last chunk: the last row gives the first token
-                rows.append(row - 1)
-                sampling.append(s)
-        inputs = mx.concatenate(parts).reshape(1, -1)
-        for s in decoding:
-            s.num_fed_out += 1
-        scored = []  # scoring sequences' chunks: (seq, start, end, where its rows begin in `rows`)
-        row = len(decoding)
-        for s, a, b in chunks:
-            if s.scores_prompt:  # every row of the chunk, after the rows that sample
-                scored.append((s, a, b, len(rows)))
-                rows = rows + list(range(row, row + b - a))
-            row += b - a
-        if plain(sampling) and not scored:
-            tokens = runner.packed_sample(inputs, layers, rows, [s.sampler for s in sampling])  # or None: no rows
-            new.extend((s, tokens[i], None) for i, s in enumerate(sampling))
-        else:
-            logits = runner.packed_logits(inputs, layers, rows)
-            new.extend((s, *self._sample(s, logits[i : i + 1])) for i, s in enumerate(sampling))
-            for s, a, b, first in scored:
-                s.score_chunk(a, b, logits[first : first + b - a])
-        for s in sampling[len(decoding):]:  # prefilled now
-            if s.spec is not None:
-                s.spec.prefill(s.prompt)
+                    s.unread.append(token)
 
     def _speculate(self, s: Sequence, k: int) -> None:
         """A speculative sequence's step: read its newest token, propose k more, verify, emit."""
-        from mlx_engine.speculative.step import speculative_step
-
         self._read_all(s)
         if s not in self.running:
             return
         drafted_before = s.spec.num_drafted
+        span = VerifySpan(s.req_id, tuple(s.prompt + s.generated), k, s.spec, s.grammar, s.allowed)
         try:
-            new, num_drafted, lps = speculative_step(self.runner, s, k)
+            (verified,) = self._execute(verify=(span,)).verified
         except Exception as e:  # noqa: BLE001 - one request's failure is its own
             return self._retire(s, "error", error=e)
+        if verified.error is not None:
+            return self._retire(s, "error", error=verified.error)
+        new, num_drafted = verified.tokens, verified.num_drafted
         if s.spec.mode == "auto":
             s.spec.settle(self._cost_curve(), s.spec.num_drafted - drafted_before, len(new))
         s.num_fed_out += 1 + num_drafted
         s.num_sampled += len(new)
         s.num_forwards += 1
-        s.last = mx.array(new[-1], dtype=mx.int32)
+        s.has_last, s.last_known = True, new[-1]
         now = time.perf_counter()
         for i, token in enumerate(new):
             if s not in self.running:
                 break
             try:
-                self._emit(s, token, lps[i:i + 1] if lps is not None else None, now, from_draft=i < num_drafted)
+                self._emit(s, token, verified.logprobs[i], now, from_draft=i < num_drafted)
             except Exception as e:  # noqa: BLE001
                 self._retire(s, "error", error=e)
 
     def _read_all(self, s: Sequence) -> None:
         while s.unread and s in self.running:
-            token, lp = s.unread.pop(0)
+            sampled = s.unread.pop(0)
             try:
-                self._emit(s, int(token.item()), lp, time.perf_counter())
+                self._emit(s, *sampled.read(), time.perf_counter())
             except Exception as e:  # noqa: BLE001
                 self._retire(s, "error", error=e)
 
@@ -364,32 +307,26 @@ class Scheduler(SpeculationPolicy):
         for s in list(self.running):
             keep = 1 if s in sampled_now and s.num_sampled < s.max_new else 0
             while len(s.unread) > keep and s in self.running:
-                token, lp = s.unread.pop(0)
+                sampled = s.unread.pop(0)
                 try:
-                    self._emit(s, int(token.item()), lp, time.perf_counter())
+                    self._emit(s, *sampled.read(), time.perf_counter())
                 except Exception as e:  # noqa: BLE001 - one request's failure (detokenizer, stops) is its own
                     self._retire(s, "error", error=e)
 
     def _mask(self, seq: Sequence) -> None:
-        """A steered sequence's mask for this step, before any forward is built (its grammar's, narrowed or lifted
-        by its reasoning; None: no mask): a grammar that fails (a dead end, a resource limit) fails its own request,
-        not the step's others."""
+        """A steered sequence's mask for this step, before any forward is planned (its grammar's, narrowed or
+        lifted by its reasoning; None: no mask): a grammar that fails (a dead end, a resource limit) fails its own
+        request, not the step's others."""
         try:
             grammar = seq.grammar
             allowed = None if grammar is None else grammar.allowed()
             if seq.reasoning is not None:
-                allowed = seq.reasoning.mask(allowed, seq.sampler.vocab_size)
-            seq.sampler.allowed = None if allowed is None else mx.array(allowed)[None]
+                allowed = seq.reasoning.mask(allowed, seq.vocab_size)
+            seq.allowed = None if allowed is None else np.asarray(allowed)
         except Exception as e:  # noqa: BLE001 - one request's failure is its own
             self._retire(seq, "error", error=e)
 
-    def _sample(self, seq: Sequence, logits: mx.array) -> tuple[mx.array, mx.array | None]:
-        token = seq.sampler.sample(logits)  # (1,)
-        lp = seq.sampler.logprobs(logits) if seq.params.logprobs is not None else None  # penalties before token
-        seq.sampler.accept(token)
-        return token[0], lp
-
-    def _emit(self, seq: Sequence, token: int, lp: mx.array | None, now: float, from_draft: bool = False) -> None:
+    def _emit(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float, from_draft: bool = False) -> None:
         if seq.n_out == 0 and seq.t_first == 0.0:
             seq.t_first = now
         seq.t_last = now
@@ -418,6 +355,8 @@ class Scheduler(SpeculationPolicy):
             self.retired.append(seq)
         if seq in self.running:
             self.running.remove(seq)
+            del self._by_id[seq.req_id]
+            self._finished.append(seq.req_id)
             if seq.spec is not None:
                 seq.spec.close()
                 for p, (accepted, _, tested) in zip(seq.spec.proposers, seq.spec.tallies):

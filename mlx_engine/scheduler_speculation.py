@@ -35,12 +35,13 @@ class SpeculationPolicy:
         proposers, priors = [], []
         for kind in kinds:
             if kind == "draft":
-                model = DraftModel(runner.draft, self._draft_cost() if curve else 0.0)
+                model = DraftModel(runner.draft.forwards(), self._draft_cost() if curve else 0.0)
                 if mode == "auto":
                     model.guesses = False  # see DraftModel.guesses
                 proposer: Proposer = model
             elif kind == "self":
-                proposer = SelfDraft(runner, runner.self_draft_layers)
+                forwards = runner.forwards()
+                proposer = SelfDraft(forwards, forwards.self_draft_layers)
             else:
                 proposer = PromptLookup()
             if curve is not None and curve.best_k(1.0, params.num_draft_tokens, proposer.draft_cost) == 0:
@@ -60,7 +61,7 @@ class SpeculationPolicy:
         if self.cost_curve is None:
             from mlx_engine.speculative.timing import cached_cost_curve
 
-            self.cost_curve = cached_cost_curve(self.runner)  # measured once per model and machine
+            self.cost_curve = cached_cost_curve(self.runner.forwards())  # measured once per model and machine
         return self.cost_curve
 
     def _draft_cost(self) -> float:
@@ -72,8 +73,8 @@ class SpeculationPolicy:
         if "draft" not in curve.draft_costs:
             from mlx_engine.speculative import timing
 
-            t = timing.time_forward(self.runner.draft, 1, logits_at="last")
-            t1 = timing.time_forward(self.runner, 1, logits_at="last")
+            t = timing.time_forward(self.runner.draft.forwards(), 1, logits_at="last")
+            t1 = timing.time_forward(self.runner.forwards(), 1, logits_at="last")
             curve.draft_costs["draft"] = t / t1 if t1 > 0 else 0.0
         return curve.draft_costs["draft"]
 

@@ -1,24 +1,25 @@
-"""A request's state in the scheduler (`Sequence`: its tokens, cache position, sampler and timings) and the events
-it produces: each token's, an error, the last one with usage and stats."""
+"""A request's state in the scheduler (`Sequence`: its tokens, cache position, mask and timings) and the events
+it produces: each token's, an error, the last one with usage and stats. No tensors: its sampler and the tokens it
+has not read yet live in the runner (`step.StepPlan`, `step.Sampled`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
 import numpy as np
 
 from mlx_engine.api import GenerationEvent, RooflineError, SamplingParams, Stats, TokenLogprob, Usage
+from mlx_engine.step import plain_sampling
 from mlx_engine.stop import StopStringMatcher
 
 if TYPE_CHECKING:
     from mlx_engine.reasoning import ReasoningParser
     from mlx_engine.speculative.policy import SpecState
+    from mlx_engine.step import Sampled
     from mlx_engine.structured import Constraint
 
 
@@ -28,7 +29,8 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     stream: Any  # engine.GenerationStream
-    sampler: Any = None
+    vocab_size: int = 0  # its runner's (a reasoning budget's mask spans it)
+    allowed: np.ndarray | None = None  # (V,) bool: the tokens its next draw may take (`Scheduler._mask`), or None
     detok: Any = None
     stops: StopStringMatcher | None = None
     fed: list[int] = field(default_factory=list)  # known tokens whose K/V the cache holds (prompt, then read tokens)
@@ -36,8 +38,11 @@ class Sequence:
     max_new: int = 0
     reserved_blocks: int = 0
     num_prefilled: int = 0  # prompt tokens in the cache
-    last: mx.array | None = None  # the newest sampled token (lazy): the next decode step's input
-    unread: list[tuple[mx.array, mx.array | None]] = field(default_factory=list)  # sampled, not yet emitted
+    # it has sampled a token not yet fed: the next decode step's input, which the runner keeps (`last_known`: its
+    # value, where the host knows it)
+    has_last: bool = False
+    last_known: int | None = None
+    unread: list[Sampled] = field(default_factory=list)  # sampled, not yet emitted
     num_sampled: int = 0
     num_fed_out: int = 0  # generated tokens fed back as inputs
     generated: list[int] = field(default_factory=list)  # generated tokens read so far
@@ -73,25 +78,23 @@ class Sequence:
         """Its next draw depends on the tokens it sampled last (a grammar's mask, a reasoning budget about to run
         out), or a mask from an earlier draw must be lifted: the scheduler reads them before the step."""
         r = self.reasoning
-        return (self.constraint is not None or self.sampler.allowed is not None
+        return (self.constraint is not None or self.allowed is not None
                 or (r is not None and r.steers(len(self.unread))))
+
+    def plain(self) -> bool:
+        """It samples from its raw logits and wants no log-probabilities (`step.plain_sampling`, no mask now)."""
+        return self.allowed is None and self.params.logprobs is None and plain_sampling(self.params)
 
     def cached_tokens(self) -> list[int]:
         """The tokens whose K/V the cache holds (all known: a fed token was read before it is recorded)."""
         return self.prompt[: self.num_prefilled] + self.generated[: self.num_fed_out]
 
-    def score_chunk(self, start: int, end: int, logits: mx.array) -> None:
-        """A scoring sequence's prefill chunk [start, end) and its logits (end - start, V): position p scores the
-        prompt's token p + 1 (the last position of the prompt predicts the reply, not a prompt token)."""
-        from mlx_engine.sampling import target_logprobs
-
-        m = min(end, len(self.prompt) - 1) - start
-        if m <= 0:
-            return
-        scores = target_logprobs(logits[:m], self.prompt[start + 1:start + 1 + m], self.params.prompt_logprobs or 0)
-        mx.eval(scores)  # small: the (m, V) logits need not outlive the step
-        assert self.prompt_scores is not None
-        self.prompt_scores.append(tuple(np.array(a) for a in scores))  # type: ignore[arg-type]
+    def score_targets(self, start: int, end: int) -> tuple[int, ...] | None:
+        """A prefill chunk [start, end)'s prompt tokens to score (position p scores the prompt's token p + 1; the
+        prompt's last position predicts the reply, not a prompt token); None where the request scores nothing."""
+        if not self.scores_prompt:
+            return None
+        return tuple(self.prompt[start + 1:min(end, len(self.prompt) - 1) + 1])
 
     def take_prompt_logprobs(self) -> tuple[TokenLogprob, ...]:
         """The prompt's scores as TokenLogprobs, once (on the first event); () after, or when not asked for."""
@@ -102,9 +105,9 @@ class Sequence:
         return tuple(TokenLogprob(token_id=t, logprob=float(v), top=tuple(zip(i.tolist(), w.tolist())))
                      for t, v, i, w in zip(self.prompt[1:], lp.tolist(), ids, vals))
 
-    def token_event(self, token: int, lp: mx.array | None, text: str, from_draft: bool,
+    def token_event(self, token: int, lp: TokenLogprob | None, text: str, from_draft: bool,
                     reasoning: str = "") -> GenerationEvent:
-        logprobs = (token_logprob(token, lp, self.params.logprobs),) if lp is not None else ()
+        logprobs = (lp,) if lp is not None else ()
         return GenerationEvent(text=text, reasoning=reasoning, token_ids=(token,), from_draft=(from_draft,),
                                logprobs=logprobs, prompt_logprobs=self.take_prompt_logprobs())
 
@@ -153,16 +156,3 @@ class Sequence:
             tool_calls=self.reasoning.tool_calls if self.reasoning is not None and reason == "stop" else (),
         )
 
-
-def token_logprob(token: int, lp: mx.array, top: int) -> TokenLogprob:
-    from mlx_engine.sampling import top_tokens
-
-    ids, vals = top_tokens(lp, top)
-    return TokenLogprob(token_id=token, logprob=float(lp[0, token].item()),  # a grammar's masked tokens: not top
-                        top=tuple((i, v) for i, v in zip(ids[0].tolist(), vals[0].tolist()) if v > -math.inf))
-
-
-def plain(seqs: list[Sequence]) -> bool:
-    """Every one samples from its raw logits (`Sampler.plain`) and wants no log-probabilities: the runner samples
-    them where the logits are (`ModelRunner.packed_sample`), rather than each row's logits going through the host."""
-    return all(s.sampler.plain and s.params.logprobs is None for s in seqs)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mlx_engine import Engine, GenerationRequest, RequestError, RooflineError, SamplingParams
-from mlx_engine.backends.base import ModelRunner, RunnerCapabilities
+from mlx_engine.backends.base import ModelRunner, PhaseForwards, RunnerCapabilities, SequenceWork
 from tests.torch_support import require
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,17 +43,27 @@ def runner_class(name: str) -> type:
 
 
 def test_the_protocol_lists_forwards_by_phase() -> None:
-    attrs, methods = members(ModelRunner)
+    attrs, methods = members(PhaseForwards)
     assert {"prefill", "prefill_logits", "decode_logits", "decode_sample", "packed_logits", "packed_sample",
             "verify_logits", "draft_logits"} <= methods
-    assert {"capabilities", "cache", "tokenizer", "info", "draft"} <= attrs
     assert "forward" not in methods  # a backend's own: its output is the backend's tensor
+
+
+def test_the_engine_sees_a_runner_of_at_most_fifteen_members() -> None:
+    """The engine and the scheduler see a step's plan go in and its result come out; the phase forwards and the
+    whole-sequence work are reached through typed accessors, each its own protocol."""
+    attrs, methods = members(ModelRunner)
+    assert {"capabilities", "cache", "tokenizer", "info", "draft"} <= attrs
+    assert {"execute", "forwards", "sequences", "release"} <= methods
+    assert len(attrs | methods) <= 15, sorted(attrs | methods)
+    phase_attrs, phase_methods = members(PhaseForwards)
+    assert not phase_methods & methods and not members(SequenceWork)[1] & (methods | phase_methods)
 
 
 @pytest.mark.parametrize("name", ["Runner", "TorchRunner", "DistributedRunner"])
 def test_every_runner_class_has_every_method(name: str) -> None:
     cls = runner_class(name)
-    _, methods = members(ModelRunner)
+    methods = set().union(*(members(p)[1] for p in (ModelRunner, PhaseForwards, SequenceWork)))
     missing = sorted(m for m in methods if not callable(getattr(cls, m, None)))
     assert not missing, f"{cls.__name__} lacks {missing}"
 
@@ -72,6 +82,7 @@ def check_instance(runner: object) -> None:
     missing = sorted(a for a in attrs | methods if not hasattr(runner, a))  # the test's probe, not the engine's
     assert not missing, f"{type(runner).__name__} lacks {missing}"
     assert isinstance(runner, ModelRunner) and isinstance(runner.capabilities, RunnerCapabilities)
+    assert isinstance(runner.forwards(), PhaseForwards) and isinstance(runner.sequences(), SequenceWork)
 
 
 def generate(e: Engine, **sampling) -> list[int]:

@@ -243,14 +243,14 @@ def test_a_prefill_chunk_above_the_default_budget_goes_in_one_step(tmp_path: Pat
                          ids=["greedy", "temperature"])
 def test_plain_rows_are_sampled_by_the_runner(folder: Path, monkeypatch, sampling: dict) -> None:
     """Requests without bias, penalties or log-probabilities get their tokens from the runner's `packed_sample`
-    (where a GPU runner keeps its logits); asking for log-probabilities takes every row through the scheduler's
-    own sampling. On the MLX runner the tokens are the same, seeded draws included."""
+    (where a GPU runner keeps its logits); asking for log-probabilities takes every row through its sampler in the
+    plan executor (`backends.phases`). On the MLX runner the tokens are the same, seeded draws included."""
     from mlx_engine.backends.mlx.runner import Runner
-    from mlx_engine.scheduler import Scheduler
+    from mlx_engine.backends.phases import PhaseExecutor
 
     calls = {"runner": 0, "scheduler": 0}
     for cls, name, kind in ((Runner, "packed_sample", "runner"), (Runner, "decode_sample", "runner"),
-                            (Scheduler, "_sample", "scheduler")):
+                            (PhaseExecutor, "_sample", "scheduler")):
         original = getattr(cls, name)
 
         def counted(self, *args, _original=original, _kind=kind):

@@ -1,7 +1,9 @@
 """The runner contract: what the engine, the scheduler, speculative decoding and the distributed runner ask of a
-model runner (`backends.mlx.runner.Runner`, `backends.torch.runner.TorchRunner`, `distributed.runner.
-DistributedRunner`). A runner declares what it can do (`RunnerCapabilities`); callers read the declaration, never
-probe the object.
+model runner. The scheduler hands `ModelRunner.execute` a plain-data plan (`mlx_engine.step`); the phase forwards
+below (`PhaseForwards`) serve the plan's executor (`backends.phases`), the proposers and the timers; whole-sequence
+work is `SequenceWork` (`backends.mlx.runner.Runner`, `backends.torch.runner.TorchRunner`,
+`distributed.runner.DistributedRunner` are all three, each reached through its typed accessor). A runner declares
+what it can do (`RunnerCapabilities`); callers read the declaration, never probe the object.
 
 Forwards are named by the phase they serve. Inputs are (B, L) token ids (an mx array, possibly lazy); `layers` are
 the per-layer views of the engine's KV cache (`kv.protocol.KVCache`) or of `scratch_layers`. Logits come back as
@@ -29,6 +31,7 @@ from mlx_engine.api import ModelInfo
 
 if TYPE_CHECKING:
     from mlx_engine.kv.protocol import KVCache
+    from mlx_engine.step import StepPlan, StepResult
 
 
 @dataclass(frozen=True)
@@ -71,20 +74,16 @@ class InFlightDecode(Protocol):
 
 
 @runtime_checkable
-class ModelRunner(Protocol):
-    info: ModelInfo
-    tokenizer: Any  # tokenizer.Tokenizer, or backends.common.NoTokenizer
-    cache: KVCache | None  # None once released, or in a draft model that keeps KV of its own
-    capabilities: RunnerCapabilities
-    vocab_size: int
-    context_length: int
-    prefill_chunk_size: int
-    eos_ids: frozenset[int]
-    fingerprint: bytes  # the weights' and activation dtype's identity (`backends.common.model_fingerprint`)
-    draft: ModelRunner | None  # the draft model (load option draft_model)
-    self_draft_layers: int  # layers speculative='self' drafts with
+class PhaseForwards(Protocol):
+    """A runner's forwards by phase (see the module's docstring), and what times them: what the plan executor
+    (`backends.phases`), the speculative proposers and the timers call (`ModelRunner.forwards`)."""
 
-    # --- forwards by phase (engine thread) ---
+    info: ModelInfo
+    cache: KVCache | None
+    vocab_size: int
+    prefill_chunk_size: int
+    fingerprint: bytes  # the weights' and activation dtype's identity (`backends.common.model_fingerprint`)
+    self_draft_layers: int  # layers speculative='self' drafts with
 
     def prefill(self, inputs: Any, layers: list[Any]) -> None: ...
 
@@ -119,11 +118,14 @@ class ModelRunner(Protocol):
 
     def forward_paths(self) -> dict[str, int]:
         """Forwards run since load, counted by how they ran: "<entry>: <path>, <thread>" (the forward entry the
-        scheduler called, the backend's execution path with its CPU threads where it sets them, and the thread
+        plan executor called, the backend's execution path with its CPU threads where it sets them, and the thread
         that ran it); what `Engine.diagnostics().execution()` reports."""
         ...
 
-    # --- whole-sequence work (engine thread) ---
+
+@runtime_checkable
+class SequenceWork(Protocol):
+    """Work on a whole sequence outside the scheduler's steps (engine thread; `ModelRunner.sequences`)."""
 
     def forward_logits(self, ids: list[int]) -> Any: ...
 
@@ -141,9 +143,32 @@ class ModelRunner(Protocol):
 
     def restore_kv(self, path: str) -> list[int]: ...
 
+
+@runtime_checkable
+class ModelRunner(Protocol):
+    """What the engine and the scheduler ask of a runner: its model's facts, `execute` for each step, and typed
+    access to its forwards and its whole-sequence work."""
+
+    info: ModelInfo
+    tokenizer: Any  # tokenizer.Tokenizer, or backends.common.NoTokenizer
+    cache: KVCache | None  # None once released, or in a draft model that keeps KV of its own
+    capabilities: RunnerCapabilities
+    vocab_size: int
+    context_length: int
+    prefill_chunk_size: int
+    eos_ids: frozenset[int]
+    draft: ModelRunner | None  # the draft model (load option draft_model)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """The scheduler's step (`step.StepPlan`), through its forwards (`backends.phases`)."""
+        ...
+
+    def forwards(self) -> PhaseForwards: ...
+
+    def sequences(self) -> SequenceWork: ...
+
     def reset_peak_memory(self) -> None: ...
 
     def peak_memory_bytes(self) -> int: ...
 
     def release(self) -> None: ...
-

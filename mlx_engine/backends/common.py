@@ -9,10 +9,14 @@ import functools
 import threading
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from mlx_engine.api import ModelInfo, ModelLoadError, RequestError, RooflineError
 from mlx_engine.backends.base import ModelRunner
+
+if TYPE_CHECKING:
+    from mlx_engine.backends.base import PhaseForwards, SequenceWork
+    from mlx_engine.step import StepPlan, StepResult
 
 T = TypeVar("T")
 
@@ -133,6 +137,21 @@ class CacheRunner:
         self._shape: dict[str, Any] = {}  # what prices a decode step (`decode_bytes`), set at load
         self.entry: str | None = None  # the forward entry running now (`entry`), for `record_path`
         self._paths_taken: Counter[str] = Counter()
+
+    _executor: Any = None  # backends.phases.PhaseExecutor, made at the first plan
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self._executor is None:
+            from mlx_engine.backends.phases import PhaseExecutor  # (MLX: the shared executor runs on mx arrays)
+
+            self._executor = PhaseExecutor(self.forwards())
+        return self._executor.execute(plan)
+
+    def forwards(self) -> PhaseForwards:
+        return cast("PhaseForwards", self)
+
+    def sequences(self) -> SequenceWork:
+        return cast("SequenceWork", self)
 
     def record_path(self, path: str) -> None:
         """One forward of the running entry went through `path` (the backend's words, threads included)."""

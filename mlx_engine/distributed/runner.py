@@ -21,6 +21,7 @@ import numpy as np
 
 from mlx_engine.api import RooflineError
 from mlx_engine.backends.base import RunnerCapabilities
+from mlx_engine.backends.phases import PlanExecution
 from mlx_engine.distributed.mirror import MirroredCache, PlanLog, PlannedLayers, TrimRecorded, lockstep_figures
 from mlx_engine.distributed.node import Node
 from mlx_engine.distributed.stage import MIN_DECODE_ROWS_PER_MICRO_BATCH, InFlight, micro_batches
@@ -77,7 +78,7 @@ def tables_checksum(cache: Any, req_ids: list[str]) -> int:
     return zlib.crc32(json.dumps(lockstep_figures(cache, req_ids)).encode())
 
 
-class DistributedRunner:
+class DistributedRunner(PlanExecution):
     """Rank 0's side of a distributed engine (`Engine.load(..., distributed="pipeline" | "tensor")`)."""
 
     def __init__(self, node: Node):

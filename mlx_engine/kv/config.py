@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.core as mx
-
 from mlx_engine.api import RooflineError
 from mlx_engine.kv.manager import cdiv
-from mlx_engine.kv.paged import SUPPORTED_KV_BITS
 
+SUPPORTED_KV_BITS = (4, 8)  # quantized K/V (`kv.paged.PagedKVStorage`)
 SUPPORTED_BLOCK_SIZES = (16, 32)  # what kernels_metal.paged_decode_attention is built and tested for
 DEFAULT_MEMORY_FRACTION = 0.5
 
@@ -65,10 +63,11 @@ class KVConfig:
 def available_memory_bytes(weight_bytes: int) -> int:
     """Memory the KV pool may take: on a Mac the recommended working set minus the weights, elsewhere
     the RAM not in use."""
-    if mx.metal.is_available():
-        return int(mx.metal.device_info()["max_recommended_working_set_size"]) - weight_bytes
-    from mlx_engine.memory import available_memory
+    from mlx_engine.memory import available_memory, metal_working_set
 
+    working_set = metal_working_set()
+    if working_set is not None:
+        return working_set - weight_bytes
     return available_memory().bytes  # within ulimit -v and a cgroup's limit too
 
 

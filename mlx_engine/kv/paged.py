@@ -27,9 +27,9 @@ import mlx.core as mx
 
 from kernels_metal import KVPool
 from kernels_metal.reference import channel_codes, channel_params, quantize_channels, unpack_codes
+from mlx_engine.kv.config import SUPPORTED_KV_BITS
 from mlx_engine.kv.smoothing import KVSmoothing
 
-SUPPORTED_KV_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64)
 INITIAL_BLOCKS = 8
 

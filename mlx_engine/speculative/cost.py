@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlx_engine.backends.base import ModelRunner
+from mlx_engine.backends.base import PhaseForwards
 from mlx_engine.paths import cache_dir
 from mlx_engine.speculative.accept import expected_tokens
 
@@ -65,7 +65,7 @@ COST_CURVE_FILE = "cost_curves.json"
 COST_CURVE_FORMAT = 2  # 2: width 4 measured too (a curve kept before is measured again)
 
 
-def cost_curve_key(runner: ModelRunner) -> str | None:
+def cost_curve_key(runner: PhaseForwards) -> str | None:
     """What a measured curve holds for: the weights (and activation dtype), the backend and device (and on
     MLX's CPU backend whether float32 host weights are resident), the machine and the MLX version. None: the runner
     has no fingerprint, so nothing is kept."""

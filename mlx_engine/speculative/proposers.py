@@ -10,7 +10,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import mlx.core as mx
 import numpy as np
 
-from mlx_engine.backends.base import ModelRunner
+from mlx_engine.backends.base import PhaseForwards
 
 MAX_NGRAM = 3
 # a draft model's catch-up of at most this many tokens goes into the forward that gives its first draft: after a
@@ -144,7 +144,7 @@ class DraftModel(_NoState):
     # 2.38x to 2.27x and from 1.61x to 1.50x.
     guesses = True
 
-    def __init__(self, runner: ModelRunner, draft_cost: float = 0.0):
+    def __init__(self, runner: PhaseForwards, draft_cost: float = 0.0):
         self.runner = runner
         self.draft_cost = draft_cost
         self.layers: list[Any] | None = None
@@ -236,7 +236,7 @@ class SelfDraft(_NoState):
 
     name = "self"
 
-    def __init__(self, runner: ModelRunner, num_layers: int, draft_cost: float = 0.0):
+    def __init__(self, runner: PhaseForwards, num_layers: int, draft_cost: float = 0.0):
         self.runner, self.num_layers, self.draft_cost = runner, num_layers, draft_cost
 
     def propose(self, inp: DraftInput) -> tuple[list[int] | mx.array, mx.array | None]:

@@ -6,27 +6,29 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from mlx_engine.backends.base import ModelRunner
+from mlx_engine.backends.base import PhaseForwards
 from mlx_engine.speculative.accept import point_mass, rejection_sample
 from mlx_engine.speculative.proposers import DraftInput
 
 if TYPE_CHECKING:
-    from mlx_engine.sequence import Sequence
+    from mlx_engine.sampling import Sampler
+    from mlx_engine.step import VerifySpan
 
 
-def speculative_step(runner: ModelRunner, seq: Sequence, k: int) -> tuple[list[int], int, mx.array | None]:
-    """One proposal and verification for `seq` (a scheduler Sequence whose newest token, generated[-1],
-    is known and not yet in the cache). Returns the new tokens (the accepted drafts, then one sampled
-    token), how many of them are drafts, and their log-probability rows (n + 1, V) when asked for.
-    Afterwards the cache (and the draft's) holds every token but the last new one."""
-    cache, sampler, state = runner.cache, seq.sampler, seq.spec
-    tokens = seq.prompt + seq.generated
-    n0, req = len(tokens) - 1, seq.req_id  # n0: tokens in the cache
+def speculative_step(runner: PhaseForwards, sampler: Sampler,
+                     span: VerifySpan) -> tuple[list[int], int, mx.array | None]:
+    """One proposal and verification of a plan's verify span (`step.VerifySpan`: a sequence whose newest token,
+    tokens[-1], is known and not yet in the cache), drawn by its `sampler`. Returns the new tokens (the accepted
+    drafts, then one sampled token), how many of them are drafts, and their log-probability rows (n + 1, V) when
+    asked for. Afterwards the cache (and the draft's) holds every token but the last new one."""
+    cache, state, k = runner.cache, span.proposer, span.k
+    tokens = list(span.tokens)
+    n0, req = len(tokens) - 1, span.seq_id  # n0: tokens in the cache
     cache.allocate(req, tokens, k + 1)  # slots for [last, x_1..x_k], with the known tokens: no draft gets hashed
 
     draft: list[int] | mx.array = []
     q = None
-    constraint = seq.grammar  # a response format: drafts and rows held to its grammar
+    constraint = span.grammar  # a response format: drafts and rows held to its grammar
     allowed = sampler.allowed  # the scheduler's mask for the next token (`Scheduler._mask`), or None
     allowed_after = None if constraint is None else (lambda ds: mx.array(constraint.allowed_along(ds)[-1:]))
     if k:
@@ -48,7 +50,7 @@ def speculative_step(runner: ModelRunner, seq: Sequence, k: int) -> tuple[list[i
     if q is None:
         q = point_mass(d, p.shape[-1])
     num, nxt = rejection_sample(p[None], q[None], d[None], sampler.next_key())
-    lps = sampler.logprobs_along(logits, d) if seq.params.logprobs is not None else None
+    lps = sampler.logprobs_along(logits, d) if sampler.params.logprobs is not None else None
     mx.eval(num, nxt, d)
     n = int(num.item())
     new = d.tolist()[:n] + [int(nxt.item())]

@@ -9,12 +9,12 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from mlx_engine.api import MAX_DRAFT_TOKENS, SamplingParams
-from mlx_engine.backends.base import ModelRunner
+from mlx_engine.backends.base import PhaseForwards
 from mlx_engine.speculative.cost import CostCurve, cost_curve_key, load_cost_curve, save_cost_curve
 
 
-def time_forward(runner: ModelRunner, width: int, context: int = 32, repeats: int = 2, first_layers: int | None = None,
-                 logits_at: str = "all") -> float:
+def time_forward(runner: PhaseForwards, width: int, context: int = 32, repeats: int = 2,
+                 first_layers: int | None = None, logits_at: str = "all") -> float:
     """Seconds of one forward over `width` tokens after `context` cached ones (min over repeats), through
     fresh contiguous buffers. `first_layers`: only that many layers + head (the self draft). A runner that
     replays its steps as CUDA graphs times them there (`time_graph_forward`): the contiguous
@@ -44,7 +44,7 @@ def time_forward(runner: ModelRunner, width: int, context: int = 32, repeats: in
     return best
 
 
-def measure_cost_curve(runner: ModelRunner, widths: tuple[int, ...] = (2, 3, 4, 5, 9), repeats: int = 2) -> CostCurve:
+def measure_cost_curve(runner: PhaseForwards, widths: tuple[int, ...] = (2, 3, 4, 5, 9), repeats: int = 2) -> CostCurve:
     """The verify cost curve on this backend: T(w)/T(1), T(1) a plain decode step (logits of one position).
     Stops early once even perfect drafts could not pay (a compute-bound backend: ~4 s on a 2-core CPU). Width 4
     is measured: on the torch CPU backend a forward over 4 rows costs less than over 3 (1.36 against 1.95 T(1)),
@@ -58,7 +58,7 @@ def measure_cost_curve(runner: ModelRunner, widths: tuple[int, ...] = (2, 3, 4, 
     return curve
 
 
-def time_graph_forward(runner: ModelRunner, width: int, context: int, repeats: int) -> float:
+def time_graph_forward(runner: PhaseForwards, width: int, context: int, repeats: int) -> float:
     """Seconds of one graphed step of `width` rows after `context` cached tokens, logits to the host (min
     over repeats, after a warm-up): what a decode step of `width` sequences or a verification of `width`
     tokens costs on a runner that replays its steps as CUDA graphs (`graph_step`)."""
@@ -68,7 +68,7 @@ def time_graph_forward(runner: ModelRunner, width: int, context: int, repeats: i
     return _time_graph(runner, run, width, context, repeats)
 
 
-def _time_graph(runner: ModelRunner, run: Callable[[], bool], width: int, context: int, repeats: int) -> float:
+def _time_graph(runner: PhaseForwards, run: Callable[[], bool], width: int, context: int, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats + 1):
         t = time.perf_counter()
@@ -78,7 +78,7 @@ def _time_graph(runner: ModelRunner, run: Callable[[], bool], width: int, contex
     return best
 
 
-def time_decode_step(runner: ModelRunner, batch: int, context: int = 64, repeats: int = 5) -> float:
+def time_decode_step(runner: PhaseForwards, batch: int, context: int = 64, repeats: int = 5) -> float:
     """Seconds of one batched decode step of `batch` sequences, each with `context` tokens of its own cached
     (min over `repeats`, after a warm-up step): the block tables, forward and greedy sampling of the step the
     scheduler runs when `batch` requests decode together, without emitting or detokenizing the tokens. Each
@@ -115,7 +115,7 @@ def time_decode_step(runner: ModelRunner, batch: int, context: int = 64, repeats
             cache.drop_request(req)
 
 
-def cached_cost_curve(runner: ModelRunner) -> CostCurve:
+def cached_cost_curve(runner: PhaseForwards) -> CostCurve:
     """The verify cost curve, measured once per model, backend and machine (~4 s) and kept in `cache_dir()`."""
     key = cost_curve_key(runner)
     curve = load_cost_curve(key) if key is not None else None
