@@ -26,6 +26,7 @@ class KVCapabilities:
     kv_files: bool  # `save` / `restore` a conversation's KV
     prefix_caching: bool  # full blocks shared across requests by their token prefix
     quantized: bool  # K/V stored in 4 or 8 bits (`calibrate` measures its smoothing)
+    state_slots: int = 0  # recurrent-state slots (`kv.state`): the most sequences running at once (0: no state)
 
 
 @runtime_checkable

@@ -111,7 +111,9 @@ class Runner(CacheRunner):
             "works; paged KV, prefix caching, batching and speculative decoding are unavailable",
         )
         if built.views and not built.native:
-            notes += (f"{built.model_type!r} runs on mlx-lm's model class on the engine's KV cache (models.adapter)",)
+            notes += (f"{built.model_type!r} runs on mlx-lm's model class on the engine's KV cache (models.adapter)"
+                      + (", its recurrent state in slots beside it (kv.state): no prefix caching or speculative "
+                         "decoding yet" if built.state_leaves else ""),)
         wired_note = wire_memory(sum(v.nbytes for v in params.values()))
         warnings += (wired_note,) if wired_note else ()
         eos = tuple(tokenizer.eos_token_ids)
@@ -136,6 +138,7 @@ class Runner(CacheRunner):
         runner = cls(built, tokenizer, info, prefill_chunk_size)
         runner._shape = decode_shape(ckpt.config, params, act_dtype)
         runner._kv_note, runner.routing, runner._packs = built.kv_note, built.routing, built.packs
+        runner._state_leaves = built.state_leaves
         if built.routing is not None:  # experts: a decode step reads only those routed (models.adapter)
             runner._shape["moe"] = built.routing.shape
         runner._host_bytes, runner._shape["idle_bytes"] = host_bytes, idle_bytes
@@ -162,6 +165,7 @@ class Runner(CacheRunner):
     routing: Any = None  # a mixture-of-experts model's `models.adapter.MoERouting`
     _kv_note: str | None = None  # why an mlx-lm class keeps its own caches
     _packs = True  # the model ropes packed parts each at its positions (BuiltModel.packs)
+    _state_leaves: tuple[Any, ...] = ()  # a hybrid's cache leaves (BuiltModel.state_leaves): a state pool too
     self_draft_layers: int = 0
 
     def _declare(self) -> RunnerCapabilities:
@@ -180,8 +184,12 @@ class Runner(CacheRunner):
                                     "runs on an mlx-lm class")
         if not caps.kv_files:
             why["kv_files"] = "KV files need the paged KV cache, which this model does not use"
+        if caps.state_slots and not caps.rollback:
+            rollback = False
+            why["rollback"] = "a recurrent state cannot be rolled back yet (kv.state)"
+        max_batch = (caps.state_slots or None) if caps.batching else 1  # a running sequence holds a state slot
         return RunnerCapabilities(rollback=rollback, kv_files=caps.kv_files, self_draft=self.native,
-                                  hidden_states=self.native, max_batch=None if caps.batching else 1, why_not=why)
+                                  hidden_states=self.native, max_batch=max_batch, why_not=why)
 
     @entry("verify_logits")
     def verify_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
@@ -207,6 +215,9 @@ class Runner(CacheRunner):
         why_not = None
         if not self.views:
             why_not = f"the model runs on mlx-lm's class with its own caches ({self.info.model_type}: {self._kv_note})"
+        if paged is False and self._state_leaves:
+            raise RooflineError("paged_kv=False is not available for a model with recurrent layers: their state "
+                                "lives in slots beside the paged KV cache")
         if paged is False or (paged is None and why_not):
             if config.kv_bits is not None or config.kv_key_bits is not None or config.kv_key_per_channel:
                 name = "kv_bits" if config.kv_bits is not None else \
@@ -217,12 +228,22 @@ class Runner(CacheRunner):
         if why_not:
             raise RooflineError(f"paged_kv=True is not available: {why_not}")
         a = self.model.args
-        # one paged storage per kind of layer (sliding windows, full attention): a plain PagedCache for one kind
-        cache = LayerKindsCache.create(layer_windows=a.layer_windows(), num_kv_heads=a.num_key_value_heads,
-                                       head_dim=a.head_dim, dtype=dtype, context_length=self.context_length,
-                                       weight_bytes=self.info.weight_bytes, config=config, model_id=self.fingerprint,
-                                       # a forward feeds a request one prefill chunk, or a verification of its drafts
-                                       max_step_tokens=max(self.prefill_chunk_size, MAX_DRAFT_TOKENS + 1))
+
+        def make_paged(config: Any) -> Any:
+            # one paged storage per kind of layer (sliding windows, full attention): a plain PagedCache for one kind
+            return LayerKindsCache.create(layer_windows=a.layer_windows(), num_kv_heads=a.num_key_value_heads,
+                                          head_dim=a.head_dim, dtype=dtype, context_length=self.context_length,
+                                          weight_bytes=self.info.weight_bytes, config=config,
+                                          model_id=self.fingerprint,
+                                          # a forward feeds a request one prefill chunk, or a verification of drafts
+                                          max_step_tokens=max(self.prefill_chunk_size, MAX_DRAFT_TOKENS + 1))
+
+        if self._state_leaves:  # a hybrid: its recurrent state in slots beside the attention layers' blocks
+            from mlx_engine.api import DEFAULT_MAX_SEQS
+            from mlx_engine.kv.state import StateCache
+
+            return StateCache.create(list(self._state_leaves), config, DEFAULT_MAX_SEQS, make_paged)
+        cache = make_paged(config)
         if not self._packs:  # its layers rope a forward's rows at one offset (models.adapter.ViewRoPE)
             cache.capabilities = dataclasses.replace(cache.capabilities, packed=False)
         return cache

@@ -1,0 +1,262 @@
+"""The recurrent state of a hybrid model's state layers (Gated DeltaNet, Mamba 2, short convolutions) in a slot
+pool beside the paged KV of its attention layers (vLLM's mamba state beside its KV blocks).
+
+A model's layers hold cache leaves in order (`models.adapter`: a layer holds one, falcon_h1's two: Mamba 2 beside
+attention). An attention leaf is paged as in every other family; a state leaf keeps, per sequence, the fixed arrays
+mlx-lm's `ArraysCache` holds for it (a convolution window, an SSM or delta-rule state). `StatePool` holds them as
+(slots, ...) arrays, one slot per running sequence, taken when it starts and given back when it ends, zeroed when
+taken (mlx-lm's layers read None as zeros). A forward's `StateView` reads its rows' slots (gathered, in the step's
+row order) and writes what the layer left there back (scattered), lazily, in the same graph.
+
+`StateCache` is the `KVCache` contract over both: the paged cache of the attention leaves and the pool. The pool's
+slot count caps the batch (`KVCapabilities.state_slots`, the scheduler's `max_seqs`) and its bytes come out of the
+KV budget. What a state cannot do yet is declared off: rollback (speculation), prefix reuse (a cached prefix has
+no state at its end), packing several sequences in one forward and KV files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from mlx_engine.api import RooflineError
+from mlx_engine.kv.protocol import KVCapabilities
+from mlx_engine.kv.tables import KVBudgetError
+
+NO_STATE_FILES = "KV files are not available for a model with recurrent layers: its state is not written to them"
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One state leaf's arrays for one sequence: each entry's shape (no batch axis) and dtype."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[Any, ...]
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            n = dtype.size
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+
+class StatePool:
+    """Per state leaf, per entry, a (slots, ...) array; a slot per running sequence."""
+
+    def __init__(self, specs: list[StateSpec], num_slots: int):
+        if num_slots < 1:
+            raise ValueError("a state pool needs a slot")
+        self.specs, self.num_slots = specs, num_slots
+        self.arrays = [[mx.zeros((num_slots, *s), dtype=d) for s, d in zip(spec.shapes, spec.dtypes)]
+                       for spec in specs]
+        self.slots: dict[str, int] = {}
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * self.num_slots
+
+    def take(self, req_id: str) -> int:
+        """A zeroed slot for the request (its own where it holds one)."""
+        if req_id in self.slots:
+            return self.slots[req_id]
+        if not self._free:
+            raise KVBudgetError(f"{req_id}: every one of the {self.num_slots} recurrent-state slots is in use")
+        slot = self._free.pop()
+        for entries in self.arrays:
+            for a in entries:
+                a[slot] = mx.zeros(a.shape[1:], dtype=a.dtype)
+        self.slots[req_id] = slot
+        return slot
+
+    def give(self, req_id: str) -> None:
+        slot = self.slots.pop(req_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def reset(self) -> None:
+        for req_id in list(self.slots):
+            self.give(req_id)
+
+    def view(self, leaf: int, req_ids: list[str]) -> StateView:
+        return StateView(self, leaf, [self.slots[r] for r in req_ids])
+
+    def all_arrays(self) -> list[mx.array]:
+        return [a for entries in self.arrays for a in entries]
+
+
+class StateView:
+    """One state leaf's rows for one forward: `read` their slots, run the layer, `write` what it left."""
+
+    def __init__(self, pool: StatePool, leaf: int, slots: list[int]):
+        self.pool, self.leaf, self.slots = pool, leaf, slots
+        self._index = mx.array(slots, dtype=mx.int32)
+
+    def read(self) -> list[mx.array]:
+        return [a[self._index] for a in self.pool.arrays[self.leaf]]
+
+    def write(self, entries: list[Any]) -> None:
+        arrays = self.pool.arrays[self.leaf]
+        for j, e in enumerate(entries):
+            if e is not None:
+                arrays[j][self._index] = e.astype(arrays[j].dtype)
+
+
+class ScratchState:
+    """A state leaf of a forward outside the pool (scoring a prompt once): starts empty, kept only by the object."""
+
+    def __init__(self) -> None:
+        self.entries: list[Any] | None = None
+
+    def read(self) -> list[Any] | None:
+        return self.entries
+
+    def write(self, entries: list[Any]) -> None:
+        self.entries = list(entries)
+
+
+def slots_in_budget(budget: int | None, slot_bytes: int, max_slots: int) -> int:
+    """Slots of `slot_bytes` for `max_slots` sequences, within a quarter of a given KV budget (the rest pages the
+    attention leaves)."""
+    if budget is None or slot_bytes == 0:
+        return max_slots
+    return max(0, min(max_slots, budget // 4 // slot_bytes))
+
+
+class StateCache:
+    """The `KVCache` contract over a paged cache of a model's attention leaves and a `StatePool` of its state
+    leaves. `leaves[i]` is state leaf i's spec, or None for an attention leaf."""
+
+    def __init__(self, inner: Any, pool: StatePool, leaves: list[StateSpec | None]):
+        self.inner, self.pool, self.leaves = inner, pool, leaves
+        self.capabilities = dataclasses.replace(inner.capabilities, packed=False, rollback=False,
+                                                prefix_caching=False, kv_files=False, state_slots=pool.num_slots)
+
+    @classmethod
+    def create(cls, leaves: list[StateSpec | None], config: Any, max_slots: int,
+               make_inner: Callable[[Any], Any]) -> StateCache:
+        """`make_inner(config)`: the paged cache of the attention leaves within what the slots leave of the budget."""
+        if config.kv_bits is not None or config.kv_key_bits is not None or config.kv_key_per_channel:
+            raise RooflineError("quantized KV (kv_bits, kv_key_bits, kv_key_per_channel) is not available for a "
+                                "model with recurrent layers")
+        specs = [s for s in leaves if s is not None]
+        slot_bytes = sum(s.nbytes for s in specs)
+        budget = config.kv_budget_bytes
+        slots = slots_in_budget(budget, slot_bytes, max_slots)
+        if slots < 1:
+            raise RooflineError(f"kv_budget_bytes={budget}: too small for one sequence's recurrent state "
+                                f"({slot_bytes} bytes, within a quarter of the budget)")
+        if budget is not None:
+            config = dataclasses.replace(config, kv_budget_bytes=budget - slots * slot_bytes)
+        return cls(make_inner(config), StatePool(specs, slots), leaves)
+
+    # --- views, in leaf order ---
+
+    def _merge(self, attention: list[Any], req_ids: list[str]) -> list[Any]:
+        out, it, k = [], iter(attention), 0
+        for spec in self.leaves:
+            if spec is None:
+                out.append(next(it))
+            else:
+                out.append(self.pool.view(k, req_ids))
+                k += 1
+        return out
+
+    def prefill_layers(self, req_id: str, start: int, end: int) -> list[Any]:
+        return self._merge(self.inner.prefill_layers(req_id, start, end), [req_id])
+
+    def decode_layers(self, req_ids: list[str], known_ids: list[list[int]]) -> list[Any]:
+        return self._merge(self.inner.decode_layers(req_ids, known_ids), req_ids)
+
+    def packed_layers(self, decode_ids: list[str], known_ids: list[list[int]],
+                      chunks: list[tuple[str, int, int]]) -> list[Any]:
+        raise RooflineError("a model with recurrent layers runs a forward per prefill chunk (capabilities.packed "
+                            "is False)")
+
+    def state(self, layers: list[Any]) -> list[Any]:
+        attention = [v for v in layers if not isinstance(v, StateView)]
+        return self.inner.state(attention) + self.pool.all_arrays()
+
+    # --- admission and requests ---
+
+    def check_fits(self, num_tokens: int) -> None:
+        self.inner.check_fits(num_tokens)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return self.inner.blocks_for(num_tokens)
+
+    def num_free_blocks(self) -> int:
+        return self.inner.num_free_blocks()
+
+    def num_blocks_held(self, req_id: str) -> int:
+        return self.inner.num_blocks_held(req_id)
+
+    def start(self, req_id: str, prompt_ids: list[int], reuse: bool = True) -> int:
+        """A slot and the attention leaves' blocks; no cached prefix is reused (it has no state at its end)."""
+        self.pool.take(req_id)
+        try:
+            return self.inner.start(req_id, prompt_ids, reuse=False)
+        except Exception:
+            self.pool.give(req_id)
+            raise
+
+    def allocate(self, req_id: str, token_ids: list[int], num_new_tokens: int) -> None:
+        fresh = req_id not in self.pool.slots
+        self.pool.take(req_id)  # a request not started (scoring) gets its slot here
+        try:
+            self.inner.allocate(req_id, token_ids, num_new_tokens)
+        except Exception:
+            if fresh:
+                self.pool.give(req_id)
+            raise
+
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        raise RooflineError("a recurrent state cannot be rolled back (capabilities.rollback is False)")
+
+    def record(self, req_id: str, known_ids: list[int]) -> None:
+        self.inner.record(req_id, known_ids)
+
+    def finish(self, req_id: str, fed_ids: list[int]) -> None:
+        self.pool.give(req_id)
+        self.inner.finish(req_id, fed_ids)
+
+    def free(self, req_id: str) -> None:
+        self.pool.give(req_id)
+        self.inner.free(req_id)
+
+    def drop_request(self, req_id: str) -> None:
+        self.pool.give(req_id)
+        self.inner.drop_request(req_id)
+
+    def drop(self) -> None:
+        self.pool.reset()
+        self.inner.drop()
+
+    def calibrate(self, model: Any, tokenizer: Any, vocab_size: int) -> None:
+        pass  # unquantized (`create` refuses quantized KV)
+
+    def check_kernels(self) -> tuple[str, ...]:
+        return self.inner.check_kernels()
+
+    def stats(self) -> dict[str, Any]:
+        out = dict(self.inner.stats())
+        out.update(state_slots=self.pool.num_slots, state_slots_used=len(self.pool.slots),
+                   state_bytes_per_slot=self.pool.slot_bytes, bytes_state=self.pool.nbytes)
+        return out
+
+    def save(self, path: str, token_ids: list[int], fingerprint: bytes) -> int:
+        raise RooflineError(NO_STATE_FILES)
+
+    def restore(self, path: str, fingerprint: bytes) -> list[int]:
+        raise RooflineError(NO_STATE_FILES)

@@ -1,0 +1,95 @@
+"""Hybrid models (recurrent layers beside attention) on the engine's paged KV with their state in a slot pool
+(mlx_engine.kv.state, mlx_engine.models.hybrid), on issue 47's golden checkpoints of transformers 5.25: greedy
+tokens identical to transformers' through the paged cache, three concurrent requests (decode rows batched over
+their slots, prefill chunks between them) identical to each alone, slots given back, and the budget's refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlx_engine import Engine, GenerationRequest, SamplingParams
+from mlx_engine.api import RooflineError
+from tests.tiny_models import GOLDEN
+
+HYBRIDS = ["falcon_h1", "granitemoehybrid", "lfm2", "nemotron_h", "qwen3_5_moe_text", "qwen3_5_text",
+           "qwen3_next"]
+# three prompts of different lengths: with chunks of 5 the longer ones prefill while the others decode
+PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [7, 1, 8, 2, 8], [50, 40, 30, 20, 10, 11, 12, 13, 14,
+                                                                                 15, 16, 17, 18, 19, 21, 22, 23]]
+
+
+def run(e: Engine, ids: list[int], max_tokens: int) -> list[int]:
+    sampling = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    return [t for ev in e.generate(GenerationRequest(prompt_token_ids=ids, sampling=sampling)) for t in ev.token_ids]
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def family(request):
+    with Engine.load(str(GOLDEN / request.param), backend="mlx", prefill_chunk_size=5) as e:
+        yield request.param, e
+
+
+def test_greedy_identical_to_transformers_on_the_paged_cache(family) -> None:
+    name, e = family
+    gold = dict(np.load(GOLDEN / name / "golden.npz"))
+    want = gold["greedy_tokens"].tolist()
+    got = run(e, gold["input_ids"].tolist(), len(want))
+    assert got == want, f"{name}\n got  {got}\n want {want}"
+    stats = e.kv_stats()
+    assert stats["kind"] == "paged"
+    assert stats["state_slots_used"] == 0 and stats["used"] == 0  # slot and blocks given back
+    assert stats["bytes_state"] == stats["state_slots"] * stats["state_bytes_per_slot"] > 0
+
+
+def test_three_concurrent_equal_each_alone(family) -> None:
+    name, e = family
+    alone = [run(e, p, 12) for p in PROMPTS]
+    streams = [e.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
+        temperature=0.0, ignore_eos=True, max_tokens=12))) for p in PROMPTS]
+    together = [[t for ev in s for t in ev.token_ids] for s in streams]
+    assert together == alone, name
+    assert e.kv_stats()["state_slots_used"] == 0
+
+
+def test_state_bytes_match_the_memory_estimate() -> None:
+    """The pool's bytes per slot are what `memory` prices a sequence's recurrent state at (mlx-lm's caches)."""
+    import json
+
+    from mlx_engine.models.config import normalize_config
+    from mlx_engine.models.config_families import state_sizes
+
+    for name in ("qwen3_next", "lfm2", "falcon_h1", "nemotron_h"):
+        with Engine.load(str(GOLDEN / name), backend="mlx") as e:
+            per_slot = e.kv_stats()["state_bytes_per_slot"]
+            assert e.info.dtype == "float32"
+        config = normalize_config(json.loads((GOLDEN / name / "config.json").read_text()), name)
+        assert per_slot == sum(state_sizes(config)) * 4, name
+
+
+def test_slots_cap_the_batch_and_come_out_of_the_budget() -> None:
+    with Engine.load(str(GOLDEN / "qwen3_next"), backend="mlx") as e:
+        per_slot = e.kv_stats()["state_bytes_per_slot"]
+    budget = 4 * 3 * per_slot + 5000  # a quarter of it holds three slots (5632 bytes each), the rest 13 blocks
+    with Engine.load(str(GOLDEN / "qwen3_next"), backend="mlx", kv_budget_bytes=budget) as e:
+        stats = e.kv_stats()
+        assert stats["state_slots"] == 3
+        assert stats["num_blocks"] == (budget - 3 * per_slot) // stats["bytes_per_block"] == 13
+        alone = [run(e, p, 6) for p in PROMPTS + PROMPTS[:1]]
+        streams = [e.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
+            temperature=0.0, ignore_eos=True, max_tokens=6))) for p in PROMPTS + PROMPTS[:1]]
+        assert [[t for ev in s for t in ev.token_ids] for s in streams] == alone  # the fourth waits for a slot
+
+
+def test_budget_too_small_for_one_state_is_one_line() -> None:
+    with pytest.raises(RooflineError) as err:
+        Engine.load(str(GOLDEN / "qwen3_next"), backend="mlx", kv_budget_bytes=4096)
+    line = str(err.value)
+    assert "\n" not in line and "kv_budget_bytes=4096" in line and "recurrent state" in line, line
+
+
+def test_contiguous_refused_in_one_line() -> None:
+    with pytest.raises(RooflineError) as err:
+        Engine.load(str(GOLDEN / "lfm2"), backend="mlx", paged_kv=False)
+    line = str(err.value)
+    assert "\n" not in line and "paged_kv=False" in line and "recurrent" in line, line
