@@ -19,9 +19,14 @@ PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [7, 1, 8, 2, 8],
                                                                                  15, 16, 17, 18, 19, 21, 22, 23]]
 
 
-def run(e: Engine, ids: list[int], max_tokens: int) -> list[int]:
-    sampling = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
-    return [t for ev in e.generate(GenerationRequest(prompt_token_ids=ids, sampling=sampling)) for t in ev.token_ids]
+def run(e: Engine, ids: list[int], max_tokens: int, **sampling) -> list[int]:
+    return run_events(e, ids, max_tokens, **sampling)[0]
+
+
+def run_events(e: Engine, ids: list[int], max_tokens: int, **sampling):
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, **sampling)
+    events = list(e.generate(GenerationRequest(prompt_token_ids=ids, sampling=params)))
+    return [t for ev in events for t in ev.token_ids], events
 
 
 @pytest.fixture(scope="module", params=HYBRIDS)
@@ -50,6 +55,35 @@ def test_three_concurrent_equal_each_alone(family) -> None:
     together = [[t for ev in s for t in ev.token_ids] for s in streams]
     assert together == alone, name
     assert e.kv_stats()["state_slots_used"] == 0
+
+
+def test_prompt_lookup_rolls_the_state_back_to_plain_greedy(family) -> None:
+    """Every token of the vocabulary once in the prompt: whatever the model says, prompt lookup drafts what
+    followed it there, the model rejects most (the state goes back to before the verification and the kept tokens
+    are read again), and the reply is the plain one, token for token."""
+    name, e = family
+    ids = list(range(1, 128))
+    plain = run(e, ids, 16)
+    spec, events = run_events(e, ids, 16, speculative="prompt-lookup")
+    assert spec == plain, name
+    rate = events[-1].stats.acceptance_rate
+    assert rate is not None and rate < 1, (name, rate)  # drafts verified, some rejected
+
+
+# an attention-only draft with the hybrid's vocabulary and end-of-sequence ids
+@pytest.mark.parametrize("name, draft", [("qwen3_next", "qwen3"), ("qwen3_5_text", "qwen3"), ("nemotron_h", "llama"),
+                                         ("falcon_h1", "llama"), ("lfm2", "llama")])
+def test_draft_model_on_a_hybrid_equals_plain_greedy(name: str, draft: str) -> None:
+    """A tiny random draft for a hybrid: most drafts rejected, each rollback exact."""
+    ids = PROMPTS[0]
+    with Engine.load(str(GOLDEN / name), backend="mlx") as e:
+        plain = run(e, ids, 16)
+    with Engine.load(str(GOLDEN / name), backend="mlx", draft_model=str(GOLDEN / draft)) as e:
+        spec, events = run_events(e, ids, 16, speculative="draft")
+        assert e.kv_stats()["state_slots_used"] == 0
+    assert spec == plain, name
+    rate = events[-1].stats.acceptance_rate
+    assert rate is not None and rate < 1, (name, rate)
 
 
 def test_state_bytes_match_the_memory_estimate() -> None:

@@ -182,3 +182,15 @@ class KVCache(Protocol):
     def restore(self, path: str, fingerprint: bytes) -> list[int]:
         """Loads a file written by `save` into the prefix cache; returns its tokens (`capabilities.kv_files`)."""
         ...
+
+
+@runtime_checkable
+class StateKVCache(KVCache, Protocol):
+    """A cache with recurrent-state slots (`KVCapabilities.state_slots` > 0: `kv.state.StateCache`). A state
+    holds what it read at its last position only, so a `trim` below it restores the state at the start of the
+    request's last prefill forward (a verification), and the caller feeds the kept tokens after it again."""
+
+    def replay(self, req_id: str) -> tuple[int, int] | None:
+        """After a `trim` below what the state had read: the positions [start, end) to feed again through
+        `prefill_layers` (once; None when the state is where the cache is)."""
+        ...

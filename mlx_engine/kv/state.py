@@ -10,8 +10,10 @@ row order) and writes what the layer left there back (scattered), lazily, in the
 
 `StateCache` is the `KVCache` contract over both: the paged cache of the attention leaves and the pool. The pool's
 slot count caps the batch (`KVCapabilities.state_slots`, the scheduler's `max_seqs`) and its bytes come out of the
-KV budget. What a state cannot do yet is declared off: rollback (speculation), prefix reuse (a cached prefix has
-no state at its end), packing several sequences in one forward and KV files.
+KV budget. Rollback is exact by recomputation (`kv.protocol.StateKVCache`): each prefill forward (a verification
+among them) keeps the state its slot held before it; a trim below the state's position restores that and names the
+kept positions after it, which the caller feeds again. What a state cannot do yet is declared off: prefix reuse (a
+cached prefix has no state at its end), packing several sequences in one forward and KV files.
 """
 
 from __future__ import annotations
@@ -140,8 +142,11 @@ class StateCache:
 
     def __init__(self, inner: Any, pool: StatePool, leaves: list[StateSpec | None]):
         self.inner, self.pool, self.leaves = inner, pool, leaves
-        self.capabilities = dataclasses.replace(inner.capabilities, packed=False, rollback=False,
-                                                prefix_caching=False, kv_files=False, state_slots=pool.num_slots)
+        self.capabilities = dataclasses.replace(inner.capabilities, packed=False, prefix_caching=False,
+                                                kv_files=False, state_slots=pool.num_slots)
+        self._read: dict[str, int] = {}  # tokens each request's state has read
+        self._before: dict[str, tuple[int, list[list[mx.array]]]] = {}  # its last prefill: start, state there
+        self._replay: dict[str, tuple[int, int]] = {}
 
     @classmethod
     def create(cls, leaves: list[StateSpec | None], config: Any, max_slots: int,
@@ -174,9 +179,17 @@ class StateCache:
         return out
 
     def prefill_layers(self, req_id: str, start: int, end: int) -> list[Any]:
-        return self._merge(self.inner.prefill_layers(req_id, start, end), [req_id])
+        views = self._merge(self.inner.prefill_layers(req_id, start, end), [req_id])
+        slot = self.pool.slots[req_id]
+        before = [[a[slot] for a in entries] for entries in self.pool.arrays]  # lazy: the arrays before the write
+        mx.eval(before)  # its own small buffers, not the whole pool's kept alive
+        self._before[req_id] = (start, before)
+        self._read[req_id] = end
+        return views
 
     def decode_layers(self, req_ids: list[str], known_ids: list[list[int]]) -> list[Any]:
+        for r in req_ids:
+            self._read[r] = self._read.get(r, 0) + 1
         return self._merge(self.inner.decode_layers(req_ids, known_ids), req_ids)
 
     def packed_layers(self, decode_ids: list[str], known_ids: list[list[int]],
@@ -204,6 +217,7 @@ class StateCache:
 
     def start(self, req_id: str, prompt_ids: list[int], reuse: bool = True) -> int:
         """A slot and the attention leaves' blocks; no cached prefix is reused (it has no state at its end)."""
+        self._forget(req_id)
         self.pool.take(req_id)
         try:
             return self.inner.start(req_id, prompt_ids, reuse=False)
@@ -222,25 +236,47 @@ class StateCache:
             raise
 
     def trim(self, req_id: str, num_tokens: int) -> None:
-        raise RooflineError("a recurrent state cannot be rolled back (capabilities.rollback is False)")
+        read = self._read.get(req_id, 0)
+        if num_tokens < read:
+            start, before = self._before.get(req_id, (read, []))
+            if start > num_tokens:
+                raise RooflineError(f"{req_id}: its recurrent state cannot go back to {num_tokens} tokens (it "
+                                    f"holds the state at {start} and at {read})")
+            slot = self.pool.slots[req_id]
+            for entries, saved in zip(self.pool.arrays, before):
+                for a, b in zip(entries, saved):
+                    a[slot] = b
+            self._read[req_id] = start
+            if num_tokens > start:
+                self._replay[req_id] = (start, num_tokens)
+        self.inner.trim(req_id, num_tokens)
+
+    def replay(self, req_id: str) -> tuple[int, int] | None:
+        return self._replay.pop(req_id, None)
+
+    def _forget(self, req_id: str) -> None:
+        self.pool.give(req_id)
+        for d in (self._read, self._before, self._replay):
+            d.pop(req_id, None)
 
     def record(self, req_id: str, known_ids: list[int]) -> None:
         self.inner.record(req_id, known_ids)
 
     def finish(self, req_id: str, fed_ids: list[int]) -> None:
-        self.pool.give(req_id)
+        self._forget(req_id)
         self.inner.finish(req_id, fed_ids)
 
     def free(self, req_id: str) -> None:
-        self.pool.give(req_id)
+        self._forget(req_id)
         self.inner.free(req_id)
 
     def drop_request(self, req_id: str) -> None:
-        self.pool.give(req_id)
+        self._forget(req_id)
         self.inner.drop_request(req_id)
 
     def drop(self) -> None:
-        self.pool.reset()
+        for req_id in list(self.pool.slots):
+            self._forget(req_id)
         self.inner.drop()
 
     def calibrate(self, model: Any, tokenizer: Any, vocab_size: int) -> None:

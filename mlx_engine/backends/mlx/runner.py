@@ -112,8 +112,7 @@ class Runner(CacheRunner):
         )
         if built.views and not built.native:
             notes += (f"{built.model_type!r} runs on mlx-lm's model class on the engine's KV cache (models.adapter)"
-                      + (", its recurrent state in slots beside it (kv.state): no prefix caching or speculative "
-                         "decoding yet" if built.state_leaves else ""),)
+                      + (", its recurrent state in slots beside it (kv.state): no prefix caching yet" if built.state_leaves else ""),)
         wired_note = wire_memory(sum(v.nbytes for v in params.values()))
         warnings += (wired_note,) if wired_note else ()
         eos = tuple(tokenizer.eos_token_ids)
@@ -184,9 +183,6 @@ class Runner(CacheRunner):
                                     "runs on an mlx-lm class")
         if not caps.kv_files:
             why["kv_files"] = "KV files need the paged KV cache, which this model does not use"
-        if caps.state_slots and not caps.rollback:
-            rollback = False
-            why["rollback"] = "a recurrent state cannot be rolled back yet (kv.state)"
         max_batch = (caps.state_slots or None) if caps.batching else 1  # a running sequence holds a state slot
         return RunnerCapabilities(rollback=rollback, kv_files=caps.kv_files, self_draft=self.native,
                                   hidden_states=self.native, max_batch=max_batch, why_not=why)
