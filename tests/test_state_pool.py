@@ -86,6 +86,38 @@ def test_draft_model_on_a_hybrid_equals_plain_greedy(name: str, draft: str) -> N
     assert rate is not None and rate < 1, (name, rate)
 
 
+LONG = [(7 * i + 3) % 127 + 1 for i in range(45)]  # 45 tokens: the state is kept at 16 and 32 in its prefill
+
+
+def test_prefix_hit_restores_the_state_and_equals_a_cold_run(family) -> None:
+    """The same prompt twice, then a next turn (prompt, reply, more): each reuses the cached prefix up to the last
+    state snapshot before its end (16 tokens a block, a snapshot every block) and gives the tokens of a cold run."""
+    name, e = family
+    first, ev1 = run_events(e, LONG, 8)
+    again, ev2 = run_events(e, LONG, 8)
+    assert ev1[-1].usage.cached_prompt_tokens == 0 and ev2[-1].usage.cached_prompt_tokens == 32, name
+    turn = LONG + first + [5, 6, 7]  # 56 tokens: the first turn's state at 48 (a decode step) is kept
+    follow, ev3 = run_events(e, turn, 8)
+    assert ev3[-1].usage.cached_prompt_tokens == 48, name
+    stats = e.kv_stats()
+    assert stats["state_snapshots_restored"] >= 2 and stats["state_snapshots"] > 0
+    with Engine.load(str(GOLDEN / name), backend="mlx", prefix_caching=False) as cold:
+        assert run(cold, LONG, 8) == first == again, name
+        assert run(cold, turn, 8) == follow, name
+
+
+def test_snapshots_that_do_not_fit_the_budget_turn_prefix_caching_off_with_a_note() -> None:
+    with Engine.load(str(GOLDEN / "qwen3_next"), backend="mlx") as e:
+        per_slot = e.kv_stats()["state_bytes_per_slot"]
+    budget = 4 * 3 * per_slot + 5000  # a quarter holds the three slots and no snapshot
+    with Engine.load(str(GOLDEN / "qwen3_next"), backend="mlx", kv_budget_bytes=budget) as e:
+        (note,) = [n for n in e.info.notes if "prefix caching" in n]
+        assert "\n" not in note and f"kv_budget_bytes={budget}" in note and "snapshot" in note, note
+        run(e, LONG, 4)
+        assert run_events(e, LONG, 4)[1][-1].usage.cached_prompt_tokens == 0
+        assert e.kv_stats()["state_snapshot_capacity"] == 0
+
+
 def test_state_bytes_match_the_memory_estimate() -> None:
     """The pool's bytes per slot are what `memory` prices a sequence's recurrent state at (mlx-lm's caches)."""
     import json

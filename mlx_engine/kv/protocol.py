@@ -190,6 +190,12 @@ class StateKVCache(KVCache, Protocol):
     holds what it read at its last position only, so a `trim` below it restores the state at the start of the
     request's last prefill forward (a verification), and the caller feeds the kept tokens after it again."""
 
+    def split_at(self, start: int, end: int) -> int | None:
+        """Where a prefill forward over [start, end) should stop first: the last position strictly inside it at
+        which the state is kept for prefix caching (None: nowhere). Chunks aligned there let a later prompt with
+        this prefix start from the state at its end."""
+        ...
+
     def replay(self, req_id: str) -> tuple[int, int] | None:
         """After a `trim` below what the state had read: the positions [start, end) to feed again through
         `prefill_layers` (once; None when the state is where the cache is)."""

@@ -10,10 +10,11 @@ row order) and writes what the layer left there back (scattered), lazily, in the
 
 `StateCache` is the `KVCache` contract over both: the paged cache of the attention leaves and the pool. The pool's
 slot count caps the batch (`KVCapabilities.state_slots`, the scheduler's `max_seqs`) and its bytes come out of the
-KV budget. Rollback is exact by recomputation (`kv.protocol.StateKVCache`): each prefill forward (a verification
+KV budget. Prefix caching keeps snapshots of the state at block boundaries (`kv.state_snapshots`): a prompt
+reuses the longest cached prefix that ends at one, its slot starting from it. Rollback is exact by recomputation (`kv.protocol.StateKVCache`): each prefill forward (a verification
 among them) keeps the state its slot held before it; a trim below the state's position restores that and names the
-kept positions after it, which the caller feeds again. What a state cannot do yet is declared off: prefix reuse (a
-cached prefix has no state at its end), packing several sequences in one forward and KV files.
+kept positions after it, which the caller feeds again. What a state cannot do yet is declared off: packing several
+sequences in one forward and KV files.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from mlx_engine.api import RooflineError
+from mlx_engine.kv.kinds import LayerKindsCache
 from mlx_engine.kv.protocol import KVCapabilities
+from mlx_engine.kv.state_snapshots import Snapshots, own_copy, snapshot_interval
 from mlx_engine.kv.tables import KVBudgetError
 
 NO_STATE_FILES = "KV files are not available for a model with recurrent layers: its state is not written to them"
@@ -140,18 +143,28 @@ class StateCache:
     """The `KVCache` contract over a paged cache of a model's attention leaves and a `StatePool` of its state
     leaves. `leaves[i]` is state leaf i's spec, or None for an attention leaf."""
 
-    def __init__(self, inner: Any, pool: StatePool, leaves: list[StateSpec | None]):
-        self.inner, self.pool, self.leaves = inner, pool, leaves
-        self.capabilities = dataclasses.replace(inner.capabilities, packed=False, prefix_caching=False,
+    def __init__(self, inner: Any, pool: StatePool, leaves: list[StateSpec | None], snapshots: int = 0,
+                 context_length: int = 0, notes: tuple[str, ...] = ()):
+        """`snapshots`: how many states at block boundaries prefix caching keeps (0: prefix caching off)."""
+        self.inner, self.pool, self.leaves, self.notes = inner, pool, leaves, notes
+        self._kinds = inner.kinds if isinstance(inner, LayerKindsCache) else [inner]
+        first = self._kinds[0]
+        on = snapshots > 0 and inner.capabilities.prefix_caching
+        self.snapshots = Snapshots(snapshots if on else 0, first.block_size
+                                   * snapshot_interval(context_length, first.block_size, snapshots),
+                                   first.block_size, first.manager.extra_key)
+        self.capabilities = dataclasses.replace(inner.capabilities, packed=False, prefix_caching=on,
                                                 kv_files=False, state_slots=pool.num_slots)
+        self._tokens: dict[str, list[int]] = {}  # each request's tokens as far as known
         self._read: dict[str, int] = {}  # tokens each request's state has read
         self._before: dict[str, tuple[int, list[list[mx.array]]]] = {}  # its last prefill: start, state there
         self._replay: dict[str, tuple[int, int]] = {}
 
     @classmethod
-    def create(cls, leaves: list[StateSpec | None], config: Any, max_slots: int,
+    def create(cls, leaves: list[StateSpec | None], config: Any, max_slots: int, context_length: int,
                make_inner: Callable[[Any], Any]) -> StateCache:
-        """`make_inner(config)`: the paged cache of the attention leaves within what the slots leave of the budget."""
+        """`make_inner(config)`: the paged cache of the attention leaves within what the slots leave of the budget.
+        Slots first, then as many snapshots (prefix caching) as the slots, within a quarter of a given budget."""
         if config.kv_bits is not None or config.kv_key_bits is not None or config.kv_key_per_channel:
             raise RooflineError("quantized KV (kv_bits, kv_key_bits, kv_key_per_channel) is not available for a "
                                 "model with recurrent layers")
@@ -162,9 +175,14 @@ class StateCache:
         if slots < 1:
             raise RooflineError(f"kv_budget_bytes={budget}: too small for one sequence's recurrent state "
                                 f"({slot_bytes} bytes, within a quarter of the budget)")
+        snaps, notes = slots, ()
         if budget is not None:
-            config = dataclasses.replace(config, kv_budget_bytes=budget - slots * slot_bytes)
-        return cls(make_inner(config), StatePool(specs, slots), leaves)
+            snaps = min(slots, (budget // 4 - slots * slot_bytes) // slot_bytes)
+            if snaps < 1 and config.prefix_caching:
+                notes = (f"prefix caching is off: kv_budget_bytes={budget} leaves no room for a snapshot of the "
+                         f"recurrent state ({slot_bytes} bytes) beside its {slots} slots",)
+            config = dataclasses.replace(config, kv_budget_bytes=budget - (slots + max(0, snaps)) * slot_bytes)
+        return cls(make_inner(config), StatePool(specs, slots), leaves, max(0, snaps), context_length, notes)
 
     # --- views, in leaf order ---
 
@@ -180,17 +198,63 @@ class StateCache:
 
     def prefill_layers(self, req_id: str, start: int, end: int) -> list[Any]:
         views = self._merge(self.inner.prefill_layers(req_id, start, end), [req_id])
-        slot = self.pool.slots[req_id]
-        before = [[a[slot] for a in entries] for entries in self.pool.arrays]  # lazy: the arrays before the write
-        mx.eval(before)  # its own small buffers, not the whole pool's kept alive
+        before = own_copy(self.pool.arrays, self.pool.slots[req_id])  # the state before this forward writes it
+        self._checkpoint(req_id, before)
         self._before[req_id] = (start, before)
         self._read[req_id] = end
         return views
 
     def decode_layers(self, req_ids: list[str], known_ids: list[list[int]]) -> list[Any]:
-        for r in req_ids:
+        for r, known in zip(req_ids, known_ids):
+            self._know(r, known)
+            self._checkpoint(r)
             self._read[r] = self._read.get(r, 0) + 1
         return self._merge(self.inner.decode_layers(req_ids, known_ids), req_ids)
+
+    # --- prefix caching: the state at block boundaries ---
+
+    def split_at(self, start: int, end: int) -> int | None:
+        every = self.snapshots.every
+        last = (end - 1) // every * every
+        return last if self.snapshots.capacity and last > start else None
+
+    def _know(self, req_id: str, token_ids: list[int]) -> None:
+        if len(token_ids) >= len(self._tokens.get(req_id, ())):
+            self._tokens[req_id] = list(token_ids)
+        self.snapshots.settle(req_id, self._tokens[req_id])
+
+    def _checkpoint(self, req_id: str, state: list[list[mx.array]] | None = None) -> None:
+        """Before the request's state moves on: kept where it stands at a snapshot boundary."""
+        position = self._read.get(req_id, 0)
+        if req_id in self.pool.slots and self.snapshots.due(req_id, position):
+            state = state or own_copy(self.pool.arrays, self.pool.slots[req_id])
+            self.snapshots.take(req_id, position, state, self._tokens.get(req_id, []))
+
+    def _start_from(self, req_id: str, prompt_ids: list[int]) -> int:
+        """The attention leaves started from the longest cached prefix with a state snapshot at its end (or from
+        nothing), the slot holding that state. Returns the prefix's length."""
+        cached = min(c.tables.cached_tokens(prompt_ids) for c in self._kinds)
+        self.snapshots.drop_uncached(prompt_ids, cached)
+        length, state = self.snapshots.best(prompt_ids, cached)
+        if state is None:
+            return self.inner.start(req_id, prompt_ids, reuse=False)
+        started: list[Any] = []
+        try:
+            for c in self._kinds:
+                got = c.tables.start(req_id, prompt_ids, True, length)
+                started.append(c)
+                if got != length:  # what the look saw was evicted since: nothing is
+                    raise KVBudgetError(f"{req_id}: a cached prefix changed while it started")
+        except Exception:
+            for c in started:
+                c.free(req_id)
+            raise
+        slot = self.pool.slots[req_id]
+        for entries, saved in zip(self.pool.arrays, state):
+            for a, b in zip(entries, saved):
+                a[slot] = b
+        self.snapshots.num_restored += 1
+        return length
 
     def packed_layers(self, decode_ids: list[str], known_ids: list[list[int]],
                       chunks: list[tuple[str, int, int]]) -> list[Any]:
@@ -220,10 +284,13 @@ class StateCache:
         self._forget(req_id)
         self.pool.take(req_id)
         try:
-            return self.inner.start(req_id, prompt_ids, reuse=False)
+            cached = self._start_from(req_id, prompt_ids) if reuse and self.snapshots.capacity else \
+                self.inner.start(req_id, prompt_ids, reuse=False)
         except Exception:
             self.pool.give(req_id)
             raise
+        self._read[req_id], self._tokens[req_id] = cached, list(prompt_ids)
+        return cached
 
     def allocate(self, req_id: str, token_ids: list[int], num_new_tokens: int) -> None:
         fresh = req_id not in self.pool.slots
@@ -256,13 +323,18 @@ class StateCache:
 
     def _forget(self, req_id: str) -> None:
         self.pool.give(req_id)
-        for d in (self._read, self._before, self._replay):
+        self.snapshots.forget(req_id)
+        for d in (self._read, self._before, self._replay, self._tokens):
             d.pop(req_id, None)
 
     def record(self, req_id: str, known_ids: list[int]) -> None:
+        self._know(req_id, known_ids)
         self.inner.record(req_id, known_ids)
 
     def finish(self, req_id: str, fed_ids: list[int]) -> None:
+        if req_id in self.pool.slots:  # its state at the end: the next turn's prefix
+            self._know(req_id, fed_ids)
+            self._checkpoint(req_id)
         self._forget(req_id)
         self.inner.finish(req_id, fed_ids)
 
@@ -277,6 +349,7 @@ class StateCache:
     def drop(self) -> None:
         for req_id in list(self.pool.slots):
             self._forget(req_id)
+        self.snapshots.clear()
         self.inner.drop()
 
     def calibrate(self, model: Any, tokenizer: Any, vocab_size: int) -> None:
@@ -287,8 +360,12 @@ class StateCache:
 
     def stats(self) -> dict[str, Any]:
         out = dict(self.inner.stats())
+        snaps = self.snapshots
         out.update(state_slots=self.pool.num_slots, state_slots_used=len(self.pool.slots),
-                   state_bytes_per_slot=self.pool.slot_bytes, bytes_state=self.pool.nbytes)
+                   state_bytes_per_slot=self.pool.slot_bytes, bytes_state=self.pool.nbytes,
+                   state_snapshots=snaps.count, state_snapshot_capacity=snaps.capacity,
+                   state_snapshot_every=snaps.every, state_snapshots_restored=snaps.num_restored,
+                   bytes_state_snapshots=snaps.count * self.pool.slot_bytes)
         return out
 
     def save(self, path: str, token_ids: list[int], fingerprint: bytes) -> int:

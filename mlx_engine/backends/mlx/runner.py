@@ -112,7 +112,7 @@ class Runner(CacheRunner):
         )
         if built.views and not built.native:
             notes += (f"{built.model_type!r} runs on mlx-lm's model class on the engine's KV cache (models.adapter)"
-                      + (", its recurrent state in slots beside it (kv.state): no prefix caching yet" if built.state_leaves else ""),)
+                      + (", its recurrent state in slots beside it (kv.state)" if built.state_leaves else ""),)
         wired_note = wire_memory(sum(v.nbytes for v in params.values()))
         warnings += (wired_note,) if wired_note else ()
         eos = tuple(tokenizer.eos_token_ids)
@@ -149,7 +149,8 @@ class Runner(CacheRunner):
         # a Metal kernel that fails its check on this machine: its reference runs, and the user is told once
         fallbacks = kernel_warnings(runner.model, runner.cache, act_dtype)
         runner.info = dataclasses.replace(runner.info, kv_files=runner.cache.capabilities.kv_files,
-                                          warnings=runner.info.warnings + fallbacks)
+                                          warnings=runner.info.warnings + fallbacks,
+                                          notes=runner.info.notes + runner._cache_notes)
         runner.capabilities = runner._declare()
         runner.self_draft_layers = check_self_draft_layers(self_draft_layers,
                                                            len(runner.model.layers) if runner.native else 0)
@@ -165,6 +166,7 @@ class Runner(CacheRunner):
     _kv_note: str | None = None  # why an mlx-lm class keeps its own caches
     _packs = True  # the model ropes packed parts each at its positions (BuiltModel.packs)
     _state_leaves: tuple[Any, ...] = ()  # a hybrid's cache leaves (BuiltModel.state_leaves): a state pool too
+    _cache_notes: tuple[str, ...] = ()  # the cache's notes for the user (kv.state.StateCache.notes)
     self_draft_layers: int = 0
 
     def _declare(self) -> RunnerCapabilities:
@@ -238,7 +240,10 @@ class Runner(CacheRunner):
             from mlx_engine.api import DEFAULT_MAX_SEQS
             from mlx_engine.kv.state import StateCache
 
-            return StateCache.create(list(self._state_leaves), config, DEFAULT_MAX_SEQS, make_paged)
+            cache = StateCache.create(list(self._state_leaves), config, DEFAULT_MAX_SEQS, self.context_length,
+                                      make_paged)
+            self._cache_notes = cache.notes  # what the budget turned off
+            return cache
         cache = make_paged(config)
         if not self._packs:  # its layers rope a forward's rows at one offset (models.adapter.ViewRoPE)
             cache.capabilities = dataclasses.replace(cache.capabilities, packed=False)
