@@ -106,6 +106,39 @@ def test_prefix_hit_restores_the_state_and_equals_a_cold_run(family) -> None:
         assert run(cold, turn, 8) == follow, name
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "falcon_h1", "lfm2"])
+def test_kv_file_round_trip_carries_the_state(name: str, tmp_path) -> None:
+    """save_kv writes the blocks of the longest cached prefix with a state snapshot at its end and that state; a
+    fresh engine restores both, and the prompt then prefills only the rest, with a cold run's tokens."""
+    path = str(tmp_path / "chat.kv")
+    with Engine.load(str(GOLDEN / name), backend="mlx") as e:
+        assert e.info.kv_files
+        cold = run(e, LONG, 8)
+        assert e.save_kv(path, LONG) == 32
+    with Engine.load(str(GOLDEN / name), backend="mlx") as fresh:
+        assert fresh.restore_kv(path) == 32
+        got, events = run_events(fresh, LONG, 8)
+        assert events[-1].usage.cached_prompt_tokens == 32 and got == cold, name
+
+
+def test_kv_file_without_state_is_refused_in_one_line(tmp_path) -> None:
+    """A file of an attention-only save (no state in it) is refused before anything is written."""
+    import mlx.core as mx
+
+    path = str(tmp_path / "chat.safetensors")
+    with Engine.load(str(GOLDEN / "qwen3_next"), backend="mlx") as e:
+        run(e, LONG, 2)
+        e.save_kv(path, LONG)
+        arrays, meta = mx.load(path, format="safetensors", return_metadata=True)
+        mx.save_safetensors(path, {k: v for k, v in arrays.items() if not k.startswith("state.")},
+                            metadata={k: v for k, v in meta.items() if not k.startswith("state_")})
+    with Engine.load(str(GOLDEN / "qwen3_next"), backend="mlx") as fresh:
+        with pytest.raises(RooflineError) as err:
+            fresh.restore_kv(path)
+        line = str(err.value)
+        assert "\n" not in line and "holds no recurrent state" in line, line
+        assert fresh.kv_stats()["cached"] == 0  # no block of it restored
+
 def test_snapshots_that_do_not_fit_the_budget_turn_prefix_caching_off_with_a_note() -> None:
     with Engine.load(str(GOLDEN / "qwen3_next"), backend="mlx") as e:
         per_slot = e.kv_stats()["state_bytes_per_slot"]

@@ -31,7 +31,8 @@ from mlx_engine.kv.protocol import KVCapabilities
 from mlx_engine.kv.state_snapshots import Snapshots, own_copy, snapshot_interval
 from mlx_engine.kv.tables import KVBudgetError
 
-NO_STATE_FILES = "KV files are not available for a model with recurrent layers: its state is not written to them"
+NO_STATE_FILES = ("KV files are not available for this model: its recurrent state goes in them as a prefix-cache "
+                  "snapshot, which is off (sliding-window layers, prefix caching off, or no room in the budget)")
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,8 @@ class StateCache:
                                    * snapshot_interval(context_length, first.block_size, snapshots),
                                    first.block_size, first.manager.extra_key)
         self.capabilities = dataclasses.replace(inner.capabilities, packed=False, prefix_caching=on,
-                                                kv_files=False, state_slots=pool.num_slots)
+                                                kv_files=inner.capabilities.kv_files and on,
+                                                state_slots=pool.num_slots)
         self._tokens: dict[str, list[int]] = {}  # each request's tokens as far as known
         self._read: dict[str, int] = {}  # tokens each request's state has read
         self._before: dict[str, tuple[int, list[list[mx.array]]]] = {}  # its last prefill: start, state there
@@ -369,7 +371,37 @@ class StateCache:
         return out
 
     def save(self, path: str, token_ids: list[int], fingerprint: bytes) -> int:
-        raise RooflineError(NO_STATE_FILES)
+        """The attention blocks of the longest cached prefix of `token_ids` that ends at a state snapshot, and
+        that snapshot."""
+        from mlx_engine.kv.state_snapshots import add_state_to_file
+
+        if not self.capabilities.kv_files:
+            raise RooflineError(NO_STATE_FILES)
+        cached = min(c.tables.cached_tokens(list(token_ids) + [0]) for c in self._kinds)
+        length, state = self.snapshots.best(list(token_ids), cached)
+        if state is None:
+            raise RooflineError("nothing to save: no cached prefix of these tokens has its recurrent state kept "
+                                f"(kept every {self.snapshots.every} tokens)")
+        n = self.inner.save(path, list(token_ids[:length]), fingerprint)
+        add_state_to_file(path, state, n)
+        return n
 
     def restore(self, path: str, fingerprint: bytes) -> list[int]:
-        raise RooflineError(NO_STATE_FILES)
+        from mlx_engine.kv.state_snapshots import state_from_file
+
+        if not self.capabilities.kv_files:
+            raise RooflineError(NO_STATE_FILES)
+        from pathlib import Path
+
+        from mlx_engine.api import ModelLoadError
+        from mlx_engine.kv.files import KVRestoreError
+        from mlx_engine.loading.safetensors_file import validate_safetensors
+
+        try:
+            validate_safetensors(Path(path))
+        except ModelLoadError as e:
+            raise KVRestoreError(f"saved KV refused: {e}") from None
+        state = state_from_file(path, self.pool.arrays)  # checked before any block is written
+        tokens = self.inner.restore(path, fingerprint)
+        self.snapshots.put(tokens, state)
+        return tokens

@@ -99,6 +99,14 @@ class Snapshots:
             self.store.pop(self._key(list(prompt_ids[:p])), None)
             p += self.every
 
+    def put(self, token_ids: list[int], state: list[list[mx.array]]) -> None:
+        """A snapshot from elsewhere (a KV file) after `token_ids`."""
+        if self.capacity:
+            self.store[self._key(list(token_ids))] = state
+            self.store.move_to_end(self._key(list(token_ids)))
+            while len(self.store) > self.capacity:
+                self.store.popitem(last=False)
+
     def clear(self) -> None:
         self.store.clear()
         self._waiting.clear()
@@ -114,3 +122,49 @@ def own_copy(arrays: list[list[Any]], slot: int) -> list[list[mx.array]]:
     rows = [[mx.array(a[slot]) * 1 for a in entries] for entries in arrays]
     mx.eval(rows)
     return rows
+
+
+def add_state_to_file(path: str, state: list[list[mx.array]], num_tokens: int) -> None:
+    """Adds a snapshot (the recurrent state after the file's `num_tokens` tokens) to a KV file `save` wrote,
+    rewritten whole beside it and renamed over it (a cut-short write leaves the file as it was)."""
+    import os
+
+    arrays, meta = mx.load(path, format="safetensors", return_metadata=True)
+    for leaf, entries in enumerate(state):
+        for j, a in enumerate(entries):
+            arrays[f"state.{leaf}.{j}"] = a
+    meta = {**meta, "state_tokens": str(num_tokens), "state_leaves": str(len(state))}
+    partial = f"{path}.partial.safetensors"
+    try:
+        mx.save_safetensors(partial, arrays, metadata=meta)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def state_from_file(path: str, arrays: list[list[mx.array]]) -> list[list[mx.array]]:
+    """The snapshot a KV file holds, checked against the pool's `arrays` (a row of each); KVRestoreError, one line,
+    where it has none or another shape (the file's other checks are `kv.files.restore_blocks`')."""
+    from mlx_engine.kv.files import KVRestoreError
+
+    try:
+        loaded, meta = mx.load(path, format="safetensors", return_metadata=True)
+    except (RuntimeError, ValueError, OSError) as e:
+        raise KVRestoreError(f"saved KV refused: {path}: cannot read ({e})") from None
+    num_tokens = meta.get("num_tokens")
+    if meta.get("state_tokens") != num_tokens or meta.get("state_leaves") != str(len(arrays)):
+        raise KVRestoreError(f"saved KV refused: {path} holds no recurrent state for its {num_tokens} tokens "
+                             f"(state_tokens={meta.get('state_tokens')}, state_leaves={meta.get('state_leaves')}; "
+                             f"this model has {len(arrays)} state layers)")
+    out = []
+    for leaf, entries in enumerate(arrays):
+        row = []
+        for j, pool in enumerate(entries):
+            a = loaded.get(f"state.{leaf}.{j}")
+            if a is None or a.shape != pool.shape[1:] or a.dtype != pool.dtype:
+                raise KVRestoreError(f"saved KV refused: {path}: tensor state.{leaf}.{j} is missing or has the wrong "
+                                     f"shape (expected {pool.shape[1:]} {pool.dtype})")
+            row.append(a)
+        out.append(row)
+    return out
