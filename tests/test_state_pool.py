@@ -57,6 +57,23 @@ def test_three_concurrent_equal_each_alone(family) -> None:
     assert e.kv_stats()["state_slots_used"] == 0
 
 
+def test_each_plan_names_its_rows_state_slots(monkeypatch) -> None:
+    """`StepPlan.state_slots`: a slot per decode row and prefill chunk, in plan order, distinct within a step."""
+    from mlx_engine.backends.common import CacheRunner
+
+    plans = []
+    execute = CacheRunner.execute
+    monkeypatch.setattr(CacheRunner, "execute", lambda self, plan: plans.append(plan) or execute(self, plan))
+    with Engine.load(str(GOLDEN / "lfm2"), backend="mlx", prefill_chunk_size=5) as e:
+        streams = [e.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
+            temperature=0.0, ignore_eos=True, max_tokens=6))) for p in PROMPTS]
+        [list(s) for s in streams]
+    work = [p for p in plans if p.decode or p.prefill]
+    assert work and all(len(p.state_slots) == len(p.decode) + len(p.prefill) for p in work)
+    assert all(len(set(p.state_slots)) == len(p.state_slots) for p in work if not p.prefill)
+    assert max(len(p.decode) for p in work) == 3 and {s for p in work for s in p.state_slots} == {0, 1, 2}
+
+
 def test_prompt_lookup_rolls_the_state_back_to_plain_greedy(family) -> None:
     """Every token of the vocabulary once in the prompt: whatever the model says, prompt lookup drafts what
     followed it there, the model rejects most (the state goes back to before the verification and the kept tokens

@@ -190,6 +190,10 @@ class StateKVCache(KVCache, Protocol):
     holds what it read at its last position only, so a `trim` below it restores the state at the start of the
     request's last prefill forward (a verification), and the caller feeds the kept tokens after it again."""
 
+    def state_slot(self, req_id: str) -> int:
+        """The slot holding the request's state (`StepPlan.state_slots`)."""
+        ...
+
     def split_at(self, start: int, end: int) -> int | None:
         """Where a prefill forward over [start, end) should stop first: the last position strictly inside it at
         which the state is kept for prefix caching (None: nowhere). Chunks aligned there let a later prompt with

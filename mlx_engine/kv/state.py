@@ -215,6 +215,9 @@ class StateCache:
 
     # --- prefix caching: the state at block boundaries ---
 
+    def state_slot(self, req_id: str) -> int:
+        return self.pool.slots[req_id]
+
     def split_at(self, start: int, end: int) -> int | None:
         every = self.snapshots.every
         last = (end - 1) // every * every
