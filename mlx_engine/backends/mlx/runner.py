@@ -88,6 +88,10 @@ class Runner(CacheRunner):
         ckpt = load_checkpoint(model, kquant_blocks=blocks_here() and weight_bits is None)
         act_dtype = pick_dtype(dtype, ckpt.checkpoint_dtype)
         built = build_model(ckpt.config, ckpt.weights, act_dtype, ckpt.quantization, str(ckpt.path))
+        if paged_kv is False and built.state_leaves:  # a hybrid without the paged cache: mlx-lm's caches, as before
+            built = dataclasses.replace(built, model=built.model.inner, views=False, routing=None, packs=False,
+                                        state_leaves=(), kv_note="its state slots sit beside the paged KV, which "
+                                        "paged_kv=False turns off")
         if ckpt.source_format == "gguf":
             from mlx_engine.loading.gguf_model import apply_freq_factors
 
@@ -213,9 +217,6 @@ class Runner(CacheRunner):
         why_not = None
         if not self.views:
             why_not = f"the model runs on mlx-lm's class with its own caches ({self.info.model_type}: {self._kv_note})"
-        if paged is False and self._state_leaves:
-            raise RooflineError("paged_kv=False is not available for a model with recurrent layers: their state "
-                                "lives in slots beside the paged KV cache")
         if paged is False or (paged is None and why_not):
             if config.kv_bits is not None or config.kv_key_bits is not None or config.kv_key_per_channel:
                 name = "kv_bits" if config.kv_bits is not None else \
