@@ -248,12 +248,16 @@ class StateCache:
             for c in self._kinds:
                 got = c.tables.start(req_id, prompt_ids, True, length)
                 started.append(c)
-                if got != length:  # what the look saw was evicted since: nothing is
-                    raise KVBudgetError(f"{req_id}: a cached prefix changed while it started")
+                if got != length:  # a kind holds less of it (a sliding window's own hit): none is reused
+                    break
         except Exception:
             for c in started:
                 c.free(req_id)
             raise
+        if len(started) < len(self._kinds) or got != length:
+            for c in started:
+                c.free(req_id)
+            return self.inner.start(req_id, prompt_ids, reuse=False)
         slot = self.pool.slots[req_id]
         for entries, saved in zip(self.pool.arrays, state):
             for a, b in zip(entries, saved):
@@ -285,7 +289,8 @@ class StateCache:
         return self.inner.num_blocks_held(req_id)
 
     def start(self, req_id: str, prompt_ids: list[int], reuse: bool = True) -> int:
-        """A slot and the attention leaves' blocks; no cached prefix is reused (it has no state at its end)."""
+        """A slot and the attention leaves' blocks: from the longest cached prefix with a state snapshot at its end
+        where `reuse` (its state restored into the slot), else from nothing."""
         self._forget(req_id)
         self.pool.take(req_id)
         try:
