@@ -166,6 +166,7 @@ class PhaseExecutor:
         MLP is one GEMM over all rows, where a forward per prefill chunk paid the whole layer stack's fixed cost
         again (on MLX's CPU backend about as much as a decode step)."""
         runner, cache = self.runner, self.runner.cache
+        chunks = tuple(self._state_aligned(c) for c in chunks)
         layers = cache.packed_layers([r.seq_id for r in decode], [list(r.known) for r in decode],
                                      [(c.seq_id, c.start, c.end) for c in chunks])
         parts = [mx.stack([self._input(r) for r in decode])] if decode else []  # lazy: sampled last step

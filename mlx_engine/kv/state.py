@@ -119,6 +119,14 @@ class StateView:
                 arrays[j][self._index] = e.astype(arrays[j].dtype)
 
 
+class PackedStateView:
+    """One state leaf's rows of a packed forward (1, T): the decode rows (one each, read as one (B, ...) batch of
+    their slots), then each prefill chunk's rows (one slot). `parts[i]` serves rows `spans[i]`."""
+
+    def __init__(self, parts: list[StateView], spans: list[tuple[int, int]], batched: list[bool]):
+        self.parts, self.spans, self.batched = parts, spans, batched
+
+
 class ScratchState:
     """A state leaf of a forward outside the pool (scoring a prompt once): starts empty, kept only by the object."""
 
@@ -154,7 +162,7 @@ class StateCache:
         self.snapshots = Snapshots(snapshots if on else 0, first.block_size
                                    * snapshot_interval(context_length, first.block_size, snapshots),
                                    first.block_size, first.manager.extra_key)
-        self.capabilities = dataclasses.replace(inner.capabilities, packed=False, prefix_caching=on,
+        self.capabilities = dataclasses.replace(inner.capabilities, prefix_caching=on,
                                                 kv_files=inner.capabilities.kv_files and on,
                                                 state_slots=pool.num_slots)
         self._tokens: dict[str, list[int]] = {}  # each request's tokens as far as known
@@ -267,11 +275,33 @@ class StateCache:
 
     def packed_layers(self, decode_ids: list[str], known_ids: list[list[int]],
                       chunks: list[tuple[str, int, int]]) -> list[Any]:
-        raise RooflineError("a model with recurrent layers runs a forward per prefill chunk (capabilities.packed "
-                            "is False)")
+        attention = self.inner.packed_layers(decode_ids, known_ids, chunks)
+        for r, known in zip(decode_ids, known_ids):
+            self._know(r, known)
+            self._checkpoint(r)
+            self._read[r] = self._read.get(r, 0) + 1
+        spans, batched, row = [], [], len(decode_ids)
+        if decode_ids:
+            spans.append((0, row))
+            batched.append(True)
+        for req_id, start, end in chunks:
+            self._checkpoint(req_id)
+            self._read[req_id] = end
+            spans.append((row, row + end - start))
+            batched.append(False)
+            row += end - start
+        groups = ([decode_ids] if decode_ids else []) + [[c[0]] for c in chunks]
+        out, it, k = [], iter(attention), 0
+        for spec in self.leaves:
+            if spec is None:
+                out.append(next(it))
+            else:
+                out.append(PackedStateView([self.pool.view(k, g) for g in groups], spans, batched))
+                k += 1
+        return out
 
     def state(self, layers: list[Any]) -> list[Any]:
-        attention = [v for v in layers if not isinstance(v, StateView)]
+        attention = [v for v in layers if not isinstance(v, (StateView, PackedStateView))]
         return self.inner.state(attention) + self.pool.all_arrays()
 
     # --- admission and requests ---

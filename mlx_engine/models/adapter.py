@@ -239,16 +239,22 @@ class ViewRoPE(nn.Module):
         return self.view.rope(self.rope, x, x)[0]  # q and k are roped in two calls here; the second output unused
 
 
+def _owners_per_layer(model: nn.Module) -> list[list[nn.Module]]:
+    return [[m for _, m in layer.named_modules() if isinstance(m.get("rope") if isinstance(m, dict) else None,
+                                                               nn.Module)] for layer in model.layers]
+
+
 def _rope_owners(model: nn.Module) -> list[nn.Module] | None:
     """Each layer's module holding its `rope`, or None when a layer does not hold exactly one."""
-    found = []
-    for layer in model.layers:
-        owners = [m for _, m in layer.named_modules() if isinstance(m.get("rope") if isinstance(m, dict) else None,
-                                                                    nn.Module)]
-        if len(owners) != 1:
-            return None
-        found.append(owners[0])
-    return found
+    found = _owners_per_layer(model)
+    return [o[0] for o in found] if all(len(o) == 1 for o in found) else None
+
+
+def _hybrid_rope_owners(model: nn.Module, attention_leaves: int) -> list[nn.Module] | None:
+    """A hybrid's: one per attention leaf, in order (its recurrent layers hold none), or None."""
+    found = _owners_per_layer(model)
+    flat = [m for o in found for m in o]
+    return flat if all(len(o) <= 1 for o in found) and flat and len(flat) == attention_leaves else None
 
 
 def _view_ropes(owners: list[nn.Module]) -> list[ViewRoPE]:
@@ -302,12 +308,16 @@ class AdaptedModel(nn.Module):
         self.model_type = getattr(inner, "model_type", None)
         self.args = EngineArgs(len(inner.layers), shape.num_kv_heads, shape.head_dim, shape.windows)
         self.routing = MoERouting.of(inner)
-        object.__setattr__(self, "_rope_owners", _rope_owners(inner))  # a plain attribute, not a child
         object.__setattr__(self, "layout", list(shape.layout))
         # per cache leaf: a state leaf's spec (`kv.state`), None for an attention leaf; () without state leaves
         object.__setattr__(self, "state_leaves", shape.states if any(s is not None for s in shape.states) else ())
-        # packed forwards (decode rows and prefill chunks in one); a state leaf's rows are whole sequences
-        self.packs = self._rope_owners is not None and not self.state_leaves
+        owners = _hybrid_rope_owners(inner, len(shape.windows)) if self.state_leaves else _rope_owners(inner)
+        object.__setattr__(self, "_rope_owners", owners)  # a plain attribute, not a child
+        self.packs = self._rope_owners is not None  # packed forwards (decode rows and prefill chunks in one)
+        if self.state_leaves and self.packs:  # a recurrent mixer runs a packed forward's parts one by one
+            from mlx_engine.models.hybrid import segment_mixers
+
+            segment_mixers(inner.layers)
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -318,10 +328,12 @@ class AdaptedModel(nn.Module):
             from mlx_engine.kv.contiguous import Uncached
 
             cache = [Uncached(w) for w in self.args.layer_windows()]
+        attention = cache if not self.state_leaves or len(cache) != len(self.state_leaves) else \
+            [v for v, s in zip(cache, self.state_leaves) if s is None]
         if self.routing is not None:
-            self.routing.begin(_decode_rows(cache[0], inputs))
+            self.routing.begin(_decode_rows(attention[0], inputs))
         ropes = _view_ropes(self._rope_owners) if self.packs else []
-        for rope, view in zip(ropes, cache):
+        for rope, view in zip(ropes, attention):
             rope.view = view
         from mlx_engine.models.hybrid import layer_caches, write_back
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mlx_engine.kv.state import ScratchState, StateSpec
+from mlx_engine.kv.state import PackedStateView, ScratchState, StateSpec
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,14 @@ def layer_caches(layout: list[Any], views: list[Any], attention: Callable[[Any],
         view = next(it)
         if not leaf.state:
             return attention(view)
+        if isinstance(view, PackedStateView):
+            parts = []
+            for part in view.parts:
+                sub = _arrays_cache(leaf)
+                sub.cache = list(part.read())
+                pending.append((part, sub))
+                parts.append(sub)
+            return _segmented_cache(leaf, parts, view)
         obj = _arrays_cache(leaf)
         entries = view.read()
         if entries is not None:
@@ -108,3 +116,72 @@ def state_specs(pending: list[Any]) -> list[StateSpec] | None:
             return None
         specs.append(StateSpec(tuple(tuple(e.shape[1:]) for e in entries), tuple(e.dtype for e in entries)))
     return specs
+
+
+# --- packed forwards: a state leaf's mixer once per part ---------------------------------------------------------
+
+
+def _segmented_cache(leaf: Leaf, parts: list[Any], view: PackedStateView) -> Any:
+    """The leaf's cache in a packed forward: an `ArraysCache` of its class (so the model's masks and checks see
+    what they expect: no lengths, no padding) that carries each part's own cache; the mixer wrapped by
+    `segment_mixers` runs once per part."""
+    obj = _arrays_cache(leaf)
+    obj.parts, obj.spans, obj.batched = parts, view.spans, view.batched
+    return obj
+
+
+_SEGMENTED: dict[type, type] = {}
+
+
+def _segmenting(cls: type) -> type:
+    class Segmenting(cls):
+        """mlx-lm's recurrent mixer; given a packed forward's segmented cache, run once per part: the decode
+        rows as a (B, 1) batch over their slots, each prefill chunk over its own slot."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            import mlx.core as mx
+            from mlx_lm.models.cache import ArraysCache
+
+            seg = next((a for a in (*args, *kwargs.values()) if isinstance(a, ArraysCache) and "parts" in vars(a)),
+                       None)
+            if seg is None:
+                return super().__call__(*args, **kwargs)
+
+            x_at = next((i for i, a in enumerate(args) if isinstance(a, mx.array)), None)
+            x_key = None if x_at is not None else next(k for k, v in kwargs.items() if isinstance(v, mx.array))
+            x = args[x_at] if x_at is not None else kwargs[x_key]
+            outs = []
+            for sub, (lo, hi), batched in zip(seg.parts, seg.spans, seg.batched):
+                part = x[:, lo:hi]
+                if batched:
+                    part = part.reshape(hi - lo, 1, *x.shape[2:])
+                a = [part if i == x_at else (sub if v is seg else v) for i, v in enumerate(args)]
+                kw = {k: (part if k == x_key else (sub if v is seg else v)) for k, v in kwargs.items()}
+                y = super().__call__(*a, **kw)
+                outs.append(y.reshape(1, hi - lo, *y.shape[2:]) if batched else y)
+            return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+
+    Segmenting.__name__ = Segmenting.__qualname__ = cls.__name__
+    return Segmenting
+
+
+def segment_mixers(layers: list[Any]) -> None:
+    """Each layer's direct children that take a `cache` (a recurrent mixer, or an attention module, which passes
+    through) get the class that runs a packed forward's parts one by one."""
+    import inspect
+
+    import mlx.nn as nn
+
+    for layer in layers:
+        for _, child in layer.children().items():
+            if not isinstance(child, nn.Module):
+                continue
+            cls = type(child)
+            if cls in _SEGMENTED.values():
+                continue
+            try:
+                params = inspect.signature(cls.__call__).parameters
+            except (TypeError, ValueError):
+                continue
+            if "cache" in params:
+                child.__class__ = _SEGMENTED.setdefault(cls, _segmenting(cls))

@@ -244,8 +244,8 @@ class Runner(CacheRunner):
             cache = StateCache.create(list(self._state_leaves), config, DEFAULT_MAX_SEQS, self.context_length,
                                       make_paged)
             self._cache_notes = cache.notes  # what the budget turned off
-            return cache
-        cache = make_paged(config)
+        else:
+            cache = make_paged(config)
         if not self._packs:  # its layers rope a forward's rows at one offset (models.adapter.ViewRoPE)
             cache.capabilities = dataclasses.replace(cache.capabilities, packed=False)
         return cache
