@@ -47,14 +47,24 @@ def test_greedy_identical_to_transformers_on_the_paged_cache(family) -> None:
     assert stats["bytes_state"] == stats["state_slots"] * stats["state_bytes_per_slot"] > 0
 
 
-def test_three_concurrent_equal_each_alone(family) -> None:
+def test_three_concurrent_equal_each_alone(family, monkeypatch) -> None:
+    """Prefill chunks of 5 packed with the others' decode rows in one forward (each recurrent mixer once per part),
+    then decode rows batched: each request's tokens equal it alone. nemotron_h (no rope) is not packed."""
+    from mlx_engine.kv.state import StateCache
+
     name, e = family
     alone = [run(e, p, 12) for p in PROMPTS]
+    packed = []
+    original = StateCache.packed_layers
+    monkeypatch.setattr(StateCache, "packed_layers", lambda self, d, k, c: packed.append((len(d), len(c)))
+                        or original(self, d, k, c))
     streams = [e.generate(GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
         temperature=0.0, ignore_eos=True, max_tokens=12))) for p in PROMPTS]
     together = [[t for ev in s for t in ev.token_ids] for s in streams]
     assert together == alone, name
     assert e.kv_stats()["state_slots_used"] == 0
+    # mixed steps: decode rows beside prefill chunks in one forward
+    assert (name == "nemotron_h") == (not any(d and c for d, c in packed)), (name, packed)
 
 
 def test_each_plan_names_its_rows_state_slots(monkeypatch) -> None:
