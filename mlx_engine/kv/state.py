@@ -13,8 +13,9 @@ slot count caps the batch (`KVCapabilities.state_slots`, the scheduler's `max_se
 KV budget. Prefix caching keeps snapshots of the state at block boundaries (`kv.state_snapshots`): a prompt
 reuses the longest cached prefix that ends at one, its slot starting from it. Rollback is exact by recomputation (`kv.protocol.StateKVCache`): each prefill forward (a verification
 among them) keeps the state its slot held before it; a trim below the state's position restores that and names the
-kept positions after it, which the caller feeds again. What a state cannot do yet is declared off: packing several
-sequences in one forward and KV files.
+kept positions after it, which the caller feeds again. In a packed forward (`packed_layers`) a state leaf's view has a part per decode group
+and per prefill chunk (`PackedStateView`), each read and written over its own slots. KV files carry the snapshot at
+the end of the saved prefix (`save` / `restore`).
 """
 
 from __future__ import annotations

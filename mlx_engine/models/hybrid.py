@@ -8,7 +8,9 @@ tree, its leaves in order; the engine's caches hand one view per leaf. For a for
 `ViewCache` over its view and a state leaf a fresh mlx-lm `ArraysCache` of its class whose entries are the view's
 rows (`StateView.read`), so mlx-lm's layer runs unchanged (its gated-delta and SSM kernels are the fast paths);
 what the layer leaves in it goes back to the view (`StateView.write`). No lengths and no left padding are set:
-every row of a forward is a real token, so mlx-lm's state mask is None.
+every row of a forward is a real token, so mlx-lm's state mask is None. In a packed forward the state leaf's
+cache carries a part per decode group and per prefill chunk, and the layer's mixer runs once per part
+(`segment_mixers`).
 """
 
 from __future__ import annotations
