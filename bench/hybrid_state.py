@@ -4,9 +4,9 @@ against mlx-lm's own generate_step on the same module with its ArraysCache/KVCac
     uv run python bench/hybrid_state.py [--family qwen3_next] [--prompt-tokens 96] [--gen-tokens 32] [--repeats 3]
 
 The golden tiny checkpoint (tests/data/golden/<family>), float32 on MLX's CPU backend. Measures, runs alternating:
-generated tok/s (prefill included) of one sequence (ours vs mlx-lm), aggregate tok/s of 4 concurrent sequences on the engine
-(batched (4, 1) rows over 4 state slots) against mlx-lm running the 4 one after another, and the engine's time to
-first token for a repeated prompt (a prefix hit restoring a state snapshot) against a cold one. Prints markdown.
+generated tok/s (prefill included) of one sequence (ours vs mlx-lm), aggregate tok/s of 4 concurrent sequences on
+the engine (batched rows over 4 state slots) against mlx-lm running the 4 one after another, and the engine's time
+to first token for a repeated prompt (a prefix hit restoring a state snapshot) against a cold one. Prints markdown.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def main() -> None:
     print(f"{a.family} golden, {a.prompt_tokens} prompt tokens, {a.gen_tokens} generated, median of {a.repeats}; "
           f"tokens identical to mlx-lm: {same}; {cpu}, {datetime.date.today()}\n")
     print("| measure | Roofline | mlx-lm | ratio |\n|---|---:|---:|---:|")
-    print(f"| tok/s, 1 sequence (prefill included) | {med['ours1']:.1f} | {med['theirs1']:.1f} | {med['ours1'] / med['theirs1']:.2f}x |")
+    print(f"| tok/s, 1 sequence (prefill included) | {med['ours1']:.1f} | {med['theirs1']:.1f} | "
+          f"{med['ours1'] / med['theirs1']:.2f}x |")
     print(f"| tok/s, 4 sequences (ours batched, mlx-lm one after another) | {med['ours4']:.1f} | "
           f"{med['theirs4']:.1f} | {med['ours4'] / med['theirs4']:.2f}x |")
     print(f"| time to first token, cold vs prefix hit (ms) | {1e3 * med['hit']:.1f} hit | {1e3 * med['cold']:.1f} "

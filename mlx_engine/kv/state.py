@@ -10,12 +10,13 @@ row order) and writes what the layer left there back (scattered), lazily, in the
 
 `StateCache` is the `KVCache` contract over both: the paged cache of the attention leaves and the pool. The pool's
 slot count caps the batch (`KVCapabilities.state_slots`, the scheduler's `max_seqs`) and its bytes come out of the
-KV budget. Prefix caching keeps snapshots of the state at block boundaries (`kv.state_snapshots`): a prompt
-reuses the longest cached prefix that ends at one, its slot starting from it. Rollback is exact by recomputation (`kv.protocol.StateKVCache`): each prefill forward (a verification
-among them) keeps the state its slot held before it; a trim below the state's position restores that and names the
-kept positions after it, which the caller feeds again. In a packed forward (`packed_layers`) a state leaf's view has a part per decode group
-and per prefill chunk (`PackedStateView`), each read and written over its own slots. KV files carry the snapshot at
-the end of the saved prefix (`save` / `restore`).
+KV budget. Prefix caching keeps snapshots of the state at block boundaries (`kv.state_snapshots`): a prompt reuses
+the longest cached prefix that ends at one, its slot starting from it. Rollback is exact by recomputation
+(`kv.protocol.StateKVCache`): each prefill forward (a verification among them) keeps the state its slot held before
+it; a trim below the state's position restores that and names the kept positions after it, which the caller feeds
+again. In a packed forward (`packed_layers`) a state leaf's view has a part per decode group and per prefill chunk
+(`PackedStateView`), each read and written over its own slots. KV files carry the snapshot at the end of the saved
+prefix (`save` / `restore`).
 """
 
 from __future__ import annotations

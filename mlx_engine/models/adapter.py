@@ -24,8 +24,9 @@ What can be paged is found by a probe, one lazy forward of one token (nothing is
 attend once through its cache with K and V of one shape. A hybrid's recurrent layers (linear attention, SSM and
 convolution state: mlx-lm's `ArraysCache`) keep their state in the engine's slot pool (`models.hybrid`,
 `kv.state`) beside the paged attention layers; a family with another kind of cache keeps mlx-lm's caches, and
-`paging_problem` says why in one line. A sliding layer's `RotatingKVCache(max_size=W)` is a window of W keys (`EngineArgs.layer_windows`, the
-native families' contract), which the paged cache keeps per kind of layer (`kv.kinds`).
+`paging_problem` says why in one line. A sliding layer's `RotatingKVCache(max_size=W)` is a window of W keys
+(`EngineArgs.layer_windows`, the native families' contract), which the paged cache keeps per kind of layer
+(`kv.kinds`).
 
 Mixture-of-experts layers (mlx-lm's `SwitchGLU`, given the router's `indices`) record each decode step's routing
 (`MoERouting`): the bytes a step reads are the shared weights plus the experts routed in it, over the batch their
