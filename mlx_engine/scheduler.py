@@ -45,6 +45,7 @@ import numpy as np
 
 from mlx_engine.api import DEFAULT_MAX_SEQS, RooflineError, SamplingParams, TokenLogprob
 from mlx_engine.backends.base import ModelRunner
+from mlx_engine.kv.protocol import StateKVCache
 from mlx_engine.scheduler_speculation import SpeculationPolicy
 from mlx_engine.sequence import Sequence
 from mlx_engine.step import DecodeRow, NewSequence, PrefillChunk, Sampled, StepPlan, StepResult, VerifySpan
@@ -234,6 +235,10 @@ class Scheduler(SpeculationPolicy):
 
     def _execute(self, **parts: Any) -> StepResult:
         """The runner runs a plan of `parts`, after telling it of the sequences that started and ended since."""
+        cache = self.runner.cache
+        if cache.capabilities.state_slots:  # a hybrid: each row's recurrent-state slot (`kv.state`)
+            rows = (*parts.get("decode", ()), *parts.get("prefill", ()))
+            parts["state_slots"] = tuple(cast(StateKVCache, cache).state_slot(r.seq_id) for r in rows)
         plan = StepPlan(new=tuple(self._new), finished=tuple(self._finished), **parts)
         self._new, self._finished = [], []
         return self.runner.execute(plan)

@@ -297,7 +297,7 @@ def test_recurrent_state_bytes_are_what_mlx_lm_caches_hold(name: str) -> None:
     from mlx_engine.models import build_model
 
     ckpt = load_checkpoint(str(GOLDEN / name))
-    model = build_model(ckpt.config, ckpt.weights, mx.float32, None, name).model
+    model = build_model(ckpt.config, ckpt.weights, mx.float32, None, name).model.inner  # mlx-lm's class, adapted
     cache = model.make_cache()
     mx.eval(model(mx.array([[1, 2, 3, 4, 5]]), cache=cache))
 

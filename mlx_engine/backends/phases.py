@@ -13,12 +13,14 @@ Plain rows (`Sampler.plain`: raw logits, no log-probabilities) are drawn by the 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, cast
 
 import mlx.core as mx
 
 from mlx_engine.backends.base import InFlightDecode, PhaseForwards, SequenceWork
+from mlx_engine.kv.protocol import StateKVCache
 from mlx_engine.sampling import Sampler, target_logprobs, token_logprob
 from mlx_engine.step import DecodeRow, PrefillChunk, StepPlan, StepResult, Verified, VerifySpan
 
@@ -123,6 +125,7 @@ class PhaseExecutor:
                 logits = runner.decode_logits(inputs, layers)  # (B, V)
                 sampled += [(i, self._sample(i, logits[b : b + 1])) for b, i in enumerate(ids)]
         for c in chunks:
+            c = self._state_aligned(c)
             layers = cache.prefill_layers(c.seq_id, c.start, c.end)
             inputs = mx.array([list(c.token_ids)], dtype=mx.int32)
             logits = None
@@ -142,12 +145,28 @@ class PhaseExecutor:
                     runner.prefill(inputs, layers)
                 mx.eval(cache.state(layers))
 
+    def _state_aligned(self, c: PrefillChunk) -> PrefillChunk:
+        """A hybrid's chunk runs up to its last state snapshot boundary first (`StateKVCache.split_at`), so a later
+        prompt sharing that prefix starts from the state there (prefix caching); returns what is left of it."""
+        cache = self.runner.cache
+        if not cache.capabilities.state_slots or c.score_targets is not None:
+            return c
+        cut = cast(StateKVCache, cache).split_at(c.start, c.end)
+        if cut is None:
+            return c
+        head = c.token_ids[: cut - c.start]
+        layers = cache.prefill_layers(c.seq_id, c.start, cut)
+        self.runner.prefill(mx.array([list(head)], dtype=mx.int32), layers)
+        mx.eval(cache.state(layers))
+        return dataclasses.replace(c, start=cut, token_ids=c.token_ids[cut - c.start:])
+
     def _packed(self, decode: tuple[DecodeRow, ...], chunks: tuple[PrefillChunk, ...],
                 sampled: list[Any], scores: list[Any]) -> None:
         """One forward over the decode rows and prefill chunks packed together (`PackedView`): every projection and
         MLP is one GEMM over all rows, where a forward per prefill chunk paid the whole layer stack's fixed cost
         again (on MLX's CPU backend about as much as a decode step)."""
         runner, cache = self.runner, self.runner.cache
+        chunks = tuple(self._state_aligned(c) for c in chunks)
         layers = cache.packed_layers([r.seq_id for r in decode], [list(r.known) for r in decode],
                                      [(c.seq_id, c.start, c.end) for c in chunks])
         parts = [mx.stack([self._input(r) for r in decode])] if decode else []  # lazy: sampled last step

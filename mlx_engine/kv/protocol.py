@@ -26,6 +26,7 @@ class KVCapabilities:
     kv_files: bool  # `save` / `restore` a conversation's KV
     prefix_caching: bool  # full blocks shared across requests by their token prefix
     quantized: bool  # K/V stored in 4 or 8 bits (`calibrate` measures its smoothing)
+    state_slots: int = 0  # recurrent-state slots (`kv.state`): the most sequences running at once (0: no state)
 
 
 @runtime_checkable
@@ -180,4 +181,26 @@ class KVCache(Protocol):
 
     def restore(self, path: str, fingerprint: bytes) -> list[int]:
         """Loads a file written by `save` into the prefix cache; returns its tokens (`capabilities.kv_files`)."""
+        ...
+
+
+@runtime_checkable
+class StateKVCache(KVCache, Protocol):
+    """A cache with recurrent-state slots (`KVCapabilities.state_slots` > 0: `kv.state.StateCache`). A state
+    holds what it read at its last position only, so a `trim` below it restores the state at the start of the
+    request's last prefill forward (a verification), and the caller feeds the kept tokens after it again."""
+
+    def state_slot(self, req_id: str) -> int:
+        """The slot holding the request's state (`StepPlan.state_slots`)."""
+        ...
+
+    def split_at(self, start: int, end: int) -> int | None:
+        """Where a prefill forward over [start, end) should stop first: the last position strictly inside it at
+        which the state is kept for prefix caching (None: nowhere). Chunks aligned there let a later prompt with
+        this prefix start from the state at its end."""
+        ...
+
+    def replay(self, req_id: str) -> tuple[int, int] | None:
+        """After a `trim` below what the state had read: the positions [start, end) to feed again through
+        `prefill_layers` (once; None when the state is where the cache is)."""
         ...

@@ -29,6 +29,8 @@ class BuiltModel:
     kv_note: str | None = None  # views False: why mlx-lm's caches stay (one line for the user)
     routing: Any = None  # mixture of experts through models.adapter: its MoERouting (experts routed per step)
     packs: bool = True  # views: forwards of packed parts (`kv.views.PackedView`) rope each part at its positions
+    # views: per cache leaf of an adapted hybrid, a state leaf's `kv.state.StateSpec` (None: attention); () if none
+    state_leaves: tuple[Any, ...] = ()
 
 
 def instantiate(config: dict[str, Any], source: str) -> tuple[nn.Module, bool, str, int]:
@@ -95,16 +97,20 @@ def build_model(
         raise ModelLoadError(f"{source}: weights do not match the {model_type!r} architecture: {detail}") from None
     _cast_floats(model, dtype)
     model.eval()
-    why = None
+    why, note, states = None, None, ()
     if not native:
         from mlx_engine.models.adapter import adapt
 
         model, why = adapt(model)
         if why:  # the family's own reason, in its words, over the probe's
             why = family_reason(normalize_config(config, source)) or why
+        else:
+            states = model.state_leaves
+            if states:  # paged, with its state in the slot pool; what sets it apart still, for --distributed
+                note = family_reason(normalize_config(config, source))
     return BuiltModel(model=model, native=native, model_type=model_type, context_length=context, views=why is None,
-                      kv_note=why, routing=model.routing if why is None and not native else None,
-                      packs=native or (why is None and model.packs))
+                      kv_note=why or note, routing=model.routing if why is None and not native else None,
+                      packs=native or (why is None and model.packs), state_leaves=states)
 
 
 def _quantize(model: nn.Module, weights: dict[str, mx.array], quantization: dict[str, Any], source: str) -> None:

@@ -21,10 +21,12 @@ through the layer's view (`MLXLayerView.rope`), each part at its own positions. 
 each hold one `rope` module is not packed (`AdaptedModel.packs`).
 
 What can be paged is found by a probe, one lazy forward of one token (nothing is evaluated): every layer must
-attend once through its cache with K and V of one shape. Families whose caches are not `KVCache`s (linear
-attention and SSM state: `ArraysCache`, `MambaCache`) keep mlx-lm's caches, and `paging_problem` says why in one
-line. A sliding layer's `RotatingKVCache(max_size=W)` is a window of W keys (`EngineArgs.layer_windows`, the
-native families' contract), which the paged cache keeps per kind of layer (`kv.kinds`).
+attend once through its cache with K and V of one shape. A hybrid's recurrent layers (linear attention, SSM and
+convolution state: mlx-lm's `ArraysCache`) keep their state in the engine's slot pool (`models.hybrid`,
+`kv.state`) beside the paged attention layers; a family with another kind of cache keeps mlx-lm's caches, and
+`paging_problem` says why in one line. A sliding layer's `RotatingKVCache(max_size=W)` is a window of W keys
+(`EngineArgs.layer_windows`, the native families' contract), which the paged cache keeps per kind of layer
+(`kv.kinds`).
 
 Mixture-of-experts layers (mlx-lm's `SwitchGLU`, given the router's `indices`) record each decode step's routing
 (`MoERouting`): the bytes a step reads are the shared weights plus the experts routed in it, over the batch their
@@ -142,7 +144,9 @@ _VIEW_CLASSES: dict[type, type] = {}
 class KVShape:
     num_kv_heads: int
     head_dim: int
-    windows: tuple[int | None, ...] = ()  # per layer: its sliding window (None: full attention)
+    windows: tuple[int | None, ...] = ()  # per attention leaf: its sliding window (None: full attention)
+    layout: tuple[Any, ...] = ()  # per layer its cache leaves (`models.hybrid.layout_of`)
+    states: tuple[Any, ...] = ()  # per leaf: a state leaf's `kv.state.StateSpec`, None for attention
 
 
 @dataclass(frozen=True)
@@ -175,9 +179,11 @@ class _ProbeView:
 
 
 def paging_problem(model: nn.Module) -> tuple[KVShape | None, str | None]:
-    """(the K/V shape every layer stores, None) when `model`'s attention runs on the engine's views, else
-    (None, why not in a few words)."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    """(the K/V shape every attention leaf stores and the state leaves' specs, None) when `model`'s caches run on
+    the engine's views (`models.hybrid`), else (None, why not in a few words)."""
+    from mlx_lm.models.cache import KVCache
+
+    from mlx_engine.models.hybrid import layer_caches, layout_of, leaves, state_specs, write_back
 
     layers = getattr(model, "layers", None)
     if not layers:
@@ -185,33 +191,39 @@ def paging_problem(model: nn.Module) -> tuple[KVShape | None, str | None]:
     if backbone_name(model) is None:
         return None, f"its decoder is none of {', '.join(_BACKBONES)}"
     caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
-
-    def window(c: Any) -> int | None | bool:  # False: not a K/V window the views can hold
-        if type(c) is KVCache:
-            return None
-        if type(c) is RotatingKVCache and c.keep == 0:
-            return int(c.max_size)
-        return False
-
-    windows = [window(c) for c in caches]
-    kinds = sorted({type(c).__name__ for c, w in zip(caches, windows) if w is False})
-    if kinds:
-        return None, f"its layers keep {', '.join(kinds)} state"
-    if len(caches) != len(layers):
+    layout, why = layout_of(caches)
+    if layout is None:
+        return None, why
+    flat = leaves(layout)
+    # a hybrid's layers without a mixer keep no cache (nemotron_h's MLP layers): its caches are consumed in order
+    if len(caches) != len(layers) and not any(leaf.state for leaf in flat):
         return None, f"it has {len(caches)} caches for {len(layers)} layers"
+    if all(leaf.state for leaf in flat):
+        kinds = sorted({type(c).__name__ for c in caches})
+        return None, f"its layers keep {', '.join(kinds)} state and none attends (the state pool sits beside paged KV)"
     route_attention(model)
-    views = [_ProbeView() for _ in layers]
+    from mlx_engine.kv.state import ScratchState
+
+    views = [ScratchState() if leaf.state else _ProbeView() for leaf in flat]
+    built, pending = layer_caches(layout, views, ViewCache)
     try:
-        model(mx.zeros((1, 1), dtype=mx.int32), cache=[ViewCache(v) for v in views])  # lazy: nothing evaluated
+        model(mx.zeros((1, 1), dtype=mx.int32), cache=built)  # lazy: nothing evaluated
     except Exception as e:  # noqa: BLE001 - a family whose attention does something else with its cache
         return None, f"its attention does not go through mlx-lm's cache seam ({type(e).__name__}: {e})".splitlines()[0]
-    if any(len(v.shapes) != 1 for v in views):
+    write_back(pending)
+    attention = [v for v in views if isinstance(v, _ProbeView)]
+    if any(len(v.shapes) != 1 for v in attention):
         return None, "its attention is not mlx-lm's scaled_dot_product_attention on every layer"
-    shapes = {s for v in views for s in v.shapes}
+    specs = state_specs(pending)
+    if specs is None:
+        return None, "a recurrent layer left part of its state empty"
+    shapes = {s for v in attention for s in v.shapes}
     (k, val), = shapes if len(shapes) == 1 else ((None, None),)
     if k is None or k != val or k[0] != 1 or k[2] != 1:
         return None, f"its layers store K/V of different shapes ({sorted(shapes)})"
-    return KVShape(num_kv_heads=k[1], head_dim=k[3], windows=tuple(windows)), None
+    it = iter(specs)
+    return KVShape(num_kv_heads=k[1], head_dim=k[3], windows=tuple(x.window for x in flat if not x.state),
+                   layout=tuple(layout), states=tuple(next(it) if x.state else None for x in flat)), None
 
 
 class ViewRoPE(nn.Module):
@@ -228,16 +240,22 @@ class ViewRoPE(nn.Module):
         return self.view.rope(self.rope, x, x)[0]  # q and k are roped in two calls here; the second output unused
 
 
+def _owners_per_layer(model: nn.Module) -> list[list[nn.Module]]:
+    return [[m for _, m in layer.named_modules() if isinstance(m.get("rope") if isinstance(m, dict) else None,
+                                                               nn.Module)] for layer in model.layers]
+
+
 def _rope_owners(model: nn.Module) -> list[nn.Module] | None:
     """Each layer's module holding its `rope`, or None when a layer does not hold exactly one."""
-    found = []
-    for layer in model.layers:
-        owners = [m for _, m in layer.named_modules() if isinstance(m.get("rope") if isinstance(m, dict) else None,
-                                                                    nn.Module)]
-        if len(owners) != 1:
-            return None
-        found.append(owners[0])
-    return found
+    found = _owners_per_layer(model)
+    return [o[0] for o in found] if all(len(o) == 1 for o in found) else None
+
+
+def _hybrid_rope_owners(model: nn.Module, attention_leaves: int) -> list[nn.Module] | None:
+    """A hybrid's: one per attention leaf, in order (its recurrent layers hold none), or None."""
+    found = _owners_per_layer(model)
+    flat = [m for o in found for m in o]
+    return flat if all(len(o) <= 1 for o in found) and flat and len(flat) == attention_leaves else None
 
 
 def _view_ropes(owners: list[nn.Module]) -> list[ViewRoPE]:
@@ -291,8 +309,16 @@ class AdaptedModel(nn.Module):
         self.model_type = getattr(inner, "model_type", None)
         self.args = EngineArgs(len(inner.layers), shape.num_kv_heads, shape.head_dim, shape.windows)
         self.routing = MoERouting.of(inner)
-        object.__setattr__(self, "_rope_owners", _rope_owners(inner))  # a plain attribute, not a child
+        object.__setattr__(self, "layout", list(shape.layout))
+        # per cache leaf: a state leaf's spec (`kv.state`), None for an attention leaf; () without state leaves
+        object.__setattr__(self, "state_leaves", shape.states if any(s is not None for s in shape.states) else ())
+        owners = _hybrid_rope_owners(inner, len(shape.windows)) if self.state_leaves else _rope_owners(inner)
+        object.__setattr__(self, "_rope_owners", owners)  # a plain attribute, not a child
         self.packs = self._rope_owners is not None  # packed forwards (decode rows and prefill chunks in one)
+        if self.state_leaves and self.packs:  # a recurrent mixer runs a packed forward's parts one by one
+            from mlx_engine.models.hybrid import segment_mixers
+
+            segment_mixers(inner.layers)
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -303,16 +329,23 @@ class AdaptedModel(nn.Module):
             from mlx_engine.kv.contiguous import Uncached
 
             cache = [Uncached(w) for w in self.args.layer_windows()]
+        attention = cache if not self.state_leaves or len(cache) != len(self.state_leaves) else \
+            [v for v, s in zip(cache, self.state_leaves) if s is None]
         if self.routing is not None:
-            self.routing.begin(_decode_rows(cache[0], inputs))
+            self.routing.begin(_decode_rows(attention[0], inputs))
         ropes = _view_ropes(self._rope_owners) if self.packs else []
-        for rope, view in zip(ropes, cache):
+        for rope, view in zip(ropes, attention):
             rope.view = view
+        from mlx_engine.models.hybrid import layer_caches, write_back
+
+        caches, pending = layer_caches(self.layout, cache, ViewCache)
         try:
-            return getattr(self.inner, self.backbone)(inputs, [ViewCache(v) for v in cache])
+            out = getattr(self.inner, self.backbone)(inputs, caches)
         finally:  # the graph is built: the ropes' positions are in it
             for rope in ropes:
                 rope.view = None
+        write_back(pending)  # the state leaves' new entries into their slots (lazy, in the same graph)
+        return out
 
     def logits(self, h: mx.array) -> mx.array:
         return type(self.inner).__call__(_Passthrough(self.inner, self.backbone, h), h)
@@ -457,7 +490,10 @@ def _expert_bytes(block: nn.Module) -> int:
 
 def _top_k(model: nn.Module) -> int:
     args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None) or {}  # a text model under a multimodal config (qwen3_5_moe)
     for name in ("num_experts_per_tok", "num_experts_per_token", "top_k", "moe_top_k"):
         if getattr(args, name, None):
             return int(getattr(args, name))
+        if text.get(name):
+            return int(text[name])
     raise ValueError(f"{type(model).__module__}: no experts-per-token field in its ModelArgs")

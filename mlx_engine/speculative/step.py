@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 
 from mlx_engine.backends.base import PhaseForwards
+from mlx_engine.kv.protocol import StateKVCache
 from mlx_engine.speculative.accept import point_mass, rejection_sample
 from mlx_engine.speculative.proposers import DraftInput
 
@@ -57,8 +58,22 @@ def speculative_step(runner: PhaseForwards, sampler: Sampler,
 
     keep = n0 + 1 + n  # the cache keeps last and the accepted drafts
     cache.trim(req, keep)
+    if cache.capabilities.state_slots:  # a recurrent state read every draft: back, then the kept ones again
+        _replay(runner, cast(StateKVCache, cache), req, tokens + new[:-1])
     if m:
         state.rollback(keep)
     sampler.accept(mx.array([new], dtype=mx.int32))
     state.record(m, n)
     return new, n, (lps[: n + 1] if lps is not None else None)
+
+
+def _replay(runner: PhaseForwards, cache: StateKVCache, req: str, ids: list[int]) -> None:
+    """The positions a trim took the recurrent state back over (`StateKVCache.replay`), fed again: the state then
+    holds exactly the kept tokens, as if the rejected drafts were never read."""
+    span = cache.replay(req)
+    if span is None:
+        return
+    start, end = span
+    layers = cache.prefill_layers(req, start, end)
+    runner.prefill(mx.array([ids[start:end]], dtype=mx.int32), layers)
+    mx.eval(cache.state(layers))

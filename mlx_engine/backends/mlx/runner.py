@@ -88,6 +88,10 @@ class Runner(CacheRunner):
         ckpt = load_checkpoint(model, kquant_blocks=blocks_here() and weight_bits is None)
         act_dtype = pick_dtype(dtype, ckpt.checkpoint_dtype)
         built = build_model(ckpt.config, ckpt.weights, act_dtype, ckpt.quantization, str(ckpt.path))
+        if paged_kv is False and built.state_leaves:  # a hybrid without the paged cache: mlx-lm's caches, as before
+            built = dataclasses.replace(built, model=built.model.inner, views=False, routing=None, packs=False,
+                                        state_leaves=(), kv_note="its state slots sit beside the paged KV, which "
+                                        "paged_kv=False turns off")
         if ckpt.source_format == "gguf":
             from mlx_engine.loading.gguf_model import apply_freq_factors
 
@@ -111,7 +115,8 @@ class Runner(CacheRunner):
             "works; paged KV, prefix caching, batching and speculative decoding are unavailable",
         )
         if built.views and not built.native:
-            notes += (f"{built.model_type!r} runs on mlx-lm's model class on the engine's KV cache (models.adapter)",)
+            notes += (f"{built.model_type!r} runs on mlx-lm's model class on the engine's KV cache (models.adapter)"
+                      + (", its recurrent state in slots beside it (kv.state)" if built.state_leaves else ""),)
         wired_note = wire_memory(sum(v.nbytes for v in params.values()))
         warnings += (wired_note,) if wired_note else ()
         eos = tuple(tokenizer.eos_token_ids)
@@ -136,6 +141,7 @@ class Runner(CacheRunner):
         runner = cls(built, tokenizer, info, prefill_chunk_size)
         runner._shape = decode_shape(ckpt.config, params, act_dtype)
         runner._kv_note, runner.routing, runner._packs = built.kv_note, built.routing, built.packs
+        runner._state_leaves = built.state_leaves
         if built.routing is not None:  # experts: a decode step reads only those routed (models.adapter)
             runner._shape["moe"] = built.routing.shape
         runner._host_bytes, runner._shape["idle_bytes"] = host_bytes, idle_bytes
@@ -147,7 +153,8 @@ class Runner(CacheRunner):
         # a Metal kernel that fails its check on this machine: its reference runs, and the user is told once
         fallbacks = kernel_warnings(runner.model, runner.cache, act_dtype)
         runner.info = dataclasses.replace(runner.info, kv_files=runner.cache.capabilities.kv_files,
-                                          warnings=runner.info.warnings + fallbacks)
+                                          warnings=runner.info.warnings + fallbacks,
+                                          notes=runner.info.notes + runner._cache_notes)
         runner.capabilities = runner._declare()
         runner.self_draft_layers = check_self_draft_layers(self_draft_layers,
                                                            len(runner.model.layers) if runner.native else 0)
@@ -162,6 +169,8 @@ class Runner(CacheRunner):
     routing: Any = None  # a mixture-of-experts model's `models.adapter.MoERouting`
     _kv_note: str | None = None  # why an mlx-lm class keeps its own caches
     _packs = True  # the model ropes packed parts each at its positions (BuiltModel.packs)
+    _state_leaves: tuple[Any, ...] = ()  # a hybrid's cache leaves (BuiltModel.state_leaves): a state pool too
+    _cache_notes: tuple[str, ...] = ()  # the cache's notes for the user (kv.state.StateCache.notes)
     self_draft_layers: int = 0
 
     def _declare(self) -> RunnerCapabilities:
@@ -180,8 +189,9 @@ class Runner(CacheRunner):
                                     "runs on an mlx-lm class")
         if not caps.kv_files:
             why["kv_files"] = "KV files need the paged KV cache, which this model does not use"
+        max_batch = (caps.state_slots or None) if caps.batching else 1  # a running sequence holds a state slot
         return RunnerCapabilities(rollback=rollback, kv_files=caps.kv_files, self_draft=self.native,
-                                  hidden_states=self.native, max_batch=None if caps.batching else 1, why_not=why)
+                                  hidden_states=self.native, max_batch=max_batch, why_not=why)
 
     @entry("verify_logits")
     def verify_logits(self, inputs: mx.array, layers: list[Any]) -> mx.array:
@@ -217,12 +227,25 @@ class Runner(CacheRunner):
         if why_not:
             raise RooflineError(f"paged_kv=True is not available: {why_not}")
         a = self.model.args
-        # one paged storage per kind of layer (sliding windows, full attention): a plain PagedCache for one kind
-        cache = LayerKindsCache.create(layer_windows=a.layer_windows(), num_kv_heads=a.num_key_value_heads,
-                                       head_dim=a.head_dim, dtype=dtype, context_length=self.context_length,
-                                       weight_bytes=self.info.weight_bytes, config=config, model_id=self.fingerprint,
-                                       # a forward feeds a request one prefill chunk, or a verification of its drafts
-                                       max_step_tokens=max(self.prefill_chunk_size, MAX_DRAFT_TOKENS + 1))
+
+        def make_paged(config: Any) -> Any:
+            # one paged storage per kind of layer (sliding windows, full attention): a plain PagedCache for one kind
+            return LayerKindsCache.create(layer_windows=a.layer_windows(), num_kv_heads=a.num_key_value_heads,
+                                          head_dim=a.head_dim, dtype=dtype, context_length=self.context_length,
+                                          weight_bytes=self.info.weight_bytes, config=config,
+                                          model_id=self.fingerprint,
+                                          # a forward feeds a request one prefill chunk, or a verification of drafts
+                                          max_step_tokens=max(self.prefill_chunk_size, MAX_DRAFT_TOKENS + 1))
+
+        if self._state_leaves:  # a hybrid: its recurrent state in slots beside the attention layers' blocks
+            from mlx_engine.api import DEFAULT_MAX_SEQS
+            from mlx_engine.kv.state import StateCache
+
+            cache = StateCache.create(list(self._state_leaves), config, DEFAULT_MAX_SEQS, self.context_length,
+                                      make_paged)
+            self._cache_notes = cache.notes  # what the budget turned off
+        else:
+            cache = make_paged(config)
         if not self._packs:  # its layers rope a forward's rows at one offset (models.adapter.ViewRoPE)
             cache.capabilities = dataclasses.replace(cache.capabilities, packed=False)
         return cache
