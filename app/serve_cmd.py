@@ -83,17 +83,19 @@ def cmd_serve(args: argparse.Namespace, options: dict[str, Any], speculative: st
 
 def _serve_factory(args: argparse.Namespace, options: dict[str, Any]) -> Any:
     """One -m: that model, loaded before serving (as ever). None or several: a pool that loads them by name."""
-    if len(args.model) == 1:
+    if len(args.model) == 1 or ("distributed" in options and not args.model):
+        # --distributed without -m: the embedded model, as every rank but 0 loads it (cli._serve_other_rank)
+        model = args.model[0] if args.model else None
         for flag, value in (("--alias", args.alias), ("--models-file", args.models_file),
                             ("--max-models", args.max_models)):
             if value:
                 raise RooflineError(f"{flag} is for serving several models: give -m more than once, or none")
-        return lambda: load_engine(args.model[0], no_tokenizer="warn", **options)
+        return lambda: load_engine(model, no_tokenizer="warn", **options)
     from app.server.model_table import MODELS_FILE, config_dir, parse_keep_alive
     from app.server.run import model_pool
 
     if "distributed" in options:
-        raise RooflineError("--distributed serves one model: give it with -m")
+        raise RooflineError("--distributed serves one model: give it with one -m (or none: the embedded model)")
     if args.max_models is not None and args.max_models < 1:
         raise RooflineError(f"--max-models {args.max_models}: expected an integer >= 1")
     try:
