@@ -93,7 +93,7 @@ def test_serve_on_a_missing_cuda_device_is_one_clear_line() -> None:
     torch = require("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    r = roofline("serve", "--backend", "torch", "--device", "cuda", "--port", "0")
+    r = roofline("serve", "-m", "embedded", "--backend", "torch", "--device", "cuda", "--port", "0")
     assert_one_line_error(r, "device='cuda'", "sees no CUDA device")
 
 
