@@ -55,8 +55,13 @@ def save_blocks(tables: BlockTables, storage: PagedKVStorage, path: str, token_i
             "kv_bits": str(st.bits or 0), "kv_key_bits": str(st.key_bits or 0), "kv_group_size": str(st.group_size),
             "dtype": str(st.dtype), **_layout_meta(st),
             "num_tokens": str(n), "tokens": json.dumps(token_ids[:n])}
-    # MLX appends ".safetensors" to a name without it, and a write cut short must not leave a file at `path`:
-    # written beside it under that suffix, then renamed to the name asked for
+    write_safetensors(path, arrays, meta)
+    return n
+
+
+def write_safetensors(path: str, arrays: dict[str, mx.array], meta: dict[str, str]) -> None:
+    """`arrays` to `path` whole or not at all. MLX appends ".safetensors" to a name without it, and a write cut
+    short must not leave a file at `path`: written beside it under that suffix, then renamed to the name asked for."""
     import os
 
     partial = f"{path}.partial.safetensors"
@@ -66,7 +71,6 @@ def save_blocks(tables: BlockTables, storage: PagedKVStorage, path: str, token_i
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
-    return n
 
 
 def restore_blocks(tables: BlockTables, storage: PagedKVStorage, path: str, fingerprint: bytes) -> list[int]:

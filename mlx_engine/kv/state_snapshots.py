@@ -127,20 +127,13 @@ def own_copy(arrays: list[list[Any]], slot: int) -> list[list[mx.array]]:
 def add_state_to_file(path: str, state: list[list[mx.array]], num_tokens: int) -> None:
     """Adds a snapshot (the recurrent state after the file's `num_tokens` tokens) to a KV file `save` wrote,
     rewritten whole beside it and renamed over it (a cut-short write leaves the file as it was)."""
-    import os
+    from mlx_engine.kv.files import write_safetensors
 
     arrays, meta = mx.load(path, format="safetensors", return_metadata=True)
     for leaf, entries in enumerate(state):
         for j, a in enumerate(entries):
             arrays[f"state.{leaf}.{j}"] = a
-    meta = {**meta, "state_tokens": str(num_tokens), "state_leaves": str(len(state))}
-    partial = f"{path}.partial.safetensors"
-    try:
-        mx.save_safetensors(partial, arrays, metadata=meta)
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+    write_safetensors(path, arrays, {**meta, "state_tokens": str(num_tokens), "state_leaves": str(len(state))})
 
 
 def state_from_file(path: str, arrays: list[list[mx.array]]) -> list[list[mx.array]]:
